@@ -1,0 +1,15 @@
+"""The analytic compute / communication / memory model, hardware profiles, and calibration.
+
+Pure Python: importing this package never imports torch.
+"""
+from cost_models._base import CostModel
+from cost_models.analytic import AnalyticCostModel, estimate
+from cost_models.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
+from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
+from cost_models.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptions
+
+__all__ = [
+    "AnalyticCostModel", "Cluster", "CostModel", "CostReport", "GemmEfficiency", "HardwareProfile", "Link",
+    "MEGATRON_SC21", "MemoryBreakdown", "RUNTIMES", "RuntimeOptions", "TORCH", "TimeBreakdown",
+    "estimate", "profile_names",
+]

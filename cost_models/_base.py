@@ -1,0 +1,18 @@
+"""The cost-model interface: anything that turns a Strategy into a CostReport."""
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.strategy import Strategy
+    from cost_models.report import CostReport
+
+
+class CostModel(abc.ABC):
+    """Scores strategies for one (model, cluster). Implementations must be pure: the same strategy
+    always gives the same report, and estimating changes nothing."""
+
+    @abc.abstractmethod
+    def estimate(self, strategy: "Strategy", *, validate: bool = True) -> "CostReport":
+        """Predict step time and memory of `strategy`; with `validate`, reject invalid strategies."""

@@ -1,0 +1,347 @@
+"""The analytic cost model: compute, communication, pipeline and memory, term by term.
+
+One `AnalyticCostModel` is built per (model, cluster, runtime); it caches the per-layer costs that
+depend only on (tp, micro-batch, precision, ...) so that scoring a strategy is a few dozen float
+operations (the search calls it hundreds of thousands of times).
+
+Conventions: T = micro_batch_size * seq_len tokens per micro-batch; t, p, d, v = tp, pp, dp,
+virtual stages; m = micro-batches per step; Ls = layers per pipeline rank; all per device.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from autosearch.errors import SpecError
+from cost_models._base import CostModel
+from cost_models.formulas import (
+    layer_activation_bytes,
+    microbatches_in_flight,
+    p2p_time_s,
+    ring_all_gather_time_s,
+    ring_all_reduce_time_s,
+)
+from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
+from cost_models.runtime import RuntimeOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.model_spec import ModelSpec
+    from autosearch.strategy import Strategy
+    from cost_models.hardware import Cluster
+
+ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "tf32": 4}
+# FlashAttention-2's backward does 2.5x the matmul FLOPs of its forward (5 vs 2 GEMMs per tile;
+# Dao 2023, sec. 3.1-3.2), and a causal mask lets it skip half of the tiles.
+FLASH_BWD_OVER_FWD = 2.5
+CAUSAL_FRACTION = 0.5
+# Adam step, fused: read param, grad, m, v (fp32) and write param, m, v = 28 bytes per parameter
+# (Kingma & Ba 2015 update; bytes as in the ZeRO paper's 16-bytes-per-parameter accounting).
+ADAM_BYTES_PER_PARAM = 28
+
+
+class AnalyticCostModel(CostModel):
+    """Analytic step time and memory of a decoder-only transformer on a cluster.
+
+    Example:
+        >>> from autosearch import ModelSpec, Strategy
+        >>> from cost_models import AnalyticCostModel, Cluster
+        >>> cm = AnalyticCostModel(ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:8x8"))
+        >>> r = cm.estimate(Strategy(dp=64, micro_batch_size=1, global_batch_size=512, zero_stage=3))
+        >>> r.fits, round(r.mfu, 2) > 0.2
+        (True, True)
+    """
+
+    def __init__(self, model: "ModelSpec", cluster: "Cluster", *, runtime: "str | RuntimeOptions | None" = None):
+        self.model = model
+        self.cluster = cluster
+        self.runtime = RuntimeOptions.get(runtime)
+        self.profile = cluster.profile
+        self._flops_per_sample = model.flops_per_token() * model.seq_len
+        self._layer_cache: dict[tuple, tuple] = {}
+        self._act_cache: dict[tuple, float] = {}
+        self._link_cache: dict[tuple, tuple[float, float]] = {}
+
+    # ---- interconnect ------------------------------------------------------------------------
+    def group_link(self, group: int, stride: int) -> tuple[float, float]:
+        """(latency_s, bandwidth_bytes_per_s) for a collective over `group` ranks `stride` apart.
+
+        Ranks are laid out pp-major, then dp, then tp (tp neighbours are adjacent, as in Megatron-LM
+        and torchtitan), so a group stays inside a node iff group * stride <= gpus_per_node.
+        Across nodes, NCCL runs one ring per NIC: a group with k members per node moves data at
+        min(intra-node bandwidth, k x per-GPU network bandwidth) (rail-optimized fabrics, one NIC
+        per GPU; NCCL docs, "rings and trees").
+        """
+        key = (group, stride)
+        hit = self._link_cache.get(key)
+        if hit is not None:
+            return hit
+        prof, gpn = self.profile, self.cluster.gpus_per_node
+        intra_bw = prof.intra_node.achieved_bandwidth_bytes_per_s
+        if group * stride <= gpn:
+            link = (prof.intra_node.latency_s, intra_bw)
+        else:
+            per_node = max(1, min(group, gpn // stride)) if stride < gpn else 1
+            link = (prof.inter_node.latency_s,
+                    min(intra_bw, per_node * prof.inter_node.achieved_bandwidth_bytes_per_s))
+        self._link_cache[key] = link
+        return link
+
+    def _all_reduce(self, nbytes: float, group: int, stride: int) -> float:
+        if group <= 1:
+            return 0.0
+        return ring_all_reduce_time_s(nbytes, group, *self.group_link(group, stride))
+
+    def _all_gather(self, nbytes: float, group: int, stride: int) -> float:
+        if group <= 1:
+            return 0.0
+        return ring_all_gather_time_s(nbytes, group, *self.group_link(group, stride))
+
+    # ---- one layer, one micro-batch ------------------------------------------------------------
+    def _layer_costs(self, tp: int, mb: int, precision: str, sp: bool) -> tuple:
+        """Per layer and micro-batch: (fwd_s, bwd_s, attention_recompute_s, tp_comm_fwd_s,
+        embedding (fwd+bwd)_s, logits (fwd+bwd)_s, embedding_comm_s, logits_comm_s)."""
+        key = (tp, mb, precision, sp)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        m, prof, rt = self.model, self.profile, self.runtime
+        try:
+            peak = prof.peak_flops[precision]
+        except KeyError:
+            raise SpecError(f"hardware profile {prof.name!r} has no peak for {precision}; "
+                            f"use amp one of {', '.join(prof.peak_flops)}") from None
+        gemm = prof.gemm
+        s, h, f, V, t = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.vocab_size, tp
+        T = mb * s
+        ab = ACT_BYTES[precision]
+        heads = m.n_heads / t
+        mem_bw = prof.achieved_memory_bandwidth_bytes_per_s
+        launch = prof.kernel_launch_s
+
+        def gemm_s(rows: float, cols: float, inner: float) -> float:
+            return gemm.time_s(rows, cols, inner, peak, precision)
+
+        # Block GEMMs, Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first MLP
+        # matrix split by columns, the output projection and second MLP matrix by rows.
+        qkv = gemm_s(T, (h + 2 * m.kv_hidden_size) / t, h)
+        proj = gemm_s(T, h, h / t)
+        fc1 = gemm_s(T, (2 if not m.is_gpt_style else 1) * f / t, h)
+        fc2 = gemm_s(T, h, f / t)
+        gemm_fwd = qkv + proj + fc1 + fc2
+
+        # Attention core: QK^T and softmax(.)V, 2 * 2 * s^2 * d FLOPs per head and sequence.
+        if rt.flash_attention:
+            flops = 4.0 * mb * s * s * h / t * CAUSAL_FRACTION
+            attn_fwd = launch + flops / (peak * prof.attention_efficiency.get(precision, 0.5))
+            attn_bwd = FLASH_BWD_OVER_FWD * attn_fwd
+            softmax_bytes = 0.0
+        else:
+            rows = mb * heads * s  # batched over sequences and local heads
+            attn_fwd = gemm_s(rows, s, m.head_dim) + gemm_s(rows, m.head_dim, s)
+            attn_bwd = 2.0 * attn_fwd
+            # Fused scale-mask-softmax (read + write) and attention dropout (read, write, 1-byte mask).
+            mask = 1.0 if m.is_gpt_style else 0.0
+            softmax_bytes = rows * s * (2 * ab + mask * (2 * ab + 1))
+        # Memory-bound elementwise work per layer forward (bytes moved), backward taken as 2x:
+        # two norms (read + write), two residual adds with bias-dropout (read 2, write 1, mask),
+        # the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write 1), rotary on q, k.
+        sbh = T * h
+        dropout_mask = sbh if m.is_gpt_style else 0.0
+        replicated = 4 * sbh * ab + 2 * (3 * sbh * ab + dropout_mask)
+        act = (2 if m.is_gpt_style else 3) * T * f * ab
+        rotary = 0.0 if m.is_gpt_style else 2 * T * (h + m.kv_hidden_size) * ab
+        elem_bytes = replicated / (t if sp else 1) + (act + rotary + softmax_bytes) / t
+        elem_fwd = 8 * launch + elem_bytes / mem_bw
+        softmax_s = softmax_bytes / t / mem_bw
+
+        fwd = gemm_fwd + attn_fwd + elem_fwd
+        bwd = 2.0 * gemm_fwd + attn_bwd + 2.0 * elem_fwd  # dgrad + wgrad for every GEMM
+        attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
+
+        # Tensor parallel: two all-reduces of the T x h activation forward and two backward per
+        # layer (the f and g operators of Shoeybi et al. 2019, Fig. 4). Sequence parallel replaces
+        # each by a reduce-scatter + all-gather pair of the same total volume (Korthikanti et al.
+        # 2022, sec. 4.2.2), so the ring time is the same.
+        tp_ar = self._all_reduce(sbh * ab, t, 1)
+        tp_fwd = 2.0 * tp_ar * (1.0 - rt.tp_overlap)
+
+        # Embedding lookup (gather + scatter-add backward; learned positions for GPT style) and the
+        # vocabulary-parallel embedding all-reduce (Shoeybi et al. 2019, sec. 3).
+        emb = 3 * (2 + (2 if m.is_gpt_style else 0)) * sbh * ab / mem_bw + 3 * launch
+        emb_comm = tp_ar
+        # Logits (vocabulary split over tp), final norm, and the fused cross-entropy over fp32
+        # logits: read the 16-bit logits, write fp32 softmax, read it back and write the gradient.
+        logits = 3.0 * gemm_s(T, V / t, h) + (T * V / t * (ab + 12) + 6 * sbh * ab) / mem_bw + 4 * launch
+        logits_comm = tp_ar  # the g operator before the vocabulary-parallel logits (backward)
+        out = (fwd, bwd, attn_recompute, tp_fwd, emb, logits, emb_comm, logits_comm)
+        self._layer_cache[key] = out
+        return out
+
+    def _activation_bytes(self, tp: int, mb: int, sp: bool, recompute: str, precision: str) -> float:
+        key = (tp, mb, sp, recompute, precision)
+        hit = self._act_cache.get(key)
+        if hit is None:
+            m = self.model
+            hit = self._act_cache[key] = layer_activation_bytes(
+                seq_len=m.seq_len, micro_batch=mb, hidden=m.hidden_size, heads=m.n_heads,
+                kv_hidden=m.kv_hidden_size, ffn_hidden=m.ffn_hidden_size, swiglu=not m.is_gpt_style,
+                dropout=m.is_gpt_style, tp=tp, sequence_parallel=sp, recompute=recompute,
+                flash_attention=self.runtime.flash_attention, act_bytes=ACT_BYTES[precision])
+        return hit
+
+    # ---- one strategy --------------------------------------------------------------------------
+    def estimate(self, strategy: "Strategy", *, validate: bool = True) -> CostReport:
+        if validate:
+            strategy.validate(self.model, self.cluster)
+        model, prof, rt = self.model, self.profile, self.runtime
+        t, p, d, v = strategy.tp, strategy.pp, strategy.dp, strategy.virtual_stages
+        mb, m = strategy.micro_batch_size, strategy.grad_accum_steps
+        sp, rc, zero = strategy.sequence_parallel, strategy.recompute, strategy.zero_stage
+        precision = strategy.amp
+        ab = ACT_BYTES[precision]
+        L = model.n_layers
+        Ls = L / p
+        fwd, bwd, attn_rc, tp_fwd, emb, logits, emb_comm, logits_comm = self._layer_costs(t, mb, precision, sp)
+
+        # ---- time of one micro-batch on the slowest pipeline rank ---------------------------
+        if rc == "full":       # the whole forward again, collectives included (Chen et al. 2016)
+            rc_layer, tp_layer = fwd, 3.0 * tp_fwd
+        elif rc == "selective":  # only the attention core (Korthikanti et al. 2022, sec. 5)
+            rc_layer, tp_layer = attn_rc, 2.0 * tp_fwd
+        else:
+            rc_layer, tp_layer = 0.0, 2.0 * tp_fwd
+        first_compute = Ls * (fwd + bwd) + emb
+        last_compute = Ls * (fwd + bwd) + logits
+        if p == 1:
+            stage_compute, stage_tp = Ls * (fwd + bwd) + emb + logits, Ls * tp_layer + emb_comm + logits_comm
+        elif first_compute + emb_comm >= last_compute + logits_comm:
+            stage_compute, stage_tp = first_compute, Ls * tp_layer + emb_comm
+        else:
+            stage_compute, stage_tp = last_compute, Ls * tp_layer + logits_comm
+        stage_rc = Ls * rc_layer
+
+        # Pipeline point-to-point: each micro-batch crosses every chunk boundary forward and back.
+        pp_mb = 0.0
+        if p > 1:
+            split = sp or rt.pp_scatter_gather  # each tp rank sends 1/t (Narayanan et al. 2021, sec. 4.1)
+            nbytes = mb * model.seq_len * model.hidden_size * ab / (t if split else 1)
+            one = p2p_time_s(nbytes, *self.group_link(p, d * t))
+            if rt.pp_scatter_gather and not sp:
+                one += self._all_gather(nbytes * t, t, 1)
+            pp_mb = 2.0 * v * one
+        t_mb = stage_compute + stage_rc + stage_tp + pp_mb
+        # Bubble: (p-1)/v micro-batch times of idle (Narayanan et al. 2021, sec. 2.2).
+        bubble = (p - 1) / v * t_mb if p > 1 else 0.0
+
+        # ---- parameters held by one device (the heaviest pipeline rank) ---------------------
+        layer_params = model.layer_params / t
+        emb_params = model.embedding_params / t
+        head_params = (model.vocab_size * model.hidden_size / t
+                       if (not model.tied_embeddings or p > 1) else 0.0) + model.hidden_size
+        if p == 1:
+            psi = L * layer_params + emb_params + head_params
+        else:
+            psi = Ls * layer_params + max(emb_params, head_params)
+
+        # ---- data parallel / ZeRO communication and its overlap --------------------------------
+        dp_exposed = 0.0
+        if d > 1:
+            p_bytes = ab if rt.low_precision_params else 4
+            grads = psi * rt.grad_reduce_bytes
+            fwd_window = Ls * fwd * rt.dp_overlap
+            bwd_window = Ls * (bwd + rc_layer) * rt.dp_overlap
+            tail = 1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0  # the last bucket cannot hide
+
+            def exposed(comm: float, window: float) -> float:
+                return max(comm - window, comm * tail)
+
+            if zero == 0:    # one all-reduce per step, bucketed into the last backward (Li et al. 2020)
+                dp_exposed = exposed(self._all_reduce(grads, d, t), bwd_window)
+            elif zero == 1:  # + gather of the updated parameter shards after the step (Rajbhandari et al. 2020)
+                dp_exposed = (exposed(self._all_reduce(grads, d, t), bwd_window)
+                              + self._all_gather(psi * p_bytes, d, t))
+            else:            # FSDP: gather parameters per micro-batch (forward, and again backward for
+                ag = self._all_gather(psi * ab, d, t)   # ZeRO-3), reduce-scatter gradients
+                rs = self._all_gather(grads, d, t)      # (reduce-scatter costs what all-gather does)
+                if zero == 2:
+                    dp_exposed = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
+                else:
+                    dp_exposed = m * (exposed(ag, fwd_window) + exposed(ag + rs, bwd_window))
+
+        # ---- optimizer step: memory bound over the local (sharded) states ---------------------
+        psi_opt = psi / d if zero >= 1 else psi
+        opt_bytes = ADAM_BYTES_PER_PARAM + (ab if rt.low_precision_params else 0)
+        optimizer = psi_opt * opt_bytes / prof.achieved_memory_bandwidth_bytes_per_s + 10 * prof.kernel_launch_s
+
+        other = rt.step_overhead_s
+        step = m * t_mb + bubble + dp_exposed + optimizer + other
+        time = TimeBreakdown(m * stage_compute, m * stage_rc, m * stage_tp, m * pp_mb, dp_exposed,
+                             bubble, optimizer, other)
+
+        # ---- memory on the most loaded rank ---------------------------------------------------
+        act_layer = self._activation_bytes(t, mb, sp, rc, precision)
+        tokens = mb * model.seq_len
+        in_flight = microbatches_in_flight(strategy.pipeline_schedule, p, m, v)
+        first_act = in_flight * (Ls * act_layer + tokens * model.hidden_size * ab / (t if sp else 1))
+        last_in_flight = in_flight if (strategy.pipeline_schedule == "gpipe" or p == 1) else (
+            1.0 + (in_flight - 1.0) * (v - 1) / v)
+        logits_bytes = tokens * model.vocab_size / t * (ab + 8)  # 16-bit logits, fp32 softmax and grad
+        last_act = last_in_flight * Ls * act_layer + logits_bytes
+        if rc != "none":  # the layer being recomputed holds its full activations once
+            transient = self._activation_bytes(t, mb, sp, "none", precision) - (
+                act_layer if rc == "full" else 0.0)
+            first_act += transient
+            last_act += transient
+        activations = first_act + logits_bytes if p == 1 else max(first_act, last_act)
+
+        if rt.low_precision_params:   # 16-bit params and grads, fp32 master + Adam in the optimizer
+            param_b, grad_b, opt_b, copies = ab, ab, 12, 0.0
+        else:                         # fp32 params and grads (autocast), Adam moments in fp32
+            param_b, grad_b, opt_b = 4, 4, 8
+            copies = psi * ab if ab < 4 and zero <= 1 else 0.0  # autocast's 16-bit weight copies
+        shard = d if zero >= 3 else 1
+        params = psi * param_b / shard + copies
+        if zero == 2:
+            params = psi * param_b / d + psi * ab            # FSDP keeps gathered params until backward
+        elif zero == 3:
+            params += 2 * layer_params * ab                  # the gathered layer and the prefetched one
+        grads_mem = psi * grad_b / (d if zero >= 2 else 1)
+        opt_mem = psi * opt_b / (d if zero >= 1 else 1)
+        memory = MemoryBreakdown(params, grads_mem, opt_mem, activations, prof.reserved_memory_bytes)
+        peak = params + grads_mem + opt_mem + activations + prof.reserved_memory_bytes
+        capacity = prof.memory_capacity_bytes
+
+        world = strategy.world_size
+        flops = self._flops_per_sample * strategy.global_batch_size
+        notes = ()
+        if t > self.cluster.gpus_per_node:
+            notes = (f"tp={t} spans nodes ({self.cluster.gpus_per_node} devices per node): "
+                     "tensor-parallel traffic goes over the network",)
+        return CostReport(
+            step, strategy.global_batch_size * model.seq_len / step, strategy.global_batch_size / step,
+            flops, flops / step / world / 1e12, flops / (step * world * prof.peak_flops[precision]),
+            peak, capacity, peak <= capacity, time, memory, notes,
+        )
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_model(model: "ModelSpec", cluster: "Cluster", runtime: RuntimeOptions) -> AnalyticCostModel:
+    return AnalyticCostModel(model, cluster, runtime=runtime)
+
+
+def estimate(model: "ModelSpec | str", cluster: "Cluster | str", strategy: "Strategy | str", *,
+             runtime: "str | RuntimeOptions | None" = None) -> CostReport:
+    """Predict one strategy: `estimate("llama3-8b", "h100-sxm:8x8", "dp=64,zero_stage=3")`.
+
+    Accepts specs or the strings their `load` / `parse` take. Raises SpecError (a ValueError)
+    naming every rule an invalid strategy breaks.
+    """
+    from autosearch.model_spec import ModelSpec
+    from autosearch.strategy import Strategy
+    from cost_models.hardware import Cluster
+
+    model = ModelSpec.load(model)
+    cluster = Cluster.parse(cluster)
+    if isinstance(strategy, str):
+        strategy = Strategy.parse(strategy)
+    return _cached_model(model, cluster, RuntimeOptions.get(runtime)).estimate(strategy)

@@ -1,0 +1,121 @@
+"""Pure formulas of the analytic cost model: no torch, no globals, no mutation.
+
+Each function cites the paper or standard its formula comes from. Sizes are in bytes, times in
+seconds, bandwidths in bytes per second.
+"""
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: the alpha-beta (latency-bandwidth) model of ring algorithms.
+# Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
+# MPICH", sec. 4; Patarasuk & Yuan 2009 (bandwidth-optimal ring all-reduce). `nbytes` is the size
+# of the full buffer (the all-reduce input, the all-gather output, the reduce-scatter input),
+# which is also how nccl-tests defines "bus bandwidth" (busbw = algbw * 2(n-1)/n for all-reduce).
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_all_reduce_time_s(nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    """2(n-1) alpha + 2(n-1)/n * S / beta (reduce-scatter then all-gather)."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) * latency_s + 2.0 * (group - 1) / group * nbytes / bandwidth_bytes_per_s
+
+
+def ring_all_gather_time_s(nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    """(n-1) alpha + (n-1)/n * S / beta; the same for reduce-scatter."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) * latency_s + (group - 1) / group * nbytes / bandwidth_bytes_per_s
+
+
+ring_reduce_scatter_time_s = ring_all_gather_time_s
+
+
+def p2p_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    """One point-to-point message: alpha + S / beta (Hockney 1994)."""
+    return latency_s + nbytes / bandwidth_bytes_per_s
+
+
+def ring_all_reduce_bytes_per_rank(nbytes: float, group: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: 2(n-1)/n * S (Patarasuk & Yuan 2009)."""
+    return 0.0 if group <= 1 else 2.0 * (group - 1) / group * nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline schedules. Narayanan et al. 2021 (SC'21), sec. 2.2: with p stages and m micro-batches
+# the bubble is (p-1)/m of the ideal time for GPipe and 1F1B, and (p-1)/(v m) with v model chunks
+# per rank (interleaved 1F1B).
+# ---------------------------------------------------------------------------------------------
+
+
+def bubble_fraction(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble as a fraction of the ideal (bubble-free) time: (p-1) / (v m)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (virtual_stages * n_microbatches)
+
+
+def microbatches_in_flight(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak, in units of
+    one micro-batch through the whole stage.
+
+    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec. 2.2.1).
+    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec. 4.2.3).
+    Without a pipeline, gradient accumulation frees each micro-batch before the next: 1.
+    """
+    if pp <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(n_microbatches)
+    in_flight = float(min(pp, n_microbatches))
+    if schedule == "interleaved_1f1b" and virtual_stages > 1:
+        in_flight *= 1.0 + (pp - 1) / (pp * virtual_stages)
+    return in_flight
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation memory per transformer layer and micro-batch.
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+# sec. 4 and Table 2, with 16-bit activations and 1-byte dropout masks:
+#   no parallelism            s b h (34 + 5 a s / h)
+#   tensor parallel           s b h (10 + 24/t + 5 a s / (h t))
+#   tensor + sequence par.    s b h / t (34 + 5 a s / h)
+#   selective recompute       drops the 5 a s / h term (the attention core is recomputed)
+#   full recompute            2 s b h (only the layer input; / t with sequence parallel)
+# The function below is the same accounting written per stored tensor, so that it also covers
+# grouped-query attention, SwiGLU MLPs, models without dropout, fp32 activations, and fused
+# (flash) attention, which stores no s x s matrix (Dao et al. 2022). For the GPT shape (ffn 4h,
+# gelu, dropout, kv heads = heads, 16-bit) it reproduces Table 2 exactly (tests/test_formulas.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(
+    *, seq_len: int, micro_batch: int, hidden: int, heads: int, kv_hidden: int, ffn_hidden: int,
+    swiglu: bool, dropout: bool, tp: int = 1, sequence_parallel: bool = False,
+    recompute: str = "none", flash_attention: bool = False, act_bytes: int = 2,
+) -> float:
+    """Bytes one layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    sb = seq_len * micro_batch
+    a = act_bytes
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return sb * hidden * a / sp_div  # the layer input only (2sbh at 16 bit)
+    mask = 1.0 if dropout else 0.0
+    # Kept whole on every tp rank unless sequence parallel shards them along the sequence:
+    # two norm inputs, the QKV input, the MLP input (4 x 2sbh + ... = 8sbh at 16 bit) and two
+    # dropout masks (2sbh): the "10" of Table 2.
+    replicated = sb * (4 * hidden * a + 2 * hidden * mask)
+    # Split over tp by the column/row partitioning: Q, K, V, the projection input, and the MLP
+    # intermediates: gelu keeps its input and output (2 x sbf); SwiGLU keeps the gate, the up
+    # projection, silu(gate) and the product (4 x sbf). The "24/t" of Table 2.
+    mlp = (4 if swiglu else 2) * ffn_hidden
+    sharded = sb * a * (hidden + 2 * kv_hidden + hidden + mlp)
+    # The attention core: softmax output (2as^2b), and with dropout its mask and output (+3as^2b):
+    # the "5as/h" of Table 2. Fused attention keeps only the log-sum-exp (fp32, a s b).
+    if flash_attention:
+        core = 4.0 * heads * sb
+    elif recompute == "selective":
+        core = 0.0
+    else:
+        core = heads * seq_len * sb * (a + mask * (a + 1))
+    return replicated / sp_div + (sharded + core) / tp

@@ -1,0 +1,266 @@
+"""Hardware is data: a `HardwareProfile` is read from YAML (`cost_models/profiles/<name>.yaml`,
+or a file written by `autosearch calibrate`), and a `Cluster` is a profile times a node count.
+
+Example:
+    >>> from cost_models import Cluster
+    >>> c = Cluster.parse("h100-sxm:32x8")
+    >>> c.world_size, c.profile.peak_flops["bf16"] / 1e12
+    (256, 989.4)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from autosearch._io import check_keys, positive_float, positive_int, read_yaml_mapping
+from autosearch.errors import SpecError
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of the interconnect, per GPU and per direction, for the alpha-beta model.
+
+    Args:
+        bandwidth_bytes_per_s: peak unidirectional bandwidth available to one GPU.
+        latency_s: alpha, the fixed cost of one message (one step of a ring).
+        efficiency: achieved fraction of the peak for large messages (nccl-tests "busbw" / peak).
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float = 1.0
+
+    @property
+    def achieved_bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmEfficiency:
+    """GEMM time as a function of shape, in a form calibration fits by least squares.
+
+    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n + half_dim/k)
+
+    i.e. efficiency = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): large GEMMs approach
+    max_efficiency; a thin dimension (a small head size, a small micro-batch) costs in proportion
+    to the bytes of the operand it leaves under-used (the roofline of Williams et al. 2009).
+    """
+
+    max_efficiency: dict[str, float]
+    half_dim: float
+    launch_s: float = 0.0
+
+    def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
+        hd = self.half_dim
+        return self.launch_s + 2.0 * m * n * k / (peak_flops * self.max_efficiency[precision]) * (
+            1.0 + hd / m + hd / n + hd / k)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class HardwareProfile:
+    """One accelerator (and the node it sits in), as the cost model sees it.
+
+    Every number comes from the YAML file, which cites its sources; calibration writes the same
+    format and lists in `measured` the fields it measured (all others keep their defaults).
+    """
+
+    name: str
+    description: str = ""
+    device_type: str = "cuda"
+    gpus_per_node: int
+    peak_flops: dict[str, float]
+    memory_capacity_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    memory_efficiency: float
+    reserved_memory_bytes: float = 0.0
+    intra_node: Link
+    inter_node: Link
+    gemm: GemmEfficiency
+    attention_efficiency: dict[str, float]
+    kernel_launch_s: float = 0.0
+    sources: tuple[str, ...] = ()
+    measured: tuple[str, ...] = ()
+    calibration: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def achieved_memory_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    def defaults_used(self) -> tuple[str, ...]:
+        """Fields not measured on this machine (datasheet or default values)."""
+        fields = ("peak_flops", "memory_bandwidth", "intra_node", "inter_node", "gemm", "attention")
+        return tuple(f for f in fields if not any(m.startswith(f) for m in self.measured))
+
+    # ---- YAML ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, what: str = "hardware profile", path: str | None = None) -> "HardwareProfile":
+        try:
+            return cls._from_dict(data, what, path)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SpecError(f"{what} is malformed ({exc!r}); compare with cost_models/profiles/a100-sxm4-80gb.yaml") from None
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any], what: str, path: str | None) -> "HardwareProfile":
+        required = ("name", "gpus_per_node", "peak_flops", "memory", "intra_node", "inter_node", "gemm", "attention")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise SpecError(f"{what}: missing key(s) {', '.join(missing)}")
+        peak = {str(k): positive_float(float(v), f"{what}: peak_flops.{k}") for k, v in data["peak_flops"].items()}
+        if not any(p in peak for p in PRECISIONS):
+            raise SpecError(f"{what}: peak_flops needs at least one of {PRECISIONS}")
+        mem = data["memory"]
+
+        def link(d: dict[str, Any], name: str) -> Link:
+            return Link(bandwidth_bytes_per_s=positive_float(float(d["bandwidth_bytes_per_s"]), f"{what}: {name}.bandwidth_bytes_per_s"),
+                        latency_s=positive_float(float(d["latency_s"]), f"{what}: {name}.latency_s", allow_zero=True),
+                        efficiency=positive_float(float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"))
+
+        g = data["gemm"]
+        gemm = GemmEfficiency(max_efficiency={str(k): float(v) for k, v in g["max_efficiency"].items()},
+                              half_dim=float(g.get("half_dim", 0.0)), launch_s=float(g.get("launch_s", 0.0)))
+        missing_eff = [p for p in peak if p not in gemm.max_efficiency]
+        if missing_eff:
+            raise SpecError(f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}")
+        att = {str(k): float(v) for k, v in data["attention"]["flash_efficiency"].items()}
+        return cls(
+            name=str(data["name"]), description=str(data.get("description", "")),
+            device_type=str(data.get("device_type", "cuda")),
+            gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
+            peak_flops=peak,
+            memory_capacity_bytes=positive_float(float(mem["capacity_bytes"]), f"{what}: memory.capacity_bytes"),
+            memory_bandwidth_bytes_per_s=positive_float(float(mem["bandwidth_bytes_per_s"]), f"{what}: memory.bandwidth_bytes_per_s"),
+            memory_efficiency=positive_float(float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"),
+            reserved_memory_bytes=positive_float(float(mem.get("reserved_bytes", 0.0)), f"{what}: memory.reserved_bytes", allow_zero=True),
+            intra_node=link(data["intra_node"], "intra_node"), inter_node=link(data["inter_node"], "inter_node"),
+            gemm=gemm, attention_efficiency=att,
+            kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
+            sources=tuple(data.get("sources", ()) or ()), measured=tuple(data.get("measured", ()) or ()),
+            calibration=dict(data.get("calibration", {}) or {}), path=path,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "description": self.description, "device_type": self.device_type,
+            "sources": list(self.sources), "gpus_per_node": self.gpus_per_node,
+            "peak_flops": dict(self.peak_flops),
+            "memory": {"capacity_bytes": self.memory_capacity_bytes,
+                       "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+                       "efficiency": self.memory_efficiency, "reserved_bytes": self.reserved_memory_bytes},
+            "intra_node": dataclasses.asdict(self.intra_node), "inter_node": dataclasses.asdict(self.inter_node),
+            "gemm": {"max_efficiency": dict(self.gemm.max_efficiency), "half_dim": self.gemm.half_dim,
+                     "launch_s": self.gemm.launch_s},
+            "attention": {"flash_efficiency": dict(self.attention_efficiency)},
+            "kernel_launch_s": self.kernel_launch_s,
+            "measured": list(self.measured), "calibration": dict(self.calibration),
+        }
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def load(cls, name_or_path: "str | os.PathLike | HardwareProfile") -> "HardwareProfile":
+        """A profile by catalog name (``h100-sxm``) or by the path of a YAML file."""
+        if isinstance(name_or_path, HardwareProfile):
+            return name_or_path
+        return _load_profile(os.fspath(name_or_path))
+
+
+def profile_names() -> list[str]:
+    """Names of the profiles shipped in `cost_models/profiles/`."""
+    folder = resources.files("cost_models").joinpath("profiles")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+@functools.lru_cache(maxsize=64)
+def _load_profile(key: str) -> HardwareProfile:
+    if key.lower() in profile_names():
+        text = resources.files("cost_models").joinpath("profiles", key.lower() + ".yaml").read_text(encoding="utf-8")
+        return HardwareProfile.from_dict(yaml.safe_load(text), what=f"profile {key!r}")
+    if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
+        data = read_yaml_mapping(key, what="hardware profile")
+        return HardwareProfile.from_dict(data, what=f"hardware profile {key!r}", path=os.path.abspath(key))
+    raise SpecError(
+        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. "
+        "Pass one of these names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A hardware profile times a number of nodes.
+
+    Args:
+        gpu: a profile name (``a100-sxm4-80gb``), a profile YAML path, or a HardwareProfile.
+        n_nodes: number of nodes.
+        gpus_per_node: devices per node; defaults to the profile's.
+    """
+
+    gpu: str
+    n_nodes: int = 1
+    gpus_per_node: int | None = None
+    profile: HardwareProfile = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        profile = HardwareProfile.load(self.gpu)
+        if isinstance(self.gpu, HardwareProfile):
+            object.__setattr__(self, "gpu", profile.path or profile.name)
+        else:
+            object.__setattr__(self, "gpu", os.fspath(self.gpu))
+        object.__setattr__(self, "profile", profile)
+        object.__setattr__(self, "n_nodes", positive_int(self.n_nodes, "n_nodes"))
+        gpn = profile.gpus_per_node if self.gpus_per_node is None else positive_int(self.gpus_per_node, "gpus_per_node")
+        object.__setattr__(self, "gpus_per_node", gpn)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.profile.name}:{self.n_nodes}x{self.gpus_per_node}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
+        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES`` , ``GPU``, or a cluster YAML file."""
+        if isinstance(text, Cluster):
+            return text
+        text = os.fspath(text)
+        match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
+        if match:
+            gpu, nodes, per_node = match.groups()
+            return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node) if per_node else None)
+        if text.endswith((".yaml", ".yml")) and os.path.exists(text):
+            data = read_yaml_mapping(text, what="cluster")
+            if "gpu" not in data and "peak_flops" in data:  # a bare hardware profile: one node of it
+                return cls(gpu=text)
+            return cls.from_dict(data, what=f"cluster file {text!r}")
+        if ":" in text:
+            raise SpecError(f"cluster {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file")
+        return cls(gpu=text)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
+        kwargs = check_keys(data, cls, what=what)
+        if "gpu" not in kwargs:
+            raise SpecError(f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML path)")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}

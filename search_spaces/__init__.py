@@ -1,0 +1,1 @@
+"""Which strategies exist for a model on a cluster, and how an Optuna trial samples one."""
