@@ -1,0 +1,5 @@
+import sys
+
+from autosearch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""The `autosearch` command line. Each subcommand lives in `autosearch/commands/<name>.py` and
+exposes `register(subparsers)`; this file only wires them and turns user errors into one clear
+message with exit status 2 (never a traceback)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from autosearch.errors import SpecError
+
+# Subcommand modules, in the order `autosearch --help` lists them.
+COMMANDS = ["estimate", "models", "hardware"]
+OPTIONAL_COMMANDS = ["tune", "sweep", "export", "calibrate", "validate"]  # added by later modules
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autosearch",
+        description="Find the fastest parallel strategy to train a model on a cluster.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS + OPTIONAL_COMMANDS:
+        try:
+            module = importlib.import_module(f"autosearch.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"autosearch.commands.{name}" and name in OPTIONAL_COMMANDS:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as exc:
+        print(f"autosearch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autosearch {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `autosearch ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`autosearch estimate`: one strategy through the cost model, as a table or JSON."""
+from __future__ import annotations
+
+import argparse
+
+from autosearch.commands._common import add_model_cluster_args, fmt_bytes, fmt_s, load_model_cluster, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict step time, throughput and memory of one strategy",
+                       description="Predict step time, throughput and memory of one strategy with the analytic cost model.")
+    add_model_cluster_args(p)
+    p.add_argument("--strategy", required=True,
+                   help='a strategy YAML file, or "dp=8,tp=8,pp=4,micro_batch_size=1,global_batch_size=512,..."')
+    p.add_argument("--json", action="store_true", help="print the CostReport as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autosearch.strategy import Strategy
+    from cost_models.analytic import AnalyticCostModel
+
+    model, cluster = load_model_cluster(args)
+    strategy = Strategy.parse(args.strategy)
+    cm = AnalyticCostModel(model, cluster, runtime=args.runtime)
+    report = cm.estimate(strategy)
+    if args.json:
+        print_json({"model": model.name, "cluster": cluster.name, "runtime": cm.runtime.name,
+                    "strategy": strategy.to_dict(), "report": report.to_dict(flat=False)})
+        return 0
+    print(render_report(model, cluster, strategy, report, runtime=cm.runtime.name))
+    return 0
+
+
+def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -> str:
+    lines = [
+        f"model     {model.name}  ({model.n_params / 1e9:.2f} B parameters, seq {model.seq_len})",
+        f"cluster   {cluster.name}  ({cluster.world_size} devices, runtime {runtime})",
+        f"strategy  {strategy.short()}  (grad accumulation {strategy.grad_accum_steps})",
+        "",
+        f"step time        {fmt_s(report.step_time_s)}",
+        f"throughput       {report.tokens_per_s:,.0f} tokens/s   {report.samples_per_s:,.2f} samples/s",
+        f"per device       {report.tflops_per_gpu:.1f} TFLOP/s   MFU {report.mfu * 100:.1f}%",
+        f"memory           {fmt_bytes(report.peak_memory_bytes)} of {fmt_bytes(report.memory_capacity_bytes)}  "
+        + ("fits" if report.fits else f"DOES NOT FIT: {report.infeasible_reason}"),
+        "",
+        "time per step                      memory per device",
+    ]
+    tb = [(k[:-2], v) for k, v in report.time._asdict().items()]
+    mb = [(k[:-6], v) for k, v in report.memory._asdict().items()]
+    for i in range(max(len(tb), len(mb))):
+        left = f"  {tb[i][0]:<18} {fmt_s(tb[i][1]):>11} {tb[i][1] / report.step_time_s * 100:5.1f}%" if i < len(tb) else " " * 39
+        right = f"  {mb[i][0]:<12} {fmt_bytes(mb[i][1]):>11}" if i < len(mb) else ""
+        lines.append(f"{left:<37}{right}")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
