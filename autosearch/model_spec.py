@@ -17,8 +17,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -186,7 +188,9 @@ class ModelSpec:
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
             return cls.from_dict(data, what=f"model file {key!r}")
-        close = [n for n in catalog if key.lower().split("-")[0] in n][:8]
+        family = re.match(r"[a-z]*", key.lower()).group()
+        close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
+        close += [n for n in catalog if family and n.startswith(family) and n not in close][: 8 - len(close)]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
             f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "

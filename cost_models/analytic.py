@@ -236,8 +236,9 @@ class AnalyticCostModel(CostModel):
         # ---- parameters held by one device (the heaviest pipeline rank) ---------------------
         layer_params = model.layer_params / t
         emb_params = model.embedding_params / t
-        head_params = (model.vocab_size * model.hidden_size / t
-                       if (not model.tied_embeddings or p > 1) else 0.0) + model.hidden_size
+        # the last stage keeps its own copy of tied embeddings for the logits (Megatron-LM, torchtitan)
+        head_params = (model.head_params + (model.vocab_size * model.hidden_size
+                                            if model.tied_embeddings and p > 1 else 0)) / t
         if p == 1:
             psi = L * layer_params + emb_params + head_params
         else:

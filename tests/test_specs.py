@@ -1,0 +1,178 @@
+"""ModelSpec, Strategy, HardwareProfile and Cluster: loading, round trips, and every user error."""
+import subprocess
+import sys
+
+import pytest
+
+from autosearch import ModelSpec, SpecError, Strategy
+from cost_models import Cluster, HardwareProfile, profile_names
+
+
+def test_importing_the_packages_does_not_import_torch():
+    code = ("import sys, autosearch, cost_models, search_spaces\n"
+            "from autosearch import ModelSpec, Strategy, estimate\n"
+            "estimate('llama3-8b', 'h100-sxm:1x8', 'dp=8')\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_catalog_has_the_required_models():
+    for name in ["gpt3-125m", "gpt3-175b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b",
+                 "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "tiny-gpt", "tiny-llama",
+                 "sc21-gpt-1.7b", "sc21-gpt-1008b"]:
+        m = ModelSpec.load(name)
+        assert m.name == name
+    assert ModelSpec.load("LLAMA3-8B").name == "llama3-8b"
+    assert ModelSpec.load("llama3.1-405b").n_params == pytest.approx(405.85e9, rel=0.01)  # Llama 3 paper: 405B
+    assert ModelSpec.load("gpt3-175b").n_params == pytest.approx(175e9, rel=0.01)
+
+
+def test_model_defaults_and_yaml(tmp_path):
+    m = ModelSpec(n_layers=2, hidden_size=64, n_heads=4, vocab_size=100, seq_len=32)
+    assert m.n_kv_heads == 4 and m.ffn_hidden_size == 256 and m.ffn_activation == "gelu"
+    path = tmp_path / "mine.yaml"
+    path.write_text("n_layers: 2\nhidden_size: 64\nn_heads: 4\nn_kv_heads: 2\nffn_activation: swiglu\n"
+                    "vocab_size: 100\nseq_len: 32\n")
+    loaded = ModelSpec.load(path)
+    assert loaded.name == "mine" and loaded.n_kv_heads == 2 and not loaded.is_gpt_style
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(n_layers=-2), "n_layers must be >= 1, got -2"),
+    (dict(hidden_size=100, n_heads=3), "hidden_size 100 must be a multiple of n_heads 3"),
+    (dict(n_kv_heads=3), "n_heads 4 must be a multiple of n_kv_heads 3"),
+    (dict(ffn_activation="relu"), "ffn_activation must be one of"),
+    (dict(vocab_size=1.5), "vocab_size must be an integer"),
+])
+def test_model_errors_name_the_value(fields, message):
+    base = dict(n_layers=2, hidden_size=64, n_heads=4, vocab_size=100, seq_len=32)
+    with pytest.raises(SpecError, match=message.replace("(", r"\(")):
+        ModelSpec(**{**base, **fields})
+
+
+def test_unknown_model_and_bad_files(tmp_path):
+    with pytest.raises(SpecError, match="unknown model 'llama9-1t'.*Similar names: llama"):
+        ModelSpec.load("llama9-1t")
+    with pytest.raises(SpecError, match="does not exist"):
+        ModelSpec.load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_layers: [1, 2\nhidden_size: 3\n")
+    with pytest.raises(SpecError, match="not valid YAML at line"):
+        ModelSpec.load(bad)
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("n_layers: 2\nhidden_size: 64\n")
+    with pytest.raises(SpecError, match="missing required key\\(s\\) n_heads, vocab_size, seq_len"):
+        ModelSpec.load(partial)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("n_layer: 2\nhidden_size: 64\nn_heads: 4\nvocab_size: 100\nseq_len: 32\n")
+    with pytest.raises(SpecError, match="unknown key\\(s\\) 'n_layer'"):
+        ModelSpec.load(typo)
+
+
+def test_strategy_defaults_and_derived():
+    s = Strategy()
+    assert (s.dp, s.tp, s.pp, s.micro_batch_size, s.global_batch_size) == (1, 1, 1, 1, 1)
+    assert (s.pipeline_schedule, s.virtual_stages, s.recompute, s.sequence_parallel, s.zero_stage, s.amp) == \
+        ("1f1b", 1, "none", False, 0, "bf16")
+    s = Strategy(dp=4, micro_batch_size=2)
+    assert s.global_batch_size == 8 and s.grad_accum_steps == 1
+    assert Strategy(dp=4, micro_batch_size=2, global_batch_size=64).grad_accum_steps == 8
+
+
+def test_strategy_yaml_round_trip_and_mp_alias(tmp_path):
+    s = Strategy(dp=2, tp=4, pp=2, micro_batch_size=2, global_batch_size=64, pipeline_schedule="interleaved_1f1b",
+                 virtual_stages=2, recompute="selective", sequence_parallel=True, zero_stage=1, amp="fp16")
+    path = tmp_path / "s.yaml"
+    s.to_yaml(path)
+    assert Strategy.from_yaml(path) == s
+    assert Strategy.from_yaml(s.to_yaml()) == s
+    assert Strategy.from_yaml("mp: 4\ndp: 2\n") == Strategy(tp=4, dp=2)
+    assert Strategy.parse("dp=2,mp=4,sequence_parallel=true,recompute=full") == \
+        Strategy(dp=2, tp=4, sequence_parallel=True, recompute="full")
+    assert Strategy.parse(str(path)) == s
+
+
+@pytest.mark.parametrize("text,message", [
+    ("dp=0", "dp must be >= 1, got 0"),
+    ("dp=-2", "dp must be >= 1, got -2"),
+    ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
+    ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
+    ("recompute=some", "recompute must be one of none, selective, full"),
+    ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
+    ("dp", "is not key=value"),
+    ("tp=2,mp=2", "'tp' is given twice"),
+])
+def test_strategy_field_errors(text, message):
+    with pytest.raises(SpecError, match=message):
+        Strategy.parse(text)
+
+
+def test_validate_names_every_violated_rule_with_its_fix():
+    model = ModelSpec.load("gpt3-13b")  # 40 layers, 40 heads
+    cluster = Cluster.parse("a100-sxm4-80gb:2x8")  # 16 devices
+    bad = Strategy(dp=3, tp=3, pp=3, micro_batch_size=2, global_batch_size=10, sequence_parallel=False,
+                   virtual_stages=2)
+    with pytest.raises(SpecError) as err:
+        bad.validate(model, cluster)
+    text = str(err.value)
+    assert "dp*tp*pp = 3*3*3 = 27 but the cluster has 16 devices" in text
+    assert "tp=3 does not divide n_heads=40" in text
+    assert "n_layers=40 does not split into pp*virtual_stages = 3*2 = 6" in text
+    assert "global_batch_size=10 does not split into dp*micro_batch_size = 3*2 = 6" in text
+    assert "virtual_stages=2 needs pipeline_schedule interleaved_1f1b" in text
+    assert text.count("\n  - ") == 5
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+    (dict(dp=4, pp=4, global_batch_size=8), "needs at least 4 micro-batches per step, got 2"),
+    (dict(dp=4, pp=4, global_batch_size=24, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
+     "micro-batch count 6 to be a multiple of pp=4"),
+    (dict(dp=16, pipeline_schedule="interleaved_1f1b", virtual_stages=2), "interleaved_1f1b needs pp > 1"),
+    (dict(dp=2, tp=8, global_batch_size=2), None),
+])
+def test_validate_single_rules(fields, message):
+    model = ModelSpec.load("llama2-7b")
+    cluster = Cluster.parse("h100-sxm:2x8")
+    s = Strategy(**{"dp": 16, **fields})
+    if message is None:
+        assert s.validate(model, cluster) is s
+    else:
+        with pytest.raises(SpecError, match=message):
+            s.validate(model, cluster)
+
+
+def test_kv_heads_rule():
+    with pytest.raises(SpecError, match="tp=16 does not divide n_kv_heads=8"):
+        Strategy(dp=1, tp=16).validate(ModelSpec.load("llama2-70b"))
+
+
+def test_profiles_load_and_cite_sources():
+    assert {"a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200-sxm"} <= set(profile_names())
+    for name in profile_names():
+        p = HardwareProfile.load(name)
+        assert p.sources and all(k in p.peak_flops for k in ("fp32", "tf32", "fp16", "bf16"))
+        assert p.intra_node.bandwidth_bytes_per_s > p.inter_node.bandwidth_bytes_per_s > 0
+        again = HardwareProfile.from_dict(p.to_dict())
+        assert again.to_dict() == p.to_dict()
+
+
+def test_cluster_forms(tmp_path):
+    c = Cluster.parse("h100-sxm:32x8")
+    assert (c.n_nodes, c.gpus_per_node, c.world_size) == (32, 8, 256)
+    assert Cluster.parse("h100-sxm:4").world_size == 32
+    assert Cluster.parse("a100-sxm4-40gb").world_size == 8
+    f = tmp_path / "c.yaml"
+    f.write_text("gpu: h200-sxm\nn_nodes: 2\ngpus_per_node: 4\n")
+    assert Cluster.parse(str(f)) == Cluster(gpu="h200-sxm", n_nodes=2, gpus_per_node=4)
+    prof = tmp_path / "mine.yaml"
+    HardwareProfile.load("h100-sxm").to_yaml(prof)
+    assert Cluster.parse(f"{prof}:2x8").profile.peak_flops["bf16"] == 989.4e12
+    with pytest.raises(SpecError, match="unknown GPU 'v100'; known profiles: a100-sxm4-40gb"):
+        Cluster.parse("v100:2x8")
+    with pytest.raises(SpecError, match="n_nodes must be >= 1"):
+        Cluster(gpu="h100-sxm", n_nodes=0)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\ngpus_per_node: 8\n")
+    with pytest.raises(SpecError, match="missing key\\(s\\) peak_flops"):
+        Cluster(gpu=str(broken))
