@@ -1,0 +1,92 @@
+"""Process-group setup and teardown for the Engine, under torchrun or as a plain process.
+
+`run_main` is the entry point wrapper every distributed script should use: it turns a SpecError
+into one message printed by rank 0 (every rank stops before any training step, none hangs), and
+ends each process with ``destroy_process_group()``, a flush and ``os._exit``. The last part is a
+workaround, not decoration: on CPU/gloo 5-14% of runs abort at interpreter exit when a gloo
+worker thread drops a tensor while Python finalizes (measured in shared/notes); exiting without
+finalization removed it in 50 of 50 runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from autosearch.errors import SpecError
+
+
+def launched_world_size() -> int:
+    """Processes of this run: the process group's size, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device of this process: its GPU under torchrun when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); no-op for one process."""
+    if dist.is_initialized() or launched_world_size() == 1:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend)
+
+
+def shutdown(code: int = 0) -> NoReturn:
+    """Destroy the process group, flush, and exit without interpreter finalization (see module doc)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; the code says whether the run worked
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(main: Callable[[], "int | None"]) -> NoReturn:
+    """Run ``main()`` on every rank and exit cleanly with its status.
+
+    A SpecError (a strategy that does not fit the world size, the model or the batch) is printed
+    once, by rank 0, and every rank exits with status 2; any other exception prints its traceback
+    and exits with status 1.
+
+    Example:
+        >>> def main():                                    # doctest: +SKIP
+        ...     engine = Engine(make_model, optimizer=..., strategy="strategy.yaml")
+        ...     engine.fit(SyntheticTokens(...), epochs=1)
+        >>> run_main(main)                                 # doctest: +SKIP
+    """
+    try:
+        code = main() or 0
+    except SpecError as exc:
+        if is_rank0():
+            print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except BaseException:  # noqa: BLE001 - report, then exit with the process group torn down
+        traceback.print_exc()
+        code = 1
+    shutdown(code)

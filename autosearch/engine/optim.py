@@ -1,0 +1,104 @@
+"""Rebuild the user's optimizer over the parallelized parameters, and the fp16 gradient scaler.
+
+The user hands over an optimizer built on the unparallelized model (or a callable that builds
+one from parameters). After parallelization the parameters are new objects (DTensor shards,
+pipeline copies), so the Engine builds one optimizer per model part with the same class, the
+same defaults, and the same per-group settings, matched by parameter name.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autosearch.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autosearch.engine.parallel_dims import ParallelDims
+
+# Wrapper prefixes that parallelization adds to parameter names.
+_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without DDP / checkpoint-wrapper / compile prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class OptimizerRecipe:
+    """How to rebuild an optimizer: its class, defaults, and per-group settings by parameter name."""
+
+    def __init__(self, optimizer: "torch.optim.Optimizer | Callable", names: dict[int, str]):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.cls = type(optimizer)
+            # Only the defaults the constructor takes (AdamW.defaults holds more, e.g. decoupled_weight_decay).
+            accepted = inspect.signature(self.cls.__init__).parameters
+            self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            self.group_of: dict[str, dict[str, Any]] = {}
+            for group in optimizer.param_groups:
+                settings = {k: v for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    if id(p) in names:
+                        self.group_of[names[id(p)]] = settings
+            self.factory = None
+        elif callable(optimizer):
+            self.factory = optimizer
+        else:
+            raise SpecError(
+                f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, got "
+                f"{type(optimizer).__name__}; e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)"
+            )
+
+    def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
+        groups: dict[tuple, dict[str, Any]] = {}
+        for name, p in part.named_parameters():
+            if not p.requires_grad:
+                continue
+            settings = self.group_of.get(clean_name(name), {})
+            key = tuple(sorted((k, repr(v)) for k, v in settings.items()))
+            groups.setdefault(key, {"params": [], **settings})["params"].append(p)
+        return list(groups.values())
+
+    def build(self, part: nn.Module, *, zero1_group=None) -> torch.optim.Optimizer:
+        if self.factory is not None:
+            if zero1_group is not None:
+                raise SpecError("zero_stage 1 needs an optimizer instance (its class is handed to "
+                                "ZeroRedundancyOptimizer), not a factory; pass e.g. torch.optim.AdamW(model.parameters())")
+            return self.factory([p for p in part.parameters() if p.requires_grad])
+        groups = self.param_groups(part)
+        if zero1_group is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(groups, optimizer_class=self.cls, process_group=zero1_group,
+                                           **self.defaults)
+        return self.cls(groups, **self.defaults)
+
+
+def build_optimizers(parts: list[nn.Module], recipe: OptimizerRecipe, dims: "ParallelDims",
+                     mesh: "DeviceMesh | None") -> list[torch.optim.Optimizer]:
+    """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP."""
+    zero1_group = mesh.get_group("dp") if dims.dp_mode == "ddp_zero1" else None
+    return [recipe.build(part, zero1_group=zero1_group) for part in parts]
+
+
+def make_grad_scaler(amp: str, device_type: str, distributed: bool):
+    """A loss scaler for fp16 (Micikevicius et al. 2018), else None.
+
+    `ShardedGradScaler` all-reduces the "found inf" flag over every rank, so that all pipeline
+    stages and shards skip the same steps; it works with plain and DTensor gradients.
+    """
+    if amp != "fp16":
+        return None
+    if distributed:
+        import torch.distributed as dist
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type, process_group=dist.group.WORLD)
+    return torch.amp.GradScaler(device_type)

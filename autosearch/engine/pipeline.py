@@ -1,0 +1,79 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: split the model, build the schedule.
+
+The split is done by hand, as torchtitan does: each stage is a copy of the model that keeps a
+contiguous run of blocks, the embeddings only on the first stage and the head only on the last
+(the model's ``forward`` skips ``None`` modules). Keeping the original module names means a
+checkpoint saved under one pipeline layout loads under any other. Stages, micro-batching, the
+point-to-point sends and the schedules themselves are the library's.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from autosearch.engine.plan import ParallelPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autosearch.strategy import Strategy
+
+
+def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Stages held by one pipeline rank: the loop placement interleaved 1F1B expects
+    (rank r holds stages r, r + pp, r + 2pp, ...; Narayanan et al. 2021, sec. 2.2)."""
+    return [pp_rank + i * pp for i in range(virtual_stages)]
+
+
+def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *, pp_rank: int
+                   ) -> list[tuple[int, nn.Module]]:
+    """This rank's stages of `model`, as (stage index, module) pairs."""
+    n_chunks = strategy.pp * strategy.virtual_stages
+    keys = list(getattr(model, plan.blocks).keys())
+    bounds = plan.chunk_bounds(len(keys), n_chunks)
+    parts = []
+    for stage in stage_indices(pp_rank, strategy.pp, strategy.virtual_stages):
+        part = copy.deepcopy(model)
+        blocks = getattr(part, plan.blocks)
+        start, stop = bounds[stage]
+        for key in keys[:start] + keys[stop:]:
+            del blocks[key]
+        if stage > 0:
+            for name in plan.first_stage:
+                if getattr(part, name, None) is not None:
+                    setattr(part, name, None)
+        if stage < n_chunks - 1:
+            for name in plan.last_stage:
+                if getattr(part, name, None) is not None:
+                    setattr(part, name, None)
+        parts.append((stage, part))
+    return parts
+
+
+def build_schedule(parts: list[tuple[int, nn.Module]], strategy: "Strategy", mesh: "DeviceMesh",
+                   device: torch.device, loss_fn: Callable):
+    """PipelineStage per part and the schedule the strategy names, over the pp group.
+
+    ``n_microbatches`` is the strategy's ``grad_accum_steps``; gradients are divided by it after
+    the last backward (``scale_grads``), matching a mean loss per micro-batch.
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    n_chunks = strategy.pp * strategy.virtual_stages
+    group = mesh.get_group("pp")
+    stages = [PipelineStage(module, stage, n_chunks, device, group=group) for stage, module in parts]
+    m = strategy.grad_accum_steps
+    if strategy.pipeline_schedule == "gpipe":
+        return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+    if strategy.pipeline_schedule == "1f1b":
+        return Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)

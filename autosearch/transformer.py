@@ -1,0 +1,263 @@
+"""A reference decoder-only transformer built from a ModelSpec, with its parallel plan.
+
+Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.model_spec`:
+
+* GPT style (``gelu``; Radford et al. 2019): LayerNorm with bias, biases in every linear layer,
+  learned position embeddings, dropout (probability ``dropout``, 0 by default).
+* Llama style (``swiglu``; Touvron et al. 2023): RMSNorm, no biases, rotary positions
+  (Su et al. 2021), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
+
+The layout follows torchtitan so that the Engine can split and shard it by name: ``tok_embeddings``
+(+ ``pos_embeddings``), ``layers`` (a ModuleDict keyed "0", "1", ... so that parameter names stay
+the same when a pipeline stage keeps only some layers), ``norm`` and ``output``. `forward` skips
+any of these that is ``None``, which is how a pipeline stage is made (`ParallelPlan`).
+
+Example:
+    >>> import torch
+    >>> from autosearch import ModelSpec
+    >>> from autosearch.transformer import Transformer
+    >>> spec = ModelSpec.load("tiny-llama").scaled(n_layers=2, hidden_size=64, seq_len=16)
+    >>> model = Transformer(spec)
+    >>> model(torch.zeros(2, 16, dtype=torch.long)).shape
+    torch.Size([2, 16, 1000])
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autosearch.engine.plan import ParallelPlan
+from autosearch.errors import SpecError
+from autosearch.model_spec import ModelSpec
+
+ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
+
+
+def rope_table(seq_len: int, head_dim: int, theta: float = ROPE_THETA) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape (2, seq_len, head_dim) (Su et al. 2021, eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by the table; the "rotate half" form of GPT-NeoX/Llama."""
+    seq = x.shape[1]
+    cos = rope[0, :seq, None, :].to(x.dtype)
+    sin = rope[1, :seq, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask: what selective recompute recomputes.
+
+    Korthikanti et al. 2022, sec. 5: this part holds the 5as^2b bytes of activations per layer
+    and is cheap to recompute, so it is the one to checkpoint.
+    """
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Heads come from the shapes, so the same code runs on the heads a tp rank holds.
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, dropout: float):
+        super().__init__()
+        bias = spec.is_gpt_style
+        self.head_dim = spec.head_dim
+        self.wq = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
+        self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=bias)
+        self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=bias)
+        self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
+        self.core = CoreAttention(dropout)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """GELU MLP (w1, w2) or SwiGLU (w2(silu(w1 x) * w3 x); Shazeer 2020)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        bias = spec.is_gpt_style
+        self.swiglu = not spec.is_gpt_style
+        self.w1 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=bias)
+        self.w2 = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=bias)
+        self.w3 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    return nn.LayerNorm(spec.hidden_size) if spec.is_gpt_style else nn.RMSNorm(spec.hidden_size, eps=1e-5)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, dropout: float):
+        super().__init__()
+        self.attention_norm = _norm(spec)
+        self.attention = Attention(spec, dropout)
+        self.ffn_norm = _norm(spec)
+        self.feed_forward = FeedForward(spec)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    """A decoder-only transformer with the shape of `spec`; input token ids, output logits.
+
+    Args:
+        spec: the model shape (a catalog model, usually shrunk with ``spec.scaled(...)`` on a CPU).
+        dropout: dropout probability of GPT-style models (Llama style has none). 0 by default,
+            which keeps runs under different strategies comparable step for step.
+        init_std: standard deviation of the normal weight initialisation (GPT-2: 0.02; residual
+            output projections are scaled by 1/sqrt(2 n_layers), Radford et al. 2019).
+    """
+
+    def __init__(self, spec: ModelSpec, *, dropout: float = 0.0, init_std: float = 0.02):
+        super().__init__()
+        if not spec.is_gpt_style:
+            dropout = 0.0
+        self.spec = spec
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos_embeddings = nn.Embedding(spec.seq_len, spec.hidden_size) if spec.is_gpt_style else None
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleDict({str(i): Block(spec, dropout) for i in range(spec.n_layers)})
+        self.norm = _norm(spec)
+        self.output = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if not spec.is_gpt_style:
+            self.register_buffer("rope", rope_table(spec.seq_len, spec.head_dim), persistent=False)
+        else:
+            self.rope = None
+        self._init_weights(init_std)
+
+    def _init_weights(self, std: float) -> None:
+        residual_std = std / math.sqrt(2 * self.spec.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to hidden."""
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+                h = h + self.pos_embeddings(positions)
+            h = self.dropout(h)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        elif self.spec.tied_embeddings and self.norm is not None:
+            h = F.linear(h, self.tok_embeddings.weight)
+        return h
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How the Engine shards this model: blocks, pipeline ends, tensor-parallel plan."""
+        return ParallelPlan(
+            blocks="layers",
+            first_stage=("tok_embeddings", "pos_embeddings", "dropout"),
+            last_stage=("norm", "output"),
+            tp_plan=self.tp_plan,
+            attention_core="attention.core",
+            check=self._check_strategy,
+        )
+
+    def _check_strategy(self, strategy) -> list[str]:
+        problems = strategy.problems(self.spec)
+        if self.spec.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
+            problems.append(
+                f"model {self.spec.name!r} ties its input and output embeddings, which the reference "
+                f"transformer supports only with tp=1 and pp=1 (got tp={strategy.tp}, pp={strategy.pp}); "
+                "build it from spec.scaled(tied_embeddings=False) or use dp/zero only"
+            )
+        return problems
+
+    @staticmethod
+    def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Megatron-style plan (Shoeybi et al. 2019) for `parallelize_module`, with sequence
+        parallel (Korthikanti et al. 2022) as torchtitan writes it for Llama.
+
+        Column-wise: wq, wk, wv, w1, w3 (each rank holds n_heads/tp heads and ffn/tp columns);
+        row-wise: wo, w2 (one all-reduce, or reduce-scatter with sequence parallel, per sub-layer).
+        Embeddings are split by vocabulary rows; the output projection by vocabulary columns.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        act = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+        plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "output": ColwiseParallel(
+                input_layouts=act,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+            "layers.*.attention.wq": ColwiseParallel(),
+            "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
+            "layers.*.feed_forward.w1": ColwiseParallel(),
+            "layers.*.feed_forward.w3": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
+        }
+        if sequence_parallel:
+            plan.update({
+                "norm": SequenceParallel(),
+                "layers.*.attention_norm": SequenceParallel(),
+                "layers.*.ffn_norm": SequenceParallel(),
+                "layers.*.attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "layers.*.feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        return plan
+
+
+def build(spec: "ModelSpec | str", **kwargs) -> Transformer:
+    """`Transformer(ModelSpec.load(spec), **kwargs)`: a catalog name, a YAML path or a ModelSpec."""
+    if not isinstance(spec, (ModelSpec, str)):
+        raise SpecError(f"build() takes a ModelSpec or a catalog name, got {type(spec).__name__}")
+    return Transformer(ModelSpec.load(spec), **kwargs)
