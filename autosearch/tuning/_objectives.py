@@ -1,0 +1,114 @@
+"""What a study optimizes: one small class per objective, all scoring a CostReport.
+
+Every objective treats the device memory as a hard limit through an Optuna constraint
+(``memory_excess_gib`` <= 0 is feasible), which TPE and NSGA-II both honour (Optuna's
+constrained TPE and constrained-domination NSGA-II): a strategy that does not fit ranks below
+every strategy that fits, and among those that do not fit, the less hungry ranks higher.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autosearch.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cost_models.hardware import Cluster
+    from cost_models.report import CostReport
+
+GiB = float(1 << 30)
+CONSTRAINT = "memory_excess_gib"
+
+
+class Objective(abc.ABC):
+    """Turns a CostReport into the values of an Optuna trial."""
+
+    name: str
+    directions: tuple[str, ...]
+    value_names: tuple[str, ...]
+
+    @abc.abstractmethod
+    def values(self, report: "CostReport") -> tuple[float, ...]:
+        """The objective values of one report, in the order of `directions`."""
+
+    @property
+    def is_multi(self) -> bool:
+        return len(self.directions) > 1
+
+    def better(self, a: "CostReport", b: "CostReport | None") -> bool:
+        """Single-objective order used inside a trial group: feasible first, then throughput,
+        then the less memory-hungry (so among infeasible strategies the least hungry wins)."""
+        if b is None:
+            return True
+        if a.fits != b.fits:
+            return a.fits
+        if not a.fits:
+            return a.peak_memory_bytes < b.peak_memory_bytes
+        return (a.tokens_per_s, -a.peak_memory_bytes) > (b.tokens_per_s, -b.peak_memory_bytes)
+
+
+@dataclass(frozen=True)
+class Throughput(Objective):
+    """Maximize training tokens per second under the memory limit (the default)."""
+
+    name: str = "throughput"
+    directions: tuple[str, ...] = ("maximize",)
+    value_names: tuple[str, ...] = ("tokens_per_s",)
+
+    def values(self, report: "CostReport") -> tuple[float, ...]:
+        return (report.tokens_per_s,)
+
+
+@dataclass(frozen=True)
+class ThroughputMemory(Objective):
+    """Maximize tokens per second and minimize peak memory per device (Pareto front)."""
+
+    name: str = "throughput-memory"
+    directions: tuple[str, ...] = ("maximize", "minimize")
+    value_names: tuple[str, ...] = ("tokens_per_s", "peak_memory_gib")
+
+    def values(self, report: "CostReport") -> tuple[float, ...]:
+        return (report.tokens_per_s, report.peak_memory_bytes / GiB)
+
+
+@dataclass(frozen=True)
+class ThroughputCost(Objective):
+    """Maximize tokens per second and minimize dollars per million tokens.
+
+    On one cluster the cost per token is price x devices / throughput, so the two objectives agree
+    and the front is a single point; the trade-off appears across cluster sizes, which is what
+    `autosearch sweep --price-per-gpu-hour` tabulates (one row per node count).
+    """
+
+    price_per_gpu_hour: float = 0.0
+    world_size: int = 1
+    name: str = "throughput-cost"
+    directions: tuple[str, ...] = ("maximize", "minimize")
+    value_names: tuple[str, ...] = ("tokens_per_s", "usd_per_million_tokens")
+
+    def values(self, report: "CostReport") -> tuple[float, ...]:
+        return (report.tokens_per_s, usd_per_million_tokens(report, self.price_per_gpu_hour, self.world_size))
+
+
+OBJECTIVES = ("throughput", "throughput-memory", "throughput-cost")
+
+
+def usd_per_million_tokens(report: "CostReport", price_per_gpu_hour: float, world_size: int) -> float:
+    """price x devices x hours per million tokens."""
+    return price_per_gpu_hour * world_size / 3600.0 / report.tokens_per_s * 1e6
+
+
+def make_objective(name: str, *, cluster: "Cluster", price_per_gpu_hour: float | None = None) -> Objective:
+    """The objective called `name` (one of OBJECTIVES; ``memory`` and ``cost`` are accepted)."""
+    key = {"memory": "throughput-memory", "cost": "throughput-cost"}.get(name, name)
+    if key == "throughput":
+        return Throughput()
+    if key == "throughput-memory":
+        return ThroughputMemory()
+    if key == "throughput-cost":
+        if price_per_gpu_hour is None or price_per_gpu_hour <= 0:
+            raise SpecError("objective throughput-cost needs a price per GPU-hour > 0 "
+                            "(--price-per-gpu-hour 2.5, or price_per_gpu_hour=2.5)")
+        return ThroughputCost(price_per_gpu_hour=float(price_per_gpu_hour), world_size=cluster.world_size)
+    raise SpecError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")

@@ -1,0 +1,75 @@
+"""Immutable records of a finished search."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autosearch.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+
+    from autosearch.strategy import Strategy
+    from cost_models.report import CostReport
+    from search_spaces import BaseSearchSpace
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One scored strategy: what a trial found, with its cost report and trial number."""
+
+    strategy: "Strategy"
+    report: "CostReport"
+    trial_number: int
+    values: tuple[float, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return self.report.fits
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What `tune` found.
+
+    Attributes:
+        best_strategy: the fastest strategy that fits (for multi-objective studies, the fastest
+            point of the Pareto front); None when nothing fits.
+        best_report: its CostReport.
+        top_k: the best distinct strategies that fit, best first, as Candidates.
+        pareto: the Pareto front of a multi-objective study (empty for a single objective).
+        least_hungry: the candidate closest to fitting when nothing fits (else None).
+        study: the Optuna study (persistent when a storage was given).
+        space: the search space searched.
+        n_trials: finished trials in the study; n_new_trials: how many this call ran.
+        out_dir: where the outputs were written (None when not asked).
+        message: a one-line summary for people.
+    """
+
+    best_strategy: "Strategy | None"
+    best_report: "CostReport | None"
+    top_k: tuple[Candidate, ...]
+    study: "optuna.Study"
+    space: "BaseSearchSpace"
+    objective: str
+    n_trials: int
+    n_new_trials: int
+    pareto: tuple[Candidate, ...] = ()
+    least_hungry: Candidate | None = None
+    out_dir: str | None = None
+    message: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class NoFeasibleStrategyError(SpecError):
+    """No strategy of the space fits in device memory; `.result` holds the TuneResult (outputs
+    are written before this is raised) and the message says how far the least hungry strategy is."""
+
+    def __init__(self, message: str, *, result: TuneResult | None = None):
+        super().__init__(message)
+        self.result = result
+
+
+def record_of(strategy: "Strategy", report: "CostReport") -> dict[str, Any]:
+    """The JSON-able record stored in a trial's user attributes."""
+    return {"strategy": strategy.to_dict(), "report": report.to_dict(flat=False)}
