@@ -189,7 +189,7 @@ class Engine:
                 problems.append(f"pp={strategy.pp} needs the model's blocks in an nn.ModuleDict named by "
                                 f"ParallelPlan.blocks ({plan.blocks!r} here) and a forward that skips None modules; "
                                 "pass a ParallelPlan or use pp=1")
-            else:
+            elif plan.check is None or plan.split_points is not None:  # else the model's check covers it
                 bounds = plan.chunk_bounds(len(container), strategy.pp * strategy.virtual_stages)
                 if isinstance(bounds, str):
                     problems.append(f"the pipeline split is impossible: {bounds}")
@@ -299,8 +299,8 @@ class Engine:
         mode = self._mode or "train"
         strategy = self._resolve_strategy(batch_size)
         batch_size = batch_size or strategy.global_batch_size
+        self.prepare()  # validates the strategy first, so its own message comes before batch messages
         self._check_batch(batch_size, mode)
-        self.prepare()
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
         dp_rank = self.mesh_.get_local_rank("dp") if self.mesh_ is not None else 0
@@ -424,7 +424,9 @@ class Engine:
         if last:
             out = _full(out.detach()) if out is not None else None
             if labels is not None:
-                loss_sum = sum(_full(r).double() * s.micro_batch_size for r in loss_fn.records)
+                # The last m records: on its first step the stage also calls the loss while inferring shapes.
+                records = loss_fn.records[-s.grad_accum_steps:]
+                loss_sum = sum(_full(r).double() * s.micro_batch_size for r in records)
                 n = inputs.shape[0]
                 if self._metrics and out is not None:
                     metric_sums = self._metric_sums(out, labels)

@@ -15,9 +15,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.strategy import Strategy
 
-# How each ZeRO stage is run (see parallelize.apply_data_parallel for the full story).
+# How each ZeRO stage is run (the table in autosearch/engine/parallelize.py explains each).
+# DDP only runs plain single-stage models: it rejects DTensor parameters (tp > 1), and inside
+# torch.distributed.pipelining (pp > 1) its reducer fails on the first 1F1B step in torch 2.13
+# ("rebuilt parameter indices size is not same as original model parameters size").
 DP_MODES = {
-    # (zero_stage, tp > 1) -> mode
+    # (zero_stage, tp > 1 or pp > 1) -> mode
     (0, False): "ddp",        # DDP: one bucketed gradient all-reduce per step
     (0, True): "hsdp",        # FSDP2 on a (dp, 1) mesh = replicate-only: the same all-reduce
     (1, False): "ddp_zero1",  # DDP + ZeroRedundancyOptimizer (optimizer states sharded over dp)
@@ -52,7 +55,7 @@ class ParallelDims:
         """How data parallelism runs: ``none`` (dp=1) or one of `DP_MODES`."""
         if self.dp == 1:
             return "none"
-        return DP_MODES[(self.zero_stage, self.tp > 1)]
+        return DP_MODES[(self.zero_stage, self.tp > 1 or self.pp > 1)]
 
     @property
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -4,26 +4,27 @@ first, then tensor parallel, activation checkpointing, autocast, and data parall
 
 How ZeRO stages are run (the analytic cost model assumes exactly this mapping):
 
-====  ======  ===============================================================================
-zero  tp      what runs over the dp group
-====  ======  ===============================================================================
-0     1       DDP: fp32 parameters, one bucketed gradient all-reduce per optimizer step
-              (``no_sync`` on all but the last micro-batch), overlapped with backward.
-0     > 1     FSDP2 ``fully_shard`` on a (dp, 1) HSDP mesh, i.e. replicate-only: parameters stay
-              whole, the same single all-reduce per step (DDP rejects DTensor parameters).
-1     1       DDP + ``ZeroRedundancyOptimizer``: optimizer states sharded over dp; after the
-              step each rank broadcasts the parameters it updated (ZeRO-1, Rajbhandari et al. 2020).
-1     > 1     FSDP2 ``fully_shard(reshard_after_forward=False)`` with the gradient
-              reduce-scatter once per step: the closest real equivalent, because
-              ZeroRedundancyOptimizer broadcasts plain tensors and fails on DTensor parameters
-              ("c10d.broadcast_ has no sharding strategy"). It shards gradients and parameters
-              between steps too, so it uses less memory than ZeRO-1 (the cost model's zero 1).
-2     any     FSDP2 ``fully_shard(reshard_after_forward=False)``: parameters, gradients and
-              optimizer states sharded; parameters gathered once per micro-batch and kept until
-              its backward; gradients reduce-scattered every micro-batch.
-3     any     FSDP2 ``fully_shard(reshard_after_forward=True)``: as 2, but parameters are freed
-              after forward and gathered again in backward.
-====  ======  ===============================================================================
+====  ==========  ===========================================================================
+zero  tp, pp      what runs over the dp group
+====  ==========  ===========================================================================
+0     both 1      DDP: fp32 parameters, one bucketed gradient all-reduce per optimizer step
+                  (``no_sync`` on all but the last micro-batch), overlapped with backward.
+0     tp or pp>1  FSDP2 ``fully_shard`` on a (dp, 1) HSDP mesh, i.e. replicate-only: parameters
+                  stay whole, the same single all-reduce per step. DDP rejects DTensor parameters,
+                  and inside torch.distributed.pipelining its reducer fails (torch 2.13).
+1     both 1      DDP + ``ZeroRedundancyOptimizer``: optimizer states sharded over dp; after the
+                  step each rank broadcasts the parameters it updated (ZeRO-1, Rajbhandari et al. 2020).
+1     tp or pp>1  FSDP2 ``fully_shard(reshard_after_forward=False)`` with the gradient
+                  reduce-scatter once per step: the closest real equivalent, because
+                  ZeroRedundancyOptimizer broadcasts plain tensors and fails on DTensor parameters
+                  ("c10d.broadcast_ has no sharding strategy"), and needs DDP for pp. It shards
+                  gradients and parameters between steps too, so it uses less memory than ZeRO-1.
+2     any         FSDP2 ``fully_shard(reshard_after_forward=False)``: parameters, gradients and
+                  optimizer states sharded; parameters gathered once per micro-batch and kept until
+                  its backward; gradients reduce-scattered every micro-batch.
+3     any         FSDP2 ``fully_shard(reshard_after_forward=True)``: as 2, but parameters are freed
+                  after forward and gathered again in backward.
+====  ==========  ===========================================================================
 
 FSDP2 shards each block as one unit, then the root. Zero 0 and 1 keep fp32 parameters and use
 autocast; zero 2 and 3 with 16-bit amp also use ``MixedPrecisionPolicy(param_dtype=amp dtype,

@@ -1,0 +1,220 @@
+"""Multi-process helpers for the Engine tests: launch gloo workers, run many strategies per launch.
+
+One launch per world size keeps the suite fast on a 2-core machine: process start-up and
+`import torch` cost seconds, a strategy on a tiny model costs a fraction of one. Workers write
+their results as JSON (one file per rank) and end with `shutdown` (destroy_process_group, flush,
+os._exit), which avoids the gloo crash at interpreter exit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autosearch import ModelSpec  # noqa: E402
+
+STEPS = 4          # optimizer steps compared per strategy
+LR = 1e-2          # large enough that the weights move visibly in 4 AdamW steps
+MODELS = {
+    # tiny-gpt / tiny-llama shrunk: 4 layers (pp=2 with 2 virtual stages), heads divisible by 2 and 4
+    "gpt": ModelSpec.load("tiny-gpt").scaled(hidden_size=64, n_heads=4, vocab_size=128, seq_len=32),
+    "llama": ModelSpec.load("tiny-llama").scaled(hidden_size=64, n_heads=4, n_kv_heads=2, ffn_hidden_size=128,
+                                                 vocab_size=128, seq_len=32),
+}
+
+
+def make_model(kind: str):
+    from autosearch.transformer import Transformer
+
+    torch.manual_seed(1234)
+    return Transformer(MODELS[kind])
+
+
+def dataset(kind: str, n: int = 64, seed: int = 0):
+    from autosearch.engine import SyntheticTokens
+
+    return SyntheticTokens.for_model(MODELS[kind], n, seed=seed)
+
+
+def train_losses(strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS) -> list[float]:
+    """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
+    from autosearch import Engine
+
+    model = make_model(kind)
+    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), strategy=strategy,
+                    loss_parallel=loss_parallel)
+    loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
+    engine.prepare(mode="train")
+    return [engine.run(batch, mode="train")["loss"] for batch in loader]
+
+
+# ---- jobs (run on every rank) -----------------------------------------------------------------
+def job_equivalence(cases: list[dict]) -> dict:
+    out = {}
+    for case in cases:
+        out[case["name"]] = train_losses(case["strategy"], case.get("model", "gpt"),
+                                         loss_parallel=case.get("loss_parallel", False))
+    return out
+
+
+def job_invalid(cases: list[dict]) -> dict:
+    """Each case must raise SpecError before any step; record the message (or what happened)."""
+    from autosearch import Engine, SpecError
+    from autosearch.transformer import Transformer
+
+    out = {}
+    for case in cases:
+        spec = MODELS["gpt"].scaled(**case.get("model", {}))
+        model = Transformer(spec)
+        engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters()), strategy=case["strategy"])
+        try:
+            engine.fit(dataset("gpt", 32), batch_size=case.get("batch_size"), epochs=1, verbose=0)
+            out[case["name"]] = "no error"
+        except SpecError as exc:
+            out[case["name"]] = "SpecError: " + str(exc)
+        except Exception as exc:  # noqa: BLE001 - the test reports the wrong kind of error
+            out[case["name"]] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def job_api(workdir: str) -> dict:
+    """fit / evaluate / predict / dataloader+prepare+run under parallel strategies, and checkpoints."""
+    from autosearch import Engine
+    from autosearch.engine import Accuracy
+
+    out: dict = {}
+    valid = dataset("gpt", 16, seed=7)
+
+    def factory():
+        return make_model("gpt")
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=LR)
+
+    # fit + evaluate + predict under tp=2 with sequence parallel
+    e = Engine(factory, optimizer=adamw, metrics=Accuracy(), seed=0,
+               strategy="tp=2,sequence_parallel=true,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    history = e.fit(dataset("gpt", 32), epochs=2, steps_per_epoch=3, valid_data=valid, verbose=0)
+    out["fit_history"] = {k: len(v) for k, v in history.items()}
+    out["fit_loss"] = history["loss"]
+    out["tp_eval"] = e.evaluate(valid, verbose=0)
+    preds = e.predict(valid, batch_size=4)
+    out["tp_predict_shape"] = list(preds[0].shape)
+    out["tp_predict_sum"] = float(sum(p.double().sum() for p in preds))
+    out["tp_mesh"] = list(e.mesh.mesh.shape)
+
+    # dataloader + prepare + run under pp=2 (1f1b), then evaluate and predict
+    e = Engine(factory, optimizer=adamw, metrics=Accuracy(),
+               strategy="pp=2,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    loader = e.dataloader(dataset("gpt", 32), mode="train", epochs=1, steps_per_epoch=3)
+    e.prepare(mode="train")
+    out["pp_run"] = [e.run(batch, mode="train") for batch in loader]
+    out["pp_eval"] = e.evaluate(valid, verbose=0)
+    out["pp_predict_batches"] = len(e.predict(valid))
+    out["pp_stages"] = e.stages_
+    e.save(os.path.join(workdir, "pp2"))
+    e.save(os.path.join(workdir, "pp2_model.pt"), training=False)
+
+    # save under dp=2 (zero 3) after 2 steps; train a 3rd step; the same from the checkpoint under tp=2
+    e = Engine(factory, optimizer=adamw, strategy="dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    batches = list(e.dataloader(dataset("gpt", 32), mode="train", steps_per_epoch=3))
+    for batch in batches[:2]:
+        e.run(batch, mode="train")
+    e.save(os.path.join(workdir, "dp2z3"))
+    out["dp_saved_eval"] = e.evaluate(valid, verbose=0)["loss"]
+    e.run(batches[2], mode="train")
+    out["dp_after_step3_eval"] = e.evaluate(valid, verbose=0)["loss"]
+
+    e = Engine(factory, optimizer=adamw, strategy="tp=2,micro_batch_size=4,global_batch_size=4,amp=fp32")
+    e.load(os.path.join(workdir, "dp2z3"))
+    out["tp_loaded_eval"] = e.evaluate(valid, verbose=0)["loss"]
+    # the 3rd batch of the dp=2 run is its two ranks' halves; under tp=2 both ranks read it whole
+    third = dataset("gpt", 32)
+    idx = list(range(8, 12))
+    batch = (torch.stack([third[i][0] for i in idx]), torch.stack([third[i][1] for i in idx]))
+    e.run(batch, mode="train")
+    out["tp_after_step3_eval"] = e.evaluate(valid, verbose=0)["loss"]
+    return out
+
+
+JOBS = {"equivalence": job_equivalence, "invalid": job_invalid, "api": job_api}
+
+
+# ---- launcher ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, job: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from autosearch.engine.distributed import shutdown
+
+    code = 0
+    try:
+        dist.init_process_group("gloo")
+        result = JOBS[job](*args)
+    except BaseException:  # noqa: BLE001 - reported to the test through the result file
+        result = {"error": traceback.format_exc()}
+        code = 1
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    shutdown(code)
+
+
+def launch(world: int, job: str, *args, timeout_s: float = 240.0) -> list[dict]:
+    """Run ``JOBS[job](*args)`` on `world` gloo processes; return each rank's result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(world, _free_port(), outdir, job, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{job} on {world} processes did not finish in {timeout_s:.0f} s (hang?)")
+        except mp.ProcessRaisedException:
+            pass
+        except mp.ProcessExitedException:
+            pass
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world):
+            path = os.path.join(outdir, f"rank{rank}.json")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} of {job} wrote no result (crashed)")
+            with open(path) as f:
+                results.append(json.load(f))
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results
+
+
+def reference_losses(strategy: str, kind: str = "gpt") -> list[float]:
+    """The single-process run the parallel runs are compared with (one thread, as the workers)."""
+    torch.set_num_threads(1)
+    return train_losses(strategy, kind)
