@@ -108,7 +108,8 @@ class SearchSpace(BaseSearchSpace):
     def _build(self) -> None:
         c, m, world = self.config, self.model, self.cluster.world_size
         gbs, gpn = self.global_batch_size, self.cluster.gpus_per_node
-        self.amps = tuple(a for a in c.amp if a in self.cluster.profile.peak_flops)
+        # Preference order, so that among equally fast strategies bf16 comes first.
+        self.amps = tuple(a for a in ("bf16", "fp16", "fp32") if a in c.amp and a in self.cluster.profile.peak_flops)
         if not self.amps:
             raise SpecError(f"amp {', '.join(c.amp)} not supported by hardware profile {self.cluster.profile.name!r} "
                             f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those")
