@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     report = cm.estimate(strategy)
     if args.json:
         print_json({"model": model.name, "cluster": cluster.name, "runtime": cm.runtime.name,
+                    "profile_defaults_used": list(cluster.profile.defaults_used()),
                     "strategy": strategy.to_dict(), "report": report.to_dict(flat=False)})
         return 0
     print(render_report(model, cluster, strategy, report, runtime=cm.runtime.name))
@@ -54,4 +55,8 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
         lines.append(f"{left:<37}{right}")
     for note in report.notes:
         lines.append(f"note: {note}")
+    defaults = cluster.profile.defaults_used()
+    if defaults:
+        lines.append(f"note: profile {cluster.profile.name} uses datasheet/default values (not measured here) for: "
+                     f"{', '.join(defaults)}; `autosearch calibrate` measures them")
     return "\n".join(lines)
