@@ -1,0 +1,243 @@
+"""Fits that turn microbenchmark medians into the terms of a hardware profile (numpy/scipy only).
+
+Every fit minimises relative error (residual = log(predicted / measured)): measured times span
+six orders of magnitude, and an absolute least-squares fit would ignore everything but the
+largest points. Fit quality is reported the same way for every fit (`FitQuality`): R^2 of
+log(time), the worst and the median relative residual, and the number of points.
+
+The model forms are the ones `cost_models.analytic` consumes, so that what is fitted is what the
+cost model uses:
+- GEMM (`cost_models.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
+  backward = 2 x forward (dgrad + wgrad, as `AnalyticCostModel._layer_costs` assumes).
+- Fused attention: t_fwd = launch + F/(peak * eff_p), t_bwd = 2.5 t_fwd (FLASH_BWD_OVER_FWD).
+- Streaming memory: t = launch + bytes / bandwidth (McCalpin's STREAM, arrays >= 4x the last-level cache).
+- Collectives, alpha-beta of ring algorithms (Thakur et al. 2005; `cost_models.formulas`):
+  t = a_op(n) * alpha + b_op(n) * S / beta.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.optimize import least_squares
+
+# Backward over forward time, as the analytic model assumes them (cost_models/analytic.py).
+GEMM_BWD_OVER_FWD = 2.0
+ATTENTION_BWD_OVER_FWD = 2.5
+ATTENTION_CAUSAL_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    """How well a fitted form reproduces the measurements it was fitted on.
+
+    r2_log: coefficient of determination of log(time) (1 = perfect, 0 = no better than the mean).
+    worst_rel_residual: largest |predicted / measured - 1| over the points.
+    median_rel_residual: median |predicted / measured - 1|.
+    n_points: number of measurements used.
+    """
+
+    r2_log: float
+    worst_rel_residual: float
+    median_rel_residual: float
+    n_points: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> FitQuality:
+    p = np.asarray(predicted, dtype=float)
+    y = np.asarray(measured, dtype=float)
+    lp, ly = np.log(p), np.log(y)
+    ss_res = float(np.sum((ly - lp) ** 2))
+    ss_tot = float(np.sum((ly - ly.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    rel = np.abs(p / y - 1.0)
+    return FitQuality(r2, float(rel.max()), float(np.median(rel)), int(len(y)))
+
+
+def _check(times: np.ndarray, what: str, *, min_points: int) -> None:
+    if len(times) < min_points:
+        raise ValueError(f"{what}: need at least {min_points} measurements to fit, got {len(times)}")
+    if not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ValueError(f"{what}: measured times must be finite and > 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """rate_flops[p]: asymptotic (large-shape) rate of precision p = peak * max_efficiency[p]."""
+
+    rate_flops: dict[str, float]
+    half_dim: float
+    launch_s: float
+    quality: FitQuality
+    quality_by_precision: dict[str, FitQuality]
+
+    def predict(self, m, n, k, precision, multiplier=1.0) -> np.ndarray:
+        return gemm_time_s(m, n, k, self.rate_flops, precision, self.half_dim, self.launch_s, multiplier)
+
+
+def gemm_time_s(m, n, k, rate_flops: dict[str, float], precision, half_dim: float, launch_s: float,
+                multiplier=1.0) -> np.ndarray:
+    m, n, k = (np.asarray(x, dtype=float) for x in (m, n, k))
+    rate = np.array([rate_flops[p] for p in np.atleast_1d(precision)], dtype=float)
+    shape = 1.0 + half_dim * (1.0 / m + 1.0 / n + 1.0 / k)
+    return np.asarray(multiplier, dtype=float) * (launch_s + 2.0 * m * n * k / rate * shape)
+
+
+def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
+    """Fit one asymptotic rate per precision, and one half_dim and launch_s shared by all
+    (the GemmEfficiency form). `multiplier` is 1 for forward GEMMs and 2 for the backward pair."""
+    m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
+    prec = np.asarray(precision, dtype=object)
+    mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
+    _check(t, "GEMM fit", min_points=3)
+    names = sorted(set(prec.tolist()))
+    idx = np.array([names.index(p) for p in prec])
+    flops = 2.0 * m * n * k
+    # Start: each precision's best observed rate, half_dim = 16, launch = the fastest call / 4.
+    rate0 = np.array([np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))])
+    x0 = np.concatenate([np.log(rate0), [np.log(16.0), np.log(max(t.min() / 4, 1e-9))]])
+
+    def unpack(x):
+        return np.exp(x[:len(names)]), np.exp(x[-2]), np.exp(x[-1])
+
+    def resid(x):
+        rate, hd, launch = unpack(x)
+        pred = mult * (launch + flops / rate[idx] * (1 + hd * (1 / m + 1 / n + 1 / k)))
+        return np.log(pred / t)
+
+    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
+    rate, hd, launch = unpack(sol.x)
+    pred = np.exp(resid(sol.x)) * t
+    by_prec = {p: fit_quality(pred[idx == i], t[idx == i]) for i, p in enumerate(names) if np.sum(idx == i) >= 2}
+    return GemmFit({p: float(rate[i]) for i, p in enumerate(names)}, float(hd), float(launch),
+                   fit_quality(pred, t), by_prec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused attention
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionFit:
+    """rate_flops: achieved rate of fused attention (peak * attention efficiency)."""
+
+    rate_flops: float
+    quality: FitQuality
+    bwd_over_fwd_measured: float  # median measured backward / forward time (the model assumes 2.5)
+
+
+def attention_flops(batch, heads, seq_len, head_dim, *, causal: bool = True) -> np.ndarray:
+    """Forward FLOPs of QK^T and softmax(.)V: 4 b a s^2 d, halved with a causal mask
+    (as AnalyticCostModel counts them, CAUSAL_FRACTION)."""
+    b, a, s, d = (np.asarray(x, dtype=float) for x in (batch, heads, seq_len, head_dim))
+    return 4.0 * b * a * s * s * d * (ATTENTION_CAUSAL_FRACTION if causal else 1.0)
+
+
+def fit_attention(flops, is_backward, time_s, *, launch_s: float) -> AttentionFit:
+    """Fit one rate to t = (1 or 2.5) * (launch + F / rate)."""
+    f, t = np.asarray(flops, dtype=float), np.asarray(time_s, dtype=float)
+    bwd = np.asarray(is_backward, dtype=bool)
+    _check(t, "attention fit", min_points=2)
+    mult = np.where(bwd, ATTENTION_BWD_OVER_FWD, 1.0)
+
+    def resid(x):
+        return np.log(mult * (launch_s + f / np.exp(x[0])) / t)
+
+    x0 = [np.log(np.median(mult * f / t))]
+    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
+    pred = np.exp(resid(sol.x)) * t
+    ratio = float("nan")
+    if bwd.any() and (~bwd).any():
+        ratio = float(np.median(t[bwd] / f[bwd]) / np.median(t[~bwd] / f[~bwd]))
+    return AttentionFit(float(np.exp(sol.x[0])), fit_quality(pred, t), ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming memory bandwidth
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BandwidthFit:
+    bandwidth_bytes_per_s: float
+    launch_s: float
+    quality: FitQuality
+
+
+def fit_bandwidth(nbytes, time_s, *, launch_s: float | None = None) -> BandwidthFit:
+    """t = launch + bytes / bandwidth. With `launch_s` given, only the bandwidth is fitted."""
+    b, t = np.asarray(nbytes, dtype=float), np.asarray(time_s, dtype=float)
+    _check(t, "bandwidth fit", min_points=1 if launch_s is not None else 2)
+    fixed = launch_s is not None
+
+    def unpack(x):
+        return np.exp(x[0]), (launch_s if fixed else np.exp(x[1]))
+
+    def resid(x):
+        bw, launch = unpack(x)
+        return np.log((launch + b / bw) / t)
+
+    x0 = [np.log(np.max(b / t))] + ([] if fixed else [np.log(max(t.min() / 4, 1e-9))])
+    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
+    bw, launch = unpack(sol.x)
+    pred = np.exp(resid(sol.x)) * t
+    return BandwidthFit(float(bw), float(launch), fit_quality(pred, t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: alpha-beta
+# ---------------------------------------------------------------------------------------------
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def collective_coefficients(op: str, group: int) -> tuple[float, float]:
+    """(a, b) such that t = a alpha + b S / beta for a ring over `group` ranks, S the full buffer
+    (all-reduce input, all-gather output, reduce-scatter input; one message for send/recv).
+    The same formulas as cost_models.formulas (Thakur, Rabenseifner & Gropp 2005, sec. 4)."""
+    n = float(group)
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return n - 1, (n - 1) / n
+    if op == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"unknown collective {op!r}; expected one of {COLLECTIVES}")
+
+
+@dataclass(frozen=True)
+class AlphaBetaFit:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    quality: FitQuality
+
+    def predict(self, op: str, group: int, nbytes) -> np.ndarray:
+        a, b = collective_coefficients(op, group)
+        return a * self.latency_s + b * np.asarray(nbytes, dtype=float) / self.bandwidth_bytes_per_s
+
+
+def fit_alpha_beta(ops: Sequence[str], groups: Sequence[int], nbytes, time_s) -> AlphaBetaFit:
+    """One (alpha, beta) for every (op, group size, message size) point given."""
+    t, s = np.asarray(time_s, dtype=float), np.asarray(nbytes, dtype=float)
+    _check(t, "alpha-beta fit", min_points=2)
+    coef = np.array([collective_coefficients(o, int(g)) for o, g in zip(ops, groups)], dtype=float)
+    a, b = coef[:, 0], coef[:, 1]
+
+    def resid(x):
+        return np.log((a * np.exp(x[0]) + b * s / np.exp(x[1])) / t)
+
+    small, large = np.argmin(s), np.argmax(s)
+    x0 = [np.log(max(t[small] / a[small], 1e-9)), np.log(max(b[large] * s[large] / t[large], 1.0))]
+    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
+    pred = np.exp(resid(sol.x)) * t
+    return AlphaBetaFit(float(np.exp(sol.x[0])), float(np.exp(sol.x[1])), fit_quality(pred, t))

@@ -1,0 +1,241 @@
+"""Run the microbenchmarks of a calibration: one worker process per rank, for each world size.
+
+A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones run it under
+torchrun (`python -m torch.distributed.run --standalone --nproc_per_node=N`). The parent process
+never imports torch except to detect the device, so the benchmarks run in fresh processes whose
+thread settings are their own.
+
+On CPU a "device" is one process: with N processes per node each gets cores // N threads
+(processes x threads <= cores; more oversubscribes and slows everything down), so compute rates
+are measured per world size, with all N processes computing at the same time, as they do in a
+data-parallel job. On a GPU, compute is measured once on one GPU and the larger world sizes only
+run collectives.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pandas as pd
+
+from autosearch.errors import SpecError
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one calibration measures. Built by `make_plan`; pure data (written to JSON for the workers)."""
+
+    device: str
+    quick: bool
+    precisions: tuple[str, ...]
+    gemm_shapes: tuple[tuple[int, int, int], ...]
+    memory_array_bytes: tuple[int, ...]
+    attention_configs: tuple[tuple[int, int, int, int], ...]   # (batch, heads, seq_len, head_dim)
+    collective_bytes: tuple[int, ...]
+    collective_ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+    budget_s: float = 0.3
+    min_reps: int = 3
+    max_reps: int = 30
+    max_call_s: float = 0.5
+
+    def worker_plan(self, *, suites: list[str], threads: int | None) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(suites=suites, threads=threads)
+        return d
+
+
+def make_plan(device: str, *, quick: bool) -> Plan:
+    """The grids: shapes of a transformer's GEMMs (tokens x hidden-like sizes), STREAM arrays from
+    in-cache to well beyond the last-level cache, attention from short to long sequences, and
+    messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take ~0.3 s)."""
+    if device == "cuda":
+        if quick:
+            return Plan(device="cuda", quick=True, precisions=("fp32", "tf32", "bf16", "fp16"),
+                        gemm_shapes=_grid((256, 4096), (1024, 8192), (1024, 8192)),
+                        memory_array_bytes=(1 << 20, 64 << 20, 512 << 20),
+                        attention_configs=((1, 16, 1024, 128), (4, 16, 4096, 128)),
+                        collective_bytes=tuple(4 * 16 ** i for i in range(8)),
+                        budget_s=0.05, min_reps=5, max_reps=50, max_call_s=0.2)
+        return Plan(device="cuda", quick=False, precisions=("fp32", "tf32", "bf16", "fp16"),
+                    gemm_shapes=_grid((128, 512, 2048, 8192, 16384), (256, 1024, 4096, 8192, 16384),
+                                      (256, 1024, 4096, 8192)),
+                    memory_array_bytes=tuple(1 << p for p in range(20, 33, 2)),   # 1 MiB .. 4 GiB
+                    attention_configs=tuple((b, 16, s, d) for b in (1, 8) for s in (512, 2048, 8192)
+                                            for d in (64, 128)),
+                    collective_bytes=tuple(4 * 4 ** i for i in range(15)),     # 4 B .. 1 GiB
+                    budget_s=0.1, min_reps=5, max_reps=100, max_call_s=0.5)
+    if quick:
+        return Plan(device="cpu", quick=True, precisions=("fp32", "bf16", "fp16"),
+                    gemm_shapes=_grid((32, 256), (64, 256), (64, 256)),
+                    memory_array_bytes=(256 << 10, 4 << 20, 32 << 20),
+                    attention_configs=((1, 4, 64, 32), (2, 4, 128, 64)),
+                    collective_bytes=(4, 256, 16 << 10, 1 << 20, 4 << 20),
+                    budget_s=0.04, min_reps=3, max_reps=10, max_call_s=0.1)
+    return Plan(device="cpu", quick=False, precisions=("fp32", "bf16", "fp16"),
+                gemm_shapes=_grid((16, 64, 256, 1024, 4096), (64, 256, 1024), (64, 256, 1024)),
+                memory_array_bytes=tuple(1 << p for p in range(16, 29, 2)),       # 64 KiB .. 256 MiB
+                attention_configs=tuple((b, 8, s, d) for b in (1, 4) for s in (64, 128, 256, 512, 1024)
+                                        for d in (32, 64)),
+                collective_bytes=tuple(4 * 4 ** i for i in range(14)),          # 4 B .. 256 MiB
+                budget_s=0.3, min_reps=3, max_reps=30, max_call_s=0.5)
+
+
+def _grid(ms, ns, ks) -> tuple[tuple[int, int, int], ...]:
+    return tuple((m, n, k) for m in ms for n in ns for k in ks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine description
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("auto", "cuda", "cpu"):
+        raise SpecError(f"--device must be auto, cuda or cpu, got {device!r}")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                        "use --device cpu or auto")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def describe_machine(device: str) -> dict[str, Any]:
+    """Device, software and load, for the profile's `calibration` record."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host_cpu": _cpu_model(), "cpu_cores": cpu_cores(),
+        "memory_total_bytes": _meminfo_bytes("MemTotal"),
+        "last_level_cache_bytes": _llc_bytes(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "platform": platform.platform(),
+        "load_average_at_start": _loadavg(),
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(device_name=props.name, device_count=torch.cuda.device_count(),
+                    device_memory_bytes=float(props.total_memory),
+                    device_l2_cache_bytes=float(getattr(props, "L2_cache_size", 0) or 0),
+                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    backend="nccl")
+    else:
+        info.update(device_name=info["host_cpu"], device_count=1, backend="gloo",
+                    cpu_capability=torch.backends.cpu.get_cpu_capability())
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _meminfo_bytes(key: str) -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _llc_bytes() -> float | None:
+    """Largest cache of cpu0 from sysfs (e.g. L3 8192K), or None where sysfs has none."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = None
+    try:
+        for entry in os.listdir(base):
+            path = os.path.join(base, entry, "size")
+            if os.path.exists(path):
+                text = open(path, encoding="ascii").read().strip()
+                mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(text[-1:], 1)
+                size = float(text.rstrip("KMG")) * mult
+                best = size if best is None else max(best, size)
+    except (OSError, ValueError):
+        return best
+    return best
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the workers
+# ---------------------------------------------------------------------------------------------
+
+
+def run_microbenchmarks(plan: Plan, world_sizes: list[int], *, timeout_s: float = 3600.0,
+                        log: Callable[[str], None] = print) -> pd.DataFrame:
+    """Every measurement, one row each (the raw CSV a calibration writes)."""
+    frames = []
+    cores = cpu_cores()
+    for ws in world_sizes:
+        if plan.device == "cpu":
+            threads = max(1, cores // ws)
+            suites = ["process_memory", "launch", "gemm", "memory", "attention"] + (["collectives"] if ws > 1 else [])
+        else:
+            threads = None
+            suites = (["process_memory", "launch", "gemm", "memory", "attention"] if ws == 1 else []) + (
+                ["process_memory", "collectives"] if ws > 1 else [])
+        log(f"calibrate: world size {ws}: {', '.join(suites)}"
+            + (f" ({threads} thread(s) per process)" if threads else ""))
+        rows = _launch(plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s)
+        frames.append(pd.DataFrame(rows))
+    df = pd.concat(frames, ignore_index=True)
+    df.insert(0, "device", plan.device)
+    return df
+
+
+def _launch(worker_plan: dict[str, Any], world: int, threads: int | None, timeout_s: float) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="autosearch-calibrate-") as tmp:
+        plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(worker_plan, f)
+        module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
+        if world == 1:
+            cmd = [sys.executable] + module
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={world}"] + module
+        env = dict(os.environ)
+        env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s") from None
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = (proc.stderr or proc.stdout or "")[-3000:]
+            raise RuntimeError(f"calibration worker (world size {world}) failed with exit status "
+                               f"{proc.returncode}:\n{tail}")
+        with open(out_path, encoding="utf-8") as f:
+            return json.load(f)
