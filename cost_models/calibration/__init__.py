@@ -1,33 +1,41 @@
 """Calibration: microbenchmarks of a real machine, fitted (scipy) into a hardware profile, and the
 refit of correction terms from measured training runs.
 
-`import cost_models.calibration` does not import torch: the benchmarks run in worker processes
-(`_worker.py`, `microbench.py`), and everything here is numpy / scipy / pandas.
+Importing this package is cheap and never imports torch: the names below load their module on
+first use (PEP 562), and the benchmarks run in worker processes (`_worker.py`, `microbench.py`),
+which therefore do not pay for scipy and pandas either.
 
 Example:
     >>> from cost_models.calibration import fit_alpha_beta
-    >>> f = fit_alpha_beta(["send_recv"] * 3, [2] * 3, [1e3, 1e6, 1e8], [1.1e-4, 1.1e-3, 1.0e-1])
+    >>> f = fit_alpha_beta(["send_recv"] * 3, [2] * 3, [1e3, 1e6, 1e8], [1.01e-4, 1.1e-3, 1.0001e-1])
     >>> round(f.bandwidth_bytes_per_s / 1e9, 1)
     1.0
 """
-from cost_models.calibration.calibrate import CalibrationResult, calibrate, default_world_sizes, write_profile
-from cost_models.calibration.fit import (
-    AlphaBetaFit,
-    FitQuality,
-    GemmFit,
-    collective_coefficients,
-    fit_alpha_beta,
-    fit_attention,
-    fit_bandwidth,
-    fit_gemm,
-    fit_quality,
-)
-from cost_models.calibration.profile import build_profile, catalog_profile_for
-from cost_models.calibration.refit import RefitResult, refit_corrections
-from cost_models.calibration.runner import Plan, make_plan
+from __future__ import annotations
 
-__all__ = [
-    "AlphaBetaFit", "CalibrationResult", "FitQuality", "GemmFit", "Plan", "RefitResult", "build_profile",
-    "calibrate", "catalog_profile_for", "collective_coefficients", "default_world_sizes", "fit_alpha_beta",
-    "fit_attention", "fit_bandwidth", "fit_gemm", "fit_quality", "make_plan", "refit_corrections", "write_profile",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "cost_models.calibration.calibrate": ("CalibrationResult", "calibrate", "default_world_sizes", "write_profile"),
+    "cost_models.calibration.fit": ("AlphaBetaFit", "FitQuality", "GemmFit", "collective_coefficients",
+                                    "fit_alpha_beta", "fit_attention", "fit_bandwidth", "fit_gemm", "fit_quality"),
+    "cost_models.calibration.profile": ("build_profile", "catalog_profile_for"),
+    "cost_models.calibration.refit": ("RefitResult", "TERM_GROUPS", "refit_corrections"),
+    "cost_models.calibration.runner": ("Plan", "make_plan"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cost_models.calibration' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -152,6 +152,8 @@ def refit_corrections(runs: pd.DataFrame, *, groups: dict[str, Sequence[str]] | 
         return np.concatenate([(pred - y) / y, prior])
 
     x0 = np.zeros(n_params)
+    if intercept:  # strictly inside the bound: least_squares' trf does not leave a start on a bound
+        x0[-1] = 0.01
     lower = [-np.inf] * len(active) + ([0.0] if intercept else [])
     upper = [np.inf] * n_params
     sol = least_squares(resid, x0, bounds=(lower, upper))

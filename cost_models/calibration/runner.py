@@ -1,7 +1,7 @@
 """Run the microbenchmarks of a calibration: one worker process per rank, for each world size.
 
-A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones run it under
-torchrun (`python -m torch.distributed.run --standalone --nproc_per_node=N`). The parent process
+A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones start N such
+processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The parent process
 never imports torch except to detect the device, so the benchmarks run in fresh processes whose
 thread settings are their own.
 
@@ -193,7 +193,7 @@ def _loadavg() -> list[float] | None:
 
 
 def run_microbenchmarks(plan: Plan, world_sizes: list[int], *, timeout_s: float = 3600.0,
-                        log: Callable[[str], None] = print) -> pd.DataFrame:
+                        launcher: str = "direct", log: Callable[[str], None] = print) -> pd.DataFrame:
     """Every measurement, one row each (the raw CSV a calibration writes)."""
     frames = []
     cores = cpu_cores()
@@ -207,35 +207,87 @@ def run_microbenchmarks(plan: Plan, world_sizes: list[int], *, timeout_s: float 
                 ["process_memory", "collectives"] if ws > 1 else [])
         log(f"calibrate: world size {ws}: {', '.join(suites)}"
             + (f" ({threads} thread(s) per process)" if threads else ""))
-        rows = _launch(plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s)
+        rows = _launch(plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s, launcher)
         frames.append(pd.DataFrame(rows))
     df = pd.concat(frames, ignore_index=True)
     df.insert(0, "device", plan.device)
     return df
 
 
-def _launch(worker_plan: dict[str, Any], world: int, threads: int | None, timeout_s: float) -> list[dict]:
+def _launch(worker_plan: dict[str, Any], world: int, threads: int | None, timeout_s: float,
+            launcher: str = "direct") -> list[dict]:
+    """Run the worker on `world` ranks and return rank 0's rows.
+
+    launcher "direct" starts the ranks itself with the environment torchrun gives its workers
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): on a 2-core machine this saves the
+    seconds torchrun spends importing torch in its own agent. "torchrun" goes through
+    `python -m torch.distributed.run --standalone`. Either way, if one rank fails the others are
+    stopped and the failing rank's stderr is in the error.
+    """
     with tempfile.TemporaryDirectory(prefix="autosearch-calibrate-") as tmp:
         plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(worker_plan, f)
         module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
-        if world == 1:
-            cmd = [sys.executable] + module
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={world}"] + module
         env = dict(os.environ)
         env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s") from None
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            tail = (proc.stderr or proc.stdout or "")[-3000:]
-            raise RuntimeError(f"calibration worker (world size {world}) failed with exit status "
-                               f"{proc.returncode}:\n{tail}")
+        if world > 1 and launcher == "torchrun":
+            cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      f"--nproc_per_node={world}"] + module, env)]
+        elif world > 1:
+            port = _free_port()
+            cmds = [([sys.executable] + module,
+                     {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                    for r in range(world)]
+        else:
+            cmds = [([sys.executable] + module, env)]
+        codes, errors = _run_all(cmds, tmp, timeout_s)
+        if codes is None:
+            raise RuntimeError(f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s")
+        if any(codes) or not os.path.exists(out_path):
+            bad = next((i for i, c in enumerate(codes) if c), 0)
+            raise RuntimeError(f"calibration worker (world size {world}, rank {bad}) failed with exit status "
+                               f"{codes[bad]}:\n{errors[bad][-3000:]}")
         with open(out_path, encoding="utf-8") as f:
             return json.load(f)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_all(cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float) -> tuple[list[int] | None, list[str]]:
+    """Start every command, wait for all; stop the rest as soon as one fails or time runs out."""
+    import time
+
+    procs, logs = [], []
+    for i, (cmd, env) in enumerate(cmds):
+        log = open(os.path.join(tmp, f"rank{i}.log"), "w+", encoding="utf-8")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                timed_out = time.monotonic() > deadline
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return (None if timed_out else [p.returncode for p in procs]), texts
