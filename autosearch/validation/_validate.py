@@ -1,0 +1,217 @@
+"""Run candidates for real, one after another, and record measured next to predicted."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autosearch.errors import SpecError
+from autosearch.validation._launch import OK, RunOutcome, launch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+    import pandas as pd
+
+    from autosearch.model_spec import ModelSpec
+    from autosearch.strategy import Strategy
+    from cost_models.hardware import Cluster
+    from cost_models.report import CostReport
+
+VALIDATION_PREFIX = "validation_"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A strategy to run, with what the cost model predicted for it (if known)."""
+
+    strategy: "Strategy"
+    report: "CostReport | None" = None
+    trial_number: int | None = None
+
+
+@dataclass
+class ValidationResult:
+    """Every run, and the best measured one.
+
+    Attributes:
+        table: one row per candidate (``validation.csv``).
+        best: the candidate with the highest measured throughput among those that ran, or None.
+        best_row: its row of `table`.
+    """
+
+    table: "pd.DataFrame"
+    best: Candidate | None
+    best_row: dict[str, Any] | None = None
+    outcomes: list[RunOutcome] = field(default_factory=list)
+
+
+def available_devices() -> tuple[str, int]:
+    """('cuda', GPU count) when GPUs are visible, else ('cpu', logical cores)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda", torch.cuda.device_count()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return "cpu", os.cpu_count() or 1
+
+
+def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]", *, cluster: "Cluster | str | None" = None,
+             steps: int = 10, warmup: int = 3, timeout_s: float = 600.0, out: "str | os.PathLike" = "results/validation",
+             memory_limit_bytes: int | None = None, factory: str | None = None, threads: int | None = None,
+             study: "optuna.Study | None" = None, runtime: str | None = None, verbose: bool = True) -> ValidationResult:
+    """Run each candidate for `warmup + steps` optimizer steps and measure it.
+
+    Args:
+        model: the ModelSpec trained (the reference transformer unless `factory` is given).
+        candidates: strategies (or Candidates with their predicted CostReport), in order.
+        cluster: the cluster the predictions are for; candidates without a report are scored on it
+            (by default, this machine's calibrated profile if one exists).
+        steps, warmup: measured steps after warm-up steps; the step time is the median.
+        timeout_s: a run not finished by then is killed and recorded as a timeout.
+        out: folder for `validation.csv` and each run's config, log and per-rank results.
+        memory_limit_bytes: emulate a smaller device (per process); a run exceeding it fails with OOM.
+        factory: ``"module:function"`` building the model from its ModelSpec, instead of the reference.
+        threads: intra-op threads per process (default: cores / processes, at least 1).
+        study: an Optuna study whose trials get the measured figures as user attributes.
+        runtime: the cost model's runtime options for candidates scored here.
+
+    Returns:
+        A ValidationResult; failures (OOM, crash, timeout) are rows, not exceptions.
+    """
+    import pandas as pd
+
+    from autosearch.model_spec import ModelSpec
+    from autosearch.strategy import Strategy
+    from cost_models.analytic import AnalyticCostModel
+    from cost_models.hardware import Cluster
+
+    model = ModelSpec.load(model)
+    if steps < 1 or warmup < 0:
+        raise SpecError(f"steps must be >= 1 and warmup >= 0; got steps={steps}, warmup={warmup}")
+    device_type, n_devices = available_devices()
+    cands = [c if isinstance(c, Candidate) else Candidate(c) for c in candidates]
+    if not cands:
+        raise SpecError("no candidate to validate: give strategies, or a study with completed feasible trials")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "validation.csv"
+    rows: list[dict[str, Any]] = []
+    outcomes: list[RunOutcome] = []
+    for i, cand in enumerate(cands):
+        s: Strategy = cand.strategy
+        world = s.world_size
+        report = cand.report
+        if report is None and cluster is not None:
+            c = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
+            c = Cluster(gpu=c.profile, n_nodes=1, gpus_per_node=world) if c.world_size != world else c
+            try:
+                report = AnalyticCostModel(model, c, runtime=runtime).estimate(s)
+            except SpecError:
+                report = None
+        row: dict[str, Any] = {"candidate": i, "trial_number": cand.trial_number, "strategy": s.short(),
+                               **s.to_dict(), "world_size": world, "model": model.name}
+        problems = s.problems(model)
+        if device_type == "cuda" and world > n_devices:
+            problems.append(f"needs {world} GPUs, this machine has {n_devices}; run validation on the target cluster")
+        if problems:
+            row.update(status="invalid", reason="; ".join(problems))
+            outcome = RunOutcome("invalid", "; ".join(problems))
+        else:
+            n_threads = threads or max(1, (n_devices if device_type == "cpu" else 1) // world)
+            config = {"model": model.to_dict(), "strategy": s.to_dict(), "steps": steps, "warmup": warmup,
+                      "threads": n_threads if device_type == "cpu" else None, "factory": factory,
+                      "memory_limit_bytes": memory_limit_bytes, "seed": 0}
+            if verbose:
+                print(f"[{i + 1}/{len(cands)}] {s.short()} on {world} process(es) ...", flush=True)
+            outcome = launch(config, nproc=world, run_dir=out_dir / f"run{i:03d}_{s.short()}", timeout_s=timeout_s)
+            row.update(status=outcome.status, reason=outcome.reason, exit_code=outcome.exit_code,
+                       wall_s=round(outcome.wall_s, 2), log=outcome.log_path)
+            if outcome.status == OK:
+                row.update(_measured(outcome, s, model))
+        if report is not None:
+            row.update(predicted_step_time_s=report.step_time_s, predicted_peak_memory_bytes=report.peak_memory_bytes,
+                       predicted_fits=report.fits,
+                       **{f"predicted_{k}": v for k, v in report.to_dict().items() if k.startswith("time_")})
+        if "measured_step_time_s" in row and report is not None:
+            row["step_time_error_pct"] = 100 * (report.step_time_s / row["measured_step_time_s"] - 1)
+            if not math.isnan(row["measured_peak_memory_bytes"]):
+                row["memory_error_pct"] = 100 * (report.peak_memory_bytes / row["measured_peak_memory_bytes"] - 1)
+        if verbose:
+            print("    " + _one_line(row), flush=True)
+        rows.append(row)
+        outcomes.append(outcome)
+        pd.DataFrame(rows).to_csv(csv_path, index=False)  # after every run: nothing measured is lost
+        if study is not None and cand.trial_number is not None:
+            _record_in_study(study, cand.trial_number, row)
+    table = pd.DataFrame(rows)
+    ok = table[table.status == OK] if "status" in table else table.iloc[0:0]
+    best, best_row = None, None
+    if len(ok):
+        idx = ok.measured_tokens_per_s.idxmax()
+        best, best_row = cands[int(table.loc[idx, "candidate"])], table.loc[idx].to_dict()
+    return ValidationResult(table, best, best_row, outcomes)
+
+
+def _measured(outcome: RunOutcome, s: "Strategy", model: "ModelSpec") -> dict[str, Any]:
+    ranks = outcome.ranks
+    step = max(r["step_time_s"] for r in ranks)  # every rank timed the same barriers: take the slowest
+    peaks = [r.get("peak_memory_bytes", float("nan")) for r in ranks]
+    r0 = ranks[0]
+    return {
+        "measured_step_time_s": step, "measured_step_time_min_s": min(r["step_time_min_s"] for r in ranks),
+        "measured_step_time_max_s": max(r["step_time_max_s"] for r in ranks),
+        "measured_tokens_per_s": s.global_batch_size * model.seq_len / step,
+        "measured_peak_memory_bytes": max(peaks), "measured_peak_memory_per_rank": ";".join(f"{p:.0f}" for p in peaks),
+        "measured_peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in ranks),
+        "peak_memory_method": r0.get("peak_memory_method"), "final_loss": r0.get("final_loss"),
+        "device": r0.get("device"), "threads": r0.get("threads"), "torch_version": r0.get("torch_version"),
+        "steps_measured": r0.get("steps_measured"),
+    }
+
+
+def _one_line(row: dict[str, Any]) -> str:
+    if row["status"] != OK:
+        return f"{row['status'].upper()}: {row.get('reason', '')}"
+    text = f"ok: step {row['measured_step_time_s'] * 1e3:.1f} ms, peak {row['measured_peak_memory_bytes'] / 2**20:.0f} MiB"
+    if "predicted_step_time_s" in row:
+        text += (f" (predicted {row['predicted_step_time_s'] * 1e3:.1f} ms, "
+                 f"{row['predicted_peak_memory_bytes'] / 2**20:.0f} MiB)")
+    return text
+
+
+def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, Any]) -> None:
+    """Measured figures next to the predicted ones, as user attributes of the trial."""
+    trial = study.trials[trial_number]
+    keep = ("status", "reason", "measured_step_time_s", "measured_peak_memory_bytes", "measured_tokens_per_s",
+            "step_time_error_pct", "memory_error_pct", "measured_peak_rss_bytes", "device", "threads")
+    for key in keep:
+        if key in row and row[key] is not None and not (isinstance(row[key], float) and math.isnan(row[key])):
+            study._storage.set_trial_user_attr(trial._trial_id, VALIDATION_PREFIX + key, row[key])
+
+
+def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Candidate]:
+    """The `top_k` fastest distinct feasible strategies of a tuner study, with their reports."""
+    from optuna.trial import TrialState
+
+    from autosearch.strategy import Strategy
+    from autosearch.tuning._study import report_from_dict
+
+    seen: dict[Any, Candidate] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if "strategy" not in t.user_attrs or "report" not in t.user_attrs:
+            continue
+        s = Strategy.from_dict(t.user_attrs["strategy"])
+        report = report_from_dict(t.user_attrs["report"])
+        if report.fits and s not in seen:
+            seen[s] = Candidate(s, report, t.number)
+    ranked = sorted(seen.values(), key=lambda c: -c.report.tokens_per_s)
+    return ranked[:top_k]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
