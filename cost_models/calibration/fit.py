@@ -133,7 +133,6 @@ class AttentionFit:
 
     rate_flops: float
     quality: FitQuality
-    bwd_over_fwd_measured: float  # median measured backward / forward time (the model assumes 2.5)
 
 
 def attention_flops(batch, heads, seq_len, head_dim, *, causal: bool = True) -> np.ndarray:
@@ -143,12 +142,12 @@ def attention_flops(batch, heads, seq_len, head_dim, *, causal: bool = True) -> 
     return 4.0 * b * a * s * s * d * (ATTENTION_CAUSAL_FRACTION if causal else 1.0)
 
 
-def fit_attention(flops, is_backward, time_s, *, launch_s: float) -> AttentionFit:
-    """Fit one rate to t = (1 or 2.5) * (launch + F / rate)."""
+def fit_attention(flops, time_s, *, launch_s: float, multiplier=1.0) -> AttentionFit:
+    """Fit one rate to t = multiplier * (launch + F / rate), F the forward FLOPs; multiplier 1 for a
+    forward, 2.5 for a backward, 3.5 for both (the model's FLASH_BWD_OVER_FWD)."""
     f, t = np.asarray(flops, dtype=float), np.asarray(time_s, dtype=float)
-    bwd = np.asarray(is_backward, dtype=bool)
-    _check(t, "attention fit", min_points=2)
-    mult = np.where(bwd, ATTENTION_BWD_OVER_FWD, 1.0)
+    _check(t, "attention fit", min_points=1)
+    mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
 
     def resid(x):
         return np.log(mult * (launch_s + f / np.exp(x[0])) / t)
@@ -156,10 +155,7 @@ def fit_attention(flops, is_backward, time_s, *, launch_s: float) -> AttentionFi
     x0 = [np.log(np.median(mult * f / t))]
     sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
     pred = np.exp(resid(sol.x)) * t
-    ratio = float("nan")
-    if bwd.any() and (~bwd).any():
-        ratio = float(np.median(t[bwd] / f[bwd]) / np.median(t[~bwd] / f[~bwd]))
-    return AttentionFit(float(np.exp(sol.x[0])), fit_quality(pred, t), ratio)
+    return AttentionFit(float(np.exp(sol.x[0])), fit_quality(pred, t))
 
 
 # ---------------------------------------------------------------------------------------------
