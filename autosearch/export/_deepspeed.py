@@ -21,7 +21,7 @@ class DeepSpeedExporter(Exporter):
             "gradient_accumulation_steps": s.grad_accum_steps,
             "zero_optimization": {"stage": s.zero_stage},
         }
-        mapped = {"dp", "micro_batch_size", "global_batch_size", "zero_stage", "amp"}
+        mapped = {"dp", "micro_batch_size", "global_batch_size", "amp"}
         unsupported, notes = [], [f"data parallel = WORLD_SIZE / (tp*pp) = {s.dp}"]
         if s.amp == "bf16":
             cfg["bf16"] = {"enabled": True}
@@ -33,10 +33,12 @@ class DeepSpeedExporter(Exporter):
         if s.pp > 1:
             notes.append(f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={s.pp}); "
                          "the config has no pipeline degree")
-            if s.zero_stage >= 2:
-                unsupported.append(("zero_stage", f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only, "
-                                                  f"not {s.zero_stage}"))
         mapped.add("pp")
+        if s.pp > 1 and s.zero_stage >= 2:
+            unsupported.append(("zero_stage", f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only, "
+                                              f"not {s.zero_stage}"))
+        else:
+            mapped.add("zero_stage")
         if s.pp > 1 and s.pipeline_schedule != "1f1b":
             unsupported.append(("pipeline_schedule", f"DeepSpeed pipelines run their own 1F1B-style TrainSchedule; "
                                                      f"{s.pipeline_schedule} is not available"))

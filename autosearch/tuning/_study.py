@@ -216,38 +216,36 @@ class _Runner:
         self._last_sync = time.monotonic()
 
     def run(self, target: int, *, progress) -> int:
-        import optuna
+        """Run trials until the persistent study holds `target` finished ones (or the sampler has
+        nothing left, as BruteForceSampler does when it has seen every combination)."""
+        self.sync()
+        if self._finished >= target:
+            return 0
+        state = {"new": 0, "best": self._best_value()}
 
-        n_new = 0
-        best = self._best_value()
-        while True:
+        def after_trial(study, frozen) -> None:
+            if frozen.state == TrialState.COMPLETE and frozen.constraints.get(CONSTRAINT, 0.0) <= 0:
+                best = state["best"]
+                state["best"] = frozen.values[0] if best is None else max(best, frozen.values[0])
+            self._persist(frozen)
+            state["new"] += 1
             if time.monotonic() - self._last_sync >= self.sync_interval_s:
                 self.sync()
-            if self._finished >= target:
-                break
-            trial = self.shadow.ask()
-            try:
-                values, constraint = self._evaluate(trial)
-            except ValueError as exc:  # a cost-model error for this strategy: record it, go on
-                trial.set_user_attr("error", str(exc))
-                frozen = self.shadow.tell(trial, state=optuna.trial.TrialState.FAIL)
-            else:
-                trial.set_constraint(CONSTRAINT, constraint)
-                frozen = self.shadow.tell(trial, values)
-            if frozen.state == optuna.trial.TrialState.COMPLETE and frozen.constraints[CONSTRAINT] <= 0:
-                best = frozen.values[0] if best is None else max(best, frozen.values[0])
-            self._persist(frozen)
-            n_new += 1
             if progress is not None:
-                progress(min(self._finished, target), target, best)
-            if isinstance(self.shadow.sampler, optuna.samplers.BruteForceSampler) and self._exhausted():
-                break
-        return n_new
+                progress(min(self._finished, target), target, state["best"])
+            if self._finished >= target:
+                study.stop()
 
-    def _exhausted(self) -> bool:
-        # BruteForceSampler stops the study when every combination has been seen; with ask/tell
-        # we detect it the same way: its flag is set on the shadow.
-        return getattr(self.shadow, "_stop_flag", False)
+        def objective(trial):
+            values, constraint = self._evaluate(trial)
+            trial.set_constraint(CONSTRAINT, constraint)
+            return values if len(values) > 1 else values[0]
+
+        # A ValueError from the cost model (e.g. a precision the hardware has no peak for) fails
+        # that trial, is recorded with its message, and the study goes on.
+        self.shadow.optimize(objective, n_trials=target - self._finished, callbacks=[after_trial],
+                             catch=(ValueError,), gc_after_trial=False, show_progress_bar=False)
+        return state["new"]
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float]:
         group = self.space.suggest_group(trial) if self.unit == "layout" else (self.space.suggest(trial),)
