@@ -7,11 +7,31 @@ import os
 from autosearch.commands._common import add_model_cluster_args, fmt_bytes, fmt_s, positive_int_arg
 
 
+EPILOG = """\
+storage (--storage):
+  default             OUT/study.journal: an Optuna journal file, ~2 ms per persisted trial, safe for
+                      several processes on one machine (a lock file next to it)
+  FILE.db             SQLite (sqlite:///FILE.db also works): ~25-30 ms per persisted trial
+  postgresql://user:password@host/db, mysql+pymysql://...
+                      many machines on one study: run the same command on each (different --seed)
+  /shared/nfs/x.journal
+                      many machines without a database: a journal file on a shared file system
+  A killed run loses only the trial in flight; the same command resumes. n_trials counts the
+  finished trials of the whole study (all workers), so a finished study does no new work.
+
+examples:
+  autosearch tune --model llama3-70b --cluster h100-sxm:32x8 --global-batch-size 512
+  autosearch tune --model llama3-70b --cluster h100-sxm:32x8 --global-batch-size 512 --space megatron --pin tp=8
+  autosearch tune ... --objective throughput-memory        # Pareto front with NSGA-II
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="search the fastest strategy that fits (Optuna + the cost model)",
                        description="Search the fastest parallel strategy that fits in memory. The study is stored "
                                    "in --out (or --storage): running the same command again resumes it, and several "
-                                   "processes running it share it.")
+                                   "processes running it share it.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_cluster_args(p)
     p.add_argument("--global-batch-size", required=True, type=positive_int_arg, help="sequences per optimizer step")
     p.add_argument("--n-trials", type=positive_int_arg, default=200,

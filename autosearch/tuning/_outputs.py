@@ -3,6 +3,7 @@ report.md with its plots (matplotlib, Agg backend). Every file is written to a t
 and renamed, so a run killed while writing never leaves a torn file."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
@@ -271,11 +272,28 @@ def _save(fig, out_dir: str, name: str) -> str:
     import matplotlib.pyplot as plt
 
     path = os.path.join(out_dir, name)
-    tmp = path + ".tmp.png"
+    tmp = f"{path}.tmp{os.getpid()}.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def outputs_lock(out_dir: str):
+    """An exclusive lock on `out_dir` (a `.lock` file, flock) while one worker writes the outputs."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ".lock"), "w") as f:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no lock, files are still written atomically
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _atomic_write(path: str, text: str) -> None:

@@ -55,6 +55,7 @@ SYNC_INTERVAL_S = {"journal": 0.0, "memory": math.inf, "rdb": 2.0}
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 _COMPLETE = (TrialState.COMPLETE,)
 _ATTR_STRATEGY, _ATTR_REPORT, _ATTR_WORKER, _ATTR_GROUP = "strategy", "report", "worker", "group_size"
+_ATTR_META = "autosearch"  # study attribute: what the study searches
 
 
 def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_size: int,
@@ -146,8 +147,7 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
             "global_batch_size": global_batch_size}
     if persistent_storage is None:
         persistent = shadow
-        for key, value in meta.items():
-            persistent.set_user_attr(key, value)
+        persistent.set_user_attr(_ATTR_META, meta)
     else:
         persistent = optuna.create_study(storage=persistent_storage, study_name=study_name,
                                          directions=list(obj.directions), load_if_exists=True)
@@ -168,14 +168,19 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
         bar.close()
     timings["search_s"] = time.perf_counter() - t0
 
-    result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
-    if out is not None:
-        from autosearch.tuning._outputs import write_outputs
+    if out is None:
+        result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
+    else:
+        from autosearch.tuning._outputs import outputs_lock, write_outputs
 
+        # Workers sharing a folder take turns: each reads the study and writes every file under the
+        # lock, so the last writer always holds the freshest state.
         t0 = time.perf_counter()
-        write_outputs(result, runner.records(), out_dir=os.fspath(out), meta={
-            **meta, "study_name": study_name, "storage": describe_storage(storage), "sampler": sampler_name,
-            "seed": seed, "n_trials_target": target, "space": _describe(space)})
+        with outputs_lock(os.fspath(out)):
+            result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
+            write_outputs(result, runner.records(), out_dir=os.fspath(out), meta={
+                **meta, "study_name": study_name, "storage": describe_storage(storage), "sampler": sampler_name,
+                "seed": seed, "n_trials_target": target, "space": _describe(space)})
         timings["outputs_s"] = time.perf_counter() - t0
     if result.best_strategy is None and not obj.is_multi or (obj.is_multi and not result.pareto):
         raise NoFeasibleStrategyError(_no_fit_message(runner, result), result=result)
@@ -400,11 +405,12 @@ def _storage_kind(storage) -> str:
 
 
 def _check_or_set_meta(study, meta: dict[str, Any], study_name: str, storage) -> None:
-    stored = study.user_attrs
-    if not stored:
-        for key, value in meta.items():
-            study.set_user_attr(key, value)
-        return
+    """Record what the study searches (one attribute, written in one operation, so a concurrent
+    worker never sees half of it) and refuse to continue a study made for another search."""
+    stored = study.user_attrs.get(_ATTR_META)
+    if stored is None:
+        study.set_user_attr(_ATTR_META, meta)
+        stored = study.user_attrs.get(_ATTR_META, meta)  # another worker may have written first
     diffs = [f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in meta.items() if stored.get(k) != v]
     if diffs:
         raise SpecError(diffs, context=(
