@@ -133,12 +133,20 @@ def describe_machine(device: str) -> dict[str, Any]:
         info.update(device_name=props.name, device_count=torch.cuda.device_count(),
                     device_memory_bytes=float(props.total_memory),
                     device_l2_cache_bytes=float(getattr(props, "L2_cache_size", 0) or 0),
-                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    cuda=torch.version.cuda, nccl=_nccl_version(torch),
                     backend="nccl")
     else:
         info.update(device_name=info["host_cpu"], device_count=1, backend="gloo",
                     cpu_capability=torch.backends.cpu.get_cpu_capability())
     return info
+
+
+def _nccl_version(torch) -> str:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        return "unavailable"
+    return ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
 
 
 def _cpu_model() -> str:
