@@ -58,7 +58,7 @@ def default_world_sizes(device: str) -> list[int]:
 
 
 def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, quick: bool = False,
-              out: str, name: str | None = None, statistic: str = "median", timeout_s: float = 3600.0,
+              out: str, name: str | None = None, statistic: str = "median", timeout_s: float | None = None,
               log: Callable[[str], None] = print) -> CalibrationResult:
     """Run the microbenchmarks, fit them, and write `out` (YAML) and the raw CSV next to it.
 
@@ -70,6 +70,8 @@ def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, qui
         out: path of the profile YAML. The CSV goes to `<out without .yaml>.csv`.
         name: profile name (default: the file name without extension).
         statistic: "median" or "min" of the timed calls of each point.
+        timeout_s: limit per world size (default 10 minutes with `quick`, an hour without); a
+            worker past it is stopped and the calibration fails with that message.
     """
     if statistic not in ("median", "min"):
         raise SpecError(f"statistic must be median or min, got {statistic!r}")
@@ -85,6 +87,7 @@ def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, qui
     machine = describe_machine(device)
     log(f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
         f"{', quick' if quick else ''}; load average {machine['load_average_at_start']}")
+    timeout_s = timeout_s if timeout_s is not None else (600.0 if quick else 3600.0)
     df = run_microbenchmarks(make_plan(device, quick=quick), world_sizes, timeout_s=timeout_s, log=log)
     machine["load_average_at_end"] = _loadavg()
     machine["world_sizes"] = world_sizes
