@@ -94,11 +94,12 @@ def part_regret(rows: list[dict], quick: bool) -> None:
         per_seed, walls, plain = [], [], []
         for seed in seeds:
             t0 = time.perf_counter()
-            res = tune(space.model, space.cluster, global_batch_size=gbs, space=space, n_trials=200, seed=seed)
+            res = tune(space.model, space.cluster, global_batch_size=gbs, space=space, n_trials=200, seed=seed,
+                       sampler="tpe")
             walls.append(time.perf_counter() - t0)
             per_seed.append(regrets(res, optimum))
             res2 = tune(space.model, space.cluster, global_batch_size=gbs, space=space, n_trials=200, seed=seed,
-                        trial_unit="strategy")
+                        sampler="tpe", trial_unit="strategy")
             plain.append(regrets(res2, optimum)[200])
         worst = {m: max(r[m] for r in per_seed) for m in CHECKPOINTS}
         label = f"{model} on {cluster} gbs {gbs}"
@@ -178,12 +179,14 @@ def part_sc21(rows: list[dict]) -> None:
         pub_r = cm.estimate(pub)
         space = SearchSpace(model, cluster, global_batch_size=gbs, amp="fp16")
         in_space = pub in space
-        res = tune(model, cluster, global_batch_size=gbs, space=space, n_trials=200, seed=0, runtime="megatron-sc21")
+        res = tune(model, cluster, global_batch_size=gbs, space=space, n_trials=200, seed=0, runtime="megatron-sc21",
+                   sampler="tpe")
         found_r = res.best_report
         opt, opt_s, _, _ = exhaustive(space, cm)
         old = SearchSpace(model, cluster, global_batch_size=gbs, amp="fp16", sequence_parallel=False, zero_stage=0,
                           recompute=["none", "full"])
-        res_old = tune(model, cluster, global_batch_size=gbs, space=old, n_trials=200, seed=0, runtime="megatron-sc21")
+        res_old = tune(model, cluster, global_batch_size=gbs, space=old, n_trials=200, seed=0, runtime="megatron-sc21",
+                       sampler="tpe")
         base = pub_r.tokens_per_s if pub_r.fits else float("nan")
         ratio = found_r.tokens_per_s / base
         print(f"{model.name:<16} {n:>5} {gbs:>5}  {pub.short():<44} {res.best_strategy.short():<52} {ratio:>6.3f} "
@@ -215,7 +218,8 @@ def part_overhead(rows: list[dict]) -> None:
         for label, storage in (("in memory", None), ("journal file", os.path.join(tmp, "s.journal")),
                                ("SQLite", os.path.join(tmp, "s.db"))):
             t0 = time.perf_counter()
-            res = tune(model, cluster, global_batch_size=gbs, space=space, n_trials=200, seed=0, storage=storage)
+            res = tune(model, cluster, global_batch_size=gbs, space=space, n_trials=200, seed=0, storage=storage,
+                       sampler="tpe")
             dt = time.perf_counter() - t0
             print(f"{label:<14} {dt:6.2f} s for 200 trials ({dt / 200 * 1e3:5.1f} ms per trial), "
                   f"best {res.best_report.tokens_per_s:,.0f} tokens/s")

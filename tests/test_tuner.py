@@ -58,6 +58,9 @@ def test_exhaustive_sampler_matches_a_brute_force_scan():
     best_tps, _ = _exhaustive_best(space)
     assert result.n_trials == space.n_groups
     assert result.best_report.tokens_per_s == pytest.approx(best_tps, rel=1e-12)
+    # The default sampler enumerates a space whose layouts fit in the trial budget.
+    auto = tune(space.model, space.cluster, global_batch_size=32, space=space, n_trials=10 * space.n_groups)
+    assert auto.n_trials == space.n_groups and auto.best_report.tokens_per_s == result.best_report.tokens_per_s
 
 
 def test_strategy_unit_and_recipes_are_enqueued_first():

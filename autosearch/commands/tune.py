@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-trials", type=positive_int_arg, default=200,
                    help="finished trials the study should hold (default 200; a resumed study runs only the rest)")
     p.add_argument("--sampler", choices=["tpe", "nsga2", "random", "exhaustive"],
-                   help="default: tpe for one objective, nsga2 for two")
+                   help="default: exhaustive when --n-trials covers the whole space, else tpe for one "
+                        "objective and nsga2 for two")
     p.add_argument("--objective", default="throughput", choices=["throughput", "throughput-memory", "throughput-cost"])
     p.add_argument("--price-per-gpu-hour", type=float, help="dollars per device-hour (for throughput-cost)")
     p.add_argument("--space", help="search space YAML, or a shipped space name (default, megatron)")

@@ -77,8 +77,9 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
             (needs `price_per_gpu_hour`).
         n_trials: finished trials the study should hold in the end (a resumed study runs only the
             rest); None with the exhaustive sampler means every layout or strategy.
-        sampler: ``tpe`` (default for one objective; constrained TPE), ``nsga2`` (default for two),
-            ``random`` or ``exhaustive`` (Optuna's brute force, for small spaces).
+        sampler: ``tpe`` (constrained TPE), ``nsga2`` (constrained NSGA-II), ``random`` or
+            ``exhaustive`` (Optuna's brute force). None: exhaustive when `n_trials` covers every
+            layout (or strategy) of the space, else tpe for one objective and nsga2 for two.
         storage: None (in memory, or ``<out>/study.journal`` when `out` is given), an Optuna storage,
             an RDB URL (``sqlite:///x.db``, ``postgresql://...``) or a ``.journal`` / ``.db`` path.
         study_name: defaults to ``<model>_<gpu>-<nodes>x<gpus>_gbs<batch>_<objective>``.
@@ -115,12 +116,17 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
     model, cluster = ModelSpec.load(model), Cluster.parse(cluster)
     space = _resolve_space(space, model, cluster, global_batch_size)
     obj = make_objective(objective, cluster=cluster, price_per_gpu_hour=price_per_gpu_hour)
-    sampler_name = sampler or ("nsga2" if obj.is_multi else "tpe")
-    if sampler_name not in SAMPLERS:
-        raise SpecError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     unit = trial_unit or ("strategy" if obj.is_multi else "layout")
     if unit not in TRIAL_UNITS:
         raise SpecError(f"unknown trial_unit {trial_unit!r}; choose layout or strategy")
+    n_units = space.n_groups if unit == "layout" else space.size
+    if sampler is None:  # a budget that covers the whole space enumerates it; else TPE / NSGA-II
+        small = n_trials is not None and n_units <= n_trials and not obj.is_multi
+        sampler_name = "exhaustive" if small else ("nsga2" if obj.is_multi else "tpe")
+    else:
+        sampler_name = sampler
+    if sampler_name not in SAMPLERS:
+        raise SpecError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     if unit == "layout" and obj.is_multi:
         raise SpecError(f"trial_unit=layout keeps one strategy per layout, which would hide most of the "
                         f"Pareto front of {obj.name}; use trial_unit=strategy")
@@ -141,7 +147,7 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     persistent_storage = open_storage(storage)
     shadow = optuna.create_study(directions=list(obj.directions),
-                                 sampler=_make_sampler(sampler_name, seed=seed, multi=obj.is_multi))
+                                 sampler=_make_sampler(sampler_name, seed=seed))
     meta = {"signature": space.signature(), "objective": obj.name, "trial_unit": unit,
             "runtime": cost_model.runtime.name, "model": model.name, "cluster": cluster.name,
             "global_batch_size": global_batch_size}
@@ -158,7 +164,9 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
 
     t0 = time.perf_counter()
     runner.sync()
-    target = n_trials if n_trials is not None else (space.n_groups if unit == "layout" else space.size)
+    target = n_trials if n_trials is not None else n_units
+    if sampler_name == "exhaustive":
+        target = min(target, n_units)
     if use_recipes and runner.n_finished == 0:
         for s in make_recipes(space, cost_model):
             shadow.enqueue_trial(space.params_of(s, group=unit == "layout"), skip_if_exists=True)
@@ -182,7 +190,8 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
                 **meta, "study_name": study_name, "storage": describe_storage(storage), "sampler": sampler_name,
                 "seed": seed, "n_trials_target": target, "space": _describe(space)})
         timings["outputs_s"] = time.perf_counter() - t0
-    if result.best_strategy is None and not obj.is_multi or (obj.is_multi and not result.pareto):
+    nothing_fits = not result.pareto if obj.is_multi else result.best_strategy is None
+    if nothing_fits:
         raise NoFeasibleStrategyError(_no_fit_message(runner, result), result=result)
     return result
 
@@ -384,7 +393,7 @@ def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace
     return SearchSpace(model, cluster, global_batch_size=global_batch_size, config=space)
 
 
-def _make_sampler(name: str, *, seed: int | None, multi: bool):
+def _make_sampler(name: str, *, seed: int | None):
     import optuna
 
     if name == "tpe":
