@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
 
 from autosearch import ModelSpec  # noqa: E402
 
-STEPS = 4          # optimizer steps compared per strategy
-LR = 1e-2          # large enough that the weights move visibly in 4 AdamW steps
+STEPS = 3          # optimizer steps compared per strategy
+LR = 1e-2          # large enough that the weights move visibly in 3 AdamW steps
 MODELS = {
     # tiny-gpt / tiny-llama shrunk: 4 layers (pp=2 with 2 virtual stages), heads divisible by 2 and 4
     "gpt": ModelSpec.load("tiny-gpt").scaled(hidden_size=64, n_heads=4, vocab_size=128, seq_len=32),

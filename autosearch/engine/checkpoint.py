@@ -11,8 +11,10 @@ Layout: ``model.<name>`` for parameters and buffers, ``optim.state.<name>.<key>`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -44,6 +46,15 @@ def optimizer_states(parts: list[nn.Module], optimizers: list) -> list[dict[str,
             for part, opt in zip(parts, optimizers)]
 
 
+@contextlib.contextmanager
+def _quiet():
+    """Silence DCP's "assuming the intent is to save in a single process" when that is the intent."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -57,17 +68,20 @@ def save(path: str, parts: list[nn.Module], optimizers: list | None, *, training
         state: dict[str, Any] = {"model": model_state(parts)}
         if optimizers:
             state["optim"] = {k: v for osd in optimizer_states(parts, optimizers) for k, v in osd.items()}
-        dcp.save(state, checkpoint_id=path)
+        with _quiet():
+            dcp.save(state, checkpoint_id=path)
         return
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     tmp = f"{path}.dcp-tmp"
-    dcp.save(model_state(parts), checkpoint_id=tmp)
+    with _quiet():
+        dcp.save(model_state(parts), checkpoint_id=tmp)
     _barrier()
     if dist.get_rank() == 0 if dist.is_initialized() else True:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        dcp_to_torch_save(tmp, path)
+        with _quiet():
+            dcp_to_torch_save(tmp, path)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
 
@@ -118,7 +132,8 @@ def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: 
             state["optim"] = {k: v for osd in osds for k, v in osd.items() if f"optim.{k}" in saved}
         else:
             missing.append("optimizer state (the checkpoint has none; the optimizer starts fresh)")
-    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    with _quiet():
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     for part in parts:
         own = model_state([part]).keys()
         set_model_state_dict(part, {k: state["model"][k] for k in own if k in state["model"]},

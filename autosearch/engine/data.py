@@ -22,18 +22,21 @@ class SyntheticTokens(Dataset):
     Sample i is ``(tokens[:-1], tokens[1:])`` drawn from a generator seeded with (seed, i), so every
     rank and every process sees the same sample i. The loss starts near ln(vocab_size) and falls
     towards the chain's entropy (about 0.33 + 0.1 ln(vocab_size) nats) as the model learns the table.
+    Datasets with different `seed` and the same `table_seed` (training and validation) share the chain.
 
     Args:
         n_samples: dataset length.
         seq_len: tokens per input sequence.
         vocab_size: token ids are in [0, vocab_size).
-        seed: base seed (the successor table uses the same seed for all samples).
+        seed: seed of the samples.
+        table_seed: seed of the successor table.
         noise: probability of a uniform random token instead of the successor.
     """
 
-    def __init__(self, n_samples: int, *, seq_len: int, vocab_size: int, seed: int = 0, noise: float = 0.1):
+    def __init__(self, n_samples: int, *, seq_len: int, vocab_size: int, seed: int = 0, table_seed: int = 0,
+                 noise: float = 0.1):
         self.n_samples, self.seq_len, self.vocab_size, self.seed, self.noise = n_samples, seq_len, vocab_size, seed, noise
-        self.successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+        self.successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(table_seed))
 
     def __len__(self) -> int:
         return self.n_samples

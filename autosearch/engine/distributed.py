@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from autosearch.errors import SpecError
+
+_SPEC_ERROR_GRACE_S = 3.0
 
 
 def launched_world_size() -> int:
@@ -85,6 +88,10 @@ def run_main(main: Callable[[], "int | None"]) -> NoReturn:
     except SpecError as exc:
         if is_rank0():
             print(f"error: {exc}", file=sys.stderr)
+        else:
+            # Every rank raised the same error. torchrun kills the others as soon as one exits,
+            # so the other ranks give rank 0 time to print it first.
+            time.sleep(_SPEC_ERROR_GRACE_S)
         code = 2
     except BaseException:  # noqa: BLE001 - report, then exit with the process group torn down
         traceback.print_exc()

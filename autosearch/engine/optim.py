@@ -21,15 +21,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.engine.parallel_dims import ParallelDims
 
-# Wrapper prefixes that parallelization adds to parameter names.
-_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Name segments that wrappers add to parameter names (DDP adds a leading "module.").
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
-def clean_name(name: str) -> str:
-    """A parameter name without DDP / checkpoint-wrapper / compile prefixes."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+def clean_name(name: str, *, ddp: bool = False) -> str:
+    """A parameter name without checkpoint-wrapper / compile segments (and DDP's ``module.``)."""
+    if ddp and name.startswith("module."):
+        name = name[len("module."):]
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 class OptimizerRecipe:
@@ -57,11 +57,14 @@ class OptimizerRecipe:
             )
 
     def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = isinstance(part, DistributedDataParallel)
         groups: dict[tuple, dict[str, Any]] = {}
         for name, p in part.named_parameters():
             if not p.requires_grad:
                 continue
-            settings = self.group_of.get(clean_name(name), {})
+            settings = self.group_of.get(clean_name(name, ddp=ddp), {})
             key = tuple(sorted((k, repr(v)) for k, v in settings.items()))
             groups.setdefault(key, {"params": [], **settings})["params"].append(p)
         return list(groups.values())
