@@ -20,6 +20,7 @@ from cost_models.formulas import (
     p2p_time_s,
     ring_all_gather_time_s,
     ring_all_reduce_time_s,
+    ring_reduce_scatter_time_s,
 )
 from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
 from cost_models.runtime import RuntimeOptions
@@ -30,9 +31,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from cost_models.hardware import Cluster
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "tf32": 4}
-# FlashAttention-2's backward does 2.5x the matmul FLOPs of its forward (5 vs 2 GEMMs per tile;
-# Dao 2023, sec. 3.1-3.2), and a causal mask lets it skip half of the tiles.
-FLASH_BWD_OVER_FWD = 2.5
+# A causal mask lets fused attention skip half of the tiles (Dao 2023, sec. 3.1). Its backward
+# costs `attention_backward_over_forward` times its forward: 2.5 by default, FlashAttention-2
+# doing 5 GEMMs per tile backward vs 2 forward (Dao 2023, sec. 3.2); calibration measures it.
 CAUSAL_FRACTION = 0.5
 # Adam step, fused: read param, grad, m, v (fp32) and write param, m, v = 28 bytes per parameter
 # (Kingma & Ba 2015 update; bytes as in the ZeRO paper's 16-bytes-per-parameter accounting).
@@ -86,15 +87,25 @@ class AnalyticCostModel(CostModel):
         self._link_cache[key] = link
         return link
 
+    def _link_for(self, group: int, stride: int, op: str) -> tuple[float, float]:
+        latency, bandwidth = self.group_link(group, stride)
+        link = self.profile.intra_node if group * stride <= self.cluster.gpus_per_node else self.profile.inter_node
+        return latency, bandwidth * link.op_factor(op)
+
     def _all_reduce(self, nbytes: float, group: int, stride: int) -> float:
         if group <= 1:
             return 0.0
-        return ring_all_reduce_time_s(nbytes, group, *self.group_link(group, stride))
+        return ring_all_reduce_time_s(nbytes, group, *self._link_for(group, stride, "all_reduce"))
 
     def _all_gather(self, nbytes: float, group: int, stride: int) -> float:
         if group <= 1:
             return 0.0
-        return ring_all_gather_time_s(nbytes, group, *self.group_link(group, stride))
+        return ring_all_gather_time_s(nbytes, group, *self._link_for(group, stride, "all_gather"))
+
+    def _reduce_scatter(self, nbytes: float, group: int, stride: int) -> float:
+        if group <= 1:
+            return 0.0
+        return ring_reduce_scatter_time_s(nbytes, group, *self._link_for(group, stride, "reduce_scatter"))
 
     # ---- one layer, one micro-batch ------------------------------------------------------------
     def _layer_costs(self, tp: int, mb: int, precision: str, sp: bool) -> tuple:
@@ -133,12 +144,12 @@ class AnalyticCostModel(CostModel):
         if rt.flash_attention:
             flops = 4.0 * mb * s * s * h / t * CAUSAL_FRACTION
             attn_fwd = launch + flops / (peak * prof.attention_efficiency.get(precision, 0.5))
-            attn_bwd = FLASH_BWD_OVER_FWD * attn_fwd
+            attn_bwd = prof.attention_backward_over_forward * attn_fwd
             softmax_bytes = 0.0
         else:
             rows = mb * heads * s  # batched over sequences and local heads
             attn_fwd = gemm_s(rows, s, m.head_dim) + gemm_s(rows, m.head_dim, s)
-            attn_bwd = 2.0 * attn_fwd
+            attn_bwd = gemm.backward_over_forward * attn_fwd
             # Fused scale-mask-softmax (read + write) and attention dropout (read, write, 1-byte mask).
             mask = 1.0 if m.is_gpt_style else 0.0
             softmax_bytes = rows * s * (2 * ab + mask * (2 * ab + 1))
@@ -155,7 +166,7 @@ class AnalyticCostModel(CostModel):
         softmax_s = softmax_bytes / t / mem_bw
 
         fwd = gemm_fwd + attn_fwd + elem_fwd
-        bwd = 2.0 * gemm_fwd + attn_bwd + 2.0 * elem_fwd  # dgrad + wgrad for every GEMM
+        bwd = gemm.backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd  # dgrad + wgrad per GEMM
         attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
 
         # Tensor parallel: two all-reduces of the T x h activation forward and two backward per
@@ -171,7 +182,7 @@ class AnalyticCostModel(CostModel):
         emb_comm = tp_ar
         # Logits (vocabulary split over tp), final norm, and the fused cross-entropy over fp32
         # logits: read the 16-bit logits, write fp32 softmax, read it back and write the gradient.
-        logits = 3.0 * gemm_s(T, V / t, h) + (T * V / t * (ab + 12) + 6 * sbh * ab) / mem_bw + 4 * launch
+        logits = (1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h) + (T * V / t * (ab + 12) + 6 * sbh * ab) / mem_bw + 4 * launch
         logits_comm = tp_ar  # the g operator before the vocabulary-parallel logits (backward)
         out = (fwd, bwd, attn_recompute, tp_fwd, emb, logits, emb_comm, logits_comm)
         self._layer_cache[key] = out
@@ -225,7 +236,7 @@ class AnalyticCostModel(CostModel):
         if p > 1:
             split = sp or rt.pp_scatter_gather  # each tp rank sends 1/t (Narayanan et al. 2021, sec. 4.1)
             nbytes = mb * model.seq_len * model.hidden_size * ab / (t if split else 1)
-            one = p2p_time_s(nbytes, *self.group_link(p, d * t))
+            one = p2p_time_s(nbytes, *self._link_for(p, d * t, "p2p"))
             if rt.pp_scatter_gather and not sp:
                 one += self._all_gather(nbytes * t, t, 1)
             pp_mb = 2.0 * v * one
@@ -263,7 +274,7 @@ class AnalyticCostModel(CostModel):
                               + self._all_gather(psi * p_bytes, d, t))
             else:            # FSDP: gather parameters per micro-batch (forward, and again backward for
                 ag = self._all_gather(psi * ab, d, t)   # ZeRO-3), reduce-scatter gradients
-                rs = self._all_gather(grads, d, t)      # (reduce-scatter costs what all-gather does)
+                rs = self._reduce_scatter(grads, d, t)
                 if zero == 2:
                     dp_exposed = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
                 else:
@@ -274,7 +285,7 @@ class AnalyticCostModel(CostModel):
         opt_bytes = ADAM_BYTES_PER_PARAM + (ab if rt.low_precision_params else 0)
         optimizer = psi_opt * opt_bytes / prof.achieved_memory_bandwidth_bytes_per_s + 10 * prof.kernel_launch_s
 
-        other = rt.step_overhead_s
+        other = rt.step_overhead_s + prof.step_overhead_s
         step = m * t_mb + bubble + dp_exposed + optimizer + other
         time = TimeBreakdown(m * stage_compute, m * stage_rc, m * stage_tp, m * pp_mb, dp_exposed,
                              bubble, optimizer, other)

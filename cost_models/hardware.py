@@ -33,15 +33,23 @@ class Link:
         bandwidth_bytes_per_s: peak unidirectional bandwidth available to one GPU.
         latency_s: alpha, the fixed cost of one message (one step of a ring).
         efficiency: achieved fraction of the peak for large messages (nccl-tests "busbw" / peak).
+        op_efficiency: optional per-collective factors on top of `efficiency` (see `op_factor`).
     """
 
     bandwidth_bytes_per_s: float
     latency_s: float
     efficiency: float = 1.0
+    op_efficiency: dict[str, float] = field(default_factory=dict)
 
     @property
     def achieved_bandwidth_bytes_per_s(self) -> float:
         return self.bandwidth_bytes_per_s * self.efficiency
+
+    def op_factor(self, op: str) -> float:
+        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to the
+        link's achieved bandwidth: 1 for NCCL, where every op runs at the same bus bandwidth;
+        measured for gloo on CPU, where reduce-scatter is several times slower than all-reduce."""
+        return self.op_efficiency.get(op, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +66,7 @@ class GemmEfficiency:
     max_efficiency: dict[str, float]
     half_dim: float
     launch_s: float = 0.0
+    backward_over_forward: float = 2.0  # dgrad + wgrad: two GEMMs of the forward's size
 
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
         hd = self.half_dim
@@ -86,7 +95,9 @@ class HardwareProfile:
     inter_node: Link
     gemm: GemmEfficiency
     attention_efficiency: dict[str, float]
+    attention_backward_over_forward: float = 2.5
     kernel_launch_s: float = 0.0
+    step_overhead_s: float = 0.0
     sources: tuple[str, ...] = ()
     measured: tuple[str, ...] = ()
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -97,9 +108,31 @@ class HardwareProfile:
         return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
 
     def defaults_used(self) -> tuple[str, ...]:
-        """Fields not measured on this machine (datasheet or default values)."""
-        fields = ("peak_flops", "memory_bandwidth", "intra_node", "inter_node", "gemm", "attention")
-        return tuple(f for f in fields if not any(m.startswith(f) for m in self.measured))
+        """Groups of fields not measured on this machine (datasheet or default values)."""
+        groups = {"peak_flops": ("peak_flops",), "memory": ("memory_bandwidth", "memory_efficiency"),
+                  "intra_node": ("intra_node",), "inter_node": ("inter_node",), "gemm": ("gemm",),
+                  "attention": ("attention",)}
+        return tuple(g for g, prefixes in groups.items()
+                     if not any(m.startswith(prefixes) for m in self.measured))
+
+    def variant(self, devices_per_node: int) -> "HardwareProfile | None":
+        """The profile calibrated for another number of processes per node, if one was recorded
+        (CPU calibrations: 1 process with every core is not 2 processes with one core each)."""
+        variants = (self.calibration or {}).get("variants") or {}
+        target = variants.get(devices_per_node) or variants.get(str(devices_per_node))
+        if not target:
+            return None
+        if self.path and not os.path.isabs(target):
+            target = os.path.join(os.path.dirname(self.path), target)
+        return HardwareProfile.load(target)
+
+    def oversubscribed(self, factor: float) -> "HardwareProfile":
+        """This CPU profile shared by `factor` times more processes than it was measured with: each
+        process gets 1/factor of the compute and memory bandwidth (time-sharing of the cores)."""
+        return dataclasses.replace(
+            self, peak_flops={k: v / factor for k, v in self.peak_flops.items()},
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s / factor,
+            description=f"{self.description} (oversubscribed x{factor:g})")
 
     # ---- YAML ---------------------------------------------------------------------------------
     @classmethod
@@ -123,15 +156,21 @@ class HardwareProfile:
         def link(d: dict[str, Any], name: str) -> Link:
             return Link(bandwidth_bytes_per_s=positive_float(float(d["bandwidth_bytes_per_s"]), f"{what}: {name}.bandwidth_bytes_per_s"),
                         latency_s=positive_float(float(d["latency_s"]), f"{what}: {name}.latency_s", allow_zero=True),
-                        efficiency=positive_float(float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"))
+                        efficiency=positive_float(float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"),
+                        op_efficiency={str(k): positive_float(float(v), f"{what}: {name}.op_efficiency.{k}")
+                                       for k, v in (d.get("op_efficiency") or {}).items()})
 
         g = data["gemm"]
         gemm = GemmEfficiency(max_efficiency={str(k): float(v) for k, v in g["max_efficiency"].items()},
-                              half_dim=float(g.get("half_dim", 0.0)), launch_s=float(g.get("launch_s", 0.0)))
+                              half_dim=float(g.get("half_dim", 0.0)), launch_s=float(g.get("launch_s", 0.0)),
+                              backward_over_forward=positive_float(float(g.get("backward_over_forward", 2.0)),
+                                                                   f"{what}: gemm.backward_over_forward"))
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
         if missing_eff:
             raise SpecError(f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}")
         att = {str(k): float(v) for k, v in data["attention"]["flash_efficiency"].items()}
+        att_bwd = positive_float(float(data["attention"].get("backward_over_forward", 2.5)),
+                                 f"{what}: attention.backward_over_forward")
         return cls(
             name=str(data["name"]), description=str(data.get("description", "")),
             device_type=str(data.get("device_type", "cuda")),
@@ -142,8 +181,10 @@ class HardwareProfile:
             memory_efficiency=positive_float(float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"),
             reserved_memory_bytes=positive_float(float(mem.get("reserved_bytes", 0.0)), f"{what}: memory.reserved_bytes", allow_zero=True),
             intra_node=link(data["intra_node"], "intra_node"), inter_node=link(data["inter_node"], "inter_node"),
-            gemm=gemm, attention_efficiency=att,
+            gemm=gemm, attention_efficiency=att, attention_backward_over_forward=att_bwd,
             kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
+            step_overhead_s=positive_float(float(data.get("step_overhead_s", 0.0)), f"{what}: step_overhead_s",
+                                           allow_zero=True),
             sources=tuple(data.get("sources", ()) or ()), measured=tuple(data.get("measured", ()) or ()),
             calibration=dict(data.get("calibration", {}) or {}), path=path,
         )
@@ -156,11 +197,12 @@ class HardwareProfile:
             "memory": {"capacity_bytes": self.memory_capacity_bytes,
                        "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
                        "efficiency": self.memory_efficiency, "reserved_bytes": self.reserved_memory_bytes},
-            "intra_node": dataclasses.asdict(self.intra_node), "inter_node": dataclasses.asdict(self.inter_node),
+            "intra_node": _link_dict(self.intra_node), "inter_node": _link_dict(self.inter_node),
             "gemm": {"max_efficiency": dict(self.gemm.max_efficiency), "half_dim": self.gemm.half_dim,
-                     "launch_s": self.gemm.launch_s},
-            "attention": {"flash_efficiency": dict(self.attention_efficiency)},
-            "kernel_launch_s": self.kernel_launch_s,
+                     "launch_s": self.gemm.launch_s, "backward_over_forward": self.gemm.backward_over_forward},
+            "attention": {"flash_efficiency": dict(self.attention_efficiency),
+                          "backward_over_forward": self.attention_backward_over_forward},
+            "kernel_launch_s": self.kernel_launch_s, "step_overhead_s": self.step_overhead_s,
             "measured": list(self.measured), "calibration": dict(self.calibration),
         }
 
@@ -176,7 +218,10 @@ class HardwareProfile:
         """A profile by catalog name (``h100-sxm``) or by the path of a YAML file."""
         if isinstance(name_or_path, HardwareProfile):
             return name_or_path
-        return _load_profile(os.fspath(name_or_path))
+        key = os.fspath(name_or_path)
+        # a file rewritten since it was read (calibrate, then tune, in one process) is read again
+        mtime = os.path.getmtime(key) if os.path.isfile(key) else None
+        return _load_profile(key, mtime)
 
 
 def profile_names() -> list[str]:
@@ -185,8 +230,15 @@ def profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+def _link_dict(link: Link) -> dict[str, Any]:
+    out = dataclasses.asdict(link)
+    if not out["op_efficiency"]:
+        del out["op_efficiency"]
+    return out
+
+
 @functools.lru_cache(maxsize=64)
-def _load_profile(key: str) -> HardwareProfile:
+def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
     if key.lower() in profile_names():
         text = resources.files("cost_models").joinpath("profiles", key.lower() + ".yaml").read_text(encoding="utf-8")
         return HardwareProfile.from_dict(yaml.safe_load(text), what=f"profile {key!r}")
@@ -224,6 +276,15 @@ class Cluster:
         object.__setattr__(self, "n_nodes", positive_int(self.n_nodes, "n_nodes"))
         gpn = profile.gpus_per_node if self.gpus_per_node is None else positive_int(self.gpus_per_node, "gpus_per_node")
         object.__setattr__(self, "gpus_per_node", gpn)
+        if profile.device_type == "cpu" and gpn != profile.gpus_per_node:
+            # A CPU "device" is a process sharing the node's cores: use the calibration made with
+            # this many processes, else time-share the measured ones.
+            variant = profile.variant(gpn)
+            if variant is not None:
+                profile = variant
+            elif gpn > profile.gpus_per_node:
+                profile = profile.oversubscribed(gpn / profile.gpus_per_node)
+            object.__setattr__(self, "profile", profile)
 
     @property
     def world_size(self) -> int:

@@ -176,3 +176,27 @@ def test_cluster_forms(tmp_path):
     broken.write_text("name: x\ngpus_per_node: 8\n")
     with pytest.raises(SpecError, match="missing key\\(s\\) peak_flops"):
         Cluster(gpu=str(broken))
+
+
+def test_cpu_profiles_follow_the_process_count(tmp_path):
+    """A CPU 'device' is a process sharing the cores: a calibration variant for that many processes
+    is used when recorded, otherwise the measured processes are time-shared."""
+    base = HardwareProfile.load("h100-sxm").to_dict()
+    two = {**base, "name": "cpu-two", "device_type": "cpu", "gpus_per_node": 2,
+           "calibration": {"variants": {1: "one.yaml"}}}
+    one = {**base, "name": "cpu-one", "device_type": "cpu", "gpus_per_node": 1,
+           "peak_flops": {k: 2 * v for k, v in base["peak_flops"].items()}}
+    import yaml
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    path = str(tmp_path / "two.yaml")
+    assert Cluster(gpu=path, gpus_per_node=2).profile.name == "cpu-two"
+    assert Cluster(gpu=path, gpus_per_node=1).profile.name == "cpu-one"
+    four = Cluster(gpu=path, gpus_per_node=4).profile
+    assert four.peak_flops["bf16"] == pytest.approx(base["peak_flops"]["bf16"] / 2)
+    # a profile rewritten on disk is read again (calibrate, then tune, in one process)
+    two["peak_flops"] = {k: 3 * v for k, v in base["peak_flops"].items()}
+    import os
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
+    os.utime(tmp_path / "two.yaml", (1e9, 2e9))
+    assert Cluster(gpu=path).profile.peak_flops["bf16"] == pytest.approx(3 * base["peak_flops"]["bf16"])

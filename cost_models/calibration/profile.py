@@ -93,17 +93,19 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
     g = _measured(cdf, "gemm", statistic)
     if len(g) < 3:
         raise ValueError(f"too few GEMM measurements for world size {compute_world_size} ({len(g)})")
-    # The cost model charges a GEMM's backward as GEMM_BWD_OVER_FWD x its forward. Where the
-    # measured ratio differs (F.linear's backward on CPU), fitting forward and backward points
-    # separately would split the difference; fitting forward + backward per shape makes the total
-    # the model charges right, and the measured ratio is recorded next to the fit.
+    # The cost model charges a GEMM's backward as gemm.backward_over_forward x its forward. The
+    # profile takes the measured ratio (F.linear's backward is ~3x its forward on CPU, not 2x), and
+    # the shape fit runs on forward + backward per shape with that multiplier, so that the total
+    # the model charges is what was measured.
+    bwd_ratio = _bwd_over_fwd(g)
+    gemm_ratio = bwd_ratio if bwd_ratio else F.GEMM_BWD_OVER_FWD
     total = _fwd_plus_bwd(g, ["precision", "m", "n", "k"], "linear_fwd", "linear_bwd")
     if len(total) >= 3:
         gfit = F.fit_gemm(total["m"], total["n"], total["k"], total["precision"].tolist(), total["t"],
-                          multiplier=1.0 + F.GEMM_BWD_OVER_FWD)
+                          multiplier=1.0 + gemm_ratio)
     else:
         gfit = F.fit_gemm(g["m"], g["n"], g["k"], g["precision"].tolist(), g["t"],
-                          multiplier=np.where(g["op"] == "linear_bwd", F.GEMM_BWD_OVER_FWD, 1.0))
+                          multiplier=np.where(g["op"] == "linear_bwd", gemm_ratio, 1.0))
     fwd = g[g["op"] == "linear_fwd"]
     fwd_fit = F.fit_gemm(fwd["m"], fwd["n"], fwd["k"], fwd["precision"].tolist(), fwd["t"]) if len(fwd) >= 3 else None
     if base is not None:
@@ -117,10 +119,11 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
                            "the same for every precision; max_efficiency = each precision's rate / this")
     max_eff = {p: gfit.rate_flops[p] / peak[p] for p in peak}
     measured += ["peak_flops" if base is None else "", "gemm.max_efficiency", "gemm.half_dim", "gemm.launch_s"]
-    bwd_ratio = _bwd_over_fwd(g)
+    if bwd_ratio:
+        measured.append("gemm.backward_over_forward")
     fits["gemm"] = {
-        "form": "t_fwd+bwd = 3 (launch + 2mnk / (peak * max_eff[p]) * (1 + half_dim (1/m + 1/n + 1/k))): "
-                "F.linear forward + backward (dgrad + wgrad) per shape, backward = 2 x forward as the cost model charges it",
+        "form": "t_fwd+bwd = (1 + r) (launch + 2mnk / (peak * max_eff[p]) * (1 + half_dim (1/m + 1/n + 1/k))): "
+                "F.linear forward + backward (dgrad + wgrad) per shape, r = gemm.backward_over_forward (measured)",
         "rate_flops": gfit.rate_flops, "half_dim": gfit.half_dim, "launch_s": gfit.launch_s,
         "quality": gfit.quality.to_dict(),
         "quality_by_precision": {p: q.to_dict() for p, q in gfit.quality_by_precision.items()},
@@ -166,21 +169,24 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
     # ---- attention ----------------------------------------------------------------------------
     att = _measured(cdf, "attention", statistic)
     attention_eff: dict[str, float] = {}
-    fits["attention"] = {"form": "t_fwd+bwd = 3.5 (kernel_launch_s + F / (peak * eff[p])), F = 4 b a s^2 d / 2 "
-                                 "(causal SDPA forward FLOPs); backward = 2.5 x forward as the cost model charges it",
-                         "backward_over_forward_model": F.ATTENTION_BWD_OVER_FWD}
     att_total = _fwd_plus_bwd(att, ["precision", "batch", "heads", "seq_len", "head_dim"], "sdpa_fwd", "sdpa_bwd")
+    # One backward ratio for every precision (the profile has one): the one of the fastest
+    # precision, the one a search will pick; the others' efficiencies absorb the difference.
+    best_rows = att_total[att_total["precision"] == max(peak, key=lambda p: max_eff.get(p, 0))] if len(att_total) else att_total
+    att_ratio = float(np.median(best_rows["t_bwd"] / best_rows["t_fwd"])) if len(best_rows) else F.ATTENTION_BWD_OVER_FWD
+    fits["attention"] = {"form": "t_fwd+bwd = (1 + r) (kernel_launch_s + F / (peak * eff[p])), F = 4 b a s^2 d / 2 "
+                                 "(causal SDPA forward FLOPs); r = attention.backward_over_forward (measured)",
+                         "backward_over_forward": att_ratio}
     for p in peak:
         rows = att_total[att_total["precision"] == p]
         if len(rows) >= 1:
-            afit = F.fit_attention(rows["flops"], rows["t"], launch_s=kernel_launch_s,
-                                   multiplier=1.0 + F.ATTENTION_BWD_OVER_FWD)
+            afit = F.fit_attention(rows["flops"], rows["t"], launch_s=kernel_launch_s, multiplier=1.0 + att_ratio)
             attention_eff[p] = afit.rate_flops / peak[p]
             fits["attention"][p] = {"rate_flops": afit.rate_flops, "efficiency": attention_eff[p],
                                     "quality": afit.quality.to_dict(),
                                     "backward_over_forward_measured": float(np.median(rows["t_bwd"] / rows["t_fwd"]))}
     if attention_eff:
-        measured.append("attention_efficiency")
+        measured += ["attention_efficiency", "attention.backward_over_forward"]
     missing_att = [p for p in peak if p not in attention_eff]
     for p in missing_att:  # the GEMM efficiency of the precision, said so
         attention_eff[p] = max_eff[p] * 0.5
@@ -196,6 +202,12 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
                 f1 = F.fit_alpha_beta([op] * len(rows), rows["group_size"].astype(int).tolist(), rows["bytes"], rows["t"])
                 per_op[op] = {"latency_s": f1.latency_s, "bandwidth_bytes_per_s": f1.bandwidth_bytes_per_s,
                               "quality": f1.quality.to_dict()}
+        # Each collective's bandwidth relative to the joint fit (gloo's reduce-scatter is far slower
+        # than its all-reduce; NCCL's ops are within a few percent of each other).
+        op_names = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+                    "send_recv": "p2p"}
+        op_eff = {op_names[op]: v["bandwidth_bytes_per_s"] / ab.bandwidth_bytes_per_s
+                  for op, v in per_op.items() if op in op_names}
         if base is not None:
             intra = {"bandwidth_bytes_per_s": base.intra_node.bandwidth_bytes_per_s, "latency_s": ab.latency_s,
                      "efficiency": ab.bandwidth_bytes_per_s / base.intra_node.bandwidth_bytes_per_s}
@@ -203,6 +215,9 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
         else:
             intra = {"bandwidth_bytes_per_s": ab.bandwidth_bytes_per_s, "latency_s": ab.latency_s, "efficiency": 1.0}
             measured += ["intra_node.latency_s", "intra_node.bandwidth_bytes_per_s"]
+        if op_eff:
+            intra["op_efficiency"] = op_eff
+            measured.append("intra_node.op_efficiency")
         fits["intra_node"] = {
             "form": "t = a_op(n) alpha + b_op(n) S / beta, ring coefficients of cost_models.formulas "
                     "(all_reduce 2(n-1), 2(n-1)/n; all_gather and reduce_scatter n-1, (n-1)/n; send_recv 1, 1)",
@@ -276,10 +291,11 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
         "peak_flops": {p: float(v) for p, v in peak.items()},
         "memory": {"capacity_bytes": float(capacity), "bandwidth_bytes_per_s": float(mem_bw),
                    "efficiency": float(mem_eff), "reserved_bytes": float(reserved)},
-        "intra_node": {k: float(v) for k, v in intra.items()}, "inter_node": {k: float(v) for k, v in inter.items()},
+        "intra_node": _plain(intra), "inter_node": _plain(inter),
         "gemm": {"max_efficiency": {p: float(v) for p, v in max_eff.items()}, "half_dim": float(gfit.half_dim),
-                 "launch_s": float(gfit.launch_s)},
-        "attention": {"flash_efficiency": {p: float(v) for p, v in attention_eff.items()}},
+                 "launch_s": float(gfit.launch_s), "backward_over_forward": float(gemm_ratio)},
+        "attention": {"flash_efficiency": {p: float(v) for p, v in attention_eff.items()},
+                      "backward_over_forward": float(att_ratio)},
         "kernel_launch_s": float(kernel_launch_s),
         "measured": measured, "calibration": calibration,
     }

@@ -82,9 +82,8 @@ class RefitResult:
         (the elementwise part of compute also depends on memory bandwidth, which the optimizer
         factor sets: the folded profile reproduces `predict` up to that part);
         communication -> intra_node efficiency divided and latency multiplied (the runs are on one
-        node; inter_node is left as is); optimizer -> memory efficiency divided. The intercept is a
-        runtime term (RuntimeOptions.step_overhead_s); it is recorded under
-        calibration.corrections.step_overhead_s for the caller to pass on.
+        node; inter_node is left as is); optimizer -> memory efficiency divided; the intercept ->
+        the profile's step_overhead_s (a fixed cost per optimizer step, added to `other_s`).
         """
         from cost_models.hardware import HardwareProfile
 
@@ -97,6 +96,7 @@ class RefitResult:
         data["intra_node"]["efficiency"] /= comm
         data["intra_node"]["latency_s"] *= comm
         data["memory"]["efficiency"] /= opt
+        data["step_overhead_s"] = max(0.0, float(data.get("step_overhead_s", 0.0)) + self.intercept_s)
         data["measured"] = list(dict.fromkeys(list(data["measured"]) + ["corrections"]))
         data["calibration"] = {**data.get("calibration", {}),
                                "corrections": {**self.to_dict(), "step_overhead_s": self.intercept_s}}
