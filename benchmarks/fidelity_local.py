@@ -67,7 +67,9 @@ def predict(profile: str, runs: pd.DataFrame) -> pd.DataFrame:
         s = Strategy.from_dict({k: run[k] for k in Strategy.__dataclass_fields__})
         cluster = Cluster(gpu=profile, n_nodes=1, gpus_per_node=s.world_size)
         r = AnalyticCostModel(MODEL, cluster).estimate(s)
-        rows.append({"predicted_step_time_s": r.step_time_s, "predicted_peak_memory_bytes": r.peak_memory_bytes,
+        rows.append({"predicted_step_time_s": r.step_time_s,
+                     # tensors only, as measured (the reserve for torch itself is `other`)
+                     "predicted_peak_memory_bytes": r.peak_memory_bytes - r.memory.other_bytes,
                      **{k: v for k, v in r.to_dict().items() if k.startswith("time_")},
                      "profile_used": cluster.profile.name})
     return pd.DataFrame(rows, index=runs.index)

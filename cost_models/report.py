@@ -69,6 +69,13 @@ class CostReport(NamedTuple):
         return (f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device, "
                 f"{self.memory_excess_bytes / GiB:.1f} GiB over the {self.memory_capacity_bytes / GiB:.1f} GiB available")
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostReport":
+        """Rebuild a report from ``to_dict(flat=False)`` (e.g. stored in an Optuna trial)."""
+        fields = {k: data[k] for k in cls._fields if k not in ("time", "memory", "notes")}
+        return cls(**fields, time=TimeBreakdown(**data["time"]), memory=MemoryBreakdown(**data["memory"]),
+                   notes=tuple(data.get("notes") or ()))
+
     def to_dict(self, *, flat: bool = True) -> dict[str, Any]:
         """Every field; with ``flat`` the breakdowns become ``time_<term>`` and ``memory_<term>``."""
         out: dict[str, Any] = {k: getattr(self, k) for k in self._fields if k not in ("time", "memory", "notes")}

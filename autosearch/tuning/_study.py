@@ -150,7 +150,9 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
                                  sampler=_make_sampler(sampler_name, seed=seed))
     meta = {"signature": space.signature(), "objective": obj.name, "trial_unit": unit,
             "runtime": cost_model.runtime.name, "model": model.name, "cluster": cluster.name,
-            "global_batch_size": global_batch_size}
+            "global_batch_size": global_batch_size,
+            # what `autosearch validate --study` needs to rebuild the model and the cluster
+            "model_spec": model.to_dict(), "cluster_spec": cluster.to_dict()}
     if persistent_storage is None:
         persistent = shadow
         persistent.set_user_attr(_ATTR_META, meta)
@@ -367,11 +369,9 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
 
 def report_from_dict(data: dict[str, Any]):
     """Rebuild a CostReport from `CostReport.to_dict(flat=False)`."""
-    from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
+    from cost_models.report import CostReport
 
-    fields = {k: data[k] for k in CostReport._fields if k not in ("time", "memory", "notes")}
-    return CostReport(**fields, time=TimeBreakdown(**data["time"]), memory=MemoryBreakdown(**data["memory"]),
-                      notes=tuple(data.get("notes") or ()))
+    return CostReport.from_dict(data)
 
 
 def default_study_name(model: str, cluster: str, global_batch_size: int, objective: str) -> str:

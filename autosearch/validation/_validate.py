@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from cost_models.hardware import Cluster
     from cost_models.report import CostReport
 
-VALIDATION_PREFIX = "validation_"
+VALIDATION_ATTR = "validation"
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,12 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
             if outcome.status == OK:
                 row.update(_measured(outcome, s, model))
         if report is not None:
-            row.update(predicted_step_time_s=report.step_time_s, predicted_peak_memory_bytes=report.peak_memory_bytes,
-                       predicted_fits=report.fits,
+            # Tensor memory against tensor memory: what a run measures (CUDA max allocated, the CPU
+            # tensor tracker) excludes the runtime's reserve (CUDA context, torch itself), which the
+            # prediction lists apart as `other`; the total is kept beside the process peak RSS.
+            row.update(predicted_step_time_s=report.step_time_s,
+                       predicted_peak_memory_bytes=report.peak_memory_bytes - report.memory.other_bytes,
+                       predicted_total_memory_bytes=report.peak_memory_bytes, predicted_fits=report.fits,
                        **{f"predicted_{k}": v for k, v in report.to_dict().items() if k.startswith("time_")})
         if "measured_step_time_s" in row and report is not None:
             row["step_time_error_pct"] = 100 * (report.step_time_s / row["measured_step_time_s"] - 1)
@@ -185,13 +188,19 @@ def _one_line(row: dict[str, Any]) -> str:
 
 
 def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, Any]) -> None:
-    """Measured figures next to the predicted ones, as user attributes of the trial."""
-    trial = study.trials[trial_number]
+    """Measured figures next to the predicted ones, kept in the study.
+
+    Optuna refuses to change a finished trial (UpdateFinishedTrialError), so they are a study user
+    attribute per validated trial, ``validation/<trial number>``, which `trials.csv` readers can join
+    on the trial number; the trial's own attributes keep the prediction (its CostReport).
+    """
     keep = ("status", "reason", "measured_step_time_s", "measured_peak_memory_bytes", "measured_tokens_per_s",
-            "step_time_error_pct", "memory_error_pct", "measured_peak_rss_bytes", "device", "threads")
-    for key in keep:
-        if key in row and row[key] is not None and not (isinstance(row[key], float) and math.isnan(row[key])):
-            study._storage.set_trial_user_attr(trial._trial_id, VALIDATION_PREFIX + key, row[key])
+            "predicted_step_time_s", "predicted_peak_memory_bytes", "step_time_error_pct", "memory_error_pct",
+            "measured_peak_rss_bytes", "device", "threads", "torch_version")
+    record = {k: row[k] for k in keep
+              if k in row and row[k] is not None and not (isinstance(row[k], float) and math.isnan(row[k]))}
+    record = {k: (v.item() if hasattr(v, "item") else v) for k, v in record.items()}
+    study.set_user_attr(f"{VALIDATION_ATTR}/{trial_number}", record)
 
 
 def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Candidate]:
@@ -199,19 +208,16 @@ def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Cand
     from optuna.trial import TrialState
 
     from autosearch.strategy import Strategy
-    from autosearch.tuning._study import report_from_dict
+    from cost_models.report import CostReport
 
     seen: dict[Any, Candidate] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if "strategy" not in t.user_attrs or "report" not in t.user_attrs:
             continue
         s = Strategy.from_dict(t.user_attrs["strategy"])
-        report = report_from_dict(t.user_attrs["report"])
+        report = CostReport.from_dict(t.user_attrs["report"])
         if report.fits and s not in seen:
             seen[s] = Candidate(s, report, t.number)
     ranked = sorted(seen.values(), key=lambda c: -c.report.tokens_per_s)
     return ranked[:top_k]
 
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")

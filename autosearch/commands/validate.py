@@ -1,0 +1,152 @@
+"""`autosearch validate`: run the top candidates of a study (or strategy files) for real."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from autosearch.commands._common import fmt_bytes, fmt_s, positive_int_arg
+
+EPILOG = """\
+examples:
+  autosearch tune --model tiny-gpt --cluster results/calibration/cpu-local.yaml:1x2 --global-batch-size 16 --out results/tiny
+  autosearch validate --study results/tiny --top-k 3 --steps 10
+  autosearch validate --strategies a.yaml b.yaml --model tiny-gpt --cluster results/calibration/cpu-local.yaml:1x2
+
+Each candidate runs under torchrun with as many processes as its strategy needs, on this machine.
+A run that runs out of memory, crashes or outlives --timeout-s is recorded as failed with the
+reason; the others still run. validation.csv is rewritten after every run.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="run top candidates for a few real steps; measured vs predicted",
+                       description="Run candidate strategies with the Engine for a few steps and record measured "
+                                   "step time and peak memory next to the cost model's predictions.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--study", help="a tuner output folder (holding study.journal), or a study name with --storage")
+    src.add_argument("--strategies", nargs="+", metavar="FILE", help="strategy YAML files")
+    p.add_argument("--storage", help="Optuna storage of --study when it is a study name")
+    p.add_argument("--model", help="model (catalog name or YAML); default: the study's")
+    p.add_argument("--cluster", help="cluster the predictions are for; default: the study's")
+    p.add_argument("--runtime", default=None, help="cost-model runtime for candidates scored here (default torch)")
+    p.add_argument("--top-k", type=positive_int_arg, default=3)
+    p.add_argument("--steps", type=positive_int_arg, default=10, help="measured steps (median taken)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="a run not done by then is killed (a hang)")
+    p.add_argument("--memory-limit-gib", type=float, help="emulate a smaller device: per-process memory cap")
+    p.add_argument("--factory", help='"module:function" or "file.py:function" building the model from its '
+                                     "ModelSpec (default: the reference transformer)")
+    p.add_argument("--out", help="output folder (default: <study folder>/validation or results/validation)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autosearch.errors import SpecError
+    from autosearch.model_spec import ModelSpec
+    from autosearch.strategy import Strategy
+    from autosearch.validation import validate
+    from autosearch.validation._validate import Candidate
+
+    study = None
+    if args.study:
+        study, meta = open_study(args.study, args.storage)
+        from autosearch.validation import candidates_from_study
+
+        candidates = candidates_from_study(study, top_k=args.top_k)
+        if not candidates:
+            raise SpecError(f"study {study.study_name!r} has no completed trial that fits in memory; nothing to validate")
+        model = ModelSpec.load(args.model) if args.model else _model_from(meta)
+        cluster = args.cluster or _cluster_from(meta)
+        runtime = args.runtime or meta.get("runtime")
+        out = args.out or (os.path.join(args.study, "validation") if os.path.isdir(args.study) else "results/validation")
+    else:
+        if not args.model:
+            raise SpecError("--strategies needs --model (the model to train)")
+        model = ModelSpec.load(args.model)
+        candidates = [Candidate(Strategy.from_yaml(path)) for path in args.strategies]
+        cluster, runtime = args.cluster, args.runtime
+        out = args.out or "results/validation"
+    limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else None
+    result = validate(model, candidates, cluster=cluster, steps=args.steps, warmup=args.warmup,
+                      timeout_s=args.timeout_s, out=out, memory_limit_bytes=limit, factory=args.factory,
+                      study=study, runtime=runtime)
+    print(summary(result, out))
+    if result.best is not None:
+        path = os.path.join(out, "best_measured_strategy.yaml")
+        result.best.strategy.to_yaml(path, comment=f"fastest measured by `autosearch validate` ({model.name})")
+        print(f"wrote {path}")
+    return 0 if result.best is not None else 1
+
+
+def open_study(where: str, storage: str | None):
+    """(study, its autosearch metadata) from a tuner output folder or a study name + storage."""
+    import optuna
+
+    from autosearch.errors import SpecError
+    from autosearch.tuning import open_storage
+    from autosearch.tuning._storage import DEFAULT_FILENAME
+
+    name = None
+    if storage is None:
+        if not os.path.isdir(where):
+            raise SpecError(f"--study {where!r} is not a folder; give the tuner's --out folder, or a study name "
+                            "together with --storage")
+        candidates = [os.path.join(where, f) for f in (DEFAULT_FILENAME, "study.db") if os.path.exists(os.path.join(where, f))]
+        if not candidates:
+            raise SpecError(f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by `autosearch tune --out`?")
+        storage = candidates[0]
+    else:
+        name = where
+    backend = open_storage(storage)
+    names = [s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)]
+    if name is None:
+        if len(names) != 1:
+            raise SpecError(f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage and the study name")
+        name = names[0]
+    elif name not in names:
+        raise SpecError(f"no study {name!r} in {storage}; it holds: {', '.join(names) or 'none'}")
+    study = optuna.load_study(study_name=name, storage=backend)
+    return study, dict(study.user_attrs.get("autosearch") or {})
+
+
+def _model_from(meta: dict):
+    from autosearch.errors import SpecError
+    from autosearch.model_spec import ModelSpec
+
+    if meta.get("model_spec"):
+        return ModelSpec.from_dict(meta["model_spec"])
+    if meta.get("model"):
+        return ModelSpec.load(meta["model"])
+    raise SpecError("the study does not record its model; pass --model")
+
+
+def _cluster_from(meta: dict):
+    from cost_models.hardware import Cluster
+
+    if meta.get("cluster_spec"):
+        return Cluster.from_dict(meta["cluster_spec"])
+    return meta.get("cluster")
+
+
+def summary(result, out: str) -> str:
+    lines = [f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'memory':>11} "
+             f"{'predicted':>11}"]
+    for _, r in result.table.iterrows():
+        if r.status == "ok":
+            pred = r.get("predicted_step_time_s")
+            err = r.get("step_time_error_pct")
+            has_pred = pred is not None and pred == pred
+            lines.append(f"{r.strategy:<44} {r.status:<8} {fmt_s(r.measured_step_time_s):>10} "
+                         f"{fmt_s(pred) if has_pred else '-':>10} {f'{err:+.0f}%' if has_pred else '-':>7} "
+                         f"{fmt_bytes(r.measured_peak_memory_bytes):>11} "
+                         f"{fmt_bytes(r.predicted_peak_memory_bytes) if has_pred else '-':>11}")
+        else:
+            lines.append(f"{r.strategy:<44} {r.status:<8} {r.reason}")
+    if result.best is not None:
+        lines.append(f"best measured: {result.best.strategy.short()} "
+                     f"({result.best_row['measured_tokens_per_s']:,.0f} tokens/s)")
+    else:
+        lines.append("no candidate ran successfully")
+    lines.append(f"wrote {os.path.join(out, 'validation.csv')}")
+    return "\n".join(lines)
