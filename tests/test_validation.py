@@ -63,3 +63,38 @@ def test_classification_uses_exit_status_and_exception_types(code, ranks, timed_
     assert outcome.status == status
     if code == -9:
         assert "SIGKILL" in outcome.reason and "out-of-memory killer" in outcome.reason
+
+
+def test_validate_cli_runs_the_top_candidates_of_a_study(tmp_path, capsys):
+    """tune -> validate --study: the top candidate runs, its measured figures land in validation.csv and
+    in the study (as the study attribute validation/<trial number>)."""
+    import optuna
+    import yaml
+
+    from autosearch.cli import main
+    from autosearch.tuning import open_storage
+
+    model = tmp_path / "tiny.yaml"
+    model.write_text(yaml.safe_dump({**SPEC.to_dict(), "name": "tiny2"}))
+    out = tmp_path / "study"
+    assert main(["tune", "--model", str(model), "--cluster", "h100-sxm:1x2", "--global-batch-size", "4",
+                 "--out", str(out), "--quiet", "--pin", "amp=fp32"]) == 0
+    code = main(["validate", "--study", str(out), "--top-k", "1", "--steps", "1", "--warmup", "0"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "best measured" in printed
+    table = pd.read_csv(out / "validation" / "validation.csv")
+    assert list(table.status) == ["ok"] and table.predicted_step_time_s[0] > 0
+    storage = open_storage(str(out / "study.journal"))
+    study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)
+    recorded = [v for k, v in study.user_attrs.items() if k.startswith("validation/")]
+    assert len(recorded) == 1 and recorded[0]["status"] == "ok" and recorded[0]["measured_step_time_s"] > 0
+    assert (out / "validation" / "best_measured_strategy.yaml").exists()
+
+
+def test_validate_cli_user_errors(tmp_path, capsys):
+    from autosearch.cli import main
+
+    assert main(["validate", "--study", str(tmp_path / "nowhere")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert main(["validate", "--strategies", str(tmp_path / "s.yaml")]) == 2
+    assert "--strategies needs --model" in capsys.readouterr().err
