@@ -1,7 +1,7 @@
 """Step time and peak memory of the Engine on this machine's CPUs, under many strategies.
 
     python benchmarks/runtime_cpu.py                       # every run below -> results/runtime_cpu.csv
-    python benchmarks/runtime_cpu.py --only pp2 --steps 3  # a subset
+    python benchmarks/runtime_cpu.py --only pp2            # rerun a subset (replaces those rows)
 
 Each strategy runs as its own job (torchrun for several processes, a plain process for one)
 through `autosearch.validation`'s launcher and worker, the same code that validates tuner
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--model", default="tiny-gpt")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--only", help="run the runs whose name contains this text")
+    p.add_argument("--only", help="comma-separated texts: run the runs whose name contains one")
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--out", default=str(ROOT / "results" / "runtime_cpu.csv"))
     args = p.parse_args()
@@ -138,7 +138,8 @@ def main() -> None:
 
     torch_version = importlib.metadata.version("torch")
     spec = ModelSpec.load(args.model)
-    names = [n for n in RUNS if not args.only or args.only in n]
+    wanted = args.only.split(",") if args.only else []
+    names = [n for n in RUNS if not wanted or any(w in n for w in wanted)]
     rows = []
     print(f"{spec.name}, torch {torch_version}, {os.cpu_count()} CPUs ({cpu_model()}; {cpu_flags()})")
     print(f"{'run':24s} {'status':8s} {'step (s)':>9s} {'tokens/s':>9s} {'tensor peak MiB':>16s} {'RSS peak MiB':>13s}")
@@ -153,6 +154,11 @@ def main() -> None:
                   f"{row['peak_memory_bytes'] / 2**20:16.1f} {row['peak_rss_bytes'] / 2**20:13.0f}", flush=True)
         else:
             print(f"{name:24s} {row['status']:8s} {row['reason'][:80]}", flush=True)
+    if args.only and Path(args.out).exists():  # rerun a subset: replace those rows, keep the others
+        with open(args.out, newline="") as f:
+            kept = {r["run"]: r for r in csv.DictReader(f)}
+        kept.update({r["run"]: r for r in rows})
+        rows = [kept[n] for n in RUNS if n in kept]
     fields = list(dict.fromkeys(k for row in rows for k in row))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
@@ -161,8 +167,8 @@ def main() -> None:
         writer.writerows(rows)
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
-        print(f"{len(ok)}/{len(rows)} runs ok; median step {statistics.median(r['step_time_s'] for r in ok):.3f} s; "
-              f"written to {args.out}")
+        median = statistics.median(float(r["step_time_s"]) for r in ok)
+        print(f"{len(ok)}/{len(rows)} runs ok in {args.out}; median step {median:.3f} s")
 
 
 if __name__ == "__main__":

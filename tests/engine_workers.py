@@ -122,6 +122,8 @@ def job_api(workdir: str) -> dict:
     out["pp_run"] = [e.run(batch, mode="train") for batch in loader]
     out["pp_eval"] = e.evaluate(valid, verbose=0)
     out["pp_predict_batches"] = len(e.predict(valid))
+    inputs_only = [valid[i][0] for i in range(8)]  # a list of token tensors: predict without labels
+    out["pp_predict_inputs_only"] = [list(p.shape) for p in e.predict(inputs_only, batch_size=4)]
     out["pp_stages"] = e.stages_
     e.save(os.path.join(workdir, "pp2"))
     e.save(os.path.join(workdir, "pp2_model.pt"), training=False)
@@ -135,6 +137,21 @@ def job_api(workdir: str) -> dict:
     out["dp_saved_eval"] = e.evaluate(valid, verbose=0)["loss"]
     e.run(batches[2], mode="train")
     out["dp_after_step3_eval"] = e.evaluate(valid, verbose=0)["loss"]
+
+    # ZeRO-1 (each rank saves its own share of the optimizer state) -> plain DDP
+    for name, zero in (("z1", 1), ("z0", 0)):
+        e = Engine(factory, optimizer=adamw,
+                   strategy=f"dp=2,zero_stage={zero},micro_batch_size=2,global_batch_size=4,amp=fp32")
+        loader = e.dataloader(dataset("gpt", 32), mode="train", steps_per_epoch=3)
+        batches = list(loader)
+        if zero == 1:
+            for batch in batches[:2]:
+                e.run(batch, mode="train")
+            e.save(os.path.join(workdir, "dp2z1"))
+        else:
+            e.load(os.path.join(workdir, "dp2z1"))
+        e.run(batches[2], mode="train")
+        out[f"{name}_after_step3_eval"] = e.evaluate(valid, verbose=0)["loss"]
 
     e = Engine(factory, optimizer=adamw, strategy="tp=2,micro_batch_size=4,global_batch_size=4,amp=fp32")
     e.load(os.path.join(workdir, "dp2z3"))

@@ -159,6 +159,8 @@ def test_dataloader_prepare_run_under_pp(api_run):
     assert sorted([r0["pp_stages"], r1["pp_stages"]]) == [[0], [1]]
     holds_last = {tuple(r["pp_stages"]): r["pp_predict_batches"] for r in results}
     assert holds_last == {(0,): 0, (1,): 4}  # 16 samples / batch 4; only the last stage has outputs
+    shapes = {tuple(r["pp_stages"]): r["pp_predict_inputs_only"] for r in results}
+    assert shapes == {(0,): [], (1,): [[4, 32, 128], [4, 32, 128]]}
 
 
 def test_checkpoint_across_strategies(api_run):
@@ -167,6 +169,9 @@ def test_checkpoint_across_strategies(api_run):
     # dp=2 ZeRO-3 -> tp=2: same model, and the same optimizer state (the next step agrees too)
     assert r0["tp_loaded_eval"] == pytest.approx(r0["dp_saved_eval"], abs=1e-5)
     assert r0["tp_after_step3_eval"] == pytest.approx(r0["dp_after_step3_eval"], abs=1e-5)
+    # ZeRO-1 (optimizer state saved by shares) -> DDP: the step after loading agrees
+    assert r0["z0_after_step3_eval"] == pytest.approx(r0["z1_after_step3_eval"], abs=1e-5)
+    assert r0["z1_after_step3_eval"] == pytest.approx(r0["dp_after_step3_eval"], abs=1e-5)
     # pp=2 -> single process, from the DCP directory and from the inference state dict
     assert single["dcp_loss"] == pytest.approx(r0["pp_eval"]["loss"], abs=1e-5)
     assert single["inference_file_loss"] == pytest.approx(r0["pp_eval"]["loss"], abs=1e-5)

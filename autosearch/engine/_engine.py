@@ -54,15 +54,17 @@ class Engine:
             ``torch.distributed.tensor.parallel.loss_parallel`` (default loss only).
         seed: if set, ``torch.manual_seed(seed)`` before a factory builds the model.
 
-    Example:
-        >>> import torch                                                    # doctest: +SKIP
-        >>> from autosearch import Engine, ModelSpec
-        >>> from autosearch.transformer import Transformer
-        >>> from autosearch.engine import SyntheticTokens
-        >>> spec = ModelSpec.load("tiny-gpt")
-        >>> engine = Engine(lambda: Transformer(spec), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-        ...                 strategy="dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32")
-        >>> history = engine.fit(SyntheticTokens.for_model(spec, 64), epochs=1)   # under torchrun -n 2
+    Example (under ``torchrun --nproc_per_node=2``; see examples/train_gpt.py)::
+
+        import torch
+        from autosearch import Engine, ModelSpec
+        from autosearch.engine import SyntheticTokens
+        from autosearch.transformer import Transformer
+
+        spec = ModelSpec.load("tiny-gpt")
+        engine = Engine(lambda: Transformer(spec), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                        strategy="dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32")
+        history = engine.fit(SyntheticTokens.for_model(spec, 64), epochs=1)
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, strategy=None, cluster=None, *,
@@ -602,30 +604,28 @@ class Engine:
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, path: str, training: bool = True) -> None:
         """Save a DCP checkpoint directory (model + optimizer), or with ``training=False`` a plain
-        inference state dict file (``torch.load``-able, full tensors, original parameter names).
-
-        Under ZeRO-1 with DDP the optimizer state is not saved (ZeroRedundancyOptimizer keeps it
-        in its own per-rank format); the model is.
-        """
+        inference state dict file (``torch.load``-able, full tensors, original parameter names)."""
         from autosearch.engine import checkpoint
-        from autosearch.engine.distributed import is_rank0
 
         self.prepare()
-        optimizers = self.optimizers_ if training else None
-        if training and self.dims_.dp_mode == "ddp_zero1":
-            if is_rank0():
-                print("warning: zero_stage 1 (ZeroRedundancyOptimizer): saving the model without optimizer state",
-                      flush=True)
-            optimizers = None
-        checkpoint.save(path, self.model_parts_, optimizers, training=training)
+        checkpoint.save(path, self.model_parts_, self._checkpoint_optimizers() if training else None,
+                        training=training)
 
     def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> list[str]:
         """Load a checkpoint saved by `save` under any strategy; returns what was not loaded."""
         from autosearch.engine import checkpoint
 
         self.prepare()
-        optimizers = self.optimizers_ if self.dims_.dp_mode != "ddp_zero1" else None
-        return checkpoint.load(path, self.model_parts_, optimizers, strict=strict, load_optimizer=load_optimizer)
+        return checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(), strict=strict,
+                               load_optimizer=load_optimizer)
+
+    def _checkpoint_optimizers(self) -> list:
+        """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
+        ZeroRedundancyOptimizer holds a plain optimizer over its own share of the parameters
+        (``.optim``): its state, named by parameter, is that rank's part of the full state."""
+        if self.dims_.dp_mode == "ddp_zero1":
+            return [opt.optim for opt in self.optimizers_]
+        return self.optimizers_
 
     # ---- cost model and search ---------------------------------------------------------------
     def _cluster(self):

@@ -77,11 +77,13 @@ def run_main(main: Callable[[], "int | None"]) -> NoReturn:
     once, by rank 0, and every rank exits with status 2; any other exception prints its traceback
     and exits with status 1.
 
-    Example:
-        >>> def main():                                    # doctest: +SKIP
-        ...     engine = Engine(make_model, optimizer=..., strategy="strategy.yaml")
-        ...     engine.fit(SyntheticTokens(...), epochs=1)
-        >>> run_main(main)                                 # doctest: +SKIP
+    Example::
+
+        def main():
+            engine = Engine(make_model, optimizer=make_optimizer, strategy="strategy.yaml")
+            engine.fit(dataset, epochs=1)
+
+        run_main(main)
     """
     try:
         code = main() or 0

@@ -37,6 +37,7 @@ class OptimizerRecipe:
 
     def __init__(self, optimizer: "torch.optim.Optimizer | Callable", names: dict[int, str]):
         if isinstance(optimizer, torch.optim.Optimizer):
+            # An instance: rebuild with its class, constructor defaults and per-group settings.
             self.cls = type(optimizer)
             # Only the defaults the constructor takes (AdamW.defaults holds more, e.g. decoupled_weight_decay).
             accepted = inspect.signature(self.cls.__init__).parameters
@@ -70,18 +71,23 @@ class OptimizerRecipe:
         return list(groups.values())
 
     def build(self, part: nn.Module, *, zero1_group=None) -> torch.optim.Optimizer:
+        params = [p for p in part.parameters() if p.requires_grad]
         if self.factory is not None:
-            if zero1_group is not None:
-                raise SpecError("zero_stage 1 needs an optimizer instance (its class is handed to "
-                                "ZeroRedundancyOptimizer), not a factory; pass e.g. torch.optim.AdamW(model.parameters())")
-            return self.factory([p for p in part.parameters() if p.requires_grad])
-        groups = self.param_groups(part)
+            optimizer = self.factory(params)
+            if zero1_group is None:
+                return optimizer
+            # ZeRO-1 needs the class and settings: read them from what the factory built.
+            cls = type(optimizer)
+            accepted = inspect.signature(cls.__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            groups = [dict(group) for group in optimizer.param_groups]
+        else:
+            cls, defaults, groups = self.cls, self.defaults, self.param_groups(part)
         if zero1_group is not None:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(groups, optimizer_class=self.cls, process_group=zero1_group,
-                                           **self.defaults)
-        return self.cls(groups, **self.defaults)
+            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero1_group, **defaults)
+        return cls(groups, **defaults)
 
 
 def build_optimizers(parts: list[nn.Module], recipe: OptimizerRecipe, dims: "ParallelDims",
