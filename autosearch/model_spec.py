@@ -202,7 +202,16 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     def scaled(self, **changes: Any) -> "ModelSpec":
-        """A copy with some fields changed (e.g. fewer layers to run a catalog model on a CPU)."""
+        """A copy with some fields changed (e.g. fewer layers to run a catalog model on a CPU).
+
+        Derived defaults follow the change: a model whose kv heads were its heads keeps them equal
+        when n_heads changes, and an ffn of 4 * hidden stays 4 * hidden when hidden_size changes.
+        """
+        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None
+        if ("hidden_size" in changes and "ffn_hidden_size" not in changes
+                and self.ffn_hidden_size == 4 * self.hidden_size):
+            changes["ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
 

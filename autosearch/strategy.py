@@ -105,8 +105,12 @@ class Strategy:
         return self.grad_accum_steps
 
     # ---- checks against a model and a cluster ----------------------------------------------------
-    def problems(self, model: "ModelSpec", cluster: "Cluster | None" = None) -> list[str]:
-        """Every rule this strategy breaks for this model (and cluster), each with its fix."""
+    def problems(self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None) -> list[str]:
+        """Every rule this strategy breaks for this model and cluster, each with its fix.
+
+        Without a model (a user's own network), only the rules that hold for any model are checked;
+        without a cluster, the world size is not.
+        """
         out = []
         dp, tp, pp, v = self.dp, self.tp, self.pp, self.virtual_stages
         if cluster is not None and self.world_size != cluster.world_size:
@@ -114,15 +118,16 @@ class Strategy:
                 f"dp*tp*pp = {dp}*{tp}*{pp} = {self.world_size} but the cluster has {cluster.world_size} devices "
                 f"({cluster.n_nodes} nodes x {cluster.gpus_per_node}); choose degrees whose product is {cluster.world_size}"
             )
-        if model.n_heads % tp:
-            out.append(f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides {model.n_heads}")
-        elif model.n_kv_heads % tp:
-            out.append(f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; use a tp that divides {model.n_kv_heads}")
-        if model.n_layers % (pp * v):
-            out.append(
-                f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{v} = {pp * v} equal "
-                f"chunks; use pp*virtual_stages dividing {model.n_layers}"
-            )
+        if model is not None:
+            if model.n_heads % tp:
+                out.append(f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides {model.n_heads}")
+            elif model.n_kv_heads % tp:
+                out.append(f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; use a tp that divides {model.n_kv_heads}")
+            if model.n_layers % (pp * v):
+                out.append(
+                    f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{v} = {pp * v} equal "
+                    f"chunks; use pp*virtual_stages dividing {model.n_layers}"
+                )
         if self.global_batch_size % (dp * self.micro_batch_size):
             out.append(
                 f"global_batch_size={self.global_batch_size} does not split into dp*micro_batch_size = "
@@ -131,7 +136,7 @@ class Strategy:
             )
         if self.sequence_parallel and tp == 1:
             out.append("sequence_parallel needs tp > 1 (it shards activations over the tp group); set tp > 1 or turn it off")
-        if self.sequence_parallel and model.seq_len % tp:
+        if self.sequence_parallel and model is not None and model.seq_len % tp:
             out.append(f"sequence_parallel with tp={tp} needs seq_len={model.seq_len} divisible by tp")
         if v > 1 and self.pipeline_schedule != "interleaved_1f1b":
             out.append(f"virtual_stages={v} needs pipeline_schedule interleaved_1f1b (got {self.pipeline_schedule}); "

@@ -188,6 +188,71 @@ class AnalyticCostModel(CostModel):
         self._layer_cache[key] = out
         return out
 
+    def _data_parallel(self, *, zero: int, d: int, t: int, p: int, m: int, psi: float, layer_params: float,
+                       ab: int, fwd_window: float, bwd_window: float, tail: float) -> tuple[float, float, float, float]:
+        """(exposed communication s, params, grads, optimizer bytes) of data parallelism / ZeRO.
+
+        `psi` parameters live on this device before any dp sharding. A collective hides behind
+        compute up to its window (bucketed overlap, Li et al. 2020, PyTorch DDP; FSDP prefetch,
+        Zhao et al. 2023), except the last bucket (`tail` of it).
+        """
+        rt = self.runtime
+
+        def exposed(comm: float, window: float) -> float:
+            return max(comm - window, comm * tail)
+
+        grads = psi * rt.grad_reduce_bytes
+        if rt.low_precision_params:
+            # ZeRO as Rajbhandari et al. 2020 define it (Megatron-LM, DeepSpeed): 16-bit params and
+            # grads, fp32 master weights + Adam moments (12 bytes) in the optimizer; stage 1 shards
+            # the optimizer, 2 also the gradients, 3 also the parameters.
+            if d == 1:
+                return 0.0, psi * ab, psi * ab, psi * 12
+            params = psi * ab / (d if zero >= 3 else 1) + (2 * layer_params * ab if zero >= 3 else 0.0)
+            grads_mem = psi * ab / (d if zero >= 2 else 1)
+            opt_mem = psi * 12 / (d if zero >= 1 else 1)
+            if zero == 0:    # one all-reduce per step
+                comm = exposed(self._all_reduce(grads, d, t), bwd_window)
+            elif zero <= 2:  # reduce-scatter gradients, all-gather updated 16-bit params: one all-reduce's volume
+                comm = exposed(self._reduce_scatter(grads, d, t), bwd_window) + self._all_gather(psi * ab, d, t)
+            else:            # parameters gathered for forward and again for backward, every micro-batch
+                ag = self._all_gather(psi * ab, d, t)
+                comm = m * (exposed(ag, fwd_window) + exposed(ag + self._reduce_scatter(grads, d, t), bwd_window))
+            return comm, params, grads_mem, opt_mem
+
+        # PyTorch as the Engine applies a strategy (autosearch/engine/parallel_dims.py DP_MODES):
+        # fp32 parameters, gradients and Adam moments (4 + 4 + 8 bytes); 16-bit copies of the
+        # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
+        # the compute dtype and reduces in fp32.
+        copies = psi * ab if ab < 4 else 0.0
+        if d == 1:
+            return 0.0, psi * 4 + copies, psi * 4, psi * 8
+        ag = self._all_gather(psi * ab, d, t)
+        rs = self._reduce_scatter(grads, d, t)
+        fsdp_unsharded_grads = m > 1 and ((zero == 1 and (t > 1 or p > 1)) or (zero >= 2 and p > 1))
+        if zero == 0:      # DDP (or replicate-only FSDP2 with tp / pp): one all-reduce, last micro-batch
+            return exposed(self._all_reduce(grads, d, t), bwd_window), psi * 4 + copies, psi * 4, psi * 8
+        if zero == 1 and t == 1 and p == 1:  # DDP + ZeroRedundancyOptimizer: + broadcast of updated params
+            comm = exposed(self._all_reduce(grads, d, t), bwd_window) + self._all_gather(psi * 4, d, t)
+            return comm, psi * 4 + copies, psi * 4, psi * 8 / d
+        # FSDP2. Gradients are reduce-scattered every micro-batch for zero 2/3 without pipeline;
+        # otherwise (zero 1's FSDP form; torch.distributed.pipelining, which skips the gradient sync
+        # and the reshard after backward for all but the last micro-batch) they accumulate unsharded
+        # in fp32 and are reduced once per step.
+        gathered = psi * ab if (zero <= 2 or p > 1) else 2 * layer_params * ab  # ZeRO-3: two layers live
+        params = psi * 4 / d + gathered
+        grads_mem = psi * 4 if fsdp_unsharded_grads else psi * 4 / d
+        if zero == 3:
+            comm = m * (exposed(ag, fwd_window) + exposed(ag, bwd_window))
+            comm += exposed(rs, bwd_window) * (1 if p > 1 or m == 1 else m)
+        elif p > 1:       # pipelining keeps zero 1/2 parameters gathered across micro-batches
+            comm = exposed(ag, fwd_window) + exposed(rs, bwd_window)
+        elif zero == 2:
+            comm = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
+        else:             # zero 1 with tp: gathered again every micro-batch, reduced once
+            comm = m * exposed(ag, fwd_window) + exposed(rs, bwd_window)
+        return comm, params, grads_mem, psi * 8 / d
+
     def _activation_bytes(self, tp: int, mb: int, sp: bool, recompute: str, precision: str) -> float:
         key = (tp, mb, sp, recompute, precision)
         hit = self._act_cache.get(key)
@@ -255,30 +320,11 @@ class AnalyticCostModel(CostModel):
         else:
             psi = Ls * layer_params + max(emb_params, head_params)
 
-        # ---- data parallel / ZeRO communication and its overlap --------------------------------
-        dp_exposed = 0.0
-        if d > 1:
-            p_bytes = ab if rt.low_precision_params else 4
-            grads = psi * rt.grad_reduce_bytes
-            fwd_window = Ls * fwd * rt.dp_overlap
-            bwd_window = Ls * (bwd + rc_layer) * rt.dp_overlap
-            tail = 1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0  # the last bucket cannot hide
-
-            def exposed(comm: float, window: float) -> float:
-                return max(comm - window, comm * tail)
-
-            if zero == 0:    # one all-reduce per step, bucketed into the last backward (Li et al. 2020)
-                dp_exposed = exposed(self._all_reduce(grads, d, t), bwd_window)
-            elif zero == 1:  # + gather of the updated parameter shards after the step (Rajbhandari et al. 2020)
-                dp_exposed = (exposed(self._all_reduce(grads, d, t), bwd_window)
-                              + self._all_gather(psi * p_bytes, d, t))
-            else:            # FSDP: gather parameters per micro-batch (forward, and again backward for
-                ag = self._all_gather(psi * ab, d, t)   # ZeRO-3), reduce-scatter gradients
-                rs = self._reduce_scatter(grads, d, t)
-                if zero == 2:
-                    dp_exposed = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
-                else:
-                    dp_exposed = m * (exposed(ag, fwd_window) + exposed(ag + rs, bwd_window))
+        # ---- data parallel / ZeRO: communication, its overlap, and the model states' memory ---
+        dp_exposed, params, grads_mem, opt_mem = self._data_parallel(
+            zero=zero, d=d, t=t, p=p, m=m, psi=psi, layer_params=layer_params, ab=ab,
+            fwd_window=Ls * fwd * rt.dp_overlap, bwd_window=Ls * (bwd + rc_layer) * rt.dp_overlap,
+            tail=1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0)
 
         # ---- optimizer step: memory bound over the local (sharded) states ---------------------
         psi_opt = psi / d if zero >= 1 else psi
@@ -306,19 +352,6 @@ class AnalyticCostModel(CostModel):
             last_act += transient
         activations = first_act + logits_bytes if p == 1 else max(first_act, last_act)
 
-        if rt.low_precision_params:   # 16-bit params and grads, fp32 master + Adam in the optimizer
-            param_b, grad_b, opt_b, copies = ab, ab, 12, 0.0
-        else:                         # fp32 params and grads (autocast), Adam moments in fp32
-            param_b, grad_b, opt_b = 4, 4, 8
-            copies = psi * ab if ab < 4 and zero <= 1 else 0.0  # autocast's 16-bit weight copies
-        shard = d if zero >= 3 else 1
-        params = psi * param_b / shard + copies
-        if zero == 2:
-            params = psi * param_b / d + psi * ab            # FSDP keeps gathered params until backward
-        elif zero == 3:
-            params += 2 * layer_params * ab                  # the gathered layer and the prefetched one
-        grads_mem = psi * grad_b / (d if zero >= 2 else 1)
-        opt_mem = psi * opt_b / (d if zero >= 1 else 1)
         memory = MemoryBreakdown(params, grads_mem, opt_mem, activations, prof.reserved_memory_bytes)
         peak = params + grads_mem + opt_mem + activations + prof.reserved_memory_bytes
         capacity = prof.memory_capacity_bytes

@@ -200,3 +200,13 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
     os.utime(tmp_path / "two.yaml", (1e9, 2e9))
     assert Cluster(gpu=path).profile.peak_flops["bf16"] == pytest.approx(3 * base["peak_flops"]["bf16"])
+
+
+def test_model_free_rules_and_scaled_defaults():
+    assert Strategy(dp=2, global_batch_size=3).problems(None) == [
+        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch that is a multiple of 2"]
+    assert Strategy(tp=3).problems(None) == []  # no model: head rules are not checked
+    small = ModelSpec.load("tiny-gpt").scaled(n_heads=2, hidden_size=128)
+    assert (small.n_kv_heads, small.ffn_hidden_size) == (2, 512)
+    gqa = ModelSpec.load("tiny-llama").scaled(n_layers=2)
+    assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
