@@ -147,10 +147,9 @@ def test_cost_uses_the_analytic_model():
         Engine(model_factory, strategy=strategy).cost()
 
 
-def test_tune_sets_the_best_strategy():
-    pytest.importorskip("optuna")
+def test_tune_sets_the_best_strategy(tmp_path):
     engine = Engine(model_factory, cluster="h100-sxm:1x8")
-    result = engine.tune(global_batch_size=16, n_trials=8, seed=0)
+    result = engine.tune(batch_size=16, n_trials=8, seed=0, out=str(tmp_path), verbose=0)
     assert engine.best_strategy_ == result.best_strategy == engine.strategy
     assert engine.best_strategy_.world_size == 8
 

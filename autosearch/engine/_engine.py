@@ -647,30 +647,52 @@ class Engine:
         self.cost_report_ = report
         return report.step_time_s, report.peak_memory_bytes
 
-    def tune(self, *, global_batch_size: int | None = None, space=None, objective: str = "throughput",
-             n_trials: int = 200, sampler: str = "tpe", storage=None, study_name: str | None = None,
-             seed: int | None = None, top_k: int = 5):
-        """Search the fastest strategy for this model on `cluster` with `autosearch.tune`, and use it.
+    def tune(self, train_data=None, *, batch_size: int | None = None, cluster=None, n_trials: int = 200,
+             validate_top_k: int = 0, steps: int = 10, warmup: int = 3, timeout_s: float = 600.0,
+             factory: str | None = None, out: str | None = None, calibration_dir: str | None = None,
+             verbose: int = 1, **tune_kwargs):
+        """Find the fastest strategy for this model and use it (sets ``best_strategy_``).
 
-        Sets ``self.best_strategy_`` and makes it the engine's strategy (the model is rebuilt at
-        the next prepare, which needs a model factory if it was already prepared). Returns the
-        TuneResult. Candidates are scored by the cost model only (no real runs yet).
+        Args:
+            train_data: the training dataset; its samples' length must match the ModelSpec's seq_len.
+            batch_size: the global batch (sequences per optimizer step) to search for; default the
+                current strategy's.
+            cluster: the cluster to search for; default the engine's, else this machine: its
+                calibrated profile (results/calibration/<device>-local.yaml), calibrated quickly
+                first if there is none.
+            n_trials: finished trials of the Optuna study (see `autosearch.tune`).
+            validate_top_k: run the best k candidates for `warmup + steps` real steps on this
+                machine (`autosearch.validation`) and keep the fastest measured one.
+            factory: for validation of a model other than the reference transformer,
+                ``"module:function"`` building it from its ModelSpec.
+            out: folder of the study, best_strategy.yaml and validation (default results/<study>).
+            tune_kwargs: passed to `autosearch.tune` (objective, sampler, space, storage, seed, ...).
+
+        Returns:
+            The TuneResult on rank 0 (None on other ranks). Every rank ends with the same
+            ``best_strategy_``; ``validation_`` holds the real runs, if any.
+
+        Example:
+            >>> engine = Engine(lambda: Transformer(spec), optimizer=...)          # doctest: +SKIP
+            >>> engine.tune(data, batch_size=16, n_trials=50, validate_top_k=2)   # doctest: +SKIP
+            >>> engine.fit(data)                                                   # doctest: +SKIP
         """
-        from autosearch.tuner import tune
+        from autosearch.engine._tune import tune_engine
 
-        if global_batch_size is None:
-            if self.strategy is None:
-                raise SpecError("tune needs global_batch_size (sequences per optimizer step), "
-                                "e.g. engine.tune(global_batch_size=512)")
-            global_batch_size = self._resolve_strategy().global_batch_size
-        result = tune(self._model_spec(), self._cluster(), global_batch_size=global_batch_size, space=space,
-                      objective=objective, n_trials=n_trials, sampler=sampler, storage=storage,
-                      study_name=study_name, seed=seed, top_k=top_k)
         if self._prepared and _is_module(self.model):
             raise SpecError("the engine was prepared with a model instance, which cannot be rebuilt for the tuned "
                             "strategy; pass a zero-argument model factory to Engine")
-        self.best_strategy_ = result.best_strategy
-        self.strategy = result.best_strategy
+        from autosearch.engine import distributed as D
+
+        log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
+        result, validation, strategy = tune_engine(
+            self, train_data, batch_size=batch_size, cluster=cluster, n_trials=n_trials,
+            validate_top_k=validate_top_k, steps=steps, warmup=warmup, timeout_s=timeout_s, factory=factory,
+            out=out, calibration_dir=calibration_dir, log=log, **tune_kwargs)
+        self.best_strategy_ = strategy
+        self.tune_result_ = result
+        self.validation_ = validation
+        self.strategy = strategy
         self.strategy_ = None
         self._prepared = False
         return result
