@@ -37,9 +37,9 @@ def test_failures_are_recorded_and_the_others_complete(tmp_path):
 def test_timeout_and_native_crash_in_one_batch(tmp_path):
     """A hang is killed at the timeout, a native abort has no result file; both are rows."""
     result = validate(SPEC, [S1, Strategy(dp=2, micro_batch_size=2, global_batch_size=4, amp="fp32")], steps=1,
-                      warmup=0, timeout_s=20, out=tmp_path, verbose=False, factory=f"{FACTORIES}:hang")
+                      warmup=0, timeout_s=10, out=tmp_path, verbose=False, factory=f"{FACTORIES}:hang")
     assert list(result.table.status) == ["timeout", "timeout"] and result.best is None
-    assert "no result after 20 s" in result.table.reason[0]
+    assert "no result after 10 s" in result.table.reason[0]
     aborted = validate(SPEC, [S1], steps=1, warmup=0, timeout_s=120, out=tmp_path / "abort", verbose=False,
                        factory=f"{FACTORIES}:abort")
     assert aborted.table.status[0] == "crashed" and "SIGABRT" in aborted.table.reason[0]
