@@ -33,6 +33,12 @@ MODEL = ModelSpec.load("tiny-gpt")  # 4 layers, hidden 256, 4 heads, seq 128, vo
 GBS = 16
 
 
+def sixteen_bit() -> list[Strategy]:
+    """16-bit runs: part of any search space, and a test of calibration on CPUs where they are slow."""
+    return [Strategy(global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
+            Strategy(dp=2, global_batch_size=GBS, micro_batch_size=8, amp="bf16")]
+
+
 def strategies() -> list[Strategy]:
     """Twelve-plus strategies over every mechanism the Engine applies, at world sizes 1 and 2 (fp32:
     16-bit matmuls are emulated, hence very slow, on CPUs without AVX-512 BF16)."""
@@ -88,6 +94,20 @@ def regret(df: pd.DataFrame, predicted: str) -> dict[int, float]:
     return out
 
 
+def noise_ceiling(df: pd.DataFrame, warmup: int) -> dict:
+    """How well any predictor could rank these runs: Spearman and mean difference between the
+    medians of the first and second half of each run's measured steps (same run, same code)."""
+    halves = []
+    for _, run in df.iterrows():
+        steps = [float(x) for x in str(run.measured_step_times_s).split(";")][warmup:]
+        k = len(steps) // 2
+        halves.append((pd.Series(steps[:k]).median(), pd.Series(steps[k:]).median()))
+    a, b = zip(*halves)
+    a, b = pd.Series(a), pd.Series(b)
+    return {"spearman_half_vs_half": float(spearmanr(a, b).statistic),
+            "mean_abs_diff_half_vs_half_pct": float((100 * (a / b - 1)).abs().mean())}
+
+
 def summarize(df: pd.DataFrame, predicted: str = "predicted_step_time_s") -> dict:
     err = errors(df[predicted], df.measured_step_time_s).abs()
     mem = errors(df.predicted_peak_memory_bytes, df.measured_peak_memory_bytes).abs()
@@ -109,6 +129,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="results/fidelity_local.csv")
     parser.add_argument("--runs-dir", default="results/fidelity_local_runs")
+    parser.add_argument("--skip-16bit", action="store_true", help="skip the (slow on AVX2 CPUs) bf16 runs")
     args = parser.parse_args()
 
     t0 = time.time()
@@ -124,15 +145,21 @@ def main() -> int:
 
     result = validate(MODEL, strategies(), steps=args.steps, warmup=args.warmup, timeout_s=600,
                       out=args.runs_dir, threads=None)
-    runs = result.table[result.table.status == "ok"].copy()
-    failed = result.table[result.table.status != "ok"]
+    table = result.table
+    if not args.skip_16bit:  # slow on CPUs without bf16 units: fewer steps
+        slow = validate(MODEL, sixteen_bit(), steps=3, warmup=1, timeout_s=900, out=args.runs_dir + "_16bit")
+        table = pd.concat([table, slow.table], ignore_index=True)
+    runs = table[table.status == "ok"].copy()
+    failed = table[table.status != "ok"]
     for _, f in failed.iterrows():
         print(f"FAILED {f.strategy}: {f.status} {f.reason}")
     runs = runs.drop(columns=[c for c in runs.columns if c.startswith("predicted_")])
     runs = runs.join(predict(profile, runs))
     runs["step_time_error_pct"] = errors(runs.predicted_step_time_s, runs.measured_step_time_s)
     runs["memory_error_pct"] = errors(runs.predicted_peak_memory_bytes, runs.measured_peak_memory_bytes)
-    summary = {"profile": profile, "model": MODEL.name, "global_batch_size": GBS, "calibrated": summarize(runs)}
+    fp32 = runs[runs.amp == "fp32"]
+    summary = {"profile": profile, "model": MODEL.name, "global_batch_size": GBS, "calibrated": summarize(runs),
+               "calibrated_fp32_only": summarize(fp32), "noise_ceiling_fp32": noise_ceiling(fp32, args.warmup)}
 
     # Learning from the runs: fit corrections on half of them, judge on the other half.
     from cost_models.calibration.refit import refit_corrections
@@ -166,6 +193,12 @@ def main() -> int:
           f"{c['step_time_worst_pct']:.1f}%; Spearman {c['spearman']:.3f} (target >= 0.9); memory MAPE "
           f"{c['memory_mape_pct']:.1f}% (target <= 15), worst {c['memory_worst_pct']:.1f}%; regret "
           f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }% (target <= 5)")
+    c = summary["calibrated_fp32_only"]
+    n = summary["noise_ceiling_fp32"]
+    print(f"fp32 runs only: step time MAPE {c['step_time_mape_pct']:.1f}%, Spearman {c['spearman']:.3f}, regret "
+          f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }%; noise ceiling (first vs second "
+          f"half of each run's steps): Spearman {n['spearman_half_vs_half']:.3f}, mean difference "
+          f"{n['mean_abs_diff_half_vs_half_pct']:.1f}%")
     e = refit.errors
     print(f"refit on half the runs: factors {', '.join(f'{k} {v:.2f}' for k, v in refit.factors.items())}, "
           f"overhead {refit.intercept_s * 1e3:.1f} ms; held-out MAPE {e['holdout_before']['mape'] * 100:.1f}% -> "

@@ -126,7 +126,6 @@ class AnalyticCostModel(CostModel):
         T = mb * s
         ab = ACT_BYTES[precision]
         heads = m.n_heads / t
-        mem_bw = prof.achieved_memory_bandwidth_bytes_per_s
         launch = prof.kernel_launch_s
 
         def gemm_s(rows: float, cols: float, inner: float) -> float:
@@ -156,14 +155,18 @@ class AnalyticCostModel(CostModel):
         # Memory-bound elementwise work per layer forward (bytes moved), backward taken as 2x:
         # two norms (read + write), two residual adds with bias-dropout (read 2, write 1, mask),
         # the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write 1), rotary on q, k.
+        # Each kernel streams at the bandwidth of where its bytes fit (cache or memory).
         sbh = T * h
         dropout_mask = sbh if m.is_gpt_style else 0.0
-        replicated = 4 * sbh * ab + 2 * (3 * sbh * ab + dropout_mask)
-        act = (2 if m.is_gpt_style else 3) * T * f * ab
-        rotary = 0.0 if m.is_gpt_style else 2 * T * (h + m.kv_hidden_size) * ab
-        elem_bytes = replicated / (t if sp else 1) + (act + rotary + softmax_bytes) / t
-        elem_fwd = 8 * launch + elem_bytes / mem_bw
-        softmax_s = softmax_bytes / t / mem_bw
+        rep = 1.0 / (t if sp else 1)
+        stream = self._stream_s
+        softmax_s = stream(softmax_bytes / t)
+        elem_fwd = 8 * launch + (
+            2 * stream(2 * sbh * ab * rep)                                   # the two norms
+            + 2 * stream((3 * sbh * ab + dropout_mask) * rep)                # the two residual adds
+            + stream((2 if m.is_gpt_style else 3) * T * f * ab / t)          # the MLP activation
+            + (0.0 if m.is_gpt_style else stream(2 * T * (h + m.kv_hidden_size) * ab / t))  # rotary
+            + softmax_s)
 
         fwd = gemm_fwd + attn_fwd + elem_fwd
         bwd = gemm.backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd  # dgrad + wgrad per GEMM
@@ -178,11 +181,12 @@ class AnalyticCostModel(CostModel):
 
         # Embedding lookup (gather + scatter-add backward; learned positions for GPT style) and the
         # vocabulary-parallel embedding all-reduce (Shoeybi et al. 2019, sec. 3).
-        emb = 3 * (2 + (2 if m.is_gpt_style else 0)) * sbh * ab / mem_bw + 3 * launch
+        emb = 3 * stream((2 + (2 if m.is_gpt_style else 0)) * sbh * ab) + 3 * launch
         emb_comm = tp_ar
         # Logits (vocabulary split over tp), final norm, and the fused cross-entropy over fp32
         # logits: read the 16-bit logits, write fp32 softmax, read it back and write the gradient.
-        logits = (1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h) + (T * V / t * (ab + 12) + 6 * sbh * ab) / mem_bw + 4 * launch
+        logits = ((1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h) + stream(T * V / t * (ab + 12))
+                  + 3 * stream(2 * sbh * ab) + 4 * launch)
         logits_comm = tp_ar  # the g operator before the vocabulary-parallel logits (backward)
         out = (fwd, bwd, attn_recompute, tp_fwd, emb, logits, emb_comm, logits_comm)
         self._layer_cache[key] = out
@@ -252,6 +256,10 @@ class AnalyticCostModel(CostModel):
         else:             # zero 1 with tp: gathered again every micro-batch, reduced once
             comm = m * exposed(ag, fwd_window) + exposed(rs, bwd_window)
         return comm, params, grads_mem, psi * 8 / d
+
+    def _stream_s(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` through one memory-bound kernel (it is also its working set)."""
+        return nbytes / self.profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
 
     def _activation_bytes(self, tp: int, mb: int, sp: bool, recompute: str, precision: str) -> float:
         key = (tp, mb, sp, recompute, precision)

@@ -91,6 +91,8 @@ class HardwareProfile:
     memory_bandwidth_bytes_per_s: float
     memory_efficiency: float
     reserved_memory_bytes: float = 0.0
+    cache_bytes: float = 0.0
+    cache_bandwidth_bytes_per_s: float = 0.0
     intra_node: Link
     inter_node: Link
     gemm: GemmEfficiency
@@ -105,6 +107,13 @@ class HardwareProfile:
 
     @property
     def achieved_memory_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    def stream_bandwidth_bytes_per_s(self, working_set_bytes: float) -> float:
+        """Bandwidth of a memory-bound kernel touching `working_set_bytes`: the last-level cache's
+        when it fits there (a CPU's 8 MiB L3 streams at 5-8x its DRAM rate), else the memory's."""
+        if self.cache_bytes and working_set_bytes <= self.cache_bytes:
+            return self.cache_bandwidth_bytes_per_s
         return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
 
     def defaults_used(self) -> tuple[str, ...]:
@@ -132,6 +141,7 @@ class HardwareProfile:
         return dataclasses.replace(
             self, peak_flops={k: v / factor for k, v in self.peak_flops.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s / factor,
+            cache_bandwidth_bytes_per_s=self.cache_bandwidth_bytes_per_s / factor,
             description=f"{self.description} (oversubscribed x{factor:g})")
 
     # ---- YAML ---------------------------------------------------------------------------------
@@ -180,6 +190,9 @@ class HardwareProfile:
             memory_bandwidth_bytes_per_s=positive_float(float(mem["bandwidth_bytes_per_s"]), f"{what}: memory.bandwidth_bytes_per_s"),
             memory_efficiency=positive_float(float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"),
             reserved_memory_bytes=positive_float(float(mem.get("reserved_bytes", 0.0)), f"{what}: memory.reserved_bytes", allow_zero=True),
+            cache_bytes=positive_float(float(mem.get("cache_bytes", 0.0)), f"{what}: memory.cache_bytes", allow_zero=True),
+            cache_bandwidth_bytes_per_s=positive_float(float(mem.get("cache_bandwidth_bytes_per_s", 0.0)),
+                                                       f"{what}: memory.cache_bandwidth_bytes_per_s", allow_zero=True),
             intra_node=link(data["intra_node"], "intra_node"), inter_node=link(data["inter_node"], "inter_node"),
             gemm=gemm, attention_efficiency=att, attention_backward_over_forward=att_bwd,
             kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
@@ -196,7 +209,9 @@ class HardwareProfile:
             "peak_flops": dict(self.peak_flops),
             "memory": {"capacity_bytes": self.memory_capacity_bytes,
                        "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                       "efficiency": self.memory_efficiency, "reserved_bytes": self.reserved_memory_bytes},
+                       "efficiency": self.memory_efficiency, "reserved_bytes": self.reserved_memory_bytes,
+                       **({"cache_bytes": self.cache_bytes, "cache_bandwidth_bytes_per_s": self.cache_bandwidth_bytes_per_s}
+                          if self.cache_bytes else {})},
             "intra_node": _link_dict(self.intra_node), "inter_node": _link_dict(self.inter_node),
             "gemm": {"max_efficiency": dict(self.gemm.max_efficiency), "half_dim": self.gemm.half_dim,
                      "launch_s": self.gemm.launch_s, "backward_over_forward": self.gemm.backward_over_forward},

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--statistic", default="median", choices=("median", "min"),
                    help="statistic of the timed calls of each point (default median)")
     p.add_argument("--name", default=None, help="profile name (default: the --out file name)")
+    p.add_argument("--from-csv", metavar="CSV", help="fit the measurements of an earlier calibration instead of "
+                   "measuring again (the profile YAML written with it must sit next to it)")
     p.add_argument("--out", required=True, help="profile YAML to write, e.g. results/calibration/cpu-local.yaml")
     p.set_defaults(func=run)
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = calibrate(device=args.device, world_sizes=args.world_sizes, quick=args.quick, out=args.out,
-                           name=args.name, statistic=args.statistic)
+                           name=args.name, statistic=args.statistic, from_csv=args.from_csv)
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None
     print(summary(result.profile))
@@ -62,6 +64,9 @@ def summary(profile) -> str:
         qq = d.get("quality", {})
         return f"R2(log) {qq.get('r2_log')}, worst {qq.get('worst_rel_residual', 0) * 100:.0f}%, n {qq.get('n_points')}"
 
+    if profile.cache_bytes:
+        lines.append(f"cache     {profile.cache_bandwidth_bytes_per_s / 1e9:.3g} GB/s for working sets up to "
+                     f"{profile.cache_bytes / 2**20:.0f} MiB")
     if "gemm" in fits:
         g = profile.gemm
         lines.append("gemm      max_efficiency " + ", ".join(f"{p} {v:.3g}" for p, v in g.max_efficiency.items())

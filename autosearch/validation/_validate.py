@@ -165,7 +165,9 @@ def _measured(outcome: RunOutcome, s: "Strategy", model: "ModelSpec") -> dict[st
     step = max(r["step_time_s"] for r in ranks)  # every rank timed the same barriers: take the slowest
     peaks = [r.get("peak_memory_bytes", float("nan")) for r in ranks]
     r0 = ranks[0]
+    per_step = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))]  # the slowest rank, step by step
     return {
+        "measured_step_times_s": ";".join(f"{x:.6f}" for x in per_step),
         "measured_step_time_s": step, "measured_step_time_min_s": min(r["step_time_min_s"] for r in ranks),
         "measured_step_time_max_s": max(r["step_time_max_s"] for r in ranks),
         "measured_tokens_per_s": s.global_batch_size * model.seq_len / step,

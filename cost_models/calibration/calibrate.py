@@ -59,7 +59,7 @@ def default_world_sizes(device: str) -> list[int]:
 
 def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, quick: bool = False,
               out: str, name: str | None = None, statistic: str = "median", timeout_s: float | None = None,
-              log: Callable[[str], None] = print) -> CalibrationResult:
+              from_csv: str | None = None, log: Callable[[str], None] = print) -> CalibrationResult:
     """Run the microbenchmarks, fit them, and write `out` (YAML) and the raw CSV next to it.
 
     Args:
@@ -72,30 +72,37 @@ def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, qui
         statistic: "median" or "min" of the timed calls of each point.
         timeout_s: limit per world size (default 10 minutes with `quick`, an hour without); a
             worker past it is stopped and the calibration fails with that message.
+        from_csv: fit the measurements of an earlier calibration (its CSV; the machine description
+            is read from the profile YAML next to it) instead of measuring again.
     """
     if statistic not in ("median", "min"):
         raise SpecError(f"statistic must be median or min, got {statistic!r}")
     if not str(out).endswith((".yaml", ".yml")):
         raise SpecError(f"--out must be a .yaml file, got {out!r}")
-    device = resolve_device(device)
-    world_sizes = sorted(set(world_sizes or default_world_sizes(device)))
-    _check_world_sizes(device, world_sizes, log)
     name = name or os.path.splitext(os.path.basename(out))[0]
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
-
-    machine = describe_machine(device)
-    log(f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
-        f"{', quick' if quick else ''}; load average {machine['load_average_at_start']}")
-    timeout_s = timeout_s if timeout_s is not None else (600.0 if quick else 3600.0)
-    df = run_microbenchmarks(make_plan(device, quick=quick), world_sizes, timeout_s=timeout_s, log=log)
-    machine["load_average_at_end"] = _loadavg()
-    machine["world_sizes"] = world_sizes
-    machine["quick"] = quick
-
     stem = os.path.splitext(os.path.abspath(out))[0]
     csv_path = stem + ".csv"
-    df.to_csv(csv_path, index=False)
+    if from_csv is not None:
+        df, machine = _earlier_measurements(from_csv)
+        device = str(df["device"].iloc[0])
+        world_sizes = sorted(int(w) for w in df["world_size"].dropna().unique())
+        log(f"calibrate: fitting the measurements of {from_csv} ({len(df)} rows, world sizes {world_sizes})")
+    else:
+        device = resolve_device(device)
+        world_sizes = sorted(set(world_sizes or default_world_sizes(device)))
+        _check_world_sizes(device, world_sizes, log)
+        machine = describe_machine(device)
+        log(f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
+            f"{', quick' if quick else ''}; load average {machine['load_average_at_start']}")
+        timeout_s = timeout_s if timeout_s is not None else (600.0 if quick else 3600.0)
+        df = run_microbenchmarks(make_plan(device, quick=quick), world_sizes, timeout_s=timeout_s, log=log)
+        machine["load_average_at_end"] = _loadavg()
+        machine["world_sizes"] = world_sizes
+        machine["quick"] = quick
+    if os.path.abspath(from_csv or "") != csv_path:
+        df.to_csv(csv_path, index=False)
     machine["measurements_csv"] = os.path.basename(csv_path)
 
     if device == "cuda":
@@ -121,6 +128,20 @@ def calibrate(*, device: str = "auto", world_sizes: list[int] | None = None, qui
     log(f"calibrate: wrote {csv_path}")
     assert profile is not None
     return CalibrationResult(profile, os.path.abspath(out), csv_path, df, variants)
+
+
+def _earlier_measurements(csv_path: str) -> tuple[pd.DataFrame, dict]:
+    """The measurements CSV of an earlier run and the machine it was measured on (from its YAML)."""
+    if not os.path.exists(csv_path):
+        raise SpecError(f"--from-csv {csv_path!r} does not exist")
+    df = pd.read_csv(csv_path)
+    if "device" not in df.columns or "world_size" not in df.columns:
+        raise SpecError(f"{csv_path!r} is not a calibration measurements CSV (no device / world_size columns)")
+    yaml_path = os.path.splitext(csv_path)[0] + ".yaml"
+    if not os.path.exists(yaml_path):
+        raise SpecError(f"--from-csv needs the profile written with it ({yaml_path}) for the machine description")
+    machine = dict((read_yaml_mapping(yaml_path, what="calibrated profile").get("calibration") or {}).get("machine") or {})
+    return df, machine
 
 
 def _check_world_sizes(device: str, world_sizes: list[int], log: Callable[[str], None]) -> None:

@@ -150,6 +150,12 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
         all_q = F.fit_quality(kernel_launch_s + mem["bytes"] / bfit.bandwidth_bytes_per_s, mem["t"])
         in_cache = mem[mem["bytes"] <= llc]
         cache_bw = float((in_cache["bytes"] / in_cache["t"]).max()) if len(in_cache) else None
+        cache_fit = None
+        if device == "cpu" and in_cache["array_bytes"].nunique() >= 2:
+            # Working sets that fit in the last-level cache stream several times faster than DRAM;
+            # the cost model uses this rate for kernels whose bytes fit (tiny models on a CPU).
+            cache_fit = F.fit_bandwidth(in_cache["bytes"], in_cache["t"], launch_s=kernel_launch_s)
+            measured.append("memory.cache_bandwidth_bytes_per_s")
         if base is not None:
             mem_bw, mem_eff = base.memory_bandwidth_bytes_per_s, bfit.bandwidth_bytes_per_s / base.memory_bandwidth_bytes_per_s
             measured.append("memory_efficiency")
@@ -160,8 +166,12 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
             "form": "t = kernel_launch_s + bytes / bandwidth, bytes = reads + writes of STREAM copy/add/triad",
             "points": rule, "bandwidth_bytes_per_s": bfit.bandwidth_bytes_per_s, "quality": bfit.quality.to_dict(),
             "quality_all_sizes": all_q.to_dict(), "best_in_cache_bytes_per_s": cache_bw,
+            "cache": None if cache_fit is None else {
+                "points": f"footprint <= last-level cache ({llc / 2**20:.0f} MiB)", "cache_bytes": llc,
+                "bandwidth_bytes_per_s": cache_fit.bandwidth_bytes_per_s, "quality": cache_fit.quality.to_dict()},
         }
     else:
+        cache_fit = None
         mem_bw = base.memory_bandwidth_bytes_per_s if base else 1e10
         mem_eff = base.memory_efficiency if base else 1.0
         defaults["memory_bandwidth_bytes_per_s"] = "not measured"
@@ -290,7 +300,9 @@ def build_profile(df: pd.DataFrame, *, name: str, machine: dict[str, Any], compu
         "device_type": device, "sources": sources, "gpus_per_node": int(gpus_per_node),
         "peak_flops": {p: float(v) for p, v in peak.items()},
         "memory": {"capacity_bytes": float(capacity), "bandwidth_bytes_per_s": float(mem_bw),
-                   "efficiency": float(mem_eff), "reserved_bytes": float(reserved)},
+                   "efficiency": float(mem_eff), "reserved_bytes": float(reserved),
+                   **({"cache_bytes": float(llc), "cache_bandwidth_bytes_per_s": float(cache_fit.bandwidth_bytes_per_s)}
+                      if cache_fit is not None else {})},
         "intra_node": _plain(intra), "inter_node": _plain(inter),
         "gemm": {"max_efficiency": {p: float(v) for p, v in max_eff.items()}, "half_dim": float(gfit.half_dim),
                  "launch_s": float(gfit.launch_s), "backward_over_forward": float(gemm_ratio)},
