@@ -130,10 +130,16 @@ def main() -> int:
     parser.add_argument("--out", default="results/fidelity_local.csv")
     parser.add_argument("--runs-dir", default="results/fidelity_local_runs")
     parser.add_argument("--skip-16bit", action="store_true", help="skip the (slow on AVX2 CPUs) bf16 runs")
+    parser.add_argument("--from-runs", help="re-predict the measured runs of an earlier CSV instead of running")
     args = parser.parse_args()
 
     t0 = time.time()
     profile = args.profile
+    if args.from_runs:  # measured runs of an earlier invocation, predicted again (e.g. after a model change)
+        if profile is None:
+            parser.error("--from-runs needs --profile")
+        table = pd.read_csv(args.from_runs)
+        return report(args, profile, table, t0)
     if profile is None:
         from cost_models.calibration import calibrate
 
@@ -149,11 +155,16 @@ def main() -> int:
     if not args.skip_16bit:  # slow on CPUs without bf16 units: fewer steps
         slow = validate(MODEL, sixteen_bit(), steps=3, warmup=1, timeout_s=900, out=args.runs_dir + "_16bit")
         table = pd.concat([table, slow.table], ignore_index=True)
+    return report(args, profile, table, t0)
+
+
+def report(args, profile: str, table: pd.DataFrame, t0: float) -> int:
     runs = table[table.status == "ok"].copy()
     failed = table[table.status != "ok"]
     for _, f in failed.iterrows():
         print(f"FAILED {f.strategy}: {f.status} {f.reason}")
-    runs = runs.drop(columns=[c for c in runs.columns if c.startswith("predicted_")])
+    runs = runs.drop(columns=[c for c in runs.columns if c.startswith(("predicted_", "time_", "refit_"))
+                              or c in ("profile_used", "step_time_error_pct", "memory_error_pct")])
     runs = runs.join(predict(profile, runs))
     runs["step_time_error_pct"] = errors(runs.predicted_step_time_s, runs.measured_step_time_s)
     runs["memory_error_pct"] = errors(runs.predicted_peak_memory_bytes, runs.measured_peak_memory_bytes)

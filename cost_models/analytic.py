@@ -177,6 +177,8 @@ class AnalyticCostModel(CostModel):
         # each by a reduce-scatter + all-gather pair of the same total volume (Korthikanti et al.
         # 2022, sec. 4.2.2), so the ring time is the same.
         tp_ar = self._all_reduce(sbh * ab, t, 1)
+        if sp:  # same volume, but all-gather and reduce-scatter run at their own measured rates
+            tp_ar = self._all_gather(sbh * ab, t, 1) + self._reduce_scatter(sbh * ab, t, 1)
         tp_fwd = 2.0 * tp_ar * (1.0 - rt.tp_overlap)
 
         # Embedding lookup (gather + scatter-add backward; learned positions for GPT style) and the
