@@ -5,8 +5,7 @@ cost model never import torch, and the Engine imports it only when used.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from autosearch._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -29,14 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'autosearch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports('autosearch', globals(), _EXPORTS)

@@ -5,8 +5,7 @@ Engine imports it when first used. `SyntheticTokens`, `Accuracy` and `run_main` 
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "autosearch.engine._engine",
@@ -23,14 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'autosearch.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports('autosearch.engine', globals(), _EXPORTS)

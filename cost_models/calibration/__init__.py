@@ -13,8 +13,7 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
     "cost_models.calibration.calibrate": ("CalibrationResult", "calibrate", "default_world_sizes", "write_profile"),
@@ -28,14 +27,4 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cost_models.calibration' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports('cost_models.calibration', globals(), _WHERE)
