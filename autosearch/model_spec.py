@@ -21,7 +21,7 @@ import difflib
 import functools
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 

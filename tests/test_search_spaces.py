@@ -109,7 +109,7 @@ def test_the_same_parameter_name_always_has_the_same_choices(space):
 def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     model, cluster, gbs = ModelSpec.load("tiny-llama"), Cluster.parse("h100-sxm:2x4"), 16
     space = SearchSpace(model, cluster, global_batch_size=gbs)
-    world, divs = cluster.world_size, [1, 2, 4, 8]
+    divs = [1, 2, 4, 8]
     amps = [a for a in ("fp32", "fp16", "bf16") if a in cluster.profile.peak_flops]
     expected = set()
     # Layout first (the rules on recompute, ZeRO and amp cannot make an invalid layout valid), then

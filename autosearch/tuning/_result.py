@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autosearch.errors import SpecError
 
@@ -68,8 +68,3 @@ class NoFeasibleStrategyError(SpecError):
     def __init__(self, message: str, *, result: TuneResult | None = None):
         super().__init__(message)
         self.result = result
-
-
-def record_of(strategy: "Strategy", report: "CostReport") -> dict[str, Any]:
-    """The JSON-able record stored in a trial's user attributes."""
-    return {"strategy": strategy.to_dict(), "report": report.to_dict(flat=False)}

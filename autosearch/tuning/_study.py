@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from autosearch.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._recipes import recipes as make_recipes
-from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult, record_of
+from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
 from autosearch.tuning._storage import DEFAULT_FILENAME, describe_storage, open_storage
 
 from optuna.trial import TrialState

@@ -85,7 +85,6 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
     import pandas as pd
 
     from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
     from cost_models.analytic import AnalyticCostModel
     from cost_models.hardware import Cluster
 
