@@ -176,14 +176,24 @@ class ModelSpec:
         return cls(**kwargs)
 
     @classmethod
+    def from_hf_config(cls, source, *, name: str | None = None, seq_len: int | None = None) -> "ModelSpec":
+        """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig (`autosearch.hf_config`)."""
+        from autosearch.hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(source, name=name, seq_len=seq_len)
+
+    @classmethod
     def load(cls, name_or_path: "str | os.PathLike | ModelSpec") -> "ModelSpec":
-        """A catalog model by name (``llama3-70b``) or a YAML file with the fields above."""
+        """A catalog model by name (``llama3-70b``), a YAML file with the fields above, or a
+        Hugging Face ``config.json`` (`from_hf_config`)."""
         if isinstance(name_or_path, ModelSpec):
             return name_or_path
         key = os.fspath(name_or_path)
         catalog = model_catalog()
         if key.lower() in catalog:
             return catalog[key.lower()]
+        if key.endswith(".json"):  # a Hugging Face config.json
+            return cls.from_hf_config(key)
         if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])

@@ -34,17 +34,38 @@ MODELS = {
 }
 
 
+# Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
+# (nothing is downloaded: each is built from its config class).
+HF_SHAPE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False)
+HF_FAMILIES = {"hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+               "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
+               "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
+
+
+def hf_model(kind: str):
+    """A transformers model of family `kind` with random weights (seeded by the caller)."""
+    import transformers
+
+    config_name, model_name, extra = HF_FAMILIES[kind]
+    config = getattr(transformers, config_name)(**HF_SHAPE, **extra)
+    return getattr(transformers, model_name)(config)
+
+
 def make_model(kind: str):
+    torch.manual_seed(1234)
+    if kind in HF_FAMILIES:
+        return hf_model(kind)
     from autosearch.transformer import Transformer
 
-    torch.manual_seed(1234)
     return Transformer(MODELS[kind])
 
 
 def dataset(kind: str, n: int = 64, seed: int = 0):
     from autosearch.engine import SyntheticTokens
 
-    return SyntheticTokens.for_model(MODELS[kind], n, seed=seed)
+    spec = MODELS["llama"] if kind in HF_FAMILIES else MODELS[kind]
+    return SyntheticTokens.for_model(spec, n, seed=seed)
 
 
 def train_losses(strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS) -> list[float]:

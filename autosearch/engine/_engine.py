@@ -135,11 +135,13 @@ class Engine:
         spec = getattr(self.model, "spec", None)
         if spec is None and self._prepared:
             spec = getattr(self._built_model, "spec", None)
+        if spec is None and _is_module(self.model):
+            spec = getattr(_wrap_known(self.model), "spec", None)
         if spec is None and callable(self.model) and not _is_module(self.model):
             import torch
 
             with torch.device("meta"):  # build on the meta device: shapes only, no memory
-                spec = getattr(self.model(), "spec", None)
+                spec = getattr(_wrap_known(self.model()), "spec", None)
         if not isinstance(spec, ModelSpec):
             raise SpecError("this needs the model's shape and the model carries no ModelSpec; pass "
                             "Engine(..., model_spec=ModelSpec.load('tiny-gpt')) or a YAML path with "
@@ -154,7 +156,7 @@ class Engine:
                 raise SpecError("the model instance was already parallelized for another strategy; pass a "
                                 "zero-argument factory (e.g. lambda: Transformer(spec)) so the engine can rebuild it")
             self._instance_used = True
-            return self.model
+            return _wrap_known(self.model)
         if not callable(self.model):
             raise SpecError(f"model must be an nn.Module or a zero-argument factory, got {type(self.model).__name__}")
         if self.seed is not None:
@@ -162,7 +164,7 @@ class Engine:
         model = self.model()
         if not _is_module(model):
             raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-        return model
+        return _wrap_known(model)
 
     def _plan_for(self, model):
         from autosearch.engine.plan import ParallelPlan
@@ -713,6 +715,17 @@ class _PipelineLoss:
         loss = self.loss_fn(output, target)
         self.records.append(loss.detach())
         return self.scaler.scale(loss) if self.scaler is not None else loss
+
+
+def _wrap_known(model):
+    """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM` (its plan and
+    ModelSpec); any other module as it is."""
+    if type(model).__module__.startswith("transformers."):
+        from autosearch.engine.hf import HFCausalLM, is_supported_hf_model
+
+        if is_supported_hf_model(model):
+            return HFCausalLM(model)
+    return model
 
 
 def _is_module(obj) -> bool:

@@ -54,8 +54,23 @@ AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def blocks_of(module: nn.Module, plan: ParallelPlan) -> "nn.ModuleDict | nn.ModuleList | None":
     """The container of repeated blocks the plan names, if the module has one."""
-    container = getattr(module, plan.blocks, None)
+    container = get_path(module, plan.blocks)
     return container if isinstance(container, (nn.ModuleDict, nn.ModuleList)) else None
+
+
+def get_path(module: nn.Module, path: str):
+    """The attribute at a dotted path (``model.layers``), or None where any step is missing."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def set_path(module: nn.Module, path: str, value) -> None:
+    """Set the attribute at a dotted path (the parent must exist)."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, leaf, value)
 
 
 def apply_tp(module: nn.Module, tp_mesh: "DeviceMesh", plan: ParallelPlan, *, sequence_parallel: bool,

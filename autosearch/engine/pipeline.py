@@ -33,23 +33,21 @@ def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *
                    ) -> list[tuple[int, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
     n_chunks = strategy.pp * strategy.virtual_stages
-    keys = list(getattr(model, plan.blocks).keys())
+    from autosearch.engine.parallelize import get_path, set_path
+
+    keys = list(get_path(model, plan.blocks).keys())
     bounds = plan.chunk_bounds(len(keys), n_chunks)
     parts = []
     for stage in stage_indices(pp_rank, strategy.pp, strategy.virtual_stages):
         part = copy.deepcopy(model)
-        blocks = getattr(part, plan.blocks)
+        blocks = get_path(part, plan.blocks)
         start, stop = bounds[stage]
         for key in keys[:start] + keys[stop:]:
             del blocks[key]
-        if stage > 0:
-            for name in plan.first_stage:
-                if getattr(part, name, None) is not None:
-                    setattr(part, name, None)
-        if stage < n_chunks - 1:
-            for name in plan.last_stage:
-                if getattr(part, name, None) is not None:
-                    setattr(part, name, None)
+        dropped = (plan.first_stage if stage > 0 else ()) + (plan.last_stage if stage < n_chunks - 1 else ())
+        for name in dropped:
+            if get_path(part, name) is not None:
+                set_path(part, name, None)
         parts.append((stage, part))
     return parts
 

@@ -1,0 +1,252 @@
+"""Hugging Face ``transformers`` causal LMs under the Engine: Llama, Mistral and Qwen2 families.
+
+`HFCausalLM` wraps a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (or any
+model of those ``model_type``s with the same layout) without copying it, and gives the Engine what
+it needs to run every strategy:
+
+* a forward that skips removed modules, so a pipeline stage is the same module with the
+  embeddings (first stage) or the final norm and head (last stage) set to ``None``;
+* the decoder layers in an ``nn.ModuleDict`` keyed "0", "1", ... instead of HF's ``ModuleList``,
+  so parameter names stay the ones of the full model on every stage: the state dict keys are
+  exactly the HF model's (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``), and a
+  checkpoint loads back into ``transformers`` (`save_pretrained`);
+* an attention core module per layer (``self_attn.core``): HF calls its attention kernel as a
+  function picked from ``config._attn_implementation``; we register one more entry in
+  ``transformers``' `AttentionInterface` that calls the layer's core module, which runs HF's own
+  SDPA attention. Selective recompute checkpoints that module (Korthikanti et al. 2022);
+* the tensor-parallel plan (Megatron column/row split with sequence parallel, as torchtitan
+  writes it for Llama), and the ModelSpec read from the config for `Engine.cost` and `tune`.
+
+The Engine wraps a supported ``transformers`` model by itself (``Engine(lambda:
+LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the plan or the spec.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autosearch.engine.plan import ParallelPlan
+from autosearch.errors import SpecError
+from autosearch.hf_config import LLAMA_LIKE, spec_from_hf_config
+
+ATTN_IMPLEMENTATION = "autosearch_core"
+
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(d)) V of one layer, by transformers' SDPA attention function.
+
+    Holds what that function reads from its module (the GQA group count, causality), so it
+    works on the heads a tensor-parallel rank holds: the group count is the same there.
+    """
+
+    def __init__(self, num_key_value_groups: int):
+        super().__init__()
+        self.num_key_value_groups = num_key_value_groups
+        self.is_causal = True
+
+    def forward(self, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(self, query, key, value, attention_mask, **kwargs)
+
+
+def _core_attention(module, query, key, value, attention_mask, **kwargs):
+    """The `AttentionInterface` entry: run the calling attention layer's core module."""
+    return module.core(query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _core_attention)
+
+
+def is_supported_hf_model(model) -> bool:
+    """Whether `model` is a transformers causal LM of a family `HFCausalLM` runs."""
+    config = getattr(model, "config", None)
+    return (type(model).__module__.startswith("transformers.")
+            and getattr(config, "model_type", None) in LLAMA_LIKE
+            and hasattr(model, "model") and hasattr(model, "lm_head"))
+
+
+def _sequence_shards(module: nn.Module) -> int:
+    """How many tp ranks share the sequence of this module's input (1 without sequence parallel).
+
+    With sequence parallel the norms are tp-replicated DTensors (`SequenceParallel`); without it
+    they are not distributed over the tp mesh dimension at all.
+    """
+    from torch.distributed.tensor import DTensor
+
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if "tp" in (mesh.mesh_dim_names or ()):
+            return mesh["tp"].size()
+    return 1
+
+
+class HFCausalLM(nn.Module):
+    """A transformers Llama / Mistral / Qwen2 causal LM as the Engine runs it (see module doc).
+
+    Args:
+        hf_model: a ``*ForCausalLM`` of model_type llama, mistral or qwen2 (random or pretrained).
+            Its modules are taken over, not copied.
+        seq_len: training sequence length for the ModelSpec (default the config's
+            ``max_position_embeddings``).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM      # doctest: +SKIP
+        >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+        ...                   intermediate_size=128, vocab_size=128)   # doctest: +SKIP
+        >>> model = HFCausalLM(LlamaForCausalLM(cfg), seq_len=32)      # doctest: +SKIP
+        >>> model(torch.zeros(2, 32, dtype=torch.long)).shape          # doctest: +SKIP
+        torch.Size([2, 32, 128])
+    """
+
+    def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
+        super().__init__()
+        if not is_supported_hf_model(hf_model):
+            raise SpecError(f"HFCausalLM runs transformers causal LMs of model_type {', '.join(LLAMA_LIKE)}; got "
+                            f"{type(hf_model).__name__} (model_type "
+                            f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})")
+        _register_attention()
+        self.hf_class = type(hf_model)
+        self.config = hf_model.config
+        self.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        if isinstance(self.model.layers, nn.ModuleList):
+            self.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.model.layers)})
+        for layer in self.model.layers.values():
+            attn = layer.self_attn
+            if not hasattr(attn, "core"):
+                attn.core = AttentionCore(attn.num_key_value_groups)
+        self.spec = spec_from_hf_config(self.config, seq_len=seq_len)
+        self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to hidden."""
+        m = self.model
+        layers = list(m.layers.values())
+        if m.embed_tokens is not None:
+            seq = tokens.shape[1]
+            h = m.embed_tokens(tokens)
+        else:  # a later pipeline stage: its input is the previous stage's hidden states
+            h = tokens
+            seq = h.shape[1] * (_sequence_shards(layers[0].input_layernorm) if layers else 1)
+        window = self.sliding_window()
+        if window is not None and seq > window:
+            raise SpecError(f"sequences of {seq} tokens are longer than the config's sliding_window={window}; "
+                            "the Engine runs full causal attention, so train with sequences <= sliding_window")
+        position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+        position_embeddings = m.rotary_emb(h, position_ids=position_ids)
+        for layer in layers:
+            h = layer(h, position_embeddings=position_embeddings, position_ids=position_ids)
+            if isinstance(h, tuple):  # transformers 4.x layers return (hidden_states, ...)
+                h = h[0]
+        if m.norm is not None:
+            h = m.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    # ---- what the Engine asks ------------------------------------------------------------------
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(
+            blocks="model.layers",
+            first_stage=("model.embed_tokens",),
+            last_stage=("model.norm", "lm_head"),
+            tp_plan=self.tp_plan,
+            attention_core="self_attn.core",
+            check=self._check_strategy,
+        )
+
+    def sliding_window(self) -> int | None:
+        """The attention window, if the config restricts attention to one (Mistral, Qwen2 option)."""
+        window = getattr(self.config, "sliding_window", None)
+        if self.config.model_type == "qwen2" and not getattr(self.config, "use_sliding_window", False):
+            return None
+        return window
+
+    def _check_strategy(self, strategy) -> list[str]:
+        problems = strategy.problems(self.spec)
+        if self.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
+            problems.append(
+                f"this {self.config.model_type} model ties lm_head to embed_tokens "
+                f"(tie_word_embeddings=true), which runs only with tp=1 and pp=1 here (got tp={strategy.tp}, "
+                f"pp={strategy.pp}); use dp/zero, or a config with tie_word_embeddings=false")
+        return problems
+
+    @staticmethod
+    def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Megatron-style plan (Shoeybi et al. 2019) with sequence parallel (Korthikanti et al.
+        2022), as torchtitan writes it for Llama, on transformers' module names.
+
+        Column-wise: q/k/v_proj, gate/up_proj; row-wise: o_proj, down_proj (one all-reduce, or a
+        reduce-scatter with sequence parallel, per sub-layer). Embeddings split by vocabulary rows,
+        lm_head by vocabulary columns.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        act = Shard(1) if sequence_parallel else Replicate()
+        layer = "model.layers.*."
+        plan = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "lm_head": ColwiseParallel(input_layouts=act,
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel),
+            layer + "self_attn.q_proj": ColwiseParallel(),
+            layer + "self_attn.k_proj": ColwiseParallel(),
+            layer + "self_attn.v_proj": ColwiseParallel(),
+            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            layer + "mlp.gate_proj": ColwiseParallel(),
+            layer + "mlp.up_proj": ColwiseParallel(),
+            layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
+        }
+        if sequence_parallel:
+            plan.update({
+                "model.norm": SequenceParallel(),
+                layer + "input_layernorm": SequenceParallel(),
+                layer + "post_attention_layernorm": SequenceParallel(),
+                # HF passes the attention input by keyword, the MLP input by position.
+                layer + "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                layer + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        return plan
+
+    # ---- back to transformers ------------------------------------------------------------------
+    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """A plain transformers model of the same class and config (SDPA attention), holding
+        `state_dict` (full tensors with this module's names, e.g. from ``Engine.full_state_dict()``)
+        or this module's weights."""
+        import copy
+
+        config = copy.deepcopy(self.config)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = self.hf_class(config)
+        state = state_dict if state_dict is not None else self.state_dict()
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        unexpected = [k for k in unexpected if not k.endswith(".inv_freq")]
+        missing = [k for k in missing if not (self.tied_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise SpecError(f"the state dict does not match {self.hf_class.__name__}: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+        if self.tied_embeddings:
+            model.tie_weights()
+        for module in model.modules():  # non-persistent buffers (rotary inv_freq) are rebuilt
+            if hasattr(module, "inv_freq") and module.inv_freq.is_meta:
+                inv_freq, _ = module.rope_init_fn(module.config) if hasattr(module, "rope_init_fn") else \
+                    module.compute_default_rope_parameters(module.config)
+                module.register_buffer("inv_freq", inv_freq, persistent=False)
+                if hasattr(module, "original_inv_freq"):
+                    module.original_inv_freq = inv_freq
+        return model

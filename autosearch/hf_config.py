@@ -1,0 +1,148 @@
+"""Read a Hugging Face ``config.json`` into a ModelSpec (torch-free; transformers not needed).
+
+Reads the dense decoder-only families whose shape a ModelSpec describes:
+
+======================  ==================================================  ==============
+model_type              keys read                                           ModelSpec style
+======================  ==================================================  ==============
+llama, mistral, qwen2   num_hidden_layers, hidden_size, num_attention_      swiglu (Llama)
+                        heads, num_key_value_heads, intermediate_size,
+                        vocab_size, max_position_embeddings, tie_word_
+                        embeddings, hidden_act (silu), head_dim
+gpt2                    n_layer, n_embd, n_head, n_inner, vocab_size,        gelu (GPT)
+                        n_positions, activation_function
+gpt_neox                num_hidden_layers, hidden_size, num_attention_      gelu (GPT)
+                        heads, intermediate_size, vocab_size, max_position_
+                        embeddings, tie_word_embeddings, hidden_act
+======================  ==================================================  ==============
+
+What a ModelSpec leaves out, and so the cost model does not count: Qwen2's q/k/v biases (3h + 2
+kv_h parameters per layer, under 0.1% of Qwen2-7B), and GPT-NeoX's rotary positions (the GPT style
+counts learned positions, seq_len * h parameters, 0.2% of Pythia-1B at 2,048 tokens).
+Mixture-of-experts configs (Mixtral, Qwen2-MoE, DeepSeek, ...) are refused with a clear message
+until experts are modelled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from autosearch.errors import SpecError
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+GPT_LIKE = ("gpt2", "gpt_neox")
+SUPPORTED = LLAMA_LIKE + GPT_LIKE
+# Keys by which a config announces experts (Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3, DBRX).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+GELU_NAMES = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
+
+
+def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[str, Any]:
+    """The config as a dict: from a ``config.json`` path, a folder holding one, a mapping, or a
+    transformers ``PretrainedConfig`` (anything with ``to_dict()``)."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    if hasattr(source, "to_dict") and callable(source.to_dict):
+        return dict(source.to_dict())
+    if not isinstance(source, (str, os.PathLike)):
+        raise SpecError(f"a Hugging Face config must be a config.json path, a dict or a PretrainedConfig; "
+                        f"got {type(source).__name__}")
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise SpecError(f"Hugging Face config {path!r} does not exist; pass the model's config.json "
+                        "or the folder that holds it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read Hugging Face config {path!r}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"Hugging Face config {path!r} is not valid JSON (line {exc.lineno}, column "
+                        f"{exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"Hugging Face config {path!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None = None):
+    """A ModelSpec with the shape of a Hugging Face causal LM config.
+
+    Args:
+        source: ``config.json`` path (or its folder), a dict, or a transformers PretrainedConfig.
+        name: the spec's name; default the config's ``_name_or_path``, else its model_type.
+        seq_len: training sequence length; default the config's maximum positions
+            (``max_position_embeddings`` / ``n_positions``), which is often longer than one trains.
+
+    Raises:
+        SpecError: an unsupported family (named, with the supported ones), a mixture-of-experts
+            config, a head size other than hidden_size / heads, or missing keys.
+
+    Example:
+        >>> spec = spec_from_hf_config({"model_type": "llama", "num_hidden_layers": 2,
+        ...     "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+        ...     "vocab_size": 100, "max_position_embeddings": 32})
+        >>> spec.ffn_activation, spec.n_kv_heads
+        ('swiglu', 4)
+    """
+    from autosearch.model_spec import ModelSpec
+
+    cfg = read_config(source)
+    model_type = cfg.get("model_type")
+    label = name or cfg.get("_name_or_path") or model_type or "hf-model"
+    experts = [k for k in MOE_KEYS if cfg.get(k)]
+    if experts or "moe" in str(model_type) or model_type == "mixtral":
+        detail = f" ({experts[0]}={cfg[experts[0]]})" if experts else ""
+        raise SpecError(f"Hugging Face config of {label!r} is a mixture-of-experts model "
+                        f"(model_type {model_type!r}{detail}); autosearch does not model experts yet. "
+                        "Describe a dense model of the same width, or wait for MoE support")
+    if model_type not in SUPPORTED:
+        raise SpecError(f"Hugging Face model_type {model_type!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, n_heads, "
+                        "vocab_size, seq_len) for other models")
+
+    def need(*keys: str):
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        raise SpecError(f"Hugging Face config of {label!r} (model_type {model_type!r}) lacks {keys[0]!r}")
+
+    if model_type in LLAMA_LIKE:
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise SpecError(f"{label!r}: hidden_act {act!r} is not the gated SiLU (SwiGLU) MLP of "
+                            f"{model_type}; only silu is modelled")
+        fields = dict(
+            n_layers=need("num_hidden_layers"), hidden_size=need("hidden_size"),
+            n_heads=need("num_attention_heads"),
+            n_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
+            ffn_hidden_size=need("intermediate_size"), ffn_activation="swiglu",
+            vocab_size=need("vocab_size"), seq_len=seq_len or need("max_position_embeddings"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    elif model_type == "gpt2":
+        act = cfg.get("activation_function", "gelu_new")
+        hidden = need("n_embd", "hidden_size")
+        fields = dict(
+            n_layers=need("n_layer", "num_hidden_layers"), hidden_size=hidden,
+            n_heads=need("n_head", "num_attention_heads"), ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
+            ffn_activation="gelu", vocab_size=need("vocab_size"),
+            seq_len=seq_len or need("n_positions", "n_ctx"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    else:  # gpt_neox
+        act = cfg.get("hidden_act", "gelu")
+        fields = dict(
+            n_layers=need("num_hidden_layers"), hidden_size=need("hidden_size"),
+            n_heads=need("num_attention_heads"), ffn_hidden_size=need("intermediate_size"),
+            ffn_activation="gelu", vocab_size=need("vocab_size"),
+            seq_len=seq_len or need("max_position_embeddings"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    if model_type in GPT_LIKE and act not in GELU_NAMES:
+        raise SpecError(f"{label!r}: activation {act!r} is not a GELU; only GELU MLPs are modelled for {model_type}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * fields["n_heads"] != fields["hidden_size"]:
+        raise SpecError(f"{label!r}: head_dim {head_dim} x {fields['n_heads']} heads != hidden_size "
+                        f"{fields['hidden_size']}; a ModelSpec assumes head size = hidden_size / heads")
+    return ModelSpec(name=str(label), **fields)
