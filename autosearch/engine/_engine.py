@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from autosearch.engine._loop import _call
+from autosearch.engine._step import StepMixin, _PipelineLoss
 from autosearch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,7 +32,7 @@ def token_cross_entropy(outputs: "torch.Tensor", labels: "torch.Tensor") -> "tor
     return F.cross_entropy(outputs.flatten(0, -2).float(), labels.flatten())
 
 
-class Engine:
+class Engine(StepMixin):
     """Train, evaluate and predict a model under a parallel Strategy.
 
     Args:
@@ -53,6 +54,12 @@ class Engine:
         loss_parallel: keep the logits sharded over tp and compute the loss with
             ``torch.distributed.tensor.parallel.loss_parallel`` (default loss only).
         seed: if set, ``torch.manual_seed(seed)`` before a factory builds the model.
+        lr_scheduler: a recipe ``optimizer -> LRScheduler`` (any torch scheduler, or
+            `autosearch.engine.WarmupDecay`), built for each optimizer and stepped after each
+            optimizer step.
+        grad_clip_norm: clip gradients to this global L2 norm (over every shard, tp rank and
+            pipeline stage); ``float("inf")`` only measures it. `run` and `fit` report it as
+            ``grad_norm`` (before clipping).
 
     Example (under ``torchrun --nproc_per_node=2``; see examples/train_gpt.py)::
 
@@ -68,10 +75,13 @@ class Engine:
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, strategy=None, cluster=None, *,
-                 plan=None, model_spec=None, loss_parallel: bool = False, seed: int | None = None):
+                 plan=None, model_spec=None, loss_parallel: bool = False, seed: int | None = None,
+                 lr_scheduler=None, grad_clip_norm: float | None = None):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.grad_clip_norm = grad_clip_norm
         self.metrics = metrics
         self.strategy = strategy
         self.cluster = cluster
@@ -227,6 +237,7 @@ class Engine:
         import torch.distributed as dist
 
         from autosearch.engine import distributed as D
+        from autosearch.engine.lr_schedule import build_schedulers
         from autosearch.engine.optim import OptimizerRecipe, build_optimizers, make_grad_scaler
         from autosearch.engine.parallel_dims import ParallelDims
         from autosearch.engine.parallelize import parallelize
@@ -263,6 +274,9 @@ class Engine:
         self.optimizers_ = []
         if self.optimizer is not None:
             self.optimizers_ = build_optimizers(self.model_parts_, OptimizerRecipe(self.optimizer, names), dims, mesh)
+        self.schedulers_ = build_schedulers(self.lr_scheduler, self.optimizers_)
+        self.global_step_ = 0
+        self._last_grad_norm = None
         self._metrics = _as_list(self.metrics)
         self._prepared = True
         self.to_mode(self._mode or "train")
@@ -339,229 +353,51 @@ class Engine:
         sums, outputs = self._step(data, self._mode)
         if self._mode == "predict":
             return {"outputs": outputs}
-        return self._reduce(sums)
-
-    def _step(self, data, mode: str):
-        """Local sums [loss * samples, samples, *metric sums] and outputs of one batch."""
-        import torch
-
-        from autosearch.engine.data import split_batch
-
-        inputs, labels = split_batch(data)
-        inputs = inputs.to(self.device_)
-        labels = labels.to(self.device_) if labels is not None else None
-        if mode == "train" and labels is None:
-            raise SpecError("training needs labels: batches must be (inputs, labels)")
-        if mode == "train" and not self.optimizers_:
-            raise SpecError("training needs an optimizer: Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))")
-        self._last_tokens = inputs.numel() * self.dims_.dp if not inputs.is_floating_point() else 0
-        self._last_samples = inputs.shape[0] * self.dims_.dp
-        if self.schedule_ is not None:
-            return self._pipeline_step(inputs, labels, mode)
-        part = self.model_parts_[0]
-        want_outputs = mode == "predict" or bool(self._metrics)
-        mbs = self.strategy_.micro_batch_size
-        xs = inputs.split(mbs)
-        ys = labels.split(mbs) if labels is not None else [None] * len(xs)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device_)
-        metric_sums = self._zero_metric_sums()
-        outputs = []
-        if mode == "train":
-            for opt in self.optimizers_:
-                opt.zero_grad(set_to_none=True)
-        grad = torch.enable_grad() if mode == "train" else torch.no_grad()
-        with grad:
-            for i, (x, y) in enumerate(zip(xs, ys)):
-                with self._grad_sync(part, last=i == len(xs) - 1), self._loss_context():
-                    out = part(x)
-                    if y is not None:
-                        loss = self.loss_fn_(out, y)
-                        if mode == "train":
-                            weight = x.shape[0] / mbs  # 1.0 unless the last batch is partial
-                            scaled = loss * weight if weight != 1 else loss
-                            (self.scaler_.scale(scaled) if self.scaler_ else scaled).backward()
-                        loss_sum += _full(loss.detach()).double() * x.shape[0]
-                if want_outputs:
-                    out = _full(out.detach())
-                    if y is not None:
-                        metric_sums = metric_sums + self._metric_sums(out, y)
-                    if mode == "predict":
-                        outputs.append(out)
-        if mode == "train":
-            n_micro = inputs.shape[0] / mbs
-            if n_micro != 1:  # mean over micro-batches, after backward as pipelining's scale_grads does
-                for p in part.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(int(n_micro) if n_micro == int(n_micro) else n_micro)
-            self._optimizer_step()
-        n = inputs.shape[0] if labels is not None else 0
-        sums = torch.cat([torch.stack([loss_sum, torch.tensor(float(n), dtype=torch.float64, device=self.device_)]),
-                          metric_sums.to(self.device_)])
-        return sums, (torch.cat(outputs) if outputs else None)
-
-    def _pipeline_step(self, inputs, labels, mode: str):
-        import torch
-
-        s = self.strategy_
-        n_chunks = s.pp * s.virtual_stages
-        if inputs.shape[0] != s.grad_accum_steps * s.micro_batch_size:
-            raise SpecError(f"with pp={s.pp} each dp rank needs {s.grad_accum_steps} x {s.micro_batch_size} samples "
-                            f"per batch, got {inputs.shape[0]}; build the loader with engine.dataloader()")
-        first, last = 0 in self.stages_, n_chunks - 1 in self.stages_
-        args = (inputs,) if first else ()
-        loss_fn = self._pipeline_loss
-        loss_fn.records.clear()
-        loss_fn.enabled = labels is not None
-        target = labels if labels is not None else torch.zeros(inputs.shape[0], device=self.device_)
-        if mode == "train":
-            for opt in self.optimizers_:
-                opt.zero_grad(set_to_none=True)
-            with self._loss_context():
-                out = self.schedule_.step(*args, target=target if last else None)
-            self._optimizer_step()
-        else:
-            with torch.no_grad(), self._loss_context():
-                out = self.schedule_.eval(*args, target=target if last else None)
-        metric_sums = self._zero_metric_sums()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device_)
-        n = 0
-        if last:
-            out = _full(out.detach()) if out is not None else None
-            if labels is not None:
-                # The last m records: on its first step the stage also calls the loss while inferring shapes.
-                records = loss_fn.records[-s.grad_accum_steps:]
-                loss_sum = sum(_full(r).double() * s.micro_batch_size for r in records)
-                n = inputs.shape[0]
-                if self._metrics and out is not None:
-                    metric_sums = self._metric_sums(out, labels)
-        else:
-            out = None
-        sums = torch.cat([torch.stack([loss_sum.reshape(()),
-                                       torch.tensor(float(n), dtype=torch.float64, device=self.device_)]),
-                          metric_sums.to(self.device_)])
-        return sums, (out if mode == "predict" else None)
-
-    def _grad_sync(self, part, *, last: bool):
-        """Reduce gradients once per step (DDP no_sync; FSDP2 sync flag), except for ZeRO-2/3."""
-        from autosearch.engine.parallelize import reduces_every_microbatch
-
-        mode = self.dims_.dp_mode
-        if mode in ("ddp", "ddp_zero1"):
-            return contextlib.nullcontext() if last else part.no_sync()
-        if mode != "none" and not reduces_every_microbatch(self.dims_):
-            part.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    def _optimizer_step(self) -> None:
-        if self.scaler_ is not None:
-            for opt in self.optimizers_:
-                self.scaler_.step(opt)
-            self.scaler_.update()
-        else:
-            for opt in self.optimizers_:
-                opt.step()
-
-    # ---- metrics and reduction ---------------------------------------------------------------
-    def _zero_metric_sums(self):
-        import torch
-
-        return torch.zeros(sum(m.width for m in self._metrics), dtype=torch.float64)
-
-    def _metric_sums(self, outputs, labels):
-        import torch
-
-        if not self._metrics:
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([m.batch_sums(outputs, labels).double().cpu().reshape(m.width) for m in self._metrics])
-
-    def _reduce(self, sums) -> dict[str, float]:
-        """Sum over every rank (one all-reduce); tp peers hold copies, so divide by tp."""
-        import torch.distributed as dist
-
-        if self.mesh_ is not None:
-            dist.all_reduce(sums)
-            sums = sums / self.dims_.tp
-        sums = sums.cpu()
-        out = {"loss": float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")}
-        offset = 2
-        for metric in self._metrics:
-            width = metric.width
-            out[metric.name] = metric.compute(sums[offset: offset + width])
-            offset += width
-        return out
+        logs = self._reduce(sums)
+        if self._mode == "train" and self._last_grad_norm is not None:
+            logs["grad_norm"] = self._last_grad_norm
+        return logs
 
     # ---- high level ----------------------------------------------------------------------------
     def fit(self, train_data, *, batch_size: int | None = None, epochs: int = 1, steps_per_epoch: int | None = None,
             valid_data=None, valid_freq: int = 1, valid_steps: int | None = None, log_freq: int = 10,
-            save_dir: str | None = None, save_freq: int = 1, collate_fn: Callable | None = None,
-            callbacks: Sequence | None = None, verbose: int = 2, shuffle: bool = False) -> dict[str, list]:
+            save_dir: str | None = None, save_freq: int = 1, save_steps: int | None = None,
+            resume: "bool | str" = False, log_dir: str | None = None, tensorboard: bool = False,
+            collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2,
+            shuffle: bool = False) -> dict[str, list]:
         """Train for `epochs` epochs; returns (and stores in ``self.history``) per-step and per-epoch logs.
 
         Args:
-            train_data: dataset of ``(inputs, labels)``.
+            train_data: dataset of ``(inputs, labels)`` (e.g. `TokenFile`).
             batch_size: global batch per optimizer step (default: the strategy's).
             epochs, steps_per_epoch: length of training (steps_per_epoch caps each epoch).
             valid_data, valid_freq, valid_steps: evaluate every `valid_freq` epochs (`valid_steps` batches).
-            log_freq: print a progress line every `log_freq` steps (rank 0, `verbose` >= 2).
-            save_dir, save_freq: save a checkpoint every `save_freq` epochs and at the end.
+            log_freq: print a progress line every `log_freq` steps (rank 0, `verbose` >= 2, when
+                stdout is not a terminal; on a terminal a tqdm bar shows loss, tokens/s and MFU).
+            save_dir: where checkpoints go: ``epoch<N>`` every `save_freq` epochs, ``step<N>`` every
+                `save_steps` optimizer steps, and ``final`` at the end.
+            resume: True to continue from the newest ``step<N>`` checkpoint of `save_dir` (if any),
+                or a checkpoint path: model, optimizer, schedulers, data position and RNG come back.
+            log_dir: rank 0 appends one row per step to ``<log_dir>/metrics.csv`` (step, epoch,
+                loss, lr, grad_norm, step_time_s, tokens_per_s, mfu); with ``tensorboard=True``
+                also TensorBoard scalars there.
             collate_fn: merges samples into a batch.
             callbacks: objects with any of on_train_begin(logs), on_epoch_begin(epoch),
                 on_batch_end(step, logs), on_epoch_end(epoch, logs), on_train_end(logs).
-            verbose: 0 silent, 1 one line per epoch, 2 also every `log_freq` steps.
+            verbose: 0 silent, 1 one line per epoch, 2 also progress.
 
         Returns:
-            ``{"loss", "step_time_s", "tokens_per_s", "lr": one entry per step, "epoch_loss": one per
-            epoch, "val_loss" and "val_<metric>": one per evaluation, <metric>: one per epoch}``.
+            ``{"loss", "step_time_s", "tokens_per_s", "lr" (and "grad_norm" when clipping, "mfu" when
+            the cluster is known): one entry per step run by this call, "epoch_loss": one per epoch,
+            "val_loss" and "val_<metric>": one per evaluation, <metric>: one per epoch}``.
         """
-        from autosearch.engine.distributed import is_rank0
+        from autosearch.engine import _loop
 
-        loader = self.dataloader(train_data, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_fn,
-                                 epochs=epochs, steps_per_epoch=steps_per_epoch, mode="train")
-        history: dict[str, list] = {"loss": [], "step_time_s": [], "tokens_per_s": [], "lr": [], "epoch_loss": []}
-        self.history = history
-        say = is_rank0() and verbose > 0
-        steps = loader.steps()
-        _call(callbacks, "on_train_begin", {})
-        for epoch in range(epochs):
-            _call(callbacks, "on_epoch_begin", epoch)
-            self.to_mode("train")
-            epoch_sums = None
-            for step, batch in enumerate(loader.epoch(epoch)):
-                start = time.perf_counter()
-                sums, _ = self._step(batch, "train")
-                logs = self._reduce(sums.clone())
-                step_time = time.perf_counter() - start
-                epoch_sums = sums if epoch_sums is None else epoch_sums + sums
-                logs.update(step_time_s=step_time, tokens_per_s=self._last_tokens / step_time,
-                            lr=self.optimizers_[0].param_groups[0]["lr"])
-                for key in ("loss", "step_time_s", "tokens_per_s", "lr"):
-                    history[key].append(logs[key])
-                _call(callbacks, "on_batch_end", step, logs)
-                if say and verbose >= 2 and (step + 1) % log_freq == 0:
-                    total = f"/{steps}" if steps else ""
-                    print(f"epoch {epoch + 1}/{epochs} step {step + 1}{total} loss {logs['loss']:.4f} "
-                          f"| {logs['tokens_per_s']:,.0f} tokens/s | {step_time * 1e3:.0f} ms/step", flush=True)
-            epoch_logs = self._reduce(epoch_sums) if epoch_sums is not None else {"loss": float("nan")}
-            history["epoch_loss"].append(epoch_logs["loss"])
-            for metric in self._metrics:
-                history.setdefault(metric.name, []).append(epoch_logs[metric.name])
-            if valid_data is not None and (epoch + 1) % valid_freq == 0:
-                val = self.evaluate(valid_data, batch_size=batch_size, steps=valid_steps, collate_fn=collate_fn,
-                                    verbose=0)
-                for key, value in val.items():
-                    history.setdefault(f"val_{key}", []).append(value)
-                    epoch_logs[f"val_{key}"] = value
-                self.to_mode("train")
-            if say:
-                extra = "".join(f" {k} {v:.4f}" for k, v in epoch_logs.items() if k != "loss")
-                print(f"epoch {epoch + 1}/{epochs} done: loss {epoch_logs['loss']:.4f}{extra}", flush=True)
-            if save_dir is not None and (epoch + 1) % save_freq == 0:
-                self.save(os.path.join(save_dir, f"epoch{epoch + 1}"))
-            _call(callbacks, "on_epoch_end", epoch, epoch_logs)
-        if save_dir is not None:
-            self.save(os.path.join(save_dir, "final"))
-        _call(callbacks, "on_train_end", {k: v[-1] for k, v in history.items() if v})
-        return history
+        return _loop.fit(self, train_data, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                         valid_data=valid_data, valid_freq=valid_freq, valid_steps=valid_steps, log_freq=log_freq,
+                         save_dir=save_dir, save_freq=save_freq, save_steps=save_steps, resume=resume,
+                         log_dir=log_dir, tensorboard=tensorboard, collate_fn=collate_fn, callbacks=callbacks,
+                         verbose=verbose, shuffle=shuffle)
 
     def evaluate(self, valid_data, *, batch_size: int | None = None, steps: int | None = None, log_freq: int = 10,
                  collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2
@@ -605,21 +441,32 @@ class Engine:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, path: str, training: bool = True) -> None:
-        """Save a DCP checkpoint directory (model + optimizer), or with ``training=False`` a plain
-        inference state dict file (``torch.load``-able, full tensors, original parameter names)."""
-        from autosearch.engine import checkpoint
+        """Save a DCP checkpoint directory (model, optimizer and the train state `fit` resumes
+        from), or with ``training=False`` a plain inference state dict file (``torch.load``-able,
+        full tensors, original parameter names). Replacing an existing checkpoint is crash-safe:
+        a kill leaves the previous one or the new one complete (`autosearch.engine.checkpoint`)."""
+        from autosearch.engine import _loop, checkpoint
 
         self.prepare()
         checkpoint.save(path, self.model_parts_, self._checkpoint_optimizers() if training else None,
-                        training=training)
+                        training=training, train_state=_loop.train_state(self) if training else None)
 
     def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> list[str]:
-        """Load a checkpoint saved by `save` under any strategy; returns what was not loaded."""
-        from autosearch.engine import checkpoint
+        """Load a checkpoint saved by `save` under any strategy; returns what was not loaded.
+
+        With `load_optimizer`, the train state comes back too (step, schedulers, data position,
+        RNG). Only tensors and plain values are read (no code runs from a checkpoint; see
+        `autosearch.engine.checkpoint` for what must still be trusted).
+        """
+        from autosearch.engine import _loop, checkpoint
 
         self.prepare()
-        return checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(), strict=strict,
-                               load_optimizer=load_optimizer)
+        missing = checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(), strict=strict,
+                                  load_optimizer=load_optimizer)
+        state = checkpoint.read_train_state(path) if load_optimizer and os.path.isdir(path) else None
+        if state is not None:
+            _loop.restore_train_state(self, state)
+        return missing
 
     def _checkpoint_optimizers(self) -> list:
         """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
@@ -700,23 +547,6 @@ class Engine:
         return result
 
 
-class _PipelineLoss:
-    """The loss the pipeline schedule calls on the last stage, once per micro-batch: records the
-    unscaled loss, returns it scaled for fp16, and returns 0 when predicting without labels."""
-
-    def __init__(self, loss_fn: Callable, scaler):
-        self.loss_fn, self.scaler = loss_fn, scaler
-        self.records: list = []
-        self.enabled = True
-
-    def __call__(self, output, target):
-        if not self.enabled:
-            return output.float().sum() * 0.0
-        loss = self.loss_fn(output, target)
-        self.records.append(loss.detach())
-        return self.scaler.scale(loss) if self.scaler is not None else loss
-
-
 def _wrap_known(model):
     """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM` (its plan and
     ModelSpec); any other module as it is."""
@@ -734,24 +564,10 @@ def _is_module(obj) -> bool:
     return isinstance(obj, nn.Module)
 
 
-def _full(t):
-    """A plain tensor from a DTensor (loss_parallel outputs), else the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _as_list(metrics) -> list:
     if metrics is None:
         return []
     return list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
-
-
-def _call(callbacks, hook: str, *args) -> None:
-    for cb in callbacks or ():
-        fn = getattr(cb, hook, None)
-        if fn is not None:
-            fn(*args)
 
 
 def _model_free_problems(strategy: "Strategy") -> list[str]:

@@ -6,8 +6,12 @@ samples (tp peers need identical inputs; pipeline stages other than the first ig
 """
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -59,6 +63,78 @@ class SyntheticTokens(Dataset):
         return cls(n_samples, seq_len=spec.seq_len, vocab_size=spec.vocab_size, seed=seed)
 
 
+class TokenFile(Dataset):
+    """Training sequences from a flat file of token ids, memory-mapped (nanoGPT's ``train.bin``).
+
+    The file is a raw array of ``dtype`` token ids (``np.uint16`` for vocabularies up to 65,536,
+    as nanoGPT writes them; ``np.uint32`` beyond), e.g. ``np.array(ids, np.uint16).tofile(path)``.
+    Sample i is the window ``tokens[i*stride : i*stride + seq_len + 1]`` split into
+    ``(inputs, labels)`` shifted by one, as int64 tensors. With ``stride = seq_len`` (default) the
+    windows tile the file without overlap. Only the pages of the samples read are loaded, so the
+    file can be far larger than memory; each process maps the file itself.
+
+    Sharding over dp is the Engine's loader (`DistributedSampler`: sample j of each global batch
+    goes to dp rank j % dp, with ``shuffle=True`` a seeded permutation per epoch), so every rank
+    reads only its own windows.
+
+    Args:
+        path: the token file.
+        seq_len: tokens per input sequence.
+        dtype: numpy dtype of the ids in the file.
+        stride: tokens between the starts of consecutive samples (default `seq_len`).
+        vocab_size: if given, the file's ids are checked to be below it (reads the whole file once).
+    """
+
+    def __init__(self, path: "str | os.PathLike", *, seq_len: int, dtype="uint16", stride: int | None = None,
+                 vocab_size: int | None = None):
+        self.path, self.seq_len = os.fspath(path), seq_len
+        self.stride = stride or seq_len
+        if not isinstance(seq_len, int) or seq_len <= 0 or not isinstance(self.stride, int) or self.stride <= 0:
+            raise SpecError(f"seq_len and stride must be positive integers, got {seq_len!r} and {stride!r}")
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise SpecError(f"dtype {dtype!r} is not a numpy dtype; use 'uint16' or 'uint32'") from None
+        if self.dtype.kind not in "iu":
+            raise SpecError(f"token ids must be integers; dtype {self.dtype} is not")
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as exc:
+            raise SpecError(f"token file {self.path!r} cannot be read: {exc.strerror}") from None
+        if size % self.dtype.itemsize:
+            raise SpecError(f"token file {self.path!r} has {size} bytes, not a multiple of {self.dtype.itemsize} "
+                            f"({self.dtype}); is the dtype right?")
+        self.n_tokens = size // self.dtype.itemsize
+        if self.n_tokens < seq_len + 1:
+            raise SpecError(f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than one sample "
+                            f"(seq_len + 1 = {seq_len + 1})")
+        self._tokens = None
+        if vocab_size is not None:
+            top = int(self.tokens.max())
+            if top >= vocab_size:
+                raise SpecError(f"token file {self.path!r} holds id {top}, not below vocab_size={vocab_size}; "
+                                "was it tokenized for another model?")
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:  # mapped lazily, so each DataLoader worker maps its own
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._tokens
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return (self.n_tokens - self.seq_len - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.stride
+        window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
 class _DpShard(IterableDataset):
     """Sample j of an iterable dataset goes to dp rank j % dp (written by hand: torch has no
     sharding wrapper for iterable datasets outside torchdata). A global batch of B consecutive
@@ -86,11 +162,25 @@ class DistributedLoader:
         self.loader, self.sampler, self.epochs = loader, sampler, epochs
         self.steps_per_epoch, self.local_batch_size = steps_per_epoch, local_batch_size
 
-    def epoch(self, epoch: int) -> Iterator[Any]:
-        """The batches of one epoch (reshuffled per epoch when shuffling)."""
+    def epoch(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
+        """The batches of one epoch (reshuffled per epoch when shuffling), after the first `skip`.
+
+        Skipping is what resuming uses: global batch k is samples [k B, (k+1) B) of the epoch's
+        order whatever the dp degree (`DistributedSampler` deals sample j to dp rank j % dp), so
+        each rank drops its first ``skip * B / dp`` indices without reading them. An iterable
+        dataset is read through the skipped batches.
+        """
+        loader = self.loader
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
-        for step, batch in enumerate(self.loader):
+            if skip:
+                indices = list(self.sampler)[skip * self.local_batch_size:]
+                loader = DataLoader(loader.dataset, batch_size=self.local_batch_size, sampler=indices,
+                                    drop_last=loader.drop_last, collate_fn=loader.collate_fn,
+                                    num_workers=loader.num_workers)
+        elif skip:
+            loader = itertools.islice(loader, skip, None)
+        for step, batch in enumerate(loader, start=skip):
             if self.steps_per_epoch is not None and step >= self.steps_per_epoch:
                 break
             yield batch

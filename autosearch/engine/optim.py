@@ -111,3 +111,54 @@ def make_grad_scaler(amp: str, device_type: str, distributed: bool):
 
         return ShardedGradScaler(device=device_type, process_group=dist.group.WORLD)
     return torch.amp.GradScaler(device_type)
+
+
+def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
+    """The L2 norm of every gradient of the whole model, identical on every rank.
+
+    Gradients that are DTensors (FSDP2 shards, tensor-parallel shards, sequence-parallel
+    replicas) are grouped by mesh and placements; DTensor computes each group's norm from its
+    local shards and `full_tensor` reduces it over that group's mesh (Partial -> Replicate), one
+    collective per group. Plain gradients (DDP, or no dp) are whole already. Pipeline stages hold
+    different parameters, so their squared norms are summed over the pp group (as torchtitan's
+    `clip_grad_norm_` does).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                groups.setdefault((p.grad.device_mesh, tuple(p.grad.placements)), []).append(p.grad)
+            else:
+                plain.append(p.grad)
+    device = next((g.device for gs in [plain, *groups.values()] for g in gs), torch.device("cpu"))
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        total_sq += norm.full_tensor().double() ** 2
+    if plain:
+        total_sq += torch.nn.utils.get_total_norm(plain, norm_type=2.0).double() ** 2
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, *, pp_group=None) -> float:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, the global-norm clipping of
+    `torch.nn.utils.clip_grad_norm_` (Pascanu et al. 2013), with the norm of `total_grad_norm`.
+    Returns the norm before clipping."""
+    norm = float(total_grad_norm(parts, pp_group=pp_group))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for part in parts:
+                for p in part.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+    return norm
