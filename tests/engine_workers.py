@@ -186,7 +186,70 @@ def job_api(workdir: str) -> dict:
     return out
 
 
-JOBS = {"equivalence": job_equivalence, "invalid": job_invalid, "api": job_api}
+CLIP_NORM = 0.3  # below the tiny models' gradient norms (about 1-4), so clipping acts every step
+
+
+def clipped_run(strategy: str, kind: str = "gpt", steps: int = STEPS) -> dict:
+    """Losses and gradient norms (before clipping) of `steps` clipped AdamW steps."""
+    from autosearch import Engine
+
+    model = make_model(kind)
+    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), strategy=strategy,
+                    grad_clip_norm=CLIP_NORM)
+    loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
+    logs = [engine.run(batch, mode="train") for batch in loader]
+    return {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
+
+
+def job_clip(cases: list[dict]) -> dict:
+    return {case["name"]: clipped_run(case["strategy"], case.get("model", "gpt")) for case in cases}
+
+
+# A run that exercises everything resuming must restore: dropout (RNG), shuffled data (data
+# position), a warm-up + cosine schedule, clipping and sharded (ZeRO-3) optimizer states.
+RESUME_STRATEGY = "dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=8,amp=fp32"
+
+
+def _resume_engine():
+    from autosearch import Engine
+    from autosearch.engine import WarmupDecay
+    from autosearch.transformer import Transformer
+
+    def factory():
+        torch.manual_seed(1234)
+        return Transformer(MODELS["gpt"], dropout=0.1)
+
+    return Engine(factory, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), strategy=RESUME_STRATEGY,
+                  lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6), grad_clip_norm=1.0, seed=0)
+
+
+class _KillAt:
+    """SIGKILL this process after optimizer step `step` (after any checkpoint of that step)."""
+
+    def __init__(self, engine, step: int):
+        self.engine, self.step = engine, step
+
+    def on_batch_end(self, _step, _logs):
+        if self.engine.global_step_ == self.step:
+            import signal
+
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def job_resume(save_dir: str, phase: str) -> dict:
+    """phase "full": 6 steps uninterrupted; "killed": killed after step 3 (checkpoint at step 2);
+    "resume": a fresh engine continues from the newest checkpoint."""
+    engine = _resume_engine()
+    callbacks = [_KillAt(engine, 3)] if phase == "killed" else []
+    history = engine.fit(dataset("gpt", 64), epochs=2, steps_per_epoch=3, shuffle=True, save_dir=save_dir,
+                         save_steps=2, resume=phase == "resume", verbose=0, callbacks=callbacks,
+                         log_dir=save_dir)
+    return {"loss": history["loss"], "lr": history["lr"], "global_step": engine.global_step_}
+
+
+JOBS = {"equivalence": job_equivalence, "invalid": job_invalid, "api": job_api, "clip": job_clip,
+        "resume": job_resume}
 
 
 # ---- launcher ---------------------------------------------------------------------------------
@@ -219,8 +282,9 @@ def _entry(rank: int, world: int, port: int, outdir: str, job: str, args: tuple)
     shutdown(code)
 
 
-def launch(world: int, job: str, *args, timeout_s: float = 240.0) -> list[dict]:
-    """Run ``JOBS[job](*args)`` on `world` gloo processes; return each rank's result."""
+def launch(world: int, job: str, *args, timeout_s: float = 240.0, killed: bool = False) -> list[dict]:
+    """Run ``JOBS[job](*args)`` on `world` gloo processes; return each rank's result (nothing
+    when the job is `killed` on purpose)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as outdir:
@@ -239,6 +303,8 @@ def launch(world: int, job: str, *args, timeout_s: float = 240.0) -> list[dict]:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+        if killed:
+            return []
         results = []
         for rank in range(world):
             path = os.path.join(outdir, f"rank{rank}.json")

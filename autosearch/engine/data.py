@@ -177,7 +177,7 @@ class DistributedLoader:
                 indices = list(self.sampler)[skip * self.local_batch_size:]
                 loader = DataLoader(loader.dataset, batch_size=self.local_batch_size, sampler=indices,
                                     drop_last=loader.drop_last, collate_fn=loader.collate_fn,
-                                    num_workers=loader.num_workers)
+                                    num_workers=loader.num_workers, generator=loader.generator)
         elif skip:
             loader = itertools.islice(loader, skip, None)
         for step, batch in enumerate(loader, start=skip):
@@ -222,8 +222,11 @@ def build_loader(dataset: Any, *, batch_size: int, dp: int, dp_rank: int, shuffl
         sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=shuffle, seed=seed,
                                      drop_last=drop_last)
         source = dataset
+    # A generator of its own: creating an iterator draws a base seed from it, which must not
+    # move the global RNG (dropout) by a different amount in a resumed run.
     loader = DataLoader(source, batch_size=local, sampler=sampler, drop_last=drop_last,
-                        collate_fn=collate_fn, num_workers=num_workers)
+                        collate_fn=collate_fn, num_workers=num_workers,
+                        generator=torch.Generator().manual_seed(seed))
     return DistributedLoader(loader, sampler, epochs=epochs, steps_per_epoch=steps_per_epoch,
                              local_batch_size=local)
 
