@@ -158,9 +158,14 @@ class Transformer(nn.Module):
             self.register_buffer("rope", rope_table(spec.seq_len, spec.head_dim), persistent=False)
         else:
             self.rope = None
-        self._init_weights(init_std)
+        self.init_std = init_std
+        self.init_weights()
 
-    def _init_weights(self, std: float) -> None:
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight (and the rotary table), also after building on the meta device
+        and ``to_empty``: the Engine calls it on each parallelized part with ``meta_init=True``."""
+        std = self.init_std
         residual_std = std / math.sqrt(2 * self.spec.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -168,6 +173,10 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if getattr(self, "rope", None) is not None:
+            self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(self.rope.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to hidden."""

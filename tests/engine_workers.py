@@ -248,8 +248,71 @@ def job_resume(save_dir: str, phase: str) -> dict:
     return {"loss": history["loss"], "lr": history["lr"], "global_step": engine.global_step_}
 
 
+# ~66 M parameters (264 MB in fp32): large enough that the model dominates a process's setup
+# memory next to torch's own (~250 MB after import), small enough for 4 processes here.
+BIG = ModelSpec.load("tiny-llama").scaled(n_layers=8, hidden_size=512, n_heads=8, n_kv_heads=8,
+                                          ffn_hidden_size=2048, vocab_size=32000, seq_len=64)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def job_setup_memory(meta_init: bool) -> dict:
+    """Peak resident memory of `prepare` (model build, parallelize, init) for ZeRO-3 over every
+    process, from VmHWM reset just before (writing 5 to /proc/self/clear_refs)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from autosearch import Engine
+    from autosearch.transformer import Transformer
+
+    world = dist.get_world_size()
+    zero = f"dp={world},zero_stage=3," if world > 1 else ""
+    strategy = f"{zero}micro_batch_size=1,global_batch_size={world},amp=fp32"
+    # Warm up with the tiny model: the modules FSDP/DTensor import on first use and the
+    # process groups of the mesh are a fixed cost, not the model's.
+    Engine(lambda: make_model("gpt"), strategy=strategy, meta_init=meta_init, seed=0).prepare()
+    gc.collect()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before_kb = _status_kb("VmRSS")
+    engine = Engine(lambda: Transformer(BIG), strategy=strategy, meta_init=meta_init, seed=0)
+    engine.prepare()
+    peak_kb = _status_kb("VmHWM")
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for p in engine.model_parts_[0].parameters())
+    return {"setup_peak_bytes": (peak_kb - before_kb) * 1024, "local_params": local}
+
+
+def job_meta_load(workdir: str) -> dict:
+    """Train 2 steps normally and save; then meta-initialised engines (dp=2 ZeRO-3, tp=2) load
+    the checkpoint shard by shard and must evaluate to the same loss."""
+    from autosearch import Engine
+
+    valid = dataset("gpt", 8, seed=7)
+    strategy = "dp=2,micro_batch_size=2,global_batch_size=4,amp=fp32"
+    e = Engine(lambda: make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=LR), strategy=strategy)
+    e.fit(dataset("gpt", 8), steps_per_epoch=2, verbose=0)
+    e.save(os.path.join(workdir, "ckpt"))
+    out = {"saved_eval": e.evaluate(valid, verbose=0)["loss"]}
+    for name, strat in (("zero3", "dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=4,amp=fp32"),
+                        ("tp2_sp", "tp=2,sequence_parallel=true,micro_batch_size=2,global_batch_size=4,amp=fp32")):
+        m = Engine(lambda: make_model("gpt"), strategy=strat, meta_init=True)
+        out[f"{name}_fresh_eval"] = m.evaluate(valid, verbose=0)["loss"]
+        m.load(os.path.join(workdir, "ckpt"), load_optimizer=False)
+        out[f"{name}_loaded_eval"] = m.evaluate(valid, verbose=0)["loss"]
+    return out
+
+
 JOBS = {"equivalence": job_equivalence, "invalid": job_invalid, "api": job_api, "clip": job_clip,
-        "resume": job_resume}
+        "resume": job_resume, "setup_memory": job_setup_memory, "meta_load": job_meta_load}
 
 
 # ---- launcher ---------------------------------------------------------------------------------

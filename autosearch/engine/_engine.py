@@ -7,6 +7,7 @@ module does not import torch; the first method that needs it does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,12 @@ class Engine(StepMixin):
         grad_clip_norm: clip gradients to this global L2 norm (over every shard, tp rank and
             pipeline stage); ``float("inf")`` only measures it. `run` and `fit` report it as
             ``grad_norm`` (before clipping).
+        meta_init: build the model on the meta device (no memory), parallelize it, then allocate
+            only this rank's shards and initialise them with the model's ``init_weights()`` (else
+            each submodule's ``reset_parameters()``), seeded by `seed` on every rank. For models
+            larger than one device; `load` a checkpoint afterwards for trained weights. Needs a
+            model factory. (On CPU, DTensor has no distributed RNG: every shard of a parameter is
+            drawn from the same seed, so random init differs from a single-process run.)
 
     Example (under ``torchrun --nproc_per_node=2``; see examples/train_gpt.py)::
 
@@ -76,12 +83,13 @@ class Engine(StepMixin):
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, strategy=None, cluster=None, *,
                  plan=None, model_spec=None, loss_parallel: bool = False, seed: int | None = None,
-                 lr_scheduler=None, grad_clip_norm: float | None = None):
+                 lr_scheduler=None, grad_clip_norm: float | None = None, meta_init: bool = False):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.grad_clip_norm = grad_clip_norm
+        self.meta_init = meta_init
         self.metrics = metrics
         self.strategy = strategy
         self.cluster = cluster
@@ -161,6 +169,15 @@ class Engine(StepMixin):
     def _build_model(self) -> "nn.Module":
         import torch
 
+        if self.meta_init:
+            if _is_module(self.model) or not callable(self.model):
+                raise SpecError("meta_init=True needs a zero-argument model factory (the engine builds it on the "
+                                "meta device), e.g. Engine(lambda: Transformer(spec), meta_init=True)")
+            with torch.device("meta"):
+                model = self.model()
+            if not _is_module(model):
+                raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+            return _wrap_known(model)
         if _is_module(self.model):
             if getattr(self, "_instance_used", False):
                 raise SpecError("the model instance was already parallelized for another strategy; pass a "
@@ -254,13 +271,18 @@ class Engine(StepMixin):
         D.init_distributed()
         device = D.device()
         mesh = dims.build_mesh(device.type)
-        model.to(device)
-        if world > 1:  # every rank starts from rank 0's weights, whatever the seeds were
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+        materialize = None
+        if self.meta_init:
+            materialize = functools.partial(_materialize, device=device, seed=self.seed or 0)
+        else:
+            model.to(device)
+            if world > 1:  # every rank starts from rank 0's weights, whatever the seeds were
+                with torch.no_grad():
+                    for tensor in [*model.parameters(), *model.buffers()]:
+                        dist.broadcast(tensor.data, src=0)
         names = {id(p): n for n, p in model.named_parameters()}
-        parts = parallelize(model, strategy, dims, mesh, plan, device=device, loss_parallel=self._loss_parallel(dims))
+        parts = parallelize(model, strategy, dims, mesh, plan, device=device, loss_parallel=self._loss_parallel(dims),
+                            materialize=materialize)
         self._built_model = model
         self.dims_, self.mesh_, self.plan_, self.device_ = dims, mesh, plan, device
         self.stages_ = [stage for stage, _ in parts]
@@ -545,6 +567,22 @@ class Engine(StepMixin):
         self.strategy_ = None
         self._prepared = False
         return result
+
+
+def _materialize(part, *, device, seed: int) -> None:
+    """Allocate a meta-device part on `device` (its shards only) and initialise it."""
+    import torch
+
+    part.to_empty(device=device)
+    torch.manual_seed(seed)
+    init = getattr(part, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    with torch.no_grad():
+        for module in part.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
 
 
 def _wrap_known(model):

@@ -150,6 +150,19 @@ class HFCausalLM(nn.Module):
             h = self.lm_head(h)
         return h
 
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight as transformers does (``_init_weights``: normal(0,
+        initializer_range) for linear and embedding weights, ones for norms) and rebuild the
+        rotary tables; the Engine calls it after building on the meta device (``meta_init``)."""
+        for p in self.parameters():
+            if getattr(p, "_is_hf_initialized", False):
+                p._is_hf_initialized = False  # else transformers' init functions skip it
+        for module in self.modules():
+            if module is not self:
+                self.model._init_weights(module)
+        _rebuild_rotary(self)
+
     # ---- what the Engine asks ------------------------------------------------------------------
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(
@@ -242,11 +255,18 @@ class HFCausalLM(nn.Module):
                             f"unexpected {unexpected[:3]}")
         if self.tied_embeddings:
             model.tie_weights()
-        for module in model.modules():  # non-persistent buffers (rotary inv_freq) are rebuilt
-            if hasattr(module, "inv_freq") and module.inv_freq.is_meta:
-                inv_freq, _ = module.rope_init_fn(module.config) if hasattr(module, "rope_init_fn") else \
-                    module.compute_default_rope_parameters(module.config)
-                module.register_buffer("inv_freq", inv_freq, persistent=False)
-                if hasattr(module, "original_inv_freq"):
-                    module.original_inv_freq = inv_freq
+        _rebuild_rotary(model)
         return model
+
+
+def _rebuild_rotary(model: nn.Module) -> None:
+    """Recompute the rotary embeddings' inverse frequencies (non-persistent buffers, so neither
+    checkpoints nor ``to_empty`` after a meta-device build carry them)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config"):
+            init = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
+            inv_freq, _ = init(module.config)
+            device = module.inv_freq.device if not module.inv_freq.is_meta else torch.device("cpu")
+            module.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+            if hasattr(module, "original_inv_freq"):
+                module.original_inv_freq = module.inv_freq

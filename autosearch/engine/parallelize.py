@@ -167,11 +167,14 @@ def reduces_every_microbatch(dims: ParallelDims) -> bool:
 
 
 def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh: "DeviceMesh | None",
-                plan: ParallelPlan, *, device: torch.device, loss_parallel: bool = False
-                ) -> list[tuple[int | None, nn.Module]]:
+                plan: ParallelPlan, *, device: torch.device, loss_parallel: bool = False,
+                materialize=None) -> list[tuple[int | None, nn.Module]]:
     """The parts of `model` this rank runs, each parallelized: ``[(stage index or None, module)]``.
 
     Without pipeline parallelism there is one part (stage None); with it, `virtual_stages` parts.
+    For a model built on the meta device, ``materialize(part)`` allocates and initialises a part
+    once it holds only this rank's shards: after FSDP2 (which shards meta parameters as they
+    are), but before DDP, which broadcasts real parameters when it wraps them.
     """
     from autosearch.engine.pipeline import split_pipeline
 
@@ -186,5 +189,11 @@ def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh
                      loss_parallel=loss_parallel)
         apply_ac(part, plan, strategy.recompute)
         apply_amp(part, strategy.amp, device.type)
-        out.append((stage, apply_data_parallel(part, dims, mesh, plan, strategy.amp, device)))
+        early = materialize is not None and dims.dp_mode in ("ddp", "ddp_zero1")
+        if early:
+            materialize(part)
+        part = apply_data_parallel(part, dims, mesh, plan, strategy.amp, device)
+        if materialize is not None and not early:
+            materialize(part)
+        out.append((stage, part))
     return out
