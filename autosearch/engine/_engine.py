@@ -490,6 +490,14 @@ class Engine(StepMixin):
             _loop.restore_train_state(self, state)
         return missing
 
+    def save_pretrained(self, folder: str) -> None:
+        """Save a Hugging Face model (Llama / Mistral / Qwen2) in transformers' format, loadable by
+        ``AutoModelForCausalLM.from_pretrained(folder)``, from any strategy."""
+        from autosearch.engine.hf import save_pretrained
+
+        self.prepare()
+        save_pretrained(self, folder)
+
     def _checkpoint_optimizers(self) -> list:
         """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
         ZeroRedundancyOptimizer holds a plain optimizer over its own share of the parameters

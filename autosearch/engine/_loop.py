@@ -96,12 +96,14 @@ def _call(callbacks, hook: str, *args) -> None:
 
 
 def _mfu_inputs(engine: "Engine") -> tuple[float | None, float | None]:
-    """(flops per token, peak FLOP/s of the whole run) if the model spec and cluster are known."""
-    if engine.cluster is None:
+    """(flops per token, peak FLOP/s of the whole run) if the model spec and cluster are known
+    (the engine's cluster, else the one `tune` searched for)."""
+    tuned = getattr(getattr(getattr(engine, "tune_result_", None), "space", None), "cluster", None)
+    if engine.cluster is None and tuned is None:
         return None, None
     try:
         spec = engine._model_spec()
-        cluster = engine._cluster()
+        cluster = engine._cluster() if engine.cluster is not None else tuned
     except SpecError:
         return None, None
     peak = cluster.profile.peak_flops.get(engine.strategy_.amp)

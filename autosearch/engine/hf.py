@@ -22,6 +22,8 @@ LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -111,14 +113,18 @@ class HFCausalLM(nn.Module):
                             f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})")
         _register_attention()
         self.hf_class = type(hf_model)
-        self.config = hf_model.config
+        # A config of our own (the attention modules read the kernel's name from it), so the
+        # caller's config object keeps its attention implementation.
+        self.config = copy.deepcopy(hf_model.config)
         self.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
         if isinstance(self.model.layers, nn.ModuleList):
             self.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.model.layers)})
+        self.model.config = self.config
         for layer in self.model.layers.values():
             attn = layer.self_attn
+            attn.config = self.config
             if not hasattr(attn, "core"):
                 attn.core = AttentionCore(attn.num_key_value_groups)
         self.spec = spec_from_hf_config(self.config, seq_len=seq_len)
@@ -240,8 +246,6 @@ class HFCausalLM(nn.Module):
         """A plain transformers model of the same class and config (SDPA attention), holding
         `state_dict` (full tensors with this module's names, e.g. from ``Engine.full_state_dict()``)
         or this module's weights."""
-        import copy
-
         config = copy.deepcopy(self.config)
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
@@ -270,3 +274,50 @@ def _rebuild_rotary(model: nn.Module) -> None:
             module.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
             if hasattr(module, "original_inv_freq"):
                 module.original_inv_freq = module.inv_freq
+
+
+def llama_from_spec(spec) -> HFCausalLM:
+    """A randomly initialised transformers ``LlamaForCausalLM`` with the shape of a swiglu
+    ModelSpec: the factory ``"autosearch.engine.hf:llama_from_spec"`` that `Engine.tune`'s
+    validation runs use to time a Llama-style HF model in new processes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if spec.ffn_activation != "swiglu":
+        raise SpecError(f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
+                        f"{spec.ffn_activation!r}")
+    config = LlamaConfig(num_hidden_layers=spec.n_layers, hidden_size=spec.hidden_size,
+                         num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
+                         intermediate_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
+                         max_position_embeddings=spec.seq_len, tie_word_embeddings=spec.tied_embeddings)
+    return HFCausalLM(LlamaForCausalLM(config))
+
+
+def save_pretrained(engine, folder: str, *, safe_serialization: bool = True) -> None:
+    """Write the engine's HF model in transformers' `save_pretrained` format (config.json and
+    safetensors weights), gathered from every rank's shards; rank 0 writes it."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from autosearch.engine.distributed import is_rank0
+
+    model = engine._built_model
+    if not isinstance(model, HFCausalLM):
+        raise SpecError("save_pretrained needs a transformers model (Llama, Mistral or Qwen2 family); this engine "
+                        f"runs {type(model).__name__}: use Engine.save for a DCP checkpoint or a state dict file")
+    tmp = [tempfile.mkdtemp(prefix="autosearch-hf-") if is_rank0() else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(tmp, src=0)
+    weights = os.path.join(tmp[0], "model.pt")
+    try:
+        engine.save(weights, training=False)  # every rank writes its shards; rank 0 merges them
+        if is_rank0():
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+            model.hf_model(state).save_pretrained(folder, safe_serialization=safe_serialization)
+    finally:
+        if is_rank0():
+            shutil.rmtree(tmp[0], ignore_errors=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
