@@ -146,6 +146,7 @@ class Engine(StepMixin):
         return s
 
     def _model_spec(self):
+        from autosearch.engine.build import wrap_known
         from autosearch.model_spec import ModelSpec
 
         if self.model_spec is not None:
@@ -154,12 +155,12 @@ class Engine(StepMixin):
         if spec is None and self._prepared:
             spec = getattr(self._built_model, "spec", None)
         if spec is None and _is_module(self.model):
-            spec = getattr(_wrap_known(self.model), "spec", None)
+            spec = getattr(wrap_known(self.model), "spec", None)
         if spec is None and callable(self.model) and not _is_module(self.model):
             import torch
 
             with torch.device("meta"):  # build on the meta device: shapes only, no memory
-                spec = getattr(_wrap_known(self.model()), "spec", None)
+                spec = getattr(wrap_known(self.model()), "spec", None)
         if not isinstance(spec, ModelSpec):
             raise SpecError("this needs the model's shape and the model carries no ModelSpec; pass "
                             "Engine(..., model_spec=ModelSpec.load('tiny-gpt')) or a YAML path with "
@@ -167,67 +168,17 @@ class Engine(StepMixin):
         return spec
 
     def _build_model(self) -> "nn.Module":
-        import torch
+        from autosearch.engine.build import build_model
 
-        if self.meta_init:
-            if _is_module(self.model) or not callable(self.model):
-                raise SpecError("meta_init=True needs a zero-argument model factory (the engine builds it on the "
-                                "meta device), e.g. Engine(lambda: Transformer(spec), meta_init=True)")
-            with torch.device("meta"):
-                model = self.model()
-            if not _is_module(model):
-                raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-            return _wrap_known(model)
-        if _is_module(self.model):
-            if getattr(self, "_instance_used", False):
-                raise SpecError("the model instance was already parallelized for another strategy; pass a "
-                                "zero-argument factory (e.g. lambda: Transformer(spec)) so the engine can rebuild it")
-            self._instance_used = True
-            return _wrap_known(self.model)
-        if not callable(self.model):
-            raise SpecError(f"model must be an nn.Module or a zero-argument factory, got {type(self.model).__name__}")
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
-        model = self.model()
-        if not _is_module(model):
-            raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-        return _wrap_known(model)
-
-    def _plan_for(self, model):
-        from autosearch.engine.plan import ParallelPlan
-
-        if self.plan is not None:
-            return self.plan
-        if callable(getattr(model, "parallel_plan", None)):
-            return model.parallel_plan()
-        return ParallelPlan()
+        model = build_model(self.model, meta_init=self.meta_init, seed=self.seed,
+                            instance_used=getattr(self, "_instance_used", False))
+        self._instance_used = not callable(self.model) or _is_module(self.model)
+        return model
 
     def _problems(self, strategy: "Strategy", plan, model) -> list[str]:
-        from torch import nn
+        from autosearch.engine.build import strategy_problems
 
-        from autosearch.engine.parallelize import blocks_of
-
-        if plan.check is not None:
-            problems = list(plan.check(strategy))
-        else:
-            problems = _model_free_problems(strategy)
-        if strategy.tp > 1 and plan.tp_plan is None:
-            problems.append(f"tp={strategy.tp} needs a tensor-parallel plan and this model has none; pass "
-                            "Engine(..., plan=ParallelPlan(tp_plan=...)) or use tp=1 (dp, zero, recompute, amp work)")
-        if strategy.pp > 1:
-            container = blocks_of(model, plan)
-            if not isinstance(container, nn.ModuleDict):
-                problems.append(f"pp={strategy.pp} needs the model's blocks in an nn.ModuleDict named by "
-                                f"ParallelPlan.blocks ({plan.blocks!r} here) and a forward that skips None modules; "
-                                "pass a ParallelPlan or use pp=1")
-            elif plan.check is None or plan.split_points is not None:  # else the model's check covers it
-                bounds = plan.chunk_bounds(len(container), strategy.pp * strategy.virtual_stages)
-                if isinstance(bounds, str):
-                    problems.append(f"the pipeline split is impossible: {bounds}")
-        if strategy.recompute == "selective" and (plan.attention_core is None or blocks_of(model, plan) is None):
-            problems.append("recompute=selective needs ParallelPlan(attention_core=...) naming the attention core of "
-                            "each block; use recompute=full or give the plan")
-        return problems
+        return strategy_problems(strategy, plan, model)
 
     # ---- prepare -----------------------------------------------------------------------------
     def to_mode(self, mode: str) -> "Engine":
@@ -253,7 +204,9 @@ class Engine(StepMixin):
         import torch
         import torch.distributed as dist
 
+        from autosearch.engine import build
         from autosearch.engine import distributed as D
+        from autosearch.engine.build import plan_for
         from autosearch.engine.lr_schedule import build_schedulers
         from autosearch.engine.optim import OptimizerRecipe, build_optimizers, make_grad_scaler
         from autosearch.engine.parallel_dims import ParallelDims
@@ -264,7 +217,7 @@ class Engine(StepMixin):
         world = D.launched_world_size()
         dims = ParallelDims.from_strategy(strategy, world)
         model = self._build_model()
-        plan = self._plan_for(model)
+        plan = plan_for(model, self.plan)
         problems = self._problems(strategy, plan, model)
         if problems:
             raise SpecError(problems, context=f"strategy {strategy.short()} cannot run this model")
@@ -273,7 +226,7 @@ class Engine(StepMixin):
         mesh = dims.build_mesh(device.type)
         materialize = None
         if self.meta_init:
-            materialize = functools.partial(_materialize, device=device, seed=self.seed or 0)
+            materialize = functools.partial(build.materialize, device=device, seed=self.seed or 0)
         else:
             model.to(device)
             if world > 1:  # every rank starts from rank 0's weights, whatever the seeds were
@@ -332,7 +285,7 @@ class Engine(StepMixin):
             epochs, steps_per_epoch: how long iterating the returned loader lasts.
             mode: ``train``, ``eval`` or ``predict`` (switches the engine's mode).
         """
-        from autosearch.engine.data import build_loader
+        from autosearch.engine.data import build_loader, check_batch
 
         if mode is not None:
             self.to_mode(mode)
@@ -340,26 +293,13 @@ class Engine(StepMixin):
         strategy = self._resolve_strategy(batch_size)
         batch_size = batch_size or strategy.global_batch_size
         self.prepare()  # validates the strategy first, so its own message comes before batch messages
-        self._check_batch(batch_size, mode)
+        check_batch(strategy, batch_size, mode)
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
         dp_rank = self.mesh_.get_local_rank("dp") if self.mesh_ is not None else 0
         return build_loader(dataset, batch_size=batch_size, dp=strategy.dp, dp_rank=dp_rank, shuffle=shuffle,
                             drop_last=drop_last, collate_fn=collate_fn, num_workers=num_workers, epochs=epochs,
                             steps_per_epoch=steps_per_epoch, seed=self.seed or 0)
-
-    def _check_batch(self, batch_size: int, mode: str) -> None:
-        s = self._resolve_strategy()
-        if batch_size % s.dp:
-            raise SpecError(f"batch_size={batch_size} does not split over dp={s.dp} ranks; use a multiple of {s.dp}")
-        local = batch_size // s.dp
-        if s.pp > 1 and batch_size != s.global_batch_size:
-            raise SpecError(f"with pp={s.pp} the batch must be the strategy's global_batch_size={s.global_batch_size} "
-                            f"(the pipeline schedule runs {s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
-                            f"got batch_size={batch_size}")
-        if mode == "train" and local % s.micro_batch_size:
-            raise SpecError(f"batch_size={batch_size} gives {local} samples per dp rank, not a multiple of "
-                            f"micro_batch_size={s.micro_batch_size}; use a multiple of {s.dp * s.micro_batch_size}")
 
     # ---- one step ----------------------------------------------------------------------------
     def run(self, data, *, mode: str | None = None) -> dict[str, Any]:
@@ -577,33 +517,6 @@ class Engine(StepMixin):
         return result
 
 
-def _materialize(part, *, device, seed: int) -> None:
-    """Allocate a meta-device part on `device` (its shards only) and initialise it."""
-    import torch
-
-    part.to_empty(device=device)
-    torch.manual_seed(seed)
-    init = getattr(part, "init_weights", None)
-    if callable(init):
-        init()
-        return
-    with torch.no_grad():
-        for module in part.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-
-
-def _wrap_known(model):
-    """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM` (its plan and
-    ModelSpec); any other module as it is."""
-    if type(model).__module__.startswith("transformers."):
-        from autosearch.engine.hf import HFCausalLM, is_supported_hf_model
-
-        if is_supported_hf_model(model):
-            return HFCausalLM(model)
-    return model
-
-
 def _is_module(obj) -> bool:
     from torch import nn
 
@@ -614,9 +527,3 @@ def _as_list(metrics) -> list:
     if metrics is None:
         return []
     return list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
-
-
-def _model_free_problems(strategy: "Strategy") -> list[str]:
-    """The Strategy rules that do not depend on the model (batch split, pipeline micro-batches,
-    schedule options)."""
-    return strategy.problems(None)

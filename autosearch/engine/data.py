@@ -231,6 +231,22 @@ def build_loader(dataset: Any, *, batch_size: int, dp: int, dp_rank: int, shuffl
                              local_batch_size=local)
 
 
+def check_batch(strategy, batch_size: int, mode: str) -> None:
+    """Refuse a global batch that the strategy cannot split (over dp, into micro-batches, into
+    the pipeline's fixed micro-batch count)."""
+    s = strategy
+    if batch_size % s.dp:
+        raise SpecError(f"batch_size={batch_size} does not split over dp={s.dp} ranks; use a multiple of {s.dp}")
+    local = batch_size // s.dp
+    if s.pp > 1 and batch_size != s.global_batch_size:
+        raise SpecError(f"with pp={s.pp} the batch must be the strategy's global_batch_size={s.global_batch_size} "
+                        f"(the pipeline schedule runs {s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
+                        f"got batch_size={batch_size}")
+    if mode == "train" and local % s.micro_batch_size:
+        raise SpecError(f"batch_size={batch_size} gives {local} samples per dp rank, not a multiple of "
+                        f"micro_batch_size={s.micro_batch_size}; use a multiple of {s.dp * s.micro_batch_size}")
+
+
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """``(inputs, labels)`` of a batch; a bare tensor is inputs without labels (predict)."""
     if isinstance(batch, (tuple, list)):
