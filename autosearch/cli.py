@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 # Subcommand modules, in the order `autosearch --help` lists them.
 COMMANDS = ["estimate", "models", "hardware"]

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autosearch.engine.parallel_dims import ParallelDims  # noqa: E402  (torch-free)
-from autosearch.model_spec import ModelSpec  # noqa: E402
-from autosearch.strategy import Strategy  # noqa: E402
+from autosearch.core.model_spec import ModelSpec  # noqa: E402
+from autosearch.core.strategy import Strategy  # noqa: E402
 
 GBS = "global_batch_size=8"
 # name: strategy. tiny-gpt: 4 layers, hidden 256, 4 heads, seq 128, vocab 1000 (3.7 M parameters).

@@ -5,8 +5,8 @@ import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.report import CostReport
 
 
 class CostModel(abc.ABC):

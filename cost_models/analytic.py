@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
+from autosearch.core.dp_modes import dp_mode
 from cost_models._base import CostModel
 from cost_models.formulas import (
     layer_activation_bytes,
@@ -22,13 +23,13 @@ from cost_models.formulas import (
     ring_all_reduce_time_s,
     ring_reduce_scatter_time_s,
 )
-from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
-from cost_models.runtime import RuntimeOptions
+from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
+from autosearch.core.runtime import RuntimeOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.hardware import Cluster
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "tf32": 4}
 # A causal mask lets fused attention skip half of the tiles (Dao 2023, sec. 3.1). Its backward
@@ -226,38 +227,35 @@ class AnalyticCostModel(CostModel):
                 comm = m * (exposed(ag, fwd_window) + exposed(ag + self._reduce_scatter(grads, d, t), bwd_window))
             return comm, params, grads_mem, opt_mem
 
-        # PyTorch as the Engine applies a strategy (autosearch/engine/parallel_dims.py DP_MODES):
+        # PyTorch as the Engine applies a strategy (the table in autosearch/core/dp_modes.py):
         # fp32 parameters, gradients and Adam moments (4 + 4 + 8 bytes); 16-bit copies of the
         # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
         # the compute dtype and reduces in fp32.
         copies = psi * ab if ab < 4 else 0.0
-        if d == 1:
+        mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
+        optimizer_bytes = psi * 8 / d if mode.shards_optimizer else psi * 8
+        if mode.wrapper == "none":
             return 0.0, psi * 4 + copies, psi * 4, psi * 8
+        if not mode.shards_params:  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
+            comm = exposed(self._all_reduce(grads, d, t), bwd_window)
+            if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
+                comm += self._all_gather(psi * 4, d, t)
+            return comm, psi * 4 + copies, psi * 4, optimizer_bytes
+        # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
+        # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
+        # unsharded in fp32 and reduced once per step.
         ag = self._all_gather(psi * ab, d, t)
         rs = self._reduce_scatter(grads, d, t)
-        fsdp_unsharded_grads = m > 1 and ((zero == 1 and (t > 1 or p > 1)) or (zero >= 2 and p > 1))
-        if zero == 0:      # DDP (or replicate-only FSDP2 with tp / pp): one all-reduce, last micro-batch
-            return exposed(self._all_reduce(grads, d, t), bwd_window), psi * 4 + copies, psi * 4, psi * 8
-        if zero == 1 and t == 1 and p == 1:  # DDP + ZeroRedundancyOptimizer: + broadcast of updated params
-            comm = exposed(self._all_reduce(grads, d, t), bwd_window) + self._all_gather(psi * 4, d, t)
-            return comm, psi * 4 + copies, psi * 4, psi * 8 / d
-        # FSDP2. Gradients are reduce-scattered every micro-batch for zero 2/3 without pipeline;
-        # otherwise (zero 1's FSDP form; torch.distributed.pipelining, which skips the gradient sync
-        # and the reshard after backward for all but the last micro-batch) they accumulate unsharded
-        # in fp32 and are reduced once per step.
-        gathered = psi * ab if (zero <= 2 or p > 1) else 2 * layer_params * ab  # ZeRO-3: two layers live
+        two_layers_live = mode.reshard_after_forward and p == 1
+        gathered = 2 * layer_params * ab if two_layers_live else psi * ab
         params = psi * 4 / d + gathered
-        grads_mem = psi * 4 if fsdp_unsharded_grads else psi * 4 / d
-        if zero == 3:
-            comm = m * (exposed(ag, fwd_window) + exposed(ag, bwd_window))
-            comm += exposed(rs, bwd_window) * (1 if p > 1 or m == 1 else m)
-        elif p > 1:       # pipelining keeps zero 1/2 parameters gathered across micro-batches
-            comm = exposed(ag, fwd_window) + exposed(rs, bwd_window)
-        elif zero == 2:
-            comm = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
-        else:             # zero 1 with tp: gathered again every micro-batch, reduced once
-            comm = m * exposed(ag, fwd_window) + exposed(rs, bwd_window)
-        return comm, params, grads_mem, psi * 8 / d
+        grads_mem = psi * 4 if (m > 1 and mode.grads_accumulate_unsharded) else psi * 4 / d
+        n_gathers = m if mode.gathers_every_microbatch else 1
+        comm = n_gathers * exposed(ag, fwd_window)
+        if mode.reshard_after_forward:
+            comm += m * exposed(ag, bwd_window)
+        comm += (m if mode.reduce_every_microbatch else 1) * exposed(rs, bwd_window)
+        return comm, params, grads_mem, optimizer_bytes
 
     def _stream_s(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` through one memory-bound kernel (it is also its working set)."""
@@ -391,9 +389,9 @@ def estimate(model: "ModelSpec | str", cluster: "Cluster | str", strategy: "Stra
     Accepts specs or the strings their `load` / `parse` take. Raises SpecError (a ValueError)
     naming every rule an invalid strategy breaks.
     """
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.hardware import Cluster
 
     model = ModelSpec.load(model)
     cluster = Cluster.parse(cluster)

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.hardware import Cluster
 
 
 class BaseSearchSpace(abc.ABC):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from autosearch._io import parse_yaml_mapping, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
-from autosearch.strategy import AMP, ALIASES, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
+from autosearch.core._io import parse_yaml_mapping, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
+from autosearch.core.strategy import AMP, ALIASES, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
 
 _ALL_WORDS = ("all", "any", "auto", "*")
 _INT_DIMS = ("dp", "tp", "pp", "micro_batch_size", "virtual_stages")

@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
-from autosearch.model_spec import ModelSpec
-from autosearch.strategy import Strategy
-from cost_models.hardware import Cluster
+from autosearch.core.errors import SpecError
+from autosearch.core.model_spec import ModelSpec
+from autosearch.core.strategy import Strategy
+from autosearch.core.hardware import Cluster
 from search_spaces._base import BaseSearchSpace
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -33,10 +33,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
-from autosearch.model_spec import ModelSpec
-from autosearch.strategy import Strategy
-from cost_models.hardware import Cluster
+from autosearch.core.errors import SpecError
+from autosearch.core.model_spec import ModelSpec
+from autosearch.core.strategy import Strategy
+from autosearch.core.hardware import Cluster
 from search_spaces._base import BaseSearchSpace
 from search_spaces._config import SpaceConfig
 

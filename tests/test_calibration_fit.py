@@ -79,7 +79,7 @@ def test_gemm_efficiency_recovered_forward_and_backward(seed):
 
 def test_gemm_fit_reproduces_the_profile_form():
     """The fitted terms, put into GemmEfficiency, give back the fitted times (same form)."""
-    from cost_models.hardware import GemmEfficiency
+    from autosearch.core.hardware import GemmEfficiency
 
     rates = {"fp32": 50e9}
     m, n, k = [64, 512, 2048], [256, 1024, 4096], [128, 256, 1024]

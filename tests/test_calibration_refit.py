@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from cost_models import HardwareProfile
 from cost_models.calibration import refit_corrections
 

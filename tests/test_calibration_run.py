@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from autosearch.cli import main
-from autosearch.strategy import Strategy
+from autosearch.core.strategy import Strategy
 from cost_models import AnalyticCostModel, Cluster, HardwareProfile
-from autosearch.model_spec import ModelSpec
+from autosearch.core.model_spec import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import pytest
 
 from autosearch import ModelSpec, Strategy
 from cost_models import AnalyticCostModel, Cluster, CostModel, estimate
-from cost_models.runtime import MEGATRON_SC21, TORCH
+from autosearch.core.runtime import MEGATRON_SC21, TORCH
 
 GPT = ModelSpec.load("gpt3-13b")
 CLUSTER = Cluster.parse("a100-sxm4-80gb:4x8")  # 32 GPUs

@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 GiB = float(1 << 30)
 
@@ -20,8 +20,8 @@ def add_model_cluster_args(p: argparse.ArgumentParser, *, cluster_required: bool
 
 
 def load_model_cluster(args: argparse.Namespace):
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
 
     return ModelSpec.load(args.model), Cluster.parse(args.cluster)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from autosearch.commands._common import fmt_s
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

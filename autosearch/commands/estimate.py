@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from cost_models.analytic import AnalyticCostModel
 
     model, cluster = load_model_cluster(args)

@@ -20,10 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from autosearch._io import read_yaml_mapping
+    from autosearch.core._io import read_yaml_mapping
     from autosearch.export import EXPORTERS, export
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
     strategy = Strategy.parse(args.strategy)
     model_name = args.model

@@ -10,7 +10,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cost_models.hardware import HardwareProfile, profile_names
+    from autosearch.core.hardware import HardwareProfile, profile_names
 
     print(f"{'name':<16} {'bf16 TFLOP/s':>12} {'memory':>9} {'HBM TB/s':>8} {'intra GB/s':>10} "
           f"{'inter GB/s':>10} {'per node':>8}")

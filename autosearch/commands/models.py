@@ -10,7 +10,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.model_spec import model_catalog
+    from autosearch.core.model_spec import model_catalog
 
     print(f"{'name':<16} {'params':>9} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>4} {'ffn':>6} "
           f"{'act':>6} {'vocab':>7} {'seq':>5}")

@@ -49,9 +49,9 @@ def _split(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.errors import SpecError
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
 
     models = [ModelSpec.load(m) for m in _split(args.models)]
     clusters = [Cluster.parse(c) for c in _split(args.clusters)]
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 def sweep_row(model, cluster, gbs: int, *, n_trials: int, sampler: str, space, runtime: str,
               price_per_gpu_hour: float | None, seed: int | None) -> dict:
     """One CSV row: the best strategy for (model, cluster, gbs), or why there is none."""
-    from autosearch.errors import SpecError
+    from autosearch.core.errors import SpecError
     from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
     from search_spaces import SearchSpace
 

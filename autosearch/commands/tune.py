@@ -58,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_pins(items: list[str]) -> dict:
-    from autosearch.errors import SpecError
-    from autosearch.strategy import _parse_scalar
+    from autosearch.core.errors import SpecError
+    from autosearch.core.strategy import _parse_scalar
 
     pins = {}
     for item in items:

@@ -42,9 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
+    from autosearch.core.errors import SpecError
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
     from autosearch.validation import validate
     from autosearch.validation._validate import Candidate
 
@@ -83,7 +83,7 @@ def open_study(where: str, storage: str | None):
     """(study, its autosearch metadata) from a tuner output folder or a study name + storage."""
     import optuna
 
-    from autosearch.errors import SpecError
+    from autosearch.core.errors import SpecError
     from autosearch.tuning import open_storage
     from autosearch.tuning._storage import DEFAULT_FILENAME
 
@@ -111,8 +111,8 @@ def open_study(where: str, storage: str | None):
 
 
 def _model_from(meta: dict):
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.errors import SpecError
+    from autosearch.core.model_spec import ModelSpec
 
     if meta.get("model_spec"):
         return ModelSpec.from_dict(meta["model_spec"])
@@ -122,7 +122,7 @@ def _model_from(meta: dict):
 
 
 def _cluster_from(meta: dict):
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
 
     if meta.get("cluster_spec"):
         return Cluster.from_dict(meta["cluster_spec"])

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from autosearch.export._base import Exported, Exporter
 from autosearch.export._deepspeed import DeepSpeedExporter
 from autosearch.export._megatron import MegatronExporter
 from autosearch.export._torchtitan import TorchTitanExporter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
 EXPORTERS: dict[str, Exporter] = {e.name: e for e in (MegatronExporter(), DeepSpeedExporter(), TorchTitanExporter())}
 

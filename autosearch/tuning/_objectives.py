@@ -11,11 +11,11 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from cost_models.hardware import Cluster
-    from cost_models.report import CostReport
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.report import CostReport
 
 GiB = float(1 << 30)
 CONSTRAINT = "memory_excess_gib"

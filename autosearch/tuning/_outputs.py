@@ -24,7 +24,7 @@ IMPORTANCE_FIELDS = ("tp", "pp", "dp", "micro_batch_size", "pipeline", "recomput
 
 
 def _report_columns() -> list[str]:
-    from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
+    from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 
     head = [k for k in CostReport._fields if k not in ("time", "memory", "notes")] + ["memory_excess_bytes"]
     return (head + [f"time_{k}" for k in TimeBreakdown._fields] + [f"memory_{k}" for k in MemoryBreakdown._fields]
@@ -34,7 +34,7 @@ def _report_columns() -> list[str]:
 def trial_row(trial, objective: "Objective") -> dict[str, Any]:
     """One CSV row: trial number and state, feasibility and why, objective values, every
     Strategy field, every CostReport field (breakdowns flattened to time_* / memory_*)."""
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from autosearch.tuning._study import report_from_dict
 
     row: dict[str, Any] = {"trial": trial.number, "state": trial.state.name}

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from cost_models._base import CostModel
     from search_spaces import BaseSearchSpace
 
 
 def recipes(space: "BaseSearchSpace", cost_model: "CostModel", *, limit: int = 4) -> list["Strategy"]:
     """Up to `limit` distinct recipe strategies that belong to `space`."""
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
     world, gpn = space.cluster.world_size, space.cluster.gpus_per_node
     model, gbs = space.model, space.global_batch_size

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._recipes import recipes as make_recipes
 from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
@@ -45,8 +45,8 @@ from optuna.trial import TrialState
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
     from search_spaces import BaseSearchSpace
 
 SAMPLERS = ("tpe", "nsga2", "random", "exhaustive")
@@ -107,9 +107,9 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
         >>> result.best_report.fits
         True
     """
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.model_spec import ModelSpec
     from cost_models.analytic import AnalyticCostModel
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
 
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -299,7 +299,7 @@ class _Runner:
 
 
 def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings) -> TuneResult:
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
     trials = runner.persistent.get_trials(deepcopy=False, states=_COMPLETE)
     cands: dict[Strategy, Candidate] = {}
@@ -369,7 +369,7 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
 
 def report_from_dict(data: dict[str, Any]):
     """Rebuild a CostReport from `CostReport.to_dict(flat=False)`."""
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
 
     return CostReport.from_dict(data)
 

@@ -7,17 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from autosearch.validation._launch import OK, RunOutcome, launch
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
     import pandas as pd
 
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
-    from cost_models.report import CostReport
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.report import CostReport
 
 VALIDATION_ATTR = "validation"
 
@@ -84,9 +84,9 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
     """
     import pandas as pd
 
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.model_spec import ModelSpec
     from cost_models.analytic import AnalyticCostModel
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
 
     model = ModelSpec.load(model)
     if steps < 1 or warmup < 0:
@@ -208,8 +208,8 @@ def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Cand
     """The `top_k` fastest distinct feasible strategies of a tuner study, with their reports."""
     from optuna.trial import TrialState
 
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.strategy import Strategy
+    from autosearch.core.report import CostReport
 
     seen: dict[Any, Candidate] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):

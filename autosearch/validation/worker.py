@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+# Under an address-space cap (RLIMIT_AS, how a smaller device is emulated on CPU) an allocation
+# fails wherever it happens first: in torch's allocator, in the C++ runtime, or in oneDNN, which
+# reports a kernel whose code or scratchpad cannot be mapped as "could not create a primitive".
+CAPPED_ALLOCATION_FAILURES = ("could not create a primitive", "std::bad_alloc")
+_address_space_cap: list[int] = []
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -20,7 +25,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     c10 error (a RuntimeError) whose message comes from DefaultCPUAllocator with ENOMEM."""
     if type(exc).__name__ in OOM_TYPES or isinstance(exc, MemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    if not isinstance(exc, RuntimeError):
+        return False
+    message = str(exc)
+    if "DefaultCPUAllocator: can't allocate memory" in message:
+        return True
+    return bool(_address_space_cap) and any(m in message for m in CAPPED_ALLOCATION_FAILURES)
 
 
 def limit_memory(limit_bytes: int | None, device_type: str) -> None:
@@ -44,6 +54,7 @@ def limit_memory(limit_bytes: int | None, device_type: str) -> None:
     vm = read_status_bytes("VmSize")
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (vm + int(limit_bytes), hard))
+    _address_space_cap.append(vm + int(limit_bytes))
 
 
 def load_factory(path: str):
@@ -62,7 +73,7 @@ def load_factory(path: str):
 
 
 def build_model_factory(config: dict[str, Any]):
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.model_spec import ModelSpec
 
     spec = ModelSpec.from_dict(config["model"])
     factory_path = config.get("factory")
@@ -79,7 +90,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     from autosearch.engine import Engine
     from autosearch.engine import distributed as D
     from autosearch.engine.data import SyntheticTokens
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from autosearch.validation import measure
 
     if config.get("threads"):

@@ -16,8 +16,8 @@ from typing import Callable
 
 import pandas as pd
 
-from autosearch._io import read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import read_yaml_mapping
+from autosearch.core.errors import SpecError
 from cost_models.calibration.profile import build_profile
 from cost_models.calibration.runner import (
     cpu_cores,
@@ -27,7 +27,7 @@ from cost_models.calibration.runner import (
     run_microbenchmarks,
     _loadavg,
 )
-from cost_models.hardware import HardwareProfile
+from autosearch.core.hardware import HardwareProfile
 
 
 @dataclass(frozen=True)

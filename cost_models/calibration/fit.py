@@ -7,7 +7,7 @@ log(time), the worst and the median relative residual, and the number of points.
 
 The model forms are the ones `cost_models.analytic` consumes, so that what is fitted is what the
 cost model uses:
-- GEMM (`cost_models.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
+- GEMM (`autosearch.core.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
   backward = 2 x forward (dgrad + wgrad, as `AnalyticCostModel._layer_costs` assumes).
 - Fused attention: t_fwd = launch + F/(peak * eff_p), t_bwd = 2.5 t_fwd (FLASH_BWD_OVER_FWD).
 - Streaming memory: t = launch + bytes / bandwidth (McCalpin's STREAM, arrays >= 4x the last-level cache).

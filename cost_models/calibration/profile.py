@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from cost_models.calibration import fit as F
-from cost_models.hardware import PRECISIONS, HardwareProfile, profile_names
+from autosearch.core.hardware import PRECISIONS, HardwareProfile, profile_names
 
 # Streaming arrays count as "in DRAM" when the data touched is at least 4x the last-level cache
 # (McCalpin, STREAM run rules).

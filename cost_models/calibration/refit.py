@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 TERM_GROUPS: dict[str, tuple[str, ...]] = {
     # compute-bound work and what scales with it (the bubble is idle time of the same length)
@@ -85,7 +85,7 @@ class RefitResult:
         node; inter_node is left as is); optimizer -> memory efficiency divided; the intercept ->
         the profile's step_overhead_s (a fixed cost per optimizer step, added to `other_s`).
         """
-        from cost_models.hardware import HardwareProfile
+        from autosearch.core.hardware import HardwareProfile
 
         c, comm, opt = (self.factors.get(k, 1.0) for k in ("compute", "communication", "optimizer"))
         data = profile.to_dict()

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from autosearch._io import check_keys, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
 
@@ -217,8 +217,8 @@ class ModelSpec:
 
 @functools.cache
 def model_catalog() -> dict[str, ModelSpec]:
-    """Every model of `autosearch/models.yaml`, by name (sources are cited in that file)."""
-    text = resources.files("autosearch").joinpath("models.yaml").read_text(encoding="utf-8")
+    """Every model of `autosearch/core/models.yaml`, by name (sources are cited in that file)."""
+    text = resources.files("autosearch.core").joinpath("models.yaml").read_text(encoding="utf-8")
     entries = yaml.safe_load(text)["models"]
     return {name: ModelSpec.from_dict({"name": name, **fields}, what=f"catalog model {name!r}")
             for name, fields in entries.items()}

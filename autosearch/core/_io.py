@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def read_yaml_mapping(source: str | os.PathLike, *, what: str) -> dict[str, Any]:

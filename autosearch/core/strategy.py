@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from autosearch._io import check_keys, parse_yaml_mapping, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, parse_yaml_mapping, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTE = ("none", "selective", "full")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,13 +14,14 @@ import functools
 import os
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from autosearch._io import check_keys, positive_float, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, positive_float, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -241,8 +242,16 @@ class HardwareProfile:
 
 def profile_names() -> list[str]:
     """Names of the profiles shipped in `cost_models/profiles/`."""
-    folder = resources.files("cost_models").joinpath("profiles")
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _profiles_dir() -> Path:
+    """`cost_models/profiles/`, found without importing `cost_models` (which sits above this
+    floor: it imports the specs, never the other way round)."""
+    spec = importlib.util.find_spec("cost_models")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError("the cost_models package is not installed; reinstall autosearch (pip install -e .)")
+    return Path(next(iter(spec.submodule_search_locations))) / "profiles"
 
 
 def _link_dict(link: Link) -> dict[str, Any]:
@@ -255,7 +264,7 @@ def _link_dict(link: Link) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
     if key.lower() in profile_names():
-        text = resources.files("cost_models").joinpath("profiles", key.lower() + ".yaml").read_text(encoding="utf-8")
+        text = (_profiles_dir() / f"{key.lower()}.yaml").read_text(encoding="utf-8")
         return HardwareProfile.from_dict(yaml.safe_load(text), what=f"profile {key!r}")
     if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
         data = read_yaml_mapping(key, what="hardware profile")
