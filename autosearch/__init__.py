@@ -3,6 +3,7 @@
 Everything is exported lazily (PEP 562), so `import autosearch` stays light: the specs and the
 cost model never import torch, and the Engine imports it only when used.
 """
+
 from __future__ import annotations
 
 from autosearch._lazy import lazy_exports
@@ -28,4 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports('autosearch', globals(), _EXPORTS)
+__getattr__, __dir__ = lazy_exports("autosearch", globals(), _EXPORTS)

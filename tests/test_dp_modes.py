@@ -1,10 +1,10 @@
 """The data-parallel mode table (autosearch/core/dp_modes.py) ties the Engine to the cost model:
 both must do exactly what the table says, for every ZeRO stage and parallel layout."""
+
 from __future__ import annotations
 
 import itertools
 import pathlib
-from types import SimpleNamespace
 
 import pytest
 
@@ -41,7 +41,9 @@ def test_bad_arguments_are_spec_errors():
 
 def test_docs_carry_the_table():
     docs = (pathlib.Path(__file__).parents[1] / "docs" / "engine.md").read_text(encoding="utf-8")
-    assert markdown_table() in docs, "docs/engine.md is stale: paste `python -m autosearch.core.dp_modes`"
+    assert markdown_table() in docs, (
+        "docs/engine.md is stale: paste `python -m autosearch.core.dp_modes`"
+    )
 
 
 # ---- the Engine builds what the table says ---------------------------------------------------------
@@ -58,8 +60,11 @@ def test_engine_applies_the_table(zero, dp, tp, pp, amp, monkeypatch):
 
     calls = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append(("fsdp", kw)))
-    monkeypatch.setattr(parallel, "DistributedDataParallel",
-                        lambda module, **kw: calls.append(("ddp", kw)) or module)
+    monkeypatch.setattr(
+        parallel,
+        "DistributedDataParallel",
+        lambda module, **kw: calls.append(("ddp", kw)) or module,
+    )
 
     class Mesh:  # records which sub-mesh FSDP2 gets
         def __getitem__(self, names):
@@ -72,7 +77,9 @@ def test_engine_applies_the_table(zero, dp, tp, pp, amp, monkeypatch):
     model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     dims = ParallelDims(dp, tp, pp, dp * tp * pp, zero)
     mode = dp_mode(zero_stage=zero, dp=dp, tp=tp, pp=pp)
-    apply_data_parallel(model, dims, Mesh(), ParallelPlan(blocks="layers"), amp, torch.device("cpu"))
+    apply_data_parallel(
+        model, dims, Mesh(), ParallelPlan(blocks="layers"), amp, torch.device("cpu")
+    )
 
     assert {kind for kind, _ in calls} == {mode.wrapper}
     if mode.wrapper == "fsdp":
@@ -92,8 +99,15 @@ NO_OVERLAP = RuntimeOptions(name="no-overlap", dp_overlap=0.0)
 def _report(zero, dp, tp, pp, m, *, runtime=NO_OVERLAP):
     cluster = Cluster(gpu="h100-sxm", n_nodes=1, gpus_per_node=dp * tp * pp)
     model = AnalyticCostModel(SPEC, cluster, runtime=runtime)
-    strategy = Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=1, global_batch_size=dp * m,
-                        zero_stage=zero, amp="fp32")
+    strategy = Strategy(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        micro_batch_size=1,
+        global_batch_size=dp * m,
+        zero_stage=zero,
+        amp="fp32",
+    )
     return model.estimate(strategy)
 
 
@@ -102,7 +116,8 @@ def test_cost_model_memory_follows_the_table(zero, tp, pp):
     mode = dp_mode(zero_stage=zero, dp=2, tp=tp, pp=pp)
     single, double = _report(zero, 1, tp, pp, 4).memory, _report(zero, 2, tp, pp, 4).memory
     assert double.optimizer_bytes / single.optimizer_bytes == pytest.approx(
-        0.5 if mode.shards_optimizer else 1.0)
+        0.5 if mode.shards_optimizer else 1.0
+    )
     grads_sharded = mode.shards_grads and not mode.grads_accumulate_unsharded  # m = 4 > 1
     assert double.grads_bytes / single.grads_bytes == pytest.approx(0.5 if grads_sharded else 1.0)
     whole = single.params_bytes  # fp32 parameters of the stage, nothing to shard with dp = 1
@@ -124,7 +139,9 @@ def test_cost_model_collectives_follow_the_table(zero, tp, pp):
     def count(m):
         if not mode.shards_params:
             return 1.0  # one all-reduce (plus one broadcast for ZeRO-1: also once per step)
-        gathers = (m if mode.gathers_every_microbatch else 1) + (m if mode.reshard_after_forward else 0)
+        gathers = (m if mode.gathers_every_microbatch else 1) + (
+            m if mode.reshard_after_forward else 0
+        )
         return gathers + (m if mode.reduce_every_microbatch else 1)
 
     t2 = _report(zero, 2, tp, pp, 2).time.dp_comm_exposed_s

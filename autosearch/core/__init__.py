@@ -6,6 +6,7 @@ here import only each other (and PyYAML); `cost_models`, `search_spaces`, the tu
 the Engine and the CLI sit above and import from here, never the other way round
 (`pyproject.toml` declares the layers; `lint-imports` checks them).
 """
+
 from autosearch.core.dp_modes import DP_MODE_NAMES, DPMode, dp_mode
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
@@ -15,7 +16,23 @@ from autosearch.core.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptio
 from autosearch.core.strategy import Strategy
 
 __all__ = [
-    "Cluster", "CostReport", "DPMode", "DP_MODE_NAMES", "GemmEfficiency", "HardwareProfile", "Link",
-    "MEGATRON_SC21", "MemoryBreakdown", "ModelSpec", "RUNTIMES", "RuntimeOptions", "SpecError",
-    "Strategy", "TORCH", "TimeBreakdown", "dp_mode", "model_catalog", "profile_names",
+    "Cluster",
+    "CostReport",
+    "DPMode",
+    "DP_MODE_NAMES",
+    "GemmEfficiency",
+    "HardwareProfile",
+    "Link",
+    "MEGATRON_SC21",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "RUNTIMES",
+    "RuntimeOptions",
+    "SpecError",
+    "Strategy",
+    "TORCH",
+    "TimeBreakdown",
+    "dp_mode",
+    "model_catalog",
+    "profile_names",
 ]

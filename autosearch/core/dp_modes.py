@@ -20,6 +20,7 @@ Example:
     >>> m.name, m.wrapper, m.reshard_after_forward, m.reduce_every_microbatch
     ('fsdp_zero3', 'fsdp', True, True)
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,15 +33,15 @@ DP_MODE_NAMES = ("none", "ddp", "hsdp", "ddp_zero1", "fsdp_zero1", "fsdp_zero2",
 _DESCRIPTIONS = {
     "none": "nothing to replicate or shard (dp = 1)",
     "ddp": "DDP: one bucketed fp32 gradient all-reduce per step (`no_sync` before), overlapped "
-           "with backward",
+    "with backward",
     "hsdp": "FSDP2 on a (dp, 1) HSDP mesh, i.e. replicate-only: the same single all-reduce per step",
     "ddp_zero1": "DDP + `ZeroRedundancyOptimizer`: optimizer states sharded; each rank broadcasts "
-                 "the parameters it updated",
+    "the parameters it updated",
     "fsdp_zero1": "FSDP2 `reshard_after_forward=False`, gradients reduce-scattered once per step",
     "fsdp_zero2": "FSDP2 `reshard_after_forward=False`: parameters gathered once per micro-batch, "
-                  "gradients reduce-scattered every micro-batch (once per step under pp)",
+    "gradients reduce-scattered every micro-batch (once per step under pp)",
     "fsdp_zero3": "FSDP2 `reshard_after_forward=True`: as zero 2, and parameters gathered again "
-                  "for backward",
+    "for backward",
 }
 
 
@@ -108,12 +109,21 @@ def dp_mode(*, zero_stage: int, dp: int, tp: int = 1, pp: int = 1) -> DPMode:
             return DPMode(name="hsdp", wrapper="fsdp", hsdp_replicate=True)
         return DPMode(name="ddp", wrapper="ddp")
     if zero_stage == 1 and not model_parallel:
-        return DPMode(name="ddp_zero1", wrapper="ddp", zero_redundancy_optimizer=True,
-                      shards_optimizer=True, broadcasts_params_after_step=True)
+        return DPMode(
+            name="ddp_zero1",
+            wrapper="ddp",
+            zero_redundancy_optimizer=True,
+            shards_optimizer=True,
+            broadcasts_params_after_step=True,
+        )
     reduce_every = zero_stage >= 2 and pp == 1
     return DPMode(
-        name=f"fsdp_zero{zero_stage}", wrapper="fsdp", shards_optimizer=True, shards_params=True,
-        shards_grads=True, reshard_after_forward=zero_stage == 3,
+        name=f"fsdp_zero{zero_stage}",
+        wrapper="fsdp",
+        shards_optimizer=True,
+        shards_params=True,
+        shards_grads=True,
+        reshard_after_forward=zero_stage == 3,
         reduce_every_microbatch=reduce_every,
         gathers_every_microbatch=pp == 1 or zero_stage == 3,
         grads_accumulate_unsharded=not reduce_every,
@@ -127,8 +137,10 @@ def markdown_table() -> str:
     for zero in (0, 1, 2, 3):
         plain = dp_mode(zero_stage=zero, dp=2)
         parallel = dp_mode(zero_stage=zero, dp=2, tp=2)
-        rows.append(f"| {zero} | {plain.description} | "
-                    f"{'same' if parallel == plain else parallel.description} |")
+        rows.append(
+            f"| {zero} | {plain.description} | "
+            f"{'same' if parallel == plain else parallel.description} |"
+        )
     return "\n".join(rows)
 
 

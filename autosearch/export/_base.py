@@ -1,4 +1,5 @@
 """The interface every exporter implements (tests/test_export.py runs one contract suite on all)."""
+
 from __future__ import annotations
 
 import abc

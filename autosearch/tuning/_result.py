@@ -1,4 +1,5 @@
 """Immutable records of a finished search."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,8 @@ from autosearch.core.errors import SpecError
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autosearch.core.strategy import Strategy
     from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
     from search_spaces import BaseSearchSpace
 
 

@@ -2,6 +2,7 @@
 for several processes). Trains the candidate for a few steps with the Engine and writes
 `rank<N>.json` with what it measured, or with the type of the exception that stopped it.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,10 +88,10 @@ def build_model_factory(config: dict[str, Any]):
 def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from autosearch.core.strategy import Strategy
     from autosearch.engine import Engine
     from autosearch.engine import distributed as D
     from autosearch.engine.data import SyntheticTokens
-    from autosearch.core.strategy import Strategy
     from autosearch.validation import measure
 
     if config.get("threads"):
@@ -100,8 +101,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = int(config["steps"]), int(config["warmup"])
     baseline_rss = measure.read_status_bytes("VmRSS")
     measure.reset_peak_rss()
-    engine = Engine(factory, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4), strategy=strategy,
-                    seed=int(config.get("seed", 0)))
+    engine = Engine(
+        factory,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        strategy=strategy,
+        seed=int(config.get("seed", 0)),
+    )
     engine.prepare(mode="train")
     device = engine.device_
     limit_memory(config.get("memory_limit_bytes"), device.type)
@@ -114,13 +119,21 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         losses.append(engine.run(next(batches), mode="train")["loss"])
 
     times = measure.time_steps(step, warmup + steps, device)
-    peak_tensor, how = measure.tensor_peak_bytes(step, device, engine.model_parts_, engine.optimizers_)
+    peak_tensor, how = measure.tensor_peak_bytes(
+        step, device, engine.model_parts_, engine.optimizers_
+    )
     return {
-        **measure.summarize(times, warmup), "step_times_s": times,
-        "peak_memory_bytes": peak_tensor, "peak_memory_method": how,
-        "peak_rss_bytes": measure.read_status_bytes("VmHWM"), "baseline_rss_bytes": baseline_rss,
-        "final_loss": losses[-1], "device": device.type, "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "world_size": D.launched_world_size(),
+        **measure.summarize(times, warmup),
+        "step_times_s": times,
+        "peak_memory_bytes": peak_tensor,
+        "peak_memory_method": how,
+        "peak_rss_bytes": measure.read_status_bytes("VmHWM"),
+        "baseline_rss_bytes": baseline_rss,
+        "final_loss": losses[-1],
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "world_size": D.launched_world_size(),
     }
 
 
@@ -132,8 +145,11 @@ def main() -> None:
     try:
         record.update(run(config), status="ok")
     except BaseException as exc:  # noqa: BLE001 - recorded by type; the launcher decides what it means
-        record.update(status="oom" if is_out_of_memory(exc) else "crashed", error_type=type(exc).__name__,
-                      message=str(exc).strip().splitlines()[0][:400] if str(exc).strip() else "")
+        record.update(
+            status="oom" if is_out_of_memory(exc) else "crashed",
+            error_type=type(exc).__name__,
+            message=str(exc).strip().splitlines()[0][:400] if str(exc).strip() else "",
+        )
         traceback.print_exc()
         code = 1
     Path(config["result_dir"], f"rank{rank}.json").write_text(json.dumps(record, indent=1))
