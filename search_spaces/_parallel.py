@@ -5,7 +5,8 @@ The space is built once, as a tree whose every leaf is valid by construction:
     tp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)      [the "layout"]
     x recompute x sequence_parallel (tp > 1 only) x zero_stage x amp        [independent axes]
 
-Layout rules (exactly those of `Strategy.problems`): tp divides n_heads and n_kv_heads (and stays
+Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
+applied level by level: tp divides n_heads and n_kv_heads (and stays
 inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp = world/(tp*pp);
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
 needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to be
@@ -34,6 +35,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from autosearch.core import rules
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster
 from autosearch.core.model_spec import ModelSpec
@@ -44,7 +46,7 @@ from search_spaces._config import SpaceConfig
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-INTERLEAVED = "interleaved_1f1b"
+INTERLEAVED = rules.INTERLEAVED
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
@@ -147,17 +149,17 @@ class SearchSpace(BaseSearchSpace):
                 f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
             )
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
-        rules: list[str] = []  # why candidate values were dropped, for the empty-space message
+        dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
 
-        tps = [t for t in _divisors(world) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]
+        # The layout rules are those of Strategy.problems, applied level by level.
+        tps = [t for t in _divisors(world) if rules.tp_problem(t, m) is None]
         if c.tp_within_node:
             tps = [t for t in tps if t <= gpn]
         if c.tp is not None:
             tps = [t for t in tps if t in c.tp]
-        tps = [
-            t for t in tps if self._sequence_parallel_choices(t)
-        ]  # `sequence_parallel: true` needs tp > 1
-        rules.append(
+        # `sequence_parallel: true` needs tp > 1
+        tps = [t for t in tps if self._sequence_parallel_choices(t)]
+        dropped.append(
             f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
             + (f", <= {gpn} per node" if c.tp_within_node else "")
             + ")"
@@ -169,14 +171,14 @@ class SearchSpace(BaseSearchSpace):
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if (
-                    m.n_layers % pp
+                    rules.layers_problem(pp, 1, m) is not None
                     or (c.pp is not None and pp not in c.pp)
                     or (c.dp is not None and dp not in c.dp)
                 ):
                     continue
                 if pp == 1 and not schedules_pp1:
                     continue
-                per_rank = gbs // dp if gbs % dp == 0 else 0
+                per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
                 mbs = {}
                 for mb in _divisors(per_rank) if per_rank else []:
                     if c.micro_batch_size is not None:
@@ -185,7 +187,7 @@ class SearchSpace(BaseSearchSpace):
                     elif c.max_micro_batch_size is not None and mb > c.max_micro_batch_size:
                         continue
                     n_micro = per_rank // mb
-                    if pp > 1 and n_micro < pp:
+                    if rules.microbatch_problem(pp, n_micro, "1f1b") is not None:
                         continue
                     options = self._pipeline_options(pp, n_micro, schedules_pp1)
                     if options:
@@ -193,7 +195,7 @@ class SearchSpace(BaseSearchSpace):
                 if mbs:
                     tree.setdefault(tp, {})[pp] = mbs
         if not tree:
-            raise SpecError(self._empty_message(tps, rules), context="search space is empty")
+            raise SpecError(self._empty_message(tps, dropped), context="search space is empty")
         self._tree = tree
         self._sp_choices = {tp: self._sequence_parallel_choices(tp) for tp in tree}
         self.tps = tuple(sorted(tree))
@@ -216,9 +218,14 @@ class SearchSpace(BaseSearchSpace):
         if pp == 1:
             return ((schedules_pp1[0], 1),)
         out = [(s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule]
-        if INTERLEAVED in c.pipeline_schedule and n_micro % pp == 0:
+        if INTERLEAVED in c.pipeline_schedule:
             for v in _divisors(layers // pp):
                 if v == 1 or (c.virtual_stages is not None and v not in c.virtual_stages):
+                    continue
+                if (
+                    rules.microbatch_problem(pp, n_micro, INTERLEAVED) is not None
+                    or rules.layers_problem(pp, v, self.model) is not None
+                ):
                     continue
                 if (
                     c.virtual_stages is None
@@ -231,21 +238,21 @@ class SearchSpace(BaseSearchSpace):
 
     def _sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
         allowed = self.config.sequence_parallel
-        if tp == 1 or self.model.seq_len % tp:
+        if rules.sequence_parallel_problem(True, tp, self.model.seq_len) is not None:
             return (False,) if False in allowed else ()
         return allowed
 
-    def _empty_message(self, tps: list[int], rules: list[str]) -> str:
+    def _empty_message(self, tps: list[int], dropped: list[str]) -> str:
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         if not tps:
             return (
-                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {rules[0]}; "
+                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {dropped[0]}; "
                 f"pins tp={list(c.tp) if c.tp else 'all'}, tp_within_node={c.tp_within_node}. "
                 "Widen tp or set tp_within_node: false"
             )
         return (
             f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits global_batch_size={gbs} "
-            f"for {m.name} ({m.n_layers} layers): {rules[0]}; pp must divide {m.n_layers} layers, dp must "
+            f"for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must divide {m.n_layers} layers, dp must "
             f"divide {gbs}, and a pipeline of pp stages needs >= pp micro-batches per step. Pins: "
             f"dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, micro_batch_size={_fmt(c.micro_batch_size)}, "
             f"pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a multiple of the "
