@@ -577,6 +577,8 @@ def estimate(
 ) -> CostReport:
     """Predict one strategy: `estimate("llama3-8b", "h100-sxm:8x8", "dp=64,zero_stage=3")`.
 
+    The strategy may also be a dict of Strategy fields (``{"dp": 64, "zero_stage": 3}``).
+
     Accepts specs or the strings their `load` / `parse` take. Raises SpecError (a ValueError)
     naming every rule an invalid strategy breaks.
     """
@@ -588,4 +590,11 @@ def estimate(
     cluster = Cluster.parse(cluster)
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy)
+    elif isinstance(strategy, dict):
+        strategy = Strategy.from_dict(strategy)
+    elif not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"strategy must be a Strategy, a dict of its fields or a 'dp=8,tp=8' string; "
+            f"got {type(strategy).__name__}"
+        )
     return _cached_model(model, cluster, RuntimeOptions.get(runtime)).estimate(strategy)

@@ -38,6 +38,9 @@ ALIASES = {
     "pp_degree": "pp",
     "sharding_stage": "zero_stage",
 }
+# First line of every strategy file autosearch writes: such a file must hold every field, so that a
+# file cut short (a full disk, a killed writer) is refused instead of read with defaults.
+MARKER = "# autosearch strategy"
 _BOOL_WORDS = {
     "true": True,
     "false": False,
@@ -198,16 +201,28 @@ class Strategy:
                 parse_yaml_mapping(text, what="strategy YAML"), what="strategy YAML"
             )
         data = read_yaml_mapping(text, what="strategy")
-        if "strategy" in data and isinstance(
-            data["strategy"], dict
-        ):  # a file written by the tuner
-            data = data["strategy"]
-        return cls.from_dict(data, what=f"strategy file {text!r}")
+        what = f"strategy file {text!r}"
+        complete = _has_marker(text)  # written whole by autosearch: every field must be there
+        if "strategy" in data and isinstance(data["strategy"], dict):  # a file written by tune
+            data, complete = data["strategy"], True
+        if not data:
+            raise SpecError(
+                f"{what} is empty; write the fields that differ from the defaults "
+                "(for example `dp: 8`, `tp: 8`), or pass key=value pairs"
+            )
+        if complete:
+            missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+            if missing:
+                raise SpecError(
+                    f"{what} was written by autosearch but lacks {', '.join(missing)}: the file "
+                    "looks truncated; write it again (autosearch tune, or Strategy.to_yaml)"
+                )
+        return cls.from_dict(data, what=what)
 
     def to_yaml(
         self, path: "str | os.PathLike | None" = None, *, comment: str | None = None
     ) -> str:
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text = MARKER + "\n" + yaml.safe_dump(self.to_dict(), sort_keys=False)
         if comment:
             text = "".join(f"# {line}\n" for line in comment.splitlines()) + text
         if path is not None:
@@ -218,6 +233,14 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Parse ``"dp=8,tp=8,pp=4,recompute=full"`` (the CLI form), or a YAML file path."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a strategy is a Strategy, a dict or a string; got {type(text).__name__}"
+            )
+        if not text.strip():
+            raise SpecError(
+                "the strategy is empty; give key=value pairs (for example dp=8,tp=8) or a YAML file"
+            )
         if os.path.exists(text) or text.endswith((".yaml", ".yml")):
             return cls.from_yaml(text)
         data: dict[str, Any] = {}
@@ -265,3 +288,11 @@ def _parse_scalar(value: str) -> Any:
         return int(value)
     except ValueError:
         return value
+
+
+def _has_marker(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(line.strip() == MARKER for line in f.read(4096).splitlines())
+    except OSError:
+        return False
