@@ -1,12 +1,13 @@
 """The cost-model interface: anything that turns a Strategy into a CostReport."""
+
 from __future__ import annotations
 
 import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
 
 
 class CostModel(abc.ABC):

@@ -7,12 +7,16 @@ operations (the search calls it hundreds of thousands of times).
 Conventions: T = micro_batch_size * seq_len tokens per micro-batch; t, p, d, v = tp, pp, dp,
 virtual stages; m = micro-batches per step; Ls = layers per pipeline rank; all per device.
 """
+
 from __future__ import annotations
 
 import functools
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.dp_modes import dp_mode
+from autosearch.core.errors import SpecError
+from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
+from autosearch.core.runtime import RuntimeOptions
 from cost_models._base import CostModel
 from cost_models.formulas import (
     layer_activation_bytes,
@@ -22,13 +26,11 @@ from cost_models.formulas import (
     ring_all_reduce_time_s,
     ring_reduce_scatter_time_s,
 )
-from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
-from cost_models.runtime import RuntimeOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "tf32": 4}
 # A causal mask lets fused attention skip half of the tiles (Dao 2023, sec. 3.1). Its backward
@@ -52,7 +54,13 @@ class AnalyticCostModel(CostModel):
         (True, True)
     """
 
-    def __init__(self, model: "ModelSpec", cluster: "Cluster", *, runtime: "str | RuntimeOptions | None" = None):
+    def __init__(
+        self,
+        model: "ModelSpec",
+        cluster: "Cluster",
+        *,
+        runtime: "str | RuntimeOptions | None" = None,
+    ):
         self.model = model
         self.cluster = cluster
         self.runtime = RuntimeOptions.get(runtime)
@@ -82,14 +90,20 @@ class AnalyticCostModel(CostModel):
             link = (prof.intra_node.latency_s, intra_bw)
         else:
             per_node = max(1, min(group, gpn // stride)) if stride < gpn else 1
-            link = (prof.inter_node.latency_s,
-                    min(intra_bw, per_node * prof.inter_node.achieved_bandwidth_bytes_per_s))
+            link = (
+                prof.inter_node.latency_s,
+                min(intra_bw, per_node * prof.inter_node.achieved_bandwidth_bytes_per_s),
+            )
         self._link_cache[key] = link
         return link
 
     def _link_for(self, group: int, stride: int, op: str) -> tuple[float, float]:
         latency, bandwidth = self.group_link(group, stride)
-        link = self.profile.intra_node if group * stride <= self.cluster.gpus_per_node else self.profile.inter_node
+        link = (
+            self.profile.intra_node
+            if group * stride <= self.cluster.gpus_per_node
+            else self.profile.inter_node
+        )
         return latency, bandwidth * link.op_factor(op)
 
     def _all_reduce(self, nbytes: float, group: int, stride: int) -> float:
@@ -105,7 +119,9 @@ class AnalyticCostModel(CostModel):
     def _reduce_scatter(self, nbytes: float, group: int, stride: int) -> float:
         if group <= 1:
             return 0.0
-        return ring_reduce_scatter_time_s(nbytes, group, *self._link_for(group, stride, "reduce_scatter"))
+        return ring_reduce_scatter_time_s(
+            nbytes, group, *self._link_for(group, stride, "reduce_scatter")
+        )
 
     # ---- one layer, one micro-batch ------------------------------------------------------------
     def _layer_costs(self, tp: int, mb: int, precision: str, sp: bool) -> tuple:
@@ -119,8 +135,10 @@ class AnalyticCostModel(CostModel):
         try:
             peak = prof.peak_flops[precision]
         except KeyError:
-            raise SpecError(f"hardware profile {prof.name!r} has no peak for {precision}; "
-                            f"use amp one of {', '.join(prof.peak_flops)}") from None
+            raise SpecError(
+                f"hardware profile {prof.name!r} has no peak for {precision}; "
+                f"use amp one of {', '.join(prof.peak_flops)}"
+            ) from None
         gemm = prof.gemm
         s, h, f, V, t = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.vocab_size, tp
         T = mb * s
@@ -162,14 +180,19 @@ class AnalyticCostModel(CostModel):
         stream = self._stream_s
         softmax_s = stream(softmax_bytes / t)
         elem_fwd = 8 * launch + (
-            2 * stream(2 * sbh * ab * rep)                                   # the two norms
-            + 2 * stream((3 * sbh * ab + dropout_mask) * rep)                # the two residual adds
-            + stream((2 if m.is_gpt_style else 3) * T * f * ab / t)          # the MLP activation
-            + (0.0 if m.is_gpt_style else stream(2 * T * (h + m.kv_hidden_size) * ab / t))  # rotary
-            + softmax_s)
+            2 * stream(2 * sbh * ab * rep)  # the two norms
+            + 2 * stream((3 * sbh * ab + dropout_mask) * rep)  # the two residual adds
+            + stream((2 if m.is_gpt_style else 3) * T * f * ab / t)  # the MLP activation
+            + (
+                0.0 if m.is_gpt_style else stream(2 * T * (h + m.kv_hidden_size) * ab / t)
+            )  # rotary
+            + softmax_s
+        )
 
         fwd = gemm_fwd + attn_fwd + elem_fwd
-        bwd = gemm.backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd  # dgrad + wgrad per GEMM
+        bwd = (
+            gemm.backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd
+        )  # dgrad + wgrad per GEMM
         attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
 
         # Tensor parallel: two all-reduces of the T x h activation forward and two backward per
@@ -187,15 +210,32 @@ class AnalyticCostModel(CostModel):
         emb_comm = tp_ar
         # Logits (vocabulary split over tp), final norm, and the fused cross-entropy over fp32
         # logits: read the 16-bit logits, write fp32 softmax, read it back and write the gradient.
-        logits = ((1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h) + stream(T * V / t * (ab + 12))
-                  + 3 * stream(2 * sbh * ab) + 4 * launch)
+        logits = (
+            (1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h)
+            + stream(T * V / t * (ab + 12))
+            + 3 * stream(2 * sbh * ab)
+            + 4 * launch
+        )
         logits_comm = tp_ar  # the g operator before the vocabulary-parallel logits (backward)
         out = (fwd, bwd, attn_recompute, tp_fwd, emb, logits, emb_comm, logits_comm)
         self._layer_cache[key] = out
         return out
 
-    def _data_parallel(self, *, zero: int, d: int, t: int, p: int, m: int, psi: float, layer_params: float,
-                       ab: int, fwd_window: float, bwd_window: float, tail: float) -> tuple[float, float, float, float]:
+    def _data_parallel(
+        self,
+        *,
+        zero: int,
+        d: int,
+        t: int,
+        p: int,
+        m: int,
+        psi: float,
+        layer_params: float,
+        ab: int,
+        fwd_window: float,
+        bwd_window: float,
+        tail: float,
+    ) -> tuple[float, float, float, float]:
         """(exposed communication s, params, grads, optimizer bytes) of data parallelism / ZeRO.
 
         `psi` parameters live on this device before any dp sharding. A collective hides behind
@@ -214,65 +254,85 @@ class AnalyticCostModel(CostModel):
             # the optimizer, 2 also the gradients, 3 also the parameters.
             if d == 1:
                 return 0.0, psi * ab, psi * ab, psi * 12
-            params = psi * ab / (d if zero >= 3 else 1) + (2 * layer_params * ab if zero >= 3 else 0.0)
+            params = psi * ab / (d if zero >= 3 else 1) + (
+                2 * layer_params * ab if zero >= 3 else 0.0
+            )
             grads_mem = psi * ab / (d if zero >= 2 else 1)
             opt_mem = psi * 12 / (d if zero >= 1 else 1)
-            if zero == 0:    # one all-reduce per step
+            if zero == 0:  # one all-reduce per step
                 comm = exposed(self._all_reduce(grads, d, t), bwd_window)
-            elif zero <= 2:  # reduce-scatter gradients, all-gather updated 16-bit params: one all-reduce's volume
-                comm = exposed(self._reduce_scatter(grads, d, t), bwd_window) + self._all_gather(psi * ab, d, t)
-            else:            # parameters gathered for forward and again for backward, every micro-batch
+            elif (
+                zero <= 2
+            ):  # reduce-scatter gradients, all-gather updated 16-bit params: one all-reduce's volume
+                comm = exposed(self._reduce_scatter(grads, d, t), bwd_window) + self._all_gather(
+                    psi * ab, d, t
+                )
+            else:  # parameters gathered for forward and again for backward, every micro-batch
                 ag = self._all_gather(psi * ab, d, t)
-                comm = m * (exposed(ag, fwd_window) + exposed(ag + self._reduce_scatter(grads, d, t), bwd_window))
+                comm = m * (
+                    exposed(ag, fwd_window)
+                    + exposed(ag + self._reduce_scatter(grads, d, t), bwd_window)
+                )
             return comm, params, grads_mem, opt_mem
 
-        # PyTorch as the Engine applies a strategy (autosearch/engine/parallel_dims.py DP_MODES):
+        # PyTorch as the Engine applies a strategy (the table in autosearch/core/dp_modes.py):
         # fp32 parameters, gradients and Adam moments (4 + 4 + 8 bytes); 16-bit copies of the
         # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
         # the compute dtype and reduces in fp32.
         copies = psi * ab if ab < 4 else 0.0
-        if d == 1:
+        mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
+        optimizer_bytes = psi * 8 / d if mode.shards_optimizer else psi * 8
+        if mode.wrapper == "none":
             return 0.0, psi * 4 + copies, psi * 4, psi * 8
+        if (
+            not mode.shards_params
+        ):  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
+            comm = exposed(self._all_reduce(grads, d, t), bwd_window)
+            if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
+                comm += self._all_gather(psi * 4, d, t)
+            return comm, psi * 4 + copies, psi * 4, optimizer_bytes
+        # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
+        # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
+        # unsharded in fp32 and reduced once per step.
         ag = self._all_gather(psi * ab, d, t)
         rs = self._reduce_scatter(grads, d, t)
-        fsdp_unsharded_grads = m > 1 and ((zero == 1 and (t > 1 or p > 1)) or (zero >= 2 and p > 1))
-        if zero == 0:      # DDP (or replicate-only FSDP2 with tp / pp): one all-reduce, last micro-batch
-            return exposed(self._all_reduce(grads, d, t), bwd_window), psi * 4 + copies, psi * 4, psi * 8
-        if zero == 1 and t == 1 and p == 1:  # DDP + ZeroRedundancyOptimizer: + broadcast of updated params
-            comm = exposed(self._all_reduce(grads, d, t), bwd_window) + self._all_gather(psi * 4, d, t)
-            return comm, psi * 4 + copies, psi * 4, psi * 8 / d
-        # FSDP2. Gradients are reduce-scattered every micro-batch for zero 2/3 without pipeline;
-        # otherwise (zero 1's FSDP form; torch.distributed.pipelining, which skips the gradient sync
-        # and the reshard after backward for all but the last micro-batch) they accumulate unsharded
-        # in fp32 and are reduced once per step.
-        gathered = psi * ab if (zero <= 2 or p > 1) else 2 * layer_params * ab  # ZeRO-3: two layers live
+        two_layers_live = mode.reshard_after_forward and p == 1
+        gathered = 2 * layer_params * ab if two_layers_live else psi * ab
         params = psi * 4 / d + gathered
-        grads_mem = psi * 4 if fsdp_unsharded_grads else psi * 4 / d
-        if zero == 3:
-            comm = m * (exposed(ag, fwd_window) + exposed(ag, bwd_window))
-            comm += exposed(rs, bwd_window) * (1 if p > 1 or m == 1 else m)
-        elif p > 1:       # pipelining keeps zero 1/2 parameters gathered across micro-batches
-            comm = exposed(ag, fwd_window) + exposed(rs, bwd_window)
-        elif zero == 2:
-            comm = m * (exposed(ag, fwd_window) + exposed(rs, bwd_window))
-        else:             # zero 1 with tp: gathered again every micro-batch, reduced once
-            comm = m * exposed(ag, fwd_window) + exposed(rs, bwd_window)
-        return comm, params, grads_mem, psi * 8 / d
+        grads_mem = psi * 4 if (m > 1 and mode.grads_accumulate_unsharded) else psi * 4 / d
+        n_gathers = m if mode.gathers_every_microbatch else 1
+        comm = n_gathers * exposed(ag, fwd_window)
+        if mode.reshard_after_forward:
+            comm += m * exposed(ag, bwd_window)
+        comm += (m if mode.reduce_every_microbatch else 1) * exposed(rs, bwd_window)
+        return comm, params, grads_mem, optimizer_bytes
 
     def _stream_s(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` through one memory-bound kernel (it is also its working set)."""
         return nbytes / self.profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
 
-    def _activation_bytes(self, tp: int, mb: int, sp: bool, recompute: str, precision: str) -> float:
+    def _activation_bytes(
+        self, tp: int, mb: int, sp: bool, recompute: str, precision: str
+    ) -> float:
         key = (tp, mb, sp, recompute, precision)
         hit = self._act_cache.get(key)
         if hit is None:
             m = self.model
             hit = self._act_cache[key] = layer_activation_bytes(
-                seq_len=m.seq_len, micro_batch=mb, hidden=m.hidden_size, heads=m.n_heads,
-                kv_hidden=m.kv_hidden_size, ffn_hidden=m.ffn_hidden_size, swiglu=not m.is_gpt_style,
-                dropout=m.is_gpt_style, tp=tp, sequence_parallel=sp, recompute=recompute,
-                flash_attention=self.runtime.flash_attention, act_bytes=ACT_BYTES[precision])
+                seq_len=m.seq_len,
+                micro_batch=mb,
+                hidden=m.hidden_size,
+                heads=m.n_heads,
+                kv_hidden=m.kv_hidden_size,
+                ffn_hidden=m.ffn_hidden_size,
+                swiglu=not m.is_gpt_style,
+                dropout=m.is_gpt_style,
+                tp=tp,
+                sequence_parallel=sp,
+                recompute=recompute,
+                flash_attention=self.runtime.flash_attention,
+                act_bytes=ACT_BYTES[precision],
+            )
         return hit
 
     # ---- one strategy --------------------------------------------------------------------------
@@ -287,10 +347,12 @@ class AnalyticCostModel(CostModel):
         ab = ACT_BYTES[precision]
         L = model.n_layers
         Ls = L / p
-        fwd, bwd, attn_rc, tp_fwd, emb, logits, emb_comm, logits_comm = self._layer_costs(t, mb, precision, sp)
+        fwd, bwd, attn_rc, tp_fwd, emb, logits, emb_comm, logits_comm = self._layer_costs(
+            t, mb, precision, sp
+        )
 
         # ---- time of one micro-batch on the slowest pipeline rank ---------------------------
-        if rc == "full":       # the whole forward again, collectives included (Chen et al. 2016)
+        if rc == "full":  # the whole forward again, collectives included (Chen et al. 2016)
             rc_layer, tp_layer = fwd, 3.0 * tp_fwd
         elif rc == "selective":  # only the attention core (Korthikanti et al. 2022, sec. 5)
             rc_layer, tp_layer = attn_rc, 2.0 * tp_fwd
@@ -299,7 +361,10 @@ class AnalyticCostModel(CostModel):
         first_compute = Ls * (fwd + bwd) + emb
         last_compute = Ls * (fwd + bwd) + logits
         if p == 1:
-            stage_compute, stage_tp = Ls * (fwd + bwd) + emb + logits, Ls * tp_layer + emb_comm + logits_comm
+            stage_compute, stage_tp = (
+                Ls * (fwd + bwd) + emb + logits,
+                Ls * tp_layer + emb_comm + logits_comm,
+            )
         elif first_compute + emb_comm >= last_compute + logits_comm:
             stage_compute, stage_tp = first_compute, Ls * tp_layer + emb_comm
         else:
@@ -309,7 +374,9 @@ class AnalyticCostModel(CostModel):
         # Pipeline point-to-point: each micro-batch crosses every chunk boundary forward and back.
         pp_mb = 0.0
         if p > 1:
-            split = sp or rt.pp_scatter_gather  # each tp rank sends 1/t (Narayanan et al. 2021, sec. 4.1)
+            split = (
+                sp or rt.pp_scatter_gather
+            )  # each tp rank sends 1/t (Narayanan et al. 2021, sec. 4.1)
             nbytes = mb * model.seq_len * model.hidden_size * ab / (t if split else 1)
             one = p2p_time_s(nbytes, *self._link_for(p, d * t, "p2p"))
             if rt.pp_scatter_gather and not sp:
@@ -323,8 +390,10 @@ class AnalyticCostModel(CostModel):
         layer_params = model.layer_params / t
         emb_params = model.embedding_params / t
         # the last stage keeps its own copy of tied embeddings for the logits (Megatron-LM, torchtitan)
-        head_params = (model.head_params + (model.vocab_size * model.hidden_size
-                                            if model.tied_embeddings and p > 1 else 0)) / t
+        head_params = (
+            model.head_params
+            + (model.vocab_size * model.hidden_size if model.tied_embeddings and p > 1 else 0)
+        ) / t
         if p == 1:
             psi = L * layer_params + emb_params + head_params
         else:
@@ -332,37 +401,67 @@ class AnalyticCostModel(CostModel):
 
         # ---- data parallel / ZeRO: communication, its overlap, and the model states' memory ---
         dp_exposed, params, grads_mem, opt_mem = self._data_parallel(
-            zero=zero, d=d, t=t, p=p, m=m, psi=psi, layer_params=layer_params, ab=ab,
-            fwd_window=Ls * fwd * rt.dp_overlap, bwd_window=Ls * (bwd + rc_layer) * rt.dp_overlap,
-            tail=1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0)
+            zero=zero,
+            d=d,
+            t=t,
+            p=p,
+            m=m,
+            psi=psi,
+            layer_params=layer_params,
+            ab=ab,
+            fwd_window=Ls * fwd * rt.dp_overlap,
+            bwd_window=Ls * (bwd + rc_layer) * rt.dp_overlap,
+            tail=1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0,
+        )
 
         # ---- optimizer step: memory bound over the local (sharded) states ---------------------
         psi_opt = psi / d if zero >= 1 else psi
         opt_bytes = ADAM_BYTES_PER_PARAM + (ab if rt.low_precision_params else 0)
-        optimizer = psi_opt * opt_bytes / prof.achieved_memory_bandwidth_bytes_per_s + 10 * prof.kernel_launch_s
+        optimizer = (
+            psi_opt * opt_bytes / prof.achieved_memory_bandwidth_bytes_per_s
+            + 10 * prof.kernel_launch_s
+        )
 
         other = rt.step_overhead_s + prof.step_overhead_s
         step = m * t_mb + bubble + dp_exposed + optimizer + other
-        time = TimeBreakdown(m * stage_compute, m * stage_rc, m * stage_tp, m * pp_mb, dp_exposed,
-                             bubble, optimizer, other)
+        time = TimeBreakdown(
+            m * stage_compute,
+            m * stage_rc,
+            m * stage_tp,
+            m * pp_mb,
+            dp_exposed,
+            bubble,
+            optimizer,
+            other,
+        )
 
         # ---- memory on the most loaded rank ---------------------------------------------------
         act_layer = self._activation_bytes(t, mb, sp, rc, precision)
         tokens = mb * model.seq_len
         in_flight = microbatches_in_flight(strategy.pipeline_schedule, p, m, v)
-        first_act = in_flight * (Ls * act_layer + tokens * model.hidden_size * ab / (t if sp else 1))
-        last_in_flight = in_flight if (strategy.pipeline_schedule == "gpipe" or p == 1) else (
-            1.0 + (in_flight - 1.0) * (v - 1) / v)
-        logits_bytes = tokens * model.vocab_size / t * (ab + 8)  # 16-bit logits, fp32 softmax and grad
+        first_act = in_flight * (
+            Ls * act_layer + tokens * model.hidden_size * ab / (t if sp else 1)
+        )
+        last_in_flight = (
+            in_flight
+            if (strategy.pipeline_schedule == "gpipe" or p == 1)
+            else (1.0 + (in_flight - 1.0) * (v - 1) / v)
+        )
+        logits_bytes = (
+            tokens * model.vocab_size / t * (ab + 8)
+        )  # 16-bit logits, fp32 softmax and grad
         last_act = last_in_flight * Ls * act_layer + logits_bytes
         if rc != "none":  # the layer being recomputed holds its full activations once
             transient = self._activation_bytes(t, mb, sp, "none", precision) - (
-                act_layer if rc == "full" else 0.0)
+                act_layer if rc == "full" else 0.0
+            )
             first_act += transient
             last_act += transient
         activations = first_act + logits_bytes if p == 1 else max(first_act, last_act)
 
-        memory = MemoryBreakdown(params, grads_mem, opt_mem, activations, prof.reserved_memory_bytes)
+        memory = MemoryBreakdown(
+            params, grads_mem, opt_mem, activations, prof.reserved_memory_bytes
+        )
         peak = params + grads_mem + opt_mem + activations + prof.reserved_memory_bytes
         capacity = prof.memory_capacity_bytes
 
@@ -370,30 +469,48 @@ class AnalyticCostModel(CostModel):
         flops = self._flops_per_sample * strategy.global_batch_size
         notes = ()
         if t > self.cluster.gpus_per_node:
-            notes = (f"tp={t} spans nodes ({self.cluster.gpus_per_node} devices per node): "
-                     "tensor-parallel traffic goes over the network",)
+            notes = (
+                f"tp={t} spans nodes ({self.cluster.gpus_per_node} devices per node): "
+                "tensor-parallel traffic goes over the network",
+            )
         return CostReport(
-            step, strategy.global_batch_size * model.seq_len / step, strategy.global_batch_size / step,
-            flops, flops / step / world / 1e12, flops / (step * world * prof.peak_flops[precision]),
-            peak, capacity, peak <= capacity, time, memory, notes,
+            step,
+            strategy.global_batch_size * model.seq_len / step,
+            strategy.global_batch_size / step,
+            flops,
+            flops / step / world / 1e12,
+            flops / (step * world * prof.peak_flops[precision]),
+            peak,
+            capacity,
+            peak <= capacity,
+            time,
+            memory,
+            notes,
         )
 
 
 @functools.lru_cache(maxsize=128)
-def _cached_model(model: "ModelSpec", cluster: "Cluster", runtime: RuntimeOptions) -> AnalyticCostModel:
+def _cached_model(
+    model: "ModelSpec", cluster: "Cluster", runtime: RuntimeOptions
+) -> AnalyticCostModel:
     return AnalyticCostModel(model, cluster, runtime=runtime)
 
 
-def estimate(model: "ModelSpec | str", cluster: "Cluster | str", strategy: "Strategy | str", *,
-             runtime: "str | RuntimeOptions | None" = None) -> CostReport:
+def estimate(
+    model: "ModelSpec | str",
+    cluster: "Cluster | str",
+    strategy: "Strategy | str",
+    *,
+    runtime: "str | RuntimeOptions | None" = None,
+) -> CostReport:
     """Predict one strategy: `estimate("llama3-8b", "h100-sxm:8x8", "dp=64,zero_stage=3")`.
 
     Accepts specs or the strings their `load` / `parse` take. Raises SpecError (a ValueError)
     naming every rule an invalid strategy breaks.
     """
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
     model = ModelSpec.load(model)
     cluster = Cluster.parse(cluster)

@@ -8,9 +8,17 @@ Example:
     >>> space.size > 0
     True
 """
+
 from search_spaces._base import BaseSearchSpace
 from search_spaces._config import SpaceConfig, shipped_spaces
 from search_spaces._listed import ListedSpace
 from search_spaces._parallel import SearchSpace, pipeline_label
 
-__all__ = ["BaseSearchSpace", "ListedSpace", "SearchSpace", "SpaceConfig", "pipeline_label", "shipped_spaces"]
+__all__ = [
+    "BaseSearchSpace",
+    "ListedSpace",
+    "SearchSpace",
+    "SpaceConfig",
+    "pipeline_label",
+    "shipped_spaces",
+]

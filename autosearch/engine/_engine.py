@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
     from autosearch.engine.data import DistributedLoader
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
 MODES = ("train", "eval", "predict")
 
@@ -110,7 +110,7 @@ class Engine:
         if self.strategy_ is not None:
             return self.strategy_
         from autosearch.engine.distributed import launched_world_size
-        from autosearch.strategy import Strategy
+        from autosearch.core.strategy import Strategy
 
         s = self.strategy
         if s is None:
@@ -128,7 +128,7 @@ class Engine:
         return s
 
     def _model_spec(self):
-        from autosearch.model_spec import ModelSpec
+        from autosearch.core.model_spec import ModelSpec
 
         if self.model_spec is not None:
             return ModelSpec.load(self.model_spec)
@@ -441,12 +441,10 @@ class Engine:
 
     def _grad_sync(self, part, *, last: bool):
         """Reduce gradients once per step (DDP no_sync; FSDP2 sync flag), except for ZeRO-2/3."""
-        from autosearch.engine.parallelize import reduces_every_microbatch
-
-        mode = self.dims_.dp_mode
-        if mode in ("ddp", "ddp_zero1"):
+        mode = self.dims_.mode
+        if mode.wrapper == "ddp":
             return contextlib.nullcontext() if last else part.no_sync()
-        if mode != "none" and not reduces_every_microbatch(self.dims_):
+        if mode.wrapper == "fsdp" and not mode.reduce_every_microbatch:
             part.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -623,13 +621,13 @@ class Engine:
         """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
         ZeroRedundancyOptimizer holds a plain optimizer over its own share of the parameters
         (``.optim``): its state, named by parameter, is that rank's part of the full state."""
-        if self.dims_.dp_mode == "ddp_zero1":
+        if self.dims_.mode.zero_redundancy_optimizer:
             return [opt.optim for opt in self.optimizers_]
         return self.optimizers_
 
     # ---- cost model and search ---------------------------------------------------------------
     def _cluster(self):
-        from cost_models.hardware import Cluster
+        from autosearch.core.hardware import Cluster
 
         if self.cluster is None:
             raise SpecError("this needs a cluster to model: pass Engine(..., cluster='h100-sxm:1x8') "

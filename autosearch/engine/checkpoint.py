@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def _options(**kwargs):

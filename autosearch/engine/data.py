@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 class SyntheticTokens(Dataset):

@@ -4,6 +4,7 @@
 it (and only it, with file and YAML errors) to print one clear message and exit with status 2,
 so that a bug in autosearch itself still shows its traceback.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -18,7 +19,9 @@ class SpecError(ValueError):
         if len(self.problems) == 1:
             message = head + self.problems[0]
         else:
-            message = head + f"{len(self.problems)} problems:\n" + "\n".join(
-                f"  - {p}" for p in self.problems
+            message = (
+                head
+                + f"{len(self.problems)} problems:\n"
+                + "\n".join(f"  - {p}" for p in self.problems)
             )
         super().__init__(message)

@@ -5,11 +5,12 @@ fp32 parameters and casts per use, Megatron-LM (2021) keeps fp16 parameters and 
 in the optimizer; FlashAttention never stores the s x s attention matrix; DDP overlaps the gradient
 all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,9 @@ class RuntimeOptions:
         try:
             return RUNTIMES[name_or_options]
         except KeyError:
-            raise SpecError(f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}") from None
+            raise SpecError(
+                f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
+            ) from None
 
 
 # PyTorch as the Engine runs it: autocast, SDPA flash attention, DDP/FSDP2 with overlapped
@@ -61,8 +64,13 @@ TORCH = RuntimeOptions(name="torch")
 # fp16 parameters with fp32 master weights, fp16 gradient all-reduce after the backward pass
 # (no overlap), scatter/gather of pipeline messages over the tp ranks.
 MEGATRON_SC21 = RuntimeOptions(
-    name="megatron-sc21", flash_attention=False, dp_overlap=0.0, tp_overlap=0.0,
-    low_precision_params=True, grad_reduce_bytes=2, pp_scatter_gather=True,
+    name="megatron-sc21",
+    flash_attention=False,
+    dp_overlap=0.0,
+    tp_overlap=0.0,
+    low_precision_params=True,
+    grad_reduce_bytes=2,
+    pp_scatter_gather=True,
 )
 
 RUNTIMES = {r.name: r for r in (TORCH, MEGATRON_SC21)}

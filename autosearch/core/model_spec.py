@@ -14,6 +14,7 @@ Example:
     >>> round(m.n_params / 1e9, 1)
     174.6
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from autosearch._io import check_keys, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
 
@@ -68,8 +69,13 @@ class ModelSpec:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
                 problems.append(str(exc))
-        for name, default in (("n_kv_heads", self.n_heads), ("ffn_hidden_size", 4 * self.hidden_size
-                                                              if isinstance(self.hidden_size, int) else None)):
+        for name, default in (
+            ("n_kv_heads", self.n_heads),
+            (
+                "ffn_hidden_size",
+                4 * self.hidden_size if isinstance(self.hidden_size, int) else None,
+            ),
+        ):
             value = getattr(self, name)
             if value is None:
                 object.__setattr__(self, name, default)
@@ -79,7 +85,9 @@ class ModelSpec:
                 except SpecError as exc:
                     problems.append(str(exc))
         if self.ffn_activation not in FFN_ACTIVATIONS:
-            problems.append(f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
+            problems.append(
+                f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}"
+            )
         if not isinstance(self.tied_embeddings, bool):
             problems.append(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
         if not problems:
@@ -169,8 +177,11 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "model") -> "ModelSpec":
         kwargs = check_keys(data, cls, what=what)
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in kwargs
+        ]
         if missing:
             raise SpecError(f"{what}: missing required key(s) {', '.join(missing)}")
         return cls(**kwargs)
@@ -190,7 +201,9 @@ class ModelSpec:
             return cls.from_dict(data, what=f"model file {key!r}")
         family = re.match(r"[a-z]*", key.lower()).group()
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
-        close += [n for n in catalog if family and n.startswith(family) and n not in close][: 8 - len(close)]
+        close += [n for n in catalog if family and n.startswith(family) and n not in close][
+            : 8 - len(close)
+        ]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
             f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "
@@ -207,18 +220,27 @@ class ModelSpec:
         Derived defaults follow the change: a model whose kv heads were its heads keeps them equal
         when n_heads changes, and an ffn of 4 * hidden stays 4 * hidden when hidden_size changes.
         """
-        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+        if (
+            "n_heads" in changes
+            and "n_kv_heads" not in changes
+            and self.n_kv_heads == self.n_heads
+        ):
             changes["n_kv_heads"] = None
-        if ("hidden_size" in changes and "ffn_hidden_size" not in changes
-                and self.ffn_hidden_size == 4 * self.hidden_size):
+        if (
+            "hidden_size" in changes
+            and "ffn_hidden_size" not in changes
+            and self.ffn_hidden_size == 4 * self.hidden_size
+        ):
             changes["ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
 
 @functools.cache
 def model_catalog() -> dict[str, ModelSpec]:
-    """Every model of `autosearch/models.yaml`, by name (sources are cited in that file)."""
-    text = resources.files("autosearch").joinpath("models.yaml").read_text(encoding="utf-8")
+    """Every model of `autosearch/core/models.yaml`, by name (sources are cited in that file)."""
+    text = resources.files("autosearch.core").joinpath("models.yaml").read_text(encoding="utf-8")
     entries = yaml.safe_load(text)["models"]
-    return {name: ModelSpec.from_dict({"name": name, **fields}, what=f"catalog model {name!r}")
-            for name, fields in entries.items()}
+    return {
+        name: ModelSpec.from_dict({"name": name, **fields}, what=f"catalog model {name!r}")
+        for name, fields in entries.items()
+    }

@@ -7,20 +7,22 @@ Example:
     >>> c.world_size, c.profile.peak_flops["bf16"] / 1e12
     (256, 989.4)
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from autosearch._io import check_keys, positive_float, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, positive_float, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -71,7 +73,8 @@ class GemmEfficiency:
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
         hd = self.half_dim
         return self.launch_s + 2.0 * m * n * k / (peak_flops * self.max_efficiency[precision]) * (
-            1.0 + hd / m + hd / n + hd / k)
+            1.0 + hd / m + hd / n + hd / k
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -118,11 +121,19 @@ class HardwareProfile:
 
     def defaults_used(self) -> tuple[str, ...]:
         """Groups of fields not measured on this machine (datasheet or default values)."""
-        groups = {"peak_flops": ("peak_flops",), "memory": ("memory_bandwidth", "memory_efficiency"),
-                  "intra_node": ("intra_node",), "inter_node": ("inter_node",), "gemm": ("gemm",),
-                  "attention": ("attention",)}
-        return tuple(g for g, prefixes in groups.items()
-                     if not any(m.startswith(prefixes) for m in self.measured))
+        groups = {
+            "peak_flops": ("peak_flops",),
+            "memory": ("memory_bandwidth", "memory_efficiency"),
+            "intra_node": ("intra_node",),
+            "inter_node": ("inter_node",),
+            "gemm": ("gemm",),
+            "attention": ("attention",),
+        }
+        return tuple(
+            g
+            for g, prefixes in groups.items()
+            if not any(m.startswith(prefixes) for m in self.measured)
+        )
 
     def variant(self, devices_per_node: int) -> "HardwareProfile | None":
         """The profile calibrated for another number of processes per node, if one was recorded
@@ -139,86 +150,167 @@ class HardwareProfile:
         """This CPU profile shared by `factor` times more processes than it was measured with: each
         process gets 1/factor of the compute and memory bandwidth (time-sharing of the cores)."""
         return dataclasses.replace(
-            self, peak_flops={k: v / factor for k, v in self.peak_flops.items()},
+            self,
+            peak_flops={k: v / factor for k, v in self.peak_flops.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s / factor,
             cache_bandwidth_bytes_per_s=self.cache_bandwidth_bytes_per_s / factor,
-            description=f"{self.description} (oversubscribed x{factor:g})")
+            description=f"{self.description} (oversubscribed x{factor:g})",
+        )
 
     # ---- YAML ---------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, what: str = "hardware profile", path: str | None = None) -> "HardwareProfile":
+    def from_dict(
+        cls, data: dict[str, Any], *, what: str = "hardware profile", path: str | None = None
+    ) -> "HardwareProfile":
         try:
             return cls._from_dict(data, what, path)
         except (KeyError, TypeError, AttributeError) as exc:
-            raise SpecError(f"{what} is malformed ({exc!r}); compare with cost_models/profiles/a100-sxm4-80gb.yaml") from None
+            raise SpecError(
+                f"{what} is malformed ({exc!r}); compare with cost_models/profiles/a100-sxm4-80gb.yaml"
+            ) from None
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any], what: str, path: str | None) -> "HardwareProfile":
-        required = ("name", "gpus_per_node", "peak_flops", "memory", "intra_node", "inter_node", "gemm", "attention")
+        required = (
+            "name",
+            "gpus_per_node",
+            "peak_flops",
+            "memory",
+            "intra_node",
+            "inter_node",
+            "gemm",
+            "attention",
+        )
         missing = [k for k in required if k not in data]
         if missing:
             raise SpecError(f"{what}: missing key(s) {', '.join(missing)}")
-        peak = {str(k): positive_float(float(v), f"{what}: peak_flops.{k}") for k, v in data["peak_flops"].items()}
+        peak = {
+            str(k): positive_float(float(v), f"{what}: peak_flops.{k}")
+            for k, v in data["peak_flops"].items()
+        }
         if not any(p in peak for p in PRECISIONS):
             raise SpecError(f"{what}: peak_flops needs at least one of {PRECISIONS}")
         mem = data["memory"]
 
         def link(d: dict[str, Any], name: str) -> Link:
-            return Link(bandwidth_bytes_per_s=positive_float(float(d["bandwidth_bytes_per_s"]), f"{what}: {name}.bandwidth_bytes_per_s"),
-                        latency_s=positive_float(float(d["latency_s"]), f"{what}: {name}.latency_s", allow_zero=True),
-                        efficiency=positive_float(float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"),
-                        op_efficiency={str(k): positive_float(float(v), f"{what}: {name}.op_efficiency.{k}")
-                                       for k, v in (d.get("op_efficiency") or {}).items()})
+            return Link(
+                bandwidth_bytes_per_s=positive_float(
+                    float(d["bandwidth_bytes_per_s"]), f"{what}: {name}.bandwidth_bytes_per_s"
+                ),
+                latency_s=positive_float(
+                    float(d["latency_s"]), f"{what}: {name}.latency_s", allow_zero=True
+                ),
+                efficiency=positive_float(
+                    float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"
+                ),
+                op_efficiency={
+                    str(k): positive_float(float(v), f"{what}: {name}.op_efficiency.{k}")
+                    for k, v in (d.get("op_efficiency") or {}).items()
+                },
+            )
 
         g = data["gemm"]
-        gemm = GemmEfficiency(max_efficiency={str(k): float(v) for k, v in g["max_efficiency"].items()},
-                              half_dim=float(g.get("half_dim", 0.0)), launch_s=float(g.get("launch_s", 0.0)),
-                              backward_over_forward=positive_float(float(g.get("backward_over_forward", 2.0)),
-                                                                   f"{what}: gemm.backward_over_forward"))
+        gemm = GemmEfficiency(
+            max_efficiency={str(k): float(v) for k, v in g["max_efficiency"].items()},
+            half_dim=float(g.get("half_dim", 0.0)),
+            launch_s=float(g.get("launch_s", 0.0)),
+            backward_over_forward=positive_float(
+                float(g.get("backward_over_forward", 2.0)), f"{what}: gemm.backward_over_forward"
+            ),
+        )
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
         if missing_eff:
-            raise SpecError(f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}")
+            raise SpecError(
+                f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}"
+            )
         att = {str(k): float(v) for k, v in data["attention"]["flash_efficiency"].items()}
-        att_bwd = positive_float(float(data["attention"].get("backward_over_forward", 2.5)),
-                                 f"{what}: attention.backward_over_forward")
+        att_bwd = positive_float(
+            float(data["attention"].get("backward_over_forward", 2.5)),
+            f"{what}: attention.backward_over_forward",
+        )
         return cls(
-            name=str(data["name"]), description=str(data.get("description", "")),
+            name=str(data["name"]),
+            description=str(data.get("description", "")),
             device_type=str(data.get("device_type", "cuda")),
             gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
             peak_flops=peak,
-            memory_capacity_bytes=positive_float(float(mem["capacity_bytes"]), f"{what}: memory.capacity_bytes"),
-            memory_bandwidth_bytes_per_s=positive_float(float(mem["bandwidth_bytes_per_s"]), f"{what}: memory.bandwidth_bytes_per_s"),
-            memory_efficiency=positive_float(float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"),
-            reserved_memory_bytes=positive_float(float(mem.get("reserved_bytes", 0.0)), f"{what}: memory.reserved_bytes", allow_zero=True),
-            cache_bytes=positive_float(float(mem.get("cache_bytes", 0.0)), f"{what}: memory.cache_bytes", allow_zero=True),
-            cache_bandwidth_bytes_per_s=positive_float(float(mem.get("cache_bandwidth_bytes_per_s", 0.0)),
-                                                       f"{what}: memory.cache_bandwidth_bytes_per_s", allow_zero=True),
-            intra_node=link(data["intra_node"], "intra_node"), inter_node=link(data["inter_node"], "inter_node"),
-            gemm=gemm, attention_efficiency=att, attention_backward_over_forward=att_bwd,
+            memory_capacity_bytes=positive_float(
+                float(mem["capacity_bytes"]), f"{what}: memory.capacity_bytes"
+            ),
+            memory_bandwidth_bytes_per_s=positive_float(
+                float(mem["bandwidth_bytes_per_s"]), f"{what}: memory.bandwidth_bytes_per_s"
+            ),
+            memory_efficiency=positive_float(
+                float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"
+            ),
+            reserved_memory_bytes=positive_float(
+                float(mem.get("reserved_bytes", 0.0)),
+                f"{what}: memory.reserved_bytes",
+                allow_zero=True,
+            ),
+            cache_bytes=positive_float(
+                float(mem.get("cache_bytes", 0.0)), f"{what}: memory.cache_bytes", allow_zero=True
+            ),
+            cache_bandwidth_bytes_per_s=positive_float(
+                float(mem.get("cache_bandwidth_bytes_per_s", 0.0)),
+                f"{what}: memory.cache_bandwidth_bytes_per_s",
+                allow_zero=True,
+            ),
+            intra_node=link(data["intra_node"], "intra_node"),
+            inter_node=link(data["inter_node"], "inter_node"),
+            gemm=gemm,
+            attention_efficiency=att,
+            attention_backward_over_forward=att_bwd,
             kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
-            step_overhead_s=positive_float(float(data.get("step_overhead_s", 0.0)), f"{what}: step_overhead_s",
-                                           allow_zero=True),
-            sources=tuple(data.get("sources", ()) or ()), measured=tuple(data.get("measured", ()) or ()),
-            calibration=dict(data.get("calibration", {}) or {}), path=path,
+            step_overhead_s=positive_float(
+                float(data.get("step_overhead_s", 0.0)),
+                f"{what}: step_overhead_s",
+                allow_zero=True,
+            ),
+            sources=tuple(data.get("sources", ()) or ()),
+            measured=tuple(data.get("measured", ()) or ()),
+            calibration=dict(data.get("calibration", {}) or {}),
+            path=path,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "description": self.description, "device_type": self.device_type,
-            "sources": list(self.sources), "gpus_per_node": self.gpus_per_node,
+            "name": self.name,
+            "description": self.description,
+            "device_type": self.device_type,
+            "sources": list(self.sources),
+            "gpus_per_node": self.gpus_per_node,
             "peak_flops": dict(self.peak_flops),
-            "memory": {"capacity_bytes": self.memory_capacity_bytes,
-                       "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                       "efficiency": self.memory_efficiency, "reserved_bytes": self.reserved_memory_bytes,
-                       **({"cache_bytes": self.cache_bytes, "cache_bandwidth_bytes_per_s": self.cache_bandwidth_bytes_per_s}
-                          if self.cache_bytes else {})},
-            "intra_node": _link_dict(self.intra_node), "inter_node": _link_dict(self.inter_node),
-            "gemm": {"max_efficiency": dict(self.gemm.max_efficiency), "half_dim": self.gemm.half_dim,
-                     "launch_s": self.gemm.launch_s, "backward_over_forward": self.gemm.backward_over_forward},
-            "attention": {"flash_efficiency": dict(self.attention_efficiency),
-                          "backward_over_forward": self.attention_backward_over_forward},
-            "kernel_launch_s": self.kernel_launch_s, "step_overhead_s": self.step_overhead_s,
-            "measured": list(self.measured), "calibration": dict(self.calibration),
+            "memory": {
+                "capacity_bytes": self.memory_capacity_bytes,
+                "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+                "efficiency": self.memory_efficiency,
+                "reserved_bytes": self.reserved_memory_bytes,
+                **(
+                    {
+                        "cache_bytes": self.cache_bytes,
+                        "cache_bandwidth_bytes_per_s": self.cache_bandwidth_bytes_per_s,
+                    }
+                    if self.cache_bytes
+                    else {}
+                ),
+            },
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
+            "gemm": {
+                "max_efficiency": dict(self.gemm.max_efficiency),
+                "half_dim": self.gemm.half_dim,
+                "launch_s": self.gemm.launch_s,
+                "backward_over_forward": self.gemm.backward_over_forward,
+            },
+            "attention": {
+                "flash_efficiency": dict(self.attention_efficiency),
+                "backward_over_forward": self.attention_backward_over_forward,
+            },
+            "kernel_launch_s": self.kernel_launch_s,
+            "step_overhead_s": self.step_overhead_s,
+            "measured": list(self.measured),
+            "calibration": dict(self.calibration),
         }
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
@@ -241,8 +333,18 @@ class HardwareProfile:
 
 def profile_names() -> list[str]:
     """Names of the profiles shipped in `cost_models/profiles/`."""
-    folder = resources.files("cost_models").joinpath("profiles")
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _profiles_dir() -> Path:
+    """`cost_models/profiles/`, found without importing `cost_models` (which sits above this
+    floor: it imports the specs, never the other way round)."""
+    spec = importlib.util.find_spec("cost_models")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError(
+            "the cost_models package is not installed; reinstall autosearch (pip install -e .)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "profiles"
 
 
 def _link_dict(link: Link) -> dict[str, Any]:
@@ -255,11 +357,13 @@ def _link_dict(link: Link) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
     if key.lower() in profile_names():
-        text = resources.files("cost_models").joinpath("profiles", key.lower() + ".yaml").read_text(encoding="utf-8")
+        text = (_profiles_dir() / f"{key.lower()}.yaml").read_text(encoding="utf-8")
         return HardwareProfile.from_dict(yaml.safe_load(text), what=f"profile {key!r}")
     if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
         data = read_yaml_mapping(key, what="hardware profile")
-        return HardwareProfile.from_dict(data, what=f"hardware profile {key!r}", path=os.path.abspath(key))
+        return HardwareProfile.from_dict(
+            data, what=f"hardware profile {key!r}", path=os.path.abspath(key)
+        )
     raise SpecError(
         f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. "
         "Pass one of these names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
@@ -289,7 +393,11 @@ class Cluster:
             object.__setattr__(self, "gpu", os.fspath(self.gpu))
         object.__setattr__(self, "profile", profile)
         object.__setattr__(self, "n_nodes", positive_int(self.n_nodes, "n_nodes"))
-        gpn = profile.gpus_per_node if self.gpus_per_node is None else positive_int(self.gpus_per_node, "gpus_per_node")
+        gpn = (
+            profile.gpus_per_node
+            if self.gpus_per_node is None
+            else positive_int(self.gpus_per_node, "gpus_per_node")
+        )
         object.__setattr__(self, "gpus_per_node", gpn)
         if profile.device_type == "cpu" and gpn != profile.gpus_per_node:
             # A CPU "device" is a process sharing the node's cores: use the calibration made with
@@ -321,21 +429,29 @@ class Cluster:
         match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
         if match:
             gpu, nodes, per_node = match.groups()
-            return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node) if per_node else None)
+            return cls(
+                gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node) if per_node else None
+            )
         if text.endswith((".yaml", ".yml")) and os.path.exists(text):
             data = read_yaml_mapping(text, what="cluster")
-            if "gpu" not in data and "peak_flops" in data:  # a bare hardware profile: one node of it
+            if (
+                "gpu" not in data and "peak_flops" in data
+            ):  # a bare hardware profile: one node of it
                 return cls(gpu=text)
             return cls.from_dict(data, what=f"cluster file {text!r}")
         if ":" in text:
-            raise SpecError(f"cluster {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file")
+            raise SpecError(
+                f"cluster {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
+            )
         return cls(gpu=text)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
         kwargs = check_keys(data, cls, what=what)
         if "gpu" not in kwargs:
-            raise SpecError(f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML path)")
+            raise SpecError(
+                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML path)"
+            )
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
