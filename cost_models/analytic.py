@@ -93,7 +93,8 @@ class AnalyticCostModel(CostModel):
         >>> from autosearch import ModelSpec, Strategy
         >>> from cost_models import AnalyticCostModel, Cluster
         >>> cm = AnalyticCostModel(ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:8x8"))
-        >>> r = cm.estimate(Strategy(dp=64, micro_batch_size=1, global_batch_size=512, zero_stage=3))
+        >>> s = Strategy(dp=64, micro_batch_size=1, global_batch_size=512, zero_stage=3)
+        >>> r = cm.estimate(s)
         >>> r.fits, round(r.mfu, 2) > 0.2
         (True, True)
     """
@@ -118,7 +119,8 @@ class AnalyticCostModel(CostModel):
     def group_link(self, group: int, stride: int) -> tuple[float, float]:
         """(latency_s, bandwidth_bytes_per_s) for a collective over `group` ranks `stride` apart.
 
-        Ranks are laid out pp-major, then dp, then tp (tp neighbours are adjacent, as in Megatron-LM
+        Ranks are laid out pp-major, then dp, then tp (tp neighbours are adjacent, as in
+        Megatron-LM
         and torchtitan), so a group stays inside a node iff group * stride <= gpus_per_node.
         Across nodes, NCCL runs one ring per NIC: a group with k members per node moves data at
         min(intra-node bandwidth, k x per-GPU network bandwidth) (rail-optimized fabrics, one NIC
@@ -192,7 +194,8 @@ class AnalyticCostModel(CostModel):
         def gemm_s(rows: float, cols: float, inner: float) -> float:
             return gemm.time_s(rows, cols, inner, peak, precision)
 
-        # Block GEMMs, Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first MLP
+        # Block GEMMs, Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first
+        # MLP
         # matrix split by columns, the output projection and second MLP matrix by rows.
         qkv = gemm_s(T, (h + 2 * m.kv_hidden_size) / t, h)
         proj = gemm_s(T, h, h / t)
@@ -210,7 +213,8 @@ class AnalyticCostModel(CostModel):
             rows = mb * heads * s  # batched over sequences and local heads
             attn_fwd = gemm_s(rows, s, m.head_dim) + gemm_s(rows, m.head_dim, s)
             attn_bwd = gemm.backward_over_forward * attn_fwd
-            # Fused scale-mask-softmax (read + write) and attention dropout (read, write, 1-byte mask).
+            # Fused scale-mask-softmax (read + write) and attention dropout (read, write, 1-byte
+            # mask).
             mask = 1.0 if m.is_gpt_style else 0.0
             softmax_bytes = rows * s * (2 * ab + mask * (2 * ab + 1))
         # Memory-bound elementwise work per layer forward (bytes moved), backward taken as 2x:
@@ -306,7 +310,7 @@ class AnalyticCostModel(CostModel):
                 comm = exposed(self._all_reduce(grads, d, t), bwd_window)
             elif (
                 zero <= 2
-            ):  # reduce-scatter gradients, all-gather updated 16-bit params: one all-reduce's volume
+            ):  # reduce-scatter grads, all-gather updated 16-bit params: one all-reduce's volume
                 comm = exposed(self._reduce_scatter(grads, d, t), bwd_window) + self._all_gather(
                     psi * ab, d, t
                 )
@@ -351,7 +355,7 @@ class AnalyticCostModel(CostModel):
         return DataParallelCost(comm, params, grads_mem, optimizer_bytes)
 
     def _stream_s(self, nbytes: float) -> float:
-        """Seconds to stream `nbytes` through one memory-bound kernel (it is also its working set)."""
+        """Seconds to stream `nbytes` through one memory-bound kernel (also its working set)."""
         return nbytes / self.profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
 
     def _activation_bytes(
@@ -542,8 +546,10 @@ class AnalyticCostModel(CostModel):
         notes: tuple[str, ...] = ()
         if strategy.tp > self.cluster.gpus_per_node:
             notes = (
-                f"tp={strategy.tp} spans nodes ({self.cluster.gpus_per_node} devices per node): "
-                "tensor-parallel traffic goes over the network",
+                (
+                    f"tp={strategy.tp} spans nodes ({self.cluster.gpus_per_node} devices per"
+                    " node): tensor-parallel traffic goes over the network"
+                ),
             )
         return CostReport(
             step_time_s=step,
@@ -594,7 +600,7 @@ def estimate(
         strategy = Strategy.from_dict(strategy)
     elif not isinstance(strategy, Strategy):
         raise TypeError(
-            f"strategy must be a Strategy, a dict of its fields or a 'dp=8,tp=8' string; "
+            "strategy must be a Strategy, a dict of its fields or a 'dp=8,tp=8' string; "
             f"got {type(strategy).__name__}"
         )
     return _cached_model(model, cluster, RuntimeOptions.get(runtime)).estimate(strategy)

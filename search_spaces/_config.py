@@ -149,8 +149,8 @@ class SpaceConfig:
                     what=f"search space {path!r}",
                 )
             raise SpecError(
-                f"search space {path!r} is neither a YAML file nor a shipped space; shipped spaces: "
-                f"{', '.join(shipped_spaces())}"
+                f"search space {path!r} is neither a YAML file nor a shipped space; shipped"
+                f" spaces: {', '.join(shipped_spaces())}"
             )
         data = read_yaml_mapping(path, what="search space")
         if "space" in data and isinstance(data["space"], dict):
@@ -184,7 +184,7 @@ class SpaceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            f.name: (list(v) if isinstance(v, tuple) else v)
+            f.name: list(v) if isinstance(v, tuple) else v
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
         }

@@ -7,9 +7,11 @@ The space is built once, as a tree whose every leaf is valid by construction:
 
 Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
 applied level by level: tp divides n_heads and n_kv_heads (and stays
-inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp = world/(tp*pp);
+inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp =
+world/(tp*pp);
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
-needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to be
+needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to
+be
 a multiple of pp (Narayanan et al. 2021, sec. 2.2). Branches with no valid leaf are pruned, so a
 sampler walking the tree can never reach an invalid strategy.
 
@@ -50,7 +52,7 @@ INTERLEAVED = rules.INTERLEAVED
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
-    """The categorical value of one pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
+    """The categorical value of a pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
     return f"{INTERLEAVED}_v{virtual_stages}" if schedule == INTERLEAVED else schedule
 
 
@@ -145,8 +147,9 @@ class SearchSpace(BaseSearchSpace):
         )
         if not self.amps:
             raise SpecError(
-                f"amp {', '.join(c.amp)} not supported by hardware profile {self.cluster.profile.name!r} "
-                f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
+                f"amp {', '.join(c.amp)} not supported by hardware profile"
+                f" {self.cluster.profile.name!r} (it has peaks for"
+                f" {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
             )
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
         dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
@@ -246,17 +249,18 @@ class SearchSpace(BaseSearchSpace):
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         if not tps:
             return (
-                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {dropped[0]}; "
-                f"pins tp={list(c.tp) if c.tp else 'all'}, tp_within_node={c.tp_within_node}. "
-                "Widen tp or set tp_within_node: false"
+                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
+                f" {dropped[0]}; pins tp={list(c.tp) if c.tp else 'all'},"
+                f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
             )
         return (
-            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits global_batch_size={gbs} "
-            f"for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must divide {m.n_layers} layers, dp must "
-            f"divide {gbs}, and a pipeline of pp stages needs >= pp micro-batches per step. Pins: "
-            f"dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, micro_batch_size={_fmt(c.micro_batch_size)}, "
-            f"pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a multiple of the "
-            "data-parallel degree, or widen the pins"
+            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
+            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must"
+            f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages needs"
+            f" >= pp micro-batches per step. Pins: dp={_fmt(c.dp)}, pp={_fmt(c.pp)},"
+            f" micro_batch_size={_fmt(c.micro_batch_size)},"
+            f" pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a"
+            " multiple of the data-parallel degree, or widen the pins"
         )
 
     # ---- the interface -------------------------------------------------------------------------
@@ -384,13 +388,14 @@ class SearchSpace(BaseSearchSpace):
         options = mbs.get(s.micro_batch_size)
         if options is None:
             raise SpecError(
-                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for this split"
+                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for"
+                " this split"
             )
         schedule = s.pipeline_schedule if s.pp > 1 else options[0][0]
         if (schedule, s.virtual_stages) not in options:
             raise SpecError(
-                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not one of "
-                f"{[pipeline_label(*o) for o in options]}"
+                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not"
+                f" one of {[pipeline_label(*o) for o in options]}"
             )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
@@ -450,16 +455,16 @@ class SearchSpace(BaseSearchSpace):
             }
         )
         return (
-            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global batch "
-            f"{self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts} layouts with micro-batch "
-            f"and schedule, x recompute {list(self.recomputes)} x zero {list(self.zero_stages)} x amp "
-            f"{list(self.amps)} x sequence parallel where tp > 1"
+            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
+            f" batch {self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts}"
+            f" layouts with micro-batch and schedule, x recompute {list(self.recomputes)} x zero"
+            f" {list(self.zero_stages)} x amp {list(self.amps)} x sequence parallel where tp > 1"
         )
 
     def __repr__(self) -> str:
         return (
-            f"SearchSpace({self.model.name!r}, {self.cluster.name!r}, global_batch_size={self.global_batch_size}, "
-            f"size={self.size})"
+            f"SearchSpace({self.model.name!r}, {self.cluster.name!r},"
+            f" global_batch_size={self.global_batch_size}, size={self.size})"
         )
 
 

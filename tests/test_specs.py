@@ -288,7 +288,8 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
 
 def test_model_free_rules_and_scaled_defaults():
     assert Strategy(dp=2, global_batch_size=3).problems(None) == [
-        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch that is a multiple of 2"
+        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch"
+        " that is a multiple of 2"
     ]
     assert Strategy(tp=3).problems(None) == []  # no model: head rules are not checked
     small = ModelSpec.load("tiny-gpt").scaled(n_heads=2, hidden_size=128)
@@ -297,7 +298,8 @@ def test_model_free_rules_and_scaled_defaults():
     assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
 
 
-# ---- hostile or broken input to the floor (issue: nothing silently wrong) -------------------------
+# ---- hostile or broken input to the floor (issue: nothing silently wrong)
+# -------------------------
 
 
 def _profile_dict():

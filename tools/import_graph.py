@@ -24,9 +24,20 @@ PACKAGES = ("autosearch", "cost_models", "search_spaces")
 LAYERS = (
     # (the floor's modules before they moved into autosearch/core/ are listed too, so that the
     # same script measures the code before the restructure)
-    ("floor", ("autosearch.core", "autosearch._lazy", "autosearch.errors", "autosearch._io",
-               "autosearch.model_spec", "autosearch.strategy", "cost_models.hardware",
-               "cost_models.report", "cost_models.runtime")),
+    (
+        "floor",
+        (
+            "autosearch.core",
+            "autosearch._lazy",
+            "autosearch.errors",
+            "autosearch._io",
+            "autosearch.model_spec",
+            "autosearch.strategy",
+            "cost_models.hardware",
+            "cost_models.report",
+            "cost_models.runtime",
+        ),
+    ),
     ("model", ("cost_models", "search_spaces")),
     ("search", ("autosearch.tuning", "autosearch.tuner", "autosearch.export")),
     ("runtime", ("autosearch.validation", "autosearch.engine", "autosearch.transformer")),
@@ -135,8 +146,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(figures, indent=1))
         return
-    print(f"modules {figures['modules']}, module-to-module imports {figures['module_imports']}, "
-          f"levels {n_levels}, cycles {len(cycles)}, upward imports {len(up)}")
+    print(
+        f"modules {figures['modules']}, module-to-module imports {figures['module_imports']}, "
+        f"levels {n_levels}, cycles {len(cycles)}, upward imports {len(up)}"
+    )
     for cycle in cycles:
         print("  cycle:", " <-> ".join(cycle))
     for line in figures["upward_imports"]:

@@ -51,7 +51,8 @@ class Link:
         return self.bandwidth_bytes_per_s * self.efficiency
 
     def op_factor(self, op: str) -> float:
-        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to the
+        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to
+        the
         link's achieved bandwidth: 1 for NCCL, where every op runs at the same bus bandwidth;
         measured for gloo on CPU, where reduce-scatter is several times slower than all-reduce."""
         return self.op_efficiency.get(op, 1.0)
@@ -61,7 +62,8 @@ class Link:
 class GemmEfficiency:
     """GEMM time as a function of shape, in a form calibration fits by least squares.
 
-    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n + half_dim/k)
+    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n +
+    half_dim/k)
 
     i.e. efficiency = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): large GEMMs approach
     max_efficiency; a thin dimension (a small head size, a small micro-batch) costs in proportion
@@ -172,7 +174,8 @@ class HardwareProfile:
     ) -> "HardwareProfile":
         """Read and check a profile: every number finite and inside its physical range (an
         efficiency in (0, 1], a latency >= 0, ...). A file written by `autosearch calibrate` (it
-        has `measured` or `calibration`, or its header says so: `complete`) must hold every key, so a
+        has `measured` or `calibration`, or its header says so: `complete`) must hold every key, so
+        a
         truncated file is refused."""
         try:
             return cls._from_dict(data, what, path, complete)
@@ -382,8 +385,8 @@ def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
             complete=_written_by_calibration(key),
         )
     raise SpecError(
-        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. "
-        "Pass one of these names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
+        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. Pass one of these"
+        " names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
     )
 
 
@@ -447,7 +450,7 @@ class Cluster:
 
     @classmethod
     def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
-        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES`` , ``GPU``, or a cluster YAML file."""
+        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES``, ``GPU``, or a cluster YAML."""
         if isinstance(text, Cluster):
             return text
         text = os.fspath(text)
@@ -475,7 +478,8 @@ class Cluster:
         kwargs = check_keys(data, cls, what=what)
         if "gpu" not in kwargs:
             raise SpecError(
-                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML path)"
+                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML"
+                " path)"
             )
         return cls(**kwargs)
 

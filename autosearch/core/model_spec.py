@@ -5,7 +5,8 @@ Two styles, chosen by `ffn_activation`, matching the reference transformer in
 
 * ``gelu``  -> GPT style (Radford et al. 2019; Brown et al. 2020): LayerNorm with bias, biases in
   every linear layer, learned position embeddings, dropout.
-* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no dropout,
+* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no
+dropout,
   gated MLP with three matrices.
 
 Example:
@@ -94,7 +95,7 @@ class ModelSpec:
             if self.hidden_size % self.n_heads:
                 problems.append(
                     f"hidden_size {self.hidden_size} must be a multiple of n_heads {self.n_heads} "
-                    f"(head size = hidden_size / n_heads)"
+                    "(head size = hidden_size / n_heads)"
                 )
             if self.n_heads % self.n_kv_heads:
                 problems.append(
@@ -132,7 +133,8 @@ class ModelSpec:
     def layer_params(self) -> int:
         """All parameters of one block, biases and norms included.
 
-        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h) + ...)).
+        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h)
+        + ...)).
         """
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
@@ -206,9 +208,9 @@ class ModelSpec:
         ]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
-            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "
-            "Run `autosearch models` for the catalog, or pass a YAML file with n_layers, hidden_size, "
-            "n_heads, vocab_size and seq_len."
+            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} Run `autosearch"
+            " models` for the catalog, or pass a YAML file with n_layers, hidden_size, n_heads,"
+            " vocab_size and seq_len."
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,15 +26,18 @@ def world_size_problem(dp: int, tp: int, pp: int, *, devices: int, where: str = 
     if dp * tp * pp == devices:
         return None
     return (
-        f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but the cluster has {devices} devices{where}; "
-        f"choose degrees whose product is {devices}"
+        f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but the cluster has {devices} devices{where};"
+        f" choose degrees whose product is {devices}"
     )
 
 
 def tp_problem(tp: int, model: ModelSpec) -> str | None:
     """tp splits the attention heads and the key/value heads."""
     if model.n_heads % tp:
-        return f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides {model.n_heads}"
+        return (
+            f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides"
+            f" {model.n_heads}"
+        )
     if model.n_kv_heads % tp:
         return (
             f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; "
@@ -60,8 +63,9 @@ def batch_problem(global_batch_size: int, dp: int, micro_batch_size: int) -> str
     if global_batch_size % per_step == 0:
         return None
     return (
-        f"global_batch_size={global_batch_size} does not split into dp*micro_batch_size = "
-        f"{dp}*{micro_batch_size} = {per_step}; use a global batch that is a multiple of {per_step}"
+        f"global_batch_size={global_batch_size} does not split into dp*micro_batch_size ="
+        f" {dp}*{micro_batch_size} = {per_step}; use a global batch that is a multiple of"
+        f" {per_step}"
     )
 
 
@@ -107,5 +111,8 @@ def microbatch_problem(pp: int, n_microbatches: int, schedule: str) -> str | Non
             "batch or lower micro_batch_size"
         )
     if schedule == INTERLEAVED and n_microbatches % pp:
-        return f"interleaved_1f1b needs the micro-batch count {n_microbatches} to be a multiple of pp={pp}"
+        return (
+            f"interleaved_1f1b needs the micro-batch count {n_microbatches} to be a multiple of"
+            f" pp={pp}"
+        )
     return None

@@ -120,21 +120,23 @@ class Strategy:
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
-    # ---- derived ---------------------------------------------------------------------------------
+    # ---- derived
+    # ---------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank (= pipeline micro-batches)."""
+        """Micro-batches per optimizer step on a data-parallel rank (pipeline micro-batches)."""
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     @property
     def n_microbatches(self) -> int:
         return self.grad_accum_steps
 
-    # ---- checks against a model and a cluster ----------------------------------------------------
+    # ---- checks against a model and a cluster
+    # ----------------------------------------------------
     def problems(
         self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None
     ) -> list[str]:
@@ -146,15 +148,17 @@ class Strategy:
         dp, tp, pp, v = self.dp, self.tp, self.pp, self.virtual_stages
         batch = rules.batch_problem(self.global_batch_size, dp, self.micro_batch_size)
         checks = [
-            rules.world_size_problem(
-                dp,
-                tp,
-                pp,
-                devices=cluster.world_size,
-                where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
-            )
-            if cluster is not None
-            else None,
+            (
+                rules.world_size_problem(
+                    dp,
+                    tp,
+                    pp,
+                    devices=cluster.world_size,
+                    where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
+                )
+                if cluster is not None
+                else None
+            ),
             rules.tp_problem(tp, model) if model is not None else None,
             rules.layers_problem(pp, v, model) if model is not None else None,
             batch,
@@ -163,14 +167,16 @@ class Strategy:
             ),
             rules.schedule_problem(self.pipeline_schedule, pp, v),
             # the micro-batch count is defined only when the batch splits
-            rules.microbatch_problem(pp, self.grad_accum_steps, self.pipeline_schedule)
-            if batch is None
-            else None,
+            (
+                rules.microbatch_problem(pp, self.grad_accum_steps, self.pipeline_schedule)
+                if batch is None
+                else None
+            ),
         ]
         return [problem for problem in checks if problem is not None]
 
     def validate(self, model: "ModelSpec", cluster: "Cluster | None" = None) -> "Strategy":
-        """Raise SpecError (a ValueError) naming every violated rule and its fix; return self if valid."""
+        """Raise SpecError naming every violated rule and its fix; return self if valid."""
         problems = self.problems(model, cluster)
         if problems:
             raise SpecError(
@@ -239,7 +245,8 @@ class Strategy:
             )
         if not text.strip():
             raise SpecError(
-                "the strategy is empty; give key=value pairs (for example dp=8,tp=8) or a YAML file"
+                "the strategy is empty; give key=value pairs (for example dp=8,tp=8) or a YAML"
+                " file"
             )
         if os.path.exists(text) or text.endswith((".yaml", ".yml")):
             return cls.from_yaml(text)
