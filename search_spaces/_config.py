@@ -83,7 +83,7 @@ class SpaceConfig:
             if value is None:
                 object.__setattr__(self, name, tuple(legal))
                 continue
-            values = []
+            chosen: list[Any] = []
             for v in _as_tuple(value):
                 if name == "sequence_parallel" and isinstance(v, str):
                     v = _BOOL_WORDS.get(v.lower(), v)
@@ -95,14 +95,14 @@ class SpaceConfig:
                     problems.append(
                         f"{name} value {v!r} is not one of {', '.join(map(str, legal))}"
                     )
-                elif v not in values:
-                    values.append(v)
-            if not values and not problems:
+                elif v not in chosen:
+                    chosen.append(v)
+            if not chosen and not problems:
                 problems.append(
                     f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
                 )
             # Keep the canonical order of the legal values, so equal configs compare equal.
-            object.__setattr__(self, name, tuple(v for v in legal if v in values))
+            object.__setattr__(self, name, tuple(v for v in legal if v in chosen))
         if not isinstance(self.tp_within_node, bool):
             problems.append(f"tp_within_node must be true or false, got {self.tp_within_node!r}")
         for name in ("max_micro_batch_size", "max_virtual_stages"):

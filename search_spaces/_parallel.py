@@ -168,7 +168,7 @@ class SearchSpace(BaseSearchSpace):
             + ")"
         )
 
-        schedules_pp1 = [s for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
+        schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
         tree: dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]] = {}
         for tp in tps:
             for pp in _divisors(world // tp):
@@ -220,7 +220,9 @@ class SearchSpace(BaseSearchSpace):
         c, layers = self.config, self.model.n_layers
         if pp == 1:
             return ((schedules_pp1[0], 1),)
-        out = [(s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule]
+        out: list[tuple[str, int]] = [
+            (s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule
+        ]
         if INTERLEAVED in c.pipeline_schedule:
             for v in _divisors(layers // pp):
                 if v == 1 or (c.virtual_stages is not None and v not in c.virtual_stages):

@@ -410,7 +410,7 @@ class Cluster:
 
     gpu: str
     n_nodes: int = 1
-    gpus_per_node: int | None = None
+    gpus_per_node: int = None  # type: ignore[assignment]  # None: the profile's, set in __post_init__
     profile: HardwareProfile = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -457,9 +457,9 @@ class Cluster:
         match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
         if match:
             gpu, nodes, per_node = match.groups()
-            return cls(
-                gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node) if per_node else None
-            )
+            if per_node:
+                return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
+            return cls(gpu=gpu, n_nodes=int(nodes))
         if text.endswith((".yaml", ".yml")) and os.path.exists(text):
             data = read_yaml_mapping(text, what="cluster")
             if (

@@ -56,8 +56,8 @@ class ModelSpec:
     n_layers: int
     hidden_size: int
     n_heads: int
-    n_kv_heads: int | None = None
-    ffn_hidden_size: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads, set in __post_init__
+    ffn_hidden_size: int = None  # type: ignore[assignment]  # None: 4 * hidden_size
     ffn_activation: str = "gelu"
     vocab_size: int
     seq_len: int
@@ -201,7 +201,7 @@ class ModelSpec:
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
             return cls.from_dict(data, what=f"model file {key!r}")
-        family = re.match(r"[a-z]*", key.lower()).group()
+        family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
         close += [n for n in catalog if family and n.startswith(family) and n not in close][
             : 8 - len(close)

@@ -76,7 +76,7 @@ class Strategy:
     tp: int = 1
     pp: int = 1
     micro_batch_size: int = 1
-    global_batch_size: int | None = None
+    global_batch_size: int = None  # type: ignore[assignment]  # None: dp * micro_batch_size
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
