@@ -49,8 +49,7 @@ def _spaces() -> dict[str, BaseSearchSpace]:
 SPACES = _spaces()
 
 
-# ---- contract suite: every implementation
-# ----------------------------------------------------------
+# ---- contract suite: every implementation -------------------------------------------------------
 @pytest.fixture(params=sorted(SPACES), ids=str)
 def space(request) -> BaseSearchSpace:
     return SPACES[request.param]
@@ -125,8 +124,7 @@ def test_the_same_parameter_name_always_has_the_same_choices(space):
         study.tell(trial, 0.0)
 
 
-# ---- SearchSpace: exactly the rules of Strategy.problems
-# -------------------------------------------
+# ---- SearchSpace: exactly the rules of Strategy.problems ----------------------------------------
 def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     model, cluster, gbs = ModelSpec.load("tiny-llama"), Cluster.parse("h100-sxm:2x4"), 16
     space = SearchSpace(model, cluster, global_batch_size=gbs)

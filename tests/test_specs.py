@@ -298,8 +298,7 @@ def test_model_free_rules_and_scaled_defaults():
     assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
 
 
-# ---- hostile or broken input to the floor (issue: nothing silently wrong)
-# -------------------------
+# ---- hostile or broken input to the floor (issue: nothing silently wrong) -----------------------
 
 
 def _profile_dict():

@@ -120,8 +120,7 @@ class Strategy:
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
-    # ---- derived
-    # ---------------------------------------------------------------------------------
+    # ---- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
@@ -135,8 +134,7 @@ class Strategy:
     def n_microbatches(self) -> int:
         return self.grad_accum_steps
 
-    # ---- checks against a model and a cluster
-    # ----------------------------------------------------
+    # ---- checks against a model and a cluster ---------------------------------------------------
     def problems(
         self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None
     ) -> list[str]:
