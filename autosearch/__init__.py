@@ -3,6 +3,7 @@
 Everything is exported lazily (PEP 562), so `import autosearch` stays light: the specs and the
 cost model never import torch, and the Engine imports it only when used.
 """
+
 from __future__ import annotations
 
 from autosearch._lazy import lazy_exports
@@ -10,16 +11,16 @@ from autosearch._lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "SpecError": "autosearch.errors",
-    "ModelSpec": "autosearch.model_spec",
-    "model_catalog": "autosearch.model_spec",
-    "Strategy": "autosearch.strategy",
-    "Cluster": "cost_models.hardware",
-    "HardwareProfile": "cost_models.hardware",
-    "CostReport": "cost_models.report",
+    "SpecError": "autosearch.core.errors",
+    "ModelSpec": "autosearch.core.model_spec",
+    "model_catalog": "autosearch.core.model_spec",
+    "Strategy": "autosearch.core.strategy",
+    "Cluster": "autosearch.core.hardware",
+    "HardwareProfile": "autosearch.core.hardware",
+    "CostReport": "autosearch.core.report",
     "AnalyticCostModel": "cost_models.analytic",
     "estimate": "cost_models.analytic",
-    "RuntimeOptions": "cost_models.runtime",
+    "RuntimeOptions": "autosearch.core.runtime",
     "tune": "autosearch.tuner",
     "TuneResult": "autosearch.tuner",
     "Engine": "autosearch.engine",
@@ -28,4 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports('autosearch', globals(), _EXPORTS)
+__getattr__, __dir__ = lazy_exports("autosearch", globals(), _EXPORTS)

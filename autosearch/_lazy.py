@@ -1,5 +1,7 @@
 """Lazy package exports (PEP 562), shared by the packages whose names pull in heavy imports
-(torch, scipy): ``__getattr__, __dir__ = lazy_exports(__name__, globals(), {"Name": "module"})``."""
+(torch, scipy): ``__getattr__, __dir__ = lazy_exports(__name__, globals(), {"Name": "module"})``.
+"""
+
 from __future__ import annotations
 
 import importlib
@@ -7,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_exports(package: str, namespace: dict[str, Any], where: dict[str, str]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, namespace: dict[str, Any], where: dict[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """`__getattr__` that imports ``where[name]`` on first use (and caches it in `namespace`),
     and the matching `__dir__`."""
 

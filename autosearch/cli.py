@@ -1,13 +1,14 @@
 """The `autosearch` command line. Each subcommand lives in `autosearch/commands/<name>.py` and
 exposes `register(subparsers)`; this file only wires them and turns user errors into one clear
 message with exit status 2 (never a traceback)."""
+
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 # Subcommand modules, in the order `autosearch --help` lists them.
 COMMANDS = ["estimate", "models", "hardware"]

@@ -1,6 +1,6 @@
 """A reference decoder-only transformer built from a ModelSpec, with its parallel plan.
 
-Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.model_spec`:
+Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.core.model_spec`:
 
 * GPT style (``gelu``; Radford et al. 2019): LayerNorm with bias, biases in every linear layer,
   learned position embeddings, dropout (probability ``dropout``, 0 by default).
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosearch.engine.plan import ParallelPlan
-from autosearch.errors import SpecError
-from autosearch.model_spec import ModelSpec
+from autosearch.core.errors import SpecError
+from autosearch.core.model_spec import ModelSpec
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
 

@@ -8,6 +8,7 @@ Example:
 
 See `autosearch/tuning/` for the parts (objectives, recipes, storage, the study loop, outputs).
 """
+
 from autosearch.tuning import (
     OBJECTIVES,
     SAMPLERS,
@@ -18,4 +19,12 @@ from autosearch.tuning import (
     tune,
 )
 
-__all__ = ["Candidate", "NoFeasibleStrategyError", "OBJECTIVES", "SAMPLERS", "TuneResult", "open_storage", "tune"]
+__all__ = [
+    "Candidate",
+    "NoFeasibleStrategyError",
+    "OBJECTIVES",
+    "SAMPLERS",
+    "TuneResult",
+    "open_storage",
+    "tune",
+]

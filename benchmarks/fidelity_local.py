@@ -14,6 +14,7 @@ Targets (issue 5): step time mean error <= 10%, Spearman >= 0.9, memory error <=
 Run: python benchmarks/fidelity_local.py [--profile results/calibration/cpu-local.yaml] [--steps 8]
 Writes results/fidelity_local.csv (one row per run) and results/fidelity_local_summary.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,16 @@ GBS = 16
 
 
 def sixteen_bit() -> list[Strategy]:
-    """16-bit runs: part of any search space, and a test of calibration on CPUs where they are slow."""
-    return [Strategy(global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
-            Strategy(dp=2, global_batch_size=GBS, micro_batch_size=8, amp="bf16")]
+    """16-bit runs: in any search space, and a test of calibration on CPUs where they are slow."""
+    return [
+        Strategy(global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
+        Strategy(dp=2, global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
+    ]
 
 
 def strategies() -> list[Strategy]:
-    """Twelve-plus strategies over every mechanism the Engine applies, at world sizes 1 and 2 (fp32:
+    """Twelve-plus strategies over every mechanism the Engine applies, at world sizes 1 and 2
+    (fp32:
     16-bit matmuls are emulated, hence very slow, on CPUs without AVX-512 BF16)."""
     s = lambda **kw: Strategy(global_batch_size=GBS, amp="fp32", **kw)  # noqa: E731
     return [
@@ -73,11 +77,15 @@ def predict(profile: str, runs: pd.DataFrame) -> pd.DataFrame:
         s = Strategy.from_dict({k: run[k] for k in Strategy.__dataclass_fields__})
         cluster = Cluster(gpu=profile, n_nodes=1, gpus_per_node=s.world_size)
         r = AnalyticCostModel(MODEL, cluster).estimate(s)
-        rows.append({"predicted_step_time_s": r.step_time_s,
-                     # tensors only, as measured (the reserve for torch itself is `other`)
-                     "predicted_peak_memory_bytes": r.peak_memory_bytes - r.memory.other_bytes,
-                     **{k: v for k, v in r.to_dict().items() if k.startswith("time_")},
-                     "profile_used": cluster.profile.name})
+        rows.append(
+            {
+                "predicted_step_time_s": r.step_time_s,
+                # tensors only, as measured (the reserve for torch itself is `other`)
+                "predicted_peak_memory_bytes": r.peak_memory_bytes - r.memory.other_bytes,
+                **{k: v for k, v in r.to_dict().items() if k.startswith("time_")},
+                "profile_used": cluster.profile.name,
+            }
+        )
     return pd.DataFrame(rows, index=runs.index)
 
 
@@ -86,7 +94,7 @@ def errors(pred: pd.Series, meas: pd.Series) -> pd.Series:
 
 
 def regret(df: pd.DataFrame, predicted: str) -> dict[int, float]:
-    """Per world size: measured step time of the predicted-fastest strategy over the measured best."""
+    """Per world size: measured step time of the predicted-fastest over the measured best."""
     out = {}
     for ws, g in df.groupby("world_size"):
         pick = g.loc[g[predicted].idxmin()]
@@ -104,21 +112,33 @@ def noise_ceiling(df: pd.DataFrame, warmup: int) -> dict:
         halves.append((pd.Series(steps[:k]).median(), pd.Series(steps[k:]).median()))
     a, b = zip(*halves)
     a, b = pd.Series(a), pd.Series(b)
-    return {"spearman_half_vs_half": float(spearmanr(a, b).statistic),
-            "mean_abs_diff_half_vs_half_pct": float((100 * (a / b - 1)).abs().mean())}
+    return {
+        "spearman_half_vs_half": float(spearmanr(a, b).statistic),
+        "mean_abs_diff_half_vs_half_pct": float((100 * (a / b - 1)).abs().mean()),
+    }
 
 
 def summarize(df: pd.DataFrame, predicted: str = "predicted_step_time_s") -> dict:
     err = errors(df[predicted], df.measured_step_time_s).abs()
     mem = errors(df.predicted_peak_memory_bytes, df.measured_peak_memory_bytes).abs()
     rho_all = spearmanr(df[predicted], df.measured_step_time_s).statistic
-    rho_ws = {int(ws): float(spearmanr(g[predicted], g.measured_step_time_s).statistic)
-              for ws, g in df.groupby("world_size") if len(g) > 2}
+    rho_ws = {
+        int(ws): float(spearmanr(g[predicted], g.measured_step_time_s).statistic)
+        for ws, g in df.groupby("world_size")
+        if len(g) > 2
+    }
     reg = regret(df, predicted)
-    return {"runs": int(len(df)), "step_time_mape_pct": float(err.mean()), "step_time_worst_pct": float(err.max()),
-            "spearman": float(rho_all), "spearman_by_world_size": rho_ws,
-            "memory_mape_pct": float(mem.mean()), "memory_worst_pct": float(mem.max()),
-            "regret_by_world_size": reg, "regret_worst": max(reg.values())}
+    return {
+        "runs": int(len(df)),
+        "step_time_mape_pct": float(err.mean()),
+        "step_time_worst_pct": float(err.max()),
+        "spearman": float(rho_all),
+        "spearman_by_world_size": rho_ws,
+        "memory_mape_pct": float(mem.mean()),
+        "memory_worst_pct": float(mem.max()),
+        "regret_by_world_size": reg,
+        "regret_worst": max(reg.values()),
+    }
 
 
 def main() -> int:
@@ -129,13 +149,19 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="results/fidelity_local.csv")
     parser.add_argument("--runs-dir", default="results/fidelity_local_runs")
-    parser.add_argument("--skip-16bit", action="store_true", help="skip the (slow on AVX2 CPUs) bf16 runs")
-    parser.add_argument("--from-runs", help="re-predict the measured runs of an earlier CSV instead of running")
+    parser.add_argument(
+        "--skip-16bit", action="store_true", help="skip the (slow on AVX2 CPUs) bf16 runs"
+    )
+    parser.add_argument(
+        "--from-runs", help="re-predict the measured runs of an earlier CSV instead of running"
+    )
     args = parser.parse_args()
 
     t0 = time.time()
     profile = args.profile
-    if args.from_runs:  # measured runs of an earlier invocation, predicted again (e.g. after a model change)
+    if (
+        args.from_runs
+    ):  # measured runs of an earlier invocation, predicted again (e.g. after a model change)
         if profile is None:
             parser.error("--from-runs needs --profile")
         table = pd.read_csv(args.from_runs)
@@ -149,11 +175,20 @@ def main() -> int:
 
     from autosearch.validation import validate
 
-    result = validate(MODEL, strategies(), steps=args.steps, warmup=args.warmup, timeout_s=600,
-                      out=args.runs_dir, threads=None)
+    result = validate(
+        MODEL,
+        strategies(),
+        steps=args.steps,
+        warmup=args.warmup,
+        timeout_s=600,
+        out=args.runs_dir,
+        threads=None,
+    )
     table = result.table
     if not args.skip_16bit:  # slow on CPUs without bf16 units: fewer steps
-        slow = validate(MODEL, sixteen_bit(), steps=3, warmup=1, timeout_s=900, out=args.runs_dir + "_16bit")
+        slow = validate(
+            MODEL, sixteen_bit(), steps=3, warmup=1, timeout_s=900, out=args.runs_dir + "_16bit"
+        )
         table = pd.concat([table, slow.table], ignore_index=True)
     return report(args, profile, table, t0)
 
@@ -163,14 +198,28 @@ def report(args, profile: str, table: pd.DataFrame, t0: float) -> int:
     failed = table[table.status != "ok"]
     for _, f in failed.iterrows():
         print(f"FAILED {f.strategy}: {f.status} {f.reason}")
-    runs = runs.drop(columns=[c for c in runs.columns if c.startswith(("predicted_", "time_", "refit_"))
-                              or c in ("profile_used", "step_time_error_pct", "memory_error_pct")])
+    runs = runs.drop(
+        columns=[
+            c
+            for c in runs.columns
+            if c.startswith(("predicted_", "time_", "refit_"))
+            or c in ("profile_used", "step_time_error_pct", "memory_error_pct")
+        ]
+    )
     runs = runs.join(predict(profile, runs))
     runs["step_time_error_pct"] = errors(runs.predicted_step_time_s, runs.measured_step_time_s)
-    runs["memory_error_pct"] = errors(runs.predicted_peak_memory_bytes, runs.measured_peak_memory_bytes)
+    runs["memory_error_pct"] = errors(
+        runs.predicted_peak_memory_bytes, runs.measured_peak_memory_bytes
+    )
     fp32 = runs[runs.amp == "fp32"]
-    summary = {"profile": profile, "model": MODEL.name, "global_batch_size": GBS, "calibrated": summarize(runs),
-               "calibrated_fp32_only": summarize(fp32), "noise_ceiling_fp32": noise_ceiling(fp32, args.warmup)}
+    summary = {
+        "profile": profile,
+        "model": MODEL.name,
+        "global_batch_size": GBS,
+        "calibrated": summarize(runs),
+        "calibrated_fp32_only": summarize(fp32),
+        "noise_ceiling_fp32": noise_ceiling(fp32, args.warmup),
+    }
 
     # Learning from the runs: fit corrections on half of them, judge on the other half.
     from cost_models.calibration.refit import refit_corrections
@@ -178,42 +227,87 @@ def report(args, profile: str, table: pd.DataFrame, t0: float) -> int:
     refit = refit_corrections(runs, holdout=0.5, group_column="strategy", seed=0)
     runs["refit_predicted_step_time_s"] = refit.predict(runs)
     runs["refit_used_for_fit"] = runs.index.isin(refit.train_index)
-    summary["refit"] = {"factors": refit.factors, "intercept_s": refit.intercept_s, "errors": refit.errors}
+    summary["refit"] = {
+        "factors": refit.factors,
+        "intercept_s": refit.intercept_s,
+        "errors": refit.errors,
+    }
     held = runs[~runs.refit_used_for_fit]
-    summary["refit_held_out"] = summarize(held, "refit_predicted_step_time_s") if len(held) > 2 else None
+    summary["refit_held_out"] = (
+        summarize(held, "refit_predicted_step_time_s") if len(held) > 2 else None
+    )
     summary["wall_s"] = time.time() - t0
 
-    cols = ["strategy", "world_size", "predicted_step_time_s", "measured_step_time_s", "step_time_error_pct",
-            "predicted_peak_memory_bytes", "measured_peak_memory_bytes", "memory_error_pct",
-            "refit_predicted_step_time_s", "refit_used_for_fit", "measured_peak_rss_bytes", "threads",
-            "torch_version", "profile_used"]
+    cols = [
+        "strategy",
+        "world_size",
+        "predicted_step_time_s",
+        "measured_step_time_s",
+        "step_time_error_pct",
+        "predicted_peak_memory_bytes",
+        "measured_peak_memory_bytes",
+        "memory_error_pct",
+        "refit_predicted_step_time_s",
+        "refit_used_for_fit",
+        "measured_peak_rss_bytes",
+        "threads",
+        "torch_version",
+        "profile_used",
+    ]
     rest = [c for c in runs.columns if c not in cols]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runs[cols + rest].to_csv(args.out, index=False)
-    Path(args.out).with_name("fidelity_local_summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    Path(args.out).with_name("fidelity_local_summary.json").write_text(
+        json.dumps(summary, indent=2, default=float)
+    )
 
     pd.set_option("display.width", 200)
-    show = runs[["strategy", "world_size", "predicted_step_time_s", "measured_step_time_s", "step_time_error_pct",
-                 "predicted_peak_memory_bytes", "measured_peak_memory_bytes", "memory_error_pct"]].copy()
+    show = runs[
+        [
+            "strategy",
+            "world_size",
+            "predicted_step_time_s",
+            "measured_step_time_s",
+            "step_time_error_pct",
+            "predicted_peak_memory_bytes",
+            "measured_peak_memory_bytes",
+            "memory_error_pct",
+        ]
+    ].copy()
     for c in ("predicted_peak_memory_bytes", "measured_peak_memory_bytes"):
         show[c] = show[c] / 2**20
-    show = show.rename(columns={"predicted_peak_memory_bytes": "pred_MiB", "measured_peak_memory_bytes": "meas_MiB"})
+    show = show.rename(
+        columns={
+            "predicted_peak_memory_bytes": "pred_MiB",
+            "measured_peak_memory_bytes": "meas_MiB",
+        }
+    )
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     c = summary["calibrated"]
-    print(f"\ncalibrated profile: step time MAPE {c['step_time_mape_pct']:.1f}% (target <= 10), worst "
-          f"{c['step_time_worst_pct']:.1f}%; Spearman {c['spearman']:.3f} (target >= 0.9); memory MAPE "
-          f"{c['memory_mape_pct']:.1f}% (target <= 15), worst {c['memory_worst_pct']:.1f}%; regret "
-          f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }% (target <= 5)")
+    print(
+        f"\ncalibrated profile: step time MAPE {c['step_time_mape_pct']:.1f}% (target <= 10),"
+        f" worst {c['step_time_worst_pct']:.1f}%; Spearman {c['spearman']:.3f} (target >= 0.9);"
+        f" memory MAPE {c['memory_mape_pct']:.1f}% (target <= 15), worst"
+        f" {c['memory_worst_pct']:.1f}%; regret"
+        f" { {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }% (target <= 5)"
+    )
     c = summary["calibrated_fp32_only"]
     n = summary["noise_ceiling_fp32"]
-    print(f"fp32 runs only: step time MAPE {c['step_time_mape_pct']:.1f}%, Spearman {c['spearman']:.3f}, regret "
-          f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }%; noise ceiling (first vs second "
-          f"half of each run's steps): Spearman {n['spearman_half_vs_half']:.3f}, mean difference "
-          f"{n['mean_abs_diff_half_vs_half_pct']:.1f}%")
+    print(
+        f"fp32 runs only: step time MAPE {c['step_time_mape_pct']:.1f}%, Spearman"
+        f" {c['spearman']:.3f}, regret"
+        f" { {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }%; noise"
+        " ceiling (first vs second half of each run's steps): Spearman"
+        f" {n['spearman_half_vs_half']:.3f}, mean difference"
+        f" {n['mean_abs_diff_half_vs_half_pct']:.1f}%"
+    )
     e = refit.errors
-    print(f"refit on half the runs: factors {', '.join(f'{k} {v:.2f}' for k, v in refit.factors.items())}, "
-          f"overhead {refit.intercept_s * 1e3:.1f} ms; held-out MAPE {e['holdout_before']['mape'] * 100:.1f}% -> "
-          f"{e['holdout_after']['mape'] * 100:.1f}%")
+    print(
+        "refit on half the runs: factors"
+        f" {', '.join(f'{k} {v:.2f}' for k, v in refit.factors.items())}, overhead"
+        f" {refit.intercept_s * 1e3:.1f} ms; held-out MAPE"
+        f" {e['holdout_before']['mape'] * 100:.1f}% -> {e['holdout_after']['mape'] * 100:.1f}%"
+    )
     print(f"wrote {args.out} ({summary['wall_s']:.0f} s)")
     return 0
 

@@ -2,14 +2,27 @@
 
 Pure Python: importing this package never imports torch.
 """
+
+from autosearch.core.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
+from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
+from autosearch.core.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptions
 from cost_models._base import CostModel
 from cost_models.analytic import AnalyticCostModel, estimate
-from cost_models.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
-from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
-from cost_models.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptions
 
 __all__ = [
-    "AnalyticCostModel", "Cluster", "CostModel", "CostReport", "GemmEfficiency", "HardwareProfile", "Link",
-    "MEGATRON_SC21", "MemoryBreakdown", "RUNTIMES", "RuntimeOptions", "TORCH", "TimeBreakdown",
-    "estimate", "profile_names",
+    "AnalyticCostModel",
+    "Cluster",
+    "CostModel",
+    "CostReport",
+    "GemmEfficiency",
+    "HardwareProfile",
+    "Link",
+    "MEGATRON_SC21",
+    "MemoryBreakdown",
+    "RUNTIMES",
+    "RuntimeOptions",
+    "TORCH",
+    "TimeBreakdown",
+    "estimate",
+    "profile_names",
 ]

@@ -1,12 +1,13 @@
 """The cost-model interface: anything that turns a Strategy into a CostReport."""
+
 from __future__ import annotations
 
 import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
 
 
 class CostModel(abc.ABC):
@@ -15,4 +16,4 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def estimate(self, strategy: "Strategy", *, validate: bool = True) -> "CostReport":
-        """Predict step time and memory of `strategy`; with `validate`, reject invalid strategies."""
+        """Predict step time and memory of `strategy`; with `validate`, reject invalid ones."""

@@ -3,6 +3,7 @@
 Each function cites the paper or standard its formula comes from. Sizes are in bytes, times in
 seconds, bandwidths in bytes per second.
 """
+
 from __future__ import annotations
 
 # ---------------------------------------------------------------------------------------------
@@ -14,14 +15,18 @@ from __future__ import annotations
 # ---------------------------------------------------------------------------------------------
 
 
-def ring_all_reduce_time_s(nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+def ring_all_reduce_time_s(
+    nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float
+) -> float:
     """2(n-1) alpha + 2(n-1)/n * S / beta (reduce-scatter then all-gather)."""
     if group <= 1:
         return 0.0
     return 2 * (group - 1) * latency_s + 2.0 * (group - 1) / group * nbytes / bandwidth_bytes_per_s
 
 
-def ring_all_gather_time_s(nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+def ring_all_gather_time_s(
+    nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float
+) -> float:
     """(n-1) alpha + (n-1)/n * S / beta; the same for reduce-scatter."""
     if group <= 1:
         return 0.0
@@ -55,12 +60,16 @@ def bubble_fraction(pp: int, n_microbatches: int, virtual_stages: int = 1) -> fl
     return (pp - 1) / (virtual_stages * n_microbatches)
 
 
-def microbatches_in_flight(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+def microbatches_in_flight(
+    schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1
+) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak, in units of
     one micro-batch through the whole stage.
 
-    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec. 2.2.1).
-    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec. 4.2.3).
+    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec.
+    2.2.1).
+    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec.
+    4.2.3).
     Without a pipeline, gradient accumulation frees each micro-batch before the next: 1.
     """
     if pp <= 1:
@@ -90,11 +99,22 @@ def microbatches_in_flight(schedule: str, pp: int, n_microbatches: int, virtual_
 
 
 def layer_activation_bytes(
-    *, seq_len: int, micro_batch: int, hidden: int, heads: int, kv_hidden: int, ffn_hidden: int,
-    swiglu: bool, dropout: bool, tp: int = 1, sequence_parallel: bool = False,
-    recompute: str = "none", flash_attention: bool = False, act_bytes: int = 2,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    kv_hidden: int,
+    ffn_hidden: int,
+    swiglu: bool,
+    dropout: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash_attention: bool = False,
+    act_bytes: int = 2,
 ) -> float:
-    """Bytes one layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank."""
     sb = seq_len * micro_batch
     a = act_bytes
     sp_div = tp if sequence_parallel else 1

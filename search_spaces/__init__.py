@@ -4,13 +4,22 @@ Pure Python: importing this package never imports torch.
 
 Example:
     >>> from search_spaces import SearchSpace
-    >>> space = SearchSpace("llama3-70b", "h100-sxm:32x8", global_batch_size=512, config="megatron")
+    >>> space = SearchSpace("llama3-70b", "h100-sxm:32x8", global_batch_size=512,
+    ...                     config="megatron")
     >>> space.size > 0
     True
 """
+
 from search_spaces._base import BaseSearchSpace
 from search_spaces._config import SpaceConfig, shipped_spaces
 from search_spaces._listed import ListedSpace
 from search_spaces._parallel import SearchSpace, pipeline_label
 
-__all__ = ["BaseSearchSpace", "ListedSpace", "SearchSpace", "SpaceConfig", "pipeline_label", "shipped_spaces"]
+__all__ = [
+    "BaseSearchSpace",
+    "ListedSpace",
+    "SearchSpace",
+    "SpaceConfig",
+    "pipeline_label",
+    "shipped_spaces",
+]

@@ -1,5 +1,6 @@
 """The interface every search space implements (the contract tests in tests/test_search_spaces.py
 run against each implementation)."""
+
 from __future__ import annotations
 
 import abc
@@ -9,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
 
 class BaseSearchSpace(abc.ABC):
@@ -73,5 +74,10 @@ class BaseSearchSpace(abc.ABC):
     def signature(self) -> dict[str, Any]:
         """What identifies the space, stored with a study so that a resumed or shared study is
         refused if it was created for a different space."""
-        return {"kind": type(self).__name__, "model": self.model.name, "cluster": self.cluster.name,
-                "global_batch_size": self.global_batch_size, "size": self.size}
+        return {
+            "kind": type(self).__name__,
+            "model": self.model.name,
+            "cluster": self.cluster.name,
+            "global_batch_size": self.global_batch_size,
+            "size": self.size,
+        }

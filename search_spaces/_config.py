@@ -11,6 +11,7 @@ Example:
     >>> c.tp, c.recompute
     ((8,), ('selective', 'full'))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,9 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from autosearch._io import parse_yaml_mapping, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
-from autosearch.strategy import AMP, ALIASES, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
+from autosearch.core._io import parse_yaml_mapping, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
+from autosearch.core.strategy import ALIASES, AMP, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
 
 _ALL_WORDS = ("all", "any", "auto", "*")
 _INT_DIMS = ("dp", "tp", "pp", "micro_batch_size", "virtual_stages")
@@ -82,7 +83,7 @@ class SpaceConfig:
             if value is None:
                 object.__setattr__(self, name, tuple(legal))
                 continue
-            values = []
+            chosen: list[Any] = []
             for v in _as_tuple(value):
                 if name == "sequence_parallel" and isinstance(v, str):
                     v = _BOOL_WORDS.get(v.lower(), v)
@@ -91,13 +92,17 @@ class SpaceConfig:
                 if isinstance(v, str):
                     v = v.lower()
                 if name == "zero_stage" and isinstance(v, bool) or v not in legal:
-                    problems.append(f"{name} value {v!r} is not one of {', '.join(map(str, legal))}")
-                elif v not in values:
-                    values.append(v)
-            if not values and not problems:
-                problems.append(f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}")
+                    problems.append(
+                        f"{name} value {v!r} is not one of {', '.join(map(str, legal))}"
+                    )
+                elif v not in chosen:
+                    chosen.append(v)
+            if not chosen and not problems:
+                problems.append(
+                    f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
+                )
             # Keep the canonical order of the legal values, so equal configs compare equal.
-            object.__setattr__(self, name, tuple(v for v in legal if v in values))
+            object.__setattr__(self, name, tuple(v for v in legal if v in chosen))
         if not isinstance(self.tp_within_node, bool):
             problems.append(f"tp_within_node must be true or false, got {self.tp_within_node!r}")
         for name in ("max_micro_batch_size", "max_virtual_stages"):
@@ -114,9 +119,13 @@ class SpaceConfig:
     @classmethod
     def default(cls) -> "SpaceConfig":
         """The shipped ``search_spaces/default.yaml``."""
-        text = resources.files("search_spaces").joinpath("default.yaml").read_text(encoding="utf-8")
-        return cls.from_dict(parse_yaml_mapping(text, what="search_spaces/default.yaml"),
-                             what="search_spaces/default.yaml")
+        text = (
+            resources.files("search_spaces").joinpath("default.yaml").read_text(encoding="utf-8")
+        )
+        return cls.from_dict(
+            parse_yaml_mapping(text, what="search_spaces/default.yaml"),
+            what="search_spaces/default.yaml",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "search space") -> "SpaceConfig":
@@ -126,13 +135,23 @@ class SpaceConfig:
     def from_yaml(cls, source: "str | os.PathLike") -> "SpaceConfig":
         """Read a space file; a bare name (``megatron``) means ``search_spaces/<name>.yaml``."""
         path = os.fspath(source)
-        if not os.path.exists(path) and not path.endswith((".yaml", ".yml")) and os.sep not in path:
+        if (
+            not os.path.exists(path)
+            and not path.endswith((".yaml", ".yml"))
+            and os.sep not in path
+        ):
             shipped = resources.files("search_spaces").joinpath(f"{path}.yaml")
             if shipped.is_file():
-                return cls.from_dict(parse_yaml_mapping(shipped.read_text(encoding="utf-8"), what=f"space {path!r}"),
-                                     what=f"search space {path!r}")
-            raise SpecError(f"search space {path!r} is neither a YAML file nor a shipped space; shipped spaces: "
-                            f"{', '.join(shipped_spaces())}")
+                return cls.from_dict(
+                    parse_yaml_mapping(
+                        shipped.read_text(encoding="utf-8"), what=f"space {path!r}"
+                    ),
+                    what=f"search space {path!r}",
+                )
+            raise SpecError(
+                f"search space {path!r} is neither a YAML file nor a shipped space; shipped"
+                f" spaces: {', '.join(shipped_spaces())}"
+            )
         data = read_yaml_mapping(path, what="search space")
         if "space" in data and isinstance(data["space"], dict):
             data = data["space"]
@@ -157,13 +176,18 @@ class SpaceConfig:
                 value = _BOOL_WORDS.get(value.lower(), value)
             changes[key] = value
         if unknown:
-            raise SpecError(f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are "
-                            f"{', '.join(sorted(names))}")
+            raise SpecError(
+                f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are "
+                f"{', '.join(sorted(names))}"
+            )
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v, tuple) else v)
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        return {
+            f.name: list(v) if isinstance(v, tuple) else v
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
 
 
 def shipped_spaces() -> list[str]:

@@ -5,10 +5,13 @@ The space is built once, as a tree whose every leaf is valid by construction:
     tp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)      [the "layout"]
     x recompute x sequence_parallel (tp > 1 only) x zero_stage x amp        [independent axes]
 
-Layout rules (exactly those of `Strategy.problems`): tp divides n_heads and n_kv_heads (and stays
-inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp = world/(tp*pp);
+Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
+applied level by level: tp divides n_heads and n_kv_heads (and stays
+inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp =
+world/(tp*pp);
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
-needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to be
+needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to
+be
 a multiple of pp (Narayanan et al. 2021, sec. 2.2). Branches with no valid leaf are pruned, so a
 sampler walking the tree can never reach an invalid strategy.
 
@@ -24,6 +27,7 @@ independent axes are plain parameters (``recompute``, ``zero_stage``, ``amp``, a
 Pipeline schedules with pp = 1 are meaningless (there is no pipeline), so pp = 1 strategies carry
 the canonical ``1f1b`` (or ``gpipe`` if only that is allowed) instead of two identical copies.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,21 +37,22 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
-from autosearch.model_spec import ModelSpec
-from autosearch.strategy import Strategy
-from cost_models.hardware import Cluster
+from autosearch.core import rules
+from autosearch.core.errors import SpecError
+from autosearch.core.hardware import Cluster
+from autosearch.core.model_spec import ModelSpec
+from autosearch.core.strategy import Strategy
 from search_spaces._base import BaseSearchSpace
 from search_spaces._config import SpaceConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-INTERLEAVED = "interleaved_1f1b"
+INTERLEAVED = rules.INTERLEAVED
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
-    """The categorical value of one pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
+    """The categorical value of a pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
     return f"{INTERLEAVED}_v{virtual_stages}" if schedule == INTERLEAVED else schedule
 
 
@@ -84,12 +89,25 @@ class SearchSpace(BaseSearchSpace):
         (True, True)
     """
 
-    def __init__(self, model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_size: int,
-                 config: "SpaceConfig | str | os.PathLike | None" = None, **pins: Any):
+    def __init__(
+        self,
+        model: "ModelSpec | str",
+        cluster: "Cluster | str",
+        *,
+        global_batch_size: int,
+        config: "SpaceConfig | str | os.PathLike | None" = None,
+        **pins: Any,
+    ):
         self.model = ModelSpec.load(model)
         self.cluster = Cluster.parse(cluster)
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise SpecError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+        if (
+            isinstance(global_batch_size, bool)
+            or not isinstance(global_batch_size, int)
+            or global_batch_size < 1
+        ):
+            raise SpecError(
+                f"global_batch_size must be a positive integer, got {global_batch_size!r}"
+            )
         self.global_batch_size = global_batch_size
         if config is None:
             config = SpaceConfig.default()
@@ -99,51 +117,80 @@ class SearchSpace(BaseSearchSpace):
         self._build()
 
     @classmethod
-    def from_yaml(cls, path: "str | os.PathLike", model: "ModelSpec | str", cluster: "Cluster | str", *,
-                  global_batch_size: int, **pins: Any) -> "SearchSpace":
+    def from_yaml(
+        cls,
+        path: "str | os.PathLike",
+        model: "ModelSpec | str",
+        cluster: "Cluster | str",
+        *,
+        global_batch_size: int,
+        **pins: Any,
+    ) -> "SearchSpace":
         """The space of a YAML file (or shipped name), with optional extra pins."""
-        return cls(model, cluster, global_batch_size=global_batch_size, config=SpaceConfig.from_yaml(path), **pins)
+        return cls(
+            model,
+            cluster,
+            global_batch_size=global_batch_size,
+            config=SpaceConfig.from_yaml(path),
+            **pins,
+        )
 
     # ---- building the tree ---------------------------------------------------------------------
     def _build(self) -> None:
         c, m, world = self.config, self.model, self.cluster.world_size
         gbs, gpn = self.global_batch_size, self.cluster.gpus_per_node
         # Preference order, so that among equally fast strategies bf16 comes first.
-        self.amps = tuple(a for a in ("bf16", "fp16", "fp32") if a in c.amp and a in self.cluster.profile.peak_flops)
+        self.amps = tuple(
+            a
+            for a in ("bf16", "fp16", "fp32")
+            if a in c.amp and a in self.cluster.profile.peak_flops
+        )
         if not self.amps:
-            raise SpecError(f"amp {', '.join(c.amp)} not supported by hardware profile {self.cluster.profile.name!r} "
-                            f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those")
+            raise SpecError(
+                f"amp {', '.join(c.amp)} not supported by hardware profile"
+                f" {self.cluster.profile.name!r} (it has peaks for"
+                f" {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
+            )
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
-        rules: list[str] = []  # why candidate values were dropped, for the empty-space message
+        dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
 
-        tps = [t for t in _divisors(world) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]
+        # The layout rules are those of Strategy.problems, applied level by level.
+        tps = [t for t in _divisors(world) if rules.tp_problem(t, m) is None]
         if c.tp_within_node:
             tps = [t for t in tps if t <= gpn]
         if c.tp is not None:
             tps = [t for t in tps if t in c.tp]
-        tps = [t for t in tps if self._sequence_parallel_choices(t)]  # `sequence_parallel: true` needs tp > 1
-        rules.append(f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
-                     + (f", <= {gpn} per node" if c.tp_within_node else "") + ")")
+        # `sequence_parallel: true` needs tp > 1
+        tps = [t for t in tps if self._sequence_parallel_choices(t)]
+        dropped.append(
+            f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
+            + (f", <= {gpn} per node" if c.tp_within_node else "")
+            + ")"
+        )
 
-        schedules_pp1 = [s for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
+        schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
         tree: dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]] = {}
         for tp in tps:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
-                if m.n_layers % pp or (c.pp is not None and pp not in c.pp) or (c.dp is not None and dp not in c.dp):
+                if (
+                    rules.layers_problem(pp, 1, m) is not None
+                    or (c.pp is not None and pp not in c.pp)
+                    or (c.dp is not None and dp not in c.dp)
+                ):
                     continue
                 if pp == 1 and not schedules_pp1:
                     continue
-                per_rank = gbs // dp if gbs % dp == 0 else 0
+                per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
                 mbs = {}
-                for mb in (_divisors(per_rank) if per_rank else []):
+                for mb in _divisors(per_rank) if per_rank else []:
                     if c.micro_batch_size is not None:
                         if mb not in c.micro_batch_size:
                             continue
                     elif c.max_micro_batch_size is not None and mb > c.max_micro_batch_size:
                         continue
                     n_micro = per_rank // mb
-                    if pp > 1 and n_micro < pp:
+                    if rules.microbatch_problem(pp, n_micro, "1f1b") is not None:
                         continue
                     options = self._pipeline_options(pp, n_micro, schedules_pp1)
                     if options:
@@ -151,48 +198,72 @@ class SearchSpace(BaseSearchSpace):
                 if mbs:
                     tree.setdefault(tp, {})[pp] = mbs
         if not tree:
-            raise SpecError(self._empty_message(tps, rules), context="search space is empty")
+            raise SpecError(self._empty_message(tps, dropped), context="search space is empty")
         self._tree = tree
         self._sp_choices = {tp: self._sequence_parallel_choices(tp) for tp in tree}
         self.tps = tuple(sorted(tree))
         # The size, counted per layout: leaves x independent axes.
         other = len(self.recomputes) * len(self.zero_stages) * len(self.amps)
-        self._n_layouts = sum(len(opts) for pps in tree.values() for mbs in pps.values() for opts in mbs.values())
-        self._size = sum(len(opts) * len(self._sp_choices[tp]) * other
-                         for tp, pps in tree.items() for mbs in pps.values() for opts in mbs.values())
+        self._n_layouts = sum(
+            len(opts) for pps in tree.values() for mbs in pps.values() for opts in mbs.values()
+        )
+        self._size = sum(
+            len(opts) * len(self._sp_choices[tp]) * other
+            for tp, pps in tree.items()
+            for mbs in pps.values()
+            for opts in mbs.values()
+        )
 
-    def _pipeline_options(self, pp: int, n_micro: int, schedules_pp1: list[str]) -> tuple[tuple[str, int], ...]:
+    def _pipeline_options(
+        self, pp: int, n_micro: int, schedules_pp1: list[str]
+    ) -> tuple[tuple[str, int], ...]:
         c, layers = self.config, self.model.n_layers
         if pp == 1:
             return ((schedules_pp1[0], 1),)
-        out = [(s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule]
-        if INTERLEAVED in c.pipeline_schedule and n_micro % pp == 0:
+        out: list[tuple[str, int]] = [
+            (s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule
+        ]
+        if INTERLEAVED in c.pipeline_schedule:
             for v in _divisors(layers // pp):
                 if v == 1 or (c.virtual_stages is not None and v not in c.virtual_stages):
                     continue
-                if c.virtual_stages is None and c.max_virtual_stages is not None and v > c.max_virtual_stages:
+                if (
+                    rules.microbatch_problem(pp, n_micro, INTERLEAVED) is not None
+                    or rules.layers_problem(pp, v, self.model) is not None
+                ):
+                    continue
+                if (
+                    c.virtual_stages is None
+                    and c.max_virtual_stages is not None
+                    and v > c.max_virtual_stages
+                ):
                     continue
                 out.append((INTERLEAVED, v))
         return tuple(out)
 
     def _sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
         allowed = self.config.sequence_parallel
-        if tp == 1 or self.model.seq_len % tp:
+        if rules.sequence_parallel_problem(True, tp, self.model.seq_len) is not None:
             return (False,) if False in allowed else ()
         return allowed
 
-    def _empty_message(self, tps: list[int], rules: list[str]) -> str:
+    def _empty_message(self, tps: list[int], dropped: list[str]) -> str:
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         if not tps:
-            return (f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {rules[0]}; "
-                    f"pins tp={list(c.tp) if c.tp else 'all'}, tp_within_node={c.tp_within_node}. "
-                    "Widen tp or set tp_within_node: false")
-        return (f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits global_batch_size={gbs} "
-                f"for {m.name} ({m.n_layers} layers): {rules[0]}; pp must divide {m.n_layers} layers, dp must "
-                f"divide {gbs}, and a pipeline of pp stages needs >= pp micro-batches per step. Pins: "
-                f"dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, micro_batch_size={_fmt(c.micro_batch_size)}, "
-                f"pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a multiple of the "
-                "data-parallel degree, or widen the pins")
+            return (
+                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
+                f" {dropped[0]}; pins tp={list(c.tp) if c.tp else 'all'},"
+                f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
+            )
+        return (
+            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
+            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must"
+            f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages needs"
+            f" >= pp micro-batches per step. Pins: dp={_fmt(c.dp)}, pp={_fmt(c.pp)},"
+            f" micro_batch_size={_fmt(c.micro_batch_size)},"
+            f" pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a"
+            " multiple of the data-parallel degree, or widen the pins"
+        )
 
     # ---- the interface -------------------------------------------------------------------------
     @property
@@ -214,38 +285,79 @@ class SearchSpace(BaseSearchSpace):
                         yield world // (tp * pp), tp, pp, mb, schedule, v
 
     def enumerate(self) -> Iterator[Strategy]:
-        gbs, rcs, zeros, amps = self.global_batch_size, self.recomputes, self.zero_stages, self.amps
+        gbs, rcs, zeros, amps = (
+            self.global_batch_size,
+            self.recomputes,
+            self.zero_stages,
+            self.amps,
+        )
         for dp, tp, pp, mb, schedule, v in self.layouts():
             for rc in rcs:
                 for sp in self._sp_choices[tp]:
                     for zero in zeros:
                         for amp in amps:
-                            yield Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, global_batch_size=gbs,
-                                           pipeline_schedule=schedule, virtual_stages=v, recompute=rc,
-                                           sequence_parallel=sp, zero_stage=zero, amp=amp)
+                            yield Strategy(
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                micro_batch_size=mb,
+                                global_batch_size=gbs,
+                                pipeline_schedule=schedule,
+                                virtual_stages=v,
+                                recompute=rc,
+                                sequence_parallel=sp,
+                                zero_stage=zero,
+                                amp=amp,
+                            )
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> Strategy:
         tp, pp, mb, schedule, v = self._suggest_layout(trial)
         pick = _picker(trial)
         recompute = pick("recompute", self.recomputes)
         sp_choices = self._sp_choices[tp]
-        sp = pick("sequence_parallel", sp_choices) if sp_choices == (False, True) else sp_choices[0]
+        sp = (
+            pick("sequence_parallel", sp_choices) if sp_choices == (False, True) else sp_choices[0]
+        )
         zero = pick("zero_stage", self.zero_stages)
         amp = pick("amp", self.amps)
-        return Strategy(dp=self.cluster.world_size // (tp * pp), tp=tp, pp=pp, micro_batch_size=mb,
-                        global_batch_size=self.global_batch_size, pipeline_schedule=schedule, virtual_stages=v,
-                        recompute=recompute, sequence_parallel=sp, zero_stage=zero, amp=amp)
+        return Strategy(
+            dp=self.cluster.world_size // (tp * pp),
+            tp=tp,
+            pp=pp,
+            micro_batch_size=mb,
+            global_batch_size=self.global_batch_size,
+            pipeline_schedule=schedule,
+            virtual_stages=v,
+            recompute=recompute,
+            sequence_parallel=sp,
+            zero_stage=zero,
+            amp=amp,
+        )
 
     def suggest_group(self, trial: "optuna.trial.BaseTrial") -> tuple[Strategy, ...]:
         """Sample a layout (tp, pp, micro-batch, schedule); return it with every combination of
         recompute x sequence parallel x ZeRO stage x amp (at most 72 strategies)."""
         tp, pp, mb, schedule, v = self._suggest_layout(trial)
         dp, gbs = self.cluster.world_size // (tp * pp), self.global_batch_size
-        return tuple(Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, global_batch_size=gbs,
-                              pipeline_schedule=schedule, virtual_stages=v, recompute=rc, sequence_parallel=sp,
-                              zero_stage=zero, amp=amp)
-                     for rc in self.recomputes for sp in self._sp_choices[tp]
-                     for zero in self.zero_stages for amp in self.amps)
+        return tuple(
+            Strategy(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                micro_batch_size=mb,
+                global_batch_size=gbs,
+                pipeline_schedule=schedule,
+                virtual_stages=v,
+                recompute=rc,
+                sequence_parallel=sp,
+                zero_stage=zero,
+                amp=amp,
+            )
+            for rc in self.recomputes
+            for sp in self._sp_choices[tp]
+            for zero in self.zero_stages
+            for amp in self.amps
+        )
 
     def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> tuple[int, int, int, str, int]:
         pick = _picker(trial)
@@ -268,20 +380,33 @@ class SearchSpace(BaseSearchSpace):
             raise SpecError(f"{where}: tp={s.tp} is not one of {list(self.tps)}")
         mbs = pps.get(s.pp)
         if mbs is None or s.world_size != self.cluster.world_size:
-            raise SpecError(f"{where}: (dp, tp, pp) = ({s.dp}, {s.tp}, {s.pp}) is not a valid split here")
+            raise SpecError(
+                f"{where}: (dp, tp, pp) = ({s.dp}, {s.tp}, {s.pp}) is not a valid split here"
+            )
         if s.global_batch_size != self.global_batch_size:
-            raise SpecError(f"{where}: global_batch_size {s.global_batch_size} != {self.global_batch_size}")
+            raise SpecError(
+                f"{where}: global_batch_size {s.global_batch_size} != {self.global_batch_size}"
+            )
         options = mbs.get(s.micro_batch_size)
         if options is None:
-            raise SpecError(f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for this split")
+            raise SpecError(
+                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for"
+                " this split"
+            )
         schedule = s.pipeline_schedule if s.pp > 1 else options[0][0]
         if (schedule, s.virtual_stages) not in options:
-            raise SpecError(f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not one of "
-                            f"{[pipeline_label(*o) for o in options]}")
+            raise SpecError(
+                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not"
+                f" one of {[pipeline_label(*o) for o in options]}"
+            )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
-        for name, value, choices in (("recompute", s.recompute, self.recomputes), ("zero_stage", s.zero_stage, self.zero_stages),
-                                     ("amp", s.amp, self.amps), ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp])):
+        for name, value, choices in (
+            ("recompute", s.recompute, self.recomputes),
+            ("zero_stage", s.zero_stage, self.zero_stages),
+            ("amp", s.amp, self.amps),
+            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
+        ):
             if value not in choices:
                 raise SpecError(f"{where}: {name}={value} is not one of {list(choices)}")
         params: dict[str, Any] = {}
@@ -292,40 +417,63 @@ class SearchSpace(BaseSearchSpace):
         if len(mbs) > 1:
             params[_keyed("micro_batch_size", [str(b) for b in mbs])] = s.micro_batch_size
         if len(options) > 1:
-            params[_keyed("pipeline", [pipeline_label(*o) for o in options])] = pipeline_label(schedule, s.virtual_stages)
+            params[_keyed("pipeline", [pipeline_label(*o) for o in options])] = pipeline_label(
+                schedule, s.virtual_stages
+            )
         if group:
             return params
-        for name, value, choices in (("recompute", s.recompute, self.recomputes),
-                                     ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
-                                     ("zero_stage", s.zero_stage, self.zero_stages), ("amp", s.amp, self.amps)):
+        for name, value, choices in (
+            ("recompute", s.recompute, self.recomputes),
+            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
+            ("zero_stage", s.zero_stage, self.zero_stages),
+            ("amp", s.amp, self.amps),
+        ):
             if len(choices) > 1:
                 params[name] = value
         return params
 
     def signature(self) -> dict[str, Any]:
         out = super().signature()
-        blob = json.dumps({"model": self.model.to_dict(), "cluster": self.cluster.to_dict(),
-                           "config": self.config.to_dict()}, sort_keys=True, default=str)
+        blob = json.dumps(
+            {
+                "model": self.model.to_dict(),
+                "cluster": self.cluster.to_dict(),
+                "config": self.config.to_dict(),
+            },
+            sort_keys=True,
+            default=str,
+        )
         out["digest"] = hashlib.sha1(blob.encode()).hexdigest()[:12]
         return out
 
     def describe(self) -> str:
         """One paragraph: what the space contains, for logs and reports."""
         n_layouts = sum(1 for _ in self.layouts())
-        splits = sorted({(self.cluster.world_size // (t * p), t, p) for t, pps in self._tree.items() for p in pps})
-        return (f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global batch "
-                f"{self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts} layouts with micro-batch "
-                f"and schedule, x recompute {list(self.recomputes)} x zero {list(self.zero_stages)} x amp "
-                f"{list(self.amps)} x sequence parallel where tp > 1")
+        splits = sorted(
+            {
+                (self.cluster.world_size // (t * p), t, p)
+                for t, pps in self._tree.items()
+                for p in pps
+            }
+        )
+        return (
+            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
+            f" batch {self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts}"
+            f" layouts with micro-batch and schedule, x recompute {list(self.recomputes)} x zero"
+            f" {list(self.zero_stages)} x amp {list(self.amps)} x sequence parallel where tp > 1"
+        )
 
     def __repr__(self) -> str:
-        return (f"SearchSpace({self.model.name!r}, {self.cluster.name!r}, global_batch_size={self.global_batch_size}, "
-                f"size={self.size})")
+        return (
+            f"SearchSpace({self.model.name!r}, {self.cluster.name!r},"
+            f" global_batch_size={self.global_batch_size}, size={self.size})"
+        )
 
 
 def _picker(trial: "optuna.trial.BaseTrial"):
     def pick(name: str, choices: tuple) -> Any:
         return choices[0] if len(choices) == 1 else trial.suggest_categorical(name, choices)
+
     return pick
 
 

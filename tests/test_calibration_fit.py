@@ -9,6 +9,7 @@ worst seen, so the tests check that the fit is right, not that a seed was lucky.
 term is weakly identified when the smallest GEMM takes as long as a launch (worst 75%): it is
 checked within a factor of 2.
 """
+
 import numpy as np
 import pytest
 
@@ -33,19 +34,23 @@ def _noisy(t, rng):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_alpha_beta_recovered_over_ops_sizes_and_groups(seed):
     rng = np.random.default_rng(seed)
-    alpha, beta = 80e-6, 1.2e9   # gloo on loopback: ~80 us, ~1 GB/s (shared/notes)
+    alpha, beta = 80e-6, 1.2e9  # gloo on loopback: ~80 us, ~1 GB/s (shared/notes)
     ops, groups, sizes = [], [], []
     for op in COLLECTIVES:
-        for g in ((2, 4) if op != "send_recv" else (2,)):
-            for s in 4 * 4.0 ** np.arange(14):   # 4 B .. 256 MB
+        for g in (2, 4) if op != "send_recv" else (2,):
+            for s in 4 * 4.0 ** np.arange(14):  # 4 B .. 256 MB
                 ops.append(op), groups.append(g), sizes.append(s)
-    clean = [collective_coefficients(o, g)[0] * alpha + collective_coefficients(o, g)[1] * s / beta
-             for o, g, s in zip(ops, groups, sizes)]
+    clean = [
+        collective_coefficients(o, g)[0] * alpha + collective_coefficients(o, g)[1] * s / beta
+        for o, g, s in zip(ops, groups, sizes)
+    ]
     fit = fit_alpha_beta(ops, groups, sizes, _noisy(clean, rng))
     assert fit.latency_s == pytest.approx(alpha, rel=0.15)
     assert fit.bandwidth_bytes_per_s == pytest.approx(beta, rel=0.15)
     assert fit.quality.n_points == len(ops) and fit.quality.r2_log > 0.95
-    assert fit.quality.worst_rel_residual > 0.5   # the injected 3x outliers (|1/3 - 1|) are reported
+    assert (
+        fit.quality.worst_rel_residual > 0.5
+    )  # the injected 3x outliers (|1/3 - 1|) are reported
 
 
 def test_ring_coefficients_match_the_cost_model_formulas():
@@ -53,8 +58,11 @@ def test_ring_coefficients_match_the_cost_model_formulas():
 
     alpha, beta, s = 1e-5, 1e10, 3e7
     for n in (2, 4, 8):
-        for op, formula in (("all_reduce", ring_all_reduce_time_s), ("all_gather", ring_all_gather_time_s),
-                            ("reduce_scatter", ring_all_gather_time_s)):
+        for op, formula in (
+            ("all_reduce", ring_all_reduce_time_s),
+            ("all_gather", ring_all_gather_time_s),
+            ("reduce_scatter", ring_all_gather_time_s),
+        ):
             a, b = collective_coefficients(op, n)
             assert a * alpha + b * s / beta == pytest.approx(formula(s, n, alpha, beta))
     a, b = collective_coefficients("send_recv", 2)
@@ -65,8 +73,14 @@ def test_ring_coefficients_match_the_cost_model_formulas():
 def test_gemm_efficiency_recovered_forward_and_backward(seed):
     rng = np.random.default_rng(seed)
     rates, half_dim, launch = {"fp32": 60e9, "bf16": 8e9}, 32.0, 10e-6
-    rows = [(m, n, k, p, mult) for p in rates for m in (16, 64, 256, 1024, 4096) for n in (64, 256, 1024)
-            for k in (64, 256, 1024) for mult in (1, 2)]
+    rows = [
+        (m, n, k, p, mult)
+        for p in rates
+        for m in (16, 64, 256, 1024, 4096)
+        for n in (64, 256, 1024)
+        for k in (64, 256, 1024)
+        for mult in (1, 2)
+    ]
     m, n, k, p, mult = (list(x) for x in zip(*rows))
     t = _noisy(gemm_time_s(m, n, k, rates, p, half_dim, launch, mult), rng)
     fit = fit_gemm(m, n, k, p, t, multiplier=mult)
@@ -79,15 +93,18 @@ def test_gemm_efficiency_recovered_forward_and_backward(seed):
 
 def test_gemm_fit_reproduces_the_profile_form():
     """The fitted terms, put into GemmEfficiency, give back the fitted times (same form)."""
-    from cost_models.hardware import GemmEfficiency
+    from autosearch.core.hardware import GemmEfficiency
 
     rates = {"fp32": 50e9}
     m, n, k = [64, 512, 2048], [256, 1024, 4096], [128, 256, 1024]
     t = gemm_time_s(m, n, k, rates, ["fp32"] * 3, 20.0, 5e-6)
     fit = fit_gemm(m, n, k, ["fp32"] * 3, t)
     peak = 100e9
-    gemm = GemmEfficiency(max_efficiency={"fp32": fit.rate_flops["fp32"] / peak}, half_dim=fit.half_dim,
-                          launch_s=fit.launch_s)
+    gemm = GemmEfficiency(
+        max_efficiency={"fp32": fit.rate_flops["fp32"] / peak},
+        half_dim=fit.half_dim,
+        launch_s=fit.launch_s,
+    )
     for i in range(3):
         assert gemm.time_s(m[i], n[i], k[i], peak, "fp32") == pytest.approx(t[i], rel=1e-3)
 
@@ -95,12 +112,16 @@ def test_gemm_fit_reproduces_the_profile_form():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_memory_bandwidth_recovered(seed):
     rng = np.random.default_rng(seed)
-    nbytes = np.array([2, 3, 3] * 7, float) * np.repeat(2.0 ** np.arange(20, 27), 3)   # copy, add, triad
+    nbytes = np.array([2, 3, 3] * 7, float) * np.repeat(
+        2.0 ** np.arange(20, 27), 3
+    )  # copy, add, triad
     t = _noisy(8e-6 + nbytes / 15e9, rng)
     fit = fit_bandwidth(nbytes, t, launch_s=8e-6)
     assert fit.bandwidth_bytes_per_s == pytest.approx(15e9, rel=0.15)
     both = fit_bandwidth(nbytes, (2e-5 + nbytes / 15e9))
-    assert both.bandwidth_bytes_per_s == pytest.approx(15e9, rel=1e-3) and both.launch_s == pytest.approx(2e-5, rel=1e-2)
+    assert both.bandwidth_bytes_per_s == pytest.approx(
+        15e9, rel=1e-3
+    ) and both.launch_s == pytest.approx(2e-5, rel=1e-2)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

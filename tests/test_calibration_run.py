@@ -2,6 +2,7 @@
 says what it measured and how well each fit held, and that the cost model and the CLI can use.
 
 No timing is asserted: the CPU is shared and its numbers vary; only structure and loadability are."""
+
 import subprocess
 import sys
 
@@ -9,15 +10,17 @@ import pandas as pd
 import pytest
 
 from autosearch.cli import main
-from autosearch.strategy import Strategy
+from autosearch.core.model_spec import ModelSpec
+from autosearch.core.strategy import Strategy
 from cost_models import AnalyticCostModel, Cluster, HardwareProfile
-from autosearch.model_spec import ModelSpec
 
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibration") / "cpu-quick.yaml"
-    code = main(["calibrate", "--device", "cpu", "--world-sizes", "1,2", "--quick", "--out", str(out)])
+    code = main(
+        ["calibrate", "--device", "cpu", "--world-sizes", "1,2", "--quick", "--out", str(out)]
+    )
     assert code == 0
     return out
 
@@ -27,25 +30,45 @@ def test_quick_calibration_writes_a_loadable_profile(quick_profile):
     prof = HardwareProfile.load(str(quick_profile))
     assert prof.device_type == "cpu" and prof.gpus_per_node == 2
     assert set(prof.peak_flops) == {"fp32", "bf16", "fp16"}
-    for field in ("peak_flops", "gemm.max_efficiency", "gemm.half_dim", "memory_bandwidth_bytes_per_s",
-                  "attention_efficiency", "intra_node.latency_s", "intra_node.bandwidth_bytes_per_s", "kernel_launch_s"):
+    for field in (
+        "peak_flops",
+        "gemm.max_efficiency",
+        "gemm.half_dim",
+        "memory_bandwidth_bytes_per_s",
+        "attention_efficiency",
+        "intra_node.latency_s",
+        "intra_node.bandwidth_bytes_per_s",
+        "kernel_launch_s",
+    ):
         assert field in prof.measured
-    assert "inter_node" in prof.defaults_used()          # one node: never measured, and said so
+    assert "inter_node" in prof.defaults_used()  # one node: never measured, and said so
     assert "inter_node" in prof.calibration["defaults"]
     fits = prof.calibration["fits"]
     for name in ("gemm", "memory", "intra_node"):
         q = fits[name]["quality"]
         assert {"r2_log", "worst_rel_residual", "median_rel_residual", "n_points"} <= set(q)
     machine = prof.calibration["machine"]
-    assert machine["torch"] and machine["device_name"] and machine["date"] and machine["world_sizes"] == [1, 2]
+    assert (
+        machine["torch"]
+        and machine["device_name"]
+        and machine["date"]
+        and machine["world_sizes"] == [1, 2]
+    )
     assert prof.calibration["threads_per_process"] == 1 and "peak_definition" in prof.calibration
-    assert max(prof.gemm.max_efficiency.values()) == pytest.approx(1.0)   # peak = best measured precision
+    assert max(prof.gemm.max_efficiency.values()) == pytest.approx(
+        1.0
+    )  # peak = best measured precision
 
     # The raw measurements and the single-process variant sit next to it.
     raw = pd.read_csv(quick_profile.with_suffix(".csv"))
     assert {"kind", "op", "world_size", "time_s", "time_min_s"} <= set(raw.columns)
     assert set(raw["kind"]) >= {"gemm", "memory", "attention", "collective", "launch"}
-    assert set(raw.loc[raw["kind"] == "collective", "op"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    assert set(raw.loc[raw["kind"] == "collective", "op"]) == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "send_recv",
+    }
     single = HardwareProfile.load(str(quick_profile.parent / "cpu-quick-np1.yaml"))
     assert single.gpus_per_node == 1 and single.calibration["threads_per_process"] >= 1
 
@@ -55,16 +78,29 @@ def test_the_cost_model_and_cli_use_the_calibrated_profile(quick_profile, capsys
     cluster = Cluster(gpu=str(quick_profile), gpus_per_node=2)
     model = ModelSpec.load("tiny-gpt")
     cm = AnalyticCostModel(model, cluster)
-    for text in ("dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32",
-                 "tp=2,micro_batch_size=8,global_batch_size=8,amp=bf16",
-                 "pp=2,micro_batch_size=2,global_batch_size=8,amp=fp32"):
+    for text in (
+        "dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32",
+        "tp=2,micro_batch_size=8,global_batch_size=8,amp=bf16",
+        "pp=2,micro_batch_size=2,global_batch_size=8,amp=fp32",
+    ):
         report = cm.estimate(Strategy.parse(text))
         assert report.step_time_s > 0 and report.fits
     assert Cluster.parse(f"{quick_profile}:1x2").world_size == 2
-    code = main(["estimate", "--model", "tiny-gpt", "--cluster", f"{quick_profile}:1x2",
-                 "--strategy", "dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32"])
+    code = main(
+        [
+            "estimate",
+            "--model",
+            "tiny-gpt",
+            "--cluster",
+            f"{quick_profile}:1x2",
+            "--strategy",
+            "dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32",
+        ]
+    )
     out = capsys.readouterr().out
-    assert code == 0 and "step time" in out and "inter_node" in out   # the default it relies on is named
+    assert (
+        code == 0 and "step time" in out and "inter_node" in out
+    )  # the default it relies on is named
 
 
 def test_calibrate_user_errors_exit_2(tmp_path, capsys):
@@ -75,7 +111,9 @@ def test_calibrate_user_errors_exit_2(tmp_path, capsys):
 
 
 def test_import_cost_models_does_not_import_torch():
-    code = ("import sys, cost_models, cost_models.calibration; "
-            "from cost_models.calibration import calibrate, refit_corrections; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys, cost_models, cost_models.calibration; "
+        "from cost_models.calibration import calibrate, refit_corrections; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,9 +1,10 @@
 """Properties the analytic model must have, whatever its constants (a contract for CostModels)."""
+
 import pytest
 
 from autosearch import ModelSpec, Strategy
+from autosearch.core.runtime import MEGATRON_SC21, TORCH
 from cost_models import AnalyticCostModel, Cluster, CostModel, estimate
-from cost_models.runtime import MEGATRON_SC21, TORCH
 
 GPT = ModelSpec.load("gpt3-13b")
 CLUSTER = Cluster.parse("a100-sxm4-80gb:4x8")  # 32 GPUs
@@ -15,8 +16,16 @@ def cm(runtime=TORCH, model=GPT, cluster=CLUSTER) -> CostModel:
 
 @pytest.mark.parametrize("runtime", [TORCH, MEGATRON_SC21])
 def test_breakdown_adds_up_and_figures_are_consistent(runtime):
-    s = Strategy(dp=4, tp=4, pp=2, micro_batch_size=2, global_batch_size=256, recompute="selective",
-                 sequence_parallel=True, zero_stage=1)
+    s = Strategy(
+        dp=4,
+        tp=4,
+        pp=2,
+        micro_batch_size=2,
+        global_batch_size=256,
+        recompute="selective",
+        sequence_parallel=True,
+        zero_stage=1,
+    )
     r = cm(runtime).estimate(s)
     assert r.time.total_s == pytest.approx(r.step_time_s, rel=1e-12)
     assert r.memory.total_bytes == pytest.approx(r.peak_memory_bytes, rel=1e-12)
@@ -40,7 +49,10 @@ def test_more_microbatches_shrink_the_bubble():
     for gbs in (32, 64, 128, 256):
         r = cm().estimate(Strategy(dp=4, tp=2, pp=4, micro_batch_size=1, global_batch_size=gbs))
         bubble_share.append(r.time.bubble_s / r.step_time_s)
-    assert bubble_share == sorted(bubble_share, reverse=True) and bubble_share[-1] < bubble_share[0] / 4
+    assert (
+        bubble_share == sorted(bubble_share, reverse=True)
+        and bubble_share[-1] < bubble_share[0] / 4
+    )
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -63,15 +75,25 @@ def test_recompute_trades_memory_for_time():
     base = dict(dp=8, tp=4, micro_batch_size=2, global_batch_size=64)
     # Megatron 2021 runtime: no flash attention, so selective recompute has something to save
     model = cm(MEGATRON_SC21)
-    none, sel, full = (model.estimate(Strategy(**base, recompute=r)) for r in ("none", "selective", "full"))
-    assert none.memory.activations_bytes > sel.memory.activations_bytes > full.memory.activations_bytes
+    none, sel, full = (
+        model.estimate(Strategy(**base, recompute=r)) for r in ("none", "selective", "full")
+    )
+    assert (
+        none.memory.activations_bytes
+        > sel.memory.activations_bytes
+        > full.memory.activations_bytes
+    )
     assert none.step_time_s < sel.step_time_s < full.step_time_s
     assert none.time.recompute_s == 0 and full.time.recompute_s > sel.time.recompute_s > 0
 
 
 def test_each_zero_stage_lowers_memory():
-    peaks = [cm().estimate(Strategy(dp=8, tp=4, micro_batch_size=1, global_batch_size=64, zero_stage=z)).peak_memory_bytes
-             for z in (0, 1, 2, 3)]
+    peaks = [
+        cm()
+        .estimate(Strategy(dp=8, tp=4, micro_batch_size=1, global_batch_size=64, zero_stage=z))
+        .peak_memory_bytes
+        for z in (0, 1, 2, 3)
+    ]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
 
 
@@ -80,8 +102,12 @@ def test_zero3_moves_one_and_a_half_times_the_data_of_ddp():
     (two parameter all-gathers and one gradient reduce-scatter vs one all-reduce). With no overlap
     (Megatron 2021 runtime) and one micro-batch, the exposed times have exactly that ratio."""
     model = cm(MEGATRON_SC21)
-    t0, t3 = (model.estimate(Strategy(dp=32, micro_batch_size=1, global_batch_size=32, zero_stage=z))
-              .time.dp_comm_exposed_s for z in (0, 3))
+    t0, t3 = (
+        model.estimate(
+            Strategy(dp=32, micro_batch_size=1, global_batch_size=32, zero_stage=z)
+        ).time.dp_comm_exposed_s
+        for z in (0, 3)
+    )
     assert t3 == pytest.approx(1.5 * t0, rel=1e-9)
 
 
@@ -95,14 +121,26 @@ def test_sequence_parallel_lowers_activation_memory():
 def test_tensor_parallel_across_nodes_is_slower_and_noted():
     model = ModelSpec.load("gpt3-175b")
     cluster = Cluster.parse("h100-sxm:4x8")
-    inside = estimate(model, cluster, Strategy(dp=4, tp=8, micro_batch_size=1, global_batch_size=64, zero_stage=1))
-    across = estimate(model, cluster, Strategy(dp=2, tp=16, micro_batch_size=1, global_batch_size=64, zero_stage=1))
-    assert across.time.tp_comm_s > 2 * inside.time.tp_comm_s  # more ranks, network latency, 1/t less work per rank
+    inside = estimate(
+        model,
+        cluster,
+        Strategy(dp=4, tp=8, micro_batch_size=1, global_batch_size=64, zero_stage=1),
+    )
+    across = estimate(
+        model,
+        cluster,
+        Strategy(dp=2, tp=16, micro_batch_size=1, global_batch_size=64, zero_stage=1),
+    )
+    assert (
+        across.time.tp_comm_s > 2 * inside.time.tp_comm_s
+    )  # more ranks, network latency, 1/t less work per rank
     assert any("spans nodes" in n for n in across.notes) and not inside.notes
 
 
 def test_a_model_too_large_does_not_fit_and_says_by_how_much():
-    r = estimate("gpt3-175b", "a100-sxm4-80gb:1x8", Strategy(dp=8, micro_batch_size=1, global_batch_size=8))
+    r = estimate(
+        "gpt3-175b", "a100-sxm4-80gb:1x8", Strategy(dp=8, micro_batch_size=1, global_batch_size=8)
+    )
     assert not r.fits
     assert r.memory_excess_bytes == pytest.approx(r.peak_memory_bytes - r.memory_capacity_bytes)
     assert "GiB over" in r.infeasible_reason
@@ -110,14 +148,17 @@ def test_a_model_too_large_does_not_fit_and_says_by_how_much():
 
 def test_memory_of_a_known_case_is_the_zero_paper_accounting():
     """Rajbhandari et al. 2020 (ZeRO) sec. 3.1: mixed-precision Adam keeps 16 bytes per parameter
-    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp."""
+    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp.
+    """
     model = ModelSpec.load("gpt3-1.3b")
     c = Cluster.parse("a100-sxm4-80gb:1x8")
     m = AnalyticCostModel(model, c, runtime=MEGATRON_SC21)
     r0 = m.estimate(Strategy(dp=8, micro_batch_size=1, global_batch_size=8, amp="fp16"))
     states0 = r0.memory.params_bytes + r0.memory.grads_bytes + r0.memory.optimizer_bytes
     assert states0 == pytest.approx(16 * model.n_params, rel=1e-9)
-    r3 = m.estimate(Strategy(dp=8, micro_batch_size=1, global_batch_size=8, amp="fp16", zero_stage=3))
+    r3 = m.estimate(
+        Strategy(dp=8, micro_batch_size=1, global_batch_size=8, amp="fp16", zero_stage=3)
+    )
     states3 = r3.memory.params_bytes + r3.memory.grads_bytes + r3.memory.optimizer_bytes
     gathered = 2 * 2 * model.layer_params  # two gathered fp16 layers
     assert states3 == pytest.approx(16 * model.n_params / 8 + gathered, rel=1e-9)

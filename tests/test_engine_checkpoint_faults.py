@@ -6,6 +6,7 @@
 * A crafted ``.metadata`` (a pickle that would run a command) is refused by `Engine.load`, and
   the command does not run.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,8 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 import engine_workers as W
 from autosearch import Engine
-e = Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), strategy={strategy!r})
+e = Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+           strategy={strategy!r})
 e.prepare()
 i = 0
 while True:
@@ -64,12 +66,18 @@ def _leftovers(folder: Path) -> list[str]:
 @pytest.mark.parametrize("training", [True, False], ids=["dcp_folder", "inference_file"])
 def test_kill_during_save_keeps_the_previous_or_the_new_checkpoint(tmp_path, training):
     path = tmp_path / ("ckpt" if training else "model.pt")
-    code = SAVER.format(tests=str(Path(__file__).parent), strategy=STRATEGY, path=str(path), training=training)
+    code = SAVER.format(
+        tests=str(Path(__file__).parent), strategy=STRATEGY, path=str(path), training=training
+    )
     rng = random.Random(12)
     outcomes = []
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         done = int(proc.stdout.readline())  # one complete save of this child
         time.sleep(rng.uniform(0.0, 0.25))
         proc.send_signal(signal.SIGKILL)
@@ -78,8 +86,12 @@ def test_kill_during_save_keeps_the_previous_or_the_new_checkpoint(tmp_path, tra
         done = int(rest[-1]) if rest else done
         torn = bool(_leftovers(tmp_path))  # the kill hit a save in progress
         value = _saved_value(path, training)
-        assert value in (done, done + 1), f"after a kill with save {done} complete, the checkpoint holds {value}"
-        outcomes.append(("new" if value == done + 1 else "previous") + (" (mid-save)" if torn else ""))
+        assert value in (done, done + 1), (
+            f"after a kill with save {done} complete, the checkpoint holds {value}"
+        )
+        outcomes.append(
+            ("new" if value == done + 1 else "previous") + (" (mid-save)" if torn else "")
+        )
     e = Engine(W.make_model("gpt"), strategy=STRATEGY)
     e.save(str(path), training=training)
     assert _leftovers(tmp_path) == []
@@ -102,6 +114,8 @@ def test_crafted_metadata_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "pwned"
     with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
         pickle.dump(_Marker(str(marker)), f)
-    with pytest.raises(SpecError, match="refusing to load checkpoint.*posix.system|refusing to load checkpoint"):
+    with pytest.raises(
+        SpecError, match="refusing to load checkpoint.*posix.system|refusing to load checkpoint"
+    ):
         Engine(W.make_model("gpt"), strategy=STRATEGY).load(str(tmp_path / "ckpt"))
     assert not marker.exists()

@@ -1,5 +1,6 @@
 """examples/finetune_hf.py, short: tune (2 candidates validated), train on a token file, save DCP
 and save_pretrained; then this test loads both and checks they hold the same model."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,24 @@ pytestmark = pytest.mark.slow
 
 def test_finetune_hf_example_short(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--out", str(out), "--steps", "8",
-           "--seq-len", "32", "--n-trials", "8", "--validate-top-k", "2", "--save-steps", "4", "--log-freq", "4"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "finetune_hf.py"),
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        "--seq-len",
+        "32",
+        "--n-trials",
+        "8",
+        "--validate-top-k",
+        "2",
+        "--save-steps",
+        "4",
+        "--log-freq",
+        "4",
+    ]
     env = {**os.environ, "AUTOSEARCH_CALIBRATION_DIR": str(ROOT / "results" / "calibration")}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -31,8 +48,10 @@ def test_finetune_hf_example_short(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     from autosearch import Engine
 
-    engine = Engine(transformers.LlamaForCausalLM(hf.config),
-                    strategy="micro_batch_size=1,global_batch_size=1,amp=fp32")
+    engine = Engine(
+        transformers.LlamaForCausalLM(hf.config),
+        strategy="micro_batch_size=1,global_batch_size=1,amp=fp32",
+    )
     engine.load(str(out / "dcp"), load_optimizer=False)
     theirs = hf.state_dict()
     ours = engine.main_program.state_dict()

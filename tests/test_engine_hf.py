@@ -7,6 +7,7 @@ transformer's equivalence test explains (tests/test_engine_parallel.py): bitwise
 ops on the same micro-batches), 2e-5 over the first two steps and 1e-3 over three for the fp32
 runs whose arithmetic is reordered (dp, tp, zero).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,10 @@ STRATEGIES = {
 }
 EXTRA = {  # Llama only: selective recompute of HF's attention core, interleaved pipeline
     "hf_llama/tp2_selective": (f"tp=2,recompute=selective,{B}", FP32),
-    "hf_llama/pp2_interleaved": (f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,{B}", EXACT),
+    "hf_llama/pp2_interleaved": (
+        f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,{B}",
+        EXACT,
+    ),
 }
 CASES = {f"{kind}/{name}": v for kind in W.HF_FAMILIES for name, v in STRATEGIES.items()} | EXTRA
 pytestmark = pytest.mark.slow
@@ -50,7 +54,9 @@ def test_hf_model_matches_single_process(world2, references, name):
     assert all(r[name] == got for r in world2), f"{name}: ranks report different losses"
     assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
     if tol == EXACT:
-        assert got == ref, f"{name}: expected bitwise equality with the single-process run: {got} vs {ref}"
+        assert got == ref, (
+            f"{name}: expected bitwise equality with the single-process run: {got} vs {ref}"
+        )
     else:
         early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
         gap = max(abs(a - b) for a, b in zip(got, ref))

@@ -6,6 +6,7 @@ On the first step the weights are identical, so the norm differs only by the ord
 additions (sharded partial sums, all-reduces): relative 1e-5 (observed ~1e-7). Later steps follow
 the equivalence tolerances of tests/test_engine_parallel.py (1e-3 on losses near 4.8).
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,7 @@ from autosearch.engine import TokenFile, WarmupDecay  # noqa: E402
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 CLIP_CASES = {
     "dp2": f"dp=2,{B}",
-    "tp2": f"tp=2,{B}",                      # tp-sharded DTensor and plain (norm) gradients mixed
+    "tp2": f"tp=2,{B}",  # tp-sharded DTensor and plain (norm) gradients mixed
     "tp2_sp": f"tp=2,sequence_parallel=true,{B}",
     "pp2": f"pp=2,pipeline_schedule=1f1b,{B}",
     "zero3": f"dp=2,zero_stage=3,{B}",
@@ -59,13 +60,19 @@ def test_clipping_equals_torch_clip_grad_norm_single_process():
     loss = torch.nn.functional.cross_entropy(model(x[None]).flatten(0, 1), y)
     loss.backward()
     expected = float(torch.nn.utils.clip_grad_norm_(model.parameters(), W.CLIP_NORM))
-    engine = Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
-                    strategy="micro_batch_size=1,global_batch_size=1,amp=fp32", grad_clip_norm=W.CLIP_NORM)
+    engine = Engine(
+        W.make_model("gpt"),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+        strategy="micro_batch_size=1,global_batch_size=1,amp=fp32",
+        grad_clip_norm=W.CLIP_NORM,
+    )
     logs = engine.run((x[None], y[None]), mode="train")
     assert logs["grad_norm"] == pytest.approx(expected, rel=1e-6)
     from autosearch.engine.optim import total_grad_norm
 
-    assert float(total_grad_norm(engine.model_parts_)) == pytest.approx(W.CLIP_NORM, rel=1e-4)  # clipped
+    assert float(total_grad_norm(engine.model_parts_)) == pytest.approx(
+        W.CLIP_NORM, rel=1e-4
+    )  # clipped
 
 
 def test_warmup_decay_factors():
@@ -83,25 +90,41 @@ def test_warmup_decay_factors():
 
 
 def _engine(**kwargs):
-    return Engine(lambda: W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-                  strategy="micro_batch_size=2,global_batch_size=4,amp=fp32", **kwargs)
+    return Engine(
+        lambda: W.make_model("gpt"),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        strategy="micro_batch_size=2,global_batch_size=4,amp=fp32",
+        **kwargs,
+    )
 
 
 def test_fit_schedules_logs_csv_and_prints_plain_lines(tmp_path, capsys):
-    e = _engine(lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6), grad_clip_norm=1.0,
-                cluster="h100-sxm:1x1")
-    history = e.fit(W.dataset("gpt", 32), epochs=2, steps_per_epoch=3, log_dir=tmp_path, log_freq=2)
+    e = _engine(
+        lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6),
+        grad_clip_norm=1.0,
+        cluster="h100-sxm:1x1",
+    )
+    history = e.fit(
+        W.dataset("gpt", 32), epochs=2, steps_per_epoch=3, log_dir=tmp_path, log_freq=2
+    )
     factors = [WarmupDecay(warmup_steps=2, total_steps=6).factor(s) for s in range(6)]
     assert history["lr"] == pytest.approx([1e-2 * f for f in factors])
-    assert len(history["grad_norm"]) == len(history["mfu"]) == 6 and all(m > 0 for m in history["mfu"])
+    assert len(history["grad_norm"]) == len(history["mfu"]) == 6 and all(
+        m > 0 for m in history["mfu"]
+    )
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [float(r["loss"]) for r in rows] == pytest.approx(history["loss"])
     out = capsys.readouterr().out  # not a terminal: plain lines every log_freq steps
-    assert "step 2 loss" in out and "step 4 loss" in out and "step 3 loss" not in out and "MFU" in out
-    torch_sched = _engine(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
-    assert torch_sched.fit(W.dataset("gpt", 32), steps_per_epoch=5, verbose=0)["lr"] == pytest.approx(
-        [1e-2, 1e-2, 5e-3, 5e-3, 2.5e-3])
+    assert (
+        "step 2 loss" in out and "step 4 loss" in out and "step 3 loss" not in out and "MFU" in out
+    )
+    torch_sched = _engine(
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    )
+    assert torch_sched.fit(W.dataset("gpt", 32), steps_per_epoch=5, verbose=0)[
+        "lr"
+    ] == pytest.approx([1e-2, 1e-2, 5e-3, 5e-3, 2.5e-3])
 
 
 def test_loop_input_errors(tmp_path):
@@ -110,7 +133,9 @@ def test_loop_input_errors(tmp_path):
         e.fit(W.dataset("gpt", 32), save_steps=2, verbose=0)
     with pytest.raises(SpecError, match="tensorboard=True needs log_dir"):
         e.fit(W.dataset("gpt", 32), tensorboard=True, verbose=0)
-    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), 1)
+    sched = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)]), 1
+    )
     with pytest.raises(SpecError, match="recipe optimizer -> scheduler"):
         _engine(lr_scheduler=sched).prepare()
 
@@ -122,7 +147,10 @@ def test_resume_after_kill_gives_the_uninterrupted_losses(tmp_path):
     uninterrupted run's losses and learning rates exactly (same ops, same data, same RNG)."""
     full = W.launch(2, "resume", str(tmp_path / "full"), "full")[0]
     W.launch(2, "resume", str(tmp_path / "run"), "killed", killed=True)
-    assert sorted(os.listdir(tmp_path / "run")) == ["metrics.csv", "step00000002"]  # killed before step 4
+    assert sorted(os.listdir(tmp_path / "run")) == [
+        "metrics.csv",
+        "step00000002",
+    ]  # killed before step 4
     resumed = W.launch(2, "resume", str(tmp_path / "run"), "resume")
     assert resumed[0] == resumed[1]
     assert resumed[0]["global_step"] == full["global_step"] == 6
@@ -135,15 +163,25 @@ def test_resume_after_kill_gives_the_uninterrupted_losses(tmp_path):
 def test_token_file_windows_and_dp_sharding(tmp_path):
     from autosearch.engine.data import build_loader
 
-    ids = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(0)).numpy().astype("uint16")
+    ids = (
+        torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(0))
+        .numpy()
+        .astype("uint16")
+    )
     path = tmp_path / "train.bin"
     ids.tofile(path)
     data = TokenFile(path, seq_len=16, vocab_size=50)
     assert len(data) == (1000 - 17) // 16 + 1
     x, y = data[3]
-    assert x.dtype == torch.int64 and x.tolist() == ids[48:64].tolist() and y.tolist() == ids[49:65].tolist()
+    assert (
+        x.dtype == torch.int64
+        and x.tolist() == ids[48:64].tolist()
+        and y.tolist() == ids[49:65].tolist()
+    )
     # dp=2: the two ranks' local batches together are the global batch, each sample once
-    loaders = [build_loader(data, batch_size=8, dp=2, dp_rank=r, shuffle=True, seed=3) for r in range(2)]
+    loaders = [
+        build_loader(data, batch_size=8, dp=2, dp_rank=r, shuffle=True, seed=3) for r in range(2)
+    ]
     seen = [torch.cat([b[0] for b in ld.epoch(0)]) for ld in loaders]
     assert seen[0].shape == seen[1].shape == (len(data) // 8 * 4, 16)
     rows = {tuple(r.tolist()) for s in seen for r in s}

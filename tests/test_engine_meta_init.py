@@ -9,6 +9,7 @@ Without meta_init every rank builds the whole model first: 263 MiB at world 2. A
 `prepare` of a tiny model comes first in each process, so the fixed costs of first use (modules
 imported, process groups of the mesh) are not counted as the model's.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,10 @@ def peaks():
     out = {world: W.launch(world, "setup_memory", True, timeout_s=300)[0] for world in (1, 2, 4)}
     out["full_world2"] = W.launch(2, "setup_memory", False, timeout_s=300)[0]
     for key, r in out.items():
-        print(f"rank 0 setup peak, {key}: {r['setup_peak_bytes'] / 2**20:.0f} MiB, "
-              f"{r['local_params'] / 1e6:.1f} M local parameters")
+        print(
+            f"rank 0 setup peak, {key}: {r['setup_peak_bytes'] / 2**20:.0f} MiB, "
+            f"{r['local_params'] / 1e6:.1f} M local parameters"
+        )
     return out
 
 
@@ -45,4 +48,6 @@ def test_meta_initialised_engines_load_a_checkpoint_shard_by_shard(tmp_path):
     assert r0 == r1
     for name in ("zero3", "tp2_sp"):
         assert r0[f"{name}_loaded_eval"] == pytest.approx(r0["saved_eval"], abs=1e-5)
-        assert abs(r0[f"{name}_fresh_eval"] - r0["saved_eval"]) > 1e-3  # the load changed the weights
+        assert (
+            abs(r0[f"{name}_fresh_eval"] - r0["saved_eval"]) > 1e-3
+        )  # the load changed the weights

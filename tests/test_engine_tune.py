@@ -10,7 +10,7 @@ import torch
 
 from autosearch import Engine, ModelSpec
 from autosearch.engine import SyntheticTokens
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from autosearch.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,13 +1,14 @@
 """Exporters: one contract suite that every exporter passes, then a few runtime specifics."""
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from autosearch import ModelSpec, SpecError, Strategy
 from autosearch.export import EXPORTERS, export
@@ -18,11 +19,36 @@ MODEL = ModelSpec.load("llama3-70b")
 STRATEGIES = [
     Strategy(dp=64, global_batch_size=512),
     Strategy(dp=64, global_batch_size=512, zero_stage=3, recompute="full", amp="bf16"),
-    Strategy(dp=8, tp=8, pp=4, micro_batch_size=2, global_batch_size=512, recompute="selective",
-             sequence_parallel=True, zero_stage=1),
-    Strategy(dp=4, tp=8, pp=8, micro_batch_size=1, global_batch_size=512, pipeline_schedule="interleaved_1f1b",
-             virtual_stages=5, amp="fp16", zero_stage=2),
-    Strategy(dp=16, tp=4, pp=4, micro_batch_size=1, global_batch_size=256, pipeline_schedule="gpipe", amp="fp32"),
+    Strategy(
+        dp=8,
+        tp=8,
+        pp=4,
+        micro_batch_size=2,
+        global_batch_size=512,
+        recompute="selective",
+        sequence_parallel=True,
+        zero_stage=1,
+    ),
+    Strategy(
+        dp=4,
+        tp=8,
+        pp=8,
+        micro_batch_size=1,
+        global_batch_size=512,
+        pipeline_schedule="interleaved_1f1b",
+        virtual_stages=5,
+        amp="fp16",
+        zero_stage=2,
+    ),
+    Strategy(
+        dp=16,
+        tp=4,
+        pp=4,
+        micro_batch_size=1,
+        global_batch_size=256,
+        pipeline_schedule="gpipe",
+        amp="fp32",
+    ),
 ]
 
 
@@ -76,11 +102,45 @@ def test_runtime_specifics():
 def test_cli_export_prints_config_on_stdout_and_caveats_on_stderr(tmp_path):
     path = tmp_path / "best.yaml"
     STRATEGIES[3].to_yaml(path)
-    run = subprocess.run([sys.executable, "-m", "autosearch", "export", "--strategy", str(path), "--to", "deepspeed",
-                          "--model", "llama3-70b"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autosearch",
+            "export",
+            "--strategy",
+            str(path),
+            "--to",
+            "deepspeed",
+            "--model",
+            "llama3-70b",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["zero_optimization"]["stage"] == 2
     assert "no equivalent in deepspeed" in run.stderr
-    bad = subprocess.run([sys.executable, "-m", "autosearch", "export", "--strategy", str(path), "--to", "megatron",
-                          "--model", "gpt3-125m"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode == 2 and "does not divide n_heads" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autosearch",
+            "export",
+            "--strategy",
+            str(path),
+            "--to",
+            "megatron",
+            "--model",
+            "gpt3-125m",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        bad.returncode == 2
+        and "does not divide n_heads" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )

@@ -1,4 +1,5 @@
 """Golden formulas against the papers they come from (exact up to float rounding: rel 1e-12)."""
+
 import math
 
 import pytest
@@ -31,32 +32,57 @@ def korthikanti(case: str, t: int) -> float:
     }[case]
 
 
-@pytest.mark.parametrize("case,tp,sp,recompute", [
-    ("none", 1, False, "none"),
-    ("tp", 8, False, "none"),
-    ("tp_sp", 8, True, "none"),
-    ("tp_selective", 8, False, "selective"),
-    ("tp_sp_selective", 8, True, "selective"),
-    ("full", 8, False, "full"),
-    ("full_sp", 8, True, "full"),
-])
+@pytest.mark.parametrize(
+    "case,tp,sp,recompute",
+    [
+        ("none", 1, False, "none"),
+        ("tp", 8, False, "none"),
+        ("tp_sp", 8, True, "none"),
+        ("tp_selective", 8, False, "selective"),
+        ("tp_sp_selective", 8, True, "selective"),
+        ("full", 8, False, "full"),
+        ("full_sp", 8, True, "full"),
+    ],
+)
 def test_activation_memory_matches_korthikanti_table2(case, tp, sp, recompute):
-    got = layer_activation_bytes(seq_len=S, micro_batch=B, hidden=H, heads=A, kv_hidden=H, ffn_hidden=4 * H,
-                                 swiglu=False, dropout=True, tp=tp, sequence_parallel=sp, recompute=recompute)
+    got = layer_activation_bytes(
+        seq_len=S,
+        micro_batch=B,
+        hidden=H,
+        heads=A,
+        kv_hidden=H,
+        ffn_hidden=4 * H,
+        swiglu=False,
+        dropout=True,
+        tp=tp,
+        sequence_parallel=sp,
+        recompute=recompute,
+    )
     assert got == pytest.approx(korthikanti(case, tp), rel=1e-12)
 
 
 def test_flash_attention_stores_no_attention_matrix():
-    kw = dict(seq_len=S, micro_batch=B, hidden=H, heads=A, kv_hidden=H, ffn_hidden=4 * H, swiglu=False,
-              dropout=True, tp=8, sequence_parallel=True)
+    kw = dict(
+        seq_len=S,
+        micro_batch=B,
+        hidden=H,
+        heads=A,
+        kv_hidden=H,
+        ffn_hidden=4 * H,
+        swiglu=False,
+        dropout=True,
+        tp=8,
+        sequence_parallel=True,
+    )
     flash = layer_activation_bytes(**kw, flash_attention=True)
     selective = layer_activation_bytes(**kw, recompute="selective")
-    # Flash keeps what selective recompute keeps, plus the fp32 log-sum-exp (4 bytes per head and token).
+    # Flash keeps what selective recompute keeps, plus the fp32 log-sum-exp (4 bytes per head and
+    # token).
     assert flash == pytest.approx(selective + 4 * A * S * B / 8, rel=1e-12)
 
 
 def test_parameter_count_matches_narayanan():
-    """Narayanan et al. 2021 sec. 3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)), plus the final LayerNorm."""
+    """Narayanan et al. 2021 sec. 3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)) + final norm."""
     for name in ("sc21-gpt-1.7b", "sc21-gpt-18.4b", "sc21-gpt-1008b", "gpt3-175b"):
         m = ModelSpec.load(name)
         l, h, V, s = m.n_layers, m.hidden_size, m.vocab_size, m.seq_len
@@ -72,14 +98,17 @@ def test_parameter_count_of_released_llama_checkpoints():
 
 
 def test_flops_match_narayanan_eq3():
-    """eq. (3) counts 4 passes per layer (full recompute) and 3 for the logits; without recompute it is
+    """eq. (3) counts 4 passes per layer (full recompute) and 3 for the logits; without recompute
+    it is
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)). Our model FLOPs are the no-recompute count."""
     for name in ("sc21-gpt-1.7b", "sc21-gpt-145.6b"):
         m = ModelSpec.load(name)
         batch = 512
         l, h, V, s = m.n_layers, m.hidden_size, m.vocab_size, m.seq_len
         ours = m.flops_per_token() * batch * s
-        assert ours == pytest.approx(72 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
+        assert ours == pytest.approx(
+            72 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12
+        )
         # and eq. (3) itself = ours + one extra forward of the layers (the recompute)
         eq3 = 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
         layer_forward = batch * s * l * (24 * h * h + 4 * s * h)
@@ -87,13 +116,15 @@ def test_flops_match_narayanan_eq3():
 
 
 def test_ring_all_reduce_volume_and_time():
-    """Patarasuk & Yuan 2009: each rank sends 2(n-1)/n * S; time = 2(n-1) alpha + 2(n-1)/n S / beta."""
+    """Patarasuk & Yuan 2009: a rank sends 2(n-1)/n S; time 2(n-1) alpha + 2(n-1)/n S / beta."""
     S_bytes, bw = 1e9, 100e9
     assert ring_all_reduce_bytes_per_rank(S_bytes, 8) == pytest.approx(2 * 7 / 8 * S_bytes)
     assert ring_all_reduce_time_s(S_bytes, 8, 0.0, bw) == pytest.approx(1.75e-2)
     assert ring_all_reduce_time_s(S_bytes, 8, 1e-5, bw) == pytest.approx(1.75e-2 + 14e-5)
     # all-gather / reduce-scatter move half of it; an all-reduce is one of each
-    assert 2 * ring_all_gather_time_s(S_bytes, 8, 1e-5, bw) == pytest.approx(ring_all_reduce_time_s(S_bytes, 8, 1e-5, bw))
+    assert 2 * ring_all_gather_time_s(S_bytes, 8, 1e-5, bw) == pytest.approx(
+        ring_all_reduce_time_s(S_bytes, 8, 1e-5, bw)
+    )
     assert ring_all_reduce_time_s(S_bytes, 1, 1e-5, bw) == 0.0
 
 

@@ -1,5 +1,6 @@
 """Search spaces: one contract suite that every implementation passes, then SearchSpace's rules,
 pins and YAML files."""
+
 from __future__ import annotations
 
 import itertools
@@ -21,19 +22,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _spaces() -> dict[str, BaseSearchSpace]:
     return {
         "tiny-llama 2x4": SearchSpace("tiny-llama", "h100-sxm:2x4", global_batch_size=16),
-        "llama3-8b 8x8 megatron": SearchSpace("llama3-8b", "h100-sxm:8x8", global_batch_size=256, config="megatron"),
-        "gpt3-1.3b 4x8 pinned": SearchSpace("gpt3-1.3b", "a100-sxm4-80gb:4x8", global_batch_size=256, tp=[2, 4],
-                                            recompute="selective", zero_stage=[0, 1]),
-        "listed": ListedSpace("tiny-gpt", "h100-sxm:1x8", [
-            Strategy(dp=8, global_batch_size=32), Strategy(dp=2, tp=4, global_batch_size=32, sequence_parallel=True),
-            Strategy(dp=2, pp=4, micro_batch_size=2, global_batch_size=32), Strategy(dp=8, global_batch_size=32, zero_stage=3)]),
+        "llama3-8b 8x8 megatron": SearchSpace(
+            "llama3-8b", "h100-sxm:8x8", global_batch_size=256, config="megatron"
+        ),
+        "gpt3-1.3b 4x8 pinned": SearchSpace(
+            "gpt3-1.3b",
+            "a100-sxm4-80gb:4x8",
+            global_batch_size=256,
+            tp=[2, 4],
+            recompute="selective",
+            zero_stage=[0, 1],
+        ),
+        "listed": ListedSpace(
+            "tiny-gpt",
+            "h100-sxm:1x8",
+            [
+                Strategy(dp=8, global_batch_size=32),
+                Strategy(dp=2, tp=4, global_batch_size=32, sequence_parallel=True),
+                Strategy(dp=2, pp=4, micro_batch_size=2, global_batch_size=32),
+                Strategy(dp=8, global_batch_size=32, zero_stage=3),
+            ],
+        ),
     }
 
 
 SPACES = _spaces()
 
 
-# ---- contract suite: every implementation ----------------------------------------------------------
+# ---- contract suite: every implementation -------------------------------------------------------
 @pytest.fixture(params=sorted(SPACES), ids=str)
 def space(request) -> BaseSearchSpace:
     return SPACES[request.param]
@@ -90,7 +106,10 @@ def test_params_of_round_trips_through_enqueue(space):
         assert space.suggest(trial) == s
         study.tell(trial, 0.0)
     assert strategies[0] in space
-    assert Strategy(dp=space.cluster.world_size, global_batch_size=space.global_batch_size + 1) not in space
+    assert (
+        Strategy(dp=space.cluster.world_size, global_batch_size=space.global_batch_size + 1)
+        not in space
+    )
 
 
 def test_the_same_parameter_name_always_has_the_same_choices(space):
@@ -105,7 +124,7 @@ def test_the_same_parameter_name_always_has_the_same_choices(space):
         study.tell(trial, 0.0)
 
 
-# ---- SearchSpace: exactly the rules of Strategy.problems -------------------------------------------
+# ---- SearchSpace: exactly the rules of Strategy.problems ----------------------------------------
 def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     model, cluster, gbs = ModelSpec.load("tiny-llama"), Cluster.parse("h100-sxm:2x4"), 16
     space = SearchSpace(model, cluster, global_batch_size=gbs)
@@ -115,9 +134,24 @@ def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     # Layout first (the rules on recompute, ZeRO and amp cannot make an invalid layout valid), then
     # every recompute x ZeRO x amp of each valid layout, each checked again.
     for dp, tp, pp, mb, sched, v, sp in itertools.product(
-            divs, divs, divs, [1, 2, 4, 8, 16], ["gpipe", "1f1b", "interleaved_1f1b"], [1, 2, 3, 4], [False, True]):
-        layout = Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, global_batch_size=gbs, pipeline_schedule=sched,
-                          virtual_stages=v, sequence_parallel=sp)
+        divs,
+        divs,
+        divs,
+        [1, 2, 4, 8, 16],
+        ["gpipe", "1f1b", "interleaved_1f1b"],
+        [1, 2, 3, 4],
+        [False, True],
+    ):
+        layout = Strategy(
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            micro_batch_size=mb,
+            global_batch_size=gbs,
+            pipeline_schedule=sched,
+            virtual_stages=v,
+            sequence_parallel=sp,
+        )
         if layout.problems(model, cluster) or tp > cluster.gpus_per_node:
             continue
         if pp == 1 and sched != "1f1b":  # no pipeline: the space keeps one canonical schedule
@@ -138,13 +172,25 @@ def test_rules_tp_divides_heads_and_stays_in_a_node():
 
 
 def test_pins_narrow_every_dimension():
-    space = SearchSpace("llama3-8b", "h100-sxm:8x8", global_batch_size=256, tp=8, pp=[1, 2], micro_batch_size=1,
-                        recompute="full", sequence_parallel=True, zero_stage=[1], amp="bf16",
-                        pipeline_schedule=["1f1b"])
+    space = SearchSpace(
+        "llama3-8b",
+        "h100-sxm:8x8",
+        global_batch_size=256,
+        tp=8,
+        pp=[1, 2],
+        micro_batch_size=1,
+        recompute="full",
+        sequence_parallel=True,
+        zero_stage=[1],
+        amp="bf16",
+        pipeline_schedule=["1f1b"],
+    )
     strategies = list(space.enumerate())
     assert strategies
-    assert {(s.tp, s.micro_batch_size, s.recompute, s.sequence_parallel, s.zero_stage, s.amp) for s in strategies} == \
-        {(8, 1, "full", True, 1, "bf16")}
+    assert {
+        (s.tp, s.micro_batch_size, s.recompute, s.sequence_parallel, s.zero_stage, s.amp)
+        for s in strategies
+    } == {(8, 1, "full", True, 1, "bf16")}
     assert {s.pp for s in strategies} == {1, 2}
     assert {s.pipeline_schedule for s in strategies} == {"1f1b"}
 
@@ -182,10 +228,11 @@ def test_user_errors_say_what_and_how():
 
 
 def test_importing_the_search_and_cost_model_does_not_import_torch():
-    code = ("import sys, autosearch, cost_models, search_spaces, autosearch.tuner, autosearch.export\n"
-            "from autosearch import tune, TuneResult\n"
-            "from search_spaces import SearchSpace\n"
-            "SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\n"
-            "import autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\n"
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n")
+    code = (
+        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner,"
+        " autosearch.export\nfrom autosearch import tune, TuneResult\nfrom search_spaces import"
+        " SearchSpace\nSearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
+        " autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\nassert"
+        " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,29 +1,50 @@
 """ModelSpec, Strategy, HardwareProfile and Cluster: loading, round trips, and every user error."""
+
+import math
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from autosearch import ModelSpec, SpecError, Strategy
 from cost_models import Cluster, HardwareProfile, profile_names
 
 
 def test_importing_the_packages_does_not_import_torch():
-    code = ("import sys, autosearch, cost_models, search_spaces\n"
-            "from autosearch import ModelSpec, Strategy, estimate\n"
-            "estimate('llama3-8b', 'h100-sxm:1x8', 'dp=8')\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        "import sys, autosearch, cost_models, search_spaces\n"
+        "from autosearch import ModelSpec, Strategy, estimate\n"
+        "estimate('llama3-8b', 'h100-sxm:1x8', 'dp=8')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_catalog_has_the_required_models():
-    for name in ["gpt3-125m", "gpt3-175b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b",
-                 "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "tiny-gpt", "tiny-llama",
-                 "sc21-gpt-1.7b", "sc21-gpt-1008b"]:
+    for name in [
+        "gpt3-125m",
+        "gpt3-175b",
+        "llama2-7b",
+        "llama2-13b",
+        "llama2-70b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3.1-8b",
+        "llama3.1-70b",
+        "llama3.1-405b",
+        "tiny-gpt",
+        "tiny-llama",
+        "sc21-gpt-1.7b",
+        "sc21-gpt-1008b",
+    ]:
         m = ModelSpec.load(name)
         assert m.name == name
     assert ModelSpec.load("LLAMA3-8B").name == "llama3-8b"
-    assert ModelSpec.load("llama3.1-405b").n_params == pytest.approx(405.85e9, rel=0.01)  # Llama 3 paper: 405B
+    assert ModelSpec.load("llama3.1-405b").n_params == pytest.approx(
+        405.85e9, rel=0.01
+    )  # Llama 3 paper: 405B
     assert ModelSpec.load("gpt3-175b").n_params == pytest.approx(175e9, rel=0.01)
 
 
@@ -31,19 +52,24 @@ def test_model_defaults_and_yaml(tmp_path):
     m = ModelSpec(n_layers=2, hidden_size=64, n_heads=4, vocab_size=100, seq_len=32)
     assert m.n_kv_heads == 4 and m.ffn_hidden_size == 256 and m.ffn_activation == "gelu"
     path = tmp_path / "mine.yaml"
-    path.write_text("n_layers: 2\nhidden_size: 64\nn_heads: 4\nn_kv_heads: 2\nffn_activation: swiglu\n"
-                    "vocab_size: 100\nseq_len: 32\n")
+    path.write_text(
+        "n_layers: 2\nhidden_size: 64\nn_heads: 4\nn_kv_heads: 2\nffn_activation: swiglu\n"
+        "vocab_size: 100\nseq_len: 32\n"
+    )
     loaded = ModelSpec.load(path)
     assert loaded.name == "mine" and loaded.n_kv_heads == 2 and not loaded.is_gpt_style
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(n_layers=-2), "n_layers must be >= 1, got -2"),
-    (dict(hidden_size=100, n_heads=3), "hidden_size 100 must be a multiple of n_heads 3"),
-    (dict(n_kv_heads=3), "n_heads 4 must be a multiple of n_kv_heads 3"),
-    (dict(ffn_activation="relu"), "ffn_activation must be one of"),
-    (dict(vocab_size=1.5), "vocab_size must be an integer"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(n_layers=-2), "n_layers must be >= 1, got -2"),
+        (dict(hidden_size=100, n_heads=3), "hidden_size 100 must be a multiple of n_heads 3"),
+        (dict(n_kv_heads=3), "n_heads 4 must be a multiple of n_kv_heads 3"),
+        (dict(ffn_activation="relu"), "ffn_activation must be one of"),
+        (dict(vocab_size=1.5), "vocab_size must be an integer"),
+    ],
+)
 def test_model_errors_name_the_value(fields, message):
     base = dict(n_layers=2, hidden_size=64, n_heads=4, vocab_size=100, seq_len=32)
     with pytest.raises(SpecError, match=message.replace("(", r"\(")):
@@ -61,7 +87,9 @@ def test_unknown_model_and_bad_files(tmp_path):
         ModelSpec.load(bad)
     partial = tmp_path / "partial.yaml"
     partial.write_text("n_layers: 2\nhidden_size: 64\n")
-    with pytest.raises(SpecError, match="missing required key\\(s\\) n_heads, vocab_size, seq_len"):
+    with pytest.raises(
+        SpecError, match="missing required key\\(s\\) n_heads, vocab_size, seq_len"
+    ):
         ModelSpec.load(partial)
     typo = tmp_path / "typo.yaml"
     typo.write_text("n_layer: 2\nhidden_size: 64\nn_heads: 4\nvocab_size: 100\nseq_len: 32\n")
@@ -72,36 +100,57 @@ def test_unknown_model_and_bad_files(tmp_path):
 def test_strategy_defaults_and_derived():
     s = Strategy()
     assert (s.dp, s.tp, s.pp, s.micro_batch_size, s.global_batch_size) == (1, 1, 1, 1, 1)
-    assert (s.pipeline_schedule, s.virtual_stages, s.recompute, s.sequence_parallel, s.zero_stage, s.amp) == \
-        ("1f1b", 1, "none", False, 0, "bf16")
+    assert (
+        s.pipeline_schedule,
+        s.virtual_stages,
+        s.recompute,
+        s.sequence_parallel,
+        s.zero_stage,
+        s.amp,
+    ) == ("1f1b", 1, "none", False, 0, "bf16")
     s = Strategy(dp=4, micro_batch_size=2)
     assert s.global_batch_size == 8 and s.grad_accum_steps == 1
     assert Strategy(dp=4, micro_batch_size=2, global_batch_size=64).grad_accum_steps == 8
 
 
 def test_strategy_yaml_round_trip_and_mp_alias(tmp_path):
-    s = Strategy(dp=2, tp=4, pp=2, micro_batch_size=2, global_batch_size=64, pipeline_schedule="interleaved_1f1b",
-                 virtual_stages=2, recompute="selective", sequence_parallel=True, zero_stage=1, amp="fp16")
+    s = Strategy(
+        dp=2,
+        tp=4,
+        pp=2,
+        micro_batch_size=2,
+        global_batch_size=64,
+        pipeline_schedule="interleaved_1f1b",
+        virtual_stages=2,
+        recompute="selective",
+        sequence_parallel=True,
+        zero_stage=1,
+        amp="fp16",
+    )
     path = tmp_path / "s.yaml"
     s.to_yaml(path)
     assert Strategy.from_yaml(path) == s
     assert Strategy.from_yaml(s.to_yaml()) == s
     assert Strategy.from_yaml("mp: 4\ndp: 2\n") == Strategy(tp=4, dp=2)
-    assert Strategy.parse("dp=2,mp=4,sequence_parallel=true,recompute=full") == \
-        Strategy(dp=2, tp=4, sequence_parallel=True, recompute="full")
+    assert Strategy.parse("dp=2,mp=4,sequence_parallel=true,recompute=full") == Strategy(
+        dp=2, tp=4, sequence_parallel=True, recompute="full"
+    )
     assert Strategy.parse(str(path)) == s
 
 
-@pytest.mark.parametrize("text,message", [
-    ("dp=0", "dp must be >= 1, got 0"),
-    ("dp=-2", "dp must be >= 1, got -2"),
-    ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
-    ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
-    ("recompute=some", "recompute must be one of none, selective, full"),
-    ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
-    ("dp", "is not key=value"),
-    ("tp=2,mp=2", "'tp' is given twice"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("dp=0", "dp must be >= 1, got 0"),
+        ("dp=-2", "dp must be >= 1, got -2"),
+        ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
+        ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
+        ("recompute=some", "recompute must be one of none, selective, full"),
+        ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
+        ("dp", "is not key=value"),
+        ("tp=2,mp=2", "'tp' is given twice"),
+    ],
+)
 def test_strategy_field_errors(text, message):
     with pytest.raises(SpecError, match=message):
         Strategy.parse(text)
@@ -110,8 +159,15 @@ def test_strategy_field_errors(text, message):
 def test_validate_names_every_violated_rule_with_its_fix():
     model = ModelSpec.load("gpt3-13b")  # 40 layers, 40 heads
     cluster = Cluster.parse("a100-sxm4-80gb:2x8")  # 16 devices
-    bad = Strategy(dp=3, tp=3, pp=3, micro_batch_size=2, global_batch_size=10, sequence_parallel=False,
-                   virtual_stages=2)
+    bad = Strategy(
+        dp=3,
+        tp=3,
+        pp=3,
+        micro_batch_size=2,
+        global_batch_size=10,
+        sequence_parallel=False,
+        virtual_stages=2,
+    )
     with pytest.raises(SpecError) as err:
         bad.validate(model, cluster)
     text = str(err.value)
@@ -123,14 +179,28 @@ def test_validate_names_every_violated_rule_with_its_fix():
     assert text.count("\n  - ") == 5
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
-    (dict(dp=4, pp=4, global_batch_size=8), "needs at least 4 micro-batches per step, got 2"),
-    (dict(dp=4, pp=4, global_batch_size=24, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
-     "micro-batch count 6 to be a multiple of pp=4"),
-    (dict(dp=16, pipeline_schedule="interleaved_1f1b", virtual_stages=2), "interleaved_1f1b needs pp > 1"),
-    (dict(dp=2, tp=8, global_batch_size=2), None),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+        (dict(dp=4, pp=4, global_batch_size=8), "needs at least 4 micro-batches per step, got 2"),
+        (
+            dict(
+                dp=4,
+                pp=4,
+                global_batch_size=24,
+                pipeline_schedule="interleaved_1f1b",
+                virtual_stages=2,
+            ),
+            "micro-batch count 6 to be a multiple of pp=4",
+        ),
+        (
+            dict(dp=16, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
+            "interleaved_1f1b needs pp > 1",
+        ),
+        (dict(dp=2, tp=8, global_batch_size=2), None),
+    ],
+)
 def test_validate_single_rules(fields, message):
     model = ModelSpec.load("llama2-7b")
     cluster = Cluster.parse("h100-sxm:2x8")
@@ -182,11 +252,22 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
     """A CPU 'device' is a process sharing the cores: a calibration variant for that many processes
     is used when recorded, otherwise the measured processes are time-shared."""
     base = HardwareProfile.load("h100-sxm").to_dict()
-    two = {**base, "name": "cpu-two", "device_type": "cpu", "gpus_per_node": 2,
-           "calibration": {"variants": {1: "one.yaml"}}}
-    one = {**base, "name": "cpu-one", "device_type": "cpu", "gpus_per_node": 1,
-           "peak_flops": {k: 2 * v for k, v in base["peak_flops"].items()}}
+    two = {
+        **base,
+        "name": "cpu-two",
+        "device_type": "cpu",
+        "gpus_per_node": 2,
+        "calibration": {"variants": {1: "one.yaml"}},
+    }
+    one = {
+        **base,
+        "name": "cpu-one",
+        "device_type": "cpu",
+        "gpus_per_node": 1,
+        "peak_flops": {k: 2 * v for k, v in base["peak_flops"].items()},
+    }
     import yaml
+
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
     path = str(tmp_path / "two.yaml")
@@ -197,16 +278,90 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
     # a profile rewritten on disk is read again (calibrate, then tune, in one process)
     two["peak_flops"] = {k: 3 * v for k, v in base["peak_flops"].items()}
     import os
+
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
     os.utime(tmp_path / "two.yaml", (1e9, 2e9))
-    assert Cluster(gpu=path).profile.peak_flops["bf16"] == pytest.approx(3 * base["peak_flops"]["bf16"])
+    assert Cluster(gpu=path).profile.peak_flops["bf16"] == pytest.approx(
+        3 * base["peak_flops"]["bf16"]
+    )
 
 
 def test_model_free_rules_and_scaled_defaults():
     assert Strategy(dp=2, global_batch_size=3).problems(None) == [
-        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch that is a multiple of 2"]
+        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch"
+        " that is a multiple of 2"
+    ]
     assert Strategy(tp=3).problems(None) == []  # no model: head rules are not checked
     small = ModelSpec.load("tiny-gpt").scaled(n_heads=2, hidden_size=128)
     assert (small.n_kv_heads, small.ffn_hidden_size) == (2, 512)
     gqa = ModelSpec.load("tiny-llama").scaled(n_layers=2)
     assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
+
+
+# ---- hostile or broken input to the floor (issue: nothing silently wrong) -----------------------
+
+
+def _profile_dict():
+    from autosearch.core.hardware import _profiles_dir
+
+    return yaml.safe_load((_profiles_dir() / "h100-sxm.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "path,value,words",
+    [
+        (("kernel_launch_s",), -1.0, "kernel_launch_s = -1 is outside"),
+        (("kernel_launch_s",), float("nan"), "finite"),
+        (("memory", "capacity_bytes"), float("inf"), "finite"),
+        (("memory", "efficiency"), 1.5, "memory.efficiency = 1.5 is outside"),
+        (("gemm", "max_efficiency", "bf16"), 0.0, "gemm.max_efficiency.bf16 = 0 is outside"),
+        (("attention", "flash_efficiency", "bf16"), "fast", "must be a number"),
+        (("intra_node", "latency_s"), -3e-6, "intra_node.latency_s"),
+        (("peak_flops", "bf16"), "nan", "finite"),
+    ],
+)
+def test_profile_numbers_are_checked(path, value, words):
+    data = _profile_dict()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(SpecError, match=words.replace("(", r"\(")):
+        HardwareProfile.from_dict(data, what="test profile")
+
+
+def test_calibration_profile_cut_short_is_refused(tmp_path):
+    text = (
+        pathlib.Path(__file__).parents[1] / "results" / "calibration" / "cpu-local.yaml"
+    ).read_text()
+    cut = text[: text.index("\nkernel_launch_s:")]  # the issue's case: cut before this key
+    (tmp_path / "cut.yaml").write_text(cut)
+    with pytest.raises(SpecError, match="truncated"):
+        HardwareProfile.load(str(tmp_path / "cut.yaml"))
+
+
+def test_strategy_files_empty_or_truncated_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(SpecError, match="is empty"):
+        Strategy.from_yaml(empty)
+    with pytest.raises(SpecError, match="the strategy is empty"):
+        Strategy.parse("")
+    whole = Strategy(dp=8, tp=4, global_batch_size=512).to_yaml()
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(whole[: whole.index("pp:")])
+    with pytest.raises(SpecError, match="truncated"):
+        Strategy.from_yaml(cut)
+    # a hand-written file names only what differs: that stays valid
+    short = tmp_path / "short.yaml"
+    short.write_text("dp: 8\ntp: 4\n")
+    assert Strategy.from_yaml(short) == Strategy(dp=8, tp=4)
+
+
+def test_estimate_takes_a_dict_and_names_a_wrong_type():
+    from autosearch import estimate
+
+    report = estimate("llama3-8b", "h100-sxm:8x8", {"dp": 64, "zero_stage": 3})
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    with pytest.raises(TypeError, match="got int"):
+        estimate("llama3-8b", "h100-sxm:8x8", 64)

@@ -1,4 +1,5 @@
 """`autosearch sweep`: one CSV row per model x cluster x batch, resumable."""
+
 from __future__ import annotations
 
 import csv
@@ -10,10 +11,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sweep(out, *extra):
-    return subprocess.run([sys.executable, "-m", "autosearch", "sweep", "--models", "llama3-8b,llama3-70b",
-                           "--gpus", "h100-sxm", "--nodes", "1,4", "--global-batch-sizes", "64", "--n-trials", "15",
-                           "--price-per-gpu-hour", "2", "--out", str(out), "--quiet", *extra],
-                          cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autosearch",
+            "sweep",
+            "--models",
+            "llama3-8b,llama3-70b",
+            "--gpus",
+            "h100-sxm",
+            "--nodes",
+            "1,4",
+            "--global-batch-sizes",
+            "64",
+            "--n-trials",
+            "15",
+            "--price-per-gpu-hour",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _rows(path):
@@ -26,11 +50,17 @@ def test_sweep_writes_one_row_per_combination_and_resumes(tmp_path):
     run = _sweep(out)
     assert run.returncode == 0, run.stderr
     rows = _rows(out)
-    assert [(r["model"], r["n_nodes"]) for r in rows] == [("llama3-8b", "1"), ("llama3-8b", "4"),
-                                                         ("llama3-70b", "1"), ("llama3-70b", "4")]
+    assert [(r["model"], r["n_nodes"]) for r in rows] == [
+        ("llama3-8b", "1"),
+        ("llama3-8b", "4"),
+        ("llama3-70b", "1"),
+        ("llama3-70b", "4"),
+    ]
     ok = [r for r in rows if r["status"] == "ok"]
-    assert ok and all(r["strategy"] and float(r["tokens_per_s"]) > 0 and float(r["usd_per_million_tokens"]) > 0
-                      for r in ok)
+    assert ok and all(
+        r["strategy"] and float(r["tokens_per_s"]) > 0 and float(r["usd_per_million_tokens"]) > 0
+        for r in ok
+    )
     no_fit = next(r for r in rows if r["model"] == "llama3-70b" and r["n_nodes"] == "1")
     assert no_fit["status"] == "infeasible" and "GiB over" in no_fit["reason"]
 
@@ -44,7 +74,23 @@ def test_sweep_writes_one_row_per_combination_and_resumes(tmp_path):
 
 
 def test_sweep_user_errors(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "autosearch", "sweep", "--models", "llama3-8b", "--gpus", "h100-sxm",
-                          "--global-batch-sizes", "64", "--out", str(tmp_path / "x.csv")],
-                         cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autosearch",
+            "sweep",
+            "--models",
+            "llama3-8b",
+            "--gpus",
+            "h100-sxm",
+            "--global-batch-sizes",
+            "64",
+            "--out",
+            str(tmp_path / "x.csv"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2 and "--gpus and --nodes go together" in run.stderr

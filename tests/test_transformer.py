@@ -1,4 +1,5 @@
 """The reference transformer: shapes, parameter counts against ModelSpec, causality, plans, splits."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,12 +14,28 @@ from autosearch.transformer import Transformer  # noqa: E402
 
 # Catalog models shrunk for a CPU, keeping their style (GPT / Llama, tied, GQA ratio).
 SHRUNK = {
-    "gpt3-125m": dict(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=4, vocab_size=256, seq_len=16),
+    "gpt3-125m": dict(
+        n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=4, vocab_size=256, seq_len=16
+    ),
     "tiny-gpt": dict(n_layers=2, hidden_size=64, vocab_size=256, seq_len=16),
-    "llama3-8b": dict(n_layers=2, hidden_size=64, n_heads=8, n_kv_heads=2, ffn_hidden_size=160, vocab_size=256,
-                      seq_len=16),
-    "llama2-70b": dict(n_layers=2, hidden_size=64, n_heads=8, n_kv_heads=1, ffn_hidden_size=160, vocab_size=256,
-                       seq_len=16),
+    "llama3-8b": dict(
+        n_layers=2,
+        hidden_size=64,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn_hidden_size=160,
+        vocab_size=256,
+        seq_len=16,
+    ),
+    "llama2-70b": dict(
+        n_layers=2,
+        hidden_size=64,
+        n_heads=8,
+        n_kv_heads=1,
+        ffn_hidden_size=160,
+        vocab_size=256,
+        seq_len=16,
+    ),
 }
 
 
@@ -45,8 +62,11 @@ def test_attention_is_causal(name):
 def test_tp_plan_names_every_block_matrix():
     spec = ModelSpec.load("llama3-8b").scaled(**SHRUNK["llama3-8b"])
     plan = Transformer.tp_plan(sequence_parallel=True, loss_parallel=False)
-    matrices = {n.split(".", 2)[2] for n, m in Transformer(spec).named_modules()
-                if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
+    matrices = {
+        n.split(".", 2)[2]
+        for n, m in Transformer(spec).named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith("layers.")
+    }
     assert {f"layers.*.{m}" for m in matrices} <= set(plan)
 
 
@@ -61,11 +81,18 @@ def test_plan_split_points():
 
 
 def test_pipeline_split_keeps_parameter_names():
-    spec = ModelSpec.load("tiny-gpt").scaled(n_layers=4, hidden_size=64, vocab_size=256, seq_len=16)
+    spec = ModelSpec.load("tiny-gpt").scaled(
+        n_layers=4, hidden_size=64, vocab_size=256, seq_len=16
+    )
     model = Transformer(spec)
     plan = model.parallel_plan()
-    strategy = Strategy(pp=2, virtual_stages=2, pipeline_schedule="interleaved_1f1b", micro_batch_size=1,
-                        global_batch_size=4)
+    strategy = Strategy(
+        pp=2,
+        virtual_stages=2,
+        pipeline_schedule="interleaved_1f1b",
+        micro_batch_size=1,
+        global_batch_size=4,
+    )
     assert stage_indices(1, 2, 2) == [1, 3]
     names = []
     for rank in range(2):
@@ -81,7 +108,11 @@ def test_pipeline_stages_chain_to_the_full_model():
     spec = ModelSpec.load("llama3-8b").scaled(**{**SHRUNK["llama3-8b"], "n_layers": 4})
     model = Transformer(spec)
     strategy = Strategy(pp=2, micro_batch_size=1, global_batch_size=2)
-    parts = [p for r in range(2) for _, p in split_pipeline(model, model.parallel_plan(), strategy, pp_rank=r)]
+    parts = [
+        p
+        for r in range(2)
+        for _, p in split_pipeline(model, model.parallel_plan(), strategy, pp_rank=r)
+    ]
     x = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
     assert torch.equal(parts[1](parts[0](x)), model(x))
 
@@ -92,7 +123,9 @@ def test_recompute_wraps_blocks_or_attention_core():
     apply_ac(full, full.parallel_plan(), "full")
     apply_ac(selective, selective.parallel_plan(), "selective")
     assert all(type(b).__name__ == "CheckpointWrapper" for b in full.layers.values())
-    assert all(type(b.attention.core).__name__ == "CheckpointWrapper" for b in selective.layers.values())
+    assert all(
+        type(b.attention.core).__name__ == "CheckpointWrapper" for b in selective.layers.values()
+    )
     x = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
     torch.manual_seed(0)
     reference = Transformer(spec)

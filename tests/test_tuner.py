@@ -1,4 +1,5 @@
 """The tuner: what it finds, what it writes, and how it survives kills, resumes and shares a study."""
+
 from __future__ import annotations
 
 import csv
@@ -28,7 +29,9 @@ def _exhaustive_best(space, runtime="torch"):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "autosearch", *args], cwd=ROOT, capture_output=True, text=True, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "autosearch", *args], cwd=ROOT, capture_output=True, text=True, **kw
+    )
 
 
 def _read_csv(path):
@@ -38,29 +41,52 @@ def _read_csv(path):
 
 # ---- what it finds -------------------------------------------------------------------------------
 def test_tune_finds_a_fitting_strategy_and_distinct_sorted_top_k():
-    result = tune(SMALL["model"], SMALL["cluster"], global_batch_size=64, n_trials=40, seed=0, top_k=4)
+    result = tune(
+        SMALL["model"], SMALL["cluster"], global_batch_size=64, n_trials=40, seed=0, top_k=4
+    )
     assert result.best_report.fits and result.best_strategy in result.space
     assert result.best_strategy.validate(result.space.model, result.space.cluster)
     tps = [c.report.tokens_per_s for c in result.top_k]
-    assert tps == sorted(tps, reverse=True) and len({c.strategy for c in result.top_k}) == len(tps) == 4
+    assert (
+        tps == sorted(tps, reverse=True)
+        and len({c.strategy for c in result.top_k}) == len(tps) == 4
+    )
     assert result.top_k[0].strategy == result.best_strategy
     assert result.n_trials == result.n_new_trials == 40
     # Every trial records its full report and, when it does not fit, why.
     for t in result.study.get_trials():
         rep = t.user_attrs["report"]
         assert set(rep) >= {"step_time_s", "time", "memory", "infeasible_reason", "fits"}
-        assert (rep["infeasible_reason"] is None) == rep["fits"] == (t.constraints["memory_excess_gib"] <= 0)
+        assert (
+            (rep["infeasible_reason"] is None)
+            == rep["fits"]
+            == (t.constraints["memory_excess_gib"] <= 0)
+        )
 
 
 def test_exhaustive_sampler_matches_a_brute_force_scan():
-    space = SearchSpace("llama3-8b", "h100-sxm:1x8", global_batch_size=32, config="megatron", amp="bf16")
-    result = tune(space.model, space.cluster, global_batch_size=32, space=space, sampler="exhaustive", n_trials=None)
+    space = SearchSpace(
+        "llama3-8b", "h100-sxm:1x8", global_batch_size=32, config="megatron", amp="bf16"
+    )
+    result = tune(
+        space.model,
+        space.cluster,
+        global_batch_size=32,
+        space=space,
+        sampler="exhaustive",
+        n_trials=None,
+    )
     best_tps, _ = _exhaustive_best(space)
     assert result.n_trials == space.n_groups
     assert result.best_report.tokens_per_s == pytest.approx(best_tps, rel=1e-12)
     # The default sampler enumerates a space whose layouts fit in the trial budget.
-    auto = tune(space.model, space.cluster, global_batch_size=32, space=space, n_trials=10 * space.n_groups)
-    assert auto.n_trials == space.n_groups and auto.best_report.tokens_per_s == result.best_report.tokens_per_s
+    auto = tune(
+        space.model, space.cluster, global_batch_size=32, space=space, n_trials=10 * space.n_groups
+    )
+    assert (
+        auto.n_trials == space.n_groups
+        and auto.best_report.tokens_per_s == result.best_report.tokens_per_s
+    )
 
 
 def test_strategy_unit_and_recipes_are_enqueued_first():
@@ -86,7 +112,9 @@ def test_cost_objective_needs_a_price_and_bad_arguments_are_clear():
         tune(**SMALL, sampler="grid", n_trials=5)
     with pytest.raises(SpecError, match="n_trials must be a positive integer"):
         tune(**SMALL, n_trials=0)
-    result = tune(**SMALL, objective="throughput-cost", price_per_gpu_hour=2.0, n_trials=10, seed=0)
+    result = tune(
+        **SMALL, objective="throughput-cost", price_per_gpu_hour=2.0, n_trials=10, seed=0
+    )
     assert result.pareto and result.best_report.fits
 
 
@@ -98,8 +126,11 @@ def test_outputs_are_complete_and_the_best_strategy_file_loads(tmp_path):
     assert len(rows) == 25 and [int(r["trial"]) for r in rows] == list(range(25))
     cols = set(rows[0])
     assert {f.name for f in dataclasses.fields(Strategy)} <= cols
-    report_cols = ({k for k in CostReport._fields if k not in ("time", "memory", "notes")}
-                   | {f"time_{k}" for k in TimeBreakdown._fields} | {f"memory_{k}" for k in MemoryBreakdown._fields})
+    report_cols = (
+        {k for k in CostReport._fields if k not in ("time", "memory", "notes")}
+        | {f"time_{k}" for k in TimeBreakdown._fields}
+        | {f"memory_{k}" for k in MemoryBreakdown._fields}
+    )
     assert report_cols | {"state", "feasible", "reason", "infeasible_reason"} <= cols
     assert all(r["state"] == "COMPLETE" for r in rows)
     assert len(_read_csv(out / "top_k.csv")) == 3
@@ -146,11 +177,28 @@ def test_no_feasible_strategy_says_how_far_the_least_hungry_one_is(tmp_path):
     assert "least memory-hungry strategy of all" in message and "GiB over the 80.0 GiB" in message
     assert info.value.result.least_hungry is not None and info.value.result.best_strategy is None
     rows = _read_csv(out / "trials.csv")
-    assert len(rows) == 15 and all(r["feasible"] == "False" and "GiB over" in r["reason"] for r in rows)
-    assert not (out / "best_strategy.yaml").exists() and "No strategy fits" in (out / "report.md").read_text()
+    assert len(rows) == 15 and all(
+        r["feasible"] == "False" and "GiB over" in r["reason"] for r in rows
+    )
+    assert (
+        not (out / "best_strategy.yaml").exists()
+        and "No strategy fits" in (out / "report.md").read_text()
+    )
 
-    cli = _cli("tune", "--model", "llama3-70b", "--cluster", "h100-sxm:1x8", "--global-batch-size", "16",
-               "--n-trials", "5", "--out", str(tmp_path / "cli"), "--quiet")
+    cli = _cli(
+        "tune",
+        "--model",
+        "llama3-70b",
+        "--cluster",
+        "h100-sxm:1x8",
+        "--global-batch-size",
+        "16",
+        "--n-trials",
+        "5",
+        "--out",
+        str(tmp_path / "cli"),
+        "--quiet",
+    )
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
     assert "no strategy fits in memory" in cli.stderr and "GiB over" in cli.stderr
 
@@ -167,8 +215,18 @@ def _journal_trials(path) -> list:
     return optuna.load_study(study_name=summaries[0].study_name, storage=storage).get_trials()
 
 
-TUNE_ARGS = ["tune", "--model", "llama3-8b", "--cluster", "h100-sxm:2x8", "--global-batch-size", "64",
-             "--trial-unit", "strategy", "--quiet"]
+TUNE_ARGS = [
+    "tune",
+    "--model",
+    "llama3-8b",
+    "--cluster",
+    "h100-sxm:2x8",
+    "--global-batch-size",
+    "64",
+    "--trial-unit",
+    "strategy",
+    "--quiet",
+]
 
 
 N_KILL = 1500
@@ -178,12 +236,26 @@ N_KILL = 1500
 def test_sigkill_mid_run_then_the_same_command_loses_no_finished_trial(tmp_path):
     out = tmp_path / "run"
     # The random sampler keeps each trial cheap: what is tested here is persistence, not sampling.
-    args = [sys.executable, "-m", "autosearch", *TUNE_ARGS, "--sampler", "random", "--n-trials", str(N_KILL),
-            "--seed", "0", "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "autosearch",
+        *TUNE_ARGS,
+        "--sampler",
+        "random",
+        "--n-trials",
+        str(N_KILL),
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / "study.journal"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:  # one journal line per finished trial
+    while (
+        time.monotonic() < deadline and proc.poll() is None
+    ):  # one journal line per finished trial
         time.sleep(0.05)
         if journal.exists() and journal.read_bytes().count(b"\n") >= 50:
             break
@@ -208,16 +280,34 @@ def test_sigkill_mid_run_then_the_same_command_loses_no_finished_trial(tmp_path)
 def test_two_processes_share_one_study_without_duplicate_or_lost_trials(tmp_path):
     out = tmp_path / "shared"
     # 150 trials take a worker several seconds, longer than the other needs to start even on a loaded machine
-    procs = [subprocess.Popen([sys.executable, "-m", "autosearch", *TUNE_ARGS, "--n-trials", "150", "--seed", str(seed),
-                               "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "autosearch",
+                *TUNE_ARGS,
+                "--n-trials",
+                "150",
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outputs]
     trials = _journal_trials(out / "study.journal")
     numbers = sorted(t.number for t in trials)
-    assert numbers == list(range(len(numbers)))                  # no duplicate, no hole
-    assert 150 <= len(trials) <= 151                           # at most one trial of overshoot per extra worker
+    assert numbers == list(range(len(numbers)))  # no duplicate, no hole
+    assert 150 <= len(trials) <= 151  # at most one trial of overshoot per extra worker
     workers = {t.user_attrs["worker"] for t in trials}
-    assert len(workers) == 2                                     # both did work
+    assert len(workers) == 2  # both did work
     new = [int(o[0].split(" trials (")[1].split(" new")[0]) for o in outputs]
-    assert sum(new) == len(trials)                               # every trial a worker ran is in the study
+    assert sum(new) == len(trials)  # every trial a worker ran is in the study

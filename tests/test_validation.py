@@ -3,6 +3,7 @@
 Runs the reference transformer (2 layers, CPU) for 1-2 steps per candidate; the failing
 candidates use factories from tests/validation_factories.py that crash, abort or hang.
 """
+
 from pathlib import Path
 
 import pandas as pd
@@ -21,14 +22,20 @@ def test_failures_are_recorded_and_the_others_complete(tmp_path):
     out = tmp_path / "val"
     # one OOM (a 1 MiB device), one crash, one ok: the order shows a failure does not stop the rest
     rows = []
-    for name, kwargs in [("oom", dict(memory_limit_bytes=1 << 20)),
-                         ("crash", dict(factory=f"{FACTORIES}:crash")),
-                         ("ok", dict(factory=f"{FACTORIES}:reference"))]:
-        result = validate(SPEC, [S1], steps=1, warmup=1, timeout_s=240, out=out / name, verbose=False, **kwargs)
+    for name, kwargs in [
+        ("oom", dict(memory_limit_bytes=1 << 20)),
+        ("crash", dict(factory=f"{FACTORIES}:crash")),
+        ("ok", dict(factory=f"{FACTORIES}:reference")),
+    ]:
+        result = validate(
+            SPEC, [S1], steps=1, warmup=1, timeout_s=240, out=out / name, verbose=False, **kwargs
+        )
         rows.append(result.table.iloc[0])
     oom, crash, ok = rows
     assert oom.status == "oom" and "out of memory" in oom.reason
-    assert crash.status == "crashed" and "ValueError: a bug in the user's model code" in crash.reason
+    assert (
+        crash.status == "crashed" and "ValueError: a bug in the user's model code" in crash.reason
+    )
     assert ok.status == "ok" and ok.measured_step_time_s > 0 and ok.measured_peak_memory_bytes > 0
     csv = pd.read_csv(out / "ok" / "validation.csv")
     assert list(csv.status) == ["ok"]
@@ -36,28 +43,58 @@ def test_failures_are_recorded_and_the_others_complete(tmp_path):
 
 def test_timeout_and_native_crash_in_one_batch(tmp_path):
     """A hang is killed at the timeout, a native abort has no result file; both are rows."""
-    result = validate(SPEC, [S1, Strategy(dp=2, micro_batch_size=2, global_batch_size=4, amp="fp32")], steps=1,
-                      warmup=0, timeout_s=10, out=tmp_path, verbose=False, factory=f"{FACTORIES}:hang")
+    result = validate(
+        SPEC,
+        [S1, Strategy(dp=2, micro_batch_size=2, global_batch_size=4, amp="fp32")],
+        steps=1,
+        warmup=0,
+        timeout_s=10,
+        out=tmp_path,
+        verbose=False,
+        factory=f"{FACTORIES}:hang",
+    )
     assert list(result.table.status) == ["timeout", "timeout"] and result.best is None
     assert "no result after 10 s" in result.table.reason[0]
-    aborted = validate(SPEC, [S1], steps=1, warmup=0, timeout_s=120, out=tmp_path / "abort", verbose=False,
-                       factory=f"{FACTORIES}:abort")
+    aborted = validate(
+        SPEC,
+        [S1],
+        steps=1,
+        warmup=0,
+        timeout_s=120,
+        out=tmp_path / "abort",
+        verbose=False,
+        factory=f"{FACTORIES}:abort",
+    )
     assert aborted.table.status[0] == "crashed" and "SIGABRT" in aborted.table.reason[0]
 
 
 def test_invalid_candidates_are_rows_too(tmp_path):
     bad = Strategy(tp=3, global_batch_size=4)  # 4 heads do not split over tp=3
     result = validate(SPEC, [bad], steps=1, warmup=0, out=tmp_path, verbose=False)
-    assert result.table.status[0] == "invalid" and "tp=3 does not divide n_heads=4" in result.table.reason[0]
+    assert (
+        result.table.status[0] == "invalid"
+        and "tp=3 does not divide n_heads=4" in result.table.reason[0]
+    )
 
 
-@pytest.mark.parametrize("code,ranks,timed_out,status", [
-    (0, [{"rank": 0, "status": "ok"}], False, "ok"),
-    (1, [{"rank": 0, "status": "oom", "error_type": "OutOfMemoryError"}], False, "oom"),
-    (1, [{"rank": 0, "status": "ok"}, {"rank": 1, "status": "crashed", "error_type": "RuntimeError"}], False, "crashed"),
-    (-9, [], False, "crashed"),
-    (None, [], True, "timeout"),
-])
+@pytest.mark.parametrize(
+    "code,ranks,timed_out,status",
+    [
+        (0, [{"rank": 0, "status": "ok"}], False, "ok"),
+        (1, [{"rank": 0, "status": "oom", "error_type": "OutOfMemoryError"}], False, "oom"),
+        (
+            1,
+            [
+                {"rank": 0, "status": "ok"},
+                {"rank": 1, "status": "crashed", "error_type": "RuntimeError"},
+            ],
+            False,
+            "crashed",
+        ),
+        (-9, [], False, "crashed"),
+        (None, [], True, "timeout"),
+    ],
+)
 def test_classification_uses_exit_status_and_exception_types(code, ranks, timed_out, status):
     outcome = classify(code, ranks, nproc=max(1, len(ranks)), timed_out=timed_out, timeout_s=5)
     assert outcome.status == status
@@ -77,17 +114,40 @@ def test_validate_cli_runs_the_top_candidates_of_a_study(tmp_path, capsys):
     model = tmp_path / "tiny.yaml"
     model.write_text(yaml.safe_dump({**SPEC.to_dict(), "name": "tiny2"}))
     out = tmp_path / "study"
-    assert main(["tune", "--model", str(model), "--cluster", "h100-sxm:1x2", "--global-batch-size", "4",
-                 "--out", str(out), "--quiet", "--pin", "amp=fp32"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--model",
+                str(model),
+                "--cluster",
+                "h100-sxm:1x2",
+                "--global-batch-size",
+                "4",
+                "--out",
+                str(out),
+                "--quiet",
+                "--pin",
+                "amp=fp32",
+            ]
+        )
+        == 0
+    )
     code = main(["validate", "--study", str(out), "--top-k", "1", "--steps", "1", "--warmup", "0"])
     printed = capsys.readouterr().out
     assert code == 0 and "best measured" in printed
     table = pd.read_csv(out / "validation" / "validation.csv")
     assert list(table.status) == ["ok"] and table.predicted_step_time_s[0] > 0
     storage = open_storage(str(out / "study.journal"))
-    study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)
+    study = optuna.load_study(
+        study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage
+    )
     recorded = [v for k, v in study.user_attrs.items() if k.startswith("validation/")]
-    assert len(recorded) == 1 and recorded[0]["status"] == "ok" and recorded[0]["measured_step_time_s"] > 0
+    assert (
+        len(recorded) == 1
+        and recorded[0]["status"] == "ok"
+        and recorded[0]["measured_step_time_s"] > 0
+    )
     assert (out / "validation" / "best_measured_strategy.yaml").exists()
 
 

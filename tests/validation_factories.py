@@ -1,4 +1,5 @@
 """Model factories for the validation tests: each fails the way a real run can."""
+
 import os
 import time
 

@@ -1,4 +1,5 @@
 """Arguments and printing shared by several subcommands."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,22 +7,33 @@ import json
 import math
 from typing import Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 GiB = float(1 << 30)
 
 
 def add_model_cluster_args(p: argparse.ArgumentParser, *, cluster_required: bool = True) -> None:
-    p.add_argument("--model", required=True, help="catalog name (see `autosearch models`) or a model YAML file")
-    p.add_argument("--cluster", required=cluster_required,
-                   help="GPU:NODESxGPUS (e.g. h100-sxm:32x8), a cluster YAML file, or a profile YAML path")
-    p.add_argument("--runtime", default="torch", help="runtime behaviour the cost model assumes: torch (default) "
-                   "or megatron-sc21 (Megatron-LM as in Narayanan et al. 2021)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="catalog name (see `autosearch models`) or a model YAML file",
+    )
+    p.add_argument(
+        "--cluster",
+        required=cluster_required,
+        help="GPU:NODESxGPUS (e.g. h100-sxm:32x8), a cluster YAML file, or a profile YAML path",
+    )
+    p.add_argument(
+        "--runtime",
+        default="torch",
+        help="runtime behaviour the cost model assumes: torch (default) "
+        "or megatron-sc21 (Megatron-LM as in Narayanan et al. 2021)",
+    )
 
 
 def load_model_cluster(args: argparse.Namespace):
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
 
     return ModelSpec.load(args.model), Cluster.parse(args.cluster)
 
@@ -47,6 +59,7 @@ def print_json(obj: Any) -> None:
         if isinstance(v, (list, tuple)):
             return [clean(x) for x in v]
         return v
+
     print(json.dumps(clean(obj), indent=2))
 
 

@@ -1,30 +1,58 @@
 """`autosearch calibrate`: measure this machine into a hardware profile YAML."""
+
 from __future__ import annotations
 
 import argparse
 
 from autosearch.commands._common import fmt_s
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "calibrate", help="measure this machine (GEMM, memory, attention, collectives) into a hardware profile",
+        "calibrate",
+        help="measure this machine (GEMM, memory, attention, collectives) into a hardware profile",
         description="Run microbenchmarks on the device present (CUDA + NCCL, or CPU + gloo), fit them into "
-                    "the terms of a hardware profile, and write it (usable as --cluster FILE:1xN). The raw "
-                    "measurements go to a CSV next to it.")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="device to measure (default: cuda if torch sees one, else cpu)")
-    p.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...",
-                   help="process counts to measure, e.g. 1,2 (collectives need 2 or more; "
-                        "default 1,2 on CPU, 1 and the GPU count on GPU)")
-    p.add_argument("--quick", action="store_true", help="small grids and messages (seconds instead of minutes)")
-    p.add_argument("--statistic", default="median", choices=("median", "min"),
-                   help="statistic of the timed calls of each point (default median)")
+        "the terms of a hardware profile, and write it (usable as --cluster FILE:1xN). The raw "
+        "measurements go to a CSV next to it.",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cuda", "cpu"),
+        help="device to measure (default: cuda if torch sees one, else cpu)",
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        default=None,
+        metavar="N,N,...",
+        help="process counts to measure, e.g. 1,2 (collectives need 2 or more; "
+        "default 1,2 on CPU, 1 and the GPU count on GPU)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small grids and messages (seconds instead of minutes)",
+    )
+    p.add_argument(
+        "--statistic",
+        default="median",
+        choices=("median", "min"),
+        help="statistic of the timed calls of each point (default median)",
+    )
     p.add_argument("--name", default=None, help="profile name (default: the --out file name)")
-    p.add_argument("--from-csv", metavar="CSV", help="fit the measurements of an earlier calibration instead of "
-                   "measuring again (the profile YAML written with it must sit next to it)")
-    p.add_argument("--out", required=True, help="profile YAML to write, e.g. results/calibration/cpu-local.yaml")
+    p.add_argument(
+        "--from-csv",
+        metavar="CSV",
+        help="fit the measurements of an earlier calibration instead of "
+        "measuring again (the profile YAML written with it must sit next to it)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="profile YAML to write, e.g. results/calibration/cpu-local.yaml",
+    )
     p.set_defaults(func=run)
 
 
@@ -32,7 +60,9 @@ def _world_sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (example: 1,2)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (example: 1,2)"
+        ) from None
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"world sizes must be integers >= 1, got {text!r}")
     return sizes
@@ -42,8 +72,15 @@ def run(args: argparse.Namespace) -> int:
     from cost_models.calibration import calibrate
 
     try:
-        result = calibrate(device=args.device, world_sizes=args.world_sizes, quick=args.quick, out=args.out,
-                           name=args.name, statistic=args.statistic, from_csv=args.from_csv)
+        result = calibrate(
+            device=args.device,
+            world_sizes=args.world_sizes,
+            quick=args.quick,
+            out=args.out,
+            name=args.name,
+            statistic=args.statistic,
+            from_csv=args.from_csv,
+        )
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None
     print(summary(result.profile))
@@ -56,32 +93,44 @@ def run(args: argparse.Namespace) -> int:
 def summary(profile) -> str:
     """The profile's key numbers and the quality of each fit."""
     cal, fits = profile.calibration, profile.calibration.get("fits", {})
-    lines = [f"profile   {profile.name}: {profile.description}",
-             f"peak      " + ", ".join(f"{p} {v / 1e12:.3g} TFLOP/s" for p, v in profile.peak_flops.items())
-             + f"  ({cal.get('peak_definition')})"]
+    lines = [
+        f"profile   {profile.name}: {profile.description}",
+        "peak      "
+        + ", ".join(f"{p} {v / 1e12:.3g} TFLOP/s" for p, v in profile.peak_flops.items())
+        + f"  ({cal.get('peak_definition')})",
+    ]
 
     def q(d):
         qq = d.get("quality", {})
         return f"R2(log) {qq.get('r2_log')}, worst {qq.get('worst_rel_residual', 0) * 100:.0f}%, n {qq.get('n_points')}"
 
     if profile.cache_bytes:
-        lines.append(f"cache     {profile.cache_bandwidth_bytes_per_s / 1e9:.3g} GB/s for working sets up to "
-                     f"{profile.cache_bytes / 2**20:.0f} MiB")
+        lines.append(
+            f"cache     {profile.cache_bandwidth_bytes_per_s / 1e9:.3g} GB/s for working sets up to "
+            f"{profile.cache_bytes / 2**20:.0f} MiB"
+        )
     if "gemm" in fits:
         g = profile.gemm
-        lines.append("gemm      max_efficiency " + ", ".join(f"{p} {v:.3g}" for p, v in g.max_efficiency.items())
-                     + f"; half_dim {g.half_dim:.3g}; launch {fmt_s(g.launch_s)}   [{q(fits['gemm'])}]")
+        lines.append(
+            "gemm      max_efficiency "
+            + ", ".join(f"{p} {v:.3g}" for p, v in g.max_efficiency.items())
+            + f"; half_dim {g.half_dim:.3g}; launch {fmt_s(g.launch_s)}   [{q(fits['gemm'])}]"
+        )
     if "memory" in fits:
-        lines.append(f"memory    {profile.achieved_memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s achieved   "
-                     f"[{q(fits['memory'])}]")
+        lines.append(
+            f"memory    {profile.achieved_memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s achieved   "
+            f"[{q(fits['memory'])}]"
+        )
     att = fits.get("attention", {})
     for p, v in profile.attention_efficiency.items():
         if p in att:
             lines.append(f"attention {p} efficiency {v:.3g}   [{q(att[p])}]")
     if "intra_node" in fits:
         link = profile.intra_node
-        lines.append(f"intra     latency {fmt_s(link.latency_s)}, {link.achieved_bandwidth_bytes_per_s / 1e9:.3g} GB/s "
-                     f"achieved   [{q(fits['intra_node'])}]")
+        lines.append(
+            f"intra     latency {fmt_s(link.latency_s)}, {link.achieved_bandwidth_bytes_per_s / 1e9:.3g} GB/s "
+            f"achieved   [{q(fits['intra_node'])}]"
+        )
     lines.append(f"launch    {fmt_s(profile.kernel_launch_s)} per op")
     lines.append(f"measured  {', '.join(profile.measured)}")
     defaults = cal.get("defaults", {})

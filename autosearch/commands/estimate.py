@@ -1,23 +1,36 @@
 """`autosearch estimate`: one strategy through the cost model, as a table or JSON."""
+
 from __future__ import annotations
 
 import argparse
 
-from autosearch.commands._common import add_model_cluster_args, fmt_bytes, fmt_s, load_model_cluster, print_json
+from autosearch.commands._common import (
+    add_model_cluster_args,
+    fmt_bytes,
+    fmt_s,
+    load_model_cluster,
+    print_json,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="predict step time, throughput and memory of one strategy",
-                       description="Predict step time, throughput and memory of one strategy with the analytic cost model.")
+    p = sub.add_parser(
+        "estimate",
+        help="predict step time, throughput and memory of one strategy",
+        description="Predict step time, throughput and memory of one strategy with the analytic cost model.",
+    )
     add_model_cluster_args(p)
-    p.add_argument("--strategy", required=True,
-                   help='a strategy YAML file, or "dp=8,tp=8,pp=4,micro_batch_size=1,global_batch_size=512,..."')
+    p.add_argument(
+        "--strategy",
+        required=True,
+        help='a strategy YAML file, or "dp=8,tp=8,pp=4,micro_batch_size=1,global_batch_size=512,..."',
+    )
     p.add_argument("--json", action="store_true", help="print the CostReport as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from cost_models.analytic import AnalyticCostModel
 
     model, cluster = load_model_cluster(args)
@@ -25,9 +38,16 @@ def run(args: argparse.Namespace) -> int:
     cm = AnalyticCostModel(model, cluster, runtime=args.runtime)
     report = cm.estimate(strategy)
     if args.json:
-        print_json({"model": model.name, "cluster": cluster.name, "runtime": cm.runtime.name,
-                    "profile_defaults_used": list(cluster.profile.defaults_used()),
-                    "strategy": strategy.to_dict(), "report": report.to_dict(flat=False)})
+        print_json(
+            {
+                "model": model.name,
+                "cluster": cluster.name,
+                "runtime": cm.runtime.name,
+                "profile_defaults_used": list(cluster.profile.defaults_used()),
+                "strategy": strategy.to_dict(),
+                "report": report.to_dict(flat=False),
+            }
+        )
         return 0
     print(render_report(model, cluster, strategy, report, runtime=cm.runtime.name))
     return 0
@@ -50,13 +70,19 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
     tb = [(k[:-2], v) for k, v in report.time._asdict().items()]
     mb = [(k[:-6], v) for k, v in report.memory._asdict().items()]
     for i in range(max(len(tb), len(mb))):
-        left = f"  {tb[i][0]:<18} {fmt_s(tb[i][1]):>11} {tb[i][1] / report.step_time_s * 100:5.1f}%" if i < len(tb) else " " * 39
+        left = (
+            f"  {tb[i][0]:<18} {fmt_s(tb[i][1]):>11} {tb[i][1] / report.step_time_s * 100:5.1f}%"
+            if i < len(tb)
+            else " " * 39
+        )
         right = f"  {mb[i][0]:<12} {fmt_bytes(mb[i][1]):>11}" if i < len(mb) else ""
         lines.append(f"{left:<37}{right}")
     for note in report.notes:
         lines.append(f"note: {note}")
     defaults = cluster.profile.defaults_used()
     if defaults:
-        lines.append(f"note: profile {cluster.profile.name} uses datasheet/default values (not measured here) for: "
-                     f"{', '.join(defaults)}; `autosearch calibrate` measures them")
+        lines.append(
+            f"note: profile {cluster.profile.name} uses datasheet/default values (not measured here) for: "
+            f"{', '.join(defaults)}; `autosearch calibrate` measures them"
+        )
     return "\n".join(lines)

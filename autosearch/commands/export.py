@@ -1,4 +1,5 @@
 """`autosearch export`: a strategy file in the flags / config of Megatron-LM, DeepSpeed or torchtitan."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,24 +7,33 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="print a strategy as Megatron-LM flags, a DeepSpeed config or a torchtitan TOML",
-                       description="Print the equivalent configuration of a strategy for another runtime, and say "
-                                   "what has no equivalent there.")
-    p.add_argument("--strategy", required=True,
-                   help='a strategy YAML (e.g. results/<study>/best_strategy.yaml) or "dp=8,tp=8,pp=4,..."')
+    p = sub.add_parser(
+        "export",
+        help="print a strategy as Megatron-LM flags, a DeepSpeed config or a torchtitan TOML",
+        description="Print the equivalent configuration of a strategy for another runtime, and say "
+        "what has no equivalent there.",
+    )
+    p.add_argument(
+        "--strategy",
+        required=True,
+        help='a strategy YAML (e.g. results/<study>/best_strategy.yaml) or "dp=8,tp=8,pp=4,..."',
+    )
     p.add_argument("--to", required=True, help="megatron, deepspeed, torchtitan, or all")
-    p.add_argument("--model", help="catalog name or model YAML (adds layer counts, checks the strategy); "
-                                   "defaults to the model recorded in a tuner's best_strategy.yaml")
+    p.add_argument(
+        "--model",
+        help="catalog name or model YAML (adds layer counts, checks the strategy); "
+        "defaults to the model recorded in a tuner's best_strategy.yaml",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from autosearch._io import read_yaml_mapping
+    from autosearch.core._io import read_yaml_mapping
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
     from autosearch.export import EXPORTERS, export
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
 
     strategy = Strategy.parse(args.strategy)
     model_name = args.model
@@ -42,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         # One runtime: the config alone on stdout (so `> ds_config.json` is valid), caveats on stderr.
         print(out.text)
-        caveats = out.render()[len(out.text.rstrip()):].strip("\n")
+        caveats = out.render()[len(out.text.rstrip()) :].strip("\n")
         if caveats:
             print(caveats, file=sys.stderr)
     return 0

@@ -4,6 +4,7 @@ Each combination is one `tune` (in memory); its row is appended to the CSV as so
 so a sweep that is interrupted keeps what it finished, and running the same command again skips
 the combinations already in the file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,30 +17,77 @@ import time
 from autosearch.commands._common import positive_int_arg
 
 COLUMNS = [
-    "model", "params_b", "cluster", "gpu", "n_nodes", "gpus_per_node", "n_gpus", "global_batch_size",
-    "tokens_per_step", "status", "strategy", "dp", "tp", "pp", "micro_batch_size", "pipeline_schedule",
-    "virtual_stages", "recompute", "sequence_parallel", "zero_stage", "amp", "tokens_per_s", "step_time_s", "mfu",
-    "tflops_per_gpu", "peak_memory_gib", "memory_capacity_gib", "days_per_trillion_tokens", "usd_per_million_tokens",
-    "space_size", "trials", "search_s", "reason",
+    "model",
+    "params_b",
+    "cluster",
+    "gpu",
+    "n_nodes",
+    "gpus_per_node",
+    "n_gpus",
+    "global_batch_size",
+    "tokens_per_step",
+    "status",
+    "strategy",
+    "dp",
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "pipeline_schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "tflops_per_gpu",
+    "peak_memory_gib",
+    "memory_capacity_gib",
+    "days_per_trillion_tokens",
+    "usd_per_million_tokens",
+    "space_size",
+    "trials",
+    "search_s",
+    "reason",
 ]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="best strategy for many models x clusters x batch sizes, in one CSV",
-                       description="Run the search for every combination of models, clusters and global batch sizes "
-                                   "and write one CSV row per combination (its best strategy and figures).")
-    p.add_argument("--models", required=True, help="comma-separated catalog names or model YAML files")
-    p.add_argument("--clusters", help="comma-separated GPU:NODESxGPUS, e.g. h100-sxm:16x8,h100-sxm:32x8")
+    p = sub.add_parser(
+        "sweep",
+        help="best strategy for many models x clusters x batch sizes, in one CSV",
+        description="Run the search for every combination of models, clusters and global batch sizes "
+        "and write one CSV row per combination (its best strategy and figures).",
+    )
+    p.add_argument(
+        "--models", required=True, help="comma-separated catalog names or model YAML files"
+    )
+    p.add_argument(
+        "--clusters", help="comma-separated GPU:NODESxGPUS, e.g. h100-sxm:16x8,h100-sxm:32x8"
+    )
     p.add_argument("--gpus", help="comma-separated GPU profiles, crossed with --nodes")
-    p.add_argument("--nodes", help="comma-separated node counts, crossed with --gpus (e.g. 8,16,32)")
-    p.add_argument("--global-batch-sizes", required=True, help="comma-separated, e.g. 256,512,1024")
+    p.add_argument(
+        "--nodes", help="comma-separated node counts, crossed with --gpus (e.g. 8,16,32)"
+    )
+    p.add_argument(
+        "--global-batch-sizes", required=True, help="comma-separated, e.g. 256,512,1024"
+    )
     p.add_argument("--n-trials", type=positive_int_arg, default=200)
     p.add_argument("--sampler", choices=["tpe", "random", "exhaustive"], default="tpe")
     p.add_argument("--space", help="search space YAML or shipped name (default, megatron)")
     p.add_argument("--runtime", default="torch", help="cost-model runtime: torch or megatron-sc21")
-    p.add_argument("--price-per-gpu-hour", type=float, help="dollars per device-hour: adds usd_per_million_tokens")
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        help="dollars per device-hour: adds usd_per_million_tokens",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join("results", "sweep.csv"), help="CSV path (default results/sweep.csv)")
+    p.add_argument(
+        "--out",
+        default=os.path.join("results", "sweep.csv"),
+        help="CSV path (default results/sweep.csv)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run)
 
@@ -49,23 +97,31 @@ def _split(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.errors import SpecError
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
 
     models = [ModelSpec.load(m) for m in _split(args.models)]
     clusters = [Cluster.parse(c) for c in _split(args.clusters)]
     if args.gpus or args.nodes:
         if not (args.gpus and args.nodes):
-            raise SpecError("--gpus and --nodes go together (their cross product is swept); "
-                            "or give --clusters GPU:NODESxGPUS,...")
-        clusters += [Cluster(gpu=g, n_nodes=int(n)) for g in _split(args.gpus) for n in _split(args.nodes)]
+            raise SpecError(
+                "--gpus and --nodes go together (their cross product is swept); "
+                "or give --clusters GPU:NODESxGPUS,..."
+            )
+        clusters += [
+            Cluster(gpu=g, n_nodes=int(n)) for g in _split(args.gpus) for n in _split(args.nodes)
+        ]
     if not clusters:
-        raise SpecError("give --clusters (e.g. h100-sxm:16x8,h100-sxm:32x8) or --gpus with --nodes")
+        raise SpecError(
+            "give --clusters (e.g. h100-sxm:16x8,h100-sxm:32x8) or --gpus with --nodes"
+        )
     try:
         batches = [int(b) for b in _split(args.global_batch_sizes)]
     except ValueError:
-        raise SpecError(f"--global-batch-sizes must be comma-separated integers, got {args.global_batch_sizes!r}") from None
+        raise SpecError(
+            f"--global-batch-sizes must be comma-separated integers, got {args.global_batch_sizes!r}"
+        ) from None
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour <= 0:
         raise SpecError(f"--price-per-gpu-hour must be > 0, got {args.price_per_gpu_hour}")
 
@@ -74,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     combos = list(itertools.product(models, clusters, batches))
     todo = [c for c in combos if (c[0].name, c[1].name, c[2]) not in done]
     if not args.quiet:
-        print(f"sweep: {len(combos)} combinations ({len(combos) - len(todo)} already in {args.out}), "
-              f"{args.n_trials} trials each", file=sys.stderr)
+        print(
+            f"sweep: {len(combos)} combinations ({len(combos) - len(todo)} already in {args.out}), "
+            f"{args.n_trials} trials each",
+            file=sys.stderr,
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     new_file = not os.path.exists(args.out) or os.path.getsize(args.out) == 0
     with open(args.out, "a", newline="", encoding="utf-8") as f:
@@ -84,50 +143,102 @@ def run(args: argparse.Namespace) -> int:
             writer.writeheader()
         for i, (model, cluster, gbs) in enumerate(todo, 1):
             t0 = time.perf_counter()
-            row = sweep_row(model, cluster, gbs, n_trials=args.n_trials, sampler=args.sampler, space=args.space,
-                            runtime=args.runtime, price_per_gpu_hour=args.price_per_gpu_hour, seed=args.seed)
+            row = sweep_row(
+                model,
+                cluster,
+                gbs,
+                n_trials=args.n_trials,
+                sampler=args.sampler,
+                space=args.space,
+                runtime=args.runtime,
+                price_per_gpu_hour=args.price_per_gpu_hour,
+                seed=args.seed,
+            )
             writer.writerow(row)
             f.flush()
             os.fsync(f.fileno())
             if not args.quiet:
                 what = row["strategy"] or row["reason"]
                 tps = f"{row['tokens_per_s']:,.0f} tok/s " if row["tokens_per_s"] != "" else ""
-                print(f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: {row['status']} {tps}{what} "
-                      f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+                print(
+                    f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: {row['status']} {tps}{what} "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    file=sys.stderr,
+                )
     print(f"wrote {args.out} ({len(combos)} rows)")
     return 0
 
 
-def sweep_row(model, cluster, gbs: int, *, n_trials: int, sampler: str, space, runtime: str,
-              price_per_gpu_hour: float | None, seed: int | None) -> dict:
+def sweep_row(
+    model,
+    cluster,
+    gbs: int,
+    *,
+    n_trials: int,
+    sampler: str,
+    space,
+    runtime: str,
+    price_per_gpu_hour: float | None,
+    seed: int | None,
+) -> dict:
     """One CSV row: the best strategy for (model, cluster, gbs), or why there is none."""
-    from autosearch.errors import SpecError
+    from autosearch.core.errors import SpecError
     from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
     from search_spaces import SearchSpace
 
     row = {k: "" for k in COLUMNS}
-    row.update(model=model.name, params_b=round(model.n_params / 1e9, 3), cluster=cluster.name,
-               gpu=cluster.profile.name, n_nodes=cluster.n_nodes, gpus_per_node=cluster.gpus_per_node,
-               n_gpus=cluster.world_size, global_batch_size=gbs, tokens_per_step=gbs * model.seq_len)
+    row.update(
+        model=model.name,
+        params_b=round(model.n_params / 1e9, 3),
+        cluster=cluster.name,
+        gpu=cluster.profile.name,
+        n_nodes=cluster.n_nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        n_gpus=cluster.world_size,
+        global_batch_size=gbs,
+        tokens_per_step=gbs * model.seq_len,
+    )
     try:
         sp = SearchSpace(model, cluster, global_batch_size=gbs, config=space)
         row["space_size"] = sp.size
-        result = tune(model, cluster, global_batch_size=gbs, space=sp, n_trials=n_trials, sampler=sampler,
-                      seed=seed, runtime=runtime, top_k=1)
+        result = tune(
+            model,
+            cluster,
+            global_batch_size=gbs,
+            space=sp,
+            n_trials=n_trials,
+            sampler=sampler,
+            seed=seed,
+            runtime=runtime,
+            top_k=1,
+        )
     except NoFeasibleStrategyError as exc:
-        row.update(status="infeasible", reason=str(exc), trials=exc.result.n_trials if exc.result else "")
+        row.update(
+            status="infeasible", reason=str(exc), trials=exc.result.n_trials if exc.result else ""
+        )
         return row
     except SpecError as exc:  # e.g. no (dp, tp, pp) split of this batch on this cluster
         row.update(status="invalid", reason=str(exc))
         return row
     s, r = result.best_strategy, result.best_report
-    row.update(status="ok", strategy=s.short(), **{k: v for k, v in s.to_dict().items() if k in COLUMNS},
-               tokens_per_s=r.tokens_per_s, step_time_s=r.step_time_s, mfu=r.mfu, tflops_per_gpu=r.tflops_per_gpu,
-               peak_memory_gib=r.peak_memory_bytes / 2**30, memory_capacity_gib=r.memory_capacity_bytes / 2**30,
-               days_per_trillion_tokens=1e12 / r.tokens_per_s / 86400, trials=result.n_trials,
-               search_s=round(result.timings.get("search_s", 0.0), 3))
+    row.update(
+        status="ok",
+        strategy=s.short(),
+        **{k: v for k, v in s.to_dict().items() if k in COLUMNS},
+        tokens_per_s=r.tokens_per_s,
+        step_time_s=r.step_time_s,
+        mfu=r.mfu,
+        tflops_per_gpu=r.tflops_per_gpu,
+        peak_memory_gib=r.peak_memory_bytes / 2**30,
+        memory_capacity_gib=r.memory_capacity_bytes / 2**30,
+        days_per_trillion_tokens=1e12 / r.tokens_per_s / 86400,
+        trials=result.n_trials,
+        search_s=round(result.timings.get("search_s", 0.0), 3),
+    )
     if price_per_gpu_hour:
-        row["usd_per_million_tokens"] = usd_per_million_tokens(r, price_per_gpu_hour, cluster.world_size)
+        row["usd_per_million_tokens"] = usd_per_million_tokens(
+            r, price_per_gpu_hour, cluster.world_size
+        )
     return row
 
 

@@ -1,4 +1,5 @@
 """`autosearch validate`: run the top candidates of a study (or strategy files) for real."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,32 +20,54 @@ reason; the others still run. validation.csv is rewritten after every run.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="run top candidates for a few real steps; measured vs predicted",
-                       description="Run candidate strategies with the Engine for a few steps and record measured "
-                                   "step time and peak memory next to the cost model's predictions.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "validate",
+        help="run top candidates for a few real steps; measured vs predicted",
+        description="Run candidate strategies with the Engine for a few steps and record measured "
+        "step time and peak memory next to the cost model's predictions.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--study", help="a tuner output folder (holding study.journal), or a study name with --storage")
+    src.add_argument(
+        "--study",
+        help="a tuner output folder (holding study.journal), or a study name with --storage",
+    )
     src.add_argument("--strategies", nargs="+", metavar="FILE", help="strategy YAML files")
     p.add_argument("--storage", help="Optuna storage of --study when it is a study name")
     p.add_argument("--model", help="model (catalog name or YAML); default: the study's")
     p.add_argument("--cluster", help="cluster the predictions are for; default: the study's")
-    p.add_argument("--runtime", default=None, help="cost-model runtime for candidates scored here (default torch)")
+    p.add_argument(
+        "--runtime",
+        default=None,
+        help="cost-model runtime for candidates scored here (default torch)",
+    )
     p.add_argument("--top-k", type=positive_int_arg, default=3)
-    p.add_argument("--steps", type=positive_int_arg, default=10, help="measured steps (median taken)")
+    p.add_argument(
+        "--steps", type=positive_int_arg, default=10, help="measured steps (median taken)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="a run not done by then is killed (a hang)")
-    p.add_argument("--memory-limit-gib", type=float, help="emulate a smaller device: per-process memory cap")
-    p.add_argument("--factory", help='"module:function" or "file.py:function" building the model from its '
-                                     "ModelSpec (default: the reference transformer)")
-    p.add_argument("--out", help="output folder (default: <study folder>/validation or results/validation)")
+    p.add_argument(
+        "--timeout-s", type=float, default=600.0, help="a run not done by then is killed (a hang)"
+    )
+    p.add_argument(
+        "--memory-limit-gib", type=float, help="emulate a smaller device: per-process memory cap"
+    )
+    p.add_argument(
+        "--factory",
+        help='"module:function" or "file.py:function" building the model from its '
+        "ModelSpec (default: the reference transformer)",
+    )
+    p.add_argument(
+        "--out", help="output folder (default: <study folder>/validation or results/validation)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
+    from autosearch.core.errors import SpecError
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
     from autosearch.validation import validate
     from autosearch.validation._validate import Candidate
 
@@ -55,11 +78,17 @@ def run(args: argparse.Namespace) -> int:
 
         candidates = candidates_from_study(study, top_k=args.top_k)
         if not candidates:
-            raise SpecError(f"study {study.study_name!r} has no completed trial that fits in memory; nothing to validate")
+            raise SpecError(
+                f"study {study.study_name!r} has no completed trial that fits in memory; nothing to validate"
+            )
         model = ModelSpec.load(args.model) if args.model else _model_from(meta)
         cluster = args.cluster or _cluster_from(meta)
         runtime = args.runtime or meta.get("runtime")
-        out = args.out or (os.path.join(args.study, "validation") if os.path.isdir(args.study) else "results/validation")
+        out = args.out or (
+            os.path.join(args.study, "validation")
+            if os.path.isdir(args.study)
+            else "results/validation"
+        )
     else:
         if not args.model:
             raise SpecError("--strategies needs --model (the model to train)")
@@ -68,13 +97,25 @@ def run(args: argparse.Namespace) -> int:
         cluster, runtime = args.cluster, args.runtime
         out = args.out or "results/validation"
     limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else None
-    result = validate(model, candidates, cluster=cluster, steps=args.steps, warmup=args.warmup,
-                      timeout_s=args.timeout_s, out=out, memory_limit_bytes=limit, factory=args.factory,
-                      study=study, runtime=runtime)
+    result = validate(
+        model,
+        candidates,
+        cluster=cluster,
+        steps=args.steps,
+        warmup=args.warmup,
+        timeout_s=args.timeout_s,
+        out=out,
+        memory_limit_bytes=limit,
+        factory=args.factory,
+        study=study,
+        runtime=runtime,
+    )
     print(summary(result, out))
     if result.best is not None:
         path = os.path.join(out, "best_measured_strategy.yaml")
-        result.best.strategy.to_yaml(path, comment=f"fastest measured by `autosearch validate` ({model.name})")
+        result.best.strategy.to_yaml(
+            path, comment=f"fastest measured by `autosearch validate` ({model.name})"
+        )
         print(f"wrote {path}")
     return 0 if result.best is not None else 1
 
@@ -83,26 +124,38 @@ def open_study(where: str, storage: str | None):
     """(study, its autosearch metadata) from a tuner output folder or a study name + storage."""
     import optuna
 
-    from autosearch.errors import SpecError
+    from autosearch.core.errors import SpecError
     from autosearch.tuning import open_storage
     from autosearch.tuning._storage import DEFAULT_FILENAME
 
     name = None
     if storage is None:
         if not os.path.isdir(where):
-            raise SpecError(f"--study {where!r} is not a folder; give the tuner's --out folder, or a study name "
-                            "together with --storage")
-        candidates = [os.path.join(where, f) for f in (DEFAULT_FILENAME, "study.db") if os.path.exists(os.path.join(where, f))]
+            raise SpecError(
+                f"--study {where!r} is not a folder; give the tuner's --out folder, or a study name "
+                "together with --storage"
+            )
+        candidates = [
+            os.path.join(where, f)
+            for f in (DEFAULT_FILENAME, "study.db")
+            if os.path.exists(os.path.join(where, f))
+        ]
         if not candidates:
-            raise SpecError(f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by `autosearch tune --out`?")
+            raise SpecError(
+                f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by `autosearch tune --out`?"
+            )
         storage = candidates[0]
     else:
         name = where
     backend = open_storage(storage)
-    names = [s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)]
+    names = [
+        s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)
+    ]
     if name is None:
         if len(names) != 1:
-            raise SpecError(f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage and the study name")
+            raise SpecError(
+                f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage and the study name"
+            )
         name = names[0]
     elif name not in names:
         raise SpecError(f"no study {name!r} in {storage}; it holds: {', '.join(names) or 'none'}")
@@ -111,8 +164,8 @@ def open_study(where: str, storage: str | None):
 
 
 def _model_from(meta: dict):
-    from autosearch.errors import SpecError
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.errors import SpecError
+    from autosearch.core.model_spec import ModelSpec
 
     if meta.get("model_spec"):
         return ModelSpec.from_dict(meta["model_spec"])
@@ -122,7 +175,7 @@ def _model_from(meta: dict):
 
 
 def _cluster_from(meta: dict):
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
 
     if meta.get("cluster_spec"):
         return Cluster.from_dict(meta["cluster_spec"])
@@ -130,22 +183,28 @@ def _cluster_from(meta: dict):
 
 
 def summary(result, out: str) -> str:
-    lines = [f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'memory':>11} "
-             f"{'predicted':>11}"]
+    lines = [
+        f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'memory':>11} "
+        f"{'predicted':>11}"
+    ]
     for _, r in result.table.iterrows():
         if r.status == "ok":
             pred = r.get("predicted_step_time_s")
             err = r.get("step_time_error_pct")
             has_pred = pred is not None and pred == pred
-            lines.append(f"{r.strategy:<44} {r.status:<8} {fmt_s(r.measured_step_time_s):>10} "
-                         f"{fmt_s(pred) if has_pred else '-':>10} {f'{err:+.0f}%' if has_pred else '-':>7} "
-                         f"{fmt_bytes(r.measured_peak_memory_bytes):>11} "
-                         f"{fmt_bytes(r.predicted_peak_memory_bytes) if has_pred else '-':>11}")
+            lines.append(
+                f"{r.strategy:<44} {r.status:<8} {fmt_s(r.measured_step_time_s):>10} "
+                f"{fmt_s(pred) if has_pred else '-':>10} {f'{err:+.0f}%' if has_pred else '-':>7} "
+                f"{fmt_bytes(r.measured_peak_memory_bytes):>11} "
+                f"{fmt_bytes(r.predicted_peak_memory_bytes) if has_pred else '-':>11}"
+            )
         else:
             lines.append(f"{r.strategy:<44} {r.status:<8} {r.reason}")
     if result.best is not None:
-        lines.append(f"best measured: {result.best.strategy.short()} "
-                     f"({result.best_row['measured_tokens_per_s']:,.0f} tokens/s)")
+        lines.append(
+            f"best measured: {result.best.strategy.short()} "
+            f"({result.best_row['measured_tokens_per_s']:,.0f} tokens/s)"
+        )
     else:
         lines.append("no candidate ran successfully")
     lines.append(f"wrote {os.path.join(out, 'validation.csv')}")

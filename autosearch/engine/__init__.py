@@ -11,7 +11,7 @@ _EXPORTS = {
     "Engine": "autosearch.engine._engine",
     "ParallelPlan": "autosearch.engine.plan",
     "ParallelDims": "autosearch.engine.parallel_dims",
-    "DP_MODES": "autosearch.engine.parallel_dims",
+    "dp_mode": "autosearch.core.dp_modes",
     "SyntheticTokens": "autosearch.engine.data",
     "TokenFile": "autosearch.engine.data",
     "WarmupDecay": "autosearch.engine.lr_schedule",

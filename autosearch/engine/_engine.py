@@ -12,16 +12,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from autosearch.core.errors import SpecError
 from autosearch.engine._loop import _call
 from autosearch.engine._step import StepMixin, _PipelineLoss
-from autosearch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
+    from autosearch.core.strategy import Strategy
     from autosearch.engine.data import DistributedLoader
-    from autosearch.strategy import Strategy
 
 MODES = ("train", "eval", "predict")
 
@@ -127,8 +127,8 @@ class Engine(StepMixin):
     def _resolve_strategy(self, batch_size: int | None = None) -> "Strategy":
         if self.strategy_ is not None:
             return self.strategy_
+        from autosearch.core.strategy import Strategy
         from autosearch.engine.distributed import launched_world_size
-        from autosearch.strategy import Strategy
 
         s = self.strategy
         if s is None:
@@ -146,8 +146,8 @@ class Engine(StepMixin):
         return s
 
     def _model_spec(self):
+        from autosearch.core.model_spec import ModelSpec
         from autosearch.engine.build import wrap_known
-        from autosearch.model_spec import ModelSpec
 
         if self.model_spec is not None:
             return ModelSpec.load(self.model_spec)
@@ -442,13 +442,13 @@ class Engine(StepMixin):
         """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
         ZeroRedundancyOptimizer holds a plain optimizer over its own share of the parameters
         (``.optim``): its state, named by parameter, is that rank's part of the full state."""
-        if self.dims_.dp_mode == "ddp_zero1":
+        if self.dims_.mode.zero_redundancy_optimizer:
             return [opt.optim for opt in self.optimizers_]
         return self.optimizers_
 
     # ---- cost model and search ---------------------------------------------------------------
     def _cluster(self):
-        from cost_models.hardware import Cluster
+        from autosearch.core.hardware import Cluster
 
         if self.cluster is None:
             raise SpecError("this needs a cluster to model: pass Engine(..., cluster='h100-sxm:1x8') "

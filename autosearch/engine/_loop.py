@@ -9,6 +9,7 @@ data position, so the losses are those of a run that was never stopped (same wor
 another strategy the model, optimizer, schedule and data position carry over, the RNG streams
 do not).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.engine._engine import Engine
@@ -31,7 +32,7 @@ def step_dir(save_dir: str, step: int) -> str:
 
 
 def latest_checkpoint(save_dir: str) -> str | None:
-    """The newest complete ``step<N>`` checkpoint of `save_dir` (one with DCP metadata), or None."""
+    """The newest complete ``step<N>`` checkpoint of `save_dir` (with DCP metadata), or None."""
     if not os.path.isdir(save_dir):
         return None
     found = []
@@ -45,15 +46,18 @@ def latest_checkpoint(save_dir: str) -> str | None:
 
 # ---- train state -------------------------------------------------------------------------------
 def train_state(engine: "Engine") -> dict[str, Any]:
-    """What resuming needs beyond model and optimizer, for this rank (loadable with weights_only)."""
+    """What resuming needs beyond model and optimizer, for this rank (weights_only-loadable)."""
     import torch
 
     epoch, batches = getattr(engine, "data_position_", (0, 0))
     state: dict[str, Any] = {
-        "global_step": engine.global_step_, "epoch": epoch, "batches_done": batches,
+        "global_step": engine.global_step_,
+        "epoch": epoch,
+        "batches_done": batches,
         "schedulers": [s.state_dict() for s in engine.schedulers_],
         "scaler": engine.scaler_.state_dict() if engine.scaler_ is not None else None,
-        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
     }
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -87,7 +91,7 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-# ---- the loop ------------------------------------------------------------------------------------
+# ---- the loop ---------------------------------------------------------------------------
 def _call(callbacks, hook: str, *args) -> None:
     for cb in callbacks or ():
         fn = getattr(cb, hook, None)
@@ -112,33 +116,80 @@ def _mfu_inputs(engine: "Engine") -> tuple[float | None, float | None]:
     return spec.flops_per_token(training=True), peak * engine.dims_.world_size
 
 
-def fit(engine: "Engine", train_data, *, batch_size: int | None, epochs: int, steps_per_epoch: int | None,
-        valid_data, valid_freq: int, valid_steps: int | None, log_freq: int, save_dir: str | None,
-        save_freq: int, save_steps: int | None, resume: "bool | str", log_dir: str | None, tensorboard: bool,
-        collate_fn: Callable | None, callbacks: Sequence | None, verbose: int, shuffle: bool) -> dict[str, list]:
+def fit(
+    engine: "Engine",
+    train_data,
+    *,
+    batch_size: int | None,
+    epochs: int,
+    steps_per_epoch: int | None,
+    valid_data,
+    valid_freq: int,
+    valid_steps: int | None,
+    log_freq: int,
+    save_dir: str | None,
+    save_freq: int,
+    save_steps: int | None,
+    resume: "bool | str",
+    log_dir: str | None,
+    tensorboard: bool,
+    collate_fn: Callable | None,
+    callbacks: Sequence | None,
+    verbose: int,
+    shuffle: bool,
+) -> dict[str, list]:
     """`Engine.fit` (documented there)."""
     from autosearch.engine.distributed import is_rank0
 
     if save_steps is not None and (not isinstance(save_steps, int) or save_steps <= 0):
         raise SpecError(f"save_steps must be a positive integer, got {save_steps!r}")
     if (save_steps or resume is True) and save_dir is None:
-        raise SpecError("save_steps and resume=True need save_dir=... (where checkpoints are written and found)")
-    loader = engine.dataloader(train_data, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_fn,
-                               epochs=epochs, steps_per_epoch=steps_per_epoch, mode="train")
+        raise SpecError(
+            "save_steps and resume=True need save_dir=... "
+            "(where checkpoints are written and found)"
+        )
+    loader = engine.dataloader(
+        train_data,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        collate_fn=collate_fn,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        mode="train",
+    )
     start_epoch, skip = 0, 0
     if resume:
         path = resume if isinstance(resume, str) else latest_checkpoint(save_dir)
         if path is not None:
             engine.load(path)
             start_epoch, skip = engine.data_position_
-    history: dict[str, list] = {"loss": [], "step_time_s": [], "tokens_per_s": [], "lr": [], "epoch_loss": []}
+    history: dict[str, list] = {
+        "loss": [],
+        "step_time_s": [],
+        "tokens_per_s": [],
+        "lr": [],
+        "epoch_loss": [],
+    }
     engine.history = history
     steps = loader.steps()
     flops_per_token, peak = _mfu_inputs(engine)
-    log = engine.train_logger_ = _make_logger(engine, is_rank0(), verbose, log_freq, steps, epochs, log_dir,
-                                              tensorboard, flops_per_token, peak)
+    log = engine.train_logger_ = _make_logger(
+        engine,
+        is_rank0(),
+        verbose,
+        log_freq,
+        steps,
+        epochs,
+        log_dir,
+        tensorboard,
+        flops_per_token,
+        peak,
+    )
     if start_epoch or skip:
-        log.message(f"resumed from {path} at step {engine.global_step_} (epoch {start_epoch + 1}, batch {skip})")
+        log.message(
+            f"resumed from {path} at step {engine.global_step_} "
+            f"(epoch {start_epoch + 1}, batch {skip})"
+        )
     _call(callbacks, "on_train_begin", {})
     try:
         for epoch in range(start_epoch, epochs):
@@ -147,7 +198,9 @@ def fit(engine: "Engine", train_data, *, batch_size: int | None, epochs: int, st
             first = skip if epoch == start_epoch else 0
             epoch_sums = None
             for step, batch in enumerate(loader.epoch(epoch, skip=first), start=first):
-                lr = engine.optimizers_[0].param_groups[0]["lr"] if engine.optimizers_ else None  # this step's
+                lr = (
+                    engine.optimizers_[0].param_groups[0]["lr"] if engine.optimizers_ else None
+                )  # this step's
                 start = time.perf_counter()
                 sums, _ = engine._step(batch, "train")
                 logs = engine._reduce(sums.clone())
@@ -169,13 +222,20 @@ def fit(engine: "Engine", train_data, *, batch_size: int | None, epochs: int, st
                     engine.save(step_dir(save_dir, engine.global_step_))
                 _call(callbacks, "on_batch_end", step, logs)
             engine.data_position_ = (epoch + 1, 0)
-            epoch_logs = engine._reduce(epoch_sums) if epoch_sums is not None else {"loss": float("nan")}
+            epoch_logs = (
+                engine._reduce(epoch_sums) if epoch_sums is not None else {"loss": float("nan")}
+            )
             history["epoch_loss"].append(epoch_logs["loss"])
             for metric in engine._metrics:
                 history.setdefault(metric.name, []).append(epoch_logs[metric.name])
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
-                val = engine.evaluate(valid_data, batch_size=batch_size, steps=valid_steps, collate_fn=collate_fn,
-                                      verbose=0)
+                val = engine.evaluate(
+                    valid_data,
+                    batch_size=batch_size,
+                    steps=valid_steps,
+                    collate_fn=collate_fn,
+                    verbose=0,
+                )
                 for key, value in val.items():
                     history.setdefault(f"val_{key}", []).append(value)
                     epoch_logs[f"val_{key}"] = value
@@ -194,10 +254,28 @@ def fit(engine: "Engine", train_data, *, batch_size: int | None, epochs: int, st
     return history
 
 
-def _make_logger(engine, rank0: bool, verbose: int, log_freq: int, steps: int | None, epochs: int,
-                 log_dir: str | None, tensorboard: bool, flops_per_token, peak):
+def _make_logger(
+    engine,
+    rank0: bool,
+    verbose: int,
+    log_freq: int,
+    steps: int | None,
+    epochs: int,
+    log_dir: str | None,
+    tensorboard: bool,
+    flops_per_token,
+    peak,
+):
     from autosearch.engine.progress import TrainLogger
 
-    return TrainLogger(enabled=rank0, verbose=verbose, log_freq=log_freq,
-                       total_steps=steps * epochs if steps else None, log_dir=log_dir, tensorboard=tensorboard,
-                       flops_per_token=flops_per_token, peak_flops=peak, first_step=engine.global_step_)
+    return TrainLogger(
+        enabled=rank0,
+        verbose=verbose,
+        log_freq=log_freq,
+        total_steps=steps * epochs if steps else None,
+        log_dir=log_dir,
+        tensorboard=tensorboard,
+        flops_per_token=flops_per_token,
+        peak_flops=peak,
+        first_step=engine.global_step_,
+    )

@@ -6,12 +6,13 @@ synchronisation once per step (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sy
 ZeRO-2/3; with it, the `torch.distributed.pipelining` schedule runs the micro-batches. Each step
 returns local sums (loss x samples, samples, metric sums) that `_reduce` adds over the ranks.
 """
+
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 class StepMixin:
@@ -29,7 +30,10 @@ class StepMixin:
         if mode == "train" and labels is None:
             raise SpecError("training needs labels: batches must be (inputs, labels)")
         if mode == "train" and not self.optimizers_:
-            raise SpecError("training needs an optimizer: Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))")
+            raise SpecError(
+                "training needs an optimizer: "
+                "Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))"
+            )
         self._last_tokens = inputs.numel() * self.dims_.dp if not inputs.is_floating_point() else 0
         self._last_samples = inputs.shape[0] * self.dims_.dp
         if self.schedule_ is not None:
@@ -65,14 +69,22 @@ class StepMixin:
                         outputs.append(out)
         if mode == "train":
             n_micro = inputs.shape[0] / mbs
-            if n_micro != 1:  # mean over micro-batches, after backward as pipelining's scale_grads does
+            if (
+                n_micro != 1
+            ):  # mean over micro-batches, after backward as pipelining's scale_grads does
                 for p in part.parameters():
                     if p.grad is not None:
                         p.grad.div_(int(n_micro) if n_micro == int(n_micro) else n_micro)
             self._optimizer_step()
         n = inputs.shape[0] if labels is not None else 0
-        sums = torch.cat([torch.stack([loss_sum, torch.tensor(float(n), dtype=torch.float64, device=self.device_)]),
-                          metric_sums.to(self.device_)])
+        sums = torch.cat(
+            [
+                torch.stack(
+                    [loss_sum, torch.tensor(float(n), dtype=torch.float64, device=self.device_)]
+                ),
+                metric_sums.to(self.device_),
+            ]
+        )
         return sums, (torch.cat(outputs) if outputs else None)
 
     def _pipeline_step(self, inputs, labels, mode: str):
@@ -81,14 +93,19 @@ class StepMixin:
         s = self.strategy_
         n_chunks = s.pp * s.virtual_stages
         if inputs.shape[0] != s.grad_accum_steps * s.micro_batch_size:
-            raise SpecError(f"with pp={s.pp} each dp rank needs {s.grad_accum_steps} x {s.micro_batch_size} samples "
-                            f"per batch, got {inputs.shape[0]}; build the loader with engine.dataloader()")
+            raise SpecError(
+                f"with pp={s.pp} each dp rank needs {s.grad_accum_steps} x "
+                f"{s.micro_batch_size} samples "
+                f"per batch, got {inputs.shape[0]}; build the loader with engine.dataloader()"
+            )
         first, last = 0 in self.stages_, n_chunks - 1 in self.stages_
         args = (inputs,) if first else ()
         loss_fn = self._pipeline_loss
         loss_fn.records.clear()
         loss_fn.enabled = labels is not None
-        target = labels if labels is not None else torch.zeros(inputs.shape[0], device=self.device_)
+        target = (
+            labels if labels is not None else torch.zeros(inputs.shape[0], device=self.device_)
+        )
         if mode == "train":
             for opt in self.optimizers_:
                 opt.zero_grad(set_to_none=True)
@@ -104,27 +121,34 @@ class StepMixin:
         if last:
             out = _full(out.detach()) if out is not None else None
             if labels is not None:
-                # The last m records: on its first step the stage also calls the loss while inferring shapes.
-                records = loss_fn.records[-s.grad_accum_steps:]
+                # The last m records: on its first step the stage also calls the loss while
+                # inferring shapes.
+                records = loss_fn.records[-s.grad_accum_steps :]
                 loss_sum = sum(_full(r).double() * s.micro_batch_size for r in records)
                 n = inputs.shape[0]
                 if self._metrics and out is not None:
                     metric_sums = self._metric_sums(out, labels)
         else:
             out = None
-        sums = torch.cat([torch.stack([loss_sum.reshape(()),
-                                       torch.tensor(float(n), dtype=torch.float64, device=self.device_)]),
-                          metric_sums.to(self.device_)])
+        sums = torch.cat(
+            [
+                torch.stack(
+                    [
+                        loss_sum.reshape(()),
+                        torch.tensor(float(n), dtype=torch.float64, device=self.device_),
+                    ]
+                ),
+                metric_sums.to(self.device_),
+            ]
+        )
         return sums, (out if mode == "predict" else None)
 
     def _grad_sync(self, part, *, last: bool):
         """Reduce gradients once per step (DDP no_sync; FSDP2 sync flag), except for ZeRO-2/3."""
-        from autosearch.engine.parallelize import reduces_every_microbatch
-
-        mode = self.dims_.dp_mode
-        if mode in ("ddp", "ddp_zero1"):
+        mode = self.dims_.mode
+        if mode.wrapper == "ddp":
             return contextlib.nullcontext() if last else part.no_sync()
-        if mode != "none" and not reduces_every_microbatch(self.dims_):
+        if mode.wrapper == "fsdp" and not mode.reduce_every_microbatch:
             part.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -138,7 +162,9 @@ class StepMixin:
                 for opt in self.optimizers_:
                     self.scaler_.unscale_(opt)
             pp_group = self.mesh_.get_group("pp") if self.dims_.pp > 1 else None
-            self._last_grad_norm = clip_grad_norm(self.model_parts_, self.grad_clip_norm, pp_group=pp_group)
+            self._last_grad_norm = clip_grad_norm(
+                self.model_parts_, self.grad_clip_norm, pp_group=pp_group
+            )
         if self.scaler_ is not None:
             for opt in self.optimizers_:
                 self.scaler_.step(opt)
@@ -161,7 +187,9 @@ class StepMixin:
 
         if not self._metrics:
             return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([m.batch_sums(outputs, labels).double().cpu().reshape(m.width) for m in self._metrics])
+        return torch.cat(
+            [m.batch_sums(outputs, labels).double().cpu().reshape(m.width) for m in self._metrics]
+        )
 
     def _reduce(self, sums) -> dict[str, float]:
         """Sum over every rank (one all-reduce); tp peers hold copies, so divide by tp."""
@@ -175,7 +203,7 @@ class StepMixin:
         offset = 2
         for metric in self._metrics:
             width = metric.width
-            out[metric.name] = metric.compute(sums[offset: offset + width])
+            out[metric.name] = metric.compute(sums[offset : offset + width])
             offset += width
         return out
 

@@ -1,6 +1,7 @@
 """Build the model the Engine runs: from an instance or a factory, on the meta device or not,
 wrapped when it is a known transformers model; check a strategy against it; allocate and
 initialise meta-device parts once parallelized."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from autosearch.core.errors import SpecError
 from autosearch.engine.plan import ParallelPlan
-from autosearch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
 
 def is_module(obj) -> bool:
@@ -38,21 +39,28 @@ def build_model(source, *, meta_init: bool, seed: int | None, instance_used: boo
     """
     if meta_init:
         if is_module(source) or not callable(source):
-            raise SpecError("meta_init=True needs a zero-argument model factory (the engine builds it on the "
-                            "meta device), e.g. Engine(lambda: Transformer(spec), meta_init=True)")
+            raise SpecError(
+                "meta_init=True needs a zero-argument model factory (the engine builds it on the "
+                "meta device), e.g. Engine(lambda: Transformer(spec), meta_init=True)"
+            )
         with torch.device("meta"):
             model = source()
     elif is_module(source):
         if instance_used:
-            raise SpecError("the model instance was already parallelized for another strategy; pass a "
-                            "zero-argument factory (e.g. lambda: Transformer(spec)) so the engine can rebuild it")
+            raise SpecError(
+                "the model instance was already parallelized for another strategy; pass a "
+                "zero-argument factory (e.g. lambda: Transformer(spec)) so the engine can "
+                "rebuild it"
+            )
         model = source
     elif callable(source):
         if seed is not None:
             torch.manual_seed(seed)
         model = source()
     else:
-        raise SpecError(f"model must be an nn.Module or a zero-argument factory, got {type(source).__name__}")
+        raise SpecError(
+            f"model must be an nn.Module or a zero-argument factory, got {type(source).__name__}"
+        )
     if not is_module(model):
         raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
     return wrap_known(model)
@@ -74,21 +82,34 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
     # The model's own check covers the Strategy rules; without one, those not needing the model.
     problems = list(plan.check(strategy)) if plan.check is not None else strategy.problems(None)
     if strategy.tp > 1 and plan.tp_plan is None:
-        problems.append(f"tp={strategy.tp} needs a tensor-parallel plan and this model has none; pass "
-                        "Engine(..., plan=ParallelPlan(tp_plan=...)) or use tp=1 (dp, zero, recompute, amp work)")
+        problems.append(
+            f"tp={strategy.tp} needs a tensor-parallel plan and this model has none; pass "
+            "Engine(..., plan=ParallelPlan(tp_plan=...)) or use tp=1 "
+            "(dp, zero, recompute, amp work)"
+        )
     if strategy.pp > 1:
         container = blocks_of(model, plan)
         if not isinstance(container, nn.ModuleDict):
-            problems.append(f"pp={strategy.pp} needs the model's blocks in an nn.ModuleDict named by "
-                            f"ParallelPlan.blocks ({plan.blocks!r} here) and a forward that skips None modules; "
-                            "pass a ParallelPlan or use pp=1")
-        elif plan.check is None or plan.split_points is not None:  # else the model's check covers it
+            problems.append(
+                f"pp={strategy.pp} needs the model's blocks in an nn.ModuleDict named by "
+                f"ParallelPlan.blocks ({plan.blocks!r} here) and a forward that skips None "
+                "modules; "
+                "pass a ParallelPlan or use pp=1"
+            )
+        elif (
+            plan.check is None or plan.split_points is not None
+        ):  # else the model's check covers it
             bounds = plan.chunk_bounds(len(container), strategy.pp * strategy.virtual_stages)
             if isinstance(bounds, str):
                 problems.append(f"the pipeline split is impossible: {bounds}")
-    if strategy.recompute == "selective" and (plan.attention_core is None or blocks_of(model, plan) is None):
-        problems.append("recompute=selective needs ParallelPlan(attention_core=...) naming the attention core of "
-                        "each block; use recompute=full or give the plan")
+    if strategy.recompute == "selective" and (
+        plan.attention_core is None or blocks_of(model, plan) is None
+    ):
+        problems.append(
+            "recompute=selective needs ParallelPlan(attention_core=...) naming the attention "
+            "core of "
+            "each block; use recompute=full or give the plan"
+        )
     return problems
 
 

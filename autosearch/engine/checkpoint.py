@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def _options(**kwargs):
@@ -265,7 +265,10 @@ def saved_keys(path: str) -> set[str]:
 def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: bool = True,
          load_optimizer: bool = True) -> list[str]:
     """Load a checkpoint saved under any strategy into these parts; returns what was not loaded."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     if _rank() == 0 and not os.path.exists(path):
         recover(path)  # a save killed between its two renames left the previous checkpoint at path.old

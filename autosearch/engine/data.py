@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 class SyntheticTokens(Dataset):

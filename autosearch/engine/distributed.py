@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 _SPEC_ERROR_GRACE_S = 3.0
 

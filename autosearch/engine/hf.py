@@ -20,6 +20,7 @@ it needs to run every strategy:
 The Engine wraps a supported ``transformers`` model by itself (``Engine(lambda:
 LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the plan or the spec.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,9 +28,9 @@ import copy
 import torch
 from torch import nn
 
+from autosearch.core.errors import SpecError
+from autosearch.core.hf_config import LLAMA_LIKE, spec_from_hf_config
 from autosearch.engine.plan import ParallelPlan
-from autosearch.errors import SpecError
-from autosearch.hf_config import LLAMA_LIKE, spec_from_hf_config
 
 ATTN_IMPLEMENTATION = "autosearch_core"
 
@@ -66,9 +67,12 @@ def _register_attention() -> None:
 def is_supported_hf_model(model) -> bool:
     """Whether `model` is a transformers causal LM of a family `HFCausalLM` runs."""
     config = getattr(model, "config", None)
-    return (type(model).__module__.startswith("transformers.")
-            and getattr(config, "model_type", None) in LLAMA_LIKE
-            and hasattr(model, "model") and hasattr(model, "lm_head"))
+    return (
+        type(model).__module__.startswith("transformers.")
+        and getattr(config, "model_type", None) in LLAMA_LIKE
+        and hasattr(model, "model")
+        and hasattr(model, "lm_head")
+    )
 
 
 def _sequence_shards(module: nn.Module) -> int:
@@ -108,9 +112,12 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
         if not is_supported_hf_model(hf_model):
-            raise SpecError(f"HFCausalLM runs transformers causal LMs of model_type {', '.join(LLAMA_LIKE)}; got "
-                            f"{type(hf_model).__name__} (model_type "
-                            f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})")
+            raise SpecError(
+                "HFCausalLM runs transformers causal LMs of model_type "
+                f"{', '.join(LLAMA_LIKE)}; got "
+                f"{type(hf_model).__name__} (model_type "
+                f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
+            )
         _register_attention()
         self.hf_class = type(hf_model)
         # A config of our own (the attention modules read the kernel's name from it), so the
@@ -120,7 +127,9 @@ class HFCausalLM(nn.Module):
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
         if isinstance(self.model.layers, nn.ModuleList):
-            self.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.model.layers)})
+            self.model.layers = nn.ModuleDict(
+                {str(i): layer for i, layer in enumerate(self.model.layers)}
+            )
         self.model.config = self.config
         for layer in self.model.layers.values():
             attn = layer.self_attn
@@ -131,7 +140,8 @@ class HFCausalLM(nn.Module):
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to hidden."""
+        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
+        states to hidden states."""
         m = self.model
         layers = list(m.layers.values())
         if m.embed_tokens is not None:
@@ -142,8 +152,10 @@ class HFCausalLM(nn.Module):
             seq = h.shape[1] * (_sequence_shards(layers[0].input_layernorm) if layers else 1)
         window = self.sliding_window()
         if window is not None and seq > window:
-            raise SpecError(f"sequences of {seq} tokens are longer than the config's sliding_window={window}; "
-                            "the Engine runs full causal attention, so train with sequences <= sliding_window")
+            raise SpecError(
+                f"sequences of {seq} tokens are longer than the config's sliding_window={window}; "
+                "the Engine runs full causal attention, so train with sequences <= sliding_window"
+            )
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = m.rotary_emb(h, position_ids=position_ids)
         for layer in layers:
@@ -181,9 +193,11 @@ class HFCausalLM(nn.Module):
         )
 
     def sliding_window(self) -> int | None:
-        """The attention window, if the config restricts attention to one (Mistral, Qwen2 option)."""
+        """The attention window, if the config restricts attention to one (Mistral, Qwen2)."""
         window = getattr(self.config, "sliding_window", None)
-        if self.config.model_type == "qwen2" and not getattr(self.config, "use_sliding_window", False):
+        if self.config.model_type == "qwen2" and not getattr(
+            self.config, "use_sliding_window", False
+        ):
             return None
         return window
 
@@ -192,8 +206,10 @@ class HFCausalLM(nn.Module):
         if self.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
             problems.append(
                 f"this {self.config.model_type} model ties lm_head to embed_tokens "
-                f"(tie_word_embeddings=true), which runs only with tp=1 and pp=1 here (got tp={strategy.tp}, "
-                f"pp={strategy.pp}); use dp/zero, or a config with tie_word_embeddings=false")
+                "(tie_word_embeddings=true), which runs only with tp=1 and pp=1 here "
+                f"(got tp={strategy.tp}, "
+                f"pp={strategy.pp}); use dp/zero, or a config with tie_word_embeddings=false"
+            )
         return problems
 
     @staticmethod
@@ -217,9 +233,11 @@ class HFCausalLM(nn.Module):
         layer = "model.layers.*."
         plan = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-            "lm_head": ColwiseParallel(input_layouts=act,
-                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                       use_local_output=not loss_parallel),
+            "lm_head": ColwiseParallel(
+                input_layouts=act,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
             layer + "self_attn.q_proj": ColwiseParallel(),
             layer + "self_attn.k_proj": ColwiseParallel(),
             layer + "self_attn.v_proj": ColwiseParallel(),
@@ -229,22 +247,28 @@ class HFCausalLM(nn.Module):
             layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
         }
         if sequence_parallel:
-            plan.update({
-                "model.norm": SequenceParallel(),
-                layer + "input_layernorm": SequenceParallel(),
-                layer + "post_attention_layernorm": SequenceParallel(),
-                # HF passes the attention input by keyword, the MLP input by position.
-                layer + "self_attn": PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": Shard(1)},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                layer + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "model.norm": SequenceParallel(),
+                    layer + "input_layernorm": SequenceParallel(),
+                    layer + "post_attention_layernorm": SequenceParallel(),
+                    # HF passes the attention input by keyword, the MLP input by position.
+                    layer + "self_attn": PrepareModuleInput(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    ),
+                    layer + "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         return plan
 
     # ---- back to transformers ------------------------------------------------------------------
     def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
         """A plain transformers model of the same class and config (SDPA attention), holding
-        `state_dict` (full tensors with this module's names, e.g. from ``Engine.full_state_dict()``)
+        `state_dict` (full tensors with this module's names, as ``Engine.save(path,
+        training=False)`` writes them)
         or this module's weights."""
         config = copy.deepcopy(self.config)
         config._attn_implementation = "sdpa"
@@ -255,8 +279,10 @@ class HFCausalLM(nn.Module):
         unexpected = [k for k in unexpected if not k.endswith(".inv_freq")]
         missing = [k for k in missing if not (self.tied_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
-            raise SpecError(f"the state dict does not match {self.hf_class.__name__}: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+            raise SpecError(
+                f"the state dict does not match {self.hf_class.__name__}: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
         if self.tied_embeddings:
             model.tie_weights()
         _rebuild_rotary(model)
@@ -267,7 +293,9 @@ def _rebuild_rotary(model: nn.Module) -> None:
     """Recompute the rotary embeddings' inverse frequencies (non-persistent buffers, so neither
     checkpoints nor ``to_empty`` after a meta-device build carry them)."""
     for module in model.modules():
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config"):
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(
+            module, "config"
+        ):
             init = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
             inv_freq, _ = init(module.config)
             device = module.inv_freq.device if not module.inv_freq.is_meta else torch.device("cpu")
@@ -283,12 +311,20 @@ def llama_from_spec(spec) -> HFCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if spec.ffn_activation != "swiglu":
-        raise SpecError(f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
-                        f"{spec.ffn_activation!r}")
-    config = LlamaConfig(num_hidden_layers=spec.n_layers, hidden_size=spec.hidden_size,
-                         num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
-                         intermediate_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
-                         max_position_embeddings=spec.seq_len, tie_word_embeddings=spec.tied_embeddings)
+        raise SpecError(
+            f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
+            f"{spec.ffn_activation!r}"
+        )
+    config = LlamaConfig(
+        num_hidden_layers=spec.n_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_kv_heads,
+        intermediate_size=spec.ffn_hidden_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.seq_len,
+        tie_word_embeddings=spec.tied_embeddings,
+    )
     return HFCausalLM(LlamaForCausalLM(config))
 
 
@@ -305,8 +341,11 @@ def save_pretrained(engine, folder: str, *, safe_serialization: bool = True) -> 
 
     model = engine._built_model
     if not isinstance(model, HFCausalLM):
-        raise SpecError("save_pretrained needs a transformers model (Llama, Mistral or Qwen2 family); this engine "
-                        f"runs {type(model).__name__}: use Engine.save for a DCP checkpoint or a state dict file")
+        raise SpecError(
+            "save_pretrained needs a transformers model (Llama, Mistral or Qwen2 family); this "
+            f"engine runs {type(model).__name__}: use Engine.save for a DCP checkpoint or a "
+            "state dict file"
+        )
     tmp = [tempfile.mkdtemp(prefix="autosearch-hf-") if is_rank0() else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(tmp, src=0)

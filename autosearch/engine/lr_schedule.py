@@ -1,4 +1,5 @@
-"""Learning-rate schedules for the Engine: warm-up then cosine or linear decay, or any torch scheduler.
+"""Learning-rate schedules for the Engine: warm-up then cosine or linear decay, or any torch
+scheduler.
 
 The Engine builds one optimizer per model part (several with pipeline stages), so a schedule is
 given as a recipe ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` and built once per
@@ -7,12 +8,13 @@ optimizer; it is stepped after every optimizer step. Any torch scheduler fits::
     Engine(..., lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100))
     Engine(..., lr_scheduler=WarmupDecay(warmup_steps=100, total_steps=2000, decay="cosine"))
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 DECAYS = ("cosine", "linear", "constant")
 
@@ -45,7 +47,9 @@ class WarmupDecay:
         if not isinstance(self.total_steps, int) or self.total_steps <= 0:
             problems.append(f"total_steps must be an integer > 0, got {self.total_steps!r}")
         elif isinstance(self.warmup_steps, int) and self.warmup_steps > self.total_steps:
-            problems.append(f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}")
+            problems.append(
+                f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}"
+            )
         if self.decay not in DECAYS:
             problems.append(f"decay must be one of {', '.join(DECAYS)}, got {self.decay!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -82,13 +86,20 @@ def build_schedulers(recipe, optimizers: list) -> list:
     import torch
 
     if isinstance(recipe, torch.optim.lr_scheduler.LRScheduler):
-        raise SpecError("lr_scheduler must be a recipe optimizer -> scheduler, because the Engine rebuilds the "
-                        "optimizer over the parallelized parameters; e.g. lr_scheduler=lambda opt: "
-                        f"torch.optim.lr_scheduler.{type(recipe).__name__}(opt, ...), or WarmupDecay(...)")
+        raise SpecError(
+            "lr_scheduler must be a recipe optimizer -> scheduler, because the Engine rebuilds "
+            "the "
+            "optimizer over the parallelized parameters; e.g. lr_scheduler=lambda opt: "
+            f"torch.optim.lr_scheduler.{type(recipe).__name__}(opt, ...), or WarmupDecay(...)"
+        )
     if not callable(recipe):
-        raise SpecError(f"lr_scheduler must be a callable optimizer -> scheduler, got {type(recipe).__name__}")
+        raise SpecError(
+            f"lr_scheduler must be a callable optimizer -> scheduler, got {type(recipe).__name__}"
+        )
     schedulers = [recipe(opt) for opt in optimizers]
     for s in schedulers:
         if not hasattr(s, "step") or not hasattr(s, "state_dict"):
-            raise SpecError(f"lr_scheduler returned {type(s).__name__}, not a torch learning-rate scheduler")
+            raise SpecError(
+                f"lr_scheduler returned {type(s).__name__}, not a torch learning-rate scheduler"
+            )
     return schedulers

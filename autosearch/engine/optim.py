@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -93,7 +93,7 @@ class OptimizerRecipe:
 def build_optimizers(parts: list[nn.Module], recipe: OptimizerRecipe, dims: "ParallelDims",
                      mesh: "DeviceMesh | None") -> list[torch.optim.Optimizer]:
     """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP."""
-    zero1_group = mesh.get_group("dp") if dims.dp_mode == "ddp_zero1" else None
+    zero1_group = mesh.get_group("dp") if dims.mode.zero_redundancy_optimizer else None
     return [recipe.build(part, zero1_group=zero1_group) for part in parts]
 
 

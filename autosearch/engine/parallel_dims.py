@@ -8,26 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.dp_modes import DPMode, dp_mode
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autosearch.strategy import Strategy
-
-# How each ZeRO stage is run (the table in autosearch/engine/parallelize.py explains each).
-# DDP only runs plain single-stage models: it rejects DTensor parameters (tp > 1), and inside
-# torch.distributed.pipelining (pp > 1) its reducer fails on the first 1F1B step in torch 2.13
-# ("rebuilt parameter indices size is not same as original model parameters size").
-DP_MODES = {
-    # (zero_stage, tp > 1 or pp > 1) -> mode
-    (0, False): "ddp",        # DDP: one bucketed gradient all-reduce per step
-    (0, True): "hsdp",        # FSDP2 on a (dp, 1) mesh = replicate-only: the same all-reduce
-    (1, False): "ddp_zero1",  # DDP + ZeroRedundancyOptimizer (optimizer states sharded over dp)
-    (1, True): "fsdp_zero1",  # FSDP2 keep-after-forward, reduce once per step (no DTensor ZeRO-1 exists)
-    (2, False): "fsdp_zero2", (2, True): "fsdp_zero2",  # FSDP2 reshard_after_forward=False
-    (3, False): "fsdp_zero3", (3, True): "fsdp_zero3",  # FSDP2 reshard_after_forward=True
-}
+    from autosearch.core.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -51,16 +38,19 @@ class ParallelDims:
         return cls(strategy.dp, strategy.tp, strategy.pp, world_size, strategy.zero_stage)
 
     @property
+    def mode(self) -> DPMode:
+        """How data parallelism runs (the table in `autosearch.core.dp_modes`)."""
+        return dp_mode(zero_stage=self.zero_stage, dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
     def dp_mode(self) -> str:
-        """How data parallelism runs: ``none`` (dp=1) or one of `DP_MODES`."""
-        if self.dp == 1:
-            return "none"
-        return DP_MODES[(self.zero_stage, self.tp > 1 or self.pp > 1)]
+        """The name of `mode`: ``none`` (dp=1), ``ddp``, ``hsdp``, ``ddp_zero1``, ``fsdp_zero1-3``."""
+        return self.mode.name
 
     @property
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """Shape and names of the world mesh; HSDP adds a trailing size-1 ``dp_shard`` dim."""
-        if self.dp_mode == "hsdp":
+        if self.mode.hsdp_replicate:
             return (self.pp, self.dp, 1, self.tp), ("pp", "dp", "dp_shard", "tp")
         return (self.pp, self.dp, self.tp), ("pp", "dp", "tp")
 

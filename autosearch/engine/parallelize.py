@@ -2,29 +2,8 @@
 in `parallelize` (torchtitan style). Order matters and is the one torchtitan uses: pipeline split
 first, then tensor parallel, activation checkpointing, autocast, and data parallel last.
 
-How ZeRO stages are run (the analytic cost model assumes exactly this mapping):
-
-====  ==========  ===========================================================================
-zero  tp, pp      what runs over the dp group
-====  ==========  ===========================================================================
-0     both 1      DDP: fp32 parameters, one bucketed gradient all-reduce per optimizer step
-                  (``no_sync`` on all but the last micro-batch), overlapped with backward.
-0     tp or pp>1  FSDP2 ``fully_shard`` on a (dp, 1) HSDP mesh, i.e. replicate-only: parameters
-                  stay whole, the same single all-reduce per step. DDP rejects DTensor parameters,
-                  and inside torch.distributed.pipelining its reducer fails (torch 2.13).
-1     both 1      DDP + ``ZeroRedundancyOptimizer``: optimizer states sharded over dp; after the
-                  step each rank broadcasts the parameters it updated (ZeRO-1, Rajbhandari et al. 2020).
-1     tp or pp>1  FSDP2 ``fully_shard(reshard_after_forward=False)`` with the gradient
-                  reduce-scatter once per step: the closest real equivalent, because
-                  ZeroRedundancyOptimizer broadcasts plain tensors and fails on DTensor parameters
-                  ("c10d.broadcast_ has no sharding strategy"), and needs DDP for pp. It shards
-                  gradients and parameters between steps too, so it uses less memory than ZeRO-1.
-2     any         FSDP2 ``fully_shard(reshard_after_forward=False)``: parameters, gradients and
-                  optimizer states sharded; parameters gathered once per micro-batch and kept until
-                  its backward; gradients reduce-scattered every micro-batch.
-3     any         FSDP2 ``fully_shard(reshard_after_forward=True)``: as 2, but parameters are freed
-                  after forward and gathered again in backward.
-====  ==========  ===========================================================================
+How ZeRO stages are run is the table in `autosearch/core/dp_modes.py` (the analytic cost model
+reads the same table; tests/test_dp_modes.py checks both, and docs/engine.md prints it).
 
 FSDP2 shards each block as one unit, then the root. Zero 0 and 1 keep fp32 parameters and use
 autocast; zero 2 and 3 with 16-bit amp also use ``MixedPrecisionPolicy(param_dtype=amp dtype,
@@ -47,7 +26,7 @@ from autosearch.engine.plan import ParallelPlan
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,10 +115,10 @@ def apply_amp(module: nn.Module, amp: str, device_type: str) -> None:
 def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh | None", plan: ParallelPlan,
                         amp: str, device: torch.device) -> nn.Module:
     """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring)."""
-    mode = dims.dp_mode
-    if mode == "none":
+    mode = dims.mode
+    if mode.wrapper == "none":
         return module
-    if mode in ("ddp", "ddp_zero1"):
+    if mode.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device] if device.type == "cuda" else None
@@ -147,11 +126,11 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp", "dp_shard"] if mode == "hsdp" else mesh["dp"]
-    reshard = mode == "fsdp_zero3"
+    dp_mesh = mesh["dp", "dp_shard"] if mode.hsdp_replicate else mesh["dp"]
+    reshard = mode.reshard_after_forward
     dtype = AMP_DTYPES[amp]
     mp_policy = MixedPrecisionPolicy()
-    if dtype is not None and mode in ("fsdp_zero2", "fsdp_zero3"):
+    if dtype is not None and mode.mixed_precision_policy:
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     container = blocks_of(module, plan)
     if container is not None:
@@ -159,11 +138,6 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     return module
-
-
-def reduces_every_microbatch(dims: ParallelDims) -> bool:
-    """Whether gradients are reduced after every micro-batch (ZeRO-2/3) or once per step."""
-    return dims.dp_mode in ("fsdp_zero2", "fsdp_zero3")
 
 
 def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh: "DeviceMesh | None",
@@ -189,7 +163,7 @@ def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh
                      loss_parallel=loss_parallel)
         apply_ac(part, plan, strategy.recompute)
         apply_amp(part, strategy.amp, device.type)
-        early = materialize is not None and dims.dp_mode in ("ddp", "ddp_zero1")
+        early = materialize is not None and dims.mode.wrapper == "ddp"
         if early:
             materialize(part)
         part = apply_data_parallel(part, dims, mesh, plan, strategy.amp, device)

@@ -20,7 +20,7 @@ from autosearch.engine.plan import ParallelPlan
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
 
 def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:

@@ -17,11 +17,13 @@ class ParallelPlan:
 
     Args:
         blocks: attribute (or dotted path, ``model.layers``) holding the repeated blocks, an
-            ``nn.ModuleDict`` (keys "0", "1", ...) or ``nn.ModuleList``. Full recompute checkpoints each block, FSDP shards each block
-            as one unit, and a pipeline stage keeps a contiguous run of them.
-        first_stage: attributes (or dotted paths) only the first pipeline stage keeps (embeddings).
-        last_stage: attributes (or dotted paths) only the last pipeline stage keeps (final norm, head).
-            A stage sets the others to ``None``, so the model's ``forward`` must skip ``None``
+            ``nn.ModuleDict`` (keys "0", "1", ...) or ``nn.ModuleList``. Full recompute
+            checkpoints each block, FSDP shards each block as one unit, and a pipeline stage
+            keeps a contiguous run of them.
+        first_stage: attributes (or dotted paths) only the first pipeline stage keeps
+            (embeddings).
+        last_stage: attributes (or dotted paths) only the last pipeline stage keeps (final
+            norm, head). A stage sets the others to ``None``, so the model's ``forward`` must skip ``None``
             modules (as `autosearch.transformer.Transformer.forward` does, torchtitan style).
         split_points: block indices where pipeline chunks 1, 2, ... start (``pp * virtual_stages
             - 1`` of them, increasing); ``None`` splits the blocks evenly.

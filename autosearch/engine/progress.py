@@ -7,6 +7,7 @@ model FLOPs per second over the peak of every device of the cluster in the run's
 (Chowdhery et al. 2022, appendix B: 6N + 12 l h s FLOPs per token, `ModelSpec.flops_per_token`);
 it needs the model's ModelSpec and the engine's cluster, and is left out without them.
 """
+
 from __future__ import annotations
 
 import csv
@@ -14,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 CSV_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu")
 
@@ -41,9 +42,19 @@ class TrainLogger:
         first_step: the global step the run starts after (0, or the resumed checkpoint's).
     """
 
-    def __init__(self, *, enabled: bool, verbose: int, log_freq: int, total_steps: int | None,
-                 log_dir: str | None, tensorboard: bool, flops_per_token: float | None,
-                 peak_flops: float | None, first_step: int = 0):
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        verbose: int,
+        log_freq: int,
+        total_steps: int | None,
+        log_dir: str | None,
+        tensorboard: bool,
+        flops_per_token: float | None,
+        peak_flops: float | None,
+        first_step: int = 0,
+    ):
         self.enabled, self.verbose, self.log_freq = enabled, verbose, max(1, log_freq)
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.bar = self._csv_file = self._csv = self._tb = None
@@ -56,15 +67,19 @@ class TrainLogger:
             path = os.path.join(log_dir, "metrics.csv")
             new = not os.path.exists(path) or os.path.getsize(path) == 0
             self._csv_file = open(path, "a", newline="", encoding="utf-8")
-            self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_FIELDS, extrasaction="ignore")
+            self._csv = csv.DictWriter(
+                self._csv_file, fieldnames=CSV_FIELDS, extrasaction="ignore"
+            )
             if new:
                 self._csv.writeheader()
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
                 except ImportError:
-                    raise SpecError("tensorboard=True needs the tensorboard package: pip install "
-                                    "'autosearch[train]' (or tensorboard), or leave tensorboard off") from None
+                    raise SpecError(
+                        "tensorboard=True needs the tensorboard package: pip install "
+                        "'autosearch[train]' (or tensorboard), or leave tensorboard off"
+                    ) from None
                 self._tb = SummaryWriter(log_dir)
         tqdm = _tqdm()
         if verbose >= 2 and tqdm is not None and sys.stdout.isatty():
@@ -94,7 +109,10 @@ class TrainLogger:
             self.bar.update(1)
             self.bar.set_postfix_str(text)
         elif self.verbose >= 2 and step % self.log_freq == 0:
-            print(f"epoch {epoch + 1} step {step} {text} | {logs['step_time_s'] * 1e3:.0f} ms/step", flush=True)
+            print(
+                f"epoch {epoch + 1} step {step} {text} | {logs['step_time_s'] * 1e3:.0f} ms/step",
+                flush=True,
+            )
 
     def scalars(self, step: int, values: dict[str, float], prefix: str) -> None:
         if self.enabled and self._tb is not None:

@@ -1,4 +1,5 @@
 """The interface every exporter implements (tests/test_export.py runs one contract suite on all)."""
+
 from __future__ import annotations
 
 import abc
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,6 @@ class Exporter(abc.ABC):
 
 
 def strategy_fields() -> tuple[str, ...]:
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
     return tuple(f.name for f in dataclasses.fields(Strategy))

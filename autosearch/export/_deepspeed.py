@@ -1,4 +1,5 @@
 """DeepSpeed (the `ds_config.json` passed to `deepspeed.initialize`)."""
+
 from __future__ import annotations
 
 import json
@@ -31,36 +32,71 @@ class DeepSpeedExporter(Exporter):
             cfg["tensor_parallel"] = {"autotp_size": s.tp}
         mapped.add("tp")
         if s.pp > 1:
-            notes.append(f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={s.pp}); "
-                         "the config has no pipeline degree")
+            notes.append(
+                f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={s.pp}); "
+                "the config has no pipeline degree"
+            )
         mapped.add("pp")
         if s.pp > 1 and s.zero_stage >= 2:
-            unsupported.append(("zero_stage", f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only, "
-                                              f"not {s.zero_stage}"))
+            unsupported.append(
+                (
+                    "zero_stage",
+                    f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only, "
+                    f"not {s.zero_stage}",
+                )
+            )
         else:
             mapped.add("zero_stage")
         if s.pp > 1 and s.pipeline_schedule != "1f1b":
-            unsupported.append(("pipeline_schedule", f"DeepSpeed pipelines run their own 1F1B-style TrainSchedule; "
-                                                     f"{s.pipeline_schedule} is not available"))
+            unsupported.append(
+                (
+                    "pipeline_schedule",
+                    f"DeepSpeed pipelines run their own 1F1B-style TrainSchedule; "
+                    f"{s.pipeline_schedule} is not available",
+                )
+            )
         else:
             mapped.add("pipeline_schedule")
         if s.virtual_stages > 1:
-            unsupported.append(("virtual_stages", "DeepSpeed pipelines have no interleaving (virtual stages)"))
+            unsupported.append(
+                ("virtual_stages", "DeepSpeed pipelines have no interleaving (virtual stages)")
+            )
         else:
             mapped.add("virtual_stages")
         if s.recompute == "full":
-            cfg["activation_checkpointing"] = {"partition_activations": s.tp > 1, "contiguous_memory_optimization": False,
-                                               "cpu_checkpointing": False}
-            notes.append("full recompute: wrap each block in deepspeed.checkpointing.checkpoint in the model code")
+            cfg["activation_checkpointing"] = {
+                "partition_activations": s.tp > 1,
+                "contiguous_memory_optimization": False,
+                "cpu_checkpointing": False,
+            }
+            notes.append(
+                "full recompute: wrap each block in deepspeed.checkpointing.checkpoint in the model code"
+            )
             mapped.add("recompute")
         elif s.recompute == "selective":
-            unsupported.append(("recompute", "selective (attention-only) recompute is a Megatron-LM feature; "
-                                             "DeepSpeed checkpoints whole blocks (use full, or none)"))
+            unsupported.append(
+                (
+                    "recompute",
+                    "selective (attention-only) recompute is a Megatron-LM feature; "
+                    "DeepSpeed checkpoints whole blocks (use full, or none)",
+                )
+            )
         else:
             mapped.add("recompute")
         if s.sequence_parallel:
-            unsupported.append(("sequence_parallel", "Megatron-style sequence parallelism over the tp group has no "
-                                                     "DeepSpeed config key (DeepSpeed-Ulysses is a different scheme)"))
+            unsupported.append(
+                (
+                    "sequence_parallel",
+                    "Megatron-style sequence parallelism over the tp group has no "
+                    "DeepSpeed config key (DeepSpeed-Ulysses is a different scheme)",
+                )
+            )
         else:
             mapped.add("sequence_parallel")
-        return Exported(self.name, json.dumps(cfg, indent=2), frozenset(mapped), tuple(unsupported), tuple(notes))
+        return Exported(
+            self.name,
+            json.dumps(cfg, indent=2),
+            frozenset(mapped),
+            tuple(unsupported),
+            tuple(notes),
+        )

@@ -5,17 +5,18 @@ Every objective treats the device memory as a hard limit through an Optuna const
 constrained TPE and constrained-domination NSGA-II): a strategy that does not fit ranks below
 every strategy that fits, and among those that do not fit, the less hungry ranks higher.
 """
+
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from cost_models.hardware import Cluster
-    from cost_models.report import CostReport
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.report import CostReport
 
 GiB = float(1 << 30)
 CONSTRAINT = "memory_excess_gib"
@@ -88,18 +89,25 @@ class ThroughputCost(Objective):
     value_names: tuple[str, ...] = ("tokens_per_s", "usd_per_million_tokens")
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
-        return (report.tokens_per_s, usd_per_million_tokens(report, self.price_per_gpu_hour, self.world_size))
+        return (
+            report.tokens_per_s,
+            usd_per_million_tokens(report, self.price_per_gpu_hour, self.world_size),
+        )
 
 
 OBJECTIVES = ("throughput", "throughput-memory", "throughput-cost")
 
 
-def usd_per_million_tokens(report: "CostReport", price_per_gpu_hour: float, world_size: int) -> float:
+def usd_per_million_tokens(
+    report: "CostReport", price_per_gpu_hour: float, world_size: int
+) -> float:
     """price x devices x hours per million tokens."""
     return price_per_gpu_hour * world_size / 3600.0 / report.tokens_per_s * 1e6
 
 
-def make_objective(name: str, *, cluster: "Cluster", price_per_gpu_hour: float | None = None) -> Objective:
+def make_objective(
+    name: str, *, cluster: "Cluster", price_per_gpu_hour: float | None = None
+) -> Objective:
     """The objective called `name` (one of OBJECTIVES; ``memory`` and ``cost`` are accepted)."""
     key = {"memory": "throughput-memory", "cost": "throughput-cost"}.get(name, name)
     if key == "throughput":
@@ -108,7 +116,11 @@ def make_objective(name: str, *, cluster: "Cluster", price_per_gpu_hour: float |
         return ThroughputMemory()
     if key == "throughput-cost":
         if price_per_gpu_hour is None or price_per_gpu_hour <= 0:
-            raise SpecError("objective throughput-cost needs a price per GPU-hour > 0 "
-                            "(--price-per-gpu-hour 2.5, or price_per_gpu_hour=2.5)")
-        return ThroughputCost(price_per_gpu_hour=float(price_per_gpu_hour), world_size=cluster.world_size)
+            raise SpecError(
+                "objective throughput-cost needs a price per GPU-hour > 0 "
+                "(--price-per-gpu-hour 2.5, or price_per_gpu_hour=2.5)"
+            )
+        return ThroughputCost(
+            price_per_gpu_hour=float(price_per_gpu_hour), world_size=cluster.world_size
+        )
     raise SpecError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")

@@ -1,6 +1,7 @@
 """What a search leaves in its folder: trials.csv, top_k.csv, best_strategy.yaml, study.yaml and
 report.md with its plots (matplotlib, Agg backend). Every file is written to a temporary name
 and renamed, so a run killed while writing never leaves a torn file."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,30 +19,59 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
     from autosearch.tuning._result import Candidate, TuneResult
 
-STRATEGY_FIELDS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "pipeline_schedule", "virtual_stages",
-                   "recompute", "sequence_parallel", "zero_stage", "amp")
-IMPORTANCE_FIELDS = ("tp", "pp", "dp", "micro_batch_size", "pipeline", "recompute", "sequence_parallel", "zero_stage", "amp")
+STRATEGY_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "global_batch_size",
+    "pipeline_schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+)
+IMPORTANCE_FIELDS = (
+    "tp",
+    "pp",
+    "dp",
+    "micro_batch_size",
+    "pipeline",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+)
 
 
 def _report_columns() -> list[str]:
-    from cost_models.report import CostReport, MemoryBreakdown, TimeBreakdown
+    from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 
-    head = [k for k in CostReport._fields if k not in ("time", "memory", "notes")] + ["memory_excess_bytes"]
-    return (head + [f"time_{k}" for k in TimeBreakdown._fields] + [f"memory_{k}" for k in MemoryBreakdown._fields]
-            + ["infeasible_reason", "notes"])
+    head = [k for k in CostReport._fields if k not in ("time", "memory", "notes")] + [
+        "memory_excess_bytes"
+    ]
+    return (
+        head
+        + [f"time_{k}" for k in TimeBreakdown._fields]
+        + [f"memory_{k}" for k in MemoryBreakdown._fields]
+        + ["infeasible_reason", "notes"]
+    )
 
 
 def trial_row(trial, objective: "Objective") -> dict[str, Any]:
     """One CSV row: trial number and state, feasibility and why, objective values, every
     Strategy field, every CostReport field (breakdowns flattened to time_* / memory_*)."""
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from autosearch.tuning._study import report_from_dict
 
     row: dict[str, Any] = {"trial": trial.number, "state": trial.state.name}
     attrs = trial.user_attrs
     report = report_from_dict(attrs["report"]) if "report" in attrs else None
     row["feasible"] = bool(report.fits) if report is not None else False
-    row["reason"] = (report.infeasible_reason if report is not None else attrs.get("error", "")) or ""
+    row["reason"] = (
+        report.infeasible_reason if report is not None else attrs.get("error", "")
+    ) or ""
     values = trial.values or [None] * len(objective.value_names)
     for name, value in zip(objective.value_names, values):
         row[f"objective_{name}"] = value
@@ -59,8 +89,14 @@ def trial_row(trial, objective: "Objective") -> dict[str, Any]:
 
 
 def columns(objective: "Objective") -> list[str]:
-    return (["trial", "state", "feasible", "reason"] + [f"objective_{n}" for n in objective.value_names]
-            + [CONSTRAINT, "strategy"] + list(STRATEGY_FIELDS) + _report_columns() + ["strategies_scored", "worker"])
+    return (
+        ["trial", "state", "feasible", "reason"]
+        + [f"objective_{n}" for n in objective.value_names]
+        + [CONSTRAINT, "strategy"]
+        + list(STRATEGY_FIELDS)
+        + _report_columns()
+        + ["strategies_scored", "worker"]
+    )
 
 
 def write_csv(path: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
@@ -72,35 +108,76 @@ def write_csv(path: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
     _atomic_write(path, buf.getvalue())
 
 
-def write_outputs(result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]) -> None:
+def write_outputs(
+    result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
+) -> None:
     """Write every output of a search into `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
     objective = _objective_of(result)
     write_csv(os.path.join(out_dir, "trials.csv"), rows, columns(objective))
-    top_rows = [dict(rank=i + 1, trial=c.trial_number, strategy=c.strategy.short(), **c.strategy.to_dict(),
-                     **c.report.to_dict(flat=True)) for i, c in enumerate(result.top_k)]
-    write_csv(os.path.join(out_dir, "top_k.csv"), top_rows,
-              ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns())
+    top_rows = [
+        dict(
+            rank=i + 1,
+            trial=c.trial_number,
+            strategy=c.strategy.short(),
+            **c.strategy.to_dict(),
+            **c.report.to_dict(flat=True),
+        )
+        for i, c in enumerate(result.top_k)
+    ]
+    write_csv(
+        os.path.join(out_dir, "top_k.csv"),
+        top_rows,
+        ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns(),
+    )
     if result.pareto:
-        pareto_rows = [dict(rank=i + 1, trial=c.trial_number, strategy=c.strategy.short(), **c.strategy.to_dict(),
-                            **c.report.to_dict(flat=True)) for i, c in enumerate(result.pareto)]
-        write_csv(os.path.join(out_dir, "pareto.csv"), pareto_rows,
-                  ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns())
+        pareto_rows = [
+            dict(
+                rank=i + 1,
+                trial=c.trial_number,
+                strategy=c.strategy.short(),
+                **c.strategy.to_dict(),
+                **c.report.to_dict(flat=True),
+            )
+            for i, c in enumerate(result.pareto)
+        ]
+        write_csv(
+            os.path.join(out_dir, "pareto.csv"),
+            pareto_rows,
+            ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns(),
+        )
     best_path = os.path.join(out_dir, "best_strategy.yaml")
     if result.best_strategy is not None:
         r = result.best_report
-        doc = {"strategy": result.best_strategy.to_dict(), "model": meta["model"], "cluster": meta["cluster"],
-               "runtime": meta["runtime"], "objective": meta["objective"],
-               "prediction": {"step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
-                              "tflops_per_gpu": r.tflops_per_gpu, "peak_memory_gib": r.peak_memory_bytes / GiB,
-                              "memory_capacity_gib": r.memory_capacity_bytes / GiB}}
-        header = (f"# The best strategy found by `autosearch tune` (study {meta['study_name']}).\n"
-                  "# Load it with Strategy.from_yaml(path); export it with `autosearch export --strategy PATH`.\n")
+        doc = {
+            "strategy": result.best_strategy.to_dict(),
+            "model": meta["model"],
+            "cluster": meta["cluster"],
+            "runtime": meta["runtime"],
+            "objective": meta["objective"],
+            "prediction": {
+                "step_time_s": r.step_time_s,
+                "tokens_per_s": r.tokens_per_s,
+                "mfu": r.mfu,
+                "tflops_per_gpu": r.tflops_per_gpu,
+                "peak_memory_gib": r.peak_memory_bytes / GiB,
+                "memory_capacity_gib": r.memory_capacity_bytes / GiB,
+            },
+        }
+        header = (
+            f"# The best strategy found by `autosearch tune` (study {meta['study_name']}).\n"
+            "# Load it with Strategy.from_yaml(path); export it with `autosearch export --strategy PATH`.\n"
+        )
         _atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
     elif os.path.exists(best_path):
         os.remove(best_path)
-    study_doc = {**meta, "n_trials": result.n_trials, "n_new_trials": result.n_new_trials,
-                 "timings_s": {k: round(v, 3) for k, v in result.timings.items()}, "summary": result.message}
+    study_doc = {
+        **meta,
+        "n_trials": result.n_trials,
+        "n_new_trials": result.n_new_trials,
+        "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
+        "summary": result.message,
+    }
     _atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
     _write_report(result, rows, out_dir=out_dir, meta=meta)
 
@@ -115,7 +192,9 @@ def _objective_of(result: "TuneResult"):
 
 
 # ---- report.md and plots --------------------------------------------------------------------------
-def _write_report(result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]) -> None:
+def _write_report(
+    result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
+) -> None:
     plots = {}
     notes = []
     try:
@@ -130,44 +209,75 @@ def _write_report(result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: 
             notes.append(imp_note)
     except ImportError as exc:  # matplotlib is a dependency; keep the report if it is broken
         notes.append(f"plots skipped: {exc}")
-    lines = [f"# Strategy search: {meta['model']} on {meta['cluster']}, global batch {meta['global_batch_size']}", ""]
-    lines += [f"- objective: {meta['objective']} (memory limit as a constraint), sampler {meta['sampler']}, "
-              f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
-              f"- space: {meta['space']}",
-              f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
-              f"`{meta['study_name']}` in {meta['storage']}", ""]
+    lines = [
+        f"# Strategy search: {meta['model']} on {meta['cluster']}, global batch {meta['global_batch_size']}",
+        "",
+    ]
+    lines += [
+        f"- objective: {meta['objective']} (memory limit as a constraint), sampler {meta['sampler']}, "
+        f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
+        f"- space: {meta['space']}",
+        f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
+        f"`{meta['study_name']}` in {meta['storage']}",
+        "",
+    ]
     if result.best_strategy is not None:
         r = result.best_report
-        lines += ["## Best strategy", "", f"`{result.best_strategy.short()}`", "",
-                  "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |", "|---|---|---|---|---|",
-                  f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.tflops_per_gpu:.1f} | "
-                  f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |", "",
-                  "Saved in `best_strategy.yaml`; `autosearch export --strategy best_strategy.yaml --to megatron` "
-                  "prints the equivalent launch flags.", ""]
+        lines += [
+            "## Best strategy",
+            "",
+            f"`{result.best_strategy.short()}`",
+            "",
+            "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |",
+            "|---|---|---|---|---|",
+            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.tflops_per_gpu:.1f} | "
+            f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |",
+            "",
+            "Saved in `best_strategy.yaml`; `autosearch export --strategy best_strategy.yaml --to megatron` "
+            "prints the equivalent launch flags.",
+            "",
+        ]
     else:
         lines += ["## No strategy fits", "", result.message, ""]
         if result.least_hungry is not None:
             c = result.least_hungry
-            lines += [f"Least memory-hungry strategy tried: `{c.strategy.short()}`, {c.report.infeasible_reason}.", ""]
+            lines += [
+                f"Least memory-hungry strategy tried: `{c.strategy.short()}`, {c.report.infeasible_reason}.",
+                "",
+            ]
     if result.top_k:
-        lines += [f"## Top {len(result.top_k)}", "", "| # | strategy | tokens/s | MFU | step s | memory GiB | bubble s | "
-                  "dp comm s | tp comm s |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Top {len(result.top_k)}",
+            "",
+            "| # | strategy | tokens/s | MFU | step s | memory GiB | bubble s | "
+            "dp comm s | tp comm s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for i, c in enumerate(result.top_k, 1):
             r = c.report
-            lines.append(f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.step_time_s:.3f} | "
-                         f"{r.peak_memory_bytes / GiB:.1f} | {r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
-                         f"{r.time.tp_comm_s:.3f} |")
+            lines.append(
+                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.step_time_s:.3f} | "
+                f"{r.peak_memory_bytes / GiB:.1f} | {r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
+                f"{r.time.tp_comm_s:.3f} |"
+            )
         lines.append("")
     if result.pareto:
         lines += [f"## Pareto front ({len(result.pareto)} strategies, `pareto.csv`)", ""]
-    titles = {"time_breakdown": "Where the step time goes (top-k)", "throughput_memory": "Throughput vs memory",
-              "importances": "What matters (importance of each dimension for throughput, trials that fit)"}
+    titles = {
+        "time_breakdown": "Where the step time goes (top-k)",
+        "throughput_memory": "Throughput vs memory",
+        "importances": "What matters (importance of each dimension for throughput, trials that fit)",
+    }
     for key, path in plots.items():
         if path:
             lines += [f"## {titles[key]}", "", f"![{key}]({os.path.basename(path)})", ""]
     lines += [f"_Note: {n}_" for n in notes]
-    lines += ["", "Files: `trials.csv` (every trial: strategy, full cost report, feasibility), `top_k.csv`, "
-              "`best_strategy.yaml`, `study.yaml` (run metadata).", ""]
+    lines += [
+        "",
+        "Files: `trials.csv` (every trial: strategy, full cost report, feasibility), `top_k.csv`, "
+        "`best_strategy.yaml`, `study.yaml` (run metadata).",
+        "",
+    ]
     _atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
 
 
@@ -193,9 +303,14 @@ def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | 
     return _save(fig, out_dir, "time_breakdown.png")
 
 
-def _plot_throughput_memory(rows: list[dict[str, Any]], result: "TuneResult", out_dir: str) -> str | None:
-    pts = [(r["peak_memory_bytes"] / GiB, r["tokens_per_s"], r["feasible"]) for r in rows
-           if r.get("tokens_per_s") is not None]
+def _plot_throughput_memory(
+    rows: list[dict[str, Any]], result: "TuneResult", out_dir: str
+) -> str | None:
+    pts = [
+        (r["peak_memory_bytes"] / GiB, r["tokens_per_s"], r["feasible"])
+        for r in rows
+        if r.get("tokens_per_s") is not None
+    ]
     if not pts:
         return None
     import matplotlib.pyplot as plt
@@ -217,8 +332,15 @@ def _plot_throughput_memory(rows: list[dict[str, Any]], result: "TuneResult", ou
     if cap:
         ax.axvline(cap / GiB, c="tab:red", ls="--", lw=1, label="device memory")
     if result.best_report is not None:
-        ax.scatter([result.best_report.peak_memory_bytes / GiB], [result.best_report.tokens_per_s], marker="*",
-                   s=160, c="tab:green", label="best", zorder=5)
+        ax.scatter(
+            [result.best_report.peak_memory_bytes / GiB],
+            [result.best_report.tokens_per_s],
+            marker="*",
+            s=160,
+            c="tab:green",
+            label="best",
+            zorder=5,
+        )
     ax.set_xlabel("peak memory per device (GiB)")
     ax.set_ylabel("tokens per second")
     ax.legend(fontsize=8)
@@ -243,18 +365,31 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
     values = {f: [] for f in IMPORTANCE_FIELDS}
     for r in ok:
         for f in IMPORTANCE_FIELDS:
-            v = pipeline_label(r["pipeline_schedule"], r["virtual_stages"]) if f == "pipeline" else r[f]
+            v = (
+                pipeline_label(r["pipeline_schedule"], r["virtual_stages"])
+                if f == "pipeline"
+                else r[f]
+            )
             values[f].append(str(v))
     fields = [f for f in IMPORTANCE_FIELDS if len(set(values[f])) > 1]
     if not fields:
         return None, "every trial that fits has the same strategy; no importance to show"
     dists = {f: CategoricalDistribution(sorted(set(values[f]))) for f in fields}
     study = optuna.create_study(direction="maximize")
-    study.add_trials([optuna.trial.create_trial(params={f: values[f][i] for f in fields}, distributions=dists,
-                                                value=r["tokens_per_s"]) for i, r in enumerate(ok)])
+    study.add_trials(
+        [
+            optuna.trial.create_trial(
+                params={f: values[f][i] for f in fields},
+                distributions=dists,
+                value=r["tokens_per_s"],
+            )
+            for i, r in enumerate(ok)
+        ]
+    )
     try:
         importances = optuna.importance.get_param_importances(
-            study, evaluator=_importance_evaluator())
+            study, evaluator=_importance_evaluator()
+        )
     except (ValueError, RuntimeError, ImportError) as exc:
         return None, f"parameter importances failed: {exc}"
     import matplotlib.pyplot as plt
@@ -286,7 +421,9 @@ def outputs_lock(out_dir: str):
     with open(os.path.join(out_dir, ".lock"), "w") as f:
         try:
             import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: no lock, files are still written atomically
+        except (
+            ImportError
+        ):  # pragma: no cover - not POSIX: no lock, files are still written atomically
             yield
             return
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -7,23 +7,28 @@ model that fits with sharding alone, plain FSDP (ZeRO-3, dp = every device). Eac
 first strategy of its family, in preference order, that fits in memory according to the cost
 model; a family with nothing that fits contributes its least hungry member.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
     from cost_models._base import CostModel
     from search_spaces import BaseSearchSpace
 
 
-def recipes(space: "BaseSearchSpace", cost_model: "CostModel", *, limit: int = 4) -> list["Strategy"]:
+def recipes(
+    space: "BaseSearchSpace", cost_model: "CostModel", *, limit: int = 4
+) -> list["Strategy"]:
     """Up to `limit` distinct recipe strategies that belong to `space`."""
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
     world, gpn = space.cluster.world_size, space.cluster.gpus_per_node
     model, gbs = space.model, space.global_batch_size
-    amp = next((a for a in ("bf16", "fp16", "fp32") if a in space.cluster.profile.peak_flops), "bf16")
+    amp = next(
+        (a for a in ("bf16", "fp16", "fp32") if a in space.cluster.profile.peak_flops), "bf16"
+    )
     tps = sorted({t for t in (1, 2, 4, 8, 16) if t <= gpn and world % t == 0}, reverse=True)
     pps = [p for p in range(1, model.n_layers + 1) if model.n_layers % p == 0]
 
@@ -39,9 +44,18 @@ def recipes(space: "BaseSearchSpace", cost_model: "CostModel", *, limit: int = 4
                         for zero in zeros:
                             schedule = "1f1b"
                             try:
-                                s = Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, global_batch_size=gbs,
-                                             pipeline_schedule=schedule, recompute=rc,
-                                             sequence_parallel=sp and tp > 1, zero_stage=zero, amp=amp)
+                                s = Strategy(
+                                    dp=dp,
+                                    tp=tp,
+                                    pp=pp,
+                                    micro_batch_size=mb,
+                                    global_batch_size=gbs,
+                                    pipeline_schedule=schedule,
+                                    recompute=rc,
+                                    sequence_parallel=sp and tp > 1,
+                                    zero_stage=zero,
+                                    amp=amp,
+                                )
                             except ValueError:
                                 continue
                             if s in space:
@@ -64,7 +78,11 @@ def recipes(space: "BaseSearchSpace", cost_model: "CostModel", *, limit: int = 4
             continue
         reports = [cost_model.estimate(s, validate=False) for s in members]
         fitting = [s for s, r in zip(members, reports) if r.fits]
-        choice = fitting[0] if fitting else min(zip(members, reports), key=lambda sr: sr[1].peak_memory_bytes)[0]
+        choice = (
+            fitting[0]
+            if fitting
+            else min(zip(members, reports), key=lambda sr: sr[1].peak_memory_bytes)[0]
+        )
         if choice not in picked:
             picked.append(choice)
         if len(picked) >= limit:

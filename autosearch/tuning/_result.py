@@ -1,16 +1,17 @@
 """Immutable records of a finished search."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
     from search_spaces import BaseSearchSpace
 
 

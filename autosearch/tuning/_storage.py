@@ -15,12 +15,13 @@ only slower per trial:
 * ``results/x/study.journal`` on a shared file system (NFS): many machines without a database
   (Optuna's JournalFileBackend; each append takes a lock file next to the journal).
 """
+
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from optuna.storages import BaseStorage
@@ -47,8 +48,10 @@ def open_storage(storage: "str | os.PathLike | BaseStorage | None") -> "BaseStor
     text = os.fspath(storage)
     if "://" in text:
         if text.startswith("sqlite:///"):
-            _make_parent(text[len("sqlite:///"):])
-            return optuna.storages.RDBStorage(text, engine_kwargs={"connect_args": {"timeout": 60}})
+            _make_parent(text[len("sqlite:///") :])
+            return optuna.storages.RDBStorage(
+                text, engine_kwargs={"connect_args": {"timeout": 60}}
+            )
         return optuna.storages.RDBStorage(text)
     if text.endswith(JOURNAL_SUFFIXES):
         from optuna.storages.journal import JournalFileBackend
@@ -57,8 +60,9 @@ def open_storage(storage: "str | os.PathLike | BaseStorage | None") -> "BaseStor
         return optuna.storages.JournalStorage(JournalFileBackend(text))
     if text.endswith(SQLITE_SUFFIXES):
         _make_parent(text)
-        return optuna.storages.RDBStorage(f"sqlite:///{os.path.abspath(text)}",
-                                          engine_kwargs={"connect_args": {"timeout": 60}})
+        return optuna.storages.RDBStorage(
+            f"sqlite:///{os.path.abspath(text)}", engine_kwargs={"connect_args": {"timeout": 60}}
+        )
     raise SpecError(
         f"storage {text!r} is not an RDB URL nor a file with a known suffix; use a journal file "
         f"(path ending in {', '.join(JOURNAL_SUFFIXES)}), a SQLite file (ending in {', '.join(SQLITE_SUFFIXES)} or "
@@ -79,4 +83,6 @@ def _make_parent(path: str) -> None:
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
-        raise SpecError(f"cannot create the folder {parent!r} for the study storage: {exc.strerror}") from None
+        raise SpecError(
+            f"cannot create the folder {parent!r} for the study storage: {exc.strerror}"
+        ) from None

@@ -22,6 +22,7 @@ calls, ~2 ms, well below the ~10 ms Optuna spends per trial), keeping the best t
 shrinks what the sampler must learn from ~20,000 strategies to a few hundred layouts. With
 ``"strategy"`` (always for multi-objective studies, which need every point) a trial is one strategy.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,19 +35,18 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from optuna.trial import TrialState
+
+from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._recipes import recipes as make_recipes
 from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
 from autosearch.tuning._storage import DEFAULT_FILENAME, describe_storage, open_storage
 
-from optuna.trial import TrialState
-
 if TYPE_CHECKING:  # pragma: no cover
-    import optuna
 
-    from autosearch.model_spec import ModelSpec
-    from cost_models.hardware import Cluster
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
     from search_spaces import BaseSearchSpace
 
 SAMPLERS = ("tpe", "nsga2", "random", "exhaustive")
@@ -54,17 +54,35 @@ TRIAL_UNITS = ("layout", "strategy")
 SYNC_INTERVAL_S = {"journal": 0.0, "memory": math.inf, "rdb": 2.0}
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 _COMPLETE = (TrialState.COMPLETE,)
-_ATTR_STRATEGY, _ATTR_REPORT, _ATTR_WORKER, _ATTR_GROUP = "strategy", "report", "worker", "group_size"
+_ATTR_STRATEGY, _ATTR_REPORT, _ATTR_WORKER, _ATTR_GROUP = (
+    "strategy",
+    "report",
+    "worker",
+    "group_size",
+)
 _ATTR_META = "autosearch"  # study attribute: what the study searches
 
 
-def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_size: int,
-         space: "BaseSearchSpace | str | os.PathLike | dict | None" = None, objective: str = "throughput",
-         n_trials: int | None = 200, sampler: str | None = None, storage: Any = None,
-         study_name: str | None = None, seed: int | None = None, top_k: int = 5, runtime: str = "torch",
-         price_per_gpu_hour: float | None = None, trial_unit: str | None = None, use_recipes: bool = True,
-         out: "str | os.PathLike | None" = None, progress: "bool | Callable[[int, int, float | None], None]" = False,
-         ) -> TuneResult:
+def tune(
+    model: "ModelSpec | str",
+    cluster: "Cluster | str",
+    *,
+    global_batch_size: int,
+    space: "BaseSearchSpace | str | os.PathLike | dict | None" = None,
+    objective: str = "throughput",
+    n_trials: int | None = 200,
+    sampler: str | None = None,
+    storage: Any = None,
+    study_name: str | None = None,
+    seed: int | None = None,
+    top_k: int = 5,
+    runtime: str = "torch",
+    price_per_gpu_hour: float | None = None,
+    trial_unit: str | None = None,
+    use_recipes: bool = True,
+    out: "str | os.PathLike | None" = None,
+    progress: "bool | Callable[[int, int, float | None], None]" = False,
+) -> TuneResult:
     """Search the fastest strategy that fits, with Optuna and the analytic cost model.
 
     Args:
@@ -107,9 +125,9 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
         >>> result.best_report.fits
         True
     """
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
     from cost_models.analytic import AnalyticCostModel
-    from cost_models.hardware import Cluster
 
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -128,16 +146,24 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
     if sampler_name not in SAMPLERS:
         raise SpecError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     if unit == "layout" and obj.is_multi:
-        raise SpecError(f"trial_unit=layout keeps one strategy per layout, which would hide most of the "
-                        f"Pareto front of {obj.name}; use trial_unit=strategy")
+        raise SpecError(
+            f"trial_unit=layout keeps one strategy per layout, which would hide most of the "
+            f"Pareto front of {obj.name}; use trial_unit=strategy"
+        )
     if n_trials is None and sampler_name != "exhaustive":
-        raise SpecError("n_trials=None (run until the space is exhausted) needs sampler=exhaustive")
-    if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
+        raise SpecError(
+            "n_trials=None (run until the space is exhausted) needs sampler=exhaustive"
+        )
+    if n_trials is not None and (
+        isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
+    ):
         raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
     if not isinstance(top_k, int) or top_k < 1:
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
     cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
-    study_name = study_name or default_study_name(model.name, cluster.name, global_batch_size, obj.name)
+    study_name = study_name or default_study_name(
+        model.name, cluster.name, global_batch_size, obj.name
+    )
     if out is not None and storage is None:
         storage = os.path.join(os.fspath(out), DEFAULT_FILENAME)
 
@@ -146,22 +172,41 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     persistent_storage = open_storage(storage)
-    shadow = optuna.create_study(directions=list(obj.directions),
-                                 sampler=_make_sampler(sampler_name, seed=seed))
-    meta = {"signature": space.signature(), "objective": obj.name, "trial_unit": unit,
-            "runtime": cost_model.runtime.name, "model": model.name, "cluster": cluster.name,
-            "global_batch_size": global_batch_size,
-            # what `autosearch validate --study` needs to rebuild the model and the cluster
-            "model_spec": model.to_dict(), "cluster_spec": cluster.to_dict()}
+    shadow = optuna.create_study(
+        directions=list(obj.directions), sampler=_make_sampler(sampler_name, seed=seed)
+    )
+    meta = {
+        "signature": space.signature(),
+        "objective": obj.name,
+        "trial_unit": unit,
+        "runtime": cost_model.runtime.name,
+        "model": model.name,
+        "cluster": cluster.name,
+        "global_batch_size": global_batch_size,
+        # what `autosearch validate --study` needs to rebuild the model and the cluster
+        "model_spec": model.to_dict(),
+        "cluster_spec": cluster.to_dict(),
+    }
     if persistent_storage is None:
         persistent = shadow
         persistent.set_user_attr(_ATTR_META, meta)
     else:
-        persistent = optuna.create_study(storage=persistent_storage, study_name=study_name,
-                                         directions=list(obj.directions), load_if_exists=True)
+        persistent = optuna.create_study(
+            storage=persistent_storage,
+            study_name=study_name,
+            directions=list(obj.directions),
+            load_if_exists=True,
+        )
         _check_or_set_meta(persistent, meta, study_name, storage)
-    runner = _Runner(space=space, cost_model=cost_model, objective=obj, unit=unit, shadow=shadow,
-                     persistent=persistent, storage_kind=_storage_kind(persistent_storage))
+    runner = _Runner(
+        space=space,
+        cost_model=cost_model,
+        objective=obj,
+        unit=unit,
+        shadow=shadow,
+        persistent=persistent,
+        storage_kind=_storage_kind(persistent_storage),
+    )
     timings["setup_s"] = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
@@ -188,9 +233,20 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
         t0 = time.perf_counter()
         with outputs_lock(os.fspath(out)):
             result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
-            write_outputs(result, runner.records(), out_dir=os.fspath(out), meta={
-                **meta, "study_name": study_name, "storage": describe_storage(storage), "sampler": sampler_name,
-                "seed": seed, "n_trials_target": target, "space": _describe(space)})
+            write_outputs(
+                result,
+                runner.records(),
+                out_dir=os.fspath(out),
+                meta={
+                    **meta,
+                    "study_name": study_name,
+                    "storage": describe_storage(storage),
+                    "sampler": sampler_name,
+                    "seed": seed,
+                    "n_trials_target": target,
+                    "space": _describe(space),
+                },
+            )
         timings["outputs_s"] = time.perf_counter() - t0
     nothing_fits = not result.pareto if obj.is_multi else result.best_strategy is None
     if nothing_fits:
@@ -202,14 +258,24 @@ def tune(model: "ModelSpec | str", cluster: "Cluster | str", *, global_batch_siz
 class _Runner:
     """The ask-score-tell-persist loop of one worker process."""
 
-    def __init__(self, *, space, cost_model, objective: Objective, unit: str, shadow, persistent, storage_kind: str):
+    def __init__(
+        self,
+        *,
+        space,
+        cost_model,
+        objective: Objective,
+        unit: str,
+        shadow,
+        persistent,
+        storage_kind: str,
+    ):
         self.space, self.cost_model, self.objective, self.unit = space, cost_model, objective, unit
         self.shadow, self.persistent = shadow, persistent
         self.in_memory = persistent is shadow
         self.worker = uuid.uuid4().hex[:12]
         self.sync_interval_s = SYNC_INTERVAL_S[storage_kind]
-        self._seen: set[int] = set()      # persistent trial ids already in the shadow
-        self._finished = 0                # finished trials in the persistent study (as of the last sync)
+        self._seen: set[int] = set()  # persistent trial ids already in the shadow
+        self._finished = 0  # finished trials in the persistent study (as of the last sync)
         self._last_sync = -math.inf
 
     @property
@@ -240,7 +306,10 @@ class _Runner:
         state = {"new": 0, "best": self._best_value()}
 
         def after_trial(study, frozen) -> None:
-            if frozen.state == TrialState.COMPLETE and frozen.constraints.get(CONSTRAINT, 0.0) <= 0:
+            if (
+                frozen.state == TrialState.COMPLETE
+                and frozen.constraints.get(CONSTRAINT, 0.0) <= 0
+            ):
                 best = state["best"]
                 state["best"] = frozen.values[0] if best is None else max(best, frozen.values[0])
             self._persist(frozen)
@@ -259,12 +328,22 @@ class _Runner:
 
         # A ValueError from the cost model (e.g. a precision the hardware has no peak for) fails
         # that trial, is recorded with its message, and the study goes on.
-        self.shadow.optimize(objective, n_trials=target - self._finished, callbacks=[after_trial],
-                             catch=(ValueError,), gc_after_trial=False, show_progress_bar=False)
+        self.shadow.optimize(
+            objective,
+            n_trials=target - self._finished,
+            callbacks=[after_trial],
+            catch=(ValueError,),
+            gc_after_trial=False,
+            show_progress_bar=False,
+        )
         return state["new"]
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float]:
-        group = self.space.suggest_group(trial) if self.unit == "layout" else (self.space.suggest(trial),)
+        group = (
+            self.space.suggest_group(trial)
+            if self.unit == "layout"
+            else (self.space.suggest(trial),)
+        )
         best_s, best_r = None, None
         for s in group:
             r = self.cost_model.estimate(s, validate=False)
@@ -286,8 +365,11 @@ class _Runner:
         self._finished += 1
 
     def _best_value(self) -> float | None:
-        values = [t.values[0] for t in self.shadow.get_trials(deepcopy=False, states=_COMPLETE)
-                  if t.constraints.get(CONSTRAINT, 0.0) <= 0]
+        values = [
+            t.values[0]
+            for t in self.shadow.get_trials(deepcopy=False, states=_COMPLETE)
+            if t.constraints.get(CONSTRAINT, 0.0) <= 0
+        ]
         return max(values) if values else None
 
     def records(self) -> list[dict[str, Any]]:
@@ -299,7 +381,7 @@ class _Runner:
 
 
 def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings) -> TuneResult:
-    from autosearch.strategy import Strategy
+    from autosearch.core.strategy import Strategy
 
     trials = runner.persistent.get_trials(deepcopy=False, states=_COMPLETE)
     cands: dict[Strategy, Candidate] = {}
@@ -308,24 +390,43 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings) -> TuneRe
             continue
         s = Strategy.from_dict(t.user_attrs[_ATTR_STRATEGY])
         if s not in cands:
-            cands[s] = Candidate(s, report_from_dict(t.user_attrs[_ATTR_REPORT]), t.number, tuple(t.values))
+            cands[s] = Candidate(
+                s, report_from_dict(t.user_attrs[_ATTR_REPORT]), t.number, tuple(t.values)
+            )
     feasible = [c for c in cands.values() if c.report.fits]
-    feasible.sort(key=lambda c: (-c.report.tokens_per_s, c.report.peak_memory_bytes, c.trial_number))
+    feasible.sort(
+        key=lambda c: (-c.report.tokens_per_s, c.report.peak_memory_bytes, c.trial_number)
+    )
     pareto: tuple[Candidate, ...] = ()
     if runner.objective.is_multi:
-        pareto = tuple(sorted(_pareto(feasible, runner.objective), key=lambda c: -c.report.tokens_per_s))
+        pareto = tuple(
+            sorted(_pareto(feasible, runner.objective), key=lambda c: -c.report.tokens_per_s)
+        )
     least = None
     if not feasible and cands:
         least = min(cands.values(), key=lambda c: c.report.peak_memory_bytes)
     best = feasible[0] if feasible else None
-    message = (f"best {best.strategy.short()}: {best.report.tokens_per_s:,.0f} tokens/s, MFU {best.report.mfu:.1%}, "
-               f"{best.report.peak_memory_bytes / GiB:.1f} of {best.report.memory_capacity_bytes / GiB:.1f} GiB"
-               if best else "no strategy fits")
+    message = (
+        f"best {best.strategy.short()}: {best.report.tokens_per_s:,.0f} tokens/s, MFU {best.report.mfu:.1%}, "
+        f"{best.report.peak_memory_bytes / GiB:.1f} of {best.report.memory_capacity_bytes / GiB:.1f} GiB"
+        if best
+        else "no strategy fits"
+    )
     return TuneResult(
-        best_strategy=best.strategy if best else None, best_report=best.report if best else None,
-        top_k=tuple(feasible[:top_k]), study=runner.persistent, space=runner.space, objective=runner.objective.name,
-        n_trials=runner.n_finished, n_new_trials=n_new, pareto=pareto, least_hungry=least,
-        out_dir=os.fspath(out) if out is not None else None, message=message, timings=timings)
+        best_strategy=best.strategy if best else None,
+        best_report=best.report if best else None,
+        top_k=tuple(feasible[:top_k]),
+        study=runner.persistent,
+        space=runner.space,
+        objective=runner.objective.name,
+        n_trials=runner.n_finished,
+        n_new_trials=n_new,
+        pareto=pareto,
+        least_hungry=least,
+        out_dir=os.fspath(out) if out is not None else None,
+        message=message,
+        timings=timings,
+    )
 
 
 def _pareto(cands: list[Candidate], objective: Objective) -> list[Candidate]:
@@ -345,7 +446,11 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     space, cm = runner.space, runner.cost_model
     cluster = space.cluster
     where = "tried"
-    least_s, least_r = (result.least_hungry.strategy, result.least_hungry.report) if result.least_hungry else (None, None)
+    least_s, least_r = (
+        (result.least_hungry.strategy, result.least_hungry.report)
+        if result.least_hungry
+        else (None, None)
+    )
     n_fit = 0
     if space.size <= 2_000_000:
         where = f"of all {space.size:,} in the space"
@@ -355,21 +460,25 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
             if least_r is None or r.peak_memory_bytes < least_r.peak_memory_bytes:
                 least_s, least_r = s, r
     if n_fit:
-        return (f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} strategies of the "
-                f"space fit; run more trials (--n-trials) or the exhaustive sampler")
+        return (
+            f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} strategies of the "
+            f"space fit; run more trials (--n-trials) or the exhaustive sampler"
+        )
     if least_r is None:
         return "no trial finished; nothing to report"
-    return (f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B parameters) on "
-            f"{cluster.name} at global batch {space.global_batch_size}. The least memory-hungry strategy {where}, "
-            f"{least_s.short()}, needs {least_r.peak_memory_bytes / GiB:.1f} GiB per device: "
-            f"{least_r.memory_excess_bytes / GiB:.1f} GiB over the {least_r.memory_capacity_bytes / GiB:.1f} GiB "
-            f"of a {cluster.profile.name} (x{least_r.peak_memory_bytes / least_r.memory_capacity_bytes:.2f}). "
-            f"Use more nodes, GPUs with more memory, or widen the space (zero_stage 3, recompute full, larger pp)")
+    return (
+        f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B parameters) on "
+        f"{cluster.name} at global batch {space.global_batch_size}. The least memory-hungry strategy {where}, "
+        f"{least_s.short()}, needs {least_r.peak_memory_bytes / GiB:.1f} GiB per device: "
+        f"{least_r.memory_excess_bytes / GiB:.1f} GiB over the {least_r.memory_capacity_bytes / GiB:.1f} GiB "
+        f"of a {cluster.profile.name} (x{least_r.peak_memory_bytes / least_r.memory_capacity_bytes:.2f}). "
+        f"Use more nodes, GPUs with more memory, or widen the space (zero_stage 3, recompute full, larger pp)"
+    )
 
 
 def report_from_dict(data: dict[str, Any]):
     """Rebuild a CostReport from `CostReport.to_dict(flat=False)`."""
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
 
     return CostReport.from_dict(data)
 
@@ -384,9 +493,15 @@ def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace
     from search_spaces import BaseSearchSpace, SearchSpace
 
     if isinstance(space, BaseSearchSpace):
-        if (space.model != model or space.cluster != cluster or space.global_batch_size != global_batch_size):
-            raise SpecError(f"the search space was built for {space.model.name} on {space.cluster.name} at global batch "
-                            f"{space.global_batch_size}, not {model.name} on {cluster.name} at {global_batch_size}")
+        if (
+            space.model != model
+            or space.cluster != cluster
+            or space.global_batch_size != global_batch_size
+        ):
+            raise SpecError(
+                f"the search space was built for {space.model.name} on {space.cluster.name} at global batch "
+                f"{space.global_batch_size}, not {model.name} on {cluster.name} at {global_batch_size}"
+            )
         return space
     if isinstance(space, dict):
         return SearchSpace(model, cluster, global_batch_size=global_batch_size, **space)
@@ -420,11 +535,17 @@ def _check_or_set_meta(study, meta: dict[str, Any], study_name: str, storage) ->
     if stored is None:
         study.set_user_attr(_ATTR_META, meta)
         stored = study.user_attrs.get(_ATTR_META, meta)  # another worker may have written first
-    diffs = [f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in meta.items() if stored.get(k) != v]
+    diffs = [
+        f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in meta.items() if stored.get(k) != v
+    ]
     if diffs:
-        raise SpecError(diffs, context=(
-            f"study {study_name!r} in {describe_storage(storage)} was created for a different search; "
-            "use another --study-name or --out folder, or the same arguments as the first run"))
+        raise SpecError(
+            diffs,
+            context=(
+                f"study {study_name!r} in {describe_storage(storage)} was created for a different search; "
+                "use another --study-name or --out folder, or the same arguments as the first run"
+            ),
+        )
 
 
 def _describe(space) -> str:
@@ -448,8 +569,10 @@ class _ProgressBar:
         width = 30
         filled = int(width * done / max(total, 1))
         best_txt = f"best {best:,.0f} tok/s" if best is not None else "nothing fits yet"
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials  {best_txt}  "
-                          f"{now - self.start:.1f} s ")
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials  {best_txt}  "
+            f"{now - self.start:.1f} s "
+        )
         self.stream.flush()
 
     def close(self) -> None:

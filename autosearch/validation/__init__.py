@@ -7,6 +7,12 @@ Example:
     ...                   cluster="results/calibration/cpu-local.yaml:1x2", out="results/val")  # doctest: +SKIP
     >>> result.best.strategy                                                                     # doctest: +SKIP
 """
-from autosearch.validation._validate import Candidate, ValidationResult, candidates_from_study, validate
+
+from autosearch.validation._validate import (
+    Candidate,
+    ValidationResult,
+    candidates_from_study,
+    validate,
+)
 
 __all__ = ["Candidate", "ValidationResult", "candidates_from_study", "validate"]

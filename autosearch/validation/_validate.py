@@ -1,4 +1,5 @@
 """Run candidates for real, one after another, and record measured next to predicted."""
+
 from __future__ import annotations
 
 import math
@@ -7,17 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 from autosearch.validation._launch import OK, RunOutcome, launch
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
     import pandas as pd
 
-    from autosearch.model_spec import ModelSpec
-    from autosearch.strategy import Strategy
-    from cost_models.hardware import Cluster
-    from cost_models.report import CostReport
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
 
 VALIDATION_ATTR = "validation"
 
@@ -59,10 +60,22 @@ def available_devices() -> tuple[str, int]:
     return "cpu", os.cpu_count() or 1
 
 
-def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]", *, cluster: "Cluster | str | None" = None,
-             steps: int = 10, warmup: int = 3, timeout_s: float = 600.0, out: "str | os.PathLike" = "results/validation",
-             memory_limit_bytes: int | None = None, factory: str | None = None, threads: int | None = None,
-             study: "optuna.Study | None" = None, runtime: str | None = None, verbose: bool = True) -> ValidationResult:
+def validate(
+    model: "ModelSpec | str",
+    candidates: "list[Candidate | Strategy]",
+    *,
+    cluster: "Cluster | str | None" = None,
+    steps: int = 10,
+    warmup: int = 3,
+    timeout_s: float = 600.0,
+    out: "str | os.PathLike" = "results/validation",
+    memory_limit_bytes: int | None = None,
+    factory: str | None = None,
+    threads: int | None = None,
+    study: "optuna.Study | None" = None,
+    runtime: str | None = None,
+    verbose: bool = True,
+) -> ValidationResult:
     """Run each candidate for `warmup + steps` optimizer steps and measure it.
 
     Args:
@@ -84,9 +97,9 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
     """
     import pandas as pd
 
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
     from cost_models.analytic import AnalyticCostModel
-    from cost_models.hardware import Cluster
 
     model = ModelSpec.load(model)
     if steps < 1 or warmup < 0:
@@ -94,7 +107,9 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
     device_type, n_devices = available_devices()
     cands = [c if isinstance(c, Candidate) else Candidate(c) for c in candidates]
     if not cands:
-        raise SpecError("no candidate to validate: give strategies, or a study with completed feasible trials")
+        raise SpecError(
+            "no candidate to validate: give strategies, or a study with completed feasible trials"
+        )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "validation.csv"
@@ -106,48 +121,90 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
         report = cand.report
         if report is None and cluster is not None:
             c = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
-            c = Cluster(gpu=c.profile, n_nodes=1, gpus_per_node=world) if c.world_size != world else c
+            c = (
+                Cluster(gpu=c.profile, n_nodes=1, gpus_per_node=world)
+                if c.world_size != world
+                else c
+            )
             try:
                 report = AnalyticCostModel(model, c, runtime=runtime).estimate(s)
             except SpecError:
                 report = None
-        row: dict[str, Any] = {"candidate": i, "trial_number": cand.trial_number, "strategy": s.short(),
-                               **s.to_dict(), "world_size": world, "model": model.name}
+        row: dict[str, Any] = {
+            "candidate": i,
+            "trial_number": cand.trial_number,
+            "strategy": s.short(),
+            **s.to_dict(),
+            "world_size": world,
+            "model": model.name,
+        }
         problems = s.problems(model)
         if device_type == "cuda" and world > n_devices:
-            problems.append(f"needs {world} GPUs, this machine has {n_devices}; run validation on the target cluster")
+            problems.append(
+                f"needs {world} GPUs, this machine has {n_devices}; run validation on the target cluster"
+            )
         if problems:
             row.update(status="invalid", reason="; ".join(problems))
             outcome = RunOutcome("invalid", "; ".join(problems))
         else:
             n_threads = threads or max(1, (n_devices if device_type == "cpu" else 1) // world)
-            config = {"model": model.to_dict(), "strategy": s.to_dict(), "steps": steps, "warmup": warmup,
-                      "threads": n_threads if device_type == "cpu" else None, "factory": factory,
-                      "memory_limit_bytes": memory_limit_bytes, "seed": 0}
+            config = {
+                "model": model.to_dict(),
+                "strategy": s.to_dict(),
+                "steps": steps,
+                "warmup": warmup,
+                "threads": n_threads if device_type == "cpu" else None,
+                "factory": factory,
+                "memory_limit_bytes": memory_limit_bytes,
+                "seed": 0,
+            }
             if verbose:
                 print(f"[{i + 1}/{len(cands)}] {s.short()} on {world} process(es) ...", flush=True)
-            outcome = launch(config, nproc=world, run_dir=out_dir / f"run{i:03d}_{s.short()}", timeout_s=timeout_s)
-            row.update(status=outcome.status, reason=outcome.reason, exit_code=outcome.exit_code,
-                       wall_s=round(outcome.wall_s, 2), log=outcome.log_path)
+            outcome = launch(
+                config,
+                nproc=world,
+                run_dir=out_dir / f"run{i:03d}_{s.short()}",
+                timeout_s=timeout_s,
+            )
+            row.update(
+                status=outcome.status,
+                reason=outcome.reason,
+                exit_code=outcome.exit_code,
+                wall_s=round(outcome.wall_s, 2),
+                log=outcome.log_path,
+            )
             if outcome.status == OK:
                 row.update(_measured(outcome, s, model))
         if report is not None:
             # Tensor memory against tensor memory: what a run measures (CUDA max allocated, the CPU
             # tensor tracker) excludes the runtime's reserve (CUDA context, torch itself), which the
             # prediction lists apart as `other`; the total is kept beside the process peak RSS.
-            row.update(predicted_step_time_s=report.step_time_s,
-                       predicted_peak_memory_bytes=report.peak_memory_bytes - report.memory.other_bytes,
-                       predicted_total_memory_bytes=report.peak_memory_bytes, predicted_fits=report.fits,
-                       **{f"predicted_{k}": v for k, v in report.to_dict().items() if k.startswith("time_")})
+            row.update(
+                predicted_step_time_s=report.step_time_s,
+                predicted_peak_memory_bytes=report.peak_memory_bytes - report.memory.other_bytes,
+                predicted_total_memory_bytes=report.peak_memory_bytes,
+                predicted_fits=report.fits,
+                **{
+                    f"predicted_{k}": v
+                    for k, v in report.to_dict().items()
+                    if k.startswith("time_")
+                },
+            )
         if "measured_step_time_s" in row and report is not None:
-            row["step_time_error_pct"] = 100 * (report.step_time_s / row["measured_step_time_s"] - 1)
+            row["step_time_error_pct"] = 100 * (
+                report.step_time_s / row["measured_step_time_s"] - 1
+            )
             if not math.isnan(row["measured_peak_memory_bytes"]):
-                row["memory_error_pct"] = 100 * (report.peak_memory_bytes / row["measured_peak_memory_bytes"] - 1)
+                row["memory_error_pct"] = 100 * (
+                    report.peak_memory_bytes / row["measured_peak_memory_bytes"] - 1
+                )
         if verbose:
             print("    " + _one_line(row), flush=True)
         rows.append(row)
         outcomes.append(outcome)
-        pd.DataFrame(rows).to_csv(csv_path, index=False)  # after every run: nothing measured is lost
+        pd.DataFrame(rows).to_csv(
+            csv_path, index=False
+        )  # after every run: nothing measured is lost
         if study is not None and cand.trial_number is not None:
             _record_in_study(study, cand.trial_number, row)
     table = pd.DataFrame(rows)
@@ -161,19 +218,28 @@ def validate(model: "ModelSpec | str", candidates: "list[Candidate | Strategy]",
 
 def _measured(outcome: RunOutcome, s: "Strategy", model: "ModelSpec") -> dict[str, Any]:
     ranks = outcome.ranks
-    step = max(r["step_time_s"] for r in ranks)  # every rank timed the same barriers: take the slowest
+    step = max(
+        r["step_time_s"] for r in ranks
+    )  # every rank timed the same barriers: take the slowest
     peaks = [r.get("peak_memory_bytes", float("nan")) for r in ranks]
     r0 = ranks[0]
-    per_step = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))]  # the slowest rank, step by step
+    per_step = [
+        max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))
+    ]  # the slowest rank, step by step
     return {
         "measured_step_times_s": ";".join(f"{x:.6f}" for x in per_step),
-        "measured_step_time_s": step, "measured_step_time_min_s": min(r["step_time_min_s"] for r in ranks),
+        "measured_step_time_s": step,
+        "measured_step_time_min_s": min(r["step_time_min_s"] for r in ranks),
         "measured_step_time_max_s": max(r["step_time_max_s"] for r in ranks),
         "measured_tokens_per_s": s.global_batch_size * model.seq_len / step,
-        "measured_peak_memory_bytes": max(peaks), "measured_peak_memory_per_rank": ";".join(f"{p:.0f}" for p in peaks),
+        "measured_peak_memory_bytes": max(peaks),
+        "measured_peak_memory_per_rank": ";".join(f"{p:.0f}" for p in peaks),
         "measured_peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in ranks),
-        "peak_memory_method": r0.get("peak_memory_method"), "final_loss": r0.get("final_loss"),
-        "device": r0.get("device"), "threads": r0.get("threads"), "torch_version": r0.get("torch_version"),
+        "peak_memory_method": r0.get("peak_memory_method"),
+        "final_loss": r0.get("final_loss"),
+        "device": r0.get("device"),
+        "threads": r0.get("threads"),
+        "torch_version": r0.get("torch_version"),
         "steps_measured": r0.get("steps_measured"),
     }
 
@@ -183,8 +249,10 @@ def _one_line(row: dict[str, Any]) -> str:
         return f"{row['status'].upper()}: {row.get('reason', '')}"
     text = f"ok: step {row['measured_step_time_s'] * 1e3:.1f} ms, peak {row['measured_peak_memory_bytes'] / 2**20:.0f} MiB"
     if "predicted_step_time_s" in row:
-        text += (f" (predicted {row['predicted_step_time_s'] * 1e3:.1f} ms, "
-                 f"{row['predicted_peak_memory_bytes'] / 2**20:.0f} MiB)")
+        text += (
+            f" (predicted {row['predicted_step_time_s'] * 1e3:.1f} ms, "
+            f"{row['predicted_peak_memory_bytes'] / 2**20:.0f} MiB)"
+        )
     return text
 
 
@@ -195,11 +263,28 @@ def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, An
     attribute per validated trial, ``validation/<trial number>``, which `trials.csv` readers can join
     on the trial number; the trial's own attributes keep the prediction (its CostReport).
     """
-    keep = ("status", "reason", "measured_step_time_s", "measured_peak_memory_bytes", "measured_tokens_per_s",
-            "predicted_step_time_s", "predicted_peak_memory_bytes", "step_time_error_pct", "memory_error_pct",
-            "measured_peak_rss_bytes", "device", "threads", "torch_version")
-    record = {k: row[k] for k in keep
-              if k in row and row[k] is not None and not (isinstance(row[k], float) and math.isnan(row[k]))}
+    keep = (
+        "status",
+        "reason",
+        "measured_step_time_s",
+        "measured_peak_memory_bytes",
+        "measured_tokens_per_s",
+        "predicted_step_time_s",
+        "predicted_peak_memory_bytes",
+        "step_time_error_pct",
+        "memory_error_pct",
+        "measured_peak_rss_bytes",
+        "device",
+        "threads",
+        "torch_version",
+    )
+    record = {
+        k: row[k]
+        for k in keep
+        if k in row
+        and row[k] is not None
+        and not (isinstance(row[k], float) and math.isnan(row[k]))
+    }
     record = {k: (v.item() if hasattr(v, "item") else v) for k, v in record.items()}
     study.set_user_attr(f"{VALIDATION_ATTR}/{trial_number}", record)
 
@@ -208,8 +293,8 @@ def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Cand
     """The `top_k` fastest distinct feasible strategies of a tuner study, with their reports."""
     from optuna.trial import TrialState
 
-    from autosearch.strategy import Strategy
-    from cost_models.report import CostReport
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
 
     seen: dict[Any, Candidate] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -221,4 +306,3 @@ def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Cand
             seen[s] = Candidate(s, report, t.number)
     ranked = sorted(seen.values(), key=lambda c: -c.report.tokens_per_s)
     return ranked[:top_k]
-

@@ -5,6 +5,7 @@ the caching allocator's reserve). On CPU, where there is no allocator counter, t
 one steady-state step comes from `memtrack.TensorMemoryTracker` (a dispatch-mode count of live
 storages), and the process peak RSS (VmHWM) is recorded beside it.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -56,7 +57,9 @@ def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[fl
     return times
 
 
-def tensor_peak_bytes(step: Callable[[], Any], device: torch.device, modules: list, optimizers: list) -> tuple[float, str]:
+def tensor_peak_bytes(
+    step: Callable[[], Any], device: torch.device, modules: list, optimizers: list
+) -> tuple[float, str]:
     """Peak bytes of live tensors during one call of `step`, and how it was measured."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -75,5 +78,9 @@ def tensor_peak_bytes(step: Callable[[], Any], device: torch.device, modules: li
 
 def summarize(times: list[float], warmup: int) -> dict[str, float]:
     steady = times[warmup:] or times
-    return {"step_time_s": statistics.median(steady), "step_time_min_s": min(steady),
-            "step_time_max_s": max(steady), "steps_measured": len(steady)}
+    return {
+        "step_time_s": statistics.median(steady),
+        "step_time_min_s": min(steady),
+        "step_time_max_s": max(steady),
+        "steps_measured": len(steady),
+    }

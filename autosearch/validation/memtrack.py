@@ -7,6 +7,7 @@ optimizer when it starts, plus every storage an operator creates while it runs; 
 operator it sums the live ones (sizes are read each time because FSDP2 frees unsharded
 parameters by resizing their storage to 0, which no operator reports).
 """
+
 from __future__ import annotations
 
 import weakref

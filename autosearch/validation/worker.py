@@ -2,6 +2,7 @@
 for several processes). Trains the candidate for a few steps with the Engine and writes
 `rank<N>.json` with what it measured, or with the type of the exception that stopped it.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,11 @@ from pathlib import Path
 from typing import Any
 
 OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+# Under an address-space cap (RLIMIT_AS, how a smaller device is emulated on CPU) an allocation
+# fails wherever it happens first: in torch's allocator, in the C++ runtime, or in oneDNN, which
+# reports a kernel whose code or scratchpad cannot be mapped as "could not create a primitive".
+CAPPED_ALLOCATION_FAILURES = ("could not create a primitive", "std::bad_alloc")
+_address_space_cap: list[int] = []
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -20,7 +26,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     c10 error (a RuntimeError) whose message comes from DefaultCPUAllocator with ENOMEM."""
     if type(exc).__name__ in OOM_TYPES or isinstance(exc, MemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    if not isinstance(exc, RuntimeError):
+        return False
+    message = str(exc)
+    if "DefaultCPUAllocator: can't allocate memory" in message:
+        return True
+    return bool(_address_space_cap) and any(m in message for m in CAPPED_ALLOCATION_FAILURES)
 
 
 def limit_memory(limit_bytes: int | None, device_type: str) -> None:
@@ -44,6 +55,7 @@ def limit_memory(limit_bytes: int | None, device_type: str) -> None:
     vm = read_status_bytes("VmSize")
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (vm + int(limit_bytes), hard))
+    _address_space_cap.append(vm + int(limit_bytes))
 
 
 def load_factory(path: str):
@@ -62,7 +74,7 @@ def load_factory(path: str):
 
 
 def build_model_factory(config: dict[str, Any]):
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.model_spec import ModelSpec
 
     spec = ModelSpec.from_dict(config["model"])
     factory_path = config.get("factory")
@@ -76,10 +88,10 @@ def build_model_factory(config: dict[str, Any]):
 def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from autosearch.core.strategy import Strategy
     from autosearch.engine import Engine
     from autosearch.engine import distributed as D
     from autosearch.engine.data import SyntheticTokens
-    from autosearch.strategy import Strategy
     from autosearch.validation import measure
 
     if config.get("threads"):
@@ -89,8 +101,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = int(config["steps"]), int(config["warmup"])
     baseline_rss = measure.read_status_bytes("VmRSS")
     measure.reset_peak_rss()
-    engine = Engine(factory, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4), strategy=strategy,
-                    seed=int(config.get("seed", 0)))
+    engine = Engine(
+        factory,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        strategy=strategy,
+        seed=int(config.get("seed", 0)),
+    )
     engine.prepare(mode="train")
     device = engine.device_
     limit_memory(config.get("memory_limit_bytes"), device.type)
@@ -103,13 +119,21 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         losses.append(engine.run(next(batches), mode="train")["loss"])
 
     times = measure.time_steps(step, warmup + steps, device)
-    peak_tensor, how = measure.tensor_peak_bytes(step, device, engine.model_parts_, engine.optimizers_)
+    peak_tensor, how = measure.tensor_peak_bytes(
+        step, device, engine.model_parts_, engine.optimizers_
+    )
     return {
-        **measure.summarize(times, warmup), "step_times_s": times,
-        "peak_memory_bytes": peak_tensor, "peak_memory_method": how,
-        "peak_rss_bytes": measure.read_status_bytes("VmHWM"), "baseline_rss_bytes": baseline_rss,
-        "final_loss": losses[-1], "device": device.type, "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "world_size": D.launched_world_size(),
+        **measure.summarize(times, warmup),
+        "step_times_s": times,
+        "peak_memory_bytes": peak_tensor,
+        "peak_memory_method": how,
+        "peak_rss_bytes": measure.read_status_bytes("VmHWM"),
+        "baseline_rss_bytes": baseline_rss,
+        "final_loss": losses[-1],
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "world_size": D.launched_world_size(),
     }
 
 
@@ -121,8 +145,11 @@ def main() -> None:
     try:
         record.update(run(config), status="ok")
     except BaseException as exc:  # noqa: BLE001 - recorded by type; the launcher decides what it means
-        record.update(status="oom" if is_out_of_memory(exc) else "crashed", error_type=type(exc).__name__,
-                      message=str(exc).strip().splitlines()[0][:400] if str(exc).strip() else "")
+        record.update(
+            status="oom" if is_out_of_memory(exc) else "crashed",
+            error_type=type(exc).__name__,
+            message=str(exc).strip().splitlines()[0][:400] if str(exc).strip() else "",
+        )
         traceback.print_exc()
         code = 1
     Path(config["result_dir"], f"rank{rank}.json").write_text(json.dumps(record, indent=1))

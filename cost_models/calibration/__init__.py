@@ -11,14 +11,29 @@ Example:
     >>> round(f.bandwidth_bytes_per_s / 1e9, 1)
     1.0
 """
+
 from __future__ import annotations
 
 from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
-    "cost_models.calibration.calibrate": ("CalibrationResult", "calibrate", "default_world_sizes", "write_profile"),
-    "cost_models.calibration.fit": ("AlphaBetaFit", "FitQuality", "GemmFit", "collective_coefficients",
-                                    "fit_alpha_beta", "fit_attention", "fit_bandwidth", "fit_gemm", "fit_quality"),
+    "cost_models.calibration.calibrate": (
+        "CalibrationResult",
+        "calibrate",
+        "default_world_sizes",
+        "write_profile",
+    ),
+    "cost_models.calibration.fit": (
+        "AlphaBetaFit",
+        "FitQuality",
+        "GemmFit",
+        "collective_coefficients",
+        "fit_alpha_beta",
+        "fit_attention",
+        "fit_bandwidth",
+        "fit_gemm",
+        "fit_quality",
+    ),
     "cost_models.calibration.profile": ("build_profile", "catalog_profile_for"),
     "cost_models.calibration.refit": ("RefitResult", "TERM_GROUPS", "refit_corrections"),
     "cost_models.calibration.runner": ("Plan", "make_plan"),
@@ -27,4 +42,4 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 
-__getattr__, __dir__ = lazy_exports('cost_models.calibration', globals(), _WHERE)
+__getattr__, __dir__ = lazy_exports("cost_models.calibration", globals(), _WHERE)

@@ -4,6 +4,7 @@ under torchrun (one per rank). Runs the suites the plan names and rank 0 writes 
 Ends with destroy_process_group + flush + os._exit: gloo worker threads can abort the interpreter
 at exit otherwise (shared/notes/torch-on-this-machine.md, "crash at process exit").
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,13 @@ def main(plan_path: str, out_path: str) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(int(plan["threads"]))
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                **({"device_id": device} if device.type == "cuda" else {}))
-    timer = mb.Timer(device, budget_s=plan["budget_s"], min_reps=plan["min_reps"], max_reps=plan["max_reps"])
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            **({"device_id": device} if device.type == "cuda" else {}),
+        )
+    timer = mb.Timer(
+        device, budget_s=plan["budget_s"], min_reps=plan["min_reps"], max_reps=plan["max_reps"]
+    )
     rows: list[dict] = []
     suites = plan["suites"]
     if "process_memory" in suites:
@@ -41,18 +46,32 @@ def main(plan_path: str, out_path: str) -> int:
     if "launch" in suites:
         rows += mb.launch_overhead(timer)
     if "gemm" in suites:
-        rows += mb.gemm(timer, precisions=plan["precisions"], shapes=[tuple(s) for s in plan["gemm_shapes"]],
-                        max_call_s=plan["max_call_s"])
+        rows += mb.gemm(
+            timer,
+            precisions=plan["precisions"],
+            shapes=[tuple(s) for s in plan["gemm_shapes"]],
+            max_call_s=plan["max_call_s"],
+        )
     if "memory" in suites:
         rows += mb.memory(timer, array_bytes=plan["memory_array_bytes"])
     if "attention" in suites:
-        rows += mb.attention(timer, precisions=plan["precisions"],
-                             configs=[tuple(c) for c in plan["attention_configs"]], max_call_s=plan["max_call_s"])
+        rows += mb.attention(
+            timer,
+            precisions=plan["precisions"],
+            configs=[tuple(c) for c in plan["attention_configs"]],
+            max_call_s=plan["max_call_s"],
+        )
     if "collectives" in suites and world > 1:
-        rows += mb.collectives(timer, sizes_bytes=plan["collective_bytes"], ops=plan["collective_ops"],
-                               max_call_s=plan["max_call_s"])
+        rows += mb.collectives(
+            timer,
+            sizes_bytes=plan["collective_bytes"],
+            ops=plan["collective_ops"],
+            max_call_s=plan["max_call_s"],
+        )
     for r in rows:
-        r.update(world_size=world, threads=torch.get_num_threads() if device.type == "cpu" else None)
+        r.update(
+            world_size=world, threads=torch.get_num_threads() if device.type == "cpu" else None
+        )
     if rank == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(rows, f)

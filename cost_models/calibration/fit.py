@@ -7,13 +7,14 @@ log(time), the worst and the median relative residual, and the number of points.
 
 The model forms are the ones `cost_models.analytic` consumes, so that what is fitted is what the
 cost model uses:
-- GEMM (`cost_models.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
+- GEMM (`autosearch.core.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
   backward = 2 x forward (dgrad + wgrad, as `AnalyticCostModel._layer_costs` assumes).
 - Fused attention: t_fwd = launch + F/(peak * eff_p), t_bwd = 2.5 t_fwd (FLASH_BWD_OVER_FWD).
 - Streaming memory: t = launch + bytes / bandwidth (McCalpin's STREAM, arrays >= 4x the last-level cache).
 - Collectives, alpha-beta of ring algorithms (Thakur et al. 2005; `cost_models.formulas`):
   t = a_op(n) * alpha + b_op(n) * S / beta.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -44,7 +45,9 @@ class FitQuality:
     n_points: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        return {
+            k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in asdict(self).items()
+        }
 
 
 def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> FitQuality:
@@ -60,7 +63,9 @@ def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> FitQua
 
 def _check(times: np.ndarray, what: str, *, min_points: int) -> None:
     if len(times) < min_points:
-        raise ValueError(f"{what}: need at least {min_points} measurements to fit, got {len(times)}")
+        raise ValueError(
+            f"{what}: need at least {min_points} measurements to fit, got {len(times)}"
+        )
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ValueError(f"{what}: measured times must be finite and > 0")
 
@@ -81,11 +86,21 @@ class GemmFit:
     quality_by_precision: dict[str, FitQuality]
 
     def predict(self, m, n, k, precision, multiplier=1.0) -> np.ndarray:
-        return gemm_time_s(m, n, k, self.rate_flops, precision, self.half_dim, self.launch_s, multiplier)
+        return gemm_time_s(
+            m, n, k, self.rate_flops, precision, self.half_dim, self.launch_s, multiplier
+        )
 
 
-def gemm_time_s(m, n, k, rate_flops: dict[str, float], precision, half_dim: float, launch_s: float,
-                multiplier=1.0) -> np.ndarray:
+def gemm_time_s(
+    m,
+    n,
+    k,
+    rate_flops: dict[str, float],
+    precision,
+    half_dim: float,
+    launch_s: float,
+    multiplier=1.0,
+) -> np.ndarray:
     m, n, k = (np.asarray(x, dtype=float) for x in (m, n, k))
     rate = np.array([rate_flops[p] for p in np.atleast_1d(precision)], dtype=float)
     shape = 1.0 + half_dim * (1.0 / m + 1.0 / n + 1.0 / k)
@@ -103,11 +118,13 @@ def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     idx = np.array([names.index(p) for p in prec])
     flops = 2.0 * m * n * k
     # Start: each precision's best observed rate, half_dim = 16, launch = the fastest call / 4.
-    rate0 = np.array([np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))])
+    rate0 = np.array(
+        [np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))]
+    )
     x0 = np.concatenate([np.log(rate0), [np.log(16.0), np.log(max(t.min() / 4, 1e-9))]])
 
     def unpack(x):
-        return np.exp(x[:len(names)]), np.exp(x[-2]), np.exp(x[-1])
+        return np.exp(x[: len(names)]), np.exp(x[-2]), np.exp(x[-1])
 
     def resid(x):
         rate, hd, launch = unpack(x)
@@ -117,9 +134,18 @@ def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
     rate, hd, launch = unpack(sol.x)
     pred = np.exp(resid(sol.x)) * t
-    by_prec = {p: fit_quality(pred[idx == i], t[idx == i]) for i, p in enumerate(names) if np.sum(idx == i) >= 2}
-    return GemmFit({p: float(rate[i]) for i, p in enumerate(names)}, float(hd), float(launch),
-                   fit_quality(pred, t), by_prec)
+    by_prec = {
+        p: fit_quality(pred[idx == i], t[idx == i])
+        for i, p in enumerate(names)
+        if np.sum(idx == i) >= 2
+    }
+    return GemmFit(
+        {p: float(rate[i]) for i, p in enumerate(names)},
+        float(hd),
+        float(launch),
+        fit_quality(pred, t),
+        by_prec,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +245,9 @@ class AlphaBetaFit:
 
     def predict(self, op: str, group: int, nbytes) -> np.ndarray:
         a, b = collective_coefficients(op, group)
-        return a * self.latency_s + b * np.asarray(nbytes, dtype=float) / self.bandwidth_bytes_per_s
+        return (
+            a * self.latency_s + b * np.asarray(nbytes, dtype=float) / self.bandwidth_bytes_per_s
+        )
 
 
 def fit_alpha_beta(ops: Sequence[str], groups: Sequence[int], nbytes, time_s) -> AlphaBetaFit:

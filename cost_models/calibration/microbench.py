@@ -10,6 +10,7 @@ maximum over ranks (the slowest rank sets a step's pace). Because every rank the
 numbers, every decision taken from them (how many calls, which shapes are too slow to measure)
 is the same on all ranks, and the ranks stay in lock-step without further coordination.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
@@ -30,7 +36,7 @@ class Timer:
     """Times calls on one device and agrees on the results with the other ranks."""
 
     device: torch.device
-    budget_s: float = 0.25      # target measuring time per point
+    budget_s: float = 0.25  # target measuring time per point
     min_reps: int = 3
     max_reps: int = 50
 
@@ -50,8 +56,11 @@ class Timer:
         """Element-wise maximum over ranks (identity in a single process)."""
         if not self.distributed:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64,
-                         device=self.device if dist.get_backend() == "nccl" else "cpu")
+        t = torch.tensor(
+            values,
+            dtype=torch.float64,
+            device=self.device if dist.get_backend() == "nccl" else "cpu",
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
@@ -67,7 +76,9 @@ class Timer:
         fn()
         return time.perf_counter() - t0
 
-    def measure(self, fn: Callable[[], Any], *, barrier_each: bool = False, warmup: int = 1) -> dict[str, float]:
+    def measure(
+        self, fn: Callable[[], Any], *, barrier_each: bool = False, warmup: int = 1
+    ) -> dict[str, float]:
         """Median, minimum and number of timed calls of `fn`, agreed over ranks."""
         self.barrier()
         warm = 0.0
@@ -100,8 +111,15 @@ def launch_overhead(timer: Timer, *, calls: int = 200) -> list[dict[str, Any]]:
             x.add_(1.0)
 
     r = timer.measure(burst, warmup=2)
-    return [{"kind": "launch", "op": "tiny_add", "time_s": r["time_s"] / calls,
-             "time_min_s": r["time_min_s"] / calls, "reps": r["reps"] * calls}]
+    return [
+        {
+            "kind": "launch",
+            "op": "tiny_add",
+            "time_s": r["time_s"] / calls,
+            "time_min_s": r["time_min_s"] / calls,
+            "reps": r["reps"] * calls,
+        }
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,8 +133,13 @@ def _precision_context(precision: str, device: torch.device):
         torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-def gemm(timer: Timer, *, precisions: Iterable[str], shapes: Iterable[tuple[int, int, int]],
-         max_call_s: float) -> list[dict[str, Any]]:
+def gemm(
+    timer: Timer,
+    *,
+    precisions: Iterable[str],
+    shapes: Iterable[tuple[int, int, int]],
+    max_call_s: float,
+) -> list[dict[str, Any]]:
     """y[m, n] = x[m, k] @ W[n, k]^T forward, and its backward (grad of x and W) for each shape.
 
     Shapes whose expected call time (from the rate measured so far) exceeds `max_call_s` are
@@ -132,8 +155,18 @@ def gemm(timer: Timer, *, precisions: Iterable[str], shapes: Iterable[tuple[int,
         for m, n, k in shapes:
             flops = 2.0 * m * n * k
             if rate is not None and 3 * flops / rate > max_call_s:
-                rows.append({"kind": "gemm", "op": "linear_fwd", "precision": precision, "m": m, "n": n, "k": k,
-                             "flops": flops, "skipped": "slower than max_call_s"})
+                rows.append(
+                    {
+                        "kind": "gemm",
+                        "op": "linear_fwd",
+                        "precision": precision,
+                        "m": m,
+                        "n": n,
+                        "k": k,
+                        "flops": flops,
+                        "skipped": "slower than max_call_s",
+                    }
+                )
                 continue
             x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
             w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
@@ -143,8 +176,18 @@ def gemm(timer: Timer, *, precisions: Iterable[str], shapes: Iterable[tuple[int,
             g = torch.randn_like(y)
             bwd = timer.measure(lambda: torch.autograd.grad(y, (x, w), g, retain_graph=True))
             for op, r in (("linear_fwd", fwd), ("linear_bwd", bwd)):
-                rows.append({"kind": "gemm", "op": op, "precision": precision, "m": m, "n": n, "k": k,
-                             "flops": flops * (2 if op == "linear_bwd" else 1), **r})
+                rows.append(
+                    {
+                        "kind": "gemm",
+                        "op": op,
+                        "precision": precision,
+                        "m": m,
+                        "n": n,
+                        "k": k,
+                        "flops": flops * (2 if op == "linear_bwd" else 1),
+                        **r,
+                    }
+                )
             rate = flops / fwd["time_s"]  # the next, larger shape runs at about this rate
             del x, w, y, g
     _precision_context("fp32", dev)
@@ -171,8 +214,16 @@ def memory(timer: Timer, *, array_bytes: Iterable[int]) -> list[dict[str, Any]]:
         }
         for op, (fn, arrays) in ops.items():
             r = timer.measure(fn, warmup=2)
-            rows.append({"kind": "memory", "op": op, "precision": "fp32", "array_bytes": n * 4,
-                         "bytes": float(arrays * n * 4), **r})
+            rows.append(
+                {
+                    "kind": "memory",
+                    "op": op,
+                    "precision": "fp32",
+                    "array_bytes": n * 4,
+                    "bytes": float(arrays * n * 4),
+                    **r,
+                }
+            )
         del a, b, c
     return rows
 
@@ -182,8 +233,13 @@ def memory(timer: Timer, *, array_bytes: Iterable[int]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def attention(timer: Timer, *, precisions: Iterable[str], configs: Iterable[tuple[int, int, int, int]],
-              max_call_s: float) -> list[dict[str, Any]]:
+def attention(
+    timer: Timer,
+    *,
+    precisions: Iterable[str],
+    configs: Iterable[tuple[int, int, int, int]],
+    max_call_s: float,
+) -> list[dict[str, Any]]:
     """configs: (batch, heads, seq_len, head_dim)."""
     rows = []
     configs = sorted(configs, key=lambda c: c[0] * c[1] * c[2] * c[2] * c[3])
@@ -194,14 +250,27 @@ def attention(timer: Timer, *, precisions: Iterable[str], configs: Iterable[tupl
         rate = None
         for b, h, s, d in configs:
             flops = 4.0 * b * h * s * s * d * 0.5
-            base = {"kind": "attention", "precision": precision, "batch": b, "heads": h, "seq_len": s,
-                    "head_dim": d}
+            base = {
+                "kind": "attention",
+                "precision": precision,
+                "batch": b,
+                "heads": h,
+                "seq_len": s,
+                "head_dim": d,
+            }
             if rate is not None and 3.5 * flops / rate > max_call_s:
-                rows.append({**base, "op": "sdpa_fwd", "flops": flops, "skipped": "slower than max_call_s"})
+                rows.append(
+                    {**base, "op": "sdpa_fwd", "flops": flops, "skipped": "slower than max_call_s"}
+                )
                 continue
-            q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+            q, k, v = (
+                torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
             with torch.no_grad():
-                fwd = timer.measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                fwd = timer.measure(
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                )
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             g = torch.randn_like(o)
             bwd = timer.measure(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
@@ -218,8 +287,9 @@ def attention(timer: Timer, *, precisions: Iterable[str], configs: Iterable[tupl
 # ---------------------------------------------------------------------------------------------
 
 
-def collectives(timer: Timer, *, sizes_bytes: Iterable[int], ops: Iterable[str],
-                max_call_s: float) -> list[dict[str, Any]]:
+def collectives(
+    timer: Timer, *, sizes_bytes: Iterable[int], ops: Iterable[str], max_call_s: float
+) -> list[dict[str, Any]]:
     """all_reduce (S = the buffer), all_gather_into_tensor (S = the output), reduce_scatter_tensor
     (S = the input), and send/recv ping-pong between ranks 0 and 1 (half the round trip)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -230,8 +300,13 @@ def collectives(timer: Timer, *, sizes_bytes: Iterable[int], ops: Iterable[str],
         elems = max(world, (size // 4) // world * world)
         nbytes = elems * 4
         for op in ops:
-            base = {"kind": "collective", "op": op, "group_size": world if op != "send_recv" else 2,
-                    "bytes": float(nbytes), "precision": "fp32"}
+            base = {
+                "kind": "collective",
+                "op": op,
+                "group_size": world if op != "send_recv" else 2,
+                "bytes": float(nbytes),
+                "precision": "fp32",
+            }
             if op in slow:
                 rows.append({**base, "skipped": "slower than max_call_s"})
                 continue
@@ -283,4 +358,6 @@ def process_memory_bytes(device: torch.device) -> float:
 
 
 def cpu_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )

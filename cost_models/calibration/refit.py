@@ -20,6 +20,7 @@ Example:
     >>> r.errors["holdout_after"]["mape"] < r.errors["holdout_before"]["mape"]
     True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 TERM_GROUPS: dict[str, tuple[str, ...]] = {
     # compute-bound work and what scales with it (the bubble is idle time of the same length)
@@ -85,27 +86,44 @@ class RefitResult:
         node; inter_node is left as is); optimizer -> memory efficiency divided; the intercept ->
         the profile's step_overhead_s (a fixed cost per optimizer step, added to `other_s`).
         """
-        from cost_models.hardware import HardwareProfile
+        from autosearch.core.hardware import HardwareProfile
 
-        c, comm, opt = (self.factors.get(k, 1.0) for k in ("compute", "communication", "optimizer"))
+        c, comm, opt = (
+            self.factors.get(k, 1.0) for k in ("compute", "communication", "optimizer")
+        )
         data = profile.to_dict()
-        data["gemm"]["max_efficiency"] = {p: v / c for p, v in data["gemm"]["max_efficiency"].items()}
+        data["gemm"]["max_efficiency"] = {
+            p: v / c for p, v in data["gemm"]["max_efficiency"].items()
+        }
         data["gemm"]["launch_s"] *= c
         data["kernel_launch_s"] *= c
-        data["attention"]["flash_efficiency"] = {p: v / c for p, v in data["attention"]["flash_efficiency"].items()}
+        data["attention"]["flash_efficiency"] = {
+            p: v / c for p, v in data["attention"]["flash_efficiency"].items()
+        }
         data["intra_node"]["efficiency"] /= comm
         data["intra_node"]["latency_s"] *= comm
         data["memory"]["efficiency"] /= opt
-        data["step_overhead_s"] = max(0.0, float(data.get("step_overhead_s", 0.0)) + self.intercept_s)
+        data["step_overhead_s"] = max(
+            0.0, float(data.get("step_overhead_s", 0.0)) + self.intercept_s
+        )
         data["measured"] = list(dict.fromkeys(list(data["measured"]) + ["corrections"]))
-        data["calibration"] = {**data.get("calibration", {}),
-                               "corrections": {**self.to_dict(), "step_overhead_s": self.intercept_s}}
+        data["calibration"] = {
+            **data.get("calibration", {}),
+            "corrections": {**self.to_dict(), "step_overhead_s": self.intercept_s},
+        }
         return HardwareProfile.from_dict(data, what=f"corrected profile {profile.name!r}")
 
 
-def refit_corrections(runs: pd.DataFrame, *, groups: dict[str, Sequence[str]] | None = None,
-                      holdout: float | Sequence[bool] | str = 0.25, group_column: str | None = "strategy",
-                      prior_weight: float = 0.1, intercept: bool = True, seed: int = 0) -> RefitResult:
+def refit_corrections(
+    runs: pd.DataFrame,
+    *,
+    groups: dict[str, Sequence[str]] | None = None,
+    holdout: float | Sequence[bool] | str = 0.25,
+    group_column: str | None = "strategy",
+    prior_weight: float = 0.1,
+    intercept: bool = True,
+    seed: int = 0,
+) -> RefitResult:
     """Fit correction factors on part of `runs` and report the error on the rest.
 
     Args:
@@ -135,7 +153,9 @@ def refit_corrections(runs: pd.DataFrame, *, groups: dict[str, Sequence[str]] | 
     active = [g for g in groups if np.any(sums[g] > 0)]
     n_params = len(active) + int(intercept)
     if len(train) < max(2, n_params):
-        raise SpecError(f"{len(train)} training runs for {n_params} parameters; run more strategies or hold out fewer")
+        raise SpecError(
+            f"{len(train)} training runs for {n_params} parameters; run more strategies or hold out fewer"
+        )
 
     y = train["measured_step_time_s"].to_numpy(float)
     fixed = _fixed(train)
@@ -148,11 +168,13 @@ def refit_corrections(runs: pd.DataFrame, *, groups: dict[str, Sequence[str]] | 
     def resid(x):
         factors, icpt = unpack(x)
         pred = icpt + fixed + sum(factors[g] * sums[g] for g in active)
-        prior = np.sqrt(prior_weight) * np.asarray(x[:len(active)])
+        prior = np.sqrt(prior_weight) * np.asarray(x[: len(active)])
         return np.concatenate([(pred - y) / y, prior])
 
     x0 = np.zeros(n_params)
-    if intercept:  # strictly inside the bound: least_squares' trf does not leave a start on a bound
+    if (
+        intercept
+    ):  # strictly inside the bound: least_squares' trf does not leave a start on a bound
         x0[-1] = 0.01
     lower = [-np.inf] * len(active) + ([0.0] if intercept else [])
     upper = [np.inf] * n_params
@@ -161,18 +183,32 @@ def refit_corrections(runs: pd.DataFrame, *, groups: dict[str, Sequence[str]] | 
     factors = {g: factors.get(g, 1.0) for g in groups}
     errors = {
         "train_before": _errors(train["predicted_step_time_s"], train["measured_step_time_s"]),
-        "train_after": _errors(_corrected(train, groups, factors, icpt), train["measured_step_time_s"]),
+        "train_after": _errors(
+            _corrected(train, groups, factors, icpt), train["measured_step_time_s"]
+        ),
         "holdout_before": _errors(test["predicted_step_time_s"], test["measured_step_time_s"]),
-        "holdout_after": _errors(_corrected(test, groups, factors, icpt), test["measured_step_time_s"]),
+        "holdout_after": _errors(
+            _corrected(test, groups, factors, icpt), test["measured_step_time_s"]
+        ),
     }
-    return RefitResult(factors, icpt, errors, groups, tuple(train.index), tuple(test.index),
-                       tuple(g for g in groups if g not in active), prior_weight)
+    return RefitResult(
+        factors,
+        icpt,
+        errors,
+        groups,
+        tuple(train.index),
+        tuple(test.index),
+        tuple(g for g in groups if g not in active),
+        prior_weight,
+    )
 
 
 def _holdout_mask(df: pd.DataFrame, holdout, group_column: str | None, seed: int) -> np.ndarray:
     if isinstance(holdout, str):
         if holdout not in df.columns:
-            raise SpecError(f"holdout column {holdout!r} is not in the runs ({', '.join(df.columns)})")
+            raise SpecError(
+                f"holdout column {holdout!r} is not in the runs ({', '.join(df.columns)})"
+            )
         return df[holdout].astype(bool).to_numpy()
     if not isinstance(holdout, (int, float)):
         mask = np.asarray(holdout, dtype=bool)
@@ -181,27 +217,40 @@ def _holdout_mask(df: pd.DataFrame, holdout, group_column: str | None, seed: int
         return mask
     if not 0 <= holdout < 1:
         raise SpecError(f"holdout fraction must be in [0, 1), got {holdout}")
-    keys = df[group_column].astype(str).to_numpy() if group_column and group_column in df.columns \
+    keys = (
+        df[group_column].astype(str).to_numpy()
+        if group_column and group_column in df.columns
         else np.arange(len(df)).astype(str)
+    )
     unique = np.unique(keys)
     n_out = int(round(holdout * len(unique)))
     if holdout > 0 and len(df) >= 4:
         n_out = max(1, n_out)
     n_out = min(n_out, len(unique) - 1)
-    chosen = np.random.default_rng(seed).choice(unique, size=n_out, replace=False) if n_out > 0 else []
+    chosen = (
+        np.random.default_rng(seed).choice(unique, size=n_out, replace=False) if n_out > 0 else []
+    )
     return np.isin(keys, chosen)
 
 
 def _group_sums(df: pd.DataFrame, groups: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
-    return {g: sum((df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in cols)
-            if cols else np.zeros(len(df)) for g, cols in groups.items()}
+    return {
+        g: sum((df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in cols)
+        if cols
+        else np.zeros(len(df))
+        for g, cols in groups.items()
+    }
 
 
 def _fixed(df: pd.DataFrame) -> np.ndarray:
-    return sum((df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in FIXED_TERMS)
+    return sum(
+        (df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in FIXED_TERMS
+    )
 
 
-def _corrected(df: pd.DataFrame, groups, factors: dict[str, float], intercept_s: float) -> np.ndarray:
+def _corrected(
+    df: pd.DataFrame, groups, factors: dict[str, float], intercept_s: float
+) -> np.ndarray:
     sums = _group_sums(df, groups)
     return intercept_s + _fixed(df) + sum(factors.get(g, 1.0) * sums[g] for g in groups)
 

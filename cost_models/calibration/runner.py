@@ -11,6 +11,7 @@ are measured per world size, with all N processes computing at the same time, as
 data-parallel job. On a GPU, compute is measured once on one GPU and the larger world sizes only
 run collectives.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +40,7 @@ class Plan:
     precisions: tuple[str, ...]
     gemm_shapes: tuple[tuple[int, int, int], ...]
     memory_array_bytes: tuple[int, ...]
-    attention_configs: tuple[tuple[int, int, int, int], ...]   # (batch, heads, seq_len, head_dim)
+    attention_configs: tuple[tuple[int, int, int, int], ...]  # (batch, heads, seq_len, head_dim)
     collective_bytes: tuple[int, ...]
     collective_ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
     budget_s: float = 0.3
@@ -59,34 +60,67 @@ def make_plan(device: str, *, quick: bool) -> Plan:
     messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take ~0.3 s)."""
     if device == "cuda":
         if quick:
-            return Plan(device="cuda", quick=True, precisions=("fp32", "tf32", "bf16", "fp16"),
-                        gemm_shapes=_grid((256, 4096), (1024, 8192), (1024, 8192)),
-                        memory_array_bytes=(1 << 20, 64 << 20, 512 << 20),
-                        attention_configs=((1, 16, 1024, 128), (4, 16, 4096, 128)),
-                        collective_bytes=tuple(4 * 16 ** i for i in range(8)),
-                        budget_s=0.05, min_reps=5, max_reps=50, max_call_s=0.2)
-        return Plan(device="cuda", quick=False, precisions=("fp32", "tf32", "bf16", "fp16"),
-                    gemm_shapes=_grid((128, 512, 2048, 8192, 16384), (256, 1024, 4096, 8192, 16384),
-                                      (256, 1024, 4096, 8192)),
-                    memory_array_bytes=tuple(1 << p for p in range(20, 33, 2)),   # 1 MiB .. 4 GiB
-                    attention_configs=tuple((b, 16, s, d) for b in (1, 8) for s in (512, 2048, 8192)
-                                            for d in (64, 128)),
-                    collective_bytes=tuple(4 * 4 ** i for i in range(15)),     # 4 B .. 1 GiB
-                    budget_s=0.1, min_reps=5, max_reps=100, max_call_s=0.5)
+            return Plan(
+                device="cuda",
+                quick=True,
+                precisions=("fp32", "tf32", "bf16", "fp16"),
+                gemm_shapes=_grid((256, 4096), (1024, 8192), (1024, 8192)),
+                memory_array_bytes=(1 << 20, 64 << 20, 512 << 20),
+                attention_configs=((1, 16, 1024, 128), (4, 16, 4096, 128)),
+                collective_bytes=tuple(4 * 16**i for i in range(8)),
+                budget_s=0.05,
+                min_reps=5,
+                max_reps=50,
+                max_call_s=0.2,
+            )
+        return Plan(
+            device="cuda",
+            quick=False,
+            precisions=("fp32", "tf32", "bf16", "fp16"),
+            gemm_shapes=_grid(
+                (128, 512, 2048, 8192, 16384),
+                (256, 1024, 4096, 8192, 16384),
+                (256, 1024, 4096, 8192),
+            ),
+            memory_array_bytes=tuple(1 << p for p in range(20, 33, 2)),  # 1 MiB .. 4 GiB
+            attention_configs=tuple(
+                (b, 16, s, d) for b in (1, 8) for s in (512, 2048, 8192) for d in (64, 128)
+            ),
+            collective_bytes=tuple(4 * 4**i for i in range(15)),  # 4 B .. 1 GiB
+            budget_s=0.1,
+            min_reps=5,
+            max_reps=100,
+            max_call_s=0.5,
+        )
     if quick:
-        return Plan(device="cpu", quick=True, precisions=("fp32", "bf16", "fp16"),
-                    gemm_shapes=_grid((32, 256), (64, 256), (64, 256)),
-                    memory_array_bytes=(256 << 10, 4 << 20, 32 << 20),
-                    attention_configs=((1, 4, 64, 32), (2, 4, 128, 64)),
-                    collective_bytes=(4, 256, 16 << 10, 1 << 20, 4 << 20),
-                    budget_s=0.04, min_reps=3, max_reps=10, max_call_s=0.1)
-    return Plan(device="cpu", quick=False, precisions=("fp32", "bf16", "fp16"),
-                gemm_shapes=_grid((16, 64, 256, 1024, 4096), (64, 256, 1024), (64, 256, 1024)),
-                memory_array_bytes=tuple(1 << p for p in range(16, 29, 2)),       # 64 KiB .. 256 MiB
-                attention_configs=tuple((b, 8, s, d) for b in (1, 4) for s in (64, 128, 256, 512, 1024)
-                                        for d in (32, 64)),
-                collective_bytes=tuple(4 * 4 ** i for i in range(14)),          # 4 B .. 256 MiB
-                budget_s=0.3, min_reps=3, max_reps=30, max_call_s=0.5)
+        return Plan(
+            device="cpu",
+            quick=True,
+            precisions=("fp32", "bf16", "fp16"),
+            gemm_shapes=_grid((32, 256), (64, 256), (64, 256)),
+            memory_array_bytes=(256 << 10, 4 << 20, 32 << 20),
+            attention_configs=((1, 4, 64, 32), (2, 4, 128, 64)),
+            collective_bytes=(4, 256, 16 << 10, 1 << 20, 4 << 20),
+            budget_s=0.04,
+            min_reps=3,
+            max_reps=10,
+            max_call_s=0.1,
+        )
+    return Plan(
+        device="cpu",
+        quick=False,
+        precisions=("fp32", "bf16", "fp16"),
+        gemm_shapes=_grid((16, 64, 256, 1024, 4096), (64, 256, 1024), (64, 256, 1024)),
+        memory_array_bytes=tuple(1 << p for p in range(16, 29, 2)),  # 64 KiB .. 256 MiB
+        attention_configs=tuple(
+            (b, 8, s, d) for b in (1, 4) for s in (64, 128, 256, 512, 1024) for d in (32, 64)
+        ),
+        collective_bytes=tuple(4 * 4**i for i in range(14)),  # 4 B .. 256 MiB
+        budget_s=0.3,
+        min_reps=3,
+        max_reps=30,
+        max_call_s=0.5,
+    )
 
 
 def _grid(ms, ns, ks) -> tuple[tuple[int, int, int], ...]:
@@ -104,15 +138,19 @@ def resolve_device(device: str) -> str:
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise SpecError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
-                        "use --device cpu or auto")
+        raise SpecError(
+            "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+            "use --device cpu or auto"
+        )
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
 def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 def describe_machine(device: str) -> dict[str, Any]:
@@ -121,23 +159,33 @@ def describe_machine(device: str) -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpu": _cpu_model(), "cpu_cores": cpu_cores(),
+        "host_cpu": _cpu_model(),
+        "cpu_cores": cpu_cores(),
         "memory_total_bytes": _meminfo_bytes("MemTotal"),
         "last_level_cache_bytes": _llc_bytes(),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "platform": platform.platform(),
         "load_average_at_start": _loadavg(),
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info.update(device_name=props.name, device_count=torch.cuda.device_count(),
-                    device_memory_bytes=float(props.total_memory),
-                    device_l2_cache_bytes=float(getattr(props, "L2_cache_size", 0) or 0),
-                    cuda=torch.version.cuda, nccl=_nccl_version(torch),
-                    backend="nccl")
+        info.update(
+            device_name=props.name,
+            device_count=torch.cuda.device_count(),
+            device_memory_bytes=float(props.total_memory),
+            device_l2_cache_bytes=float(getattr(props, "L2_cache_size", 0) or 0),
+            cuda=torch.version.cuda,
+            nccl=_nccl_version(torch),
+            backend="nccl",
+        )
     else:
-        info.update(device_name=info["host_cpu"], device_count=1, backend="gloo",
-                    cpu_capability=torch.backends.cpu.get_cpu_capability())
+        info.update(
+            device_name=info["host_cpu"],
+            device_count=1,
+            backend="gloo",
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        )
     return info
 
 
@@ -180,7 +228,7 @@ def _llc_bytes() -> float | None:
             path = os.path.join(base, entry, "size")
             if os.path.exists(path):
                 text = open(path, encoding="ascii").read().strip()
-                mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(text[-1:], 1)
+                mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
                 size = float(text.rstrip("KMG")) * mult
                 best = size if best is None else max(best, size)
     except (OSError, ValueError):
@@ -200,30 +248,48 @@ def _loadavg() -> list[float] | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_microbenchmarks(plan: Plan, world_sizes: list[int], *, timeout_s: float = 3600.0,
-                        launcher: str = "direct", log: Callable[[str], None] = print) -> pd.DataFrame:
+def run_microbenchmarks(
+    plan: Plan,
+    world_sizes: list[int],
+    *,
+    timeout_s: float = 3600.0,
+    launcher: str = "direct",
+    log: Callable[[str], None] = print,
+) -> pd.DataFrame:
     """Every measurement, one row each (the raw CSV a calibration writes)."""
     frames = []
     cores = cpu_cores()
     for ws in world_sizes:
         if plan.device == "cpu":
             threads = max(1, cores // ws)
-            suites = ["process_memory", "launch", "gemm", "memory", "attention"] + (["collectives"] if ws > 1 else [])
+            suites = ["process_memory", "launch", "gemm", "memory", "attention"] + (
+                ["collectives"] if ws > 1 else []
+            )
         else:
             threads = None
-            suites = (["process_memory", "launch", "gemm", "memory", "attention"] if ws == 1 else []) + (
-                ["process_memory", "collectives"] if ws > 1 else [])
-        log(f"calibrate: world size {ws}: {', '.join(suites)}"
-            + (f" ({threads} thread(s) per process)" if threads else ""))
-        rows = _launch(plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s, launcher)
+            suites = (
+                ["process_memory", "launch", "gemm", "memory", "attention"] if ws == 1 else []
+            ) + (["process_memory", "collectives"] if ws > 1 else [])
+        log(
+            f"calibrate: world size {ws}: {', '.join(suites)}"
+            + (f" ({threads} thread(s) per process)" if threads else "")
+        )
+        rows = _launch(
+            plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s, launcher
+        )
         frames.append(pd.DataFrame(rows))
     df = pd.concat(frames, ignore_index=True)
     df.insert(0, "device", plan.device)
     return df
 
 
-def _launch(worker_plan: dict[str, Any], world: int, threads: int | None, timeout_s: float,
-            launcher: str = "direct") -> list[dict]:
+def _launch(
+    worker_plan: dict[str, Any],
+    world: int,
+    threads: int | None,
+    timeout_s: float,
+    launcher: str = "direct",
+) -> list[dict]:
     """Run the worker on `world` ranks and return rank 0's rows.
 
     launcher "direct" starts the ranks itself with the environment torchrun gives its workers
@@ -238,27 +304,55 @@ def _launch(worker_plan: dict[str, Any], world: int, threads: int | None, timeou
             json.dump(worker_plan, f)
         module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
         env = dict(os.environ)
-        env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = PACKAGE_ROOT + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         if world > 1 and launcher == "torchrun":
-            cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                      f"--nproc_per_node={world}"] + module, env)]
+            cmds = [
+                (
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        f"--nproc_per_node={world}",
+                    ]
+                    + module,
+                    env,
+                )
+            ]
         elif world > 1:
             port = _free_port()
-            cmds = [([sys.executable] + module,
-                     {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                    for r in range(world)]
+            cmds = [
+                (
+                    [sys.executable] + module,
+                    {
+                        **env,
+                        "RANK": str(r),
+                        "LOCAL_RANK": str(r),
+                        "WORLD_SIZE": str(world),
+                        "LOCAL_WORLD_SIZE": str(world),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port),
+                    },
+                )
+                for r in range(world)
+            ]
         else:
             cmds = [([sys.executable] + module, env)]
         codes, errors = _run_all(cmds, tmp, timeout_s)
         if codes is None:
-            raise RuntimeError(f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s")
+            raise RuntimeError(
+                f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s"
+            )
         if any(codes) or not os.path.exists(out_path):
             bad = next((i for i, c in enumerate(codes) if c), 0)
-            raise RuntimeError(f"calibration worker (world size {world}, rank {bad}) failed with exit status "
-                               f"{codes[bad]}:\n{errors[bad][-3000:]}")
+            raise RuntimeError(
+                f"calibration worker (world size {world}, rank {bad}) failed with exit status "
+                f"{codes[bad]}:\n{errors[bad][-3000:]}"
+            )
         with open(out_path, encoding="utf-8") as f:
             return json.load(f)
 
@@ -271,7 +365,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_all(cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float) -> tuple[list[int] | None, list[str]]:
+def _run_all(
+    cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float
+) -> tuple[list[int] | None, list[str]]:
     """Start every command, wait for all; stop the rest as soon as one fails or time runs out."""
     import time
 

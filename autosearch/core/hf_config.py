@@ -22,6 +22,7 @@ counts learned positions, seq_len * h parameters, 0.2% of Pythia-1B at 2,048 tok
 Mixture-of-experts configs (Mixtral, Qwen2-MoE, DeepSeek, ...) are refused with a clear message
 until experts are modelled.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 GPT_LIKE = ("gpt2", "gpt_neox")
@@ -47,8 +48,10 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
     if hasattr(source, "to_dict") and callable(source.to_dict):
         return dict(source.to_dict())
     if not isinstance(source, (str, os.PathLike)):
-        raise SpecError(f"a Hugging Face config must be a config.json path, a dict or a PretrainedConfig; "
-                        f"got {type(source).__name__}")
+        raise SpecError(
+            f"a Hugging Face config must be a config.json path, a dict or a PretrainedConfig; "
+            f"got {type(source).__name__}"
+        )
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -56,15 +59,21 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise SpecError(f"Hugging Face config {path!r} does not exist; pass the model's config.json "
-                        "or the folder that holds it") from None
+        raise SpecError(
+            f"Hugging Face config {path!r} does not exist; pass the model's config.json "
+            "or the folder that holds it"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"cannot read Hugging Face config {path!r}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise SpecError(f"Hugging Face config {path!r} is not valid JSON (line {exc.lineno}, column "
-                        f"{exc.colno}: {exc.msg})") from None
+        raise SpecError(
+            f"Hugging Face config {path!r} is not valid JSON (line {exc.lineno}, column "
+            f"{exc.colno}: {exc.msg})"
+        ) from None
     if not isinstance(data, dict):
-        raise SpecError(f"Hugging Face config {path!r} must hold a JSON object, got {type(data).__name__}")
+        raise SpecError(
+            f"Hugging Face config {path!r} must hold a JSON object, got {type(data).__name__}"
+        )
     return data
 
 
@@ -88,7 +97,7 @@ def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None 
         >>> spec.ffn_activation, spec.n_kv_heads
         ('swiglu', 4)
     """
-    from autosearch.model_spec import ModelSpec
+    from autosearch.core.model_spec import ModelSpec
 
     cfg = read_config(source)
     model_type = cfg.get("model_type")
@@ -96,53 +105,78 @@ def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None 
     experts = [k for k in MOE_KEYS if cfg.get(k)]
     if experts or "moe" in str(model_type) or model_type == "mixtral":
         detail = f" ({experts[0]}={cfg[experts[0]]})" if experts else ""
-        raise SpecError(f"Hugging Face config of {label!r} is a mixture-of-experts model "
-                        f"(model_type {model_type!r}{detail}); autosearch does not model experts yet. "
-                        "Describe a dense model of the same width, or wait for MoE support")
+        raise SpecError(
+            f"Hugging Face config of {label!r} is a mixture-of-experts model "
+            f"(model_type {model_type!r}{detail}); autosearch does not model experts yet. "
+            "Describe a dense model of the same width, or wait for MoE support"
+        )
     if model_type not in SUPPORTED:
-        raise SpecError(f"Hugging Face model_type {model_type!r} is not supported; supported: "
-                        f"{', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, n_heads, "
-                        "vocab_size, seq_len) for other models")
+        raise SpecError(
+            f"Hugging Face model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, n_heads, "
+            "vocab_size, seq_len) for other models"
+        )
 
     def need(*keys: str):
         for key in keys:
             if cfg.get(key) is not None:
                 return cfg[key]
-        raise SpecError(f"Hugging Face config of {label!r} (model_type {model_type!r}) lacks {keys[0]!r}")
+        raise SpecError(
+            f"Hugging Face config of {label!r} (model_type {model_type!r}) lacks {keys[0]!r}"
+        )
 
     if model_type in LLAMA_LIKE:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise SpecError(f"{label!r}: hidden_act {act!r} is not the gated SiLU (SwiGLU) MLP of "
-                            f"{model_type}; only silu is modelled")
+            raise SpecError(
+                f"{label!r}: hidden_act {act!r} is not the gated SiLU (SwiGLU) MLP of "
+                f"{model_type}; only silu is modelled"
+            )
         fields = dict(
-            n_layers=need("num_hidden_layers"), hidden_size=need("hidden_size"),
+            n_layers=need("num_hidden_layers"),
+            hidden_size=need("hidden_size"),
             n_heads=need("num_attention_heads"),
             n_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
-            ffn_hidden_size=need("intermediate_size"), ffn_activation="swiglu",
-            vocab_size=need("vocab_size"), seq_len=seq_len or need("max_position_embeddings"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            ffn_hidden_size=need("intermediate_size"),
+            ffn_activation="swiglu",
+            vocab_size=need("vocab_size"),
+            seq_len=seq_len or need("max_position_embeddings"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
     elif model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
         hidden = need("n_embd", "hidden_size")
         fields = dict(
-            n_layers=need("n_layer", "num_hidden_layers"), hidden_size=hidden,
-            n_heads=need("n_head", "num_attention_heads"), ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
-            ffn_activation="gelu", vocab_size=need("vocab_size"),
+            n_layers=need("n_layer", "num_hidden_layers"),
+            hidden_size=hidden,
+            n_heads=need("n_head", "num_attention_heads"),
+            ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
+            ffn_activation="gelu",
+            vocab_size=need("vocab_size"),
             seq_len=seq_len or need("n_positions", "n_ctx"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        )
     else:  # gpt_neox
         act = cfg.get("hidden_act", "gelu")
         fields = dict(
-            n_layers=need("num_hidden_layers"), hidden_size=need("hidden_size"),
-            n_heads=need("num_attention_heads"), ffn_hidden_size=need("intermediate_size"),
-            ffn_activation="gelu", vocab_size=need("vocab_size"),
+            n_layers=need("num_hidden_layers"),
+            hidden_size=need("hidden_size"),
+            n_heads=need("num_attention_heads"),
+            ffn_hidden_size=need("intermediate_size"),
+            ffn_activation="gelu",
+            vocab_size=need("vocab_size"),
             seq_len=seq_len or need("max_position_embeddings"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
     if model_type in GPT_LIKE and act not in GELU_NAMES:
-        raise SpecError(f"{label!r}: activation {act!r} is not a GELU; only GELU MLPs are modelled for {model_type}")
+        raise SpecError(
+            f"{label!r}: activation {act!r} is not a GELU; only GELU MLPs are modelled for "
+            f"{model_type}"
+        )
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * fields["n_heads"] != fields["hidden_size"]:
-        raise SpecError(f"{label!r}: head_dim {head_dim} x {fields['n_heads']} heads != hidden_size "
-                        f"{fields['hidden_size']}; a ModelSpec assumes head size = hidden_size / heads")
+        raise SpecError(
+            f"{label!r}: head_dim {head_dim} x {fields['n_heads']} heads != hidden_size "
+            f"{fields['hidden_size']}; a ModelSpec assumes head size = hidden_size / heads"
+        )
     return ModelSpec(name=str(label), **fields)

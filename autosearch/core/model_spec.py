@@ -5,7 +5,8 @@ Two styles, chosen by `ffn_activation`, matching the reference transformer in
 
 * ``gelu``  -> GPT style (Radford et al. 2019; Brown et al. 2020): LayerNorm with bias, biases in
   every linear layer, learned position embeddings, dropout.
-* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no dropout,
+* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no
+dropout,
   gated MLP with three matrices.
 
 Example:
@@ -14,6 +15,7 @@ Example:
     >>> round(m.n_params / 1e9, 1)
     174.6
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from autosearch._io import check_keys, positive_int, read_yaml_mapping
-from autosearch.errors import SpecError
+from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
 
@@ -54,8 +56,8 @@ class ModelSpec:
     n_layers: int
     hidden_size: int
     n_heads: int
-    n_kv_heads: int | None = None
-    ffn_hidden_size: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads, set in __post_init__
+    ffn_hidden_size: int = None  # type: ignore[assignment]  # None: 4 * hidden_size
     ffn_activation: str = "gelu"
     vocab_size: int
     seq_len: int
@@ -68,8 +70,13 @@ class ModelSpec:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
                 problems.append(str(exc))
-        for name, default in (("n_kv_heads", self.n_heads), ("ffn_hidden_size", 4 * self.hidden_size
-                                                              if isinstance(self.hidden_size, int) else None)):
+        for name, default in (
+            ("n_kv_heads", self.n_heads),
+            (
+                "ffn_hidden_size",
+                4 * self.hidden_size if isinstance(self.hidden_size, int) else None,
+            ),
+        ):
             value = getattr(self, name)
             if value is None:
                 object.__setattr__(self, name, default)
@@ -79,14 +86,16 @@ class ModelSpec:
                 except SpecError as exc:
                     problems.append(str(exc))
         if self.ffn_activation not in FFN_ACTIVATIONS:
-            problems.append(f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
+            problems.append(
+                f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}"
+            )
         if not isinstance(self.tied_embeddings, bool):
             problems.append(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
         if not problems:
             if self.hidden_size % self.n_heads:
                 problems.append(
                     f"hidden_size {self.hidden_size} must be a multiple of n_heads {self.n_heads} "
-                    f"(head size = hidden_size / n_heads)"
+                    "(head size = hidden_size / n_heads)"
                 )
             if self.n_heads % self.n_kv_heads:
                 problems.append(
@@ -124,7 +133,8 @@ class ModelSpec:
     def layer_params(self) -> int:
         """All parameters of one block, biases and norms included.
 
-        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h) + ...)).
+        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h)
+        + ...)).
         """
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
@@ -169,8 +179,11 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "model") -> "ModelSpec":
         kwargs = check_keys(data, cls, what=what)
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in kwargs
+        ]
         if missing:
             raise SpecError(f"{what}: missing required key(s) {', '.join(missing)}")
         return cls(**kwargs)
@@ -178,7 +191,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, source, *, name: str | None = None, seq_len: int | None = None) -> "ModelSpec":
         """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig (`autosearch.hf_config`)."""
-        from autosearch.hf_config import spec_from_hf_config
+        from autosearch.core.hf_config import spec_from_hf_config
 
         return spec_from_hf_config(source, name=name, seq_len=seq_len)
 
@@ -198,14 +211,16 @@ class ModelSpec:
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
             return cls.from_dict(data, what=f"model file {key!r}")
-        family = re.match(r"[a-z]*", key.lower()).group()
+        family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
-        close += [n for n in catalog if family and n.startswith(family) and n not in close][: 8 - len(close)]
+        close += [n for n in catalog if family and n.startswith(family) and n not in close][
+            : 8 - len(close)
+        ]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
-            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "
-            "Run `autosearch models` for the catalog, or pass a YAML file with n_layers, hidden_size, "
-            "n_heads, vocab_size and seq_len."
+            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} Run `autosearch"
+            " models` for the catalog, or pass a YAML file with n_layers, hidden_size, n_heads,"
+            " vocab_size and seq_len."
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,18 +232,27 @@ class ModelSpec:
         Derived defaults follow the change: a model whose kv heads were its heads keeps them equal
         when n_heads changes, and an ffn of 4 * hidden stays 4 * hidden when hidden_size changes.
         """
-        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+        if (
+            "n_heads" in changes
+            and "n_kv_heads" not in changes
+            and self.n_kv_heads == self.n_heads
+        ):
             changes["n_kv_heads"] = None
-        if ("hidden_size" in changes and "ffn_hidden_size" not in changes
-                and self.ffn_hidden_size == 4 * self.hidden_size):
+        if (
+            "hidden_size" in changes
+            and "ffn_hidden_size" not in changes
+            and self.ffn_hidden_size == 4 * self.hidden_size
+        ):
             changes["ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
 
 @functools.cache
 def model_catalog() -> dict[str, ModelSpec]:
-    """Every model of `autosearch/models.yaml`, by name (sources are cited in that file)."""
-    text = resources.files("autosearch").joinpath("models.yaml").read_text(encoding="utf-8")
+    """Every model of `autosearch/core/models.yaml`, by name (sources are cited in that file)."""
+    text = resources.files("autosearch.core").joinpath("models.yaml").read_text(encoding="utf-8")
     entries = yaml.safe_load(text)["models"]
-    return {name: ModelSpec.from_dict({"name": name, **fields}, what=f"catalog model {name!r}")
-            for name, fields in entries.items()}
+    return {
+        name: ModelSpec.from_dict({"name": name, **fields}, what=f"catalog model {name!r}")
+        for name, fields in entries.items()
+    }

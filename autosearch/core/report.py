@@ -3,6 +3,7 @@
 NamedTuples rather than dataclasses: a search builds hundreds of thousands of them, and a
 NamedTuple is immutable and several times cheaper to create.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -13,14 +14,14 @@ GiB = float(1 << 30)
 class TimeBreakdown(NamedTuple):
     """Seconds per optimizer step, on the critical path; they add up to the step time."""
 
-    compute_s: float          # forward + backward GEMMs, attention, elementwise ops, embeddings, logits
-    recompute_s: float        # forward work repeated by activation recompute
-    tp_comm_s: float          # tensor-parallel collectives (exposed)
-    pp_comm_s: float          # pipeline point-to-point sends (exposed)
+    compute_s: float  # forward + backward GEMMs, attention, elementwise ops, embeddings, logits
+    recompute_s: float  # forward work repeated by activation recompute
+    tp_comm_s: float  # tensor-parallel collectives (exposed)
+    pp_comm_s: float  # pipeline point-to-point sends (exposed)
     dp_comm_exposed_s: float  # data-parallel / ZeRO collectives not hidden behind compute
-    bubble_s: float           # pipeline fill and drain
-    optimizer_s: float        # the optimizer step
-    other_s: float            # fixed per-step overhead
+    bubble_s: float  # pipeline fill and drain
+    optimizer_s: float  # the optimizer step
+    other_s: float  # fixed per-step overhead
 
     @property
     def total_s(self) -> float:
@@ -30,11 +31,11 @@ class TimeBreakdown(NamedTuple):
 class MemoryBreakdown(NamedTuple):
     """Bytes per device on the most loaded pipeline stage."""
 
-    params_bytes: float       # parameters in every copy the runtime keeps (fp32, 16-bit, gathered)
+    params_bytes: float  # parameters in every copy the runtime keeps (fp32, 16-bit, gathered)
     grads_bytes: float
-    optimizer_bytes: float    # Adam moments (and fp32 master weights when parameters are 16-bit)
+    optimizer_bytes: float  # Adam moments (and fp32 master weights when parameters are 16-bit)
     activations_bytes: float  # saved for backward, all micro-batches in flight, plus logits
-    other_bytes: float        # runtime reserve (CUDA context, workspaces, communication buffers)
+    other_bytes: float  # runtime reserve (CUDA context, workspaces, communication buffers)
 
     @property
     def total_bytes(self) -> float:
@@ -66,19 +67,28 @@ class CostReport(NamedTuple):
     def infeasible_reason(self) -> str | None:
         if self.fits:
             return None
-        return (f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device, "
-                f"{self.memory_excess_bytes / GiB:.1f} GiB over the {self.memory_capacity_bytes / GiB:.1f} GiB available")
+        return (
+            f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device,"
+            f" {self.memory_excess_bytes / GiB:.1f} GiB over the"
+            f" {self.memory_capacity_bytes / GiB:.1f} GiB available"
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostReport":
         """Rebuild a report from ``to_dict(flat=False)`` (e.g. stored in an Optuna trial)."""
         fields = {k: data[k] for k in cls._fields if k not in ("time", "memory", "notes")}
-        return cls(**fields, time=TimeBreakdown(**data["time"]), memory=MemoryBreakdown(**data["memory"]),
-                   notes=tuple(data.get("notes") or ()))
+        return cls(
+            **fields,
+            time=TimeBreakdown(**data["time"]),
+            memory=MemoryBreakdown(**data["memory"]),
+            notes=tuple(data.get("notes") or ()),
+        )
 
     def to_dict(self, *, flat: bool = True) -> dict[str, Any]:
-        """Every field; with ``flat`` the breakdowns become ``time_<term>`` and ``memory_<term>``."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in self._fields if k not in ("time", "memory", "notes")}
+        """Every field; with ``flat`` the breakdowns become ``time_<t>`` and ``memory_<t>``."""
+        out: dict[str, Any] = {
+            k: getattr(self, k) for k in self._fields if k not in ("time", "memory", "notes")
+        }
         out["memory_excess_bytes"] = self.memory_excess_bytes
         if flat:
             out.update({f"time_{k}": v for k, v in self.time._asdict().items()})

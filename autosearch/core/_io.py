@@ -1,4 +1,5 @@
 """Small helpers shared by every spec that is read from YAML: clear messages, no tracebacks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 def read_yaml_mapping(source: str | os.PathLike, *, what: str) -> dict[str, Any]:
@@ -34,11 +35,15 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise SpecError(f"{what} must be a YAML mapping of key: value, got a {type(data).__name__}")
+        raise SpecError(
+            f"{what} must be a YAML mapping of key: value, got a {type(data).__name__}"
+        )
     return data
 
 
-def check_keys(data: dict[str, Any], cls: type, *, what: str, aliases: dict[str, str] | None = None) -> dict[str, Any]:
+def check_keys(
+    data: dict[str, Any], cls: type, *, what: str, aliases: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Map aliases to field names and reject unknown keys, naming the ones that exist."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     out: dict[str, Any] = {}
@@ -53,7 +58,8 @@ def check_keys(data: dict[str, Any], cls: type, *, what: str, aliases: dict[str,
             unknown.append(str(key))
     if unknown:
         raise SpecError(
-            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are {', '.join(sorted(names))}"
+            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are"
+            f" {', '.join(sorted(names))}"
         )
     return out
 

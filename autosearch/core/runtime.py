@@ -3,13 +3,15 @@
 The same strategy costs different time and memory under different runtimes: PyTorch autocast keeps
 fp32 parameters and casts per use, Megatron-LM (2021) keeps fp16 parameters and fp32 master copies
 in the optimizer; FlashAttention never stores the s x s attention matrix; DDP overlaps the gradient
-all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware is.
+all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware
+is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosearch.errors import SpecError
+from autosearch.core.errors import SpecError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +22,8 @@ class RuntimeOptions:
         name: a label.
         flash_attention: fused attention (no s x s matrix stored or streamed; Dao et al. 2022).
         dp_overlap: fraction of the backward pass during which data-parallel gradient reduction
-            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after backward).
+            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after
+            backward).
         tp_overlap: fraction of tensor-parallel communication hidden behind GEMMs (0 by default:
             neither Megatron-LM 2021 nor DTensor without async-TP overlaps it).
         low_precision_params: parameters are stored in the 16-bit amp dtype with fp32 master
@@ -50,7 +53,9 @@ class RuntimeOptions:
         try:
             return RUNTIMES[name_or_options]
         except KeyError:
-            raise SpecError(f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}") from None
+            raise SpecError(
+                f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
+            ) from None
 
 
 # PyTorch as the Engine runs it: autocast, SDPA flash attention, DDP/FSDP2 with overlapped
@@ -61,8 +66,13 @@ TORCH = RuntimeOptions(name="torch")
 # fp16 parameters with fp32 master weights, fp16 gradient all-reduce after the backward pass
 # (no overlap), scatter/gather of pipeline messages over the tp ranks.
 MEGATRON_SC21 = RuntimeOptions(
-    name="megatron-sc21", flash_attention=False, dp_overlap=0.0, tp_overlap=0.0,
-    low_precision_params=True, grad_reduce_bytes=2, pp_scatter_gather=True,
+    name="megatron-sc21",
+    flash_attention=False,
+    dp_overlap=0.0,
+    tp_overlap=0.0,
+    low_precision_params=True,
+    grad_reduce_bytes=2,
+    pp_scatter_gather=True,
 )
 
 RUNTIMES = {r.name: r for r in (TORCH, MEGATRON_SC21)}

@@ -1,0 +1,518 @@
+"""Hardware is data: a `HardwareProfile` is read from YAML (`cost_models/profiles/<name>.yaml`,
+or a file written by `autosearch calibrate`), and a `Cluster` is a profile times a node count.
+
+Example:
+    >>> from cost_models import Cluster
+    >>> c = Cluster.parse("h100-sxm:32x8")
+    >>> c.world_size, c.profile.peak_flops["bf16"] / 1e12
+    (256, 989.4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core.errors import SpecError
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# The first line of every profile `autosearch calibrate` writes (such a file must hold every key).
+PROFILE_MARKER = "# Hardware profile written by `autosearch calibrate`"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of the interconnect, per GPU and per direction, for the alpha-beta model.
+
+    Args:
+        bandwidth_bytes_per_s: peak unidirectional bandwidth available to one GPU.
+        latency_s: alpha, the fixed cost of one message (one step of a ring).
+        efficiency: achieved fraction of the peak for large messages (nccl-tests "busbw" / peak).
+        op_efficiency: optional per-collective factors on top of `efficiency` (see `op_factor`).
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float = 1.0
+    op_efficiency: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def achieved_bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+    def op_factor(self, op: str) -> float:
+        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to
+        the
+        link's achieved bandwidth: 1 for NCCL, where every op runs at the same bus bandwidth;
+        measured for gloo on CPU, where reduce-scatter is several times slower than all-reduce."""
+        return self.op_efficiency.get(op, 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmEfficiency:
+    """GEMM time as a function of shape, in a form calibration fits by least squares.
+
+    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n +
+    half_dim/k)
+
+    i.e. efficiency = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): large GEMMs approach
+    max_efficiency; a thin dimension (a small head size, a small micro-batch) costs in proportion
+    to the bytes of the operand it leaves under-used (the roofline of Williams et al. 2009).
+    """
+
+    max_efficiency: dict[str, float]
+    half_dim: float
+    launch_s: float = 0.0
+    backward_over_forward: float = 2.0  # dgrad + wgrad: two GEMMs of the forward's size
+
+    def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
+        hd = self.half_dim
+        return self.launch_s + 2.0 * m * n * k / (peak_flops * self.max_efficiency[precision]) * (
+            1.0 + hd / m + hd / n + hd / k
+        )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class HardwareProfile:
+    """One accelerator (and the node it sits in), as the cost model sees it.
+
+    Every number comes from the YAML file, which cites its sources; calibration writes the same
+    format and lists in `measured` the fields it measured (all others keep their defaults).
+    """
+
+    name: str
+    description: str = ""
+    device_type: str = "cuda"
+    gpus_per_node: int
+    peak_flops: dict[str, float]
+    memory_capacity_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    memory_efficiency: float
+    reserved_memory_bytes: float = 0.0
+    cache_bytes: float = 0.0
+    cache_bandwidth_bytes_per_s: float = 0.0
+    intra_node: Link
+    inter_node: Link
+    gemm: GemmEfficiency
+    attention_efficiency: dict[str, float]
+    attention_backward_over_forward: float = 2.5
+    kernel_launch_s: float = 0.0
+    step_overhead_s: float = 0.0
+    sources: tuple[str, ...] = ()
+    measured: tuple[str, ...] = ()
+    calibration: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def achieved_memory_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    def stream_bandwidth_bytes_per_s(self, working_set_bytes: float) -> float:
+        """Bandwidth of a memory-bound kernel touching `working_set_bytes`: the last-level cache's
+        when it fits there (a CPU's 8 MiB L3 streams at 5-8x its DRAM rate), else the memory's."""
+        if self.cache_bytes and working_set_bytes <= self.cache_bytes:
+            return self.cache_bandwidth_bytes_per_s
+        return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    def defaults_used(self) -> tuple[str, ...]:
+        """Groups of fields not measured on this machine (datasheet or default values)."""
+        groups = {
+            "peak_flops": ("peak_flops",),
+            "memory": ("memory_bandwidth", "memory_efficiency"),
+            "intra_node": ("intra_node",),
+            "inter_node": ("inter_node",),
+            "gemm": ("gemm",),
+            "attention": ("attention",),
+        }
+        return tuple(
+            g
+            for g, prefixes in groups.items()
+            if not any(m.startswith(prefixes) for m in self.measured)
+        )
+
+    def variant(self, devices_per_node: int) -> "HardwareProfile | None":
+        """The profile calibrated for another number of processes per node, if one was recorded
+        (CPU calibrations: 1 process with every core is not 2 processes with one core each)."""
+        variants = (self.calibration or {}).get("variants") or {}
+        target = variants.get(devices_per_node) or variants.get(str(devices_per_node))
+        if not target:
+            return None
+        if self.path and not os.path.isabs(target):
+            target = os.path.join(os.path.dirname(self.path), target)
+        return HardwareProfile.load(target)
+
+    def oversubscribed(self, factor: float) -> "HardwareProfile":
+        """This CPU profile shared by `factor` times more processes than it was measured with: each
+        process gets 1/factor of the compute and memory bandwidth (time-sharing of the cores)."""
+        return dataclasses.replace(
+            self,
+            peak_flops={k: v / factor for k, v in self.peak_flops.items()},
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s / factor,
+            cache_bandwidth_bytes_per_s=self.cache_bandwidth_bytes_per_s / factor,
+            description=f"{self.description} (oversubscribed x{factor:g})",
+        )
+
+    # ---- YAML ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(
+        cls,
+        data: dict[str, Any],
+        *,
+        what: str = "hardware profile",
+        path: str | None = None,
+        complete: bool = False,
+    ) -> "HardwareProfile":
+        """Read and check a profile: every number finite and inside its physical range (an
+        efficiency in (0, 1], a latency >= 0, ...). A file written by `autosearch calibrate` (it
+        has `measured` or `calibration`, or its header says so: `complete`) must hold every key, so
+        a
+        truncated file is refused."""
+        try:
+            return cls._from_dict(data, what, path, complete)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SpecError(
+                f"{what} is malformed ({exc!r}); "
+                "compare with cost_models/profiles/a100-sxm4-80gb.yaml"
+            ) from None
+
+    @classmethod
+    def _from_dict(
+        cls, data: dict[str, Any], what: str, path: str | None, complete: bool
+    ) -> "HardwareProfile":
+        required = ["name", "gpus_per_node", "peak_flops", "memory", "intra_node", "inter_node"]
+        required += ["gemm", "attention"]
+        written_by_calibration = complete or bool(data.get("measured") or data.get("calibration"))
+        if written_by_calibration:  # everything `to_dict` writes
+            required += ["kernel_launch_s", "step_overhead_s", "measured", "calibration"]
+        missing = [k for k in required if k not in data]
+        if missing:
+            cut = " (the file looks truncated)" if written_by_calibration else ""
+            raise SpecError(f"{what}: missing key(s) {', '.join(missing)}{cut}")
+        num = _NumberReader(what)
+        peak = {
+            str(k): num(v, f"peak_flops.{k}", high=1e18)
+            for k, v in _mapping(data["peak_flops"], what, "peak_flops").items()
+        }
+        if not any(p in peak for p in PRECISIONS):
+            raise SpecError(f"{what}: peak_flops needs at least one of {PRECISIONS}")
+        mem = _mapping(data["memory"], what, "memory")
+        capacity = num(mem["capacity_bytes"], "memory.capacity_bytes", high=1e15)
+
+        def link(d: Any, name: str) -> Link:
+            d = _mapping(d, what, name)
+            return Link(
+                bandwidth_bytes_per_s=num(
+                    d["bandwidth_bytes_per_s"], f"{name}.bandwidth_bytes_per_s", high=1e14
+                ),
+                latency_s=num(d["latency_s"], f"{name}.latency_s", zero=True, high=1.0),
+                efficiency=num(d.get("efficiency", 1.0), f"{name}.efficiency", high=1.0),
+                op_efficiency={
+                    str(k): num(v, f"{name}.op_efficiency.{k}", high=10.0)
+                    for k, v in (d.get("op_efficiency") or {}).items()
+                },
+            )
+
+        g = _mapping(data["gemm"], what, "gemm")
+        gemm = GemmEfficiency(
+            max_efficiency={
+                str(k): num(v, f"gemm.max_efficiency.{k}", high=1.0)
+                for k, v in _mapping(g["max_efficiency"], what, "gemm.max_efficiency").items()
+            },
+            half_dim=num(g.get("half_dim", 0.0), "gemm.half_dim", zero=True, high=1e6),
+            launch_s=num(g.get("launch_s", 0.0), "gemm.launch_s", zero=True, high=1.0),
+            backward_over_forward=num(
+                g.get("backward_over_forward", 2.0), "gemm.backward_over_forward", high=100.0
+            ),
+        )
+        missing_eff = [p for p in peak if p not in gemm.max_efficiency]
+        if missing_eff:
+            raise SpecError(
+                f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}"
+            )
+        attention = _mapping(data["attention"], what, "attention")
+        att = {
+            str(k): num(v, f"attention.flash_efficiency.{k}", high=1.0)
+            for k, v in _mapping(
+                attention["flash_efficiency"], what, "attention.flash_efficiency"
+            ).items()
+        }
+        return cls(
+            name=str(data["name"]),
+            description=str(data.get("description", "")),
+            device_type=str(data.get("device_type", "cuda")),
+            gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
+            peak_flops=peak,
+            memory_capacity_bytes=capacity,
+            memory_bandwidth_bytes_per_s=num(
+                mem["bandwidth_bytes_per_s"], "memory.bandwidth_bytes_per_s", high=1e14
+            ),
+            memory_efficiency=num(mem.get("efficiency", 1.0), "memory.efficiency", high=1.0),
+            reserved_memory_bytes=num(
+                mem.get("reserved_bytes", 0.0), "memory.reserved_bytes", zero=True, high=capacity
+            ),
+            cache_bytes=num(
+                mem.get("cache_bytes", 0.0), "memory.cache_bytes", zero=True, high=capacity
+            ),
+            cache_bandwidth_bytes_per_s=num(
+                mem.get("cache_bandwidth_bytes_per_s", 0.0),
+                "memory.cache_bandwidth_bytes_per_s",
+                zero=True,
+                high=1e15,
+            ),
+            intra_node=link(data["intra_node"], "intra_node"),
+            inter_node=link(data["inter_node"], "inter_node"),
+            gemm=gemm,
+            attention_efficiency=att,
+            attention_backward_over_forward=num(
+                attention.get("backward_over_forward", 2.5),
+                "attention.backward_over_forward",
+                high=100.0,
+            ),
+            kernel_launch_s=num(
+                data.get("kernel_launch_s", 0.0), "kernel_launch_s", zero=True, high=1.0
+            ),
+            step_overhead_s=num(
+                data.get("step_overhead_s", 0.0), "step_overhead_s", zero=True, high=3600.0
+            ),
+            sources=tuple(data.get("sources", ()) or ()),
+            measured=tuple(data.get("measured", ()) or ()),
+            calibration=dict(data.get("calibration", {}) or {}),
+            path=path,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "device_type": self.device_type,
+            "sources": list(self.sources),
+            "gpus_per_node": self.gpus_per_node,
+            "peak_flops": dict(self.peak_flops),
+            "memory": {
+                "capacity_bytes": self.memory_capacity_bytes,
+                "bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+                "efficiency": self.memory_efficiency,
+                "reserved_bytes": self.reserved_memory_bytes,
+                **(
+                    {
+                        "cache_bytes": self.cache_bytes,
+                        "cache_bandwidth_bytes_per_s": self.cache_bandwidth_bytes_per_s,
+                    }
+                    if self.cache_bytes
+                    else {}
+                ),
+            },
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
+            "gemm": {
+                "max_efficiency": dict(self.gemm.max_efficiency),
+                "half_dim": self.gemm.half_dim,
+                "launch_s": self.gemm.launch_s,
+                "backward_over_forward": self.gemm.backward_over_forward,
+            },
+            "attention": {
+                "flash_efficiency": dict(self.attention_efficiency),
+                "backward_over_forward": self.attention_backward_over_forward,
+            },
+            "kernel_launch_s": self.kernel_launch_s,
+            "step_overhead_s": self.step_overhead_s,
+            "measured": list(self.measured),
+            "calibration": dict(self.calibration),
+        }
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def load(cls, name_or_path: "str | os.PathLike | HardwareProfile") -> "HardwareProfile":
+        """A profile by catalog name (``h100-sxm``) or by the path of a YAML file."""
+        if isinstance(name_or_path, HardwareProfile):
+            return name_or_path
+        key = os.fspath(name_or_path)
+        # a file rewritten since it was read (calibrate, then tune, in one process) is read again
+        mtime = os.path.getmtime(key) if os.path.isfile(key) else None
+        return _load_profile(key, mtime)
+
+
+def profile_names() -> list[str]:
+    """Names of the profiles shipped in `cost_models/profiles/`."""
+    return sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _profiles_dir() -> Path:
+    """`cost_models/profiles/`, found without importing `cost_models` (which sits above this
+    floor: it imports the specs, never the other way round)."""
+    spec = importlib.util.find_spec("cost_models")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError(
+            "the cost_models package is not installed; reinstall autosearch (pip install -e .)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "profiles"
+
+
+def _link_dict(link: Link) -> dict[str, Any]:
+    out = dataclasses.asdict(link)
+    if not out["op_efficiency"]:
+        del out["op_efficiency"]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
+    if key.lower() in profile_names():
+        text = (_profiles_dir() / f"{key.lower()}.yaml").read_text(encoding="utf-8")
+        return HardwareProfile.from_dict(yaml.safe_load(text), what=f"profile {key!r}")
+    if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
+        data = read_yaml_mapping(key, what="hardware profile")
+        return HardwareProfile.from_dict(
+            data,
+            what=f"hardware profile {key!r}",
+            path=os.path.abspath(key),
+            complete=_written_by_calibration(key),
+        )
+    raise SpecError(
+        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. Pass one of these"
+        " names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
+    )
+
+
+def _written_by_calibration(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(PROFILE_MARKER)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A hardware profile times a number of nodes.
+
+    Args:
+        gpu: a profile name (``a100-sxm4-80gb``), a profile YAML path, or a HardwareProfile.
+        n_nodes: number of nodes.
+        gpus_per_node: devices per node; defaults to the profile's.
+    """
+
+    gpu: str
+    n_nodes: int = 1
+    gpus_per_node: int = None  # type: ignore[assignment]  # None: the profile's, set in __post_init__
+    profile: HardwareProfile = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        profile = HardwareProfile.load(self.gpu)
+        if isinstance(self.gpu, HardwareProfile):
+            object.__setattr__(self, "gpu", profile.path or profile.name)
+        else:
+            object.__setattr__(self, "gpu", os.fspath(self.gpu))
+        object.__setattr__(self, "profile", profile)
+        object.__setattr__(self, "n_nodes", positive_int(self.n_nodes, "n_nodes"))
+        gpn = (
+            profile.gpus_per_node
+            if self.gpus_per_node is None
+            else positive_int(self.gpus_per_node, "gpus_per_node")
+        )
+        object.__setattr__(self, "gpus_per_node", gpn)
+        if profile.device_type == "cpu" and gpn != profile.gpus_per_node:
+            # A CPU "device" is a process sharing the node's cores: use the calibration made with
+            # this many processes, else time-share the measured ones.
+            variant = profile.variant(gpn)
+            if variant is not None:
+                profile = variant
+            elif gpn > profile.gpus_per_node:
+                profile = profile.oversubscribed(gpn / profile.gpus_per_node)
+            object.__setattr__(self, "profile", profile)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.profile.name}:{self.n_nodes}x{self.gpus_per_node}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
+        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES``, ``GPU``, or a cluster YAML."""
+        if isinstance(text, Cluster):
+            return text
+        text = os.fspath(text)
+        match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
+        if match:
+            gpu, nodes, per_node = match.groups()
+            if per_node:
+                return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
+            return cls(gpu=gpu, n_nodes=int(nodes))
+        if text.endswith((".yaml", ".yml")) and os.path.exists(text):
+            data = read_yaml_mapping(text, what="cluster")
+            if (
+                "gpu" not in data and "peak_flops" in data
+            ):  # a bare hardware profile: one node of it
+                return cls(gpu=text)
+            return cls.from_dict(data, what=f"cluster file {text!r}")
+        if ":" in text:
+            raise SpecError(
+                f"cluster {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
+            )
+        return cls(gpu=text)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
+        kwargs = check_keys(data, cls, what=what)
+        if "gpu" not in kwargs:
+            raise SpecError(
+                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML"
+                " path)"
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}
+
+
+class _NumberReader:
+    """Checks one number of a profile: a real, finite value inside its physical range."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, value: Any, name: str, *, zero: bool = False, high: float) -> float:
+        where = f"{self.what}: {name}"
+        if isinstance(value, str):  # PyYAML reads 19.5e12 (no sign in the exponent) as text
+            try:
+                value = float(value)
+            except ValueError:
+                raise SpecError(f"{where} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where} must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise SpecError(f"{where} must be a finite number, got {value!r}")
+        low_ok = value >= 0 if zero else value > 0
+        if not low_ok or value > high:
+            low = "0 <=" if zero else "0 <"
+            raise SpecError(f"{where} = {value:g} is outside {low} value <= {high:g}")
+        return value
+
+
+def _mapping(value: Any, what: str, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{what}: {name} must be a mapping of key: value, got {value!r}")
+    return value
