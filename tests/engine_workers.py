@@ -37,7 +37,8 @@ MODELS = {
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
 # (nothing is downloaded: each is built from its config class).
 HF_SHAPE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False)
+                intermediate_size=128, vocab_size=128, max_position_embeddings=32,
+                tie_word_embeddings=False)
 HF_FAMILIES = {"hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
                "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
@@ -194,15 +195,15 @@ def clipped_run(strategy: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     from autosearch import Engine
 
     model = make_model(kind)
-    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), strategy=strategy,
-                    grad_clip_norm=CLIP_NORM)
+    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                    strategy=strategy, grad_clip_norm=CLIP_NORM)
     loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
     logs = [engine.run(batch, mode="train") for batch in loader]
     return {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
 
 
 def job_clip(cases: list[dict]) -> dict:
-    return {case["name"]: clipped_run(case["strategy"], case.get("model", "gpt")) for case in cases}
+    return {c["name"]: clipped_run(c["strategy"], c.get("model", "gpt")) for c in cases}
 
 
 # A run that exercises everything resuming must restore: dropout (RNG), shuffled data (data
@@ -219,8 +220,9 @@ def _resume_engine():
         torch.manual_seed(1234)
         return Transformer(MODELS["gpt"], dropout=0.1)
 
-    return Engine(factory, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), strategy=RESUME_STRATEGY,
-                  lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6), grad_clip_norm=1.0, seed=0)
+    return Engine(factory, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+                  strategy=RESUME_STRATEGY, grad_clip_norm=1.0, seed=0,
+                  lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6))
 
 
 class _KillAt:
@@ -242,9 +244,9 @@ def job_resume(save_dir: str, phase: str) -> dict:
     "resume": a fresh engine continues from the newest checkpoint."""
     engine = _resume_engine()
     callbacks = [_KillAt(engine, 3)] if phase == "killed" else []
-    history = engine.fit(dataset("gpt", 64), epochs=2, steps_per_epoch=3, shuffle=True, save_dir=save_dir,
-                         save_steps=2, resume=phase == "resume", verbose=0, callbacks=callbacks,
-                         log_dir=save_dir)
+    history = engine.fit(dataset("gpt", 64), epochs=2, steps_per_epoch=3, shuffle=True,
+                         save_dir=save_dir, save_steps=2, resume=phase == "resume", verbose=0,
+                         callbacks=callbacks, log_dir=save_dir)
     return {"loss": history["loss"], "lr": history["lr"], "global_step": engine.global_step_}
 
 
@@ -298,12 +300,14 @@ def job_meta_load(workdir: str) -> dict:
 
     valid = dataset("gpt", 8, seed=7)
     strategy = "dp=2,micro_batch_size=2,global_batch_size=4,amp=fp32"
-    e = Engine(lambda: make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=LR), strategy=strategy)
+    e = Engine(lambda: make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+               strategy=strategy)
     e.fit(dataset("gpt", 8), steps_per_epoch=2, verbose=0)
     e.save(os.path.join(workdir, "ckpt"))
     out = {"saved_eval": e.evaluate(valid, verbose=0)["loss"]}
-    for name, strat in (("zero3", "dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=4,amp=fp32"),
-                        ("tp2_sp", "tp=2,sequence_parallel=true,micro_batch_size=2,global_batch_size=4,amp=fp32")):
+    batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
+    for name, strat in (("zero3", f"dp=2,zero_stage=3,{batch}"),
+                        ("tp2_sp", f"tp=2,sequence_parallel=true,{batch}")):
         m = Engine(lambda: make_model("gpt"), strategy=strat, meta_init=True)
         out[f"{name}_fresh_eval"] = m.evaluate(valid, verbose=0)["loss"]
         m.load(os.path.join(workdir, "ckpt"), load_optimizer=False)
@@ -345,7 +349,8 @@ def _entry(rank: int, world: int, port: int, outdir: str, job: str, args: tuple)
     shutdown(code)
 
 
-def launch(world: int, job: str, *args, timeout_s: float = 240.0, killed: bool = False) -> list[dict]:
+def launch(world: int, job: str, *args, timeout_s: float = 240.0,
+           killed: bool = False) -> list[dict]:
     """Run ``JOBS[job](*args)`` on `world` gloo processes; return each rank's result (nothing
     when the job is `killed` on purpose)."""
     import torch.multiprocessing as mp

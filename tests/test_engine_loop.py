@@ -116,9 +116,8 @@ def test_fit_schedules_logs_csv_and_prints_plain_lines(tmp_path, capsys):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [float(r["loss"]) for r in rows] == pytest.approx(history["loss"])
     out = capsys.readouterr().out  # not a terminal: plain lines every log_freq steps
-    assert (
-        "step 2 loss" in out and "step 4 loss" in out and "step 3 loss" not in out and "MFU" in out
-    )
+    assert "epoch 1/2 step 2/3 loss" in out and "epoch 2/2 step 2/3 loss" in out
+    assert "step 1/3 loss" not in out and "step 3/3 loss" not in out and "MFU" in out
     torch_sched = _engine(
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     )

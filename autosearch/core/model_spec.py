@@ -189,8 +189,11 @@ class ModelSpec:
         return cls(**kwargs)
 
     @classmethod
-    def from_hf_config(cls, source, *, name: str | None = None, seq_len: int | None = None) -> "ModelSpec":
-        """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig (`autosearch.hf_config`)."""
+    def from_hf_config(
+        cls, source, *, name: str | None = None, seq_len: int | None = None
+    ) -> "ModelSpec":
+        """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig
+        (`autosearch.core.hf_config`)."""
         from autosearch.core.hf_config import spec_from_hf_config
 
         return spec_from_hf_config(source, name=name, seq_len=seq_len)

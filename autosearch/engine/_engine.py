@@ -234,8 +234,8 @@ class Engine(StepMixin):
                     for tensor in [*model.parameters(), *model.buffers()]:
                         dist.broadcast(tensor.data, src=0)
         names = {id(p): n for n, p in model.named_parameters()}
-        parts = parallelize(model, strategy, dims, mesh, plan, device=device, loss_parallel=self._loss_parallel(dims),
-                            materialize=materialize)
+        parts = parallelize(model, strategy, dims, mesh, plan, device=device,
+                            loss_parallel=self._loss_parallel(dims), materialize=materialize)
         self._built_model = model
         self.dims_, self.mesh_, self.plan_, self.device_ = dims, mesh, plan, device
         self.stages_ = [stage for stage, _ in parts]
@@ -321,12 +321,13 @@ class Engine(StepMixin):
         return logs
 
     # ---- high level ----------------------------------------------------------------------------
-    def fit(self, train_data, *, batch_size: int | None = None, epochs: int = 1, steps_per_epoch: int | None = None,
-            valid_data=None, valid_freq: int = 1, valid_steps: int | None = None, log_freq: int = 10,
-            save_dir: str | None = None, save_freq: int = 1, save_steps: int | None = None,
-            resume: "bool | str" = False, log_dir: str | None = None, tensorboard: bool = False,
-            collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2,
-            shuffle: bool = False) -> dict[str, list]:
+    def fit(self, train_data, *, batch_size: int | None = None, epochs: int = 1,
+            steps_per_epoch: int | None = None, valid_data=None, valid_freq: int = 1,
+            valid_steps: int | None = None, log_freq: int = 10, save_dir: str | None = None,
+            save_freq: int = 1, save_steps: int | None = None, resume: "bool | str" = False,
+            log_dir: str | None = None, tensorboard: bool = False,
+            collate_fn: Callable | None = None, callbacks: Sequence | None = None,
+            verbose: int = 2, shuffle: bool = False) -> dict[str, list]:
         """Train for `epochs` epochs; returns (and stores in ``self.history``) per-step and per-epoch logs.
 
         Args:
@@ -336,10 +337,11 @@ class Engine(StepMixin):
             valid_data, valid_freq, valid_steps: evaluate every `valid_freq` epochs (`valid_steps` batches).
             log_freq: print a progress line every `log_freq` steps (rank 0, `verbose` >= 2, when
                 stdout is not a terminal; on a terminal a tqdm bar shows loss, tokens/s and MFU).
-            save_dir: where checkpoints go: ``epoch<N>`` every `save_freq` epochs, ``step<N>`` every
-                `save_steps` optimizer steps, and ``final`` at the end.
-            resume: True to continue from the newest ``step<N>`` checkpoint of `save_dir` (if any),
-                or a checkpoint path: model, optimizer, schedulers, data position and RNG come back.
+            save_dir: where checkpoints go: ``epoch<N>`` every `save_freq` epochs,
+                ``step<N>`` every `save_steps` optimizer steps, and ``final`` at the end.
+            resume: True to continue from the newest ``step<N>`` checkpoint of `save_dir` (if
+                any), or a checkpoint path: model, optimizer, schedulers, data position and RNG
+                come back.
             log_dir: rank 0 appends one row per step to ``<log_dir>/metrics.csv`` (step, epoch,
                 loss, lr, grad_norm, step_time_s, tokens_per_s, mfu); with ``tensorboard=True``
                 also TensorBoard scalars there.
@@ -349,17 +351,20 @@ class Engine(StepMixin):
             verbose: 0 silent, 1 one line per epoch, 2 also progress.
 
         Returns:
-            ``{"loss", "step_time_s", "tokens_per_s", "lr" (and "grad_norm" when clipping, "mfu" when
-            the cluster is known): one entry per step run by this call, "epoch_loss": one per epoch,
+            ``{"loss", "step_time_s", "tokens_per_s", "lr" (and "grad_norm" when clipping, "mfu"
+            when the cluster is known): one entry per step run by this call, "epoch_loss": one
+            per epoch,
             "val_loss" and "val_<metric>": one per evaluation, <metric>: one per epoch}``.
         """
         from autosearch.engine import _loop
 
-        return _loop.fit(self, train_data, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                         valid_data=valid_data, valid_freq=valid_freq, valid_steps=valid_steps, log_freq=log_freq,
-                         save_dir=save_dir, save_freq=save_freq, save_steps=save_steps, resume=resume,
-                         log_dir=log_dir, tensorboard=tensorboard, collate_fn=collate_fn, callbacks=callbacks,
-                         verbose=verbose, shuffle=shuffle)
+        return _loop.fit(self, train_data, batch_size=batch_size, epochs=epochs,
+                         steps_per_epoch=steps_per_epoch, valid_data=valid_data,
+                         valid_freq=valid_freq, valid_steps=valid_steps, log_freq=log_freq,
+                         save_dir=save_dir, save_freq=save_freq, save_steps=save_steps,
+                         resume=resume, log_dir=log_dir, tensorboard=tensorboard,
+                         collate_fn=collate_fn, callbacks=callbacks, verbose=verbose,
+                         shuffle=shuffle)
 
     def evaluate(self, valid_data, *, batch_size: int | None = None, steps: int | None = None, log_freq: int = 10,
                  collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2
@@ -410,8 +415,9 @@ class Engine(StepMixin):
         from autosearch.engine import _loop, checkpoint
 
         self.prepare()
-        checkpoint.save(path, self.model_parts_, self._checkpoint_optimizers() if training else None,
-                        training=training, train_state=_loop.train_state(self) if training else None)
+        optimizers = self._checkpoint_optimizers() if training else None
+        state = _loop.train_state(self) if training else None
+        checkpoint.save(path, self.model_parts_, optimizers, training=training, train_state=state)
 
     def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> list[str]:
         """Load a checkpoint saved by `save` under any strategy; returns what was not loaded.
@@ -423,9 +429,11 @@ class Engine(StepMixin):
         from autosearch.engine import _loop, checkpoint
 
         self.prepare()
-        missing = checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(), strict=strict,
-                                  load_optimizer=load_optimizer)
-        state = checkpoint.read_train_state(path) if load_optimizer and os.path.isdir(path) else None
+        missing = checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(),
+                                  strict=strict, load_optimizer=load_optimizer)
+        state = None
+        if load_optimizer and os.path.isdir(path):
+            state = checkpoint.read_train_state(path)
         if state is not None:
             _loop.restore_train_state(self, state)
         return missing

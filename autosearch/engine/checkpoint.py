@@ -81,7 +81,7 @@ def _rank() -> int:
 
 
 def _fsync_tree(path: str) -> None:
-    """Flush the files of a folder and the folder itself to disk (before renaming it into place)."""
+    """Flush the files of a folder and the folder itself to disk (before renaming it)."""
     for root, _, files in os.walk(path):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
@@ -129,7 +129,8 @@ def save(path: str, parts: list[nn.Module], optimizers: list | None, *, training
         return
     state: dict[str, Any] = {"model": model_state(parts)}
     if optimizers:
-        state["optim"] = {k: v for osd in optimizer_states(parts, optimizers) for k, v in osd.items()}
+        osds = optimizer_states(parts, optimizers)
+        state["optim"] = {k: v for osd in osds for k, v in osd.items()}
     with _quiet():
         dcp.save(state, checkpoint_id=partial)
     if train_state is not None:
@@ -180,6 +181,10 @@ _ALLOWED_GLOBALS = {
 }
 
 
+_PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path", "PurePath")
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` accepting only what it is made of: DCP's metadata classes,
     torch sizes, dtypes, layouts and memory formats, and paths (the "restricting globals"
@@ -187,16 +192,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         obj = None
-        if (module, name) in _ALLOWED_GLOBALS or module == _METADATA_MODULE or module.startswith("pathlib"):
+        if module.startswith("pathlib"):
+            if name in _PATH_CLASSES:
+                obj = super().find_class(module, name)
+        elif (module, name) in _ALLOWED_GLOBALS or module == _METADATA_MODULE:
             obj = super().find_class(module, name)
-            if module.startswith("pathlib") and name not in ("PosixPath", "PurePosixPath", "WindowsPath",
-                                                           "PureWindowsPath", "Path", "PurePath"):
-                obj = None
-        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        elif module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
             obj = getattr(torch, name)
         if obj is None:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not part of a DCP checkpoint's metadata")
         return obj
 
 
@@ -213,9 +218,11 @@ def _safe_reader(path: str):
             with self.fs.create_stream(meta_path, "rb") as f:
                 try:
                     metadata = _MetadataUnpickler(f).load()
-                except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-                    raise SpecError(f"refusing to load checkpoint {path!r}: its .metadata is not a DCP "
-                                    f"checkpoint's ({exc}); was it written by Engine.save?") from None
+                except (pickle.UnpicklingError, EOFError, AttributeError, ValueError,
+                        TypeError) as exc:
+                    raise SpecError(
+                        f"refusing to load checkpoint {path!r}: its .metadata is not a DCP "
+                        f"checkpoint's ({exc}); was it written by Engine.save?") from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -271,7 +278,7 @@ def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: 
     )
 
     if _rank() == 0 and not os.path.exists(path):
-        recover(path)  # a save killed between its two renames left the previous checkpoint at path.old
+        recover(path)  # a save killed between its renames left the previous one at path.old
     _barrier()
     if os.path.isfile(path):  # an inference state dict: full tensors, resharded by set_model_state_dict
         full = torch.load(path, map_location="cpu", weights_only=True)

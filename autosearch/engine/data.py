@@ -81,19 +81,21 @@ class TokenFile(Dataset):
         seq_len: tokens per input sequence.
         dtype: numpy dtype of the ids in the file.
         stride: tokens between the starts of consecutive samples (default `seq_len`).
-        vocab_size: if given, the file's ids are checked to be below it (reads the whole file once).
+        vocab_size: if given, the file's ids are checked to be below it (reads the file once).
     """
 
-    def __init__(self, path: "str | os.PathLike", *, seq_len: int, dtype="uint16", stride: int | None = None,
-                 vocab_size: int | None = None):
+    def __init__(self, path: "str | os.PathLike", *, seq_len: int, dtype="uint16",
+                 stride: int | None = None, vocab_size: int | None = None):
         self.path, self.seq_len = os.fspath(path), seq_len
         self.stride = stride or seq_len
-        if not isinstance(seq_len, int) or seq_len <= 0 or not isinstance(self.stride, int) or self.stride <= 0:
-            raise SpecError(f"seq_len and stride must be positive integers, got {seq_len!r} and {stride!r}")
+        if not all(isinstance(v, int) and v > 0 for v in (seq_len, self.stride)):
+            raise SpecError(f"seq_len and stride must be positive integers, got {seq_len!r} "
+                            f"and {stride!r}")
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
-            raise SpecError(f"dtype {dtype!r} is not a numpy dtype; use 'uint16' or 'uint32'") from None
+            raise SpecError(f"dtype {dtype!r} is not a numpy dtype; use 'uint16' or "
+                            "'uint32'") from None
         if self.dtype.kind not in "iu":
             raise SpecError(f"token ids must be integers; dtype {self.dtype} is not")
         try:
@@ -101,18 +103,18 @@ class TokenFile(Dataset):
         except OSError as exc:
             raise SpecError(f"token file {self.path!r} cannot be read: {exc.strerror}") from None
         if size % self.dtype.itemsize:
-            raise SpecError(f"token file {self.path!r} has {size} bytes, not a multiple of {self.dtype.itemsize} "
-                            f"({self.dtype}); is the dtype right?")
+            raise SpecError(f"token file {self.path!r} has {size} bytes, not a multiple of "
+                            f"{self.dtype.itemsize} ({self.dtype}); is the dtype right?")
         self.n_tokens = size // self.dtype.itemsize
         if self.n_tokens < seq_len + 1:
-            raise SpecError(f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than one sample "
-                            f"(seq_len + 1 = {seq_len + 1})")
+            raise SpecError(f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than "
+                            f"one sample (seq_len + 1 = {seq_len + 1})")
         self._tokens = None
         if vocab_size is not None:
             top = int(self.tokens.max())
             if top >= vocab_size:
-                raise SpecError(f"token file {self.path!r} holds id {top}, not below vocab_size={vocab_size}; "
-                                "was it tokenized for another model?")
+                raise SpecError(f"token file {self.path!r} holds id {top}, not below "
+                                f"vocab_size={vocab_size}; was it tokenized for another model?")
 
     @property
     def tokens(self) -> np.ndarray:
@@ -174,9 +176,10 @@ class DistributedLoader:
             self.sampler.set_epoch(epoch)
             if skip:
                 indices = list(self.sampler)[skip * self.local_batch_size:]
-                loader = DataLoader(loader.dataset, batch_size=self.local_batch_size, sampler=indices,
-                                    drop_last=loader.drop_last, collate_fn=loader.collate_fn,
-                                    num_workers=loader.num_workers, generator=loader.generator)
+                loader = DataLoader(loader.dataset, batch_size=self.local_batch_size,
+                                    sampler=indices, drop_last=loader.drop_last,
+                                    collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                                    generator=loader.generator)
         elif skip:
             loader = itertools.islice(loader, skip, None)
         for step, batch in enumerate(loader, start=skip):
@@ -235,15 +238,18 @@ def check_batch(strategy, batch_size: int, mode: str) -> None:
     the pipeline's fixed micro-batch count)."""
     s = strategy
     if batch_size % s.dp:
-        raise SpecError(f"batch_size={batch_size} does not split over dp={s.dp} ranks; use a multiple of {s.dp}")
+        raise SpecError(f"batch_size={batch_size} does not split over dp={s.dp} ranks; "
+                        f"use a multiple of {s.dp}")
     local = batch_size // s.dp
     if s.pp > 1 and batch_size != s.global_batch_size:
-        raise SpecError(f"with pp={s.pp} the batch must be the strategy's global_batch_size={s.global_batch_size} "
-                        f"(the pipeline schedule runs {s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
+        raise SpecError(f"with pp={s.pp} the batch must be the strategy's "
+                        f"global_batch_size={s.global_batch_size} (the pipeline schedule runs "
+                        f"{s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
                         f"got batch_size={batch_size}")
     if mode == "train" and local % s.micro_batch_size:
-        raise SpecError(f"batch_size={batch_size} gives {local} samples per dp rank, not a multiple of "
-                        f"micro_batch_size={s.micro_batch_size}; use a multiple of {s.dp * s.micro_batch_size}")
+        raise SpecError(f"batch_size={batch_size} gives {local} samples per dp rank, not a "
+                        f"multiple of micro_batch_size={s.micro_batch_size}; use a multiple of "
+                        f"{s.dp * s.micro_batch_size}")
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:

@@ -132,7 +132,8 @@ def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
             if p.grad is None:
                 continue
             if isinstance(p.grad, DTensor):
-                groups.setdefault((p.grad.device_mesh, tuple(p.grad.placements)), []).append(p.grad)
+                key = (p.grad.device_mesh, tuple(p.grad.placements))
+                groups.setdefault(key, []).append(p.grad)
             else:
                 plain.append(p.grad)
     device = next((g.device for gs in [plain, *groups.values()] for g in gs), torch.device("cpu"))

@@ -44,7 +44,8 @@ def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *
         start, stop = bounds[stage]
         for key in keys[:start] + keys[stop:]:
             del blocks[key]
-        dropped = (plan.first_stage if stage > 0 else ()) + (plan.last_stage if stage < n_chunks - 1 else ())
+        dropped = (plan.first_stage if stage > 0 else ()) + (
+            plan.last_stage if stage < n_chunks - 1 else ())
         for name in dropped:
             if get_path(part, name) is not None:
                 set_path(part, name, None)

@@ -90,8 +90,10 @@ class TrainLogger:
             return None
         return tokens_per_s * self.flops_per_token / self.peak_flops
 
-    def step(self, step: int, epoch: int, logs: dict[str, Any]) -> None:
-        """Record one optimizer step (`step` counts from 1 over the whole run)."""
+    def step(self, step: int, epoch: int, logs: dict[str, Any], *, batch: int, epochs: int,
+             batches: int | None) -> None:
+        """Record one optimizer step: `step` counts from 1 over the whole run, `batch` from 1
+        within `epoch` (of `epochs`, `batches` per epoch if known)."""
         if not self.enabled:
             return
         row = {"step": step, "epoch": epoch, **logs}
@@ -108,9 +110,11 @@ class TrainLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(text)
-        elif self.verbose >= 2 and step % self.log_freq == 0:
+        elif self.verbose >= 2 and batch % self.log_freq == 0:
+            total = f"/{batches}" if batches else ""
             print(
-                f"epoch {epoch + 1} step {step} {text} | {logs['step_time_s'] * 1e3:.0f} ms/step",
+                f"epoch {epoch + 1}/{epochs} step {batch}{total} {text} "
+                f"| {logs['step_time_s'] * 1e3:.0f} ms/step",
                 flush=True,
             )
 
