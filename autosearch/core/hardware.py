@@ -25,6 +25,11 @@ from autosearch.core._io import check_keys, positive_float, positive_int, read_y
 from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# Backward time over forward time, the defaults of a profile that does not measure them:
+# a GEMM's backward is two GEMMs of its size (dgrad + wgrad); fused attention's backward does
+# 5 GEMMs per tile against 2 forward, plus recomputing the softmax: 2.5x (Dao 2023, sec. 3.2).
+GEMM_BACKWARD_OVER_FORWARD = 2.0
+ATTENTION_BACKWARD_OVER_FORWARD = 2.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +73,7 @@ class GemmEfficiency:
     max_efficiency: dict[str, float]
     half_dim: float
     launch_s: float = 0.0
-    backward_over_forward: float = 2.0  # dgrad + wgrad: two GEMMs of the forward's size
+    backward_over_forward: float = GEMM_BACKWARD_OVER_FORWARD
 
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
         hd = self.half_dim
@@ -100,7 +105,7 @@ class HardwareProfile:
     inter_node: Link
     gemm: GemmEfficiency
     attention_efficiency: dict[str, float]
-    attention_backward_over_forward: float = 2.5
+    attention_backward_over_forward: float = ATTENTION_BACKWARD_OVER_FORWARD
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
     sources: tuple[str, ...] = ()
@@ -215,7 +220,8 @@ class HardwareProfile:
             half_dim=float(g.get("half_dim", 0.0)),
             launch_s=float(g.get("launch_s", 0.0)),
             backward_over_forward=positive_float(
-                float(g.get("backward_over_forward", 2.0)), f"{what}: gemm.backward_over_forward"
+                float(g.get("backward_over_forward", GEMM_BACKWARD_OVER_FORWARD)),
+                f"{what}: gemm.backward_over_forward",
             ),
         )
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
@@ -225,7 +231,7 @@ class HardwareProfile:
             )
         att = {str(k): float(v) for k, v in data["attention"]["flash_efficiency"].items()}
         att_bwd = positive_float(
-            float(data["attention"].get("backward_over_forward", 2.5)),
+            float(data["attention"].get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD)),
             f"{what}: attention.backward_over_forward",
         )
         return cls(

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autosearch.core.hardware import ATTENTION_BACKWARD_OVER_FORWARD, GEMM_BACKWARD_OVER_FORWARD
+from cost_models.analytic import CAUSAL_FRACTION
+
 DTYPES = {
     "fp32": torch.float32,
     "tf32": torch.float32,
@@ -79,7 +82,8 @@ class Timer:
     def measure(
         self, fn: Callable[[], Any], *, barrier_each: bool = False, warmup: int = 1
     ) -> dict[str, float]:
-        """Median, minimum and number of timed calls of `fn`, agreed over ranks."""
+        """Median, minimum, coefficient of variation (standard deviation / mean) and number of
+        timed calls of `fn`, each the maximum over ranks."""
         self.barrier()
         warm = 0.0
         for _ in range(warmup):
@@ -93,8 +97,9 @@ class Timer:
             if barrier_each:
                 self.barrier()
             times.append(self.once(fn))
-        med, best = self.agree_max([statistics.median(times), min(times)])
-        return {"time_s": med, "time_min_s": best, "reps": reps}
+        cv = statistics.pstdev(times) / statistics.fmean(times) if len(times) > 1 else 0.0
+        med, best, cv = self.agree_max([statistics.median(times), min(times), cv])
+        return {"time_s": med, "time_min_s": best, "time_cv": cv, "reps": reps}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +122,7 @@ def launch_overhead(timer: Timer, *, calls: int = 200) -> list[dict[str, Any]]:
             "op": "tiny_add",
             "time_s": r["time_s"] / calls,
             "time_min_s": r["time_min_s"] / calls,
+            "time_cv": r["time_cv"],  # of the bursts
             "reps": r["reps"] * calls,
         }
     ]
@@ -184,7 +190,7 @@ def gemm(
                         "m": m,
                         "n": n,
                         "k": k,
-                        "flops": flops * (2 if op == "linear_bwd" else 1),
+                        "flops": flops * (GEMM_BACKWARD_OVER_FORWARD if op == "linear_bwd" else 1),
                         **r,
                     }
                 )
@@ -249,7 +255,7 @@ def attention(
         dtype = DTYPES[precision]
         rate = None
         for b, h, s, d in configs:
-            flops = 4.0 * b * h * s * s * d * 0.5
+            flops = 4.0 * b * h * s * s * d * CAUSAL_FRACTION
             base = {
                 "kind": "attention",
                 "precision": precision,
@@ -275,7 +281,9 @@ def attention(
             g = torch.randn_like(o)
             bwd = timer.measure(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
             rows.append({**base, "op": "sdpa_fwd", "flops": flops, **fwd})
-            rows.append({**base, "op": "sdpa_bwd", "flops": flops * 2.5, **bwd})
+            rows.append(
+                {**base, "op": "sdpa_bwd", "flops": flops * ATTENTION_BACKWARD_OVER_FORWARD, **bwd}
+            )
             rate = flops / fwd["time_s"]
             del q, k, v, o, g
     _precision_context("fp32", dev)
