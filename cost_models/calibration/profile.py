@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -158,56 +158,100 @@ def build_profile(
     links = fit_links(df, statistic=statistic, machine=machine, base=base)
     capacity = fit_capacity(cdf, machine=machine, base=base, gpus_per_node=gpus_per_node)
     gemm, attention, catalog = _catalog_precisions(gemm, attention, base)
-    terms = (launch, gemm, memory, attention, links, capacity, catalog)
-    fits = {k: v for t in terms for k, v in t.fits.items()}
+    terms = Terms(launch, gemm, memory, attention, links, capacity, catalog)
     threads = cdf["threads"].dropna()
     threads_per_process = int(threads.iloc[0]) if len(threads) else None
     quality = assess_quality(
         rows=_rows_used(df, compute_world_size),
-        fits=_plain(fits),
+        fits=_plain(terms.fits),
         machine=machine,
         device=device,
         threads_per_process=threads_per_process,
         catalog=base,
     )
-    calibration = _plain(
-        {
-            "tool": "autosearch calibrate",
-            "statistic": statistic,
-            "device": device,
-            "compute_world_size": int(compute_world_size),
-            "threads_per_process": threads_per_process,
-            "machine": machine,
-            "peak_definition": gemm.peak_definition,
-            "defaults": {k: v for t in terms for k, v in t.defaults.items()},
-            "fits": fits,
-            "quality": quality.to_dict(),
-        }
-    )
-    profile = HardwareProfile(
+    calibration = {
+        "tool": "autosearch calibrate",
+        "statistic": statistic,
+        "device": device,
+        "compute_world_size": int(compute_world_size),
+        "threads_per_process": threads_per_process,
+        "machine": machine,
+        "peak_definition": gemm.peak_definition,
+        "defaults": terms.defaults,
+        "fits": terms.fits,
+        "quality": quality.to_dict(),
+    }
+    profile = _assemble(
+        terms,
         name=name,
         description=description or _describe(device, machine, gpus_per_node, threads_per_process),
-        device_type=device,
+        device=device,
+        gpus_per_node=gpus_per_node,
         sources=_sources(machine, base),
+        calibration=_plain(calibration),
+    )
+    return profile, terms.fits
+
+
+class Terms(NamedTuple):
+    """Every fitted term of one profile, in the order their records are written."""
+
+    launch: LaunchTerm
+    gemm: GemmTerm
+    memory: MemoryTerm
+    attention: AttentionTerm
+    links: LinksTerm
+    capacity: CapacityTerm
+    catalog: Term  # precisions a GPU did not measure, kept from its catalog profile
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        return tuple(m for t in self for m in t.measured)
+
+    @property
+    def defaults(self) -> dict[str, str]:
+        return {k: v for t in self for k, v in t.defaults.items()}
+
+    @property
+    def fits(self) -> dict[str, Any]:
+        return {k: v for t in self for k, v in t.fits.items()}
+
+
+def _assemble(
+    terms: Terms,
+    *,
+    name: str,
+    description: str,
+    device: str,
+    gpus_per_node: int,
+    sources: tuple[str, ...],
+    calibration: dict[str, Any],
+) -> HardwareProfile:
+    """The profile of the fitted terms, read back through the schema's own reader (`to_dict`,
+    `from_dict`), so that it gets the same checks as any profile file."""
+    profile = HardwareProfile(
+        name=name,
+        description=description,
+        device_type=device,
+        sources=sources,
         gpus_per_node=int(gpus_per_node),
-        peak_flops=gemm.peak_flops,
-        memory_capacity_bytes=capacity.capacity_bytes,
-        memory_bandwidth_bytes_per_s=memory.bandwidth_bytes_per_s,
-        memory_efficiency=memory.efficiency,
-        reserved_memory_bytes=capacity.reserved_bytes,
-        cache_bytes=memory.cache_bytes,
-        cache_bandwidth_bytes_per_s=memory.cache_bandwidth_bytes_per_s,
-        intra_node=links.intra_node,
-        inter_node=links.inter_node,
-        gemm=gemm.gemm,
-        attention_efficiency=attention.efficiency,
-        attention_backward_over_forward=attention.backward_over_forward,
-        kernel_launch_s=launch.kernel_launch_s,
-        measured=tuple(m for t in terms for m in t.measured),
+        peak_flops=terms.gemm.peak_flops,
+        memory_capacity_bytes=terms.capacity.capacity_bytes,
+        memory_bandwidth_bytes_per_s=terms.memory.bandwidth_bytes_per_s,
+        memory_efficiency=terms.memory.efficiency,
+        reserved_memory_bytes=terms.capacity.reserved_bytes,
+        cache_bytes=terms.memory.cache_bytes,
+        cache_bandwidth_bytes_per_s=terms.memory.cache_bandwidth_bytes_per_s,
+        intra_node=terms.links.intra_node,
+        inter_node=terms.links.inter_node,
+        gemm=terms.gemm.gemm,
+        attention_efficiency=terms.attention.efficiency,
+        attention_backward_over_forward=terms.attention.backward_over_forward,
+        kernel_launch_s=terms.launch.kernel_launch_s,
+        measured=terms.measured,
         calibration=calibration,
     )
-    # Through the schema's own reader: the same checks as any profile file gets.
-    return HardwareProfile.from_dict(profile.to_dict(), what=f"calibrated profile {name!r}"), fits
+    return HardwareProfile.from_dict(profile.to_dict(), what=f"calibrated profile {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
