@@ -1,5 +1,5 @@
-"""One calibration process: `python -m cost_models.calibration._worker PLAN.json OUT.json`, alone or
-under torchrun (one per rank). Runs the suites the plan names and rank 0 writes the rows.
+"""One calibration process: `python -m cost_models.calibration._worker PLAN.json OUT.json`,
+alone or under torchrun (one per rank). Runs the suites the plan names and rank 0 writes the rows.
 
 Ends with destroy_process_group + flush + os._exit: gloo worker threads can abort the interpreter
 at exit otherwise (shared/notes/torch-on-this-machine.md, "crash at process exit").

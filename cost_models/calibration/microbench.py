@@ -177,10 +177,12 @@ def gemm(
             x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
             w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
             with torch.no_grad():
-                fwd = timer.measure(lambda: F.linear(x, w))
+                fwd = timer.measure(lambda x=x, w=w: F.linear(x, w))
             y = F.linear(x, w)
             g = torch.randn_like(y)
-            bwd = timer.measure(lambda: torch.autograd.grad(y, (x, w), g, retain_graph=True))
+            bwd = timer.measure(
+                lambda y=y, x=x, w=w, g=g: torch.autograd.grad(y, (x, w), g, retain_graph=True)
+            )
             for op, r in (("linear_fwd", fwd), ("linear_bwd", bwd)):
                 rows.append(
                     {
@@ -214,9 +216,9 @@ def memory(timer: Timer, *, array_bytes: Iterable[int]) -> list[dict[str, Any]]:
         b = torch.ones(n, device=timer.device)
         c = torch.empty(n, device=timer.device)
         ops = {
-            "copy": (lambda: c.copy_(a), 2),
-            "add": (lambda: torch.add(a, b, out=c), 3),
-            "triad": (lambda: torch.add(a, b, alpha=3.0, out=c), 3),
+            "copy": (lambda a=a, c=c: c.copy_(a), 2),
+            "add": (lambda a=a, b=b, c=c: torch.add(a, b, out=c), 3),
+            "triad": (lambda a=a, b=b, c=c: torch.add(a, b, alpha=3.0, out=c), 3),
         }
         for op, (fn, arrays) in ops.items():
             r = timer.measure(fn, warmup=2)
@@ -275,11 +277,15 @@ def attention(
             )
             with torch.no_grad():
                 fwd = timer.measure(
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 )
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             g = torch.randn_like(o)
-            bwd = timer.measure(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+            bwd = timer.measure(
+                lambda o=o, q=q, k=k, v=v, g=g: torch.autograd.grad(
+                    o, (q, k, v), g, retain_graph=True
+                )
+            )
             rows.append({**base, "op": "sdpa_fwd", "flops": flops, **fwd})
             rows.append(
                 {**base, "op": "sdpa_bwd", "flops": flops * ATTENTION_BACKWARD_OVER_FORWARD, **bwd}
@@ -320,17 +326,17 @@ def collectives(
                 continue
             if op == "all_reduce":
                 buf = torch.ones(elems, device=dev)
-                fn = lambda: dist.all_reduce(buf)  # noqa: E731
+                fn = lambda buf=buf: dist.all_reduce(buf)  # noqa: E731
             elif op == "all_gather":
                 inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
-                fn = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+                fn = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
             elif op == "reduce_scatter":
                 inp, out = torch.ones(elems, device=dev), torch.empty(elems // world, device=dev)
-                fn = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+                fn = lambda out=out, inp=inp: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
             elif op == "send_recv":
                 buf = torch.ones(elems, device=dev)
 
-                def fn():
+                def fn(buf=buf):
                     if rank == 0:
                         dist.send(buf, 1)
                         dist.recv(buf, 1)
@@ -339,7 +345,7 @@ def collectives(
                         dist.send(buf, 0)
             else:
                 raise ValueError(f"unknown collective {op!r}")
-            r = timer.measure(lambda: (fn(), timer.sync()), barrier_each=True)
+            r = timer.measure(lambda fn=fn: (fn(), timer.sync()), barrier_each=True)
             if op == "send_recv":  # one way = half the round trip
                 r = {**r, "time_s": r["time_s"] / 2, "time_min_s": r["time_min_s"] / 2}
             rows.append({**base, **r})

@@ -6,16 +6,18 @@ The correction model scales each group of predicted breakdown terms and adds a f
     measured ~= intercept_s + sum_g factor_g * sum_{t in g} time_t + time_other_s
 
 with the groups of `TERM_GROUPS` (columns as `CostReport.to_dict()` names them). Residuals are
-relative, (corrected - measured) / measured, so that a 10 ms run weighs as much as a 10 s one, and a
-weak prior pulls each log(factor) towards 0 (factor 1: trust the calibrated profile) so that a
-handful of runs cannot produce wild factors for a term they barely exercise.
+relative, (corrected - measured) / measured, so that a 10 ms run weighs as much as a 10 s one,
+and a weak prior pulls each log(factor) towards 0 (factor 1: trust the calibrated profile) so
+that a handful of runs cannot produce wild factors for a term they barely exercise.
 
 Example:
     >>> import pandas as pd
     >>> df = pd.DataFrame({"strategy": list("abcdefgh"),
-    ...     "time_compute_s": [1, 2, 3, 4, 1, 2, 3, 4.], "time_dp_comm_exposed_s": [0, 0, 1, 1, 0.5, 0.5, 0, 0]})
+    ...     "time_compute_s": [1, 2, 3, 4, 1, 2, 3, 4.],
+    ...     "time_dp_comm_exposed_s": [0, 0, 1, 1, 0.5, 0.5, 0, 0]})
     >>> df["predicted_step_time_s"] = df.time_compute_s + df.time_dp_comm_exposed_s
-    >>> df["measured_step_time_s"] = 1.5 * df.time_compute_s + 0.8 * df.time_dp_comm_exposed_s + 0.1
+    >>> df["measured_step_time_s"] = (1.5 * df.time_compute_s + 0.8 * df.time_dp_comm_exposed_s
+    ...                               + 0.1)
     >>> r = refit_corrections(df, holdout=0.25, seed=0)
     >>> r.errors["holdout_after"]["mape"] < r.errors["holdout_before"]["mape"]
     True
@@ -127,15 +129,16 @@ def refit_corrections(
     """Fit correction factors on part of `runs` and report the error on the rest.
 
     Args:
-        runs: one row per measured run, with `predicted_step_time_s`, `measured_step_time_s` and the
-            predicted breakdown columns (`time_compute_s`, ... as `CostReport.to_dict()` writes them;
-            missing ones count as 0). Failed runs (measured time missing or <= 0) are ignored.
+        runs: one row per measured run, with `predicted_step_time_s`, `measured_step_time_s` and
+            the predicted breakdown columns (`time_compute_s`, ... as `CostReport.to_dict()`
+            writes them; missing ones count as 0). Failed runs (measured time missing or <= 0)
+            are ignored.
         groups: term groups to scale (default `TERM_GROUPS`).
-        holdout: fraction of runs held out at random (at least one when there are 4 or more runs), or a
-            boolean mask, or the name of a boolean column (True = held out).
-        group_column: with a random holdout, rows sharing this column's value (e.g. the same strategy
-            at two world sizes) fall on the same side, so the held-out error is not flattered by a
-            near-duplicate in the training set. Ignored if the column is absent.
+        holdout: fraction of runs held out at random (at least one when there are 4 or more runs),
+            or a boolean mask, or the name of a boolean column (True = held out).
+        group_column: with a random holdout, rows sharing this column's value (e.g. the same
+            strategy at two world sizes) fall on the same side, so the held-out error is not
+            flattered by a near-duplicate in the training set. Ignored if the column is absent.
         prior_weight: strength of the pull of log(factor) towards 0, in units of relative residual.
         intercept: fit a fixed per-step overhead (>= 0).
         seed: of the random holdout.
@@ -154,7 +157,8 @@ def refit_corrections(
     n_params = len(active) + int(intercept)
     if len(train) < max(2, n_params):
         raise SpecError(
-            f"{len(train)} training runs for {n_params} parameters; run more strategies or hold out fewer"
+            f"{len(train)} training runs for {n_params} parameters; run more strategies or hold "
+            "out fewer"
         )
 
     y = train["measured_step_time_s"].to_numpy(float)

@@ -1,9 +1,9 @@
 """Run the microbenchmarks of a calibration: one worker process per rank, for each world size.
 
 A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones start N such
-processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The parent process
-never imports torch except to detect the device, so the benchmarks run in fresh processes whose
-thread settings are their own.
+processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The
+parent process never imports torch except to detect the device, so the benchmarks run in fresh
+processes whose thread settings are their own.
 
 On CPU a "device" is one process: with N processes per node each gets cores // N threads
 (processes x threads <= cores; more oversubscribes and slows everything down), so compute rates
@@ -34,7 +34,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What one calibration measures. Built by `make_plan`; pure data (written to JSON for the workers)."""
+    """What one calibration measures. Built by `make_plan`; pure data (written to JSON for the
+    workers)."""
 
     device: str
     quick: bool
@@ -58,7 +59,8 @@ class Plan:
 def make_plan(device: str, *, quick: bool) -> Plan:
     """The grids: shapes of a transformer's GEMMs (tokens x hidden-like sizes), STREAM arrays from
     in-cache to well beyond the last-level cache, attention from short to long sequences, and
-    messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take ~0.3 s)."""
+    messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take
+    ~0.3 s)."""
     if device == "cuda":
         if quick:
             return Plan(
