@@ -46,6 +46,21 @@ from cost_models.calibration.quality import assess_quality
 # Streaming arrays count as "in DRAM" when the data touched is at least 4x the last-level cache
 # (McCalpin, STREAM run rules).
 STREAM_CACHE_FACTOR = 4.0
+# Upper ends of the ranges the profile reader (HardwareProfile.from_dict) accepts for the fitted
+# terms a disturbed calibration can overshoot (an efficiency is a fraction, ...). Such a value is
+# written clamped, so that the untrusted profile still loads; the raw value stays in
+# `calibration.fits`, and the quality checks refuse the calibration for it.
+SCHEMA_LIMITS = {
+    "efficiency": 1.0,
+    "max_efficiency": 1.0,
+    "flash_efficiency": 1.0,
+    "op_efficiency": 10.0,
+    "latency_s": 1.0,
+    "launch_s": 1.0,
+    "kernel_launch_s": 1.0,
+    "half_dim": 1e6,
+    "backward_over_forward": 100.0,
+}
 CATALOG_MATCH = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm4-{mem}gb"))
 
 
@@ -161,6 +176,15 @@ def build_profile(
     terms = Terms(launch, gemm, memory, attention, links, capacity, catalog)
     threads = cdf["threads"].dropna()
     threads_per_process = int(threads.iloc[0]) if len(threads) else None
+    data = _assemble(
+        terms,
+        name=name,
+        description=description or _describe(device, machine, gpus_per_node, threads_per_process),
+        device=device,
+        gpus_per_node=gpus_per_node,
+        sources=_sources(machine, base),
+    ).to_dict()
+    clamped = _within_schema(data)
     quality = assess_quality(
         rows=_rows_used(df, compute_world_size),
         fits=_plain(terms.fits),
@@ -168,29 +192,24 @@ def build_profile(
         device=device,
         threads_per_process=threads_per_process,
         catalog=base,
+        clamped=clamped,
     )
-    calibration = {
-        "tool": "autosearch calibrate",
-        "statistic": statistic,
-        "device": device,
-        "compute_world_size": int(compute_world_size),
-        "threads_per_process": threads_per_process,
-        "machine": machine,
-        "peak_definition": gemm.peak_definition,
-        "defaults": terms.defaults,
-        "fits": terms.fits,
-        "quality": quality.to_dict(),
-    }
-    profile = _assemble(
-        terms,
-        name=name,
-        description=description or _describe(device, machine, gpus_per_node, threads_per_process),
-        device=device,
-        gpus_per_node=gpus_per_node,
-        sources=_sources(machine, base),
-        calibration=_plain(calibration),
+    data["calibration"] = _plain(
+        {
+            "tool": "autosearch calibrate",
+            "statistic": statistic,
+            "device": device,
+            "compute_world_size": int(compute_world_size),
+            "threads_per_process": threads_per_process,
+            "machine": machine,
+            "peak_definition": gemm.peak_definition,
+            "defaults": terms.defaults,
+            "fits": terms.fits,
+            "quality": quality.to_dict(),
+        }
     )
-    return profile, terms.fits
+    # Read through the schema's own reader: the same checks as any profile file gets.
+    return HardwareProfile.from_dict(data, what=f"calibrated profile {name!r}"), terms.fits
 
 
 class Terms(NamedTuple):
@@ -225,11 +244,9 @@ def _assemble(
     device: str,
     gpus_per_node: int,
     sources: tuple[str, ...],
-    calibration: dict[str, Any],
 ) -> HardwareProfile:
-    """The profile of the fitted terms, read back through the schema's own reader (`to_dict`,
-    `from_dict`), so that it gets the same checks as any profile file."""
-    profile = HardwareProfile(
+    """The profile of the fitted terms (its `to_dict` is the one schema writer)."""
+    return HardwareProfile(
         name=name,
         description=description,
         device_type=device,
@@ -249,9 +266,7 @@ def _assemble(
         attention_backward_over_forward=terms.attention.backward_over_forward,
         kernel_launch_s=terms.launch.kernel_launch_s,
         measured=terms.measured,
-        calibration=calibration,
     )
-    return HardwareProfile.from_dict(profile.to_dict(), what=f"calibrated profile {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,6 +712,21 @@ def _sources(machine: dict[str, Any], base: HardwareProfile | None) -> tuple[str
             f"[catalog] peaks, nominal bandwidths and unmeasured terms from {base.name}: "
         ] + list(base.sources)
     return tuple(sources)
+
+
+def _within_schema(data: dict[str, Any], path: str = "") -> dict[str, float]:
+    """Clamp, in place, the numbers of a profile dict above their SCHEMA_LIMITS; returns
+    {dotted path: value before clamping}."""
+    clamped: dict[str, float] = {}
+    for key, value in data.items():
+        where = f"{path}{key}"
+        limit = SCHEMA_LIMITS.get(key) or SCHEMA_LIMITS.get(path.rstrip(".").rsplit(".", 1)[-1])
+        if isinstance(value, dict) and key != "calibration":
+            clamped.update(_within_schema(value, where + "."))
+        elif limit is not None and isinstance(value, float) and value > limit:
+            clamped[where] = value
+            data[key] = limit
+    return clamped
 
 
 def _rows_used(df: pd.DataFrame, compute_world_size: int) -> pd.DataFrame:

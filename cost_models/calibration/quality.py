@@ -32,7 +32,9 @@ The checks and their thresholds (each message names its check first: `spread:`, 
   maximum, else 1.5 x the nominal MHz for turbo, else 6 GHz), and the best precision at least
   `MIN_CPU_FRACTION` of it; DRAM bandwidth positive and below `MAX_CPU_DRAM_PER_CORE` per core.
   GPU with a catalog profile: GEMM, memory and link efficiencies at most `MAX_DATASHEET_FRACTION`
-  of the datasheet, and the best GEMM at least `MIN_GPU_GEMM_EFFICIENCY` of it.
+  of the datasheet, and the best GEMM at least `MIN_GPU_GEMM_EFFICIENCY` of it. Both: fused
+  attention no faster than the peak, and the GEMM shape term `half_dim` at most `MAX_HALF_DIM`
+  (beyond the largest dimension measured, no GEMM reached half its fitted rate).
 - precision: each 16-bit precision's GEMM rate relative to fp32. Without native 16-bit matmul
   (avx512_bf16 / amx for bf16, avx512_fp16 / amx_fp16 for fp16), 16-bit runs 10-40x slower on a
   CPU: recorded in `checks.precision_slowdown` and warned about (the profile's
@@ -63,7 +65,8 @@ WARN_WORST_RESIDUAL = 0.5
 MIN_CPU_FRACTION = 0.02
 MAX_CPU_DRAM_PER_CORE = 100e9
 MAX_CPU_CACHE_PER_CORE = 1e12
-MAX_DATASHEET_FRACTION = 1.02
+MAX_DATASHEET_FRACTION = 1.0
+MAX_HALF_DIM = 1e4
 MIN_GPU_GEMM_EFFICIENCY = 0.1
 MAX_UNNATIVE_SPEEDUP = 1.25
 WARN_SLOWDOWN = 2.0
@@ -133,6 +136,7 @@ def assess_quality(
     device: str,
     threads_per_process: int | None,
     catalog: Any = None,
+    clamped: dict[str, float] | None = None,
 ) -> Quality:
     """Run every check on the measurements a profile was fitted on.
 
@@ -144,6 +148,8 @@ def assess_quality(
         device: "cpu" or "cuda".
         threads_per_process: threads of one measuring process (cores it used, on CPU).
         catalog: the datasheet HardwareProfile matching a GPU, or None.
+        clamped: profile fields whose fitted value was beyond what a profile may hold, with
+            that value (they were written at the limit).
     """
     problems: list[str] = []
     warnings: list[str] = []
@@ -160,6 +166,12 @@ def assess_quality(
     problems += p
     warnings += w
     checks.update(c)
+    problems += _beyond_peak(fits)
+    problems += [
+        f"plausibility: {field} = {value:.4g} is beyond what a profile may hold; written at the "
+        "limit, the fit is not physical"
+        for field, value in (clamped or {}).items()
+    ]
     p, w, c = _precisions(fits, machine, device)
     return Quality(tuple(problems + p), tuple(warnings + w), _plain({**checks, **c}))
 
@@ -457,6 +469,27 @@ def _gpu_plausibility(fits: dict[str, Any], catalog: Any) -> Check:
                 "value"
             )
     return problems, [], {"plausibility": {"datasheet": catalog.name, "gemm_efficiency": eff}}
+
+
+def _beyond_peak(fits: dict[str, Any]) -> list[str]:
+    """Rates above the profile's peak (the best GEMM on a CPU, the datasheet on a GPU) and a GEMM
+    shape term beyond every shape measured: the fits of a disturbed run."""
+    problems = []
+    for p, rec in (fits.get("attention") or {}).items():
+        if isinstance(rec, dict) and float(rec.get("efficiency") or 0) > 1.0:
+            problems.append(
+                f"plausibility: fused attention in {p} runs {float(rec['efficiency']):.3g}x the "
+                "peak (the best GEMM rate on a CPU, the datasheet on a GPU): faster than the "
+                "peak is impossible, the GEMM measurements were disturbed"
+            )
+    half_dim = (fits.get("gemm") or {}).get("half_dim")
+    if half_dim is not None and float(half_dim) > MAX_HALF_DIM:
+        problems.append(
+            f"plausibility: the GEMM shape term half_dim = {float(half_dim):.3g} is beyond every "
+            f"shape measured (limit {MAX_HALF_DIM:g}): no GEMM reached half its fitted peak, the "
+            "fit extrapolated"
+        )
+    return problems
 
 
 def _precisions(fits: dict[str, Any], machine: dict[str, Any], device: str) -> Check:
