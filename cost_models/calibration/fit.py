@@ -119,7 +119,8 @@ def gemm_time_s(
 
 def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     """Fit one asymptotic rate per precision, and one half_dim and launch_s shared by all
-    (the GemmEfficiency form). `multiplier` is 1 for forward GEMMs and 2 for the backward pair."""
+    (the GemmEfficiency form). `multiplier` scales each point's time: 1 for a forward GEMM,
+    r for its backward, 1 + r for both (r = gemm.backward_over_forward)."""
     m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
     prec = np.asarray(precision, dtype=object)
     mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
