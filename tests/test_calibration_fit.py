@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from autosearch.core.hardware import ATTENTION_BACKWARD_OVER_FORWARD
-
 from cost_models.calibration import (
     collective_coefficients,
     fit_alpha_beta,
