@@ -40,7 +40,20 @@ MACHINE = {
     "load_average_at_end": [2.1, 0.5, 0.3],
     "backend": "gloo",
 }
+GPU_MACHINE = {
+    **MACHINE,
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "device_count": 8,
+    "device_memory_bytes": 85e9,
+    "device_l2_cache_bytes": 50e6,
+    "last_level_cache_bytes": 50e6,
+    "cpu_cores": 16,
+    "backend": "nccl",
+}
 LAUNCH_S = 5e-6
+
+
+CPU_SHAPES = ((16, 64, 256, 1024), (64, 256, 1024), (64, 256, 1024))
 
 
 def synthetic(
@@ -51,57 +64,70 @@ def synthetic(
     load=0.05,
     noise=0.03,
     seed=0,
+    device="cpu",
+    shapes=CPU_SHAPES,
+    half_dim=2.0,
+    dram=8e9,
+    cache=40e9,
+    alpha=200e-6,
+    beta=1e9,
+    group=2,
 ) -> pd.DataFrame:
-    """Measurement rows of world size 2 (2 processes x 1 thread), as run_microbenchmarks writes
-    them."""
+    """Measurement rows as run_microbenchmarks writes them: on a CPU all of world size `group`
+    (processes x 1 thread); on a GPU compute on one GPU and collectives over `group`."""
     rng = np.random.default_rng(seed)
     rows = [{"kind": "process_memory", "op": "baseline", "bytes": 2.3e8}]
     rows.append({"kind": "launch", "op": "tiny_add", "time_s": LAUNCH_S, "reps": 2000})
-    gemm = GemmEfficiency(
-        max_efficiency={"fp32": rate_fp32, "bf16": rate_bf16}, half_dim=2.0, launch_s=1e-5
-    )
-    for p in ("fp32", "bf16"):
-        for m in (16, 64, 256, 1024):
-            for n in (64, 256, 1024):
-                for k in (64, 256, 1024):
+    rates = {"fp32": rate_fp32, "bf16": rate_bf16}
+    gemm = GemmEfficiency(max_efficiency=rates, half_dim=half_dim, launch_s=1e-5)
+    for p in rates:
+        for m in shapes[0]:
+            for n in shapes[1]:
+                for k in shapes[2]:
                     fwd = gemm.time_s(m, n, k, 1.0, p)
                     for op, t in (("linear_fwd", fwd), ("linear_bwd", 3.0 * fwd)):
                         rows.append(
                             {"kind": "gemm", "op": op, "precision": p, "m": m, "n": n, "k": k}
                             | {"flops": 2.0 * m * n * k, "time_s": t, "reps": 10}
                         )
-    for size in (2**e for e in range(16, 29, 2)):
-        bw = 40e9 if 3 * size <= 8 * 2**20 else 8e9
+    llc = (MACHINE if device == "cpu" else GPU_MACHINE)["last_level_cache_bytes"]
+    for size in (2**e for e in range(16, 31, 2)):
+        bw = cache if 3 * size <= llc else dram
         for op, arrays in (("copy", 2), ("add", 3), ("triad", 3)):
             rows.append(
                 {"kind": "memory", "op": op, "precision": "fp32", "array_bytes": size}
                 | {"bytes": float(arrays * size), "time_s": LAUNCH_S + arrays * size / bw}
                 | {"reps": 10}
             )
-    for p, rate in (("fp32", 9e9), ("bf16", 9e9 * rate_bf16 / rate_fp32)):
+    for p, rate in rates.items():  # fused attention at 30% of the GEMM rate
         for b in (1, 4):
             for s in (64, 128, 256, 512):
                 flops = 4.0 * b * 8 * s * s * 64 * 0.5
-                fwd = LAUNCH_S + flops / rate
+                fwd = LAUNCH_S + flops / (0.3 * rate)
                 base = {"kind": "attention", "precision": p, "batch": b, "heads": 8}
                 base |= {"seq_len": s, "head_dim": 64, "flops": flops, "reps": 10}
                 rows.append(base | {"op": "sdpa_fwd", "time_s": fwd})
                 rows.append(base | {"op": "sdpa_bwd", "time_s": 2.3 * fwd})
-    for op, beta in (("all_reduce", 1e9), ("all_gather", 0.6e9), ("reduce_scatter", 0.4e9)):
+    compute_ws = group if device == "cpu" else 1
+    for r in rows:
+        r["world_size"] = compute_ws
+    for op, factor in (("all_reduce", 1.0), ("all_gather", 0.6), ("reduce_scatter", 0.4)):
         for size in (4 * 4**i for i in range(12)):
-            a, b = collective_coefficients(op, 2)
+            a, b = collective_coefficients(op, group)
             rows.append(
-                {"kind": "collective", "op": op, "group_size": 2, "bytes": float(size)}
-                | {"time_s": a * 200e-6 + b * size / beta, "reps": 10}
+                {"kind": "collective", "op": op, "group_size": group, "bytes": float(size)}
+                | {"time_s": a * alpha + b * size / (beta * factor), "reps": 10}
+                | {"world_size": group}
             )
     df = pd.DataFrame(rows)
     timed = df["time_s"].notna()
     df.loc[timed, "time_s"] *= np.exp(rng.normal(0, noise, int(timed.sum())))
     df["time_min_s"] = df["time_s"] * 0.97
     df.loc[timed, "time_cv"] = cv
-    df.insert(0, "device", "cpu")
-    df["world_size"], df["threads"] = 2, 1
-    df["load_other_cores"], df["load_steal_cores"], df["load_cores"] = load, 0.0, 2.0
+    df.insert(0, "device", device)
+    df["threads"] = 1 if device == "cpu" else None
+    df["load_other_cores"], df["load_steal_cores"] = load, 0.0
+    df["load_cores"] = float((MACHINE if device == "cpu" else GPU_MACHINE)["cpu_cores"])
     df["skipped"] = None
     return df
 
@@ -159,6 +185,46 @@ def test_a_bad_calibration_is_refused_naming_the_check(kwargs, check):
     problems = quality_problems(prof)
     assert problems and prof.calibration["quality"]["ok"] is False
     assert any(p.startswith(check) for p in problems), problems
+
+
+GPU = {
+    "device": "cuda",
+    "rate_fp32": 55e12,  # 0.82 of the H100 datasheet's 66.9 TFLOP/s
+    "rate_bf16": 700e12,  # 0.71 of 989.4
+    "shapes": ((256, 1024, 4096, 16384), (1024, 4096, 8192), (1024, 4096, 8192)),
+    "half_dim": 128.0,
+    "dram": 2.9e12,  # 0.87 of 3.35 TB/s
+    "cache": 8e12,
+    "alpha": 10e-6,
+    "beta": 370e9,  # 0.82 of NVLink's 450 GB/s
+    "group": 8,
+}
+
+
+def gpu_profile(**overrides) -> HardwareProfile:
+    prof, _ = build_profile(
+        synthetic(**{**GPU, **overrides}),
+        name="h100-synthetic",
+        machine=dict(GPU_MACHINE),
+        compute_world_size=1,
+        gpus_per_node=8,
+    )
+    return prof
+
+
+def test_a_gpu_calibration_is_checked_against_its_datasheet():
+    good = gpu_profile()
+    assert quality_problems(good) == [], good.calibration["quality"]
+    assert good.gemm.max_efficiency["bf16"] == pytest.approx(700 / 989.4, rel=0.15)
+    link = good.intra_node
+    all_reduce = link.achieved_bandwidth_bytes_per_s * link.op_factor("all_reduce")
+    assert all_reduce == pytest.approx(370e9, rel=0.15)
+    # Above the datasheet peak: refused, and still written as a profile that loads (at the limit).
+    fast = gpu_profile(rate_bf16=1.3e15)
+    assert any("datasheet" in p for p in quality_problems(fast)), quality_problems(fast)
+    assert fast.gemm.max_efficiency["bf16"] == 1.0
+    slow = gpu_profile(rate_fp32=0.5e12, rate_bf16=5e12)  # 0.5% of the peak: a shared GPU
+    assert any(p.startswith("plausibility:") for p in quality_problems(slow))
 
 
 def test_profiles_without_a_quality_record():
