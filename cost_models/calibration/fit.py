@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import least_squares
 
 from autosearch.core.hardware import GemmEfficiency
@@ -51,7 +52,7 @@ class FitQuality:
         }
 
 
-def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> FitQuality:
+def fit_quality(predicted: ArrayLike, measured: ArrayLike) -> FitQuality:
     p = np.asarray(predicted, dtype=float)
     y = np.asarray(measured, dtype=float)
     lp, ly = np.log(p), np.log(y)

@@ -13,6 +13,7 @@ is the same on all ranks, and the ranks stay in lock-step without further coordi
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -177,11 +178,11 @@ def gemm(
             x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
             w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
             with torch.no_grad():
-                fwd = timer.measure(lambda x=x, w=w: F.linear(x, w))
+                fwd = timer.measure(functools.partial(F.linear, x, w))
             y = F.linear(x, w)
             g = torch.randn_like(y)
             bwd = timer.measure(
-                lambda y=y, x=x, w=w, g=g: torch.autograd.grad(y, (x, w), g, retain_graph=True)
+                functools.partial(torch.autograd.grad, y, (x, w), g, retain_graph=True)
             )
             for op, r in (("linear_fwd", fwd), ("linear_bwd", bwd)):
                 rows.append(
@@ -216,9 +217,9 @@ def memory(timer: Timer, *, array_bytes: Iterable[int]) -> list[dict[str, Any]]:
         b = torch.ones(n, device=timer.device)
         c = torch.empty(n, device=timer.device)
         ops = {
-            "copy": (lambda a=a, c=c: c.copy_(a), 2),
-            "add": (lambda a=a, b=b, c=c: torch.add(a, b, out=c), 3),
-            "triad": (lambda a=a, b=b, c=c: torch.add(a, b, alpha=3.0, out=c), 3),
+            "copy": (functools.partial(c.copy_, a), 2),
+            "add": (functools.partial(torch.add, a, b, out=c), 3),
+            "triad": (functools.partial(torch.add, a, b, alpha=3.0, out=c), 3),
         }
         for op, (fn, arrays) in ops.items():
             r = timer.measure(fn, warmup=2)
@@ -277,14 +278,12 @@ def attention(
             )
             with torch.no_grad():
                 fwd = timer.measure(
-                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
                 )
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             g = torch.randn_like(o)
             bwd = timer.measure(
-                lambda o=o, q=q, k=k, v=v, g=g: torch.autograd.grad(
-                    o, (q, k, v), g, retain_graph=True
-                )
+                functools.partial(torch.autograd.grad, o, (q, k, v), g, retain_graph=True)
             )
             rows.append({**base, "op": "sdpa_fwd", "flops": flops, **fwd})
             rows.append(
@@ -324,34 +323,41 @@ def collectives(
             if op in slow:
                 rows.append({**base, "skipped": "slower than max_call_s"})
                 continue
+            fn: Callable[[], Any]
             if op == "all_reduce":
-                buf = torch.ones(elems, device=dev)
-                fn = lambda buf=buf: dist.all_reduce(buf)  # noqa: E731
+                fn = functools.partial(dist.all_reduce, torch.ones(elems, device=dev))
             elif op == "all_gather":
                 inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
-                fn = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+                fn = functools.partial(dist.all_gather_into_tensor, out, inp)
             elif op == "reduce_scatter":
                 inp, out = torch.ones(elems, device=dev), torch.empty(elems // world, device=dev)
-                fn = lambda out=out, inp=inp: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+                fn = functools.partial(dist.reduce_scatter_tensor, out, inp)
             elif op == "send_recv":
-                buf = torch.ones(elems, device=dev)
-
-                def fn(buf=buf):
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    elif rank == 1:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
+                fn = functools.partial(_ping_pong, torch.ones(elems, device=dev), rank)
             else:
                 raise ValueError(f"unknown collective {op!r}")
-            r = timer.measure(lambda fn=fn: (fn(), timer.sync()), barrier_each=True)
+            r = timer.measure(functools.partial(_then_sync, fn, timer), barrier_each=True)
             if op == "send_recv":  # one way = half the round trip
                 r = {**r, "time_s": r["time_s"] / 2, "time_min_s": r["time_min_s"] / 2}
             rows.append({**base, **r})
             if r["time_s"] * 4 > max_call_s:  # the next size (4x larger) would exceed the limit
                 slow.add(op)
     return rows
+
+
+def _ping_pong(buf: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends `buf` to rank 1 and receives it back; the other ranks wait at the barrier."""
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _then_sync(fn: Callable[[], Any], timer: Timer) -> None:
+    fn()
+    timer.sync()
 
 
 def process_memory_bytes(device: torch.device) -> float:

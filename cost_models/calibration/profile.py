@@ -342,12 +342,12 @@ def fit_gemm_term(
     else:
         best = max(gfit.rate_flops.values())
         peak = {p: best for p in gfit.rate_flops}
-        best_p = max(gfit.rate_flops, key=gfit.rate_flops.get)
+        best_p = max(gfit.rate_flops, key=lambda p: gfit.rate_flops[p])
         definition = (
             f"measured: the fitted large-shape rate of F.linear in {best_p} (the best precision), "
             "the same for every precision; max_efficiency = each precision's rate / this"
         )
-    measured = ("peak_flops",) if base is None else ()
+    measured: tuple[str, ...] = ("peak_flops",) if base is None else ()
     measured += ("gemm.max_efficiency", "gemm.half_dim", "gemm.launch_s")
     measured += ("gemm.backward_over_forward",) if bwd_ratio else ()
     record = {
@@ -413,7 +413,9 @@ def fit_memory_term(
         dram = mem[mem["array_bytes"].isin(sizes)]
         rule = "the two largest arrays (none reach 4x the last-level cache)"
     bfit = F.fit_bandwidth(dram["bytes"], dram["t"], launch_s=launch_s)
-    all_q = F.fit_quality(launch_s + mem["bytes"] / bfit.bandwidth_bytes_per_s, mem["t"])
+    all_q = F.fit_quality(
+        (launch_s + mem["bytes"] / bfit.bandwidth_bytes_per_s).tolist(), mem["t"].tolist()
+    )
     in_cache = mem[mem["bytes"] <= llc]
     cache_bw = float((in_cache["bytes"] / in_cache["t"]).max()) if len(in_cache) else None
     cache_fit = None
@@ -564,13 +566,14 @@ def _fit_intra_link(
 ) -> LinksTerm:
     groups = coll["group_size"].astype(int)
     ab = F.fit_alpha_beta(coll["op"].tolist(), groups.tolist(), coll["bytes"], coll["t"])
-    per_op = {}
-    for op, rows in coll.groupby("op"):
+    per_op: dict[str, dict[str, Any]] = {}
+    for op in sorted(set(coll["op"])):
+        rows = coll[coll["op"] == op]
         if len(rows) >= 2:
             f1 = F.fit_alpha_beta(
                 [op] * len(rows), rows["group_size"].astype(int).tolist(), rows["bytes"], rows["t"]
             )
-            per_op[op] = {
+            per_op[str(op)] = {
                 "latency_s": f1.latency_s,
                 "bandwidth_bytes_per_s": f1.bandwidth_bytes_per_s,
                 "quality": f1.quality.to_dict(),
@@ -625,7 +628,7 @@ def _link_quality_as_used(coll: pd.DataFrame, link: Link) -> F.FitQuality:
         for o, g, s in zip(coll["op"], coll["group_size"].astype(int), coll["bytes"])
         for a, b in [F.collective_coefficients(o, g)]
     ]
-    return F.fit_quality(predicted, coll["t"])
+    return F.fit_quality(predicted, coll["t"].tolist())
 
 
 def fit_capacity(

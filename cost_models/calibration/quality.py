@@ -211,8 +211,8 @@ def _repeats_and_spread(*, rows: pd.DataFrame, **_: Any) -> Check:
     cv = cv[cv.notna()]
     median = float(cv.median())
     noisy = float((cv > NOISY_CV).mean())
-    by_kind = {k: float(g["time_cv"].median()) for k, g in timed.groupby("kind")}
-    worst_kind = max(by_kind, key=by_kind.get)
+    by_kind = {str(k): float(g["time_cv"].median()) for k, g in timed.groupby("kind")}
+    worst_kind = max(by_kind, key=lambda k: by_kind[k])
     detail = (
         f"median coefficient of variation {median:.2f} over {len(cv)} points "
         f"(worst kind {worst_kind}: {by_kind[worst_kind]:.2f}), {noisy:.0%} of points above "
@@ -389,7 +389,7 @@ def _cpu_plausibility(fits: dict[str, Any], machine: dict[str, Any], threads: in
                 "broken"
             )
     if per_core:
-        best = max(per_core, key=per_core.get)
+        best = max(per_core, key=lambda p: per_core[p])
         floor = MIN_CPU_FRACTION * cpu_flops_per_cycle(flags, "fp32") * clock
         if per_core[best] < floor:
             problems.append(

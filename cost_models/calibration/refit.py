@@ -143,7 +143,7 @@ def refit_corrections(
         intercept: fit a fixed per-step overhead (>= 0).
         seed: of the random holdout.
     """
-    groups = {k: tuple(v) for k, v in (groups or TERM_GROUPS).items()}
+    term_groups = {k: tuple(v) for k, v in (groups or TERM_GROUPS).items()}
     need = {"predicted_step_time_s", "measured_step_time_s"}
     if not need <= set(runs.columns):
         raise SpecError(f"runs need the columns {sorted(need)}; got {sorted(runs.columns)}")
@@ -152,8 +152,8 @@ def refit_corrections(
         raise SpecError(f"need at least 2 successful runs to refit, got {len(df)}")
     mask = _holdout_mask(df, holdout, group_column, seed)
     train, test = df[~mask], df[mask]
-    sums = _group_sums(train, groups)
-    active = [g for g in groups if np.any(sums[g] > 0)]
+    sums = _group_sums(train, term_groups)
+    active = [g for g in term_groups if np.any(sums[g] > 0)]
     n_params = len(active) + int(intercept)
     if len(train) < max(2, n_params):
         raise SpecError(
@@ -184,25 +184,25 @@ def refit_corrections(
     upper = [np.inf] * n_params
     sol = least_squares(resid, x0, bounds=(lower, upper))
     factors, icpt = unpack(sol.x)
-    factors = {g: factors.get(g, 1.0) for g in groups}
+    factors = {g: factors.get(g, 1.0) for g in term_groups}
     errors = {
         "train_before": _errors(train["predicted_step_time_s"], train["measured_step_time_s"]),
         "train_after": _errors(
-            _corrected(train, groups, factors, icpt), train["measured_step_time_s"]
+            _corrected(train, term_groups, factors, icpt), train["measured_step_time_s"]
         ),
         "holdout_before": _errors(test["predicted_step_time_s"], test["measured_step_time_s"]),
         "holdout_after": _errors(
-            _corrected(test, groups, factors, icpt), test["measured_step_time_s"]
+            _corrected(test, term_groups, factors, icpt), test["measured_step_time_s"]
         ),
     }
     return RefitResult(
         factors,
         icpt,
         errors,
-        groups,
+        term_groups,
         tuple(train.index),
         tuple(test.index),
-        tuple(g for g in groups if g not in active),
+        tuple(g for g in term_groups if g not in active),
         prior_weight,
     )
 
@@ -232,24 +232,28 @@ def _holdout_mask(df: pd.DataFrame, holdout, group_column: str | None, seed: int
         n_out = max(1, n_out)
     n_out = min(n_out, len(unique) - 1)
     chosen = (
-        np.random.default_rng(seed).choice(unique, size=n_out, replace=False) if n_out > 0 else []
+        np.random.default_rng(seed).choice(unique, size=n_out, replace=False)
+        if n_out > 0
+        else np.array([], dtype=unique.dtype)
     )
     return np.isin(keys, chosen)
 
 
 def _group_sums(df: pd.DataFrame, groups: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
-    return {
-        g: sum((df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in cols)
-        if cols
-        else np.zeros(len(df))
-        for g, cols in groups.items()
-    }
+    return {g: _column_sum(df, cols) for g, cols in groups.items()}
 
 
 def _fixed(df: pd.DataFrame) -> np.ndarray:
-    return sum(
-        (df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in FIXED_TERMS
-    )
+    return _column_sum(df, FIXED_TERMS)
+
+
+def _column_sum(df: pd.DataFrame, columns: Sequence[str]) -> np.ndarray:
+    """Row-wise sum of `columns` (a missing column counts as 0)."""
+    total = np.zeros(len(df))
+    for c in columns:
+        if c in df.columns:
+            total = total + df[c].to_numpy(float)
+    return total
 
 
 def _corrected(

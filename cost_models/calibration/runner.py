@@ -383,8 +383,9 @@ def run_microbenchmarks(
         )
         load = load_between(before, cpu_time_sample())
         frame = pd.DataFrame(rows)
-        for key, value in {**load, "load_average_1m": (load_average or [None])[0]}.items():
+        for key, value in load.items():
             frame[key] = value
+        frame["load_average_1m"] = load_average[0] if load_average else None
         frames.append(frame)
         if load:
             log(
