@@ -60,6 +60,9 @@ SCHEMA_LIMITS = {
     "kernel_launch_s": 1.0,
     "half_dim": 1e6,
     "backward_over_forward": 100.0,
+    "peak_flops": 1e18,
+    "bandwidth_bytes_per_s": 1e14,
+    "cache_bandwidth_bytes_per_s": 1e15,
 }
 CATALOG_MATCH = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm4-{mem}gb"))
 
