@@ -13,8 +13,9 @@ The checks and their thresholds (each message names its check first: `spread:`, 
   point. A median of n calls (3-30 here) of a point with variation c is uncertain by about
   1.25 c / sqrt(n): c = 0.15 gives 3-11%, as large as the cost model's own error on this
   machine's runs (~9%). Problem: median CV over the points above `MAX_MEDIAN_CV`, or more than
-  `MAX_NOISY_FRACTION` of the points above `NOISY_CV`. (On the shared 2-core development VM with
-  other agents' jobs taking 1-1.3 of its 2 cores, a quick calibration had median CV 0.50-0.72.)
+  `MAX_NOISY_FRACTION` of the points above `NOISY_CV`. On the shared 2-core development VM with
+  other jobs keeping 1.0-1.8 of its 2 cores busy, quick calibrations had median CVs of 0.32-0.74;
+  no quiet-machine figure yet (the committed calibration predates the spread record).
 - load: the CPU time other processes took on the cores the calibration ran on, from /proc/stat
   busy time minus this process tree's own CPU time (getrusage), per world size. A compute
   benchmark that shares its cores runs as much slower as others take: problem above
@@ -36,10 +37,11 @@ The checks and their thresholds (each message names its check first: `spread:`, 
   attention no faster than the peak, and the GEMM shape term `half_dim` at most `MAX_HALF_DIM`
   (beyond the largest dimension measured, no GEMM reached half its fitted rate).
 - precision: each 16-bit precision's GEMM rate relative to fp32. Without native 16-bit matmul
-  (avx512_bf16 / amx for bf16, avx512_fp16 / amx_fp16 for fp16), 16-bit runs 10-40x slower on a
-  CPU: recorded in `checks.precision_slowdown` and warned about (the profile's
-  `gemm.max_efficiency` prices it so, and a search does not pick it); 16-bit measured faster than
-  fp32 by more than `MAX_UNNATIVE_SPEEDUP` without native support is impossible: a problem.
+  (avx512_bf16 / amx for bf16, avx512_fp16 / amx_fp16 for fp16), 16-bit runs 10-50x slower on a
+  CPU (9.5x and 15x in the committed cpu-local profile): recorded in
+  `checks.precision_slowdown` and warned about (the profile's `gemm.max_efficiency` prices it so,
+  and a search does not pick it); 16-bit measured faster than fp32 by more than
+  `MAX_UNNATIVE_SPEEDUP` without native support is impossible: a problem.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def _repeats_and_spread(*, rows: pd.DataFrame, **_: Any) -> Check:
         if len(few):
             problems.append(
                 f"repeats: {len(few)} of {len(timed)} points were timed fewer than {MIN_REPEATS} "
-                "times; calibrate without a smaller budget"
+                "times, too few for a spread; calibrate again with the default time budget"
             )
     if "time_cv" not in timed.columns or timed["time_cv"].isna().all():
         warnings.append(
