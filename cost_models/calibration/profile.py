@@ -18,7 +18,8 @@ are the datasheet values with efficiency = fitted / datasheet.
 `build_profile` composes one function per fitted term (`fit_launch`, `fit_gemm_term`,
 `fit_memory_term`, `fit_attention_term`, `fit_links`, `fit_capacity`); each returns a small
 record of what it fitted and the `measured` / `defaults` / `fits` entries it adds. The profile
-is then made as a `HardwareProfile` and written by its own `to_dict` / `to_yaml` (one schema).
+is then made as a `HardwareProfile` and written by its own `to_dict` / `to_yaml` (one schema),
+with the verdict of `quality.assess_quality` on the measurements in `calibration.quality`.
 """
 
 from __future__ import annotations
