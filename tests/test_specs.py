@@ -145,7 +145,7 @@ def test_strategy_yaml_round_trip_and_mp_alias(tmp_path):
         ("dp=-2", "dp must be >= 1, got -2"),
         ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
         ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
-        ("recompute=some", "recompute must be one of none, selective, full"),
+        ("recompute=some", "recompute must be one of none, selective, selective_op, full"),
         ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
         ("dp", "is not key=value"),
         ("tp=2,mp=2", "'tp' is given twice"),
