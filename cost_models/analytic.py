@@ -215,14 +215,15 @@ class AnalyticCostModel(CostModel):
             attn_bwd = gemm.backward_over_forward * attn_fwd
             # Fused scale-mask-softmax (read + write) and attention dropout (read, write, 1-byte
             # mask).
-            mask = 1.0 if m.is_gpt_style else 0.0
+            mask = 1.0 if m.dropout else 0.0
             softmax_bytes = rows * s * (2 * ab + mask * (2 * ab + 1))
         # Memory-bound elementwise work per layer forward (bytes moved), backward taken as 2x:
         # two norms (read + write), two residual adds with bias-dropout (read 2, write 1, mask),
         # the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write 1), rotary on q, k.
         # Each kernel streams at the bandwidth of where its bytes fit (cache or memory).
         sbh = T * h
-        dropout_mask = sbh if m.is_gpt_style else 0.0
+        rotary = m.position_embedding == "rotary"
+        dropout_mask = sbh if m.dropout else 0.0
         rep = 1.0 / (t if sp else 1)
         stream = self._stream_s
         softmax_s = stream(softmax_bytes / t)
@@ -231,7 +232,7 @@ class AnalyticCostModel(CostModel):
             + 2 * stream((3 * sbh * ab + dropout_mask) * rep)  # the two residual adds
             + stream((2 if m.is_gpt_style else 3) * T * f * ab / t)  # the MLP activation
             + (
-                0.0 if m.is_gpt_style else stream(2 * T * (h + m.kv_hidden_size) * ab / t)
+                stream(2 * T * (h + m.kv_hidden_size) * ab / t) if rotary else 0.0
             )  # rotary
             + softmax_s
         )
@@ -253,7 +254,8 @@ class AnalyticCostModel(CostModel):
 
         # Embedding lookup (gather + scatter-add backward; learned positions for GPT style) and the
         # vocabulary-parallel embedding all-reduce (Shoeybi et al. 2019, sec. 3).
-        emb = 3 * stream((2 + (2 if m.is_gpt_style else 0)) * sbh * ab) + 3 * launch
+        learned = m.position_embedding == "learned"
+        emb = 3 * stream((2 + (2 if learned else 0)) * sbh * ab) + 3 * launch
         emb_comm = tp_ar
         # Logits (vocabulary split over tp), final norm, and the fused cross-entropy over fp32
         # logits: read the 16-bit logits, write fp32 softmax, read it back and write the gradient.
@@ -373,7 +375,7 @@ class AnalyticCostModel(CostModel):
                 kv_hidden=m.kv_hidden_size,
                 ffn_hidden=m.ffn_hidden_size,
                 swiglu=not m.is_gpt_style,
-                dropout=m.is_gpt_style,
+                dropout=m.dropout,
                 tp=tp,
                 sequence_parallel=sp,
                 recompute=recompute,

@@ -97,7 +97,7 @@ class Strategy:
             each pipeline chunk (Megatron-LM ``--recompute-num-layers`` with the block method);
             ``None`` means every layer.
         pipeline_split: layers of each pipeline chunk, in order (``pp * virtual_stages``
-            numbers summing to the layers); ``None`` splits them as evenly as possible, the
+            numbers summing to the layers; ``15/16/16/15`` on the command line); ``None`` splits them as evenly as possible, the
             first and last chunks taking one layer less when the division is uneven (they
             also hold the embedding and the logits).
         fp8: float8 matmuls in the transformer blocks, ``none``, ``tensorwise`` or ``rowwise``
@@ -165,8 +165,9 @@ class Strategy:
                 problems.append(str(exc))
         if self.pipeline_split is not None:
             split = self.pipeline_split
-            if isinstance(split, str):  # "15,16,16" from the command line
-                split = tuple(part.strip() for part in split.split(",") if part.strip())
+            if isinstance(split, str):  # "15/16/16/15" from the command line
+                parts = split.replace("/", ",").split(",")
+                split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())
             try:
                 split = tuple(positive_int(n, "pipeline_split entry") for n in split)
                 object.__setattr__(self, "pipeline_split", split)
