@@ -251,7 +251,7 @@ class AnalyticCostModel(CostModel):
         # so that the causal work is even (torch's context parallel).
         if rt.flash_attention:
             flops = 4.0 * mb * s * s * h / t * CAUSAL_FRACTION / cp
-            attn_fwd = launch + flops / (peak * prof.attention_efficiency.get(precision, 0.5))
+            attn_fwd = launch + flops / (peak * self._attention_efficiency(precision))
             attn_bwd = prof.attention_backward_over_forward * attn_fwd
             softmax_bytes = 0.0
         else:
@@ -445,6 +445,15 @@ class AnalyticCostModel(CostModel):
             comm += m * (ag if rt.fsdp_backward_gather_exposed else exposed(ag, bwd_window))
         comm += (m if mode.reduce_every_microbatch else 1) * exposed(rs, bwd_window)
         return DataParallelCost(comm, params, grads_mem, optimizer_bytes)
+
+    def _attention_efficiency(self, precision: str) -> float:
+        """Fraction of peak the fused attention kernel reaches (forward and backward): the
+        runtime's kernel on this hardware if the profile knows it (16-bit), else the profile's
+        flash efficiency (calibrated, or a datasheet-era default)."""
+        prof, kernel = self.profile, self.runtime.attention_kernel
+        if kernel and precision in ("bf16", "fp16") and kernel in prof.attention_kernels:
+            return prof.attention_kernels[kernel]
+        return prof.attention_efficiency.get(precision, 0.5)
 
     def _rank_block_params(self, strategy: "Strategy") -> float:
         """Transformer-block parameters on the heaviest pipeline rank (one tp shard)."""

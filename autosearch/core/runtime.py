@@ -41,6 +41,9 @@ class RuntimeOptions:
             fast intra-node link (Narayanan et al. 2021, sec. 4.1).
         step_overhead_s: fixed host-side cost per optimizer step (Python, launch queues).
         description: one line on what the runtime is.
+        attention_kernel: the fused attention kernel it runs (``fa2``, ``cudnn``, ``triton``):
+            its efficiency is the hardware profile's `attention.kernels` entry when the profile
+            has one, else the profile's (calibrated) flash efficiency.
         async_tp_overlap: `tp_overlap` when the strategy asks for async tensor parallelism.
         main_grad_fp32: gradients accumulate in a full fp32 buffer on every rank (Megatron-Core
             ``main_grad``), sharded or not.
@@ -69,6 +72,7 @@ class RuntimeOptions:
     name: str = "torch"
     description: str = ""
     flash_attention: bool = True
+    attention_kernel: str = ""
     dp_overlap: float = 1.0
     tp_overlap: float = 0.0
     async_tp_overlap: float = 0.0
