@@ -406,10 +406,13 @@ class AnalyticCostModel(CostModel):
                     gathered_param_bytes, d, t
                 )
             else:  # parameters gathered for forward and again for backward, every micro-batch
-                ag = self._all_gather(gathered_param_bytes, d, t)
+                ag = self._per_unit(self._all_gather, gathered_param_bytes, d, t, strategy)
                 comm = m * (
                     exposed(ag, fwd_window)
-                    + exposed(ag + self._reduce_scatter(grads, d, t), bwd_window)
+                    + exposed(
+                        ag + self._per_unit(self._reduce_scatter, grads, d, t, strategy),
+                        bwd_window,
+                    )
                 )
             return DataParallelCost(comm, params, grads_mem, opt_mem)
 
@@ -432,8 +435,8 @@ class AnalyticCostModel(CostModel):
         # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
         # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
         # unsharded in fp32 and reduced once per step.
-        ag = self._all_gather(gathered_param_bytes, d, t)
-        rs = self._reduce_scatter(grads, d, t)
+        ag = self._per_unit(self._all_gather, gathered_param_bytes, d, t, strategy)
+        rs = self._per_unit(self._reduce_scatter, grads, d, t, strategy)
         two_layers_live = mode.reshard_after_forward and p == 1
         per_param = gathered_param_bytes / psi if psi else gather_bytes
         gathered = 2 * layer_params * per_param if two_layers_live else gathered_param_bytes
@@ -455,6 +458,14 @@ class AnalyticCostModel(CostModel):
             return prof.attention_kernels[kernel]
         return prof.attention_efficiency.get(precision, 0.5)
 
+    def _per_unit(self, collective, nbytes: float, group: int, stride: int, strategy) -> float:
+        """FSDP gathers and reduces one unit at a time (each block, then the root: FSDP2
+        `fully_shard` per block, FSDP1 auto-wrap, Megatron-FSDP), so every unit pays the ring's
+        latency, (n-1) alpha: at hundreds of ranks that latency, not bandwidth, bounds small
+        models (Thakur et al. 2005 alpha-beta model, applied per collective)."""
+        units = max(self._rank_layers(strategy)) + 1
+        return units * collective(nbytes / units, group, stride)
+
     def _rank_block_params(self, strategy: "Strategy") -> float:
         """Transformer-block parameters on the heaviest pipeline rank (one tp shard)."""
         return max(self._rank_layers(strategy)) * self.model.layer_params / strategy.tp
@@ -464,17 +475,33 @@ class AnalyticCostModel(CostModel):
         return nbytes / self.profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
 
     def _activation_bytes(
-        self, tp: int, mb: int, sp: bool, precision: str, cp: int, recompute: str
+        self,
+        tp: int,
+        mb: int,
+        sp: bool,
+        precision: str,
+        cp: int,
+        fused: bool,
+        fp8: bool,
+        recompute: str,
     ) -> float:
         """Bytes one layer keeps for backward, per micro-batch, on one rank."""
-        key = (tp, mb, sp, precision, cp, recompute)
+        key = (tp, mb, sp, precision, cp, fused, fp8, recompute)
         hit = self._act_cache.get(key)
         if hit is None:
             hit = self._act_cache[key] = self._compute_activation_bytes(*key)
         return hit
 
     def _compute_activation_bytes(
-        self, tp: int, mb: int, sp: bool, precision: str, cp: int, recompute: str
+        self,
+        tp: int,
+        mb: int,
+        sp: bool,
+        precision: str,
+        cp: int,
+        fused: bool,
+        fp8: bool,
+        recompute: str,
     ) -> float:
         m, rt = self.model, self.runtime
         ab = ACT_BYTES[precision]
@@ -502,6 +529,8 @@ class AnalyticCostModel(CostModel):
             recompute=recompute,
             flash_attention=rt.flash_attention,
             act_bytes=ab,
+            fused_swiglu=fused,
+            fp8_linear_inputs=fp8,
         )
         if sp and tp > 1 and rt.sp_saves_gathered_input and recompute != "full":
             # DTensor keeps the all-gathered (whole-sequence) input of the QKV and first MLP
@@ -683,7 +712,9 @@ class AnalyticCostModel(CostModel):
         mb, sp, rc = strategy.micro_batch_size, strategy.sequence_parallel, strategy.recompute
         precision, schedule = strategy.amp, strategy.pipeline_schedule
         ab = ACT_BYTES[precision]
-        key = (t, mb, sp, precision, strategy.cp)
+        fused = strategy.compile or rt.fused_swiglu
+        fp8_inputs = strategy.fp8 != "none" and rt.fp8_saves_fp8_inputs
+        key = (t, mb, sp, precision, strategy.cp, fused, fp8_inputs)
         act_none = self._activation_bytes(*key, "none")
         act_layer = self._activation_bytes(*key, rc)
 

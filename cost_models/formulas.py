@@ -113,8 +113,16 @@ def layer_activation_bytes(
     recompute: str = "none",
     flash_attention: bool = False,
     act_bytes: int = 2,
+    fused_swiglu: bool = False,
+    fp8_linear_inputs: bool = False,
 ) -> float:
-    """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank.
+
+    `fused_swiglu`: a fused SwiGLU (TransformerEngine, torch.compile) keeps its input (gate and
+    up) and its product, 3 x sbf instead of eager autograd's 4. `fp8_linear_inputs`: float8
+    linears keep the float8 copy of their input for the weight gradient (TransformerEngine), 1
+    byte instead of `act_bytes`.
+    """
     sb = seq_len * micro_batch
     a = act_bytes
     sp_div = tp if sequence_parallel else 1
@@ -124,12 +132,16 @@ def layer_activation_bytes(
     # Kept whole on every tp rank unless sequence parallel shards them along the sequence:
     # two norm inputs, the QKV input, the MLP input (4 x 2sbh + ... = 8sbh at 16 bit) and two
     # dropout masks (2sbh): the "10" of Table 2.
-    replicated = sb * (4 * hidden * a + 2 * hidden * mask)
+    li = 1 if fp8_linear_inputs else a  # bytes of a saved linear input
+    replicated = sb * (2 * hidden * a + 2 * hidden * li + 2 * hidden * mask)
     # Split over tp by the column/row partitioning: Q, K, V, the projection input, and the MLP
     # intermediates: gelu keeps its input and output (2 x sbf); SwiGLU keeps the gate, the up
     # projection, silu(gate) and the product (4 x sbf). The "24/t" of Table 2.
-    mlp = (4 if swiglu else 2) * ffn_hidden
-    sharded = sb * a * (hidden + 2 * kv_hidden + hidden + mlp)
+    if swiglu:  # gate and up (+ silu(gate) in eager), and the product: fc2's input
+        mlp = ((2 if fused_swiglu else 3) * a + li) * ffn_hidden
+    else:  # gelu's input, and its output: fc2's input
+        mlp = (a + li) * ffn_hidden
+    sharded = sb * (a * (hidden + 2 * kv_hidden) + li * hidden + mlp)
     # The attention core: softmax output (2as^2b), and with dropout its mask and output (+3as^2b):
     # the "5as/h" of Table 2. Fused attention keeps only the log-sum-exp (fp32, a s b).
     if flash_attention:

@@ -62,6 +62,10 @@ class RuntimeOptions:
             the saved softmax in eager mode; less when fused or compiled).
         compiled_loss_bytes_per_logit: the same with a compiled loss.
         fp8_all_gather: FSDP gathers float8 weights when the strategy uses fp8.
+        fp8_saves_fp8_inputs: float8 linears keep the float8 copy of their input for backward
+            (TransformerEngine), not the 16-bit one (torchao).
+        fused_swiglu: the runtime's SwiGLU is one fused kernel that keeps 3 x sbf, not 4
+            (TransformerEngine); `compile` fuses it too.
         allocator_reserve_fraction: memory the caching allocator reserves beyond the live
             tensors at the peak (fragmentation), as a fraction of them.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
@@ -88,6 +92,8 @@ class RuntimeOptions:
     loss_bytes_per_logit: float = 10.0
     compiled_loss_bytes_per_logit: float = 10.0
     fp8_all_gather: bool = False
+    fp8_saves_fp8_inputs: bool = False
+    fused_swiglu: bool = False
     allocator_reserve_fraction: float = 0.0
     step_overhead_s: float = 0.0
     supports: tuple[str, ...] = ()
