@@ -542,6 +542,11 @@ class AnalyticCostModel(CostModel):
     def estimate(self, strategy: "Strategy", *, validate: bool = True) -> CostReport:
         if validate:
             strategy.validate(self.model, self.cluster)
+            lacks = self.runtime.lacks(strategy)
+            if lacks:
+                raise SpecError(
+                    lacks, context=f"strategy {strategy.short()} under runtime {self.runtime.name}"
+                )
         layer = self._layer_costs(strategy)
         ranks = self._rank_layers(strategy)
         micro = self._microbatch_time(strategy, layer, ranks)
