@@ -25,6 +25,7 @@ from cost_models.formulas import (
     ring_all_gather_time_s,
     ring_all_reduce_time_s,
     ring_reduce_scatter_time_s,
+    tree_all_reduce_time_s,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,7 +157,12 @@ class AnalyticCostModel(CostModel):
     def _all_reduce(self, nbytes: float, group: int, stride: int) -> float:
         if group <= 1:
             return 0.0
-        return ring_all_reduce_time_s(nbytes, group, *self._link_for(group, stride, "all_reduce"))
+        link = self._link_for(group, stride, "all_reduce")
+        # NCCL runs the faster of ring and tree all-reduce (tree: log n latency)
+        return min(
+            ring_all_reduce_time_s(nbytes, group, *link),
+            tree_all_reduce_time_s(nbytes, group, *link),
+        )
 
     def _all_gather(self, nbytes: float, group: int, stride: int) -> float:
         if group <= 1:

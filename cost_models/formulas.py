@@ -6,6 +6,8 @@ seconds, bandwidths in bytes per second.
 
 from __future__ import annotations
 
+import math
+
 # ---------------------------------------------------------------------------------------------
 # Collectives: the alpha-beta (latency-bandwidth) model of ring algorithms.
 # Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
@@ -34,6 +36,19 @@ def ring_all_gather_time_s(
 
 
 ring_reduce_scatter_time_s = ring_all_gather_time_s
+
+
+def tree_all_reduce_time_s(
+    nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float
+) -> float:
+    """NCCL's double binary tree: 2 ceil(log2 n) alpha + 2(n-1)/n * S / beta. Its latency grows
+    with log n instead of n; at large messages it moves the ring's volume (NCCL 2.4 release
+    notes, "Massively Scale Your Deep Learning Training with NCCL 2.4", Sanders et al. 2009
+    two-tree broadcast). NCCL picks the faster of the two per call."""
+    if group <= 1:
+        return 0.0
+    steps = 2 * math.ceil(math.log2(group))
+    return steps * latency_s + 2.0 * (group - 1) / group * nbytes / bandwidth_bytes_per_s
 
 
 def p2p_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
