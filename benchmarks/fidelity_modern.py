@@ -43,7 +43,7 @@ TARGET_MAPE, TARGET_WORST, TARGET_MEMORY = 0.10, 0.25, 0.10
 ASSUMED = {
     "megatron recompute": "unknown -> none (the Megatron-Bridge Llama recipes set no recompute)",
     "megatron sequence parallel": "tp > 1 -> on (TP comm overlap requires it; the recipes)",
-    "megatron fp8": "TransformerEngine delayed or current scaling -> tensorwise (per-tensor scales)",
+    "megatron fp8": "TE delayed or current scaling -> tensorwise (per-tensor scales)",
     "megatron 8B virtual stages": "unknown with pp = 1 -> 1",
     "torchtitan sequence parallel": "tp > 1 -> on (torchtitan always applies SequenceParallel)",
     "torchtitan pipeline micro-batches": "as many micro-batches as pipeline stages (the late-2024"
