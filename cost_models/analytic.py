@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
+from autosearch.core.bands import Band, error_bands, kind_of
 from autosearch.core.dp_modes import dp_mode
 from autosearch.core.errors import SpecError
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
@@ -115,6 +116,7 @@ class AnalyticCostModel(CostModel):
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._layer_cache: dict[tuple, LayerCosts] = {}
         self._act_cache: dict[tuple, float] = {}
+        self._band_cache: dict[tuple, Band] = {}
         self._link_cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- interconnect ------------------------------------------------------------------------
@@ -455,6 +457,25 @@ class AnalyticCostModel(CostModel):
         comm += (m if mode.reduce_every_microbatch else 1) * exposed(rs, bwd_window)
         return DataParallelCost(comm, params, grads_mem, optimizer_bytes)
 
+    def _band(self, strategy: "Strategy") -> Band:
+        """The error band of this kind of strategy (autosearch/core/bands.py), cached."""
+        s = strategy
+        key = (
+            s.dp > 1,
+            s.tp > 1,
+            s.pp > 1,
+            s.cp > 1,
+            s.zero_stage == 3,
+            s.recompute,
+            s.fp8,
+            s.amp,
+        )
+        hit = self._band_cache.get(key)
+        if hit is None:
+            kind = kind_of(s, self.cluster, self.runtime.name)
+            hit = self._band_cache[key] = error_bands().band(kind)
+        return hit
+
     def _attention_efficiency(self, precision: str) -> float:
         """Fraction of peak the fused attention kernel reaches (forward and backward): the
         runtime's kernel on this hardware if the profile knows it (16-bit), else the profile's
@@ -780,6 +801,7 @@ class AnalyticCostModel(CostModel):
                 ),
             )
         return CostReport(
+            band=self._band(strategy),
             step_time_s=step,
             tokens_per_s=strategy.global_batch_size * model.seq_len / step,
             samples_per_s=strategy.global_batch_size / step,

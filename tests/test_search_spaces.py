@@ -242,10 +242,18 @@ def test_the_dimensions_of_todays_stacks_widen_the_space():
     """cp, fp8, compile, async TP and uneven pipelines are off by default (the Engine runs none
     of them) and widen the space when allowed, where the hardware and layout allow them."""
     base = SearchSpace("llama3.1-405b", "h100-sxm:8x8", global_batch_size=64)
-    assert {s.cp for s in base.enumerate()} == {1} and all(s.fp8 == "none" for s in base.enumerate())
+    assert {s.cp for s in base.enumerate()} == {1} and all(
+        s.fp8 == "none" for s in base.enumerate()
+    )
     wide = SearchSpace(
-        "llama3.1-405b", "h100-sxm:8x8", global_batch_size=64, cp=[1, 2],
-        fp8=["none", "tensorwise"], compile="all", async_tp="all", uneven_pipeline=True,
+        "llama3.1-405b",
+        "h100-sxm:8x8",
+        global_batch_size=64,
+        cp=[1, 2],
+        fp8=["none", "tensorwise"],
+        compile="all",
+        async_tp="all",
+        uneven_pipeline=True,
     )
     strategies = list(wide.enumerate())
     assert len(strategies) == wide.size > base.size

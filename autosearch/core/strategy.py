@@ -97,9 +97,9 @@ class Strategy:
             each pipeline chunk (Megatron-LM ``--recompute-num-layers`` with the block method);
             ``None`` means every layer.
         pipeline_split: layers of each pipeline chunk, in order (``pp * virtual_stages``
-            numbers summing to the layers; ``15/16/16/15`` on the command line); ``None`` splits them as evenly as possible, the
-            first and last chunks taking one layer less when the division is uneven (they
-            also hold the embedding and the logits).
+            numbers summing to the layers; ``15/16/16/15`` on the command line); ``None``
+            splits them as evenly as possible, the first and last chunks taking one layer less
+            when the division is uneven (they also hold the embedding and the logits).
         fp8: float8 matmuls in the transformer blocks, ``none``, ``tensorwise`` or ``rowwise``
             (needs a GPU with fp8 units); the compute precision of the rest stays `amp`.
         compile: the runtime compiles each block (``torch.compile``): elementwise work fuses.
