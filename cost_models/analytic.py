@@ -117,6 +117,7 @@ class AnalyticCostModel(CostModel):
         self._layer_cache: dict[tuple, LayerCosts] = {}
         self._act_cache: dict[tuple, float] = {}
         self._band_cache: dict[tuple, Band] = {}
+        self._ranks_cache: dict[tuple, tuple[int | float, ...]] = {}
         self._link_cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- interconnect ------------------------------------------------------------------------
@@ -626,12 +627,17 @@ class AnalyticCostModel(CostModel):
 
     def _rank_layers(self, strategy: "Strategy") -> tuple[int | float, ...]:
         """Layers each pipeline rank holds (chunk c runs on rank c mod pp)."""
-        p = strategy.pp
-        L = self.model.n_layers
-        if strategy.pipeline_split is None and L % (p * strategy.virtual_stages) == 0:
-            return (L / p,) * p
-        chunks = strategy.layers_per_chunk(L)
-        return tuple(sum(chunks[r::p]) for r in range(p))
+        key = (strategy.pp, strategy.virtual_stages, strategy.pipeline_split)
+        hit = self._ranks_cache.get(key)
+        if hit is None:
+            p, L = strategy.pp, self.model.n_layers
+            if strategy.pipeline_split is None and L % (p * strategy.virtual_stages) == 0:
+                hit = (L / p,) * p
+            else:
+                chunks = strategy.layers_per_chunk(L)
+                hit = tuple(sum(chunks[r::p]) for r in range(p))
+            self._ranks_cache[key] = hit
+        return hit
 
     def _recomputed_layers(self, strategy: "Strategy", rank_layers: float) -> float:
         """Layers of one pipeline rank whose forward is recomputed (all of them, or
