@@ -59,6 +59,22 @@ class LayerCosts(NamedTuple):
     op_recompute_s: float  # what selective op recompute repeats: every other matmul, elementwise
 
 
+class _Layer(NamedTuple):
+    """What shapes one layer's costs: tokens on this rank and the strategy's layer options."""
+
+    T: float  # tokens of one micro-batch on this rank
+    mb: int
+    t: int
+    cp: int
+    sp: bool
+    ab: int  # bytes of an activation element
+    precision: str
+    peak: float
+    fp8: str
+    n_up: int  # matrices of the MLP's first projection (2 for SwiGLU)
+    traffic: float  # elementwise traffic multiplier of the runtime (eager, fused, compiled)
+
+
 class MicrobatchTime(NamedTuple):
     """One micro-batch on the slowest pipeline rank (seconds)."""
 
@@ -217,147 +233,186 @@ class AnalyticCostModel(CostModel):
                 f"hardware profile {prof.name!r} has no peak for {precision}; "
                 f"use amp one of {', '.join(prof.peak_flops)}"
             ) from None
-        gemm = prof.gemm
-        s, h, f, V, t = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.vocab_size, tp
-        T = mb * s / cp  # tokens of one micro-batch on this rank (context parallel splits s)
-        ab = ACT_BYTES[precision]
-        heads = m.n_heads / t
-        launch = prof.kernel_launch_s
+        x = _Layer(
+            T=mb * m.seq_len / cp,  # tokens of one micro-batch here (context parallel splits s)
+            mb=mb,
+            t=tp,
+            cp=cp,
+            sp=sp,
+            ab=ACT_BYTES[precision],
+            precision=precision,
+            peak=peak,
+            fp8=fp8,
+            n_up=2 if not m.is_gpt_style else 1,
+            traffic=rt.compiled_elementwise_traffic if compiled else rt.elementwise_traffic,
+        )
+        gemm_fwd, op_recompute_gemm = self._block_gemms(x)
+        attn_fwd, attn_bwd, softmax_bytes = self._attention_core(x)
+        elem_fwd, softmax_s = self._elementwise(x, softmax_bytes)
+        fp8_fwd, fp8_bwd = self._fp8_scaling(x)
+        backward_over_forward = prof.gemm.backward_over_forward  # dgrad + wgrad per GEMM
+        fwd = gemm_fwd + attn_fwd + elem_fwd + fp8_fwd
+        bwd = backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd + fp8_bwd
+        attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
+        op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
+        tp_ar, tp_fwd = self._layer_comm(x, attn_fwd, attn_bwd, async_tp)
+        emb, logits = self._embedding_and_logits(x, compiled)
+        # the vocabulary-parallel embedding all-reduce, and the g operator before the
+        # vocabulary-parallel logits (Shoeybi et al. 2019, sec. 3)
+        return LayerCosts(
+            fwd, bwd, attn_recompute, tp_fwd, emb, logits, tp_ar, tp_ar, op_recompute
+        )
 
-        def gemm_s(rows: float, cols: float, inner: float) -> float:
-            return gemm.time_s(rows, cols, inner, peak, precision)
+    def _block_gemms(self, x: "_Layer") -> tuple[float, float]:
+        """The block's GEMMs forward, and what selective op recompute repeats of them.
 
-        # Float8 block linears (torchao Float8Linear, TransformerEngine): forward, dgrad and
-        # wgrad at the fp8 rate; the embedding, attention core and logits stay in `amp`.
-        if fp8 != "none":
-            fp8_peak = prof.peak_flops["fp8"]
-            fp8_key = (
-                "fp8_rowwise"
-                if fp8 == "rowwise" and "fp8_rowwise" in gemm.max_efficiency
-                else "fp8"
-            )
-
-            def block_gemm_s(rows: float, cols: float, inner: float) -> float:
-                return gemm.time_s(rows, cols, inner, fp8_peak, fp8_key)
-        else:
-            block_gemm_s = gemm_s
-
-        # Block GEMMs, Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first
-        # MLP matrix split by columns, the output projection and second MLP matrix by rows.
-        kv = m.kv_hidden_size
-        n_up = 2 if not m.is_gpt_style else 1
-        qkv = block_gemm_s(T, (h + 2 * kv) / t, h)
-        proj = block_gemm_s(T, h, h / t)
-        fc1 = block_gemm_s(T, n_up * f / t, h)
-        fc2 = block_gemm_s(T, h, f / t)
-        gemm_fwd = qkv + proj + fc1 + fc2
+        Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first MLP matrix
+        split by columns, the output projection and second MLP matrix by rows. Float8 linears
+        (torchao Float8Linear, TransformerEngine) run forward, dgrad and wgrad at the fp8 rate;
+        the embedding, attention core and logits stay in `amp`.
+        """
+        m, gemm = self.model, self.profile.gemm
+        h, f, kv, t, T = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size, x.t, x.T
+        peak, key = x.peak, x.precision
+        if x.fp8 != "none":
+            peak = self.profile.peak_flops["fp8"]
+            rowwise = x.fp8 == "rowwise" and "fp8_rowwise" in gemm.max_efficiency
+            key = "fp8_rowwise" if rowwise else "fp8"
+        qkv = gemm.time_s(T, (h + 2 * kv) / t, h, peak, key)
+        proj = gemm.time_s(T, h, h / t, peak, key)
+        fc1 = gemm.time_s(T, x.n_up * f / t, h, peak, key)
+        fc2 = gemm.time_s(T, h, f / t, peak, key)
         # Selective op recompute (torchtitan) recomputes every other matmul of the block:
         # wk, wo and (SwiGLU) w3 (docs/runtimes.md [2.2]).
-        op_recompute_gemm = qkv * kv / (h + 2 * kv) + proj + (fc1 / 2 if n_up == 2 else 0.0)
+        op_recompute = qkv * kv / (h + 2 * kv) + proj + (fc1 / 2 if x.n_up == 2 else 0.0)
+        return qkv + proj + fc1 + fc2, op_recompute
 
-        # Attention core: QK^T and softmax(.)V, 2 * 2 * s^2 * d FLOPs per head and sequence;
-        # with context parallel each rank holds s/cp queries against all s keys, load-balanced
-        # so that the causal work is even (torch's context parallel).
-        if rt.flash_attention:
-            flops = 4.0 * mb * s * s * h / t * CAUSAL_FRACTION / cp
-            attn_fwd = launch + flops / (peak * self._attention_efficiency(precision))
-            attn_bwd = prof.attention_backward_over_forward * attn_fwd
-            softmax_bytes = 0.0
-        else:
-            rows = mb * heads * s / cp  # batched over sequences and local heads
-            attn_fwd = gemm_s(rows, s, m.head_dim) + gemm_s(rows, m.head_dim, s)
-            attn_bwd = gemm.backward_over_forward * attn_fwd
-            # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask).
-            mask = 1.0 if m.dropout else 0.0
-            softmax_bytes = rows * s * (2 * ab + mask * (2 * ab + 1))
-        # Memory-bound elementwise work per layer forward (bytes moved), backward taken as 2x:
-        # two norms (read + write), two residual adds with bias-dropout (read 2, write 1, mask),
-        # the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write 1), rotary on q,
-        # k. Each kernel streams at the bandwidth of where its bytes fit (cache or memory);
-        # fused kernels (compile, TransformerEngine) move a fraction of the eager traffic.
-        traffic = rt.compiled_elementwise_traffic if compiled else rt.elementwise_traffic
+    def _attention_core(self, x: "_Layer") -> tuple[float, float, float]:
+        """(forward s, backward s, softmax bytes) of QK^T and softmax(.)V: 2 * 2 * s^2 * d FLOPs
+        per head and sequence; with context parallel each rank holds s/cp queries against all s
+        keys, load-balanced so that the causal work is even (torch's context parallel)."""
+        m, prof = self.model, self.profile
+        s, h, t, launch = m.seq_len, m.hidden_size, x.t, prof.kernel_launch_s
+        if self.runtime.flash_attention:
+            flops = 4.0 * x.mb * s * s * h / t * CAUSAL_FRACTION / x.cp
+            fwd = launch + flops / (x.peak * self._attention_efficiency(x.precision))
+            return fwd, prof.attention_backward_over_forward * fwd, 0.0
+        rows = x.mb * m.n_heads / t * s / x.cp  # batched over sequences and local heads
+        gemm = prof.gemm
+        fwd = gemm.time_s(rows, s, m.head_dim, x.peak, x.precision) + gemm.time_s(
+            rows, m.head_dim, s, x.peak, x.precision
+        )
+        # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask).
+        mask = 1.0 if m.dropout else 0.0
+        softmax_bytes = rows * s * (2 * x.ab + mask * (2 * x.ab + 1))
+        return fwd, gemm.backward_over_forward * fwd, softmax_bytes
+
+    def _elementwise(self, x: "_Layer", softmax_bytes: float) -> tuple[float, float]:
+        """(forward s, softmax s) of the memory-bound work of a layer, backward taken as 2x.
+
+        Bytes moved: two norms (read + write), two residual adds with bias-dropout (read 2,
+        write 1, mask), the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write
+        1), rotary on q, k. Each kernel streams at the bandwidth of where its bytes fit (cache or
+        memory); fused kernels (compile, TransformerEngine) move a fraction of eager traffic.
+        """
+        m, T, t, ab = self.model, x.T, x.t, x.ab
+        h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
         sbh = T * h
-        rotary = m.position_embedding == "rotary"
         dropout_mask = sbh if m.dropout else 0.0
-        rep = 1.0 / (t if sp else 1)
-        stream = self._stream_s
-
-        def elementwise(nbytes: float) -> float:
-            return stream(nbytes * traffic)
-
+        rep = 1.0 / (t if x.sp else 1)
+        elementwise = self._elementwise_s(x)
         softmax_s = elementwise(softmax_bytes / t)
-        elem_fwd = 8 * launch + (
+        rotary = (
+            elementwise(2 * T * (h + kv) * ab / t) if m.position_embedding == "rotary" else 0.0
+        )
+        fwd = 8 * self.profile.kernel_launch_s + (
             2 * elementwise(2 * sbh * ab * rep)  # the two norms
             + 2 * elementwise((3 * sbh * ab + dropout_mask) * rep)  # the two residual adds
             + elementwise((2 if m.is_gpt_style else 3) * T * f * ab / t)  # the MLP activation
-            + (elementwise(2 * T * (h + kv) * ab / t) if rotary else 0.0)
+            + rotary
             + softmax_s
         )
-        # Float8 scaling: amax and cast of each linear's input (forward) and output gradient
-        # (backward, two layouts), and of the weights unless FSDP gathers them in fp8 (torchao
-        # tensorwise); rowwise scaling needs twice the cast kernels (docs/runtimes.md [2.4]).
-        fp8_fwd = fp8_bwd = 0.0
-        if fp8 != "none":
-            gathered = T * h if sp else T * h * rep
-            inputs = 2 * gathered + T * h / t + T * f / t  # qkv, fc1 (gathered), proj, fc2
-            grads = T * (h + 2 * kv) / t + T * h + T * n_up * f / t + T * h
-            weights = m.layer_matmul_params / t
-            kernels = 2.0 if fp8 == "rowwise" else 1.0
-            weight_cast = 0.0 if (rt.fp8_all_gather and fp8 == "tensorwise") else weights * 5
-            fp8_fwd = (
-                4 * launch
-                + kernels * elementwise(inputs * (ab + ab + 1))
-                + elementwise(weight_cast)
-            )
-            fp8_bwd = (
-                8 * launch
-                + kernels * elementwise(grads * (ab + 2 * (ab + 1)) + inputs * (ab + 1))
-                + elementwise(weight_cast)
-            )
+        return fwd, softmax_s
 
-        fwd = gemm_fwd + attn_fwd + elem_fwd + fp8_fwd
-        # dgrad + wgrad per GEMM
-        bwd = gemm.backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd + fp8_bwd
-        attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
-        op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
+    def _elementwise_s(self, x: "_Layer"):
+        traffic, stream = x.traffic, self._stream_s
+        return lambda nbytes: stream(nbytes * traffic)
 
-        # Tensor parallel: two all-reduces of the T x h activation forward and two backward per
-        # layer (the f and g operators of Shoeybi et al. 2019, Fig. 4). Sequence parallel
-        # replaces each by a reduce-scatter + all-gather pair of the same total volume
-        # (Korthikanti et al. 2022, sec. 4.2.2); async TP hides part of them behind the GEMMs.
+    def _fp8_scaling(self, x: "_Layer") -> tuple[float, float]:
+        """(forward s, backward s) of float8 scaling: amax and cast of each linear's input
+        (forward) and output gradient (backward, two layouts), and of the weights unless FSDP
+        gathers them in fp8 (torchao tensorwise); rowwise scaling needs twice the cast kernels
+        (docs/runtimes.md [2.4])."""
+        if x.fp8 == "none":
+            return 0.0, 0.0
+        m, rt, T, t, ab = self.model, self.runtime, x.T, x.t, x.ab
+        h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
+        launch = self.profile.kernel_launch_s
+        elementwise = self._elementwise_s(x)
+        gathered = T * h if x.sp else T * h / (t if x.sp else 1)
+        inputs = 2 * gathered + T * h / t + T * f / t  # qkv, fc1 (gathered), proj, fc2
+        grads = T * (h + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
+        kernels = 2.0 if x.fp8 == "rowwise" else 1.0
+        fp8_gathered = rt.fp8_all_gather and x.fp8 == "tensorwise"
+        weight_cast = 0.0 if fp8_gathered else m.layer_matmul_params / t * 5
+        fwd = 4 * launch + kernels * elementwise(inputs * (ab + ab + 1)) + elementwise(weight_cast)
+        bwd = (
+            8 * launch
+            + kernels * elementwise(grads * (ab + 2 * (ab + 1)) + inputs * (ab + 1))
+            + elementwise(weight_cast)
+        )
+        return fwd, bwd
+
+    def _layer_comm(
+        self, x: "_Layer", attn_fwd: float, attn_bwd: float, async_tp: bool
+    ) -> tuple[float, float]:
+        """(one tensor-parallel collective pair s, exposed forward communication of a layer s).
+
+        Tensor parallel: two all-reduces of the T x h activation forward and two backward per
+        layer (the f and g operators of Shoeybi et al. 2019, Fig. 4). Sequence parallel replaces
+        each by a reduce-scatter + all-gather pair of the same total volume (Korthikanti et al.
+        2022, sec. 4.2.2), at their own measured rates; async TP hides part of them behind the
+        GEMMs. Context parallel: keys and values of the whole sequence all-gathered for forward,
+        their gradients (fp32) reduced in backward, over the cp ranks (stride tp: mesh pp, dp,
+        cp, tp); each hides behind the attention core of the same layer.
+        """
+        m, rt, t, ab = self.model, self.runtime, x.t, x.ab
+        sbh = x.T * m.hidden_size
         tp_ar = self._all_reduce(sbh * ab, t, 1)
-        if sp:  # same volume, but all-gather and reduce-scatter run at their own measured rates
+        if x.sp:
             tp_ar = self._all_gather(sbh * ab, t, 1) + self._reduce_scatter(sbh * ab, t, 1)
         overlap = rt.async_tp_overlap if async_tp else rt.tp_overlap
         tp_fwd = 2.0 * tp_ar * (1.0 - overlap)
-        # Context parallel: keys and values of the whole sequence all-gathered for forward, their
-        # gradients (fp32) reduced in backward, over the cp ranks (stride tp: mesh pp, dp, cp,
-        # tp); each hides behind the attention core of the same layer.
-        if cp > 1:
-            kv_bytes = 2 * mb * s * kv / t * ab
-            gather = self._all_gather(kv_bytes, cp, t)
-            reduce = self._reduce_scatter(kv_bytes * 4 / ab, cp, t)
-            tp_fwd += max(gather - attn_fwd, gather / cp) + max(reduce - attn_bwd, reduce / cp)
+        if x.cp > 1:
+            kv_bytes = 2 * x.mb * m.seq_len * m.kv_hidden_size / t * ab
+            gather = self._all_gather(kv_bytes, x.cp, t)
+            reduce = self._reduce_scatter(kv_bytes * 4 / ab, x.cp, t)
+            tp_fwd += max(gather - attn_fwd, gather / x.cp) + max(reduce - attn_bwd, reduce / x.cp)
+        return tp_ar, tp_fwd
 
-        # Embedding lookup (gather + scatter-add backward; learned positions) and the
-        # vocabulary-parallel embedding all-reduce (Shoeybi et al. 2019, sec. 3).
+    def _embedding_and_logits(self, x: "_Layer", compiled: bool) -> tuple[float, float]:
+        """(embedding s, logits s), forward + backward.
+
+        Embedding lookup: gather + scatter-add backward (learned positions too). Logits
+        (vocabulary split over tp), final norm, and the cross-entropy: read the 16-bit logits,
+        write the fp32 softmax, read it back and write the gradient (eager); a fused or compiled
+        loss moves less (the runtime's bytes per logit).
+        """
+        m, prof, rt, T, t, ab = self.model, self.profile, self.runtime, x.T, x.t, x.ab
+        stream, launch = self._stream_s, prof.kernel_launch_s
+        sbh = T * m.hidden_size
         learned = m.position_embedding == "learned"
         emb = 3 * stream((2 + (2 if learned else 0)) * sbh * ab) + 3 * launch
-        emb_comm = tp_ar
-        # Logits (vocabulary split over tp), final norm, and the cross-entropy: read the 16-bit
-        # logits, write the fp32 softmax, read it back and write the gradient (eager); a fused or
-        # compiled loss moves less (the runtime's bytes per logit).
         loss_bytes = rt.compiled_loss_bytes_per_logit if compiled else rt.loss_bytes_per_logit
+        gemm = prof.gemm
         logits = (
-            (1.0 + gemm.backward_over_forward) * gemm_s(T, V / t, h)
-            + stream(T * V / t * (ab + loss_bytes + 2))
+            (1.0 + gemm.backward_over_forward)
+            * gemm.time_s(T, m.vocab_size / t, m.hidden_size, x.peak, x.precision)
+            + stream(T * m.vocab_size / t * (ab + loss_bytes + 2))
             + 3 * stream(2 * sbh * ab)
             + 4 * launch
         )
-        logits_comm = tp_ar  # the g operator before the vocabulary-parallel logits (backward)
-        return LayerCosts(
-            fwd, bwd, attn_recompute, tp_fwd, emb, logits, emb_comm, logits_comm, op_recompute
-        )
+        return emb, logits
 
     def _data_parallel(
         self,
