@@ -111,6 +111,7 @@ class HardwareProfile:
     gemm: GemmEfficiency
     attention_efficiency: dict[str, float]
     attention_backward_over_forward: float = ATTENTION_BACKWARD_OVER_FORWARD
+    attention_kernels: dict[str, float] = field(default_factory=dict)
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
     sources: tuple[str, ...] = ()
@@ -280,6 +281,10 @@ class HardwareProfile:
             inter_node=link(data["inter_node"], "inter_node"),
             gemm=gemm,
             attention_efficiency=att,
+            attention_kernels={
+                str(k): num(v, f"attention.kernels.{k}", high=1.0)
+                for k, v in (attention.get("kernels") or {}).items()
+            },
             attention_backward_over_forward=num(
                 attention.get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD),
                 "attention.backward_over_forward",
@@ -330,6 +335,7 @@ class HardwareProfile:
             "attention": {
                 "flash_efficiency": dict(self.attention_efficiency),
                 "backward_over_forward": self.attention_backward_over_forward,
+                **({"kernels": dict(self.attention_kernels)} if self.attention_kernels else {}),
             },
             "kernel_launch_s": self.kernel_launch_s,
             "step_overhead_s": self.step_overhead_s,
