@@ -32,6 +32,12 @@ EXTRA = {  # Llama only: selective recompute of HF's attention core, interleaved
     ),
 }
 CASES = {f"{kind}/{name}": v for kind in W.HF_FAMILIES for name, v in STRATEGIES.items()} | EXTRA
+# World size 4, Llama: pipeline stages after the first receive sequence-sharded hidden states
+# under tp + sequence parallel (HFCausalLM rebuilds the positions from the tp degree).
+WORLD4 = {
+    "hf_llama/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", FP32),
+    "hf_llama/dp2_tp2_zero3_sp": (f"dp=2,tp=2,zero_stage=3,sequence_parallel=true,{B}", FP32),
+}
 pytestmark = pytest.mark.slow
 
 
@@ -46,12 +52,26 @@ def references():
     return {kind: W.reference_losses(B, kind) for kind in W.HF_FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def world4():
+    cases = [dict(name=name, strategy=v[0], model=name.split("/")[0]) for name, v in WORLD4.items()]
+    return W.launch(4, "equivalence", cases, timeout_s=420)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_hf_llama_at_world_size_4(world4, references, name):
+    _check(world4, references, name, WORLD4[name][1])
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf_model_matches_single_process(world2, references, name):
-    strategy, tol = CASES[name]
+    _check(world2, references, name, CASES[name][1])
+
+
+def _check(results, references, name, tol):
     ref = references[name.split("/")[0]]
-    got = world2[0][name]
-    assert all(r[name] == got for r in world2), f"{name}: ranks report different losses"
+    got = results[0][name]
+    assert all(r[name] == got for r in results), f"{name}: ranks report different losses"
     assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
     if tol == EXACT:
         assert got == ref, (
