@@ -205,3 +205,13 @@ def test_token_file_trains(tmp_path):
     loss = history["loss"]
     assert len(loss) == 3 * (len(data) // 4) and sum(loss[-3:]) < sum(loss[:3]) - 0.3, loss
     assert not math.isnan(history["epoch_loss"][0])
+
+
+def test_dict_samples_with_input_ids_train_like_tuples():
+    """Samples as Hugging Face datasets give them (dicts of input_ids and labels) train exactly
+    as the same samples given as (inputs, labels) tuples."""
+    data = W.dataset("gpt", 16)
+    rows = [{"input_ids": data[i][0], "labels": data[i][1]} for i in range(len(data))]
+    as_dicts = _engine().fit(rows, steps_per_epoch=3, verbose=0)["loss"]
+    as_tuples = _engine().fit(data, steps_per_epoch=3, verbose=0)["loss"]
+    assert as_dicts == as_tuples

@@ -253,17 +253,25 @@ def check_batch(strategy, batch_size: int, mode: str) -> None:
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, labels)`` of a batch; a bare tensor is inputs without labels (predict)."""
+    """``(inputs, labels)`` of a batch; a bare tensor is inputs without labels (predict).
+
+    A dict batch holds ``inputs`` or ``input_ids`` (the Hugging Face name: a ``datasets``
+    Dataset in torch format collates to one) and optionally ``labels``, aligned with the
+    inputs position by position (the Engine's loss does not shift them).
+    """
     if isinstance(batch, (tuple, list)):
         if len(batch) == 2:
             return batch[0], batch[1]
         if len(batch) == 1:
             return batch[0], None
-    if isinstance(batch, dict) and "inputs" in batch:
-        return batch["inputs"], batch.get("labels")
+    if isinstance(batch, dict):
+        for key in ("inputs", "input_ids"):
+            if key in batch:
+                return batch[key], batch.get("labels")
     if isinstance(batch, torch.Tensor):
         return batch, None
     raise SpecError(
-        f"a batch must be (inputs, labels), a dict with 'inputs' (and 'labels'), or an inputs tensor; "
-        f"got {type(batch).__name__}. Use a collate_fn that returns (inputs, labels)"
+        "a batch must be (inputs, labels), a dict with 'inputs' or 'input_ids' (and 'labels'), "
+        f"or an inputs tensor; got {type(batch).__name__}. Use a collate_fn that returns "
+        "(inputs, labels)"
     )
