@@ -64,15 +64,20 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _core_attention)
 
 
-def is_supported_hf_model(model) -> bool:
-    """Whether `model` is a transformers causal LM of a family `HFCausalLM` runs."""
+def has_llama_layout(model) -> bool:
+    """Whether `model` is a causal LM of a family `HFCausalLM` runs (a transformers model or a
+    subclass of one: config.model_type llama / mistral / qwen2, ``.model`` and ``.lm_head``)."""
     config = getattr(model, "config", None)
     return (
-        type(model).__module__.startswith("transformers.")
-        and getattr(config, "model_type", None) in LLAMA_LIKE
+        getattr(config, "model_type", None) in LLAMA_LIKE
         and hasattr(model, "model")
         and hasattr(model, "lm_head")
     )
+
+
+def is_supported_hf_model(model) -> bool:
+    """Whether the Engine wraps `model` by itself: a transformers model with `has_llama_layout`."""
+    return type(model).__module__.startswith("transformers.") and has_llama_layout(model)
 
 
 def _sequence_shards(module: nn.Module) -> int:
@@ -111,7 +116,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
-        if not is_supported_hf_model(hf_model):
+        if not has_llama_layout(hf_model):
             raise SpecError(
                 "HFCausalLM runs transformers causal LMs of model_type "
                 f"{', '.join(LLAMA_LIKE)}; got "
