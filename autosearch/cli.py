@@ -42,10 +42,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autosearch {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"autosearch {args.command}: interrupted", file=sys.stderr)
+        # A new line first: a progress bar may be on the current one.
+        print(f"\nautosearch {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `autosearch ... | head`
         return 0
+    except OSError as exc:
+        # The file system refused a path the user gave (read-only, full, a folder in the way):
+        # one message naming the path; the commands check their outputs before any work, so
+        # this is the net for what changes while they run.
+        if exc.filename is None:
+            raise
+        print(
+            f"autosearch {args.command}: error: {exc.filename}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -106,15 +106,15 @@ def test_models_and_hardware_list(capsys):
             "unknown GPU 'b300'",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=4"],
+            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=4,global_batch_size=8"],
             "but the cluster has 8 devices",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=-8"],
+            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=-8,global_batch_size=8"],
             "dp must be >= 1, got -8",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=8,amp=int4"],
+            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=8,amp=int4,global_batch_size=8"],
             "amp must be one of",
         ),
     ],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autosearch.commands._common import batch_size_arg, load_strategy
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,6 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--strategy",
         required=True,
         help='a strategy YAML (e.g. results/<study>/best_strategy.yaml) or "dp=8,tp=8,pp=4,..."',
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=batch_size_arg,
+        help="sequences per optimizer step, if the strategy does not give global_batch_size",
     )
     p.add_argument("--to", required=True, help="megatron, deepspeed, torchtitan, or all")
     p.add_argument(
@@ -32,12 +39,11 @@ def run(args: argparse.Namespace) -> int:
 
     from autosearch.core._io import read_yaml_mapping
     from autosearch.core.model_spec import ModelSpec
-    from autosearch.core.strategy import Strategy
     from autosearch.export import EXPORTERS, export
 
-    strategy = Strategy.parse(args.strategy)
+    strategy = load_strategy(args.strategy, global_batch_size=args.global_batch_size)
     model_name = args.model
-    if model_name is None and os.path.exists(args.strategy):
+    if model_name is None and os.path.isfile(args.strategy):
         model_name = read_yaml_mapping(args.strategy, what="strategy").get("model")
     model = None
     if model_name:

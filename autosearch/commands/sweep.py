@@ -14,7 +14,14 @@ import os
 import sys
 import time
 
-from autosearch.commands._common import positive_int_arg
+from autosearch.commands._common import (
+    _gpu_name,
+    check_output_file,
+    check_text,
+    finite_float_arg,
+    load_cluster,
+    positive_int_arg,
+)
 
 COLUMNS = [
     "model",
@@ -73,22 +80,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--global-batch-sizes", required=True, help="comma-separated, e.g. 256,512,1024"
     )
-    p.add_argument("--n-trials", type=positive_int_arg, default=200)
-    p.add_argument("--sampler", choices=["tpe", "random", "exhaustive"], default="tpe")
+    p.add_argument("--n-trials", type=positive_int_arg, default=200, help="trials per combination")
+    p.add_argument(
+        "--sampler",
+        choices=["tpe", "random", "exhaustive"],
+        default="tpe",
+        help="Optuna sampler of each search (default tpe)",
+    )
     p.add_argument("--space", help="search space YAML or shipped name (default, megatron)")
     p.add_argument("--runtime", default="torch", help="cost-model runtime: torch or megatron-sc21")
     p.add_argument(
         "--price-per-gpu-hour",
-        type=float,
+        type=finite_float_arg,
         help="dollars per device-hour: adds usd_per_million_tokens",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     p.add_argument(
         "--out",
         default=os.path.join("results", "sweep.csv"),
         help="CSV path (default results/sweep.csv)",
     )
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
 
 
@@ -97,21 +109,39 @@ def _split(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autosearch.core._io import INT_LIMITS
     from autosearch.core.errors import SpecError
-    from autosearch.core.hardware import Cluster
+    from autosearch.core.hardware import HardwareProfile
     from autosearch.core.model_spec import ModelSpec
 
-    models = [ModelSpec.load(m) for m in _split(args.models)]
-    clusters = [Cluster.parse(c) for c in _split(args.clusters)]
+    check_output_file(args.out)
+    models = [ModelSpec.load(m) for m in _split(check_text(args.models, "--models"))]
+    if not models:
+        raise SpecError(f"--models {args.models!r} names no model; e.g. --models llama3-8b")
+    clusters = [load_cluster(c, flag="--clusters") for c in _split(args.clusters)]
     if args.gpus or args.nodes:
         if not (args.gpus and args.nodes):
             raise SpecError(
                 "--gpus and --nodes go together (their cross product is swept); "
                 "or give --clusters GPU:NODESxGPUS,..."
             )
-        clusters += [
-            Cluster(gpu=g, n_nodes=int(n)) for g in _split(args.gpus) for n in _split(args.nodes)
-        ]
+        try:
+            nodes = [int(n) for n in _split(args.nodes)]
+        except ValueError:
+            nodes = []
+        if not nodes or min(nodes) < 1:
+            raise SpecError(
+                f"--nodes must be comma-separated integers >= 1 (e.g. 8,16,32), got {args.nodes!r}"
+            )
+        for g in _split(args.gpus):
+            if ":" in g or g.endswith((".yaml", ".yml")):
+                raise SpecError(
+                    f"--gpus takes GPU profile names (e.g. h100-sxm), got {g!r}; "
+                    "give whole clusters with --clusters"
+                )
+            name = _gpu_name(g, "--gpus")
+            per_node = HardwareProfile.load(name).gpus_per_node
+            clusters += [load_cluster(f"{name}:{n}x{per_node}", flag="--nodes") for n in nodes]
     if not clusters:
         raise SpecError(
             "give --clusters (e.g. h100-sxm:16x8,h100-sxm:32x8) or --gpus with --nodes"
@@ -120,10 +150,16 @@ def run(args: argparse.Namespace) -> int:
         batches = [int(b) for b in _split(args.global_batch_sizes)]
     except ValueError:
         raise SpecError(
-            f"--global-batch-sizes must be comma-separated integers, got {args.global_batch_sizes!r}"
+            "--global-batch-sizes must be comma-separated integers, "
+            f"got {args.global_batch_sizes!r}"
         ) from None
-    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour <= 0:
-        raise SpecError(f"--price-per-gpu-hour must be > 0, got {args.price_per_gpu_hour}")
+    limit = INT_LIMITS["global_batch_size"]
+    bad = [b for b in batches if not 1 <= b <= limit]
+    if bad or not batches:
+        raise SpecError(
+            f"--global-batch-sizes {args.global_batch_sizes!r}: each must be an integer from 1 "
+            f"to {limit:,}" + (f"; got {bad[0]:,}" if bad else "")
+        )
 
     _drop_torn_last_line(args.out)
     done = _rows_done(args.out)

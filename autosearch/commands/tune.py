@@ -4,8 +4,41 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
-from autosearch.commands._common import add_model_cluster_args, fmt_bytes, fmt_s, positive_int_arg
+from autosearch.commands._common import (
+    add_model_cluster_args,
+    batch_size_arg,
+    check_output_folder,
+    check_text,
+    finite_float_arg,
+    fmt_bytes,
+    fmt_s,
+    positive_int_arg,
+)
+from autosearch.core.errors import SpecError
+
+# What `tune` writes into --out (checked before the search: none may be a folder).
+OUTPUT_FILES = (
+    "trials.csv",
+    "top_k.csv",
+    "pareto.csv",
+    "best_strategy.yaml",
+    "study.yaml",
+    "report.md",
+    "study.journal",
+    ".lock",
+    "time_breakdown.png",
+    "throughput_memory.png",
+    "importances.png",
+)
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
+# Database drivers by SQLAlchemy dialect: what to install when one is missing.
+DRIVERS = {
+    "postgresql": "pip install -e '.[postgres]' (psycopg 3), and write the URL as "
+    "postgresql+psycopg://user:password@host/dbname",
+    "mysql": "pip install pymysql, and write the URL as mysql+pymysql://user:password@host/dbname",
+}
 
 EPILOG = """\
 storage (--storage):
@@ -40,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--global-batch-size",
         required=True,
-        type=positive_int_arg,
+        type=batch_size_arg,
         help="sequences per optimizer step",
     )
     p.add_argument(
@@ -59,9 +92,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--objective",
         default="throughput",
         choices=["throughput", "throughput-memory", "throughput-cost"],
+        help="what to maximise: tokens/s (default), or a Pareto front of tokens/s against "
+        "peak memory or against dollars per token",
     )
     p.add_argument(
-        "--price-per-gpu-hour", type=float, help="dollars per device-hour (for throughput-cost)"
+        "--price-per-gpu-hour",
+        type=finite_float_arg,
+        help="dollars per device-hour (for throughput-cost)",
     )
     p.add_argument(
         "--space", help="search space YAML, or a shipped space name (default, megatron)"
@@ -82,9 +119,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--storage",
         help="Optuna storage: a .journal or .db file, or an RDB URL (default: OUT/study.journal)",
     )
-    p.add_argument("--study-name", help="default: <model>_<cluster>_gbs<batch>_<objective>")
+    p.add_argument(
+        "--study-name",
+        help="default: <model>_<cluster>_gbs<batch>_<objective> (letters, digits and ._+=- only)",
+    )
     p.add_argument("--seed", type=int, help="sampler seed (give parallel workers different seeds)")
-    p.add_argument("--top-k", type=positive_int_arg, default=5)
+    p.add_argument(
+        "--top-k", type=positive_int_arg, default=5, help="distinct strategies to keep (default 5)"
+    )
     p.add_argument("--out", help="output folder (default results/<study name>/)")
     p.add_argument(
         "--no-recipes", action="store_true", help="do not enqueue the usual recipes first"
@@ -115,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
     from search_spaces import SearchSpace
 
     model, cluster = load_model_cluster(args)
+    if args.storage is not None:
+        check_storage(args.storage)
+    if args.study_name is not None and not STUDY_NAME.fullmatch(args.study_name):
+        raise SpecError(
+            f"--study-name {args.study_name!r} is not a plain name: use letters, digits and "
+            "._+=- (no / or leading dot; at most 200 characters), since it names a folder"
+        )
     space = SearchSpace(
         model,
         cluster,
@@ -128,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.study_name or default_study_name(
         model.name, cluster.name, args.global_batch_size, objective
     )
-    out = args.out or os.path.join("results", name)
+    out = os.path.join("results", name) if args.out is None else args.out
+    check_output_folder(out, files=OUTPUT_FILES)
+    check_other_study(out, name)
     if not args.quiet:
         print(f"searching {space.describe()}")
     try:
@@ -183,3 +234,61 @@ def summary(result) -> str:
     if result.out_dir:
         lines.append(f"wrote {result.out_dir}/: trials.csv top_k.csv best_strategy.yaml report.md")
     return "\n".join(lines)
+
+
+def check_storage(text: str) -> None:
+    """Refuse, before any work, a storage URL whose scheme or database driver is unknown."""
+    text = check_text(text, "--storage")
+    if "://" not in text:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        url = make_url(text)
+    except ArgumentError:
+        raise SpecError(
+            f"--storage {text!r} is not a database URL (e.g. postgresql+psycopg://user:password"
+            "@host/dbname or sqlite:///study.db)"
+        ) from None
+    try:
+        dialect = url.get_dialect()
+    except NoSuchModuleError:
+        raise SpecError(
+            f"--storage {text!r}: unknown storage scheme {url.drivername!r}; use a journal file "
+            "(study.journal), SQLite (study.db or sqlite:///study.db) or a database URL such as "
+            "postgresql+psycopg://user:password@host/dbname"
+        ) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        backend = url.get_backend_name()
+        fix = DRIVERS.get(backend, f"install the Python driver {exc.name or url.drivername!r}")
+        raise SpecError(
+            f"--storage {url.render_as_string(hide_password=True)!r}: the {backend} driver "
+            f"{exc.name or url.drivername!r} is not installed; {fix}"
+        ) from None
+
+
+def check_other_study(out: str, study_name: str) -> None:
+    """Refuse an --out folder that holds the outputs of another study (they would be replaced)."""
+    from autosearch.core._io import read_yaml_mapping
+
+    path = os.path.join(out, "study.yaml")
+    if not os.path.isfile(path):
+        return
+    try:
+        other = read_yaml_mapping(path, what="study record").get("study_name")
+    except SpecError:
+        other = None
+    if other is None:
+        raise SpecError(
+            f"--out {out!r} holds a study.yaml that is not readable; give another --out "
+            "(or remove the folder if its study is not needed)"
+        )
+    if other != study_name:
+        raise SpecError(
+            f"--out {out!r} holds the outputs of another study ({other!r}); this one is "
+            f"{study_name!r}: give another --out (or leave it out: the default is "
+            f"results/<study name>), or --study-name {other} to resume that study"
+        )
