@@ -106,15 +106,36 @@ def test_models_and_hardware_list(capsys):
             "unknown GPU 'b300'",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=4,global_batch_size=8"],
+            [
+                "--model",
+                "llama3-8b",
+                "--cluster",
+                "h100-sxm:1x8",
+                "--strategy",
+                "dp=4,global_batch_size=8",
+            ],
             "but the cluster has 8 devices",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=-8,global_batch_size=8"],
+            [
+                "--model",
+                "llama3-8b",
+                "--cluster",
+                "h100-sxm:1x8",
+                "--strategy",
+                "dp=-8,global_batch_size=8",
+            ],
             "dp must be >= 1, got -8",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--strategy", "dp=8,amp=int4,global_batch_size=8"],
+            [
+                "--model",
+                "llama3-8b",
+                "--cluster",
+                "h100-sxm:1x8",
+                "--strategy",
+                "dp=8,amp=int4,global_batch_size=8",
+            ],
             "amp must be one of",
         ),
     ],
@@ -191,3 +212,46 @@ def test_console_script_exit_code():
         and "unknown model 'nope'" in proc.stderr
         and "Traceback" not in proc.stderr
     )
+
+
+def test_cluster_forms_agree(capsys):
+    """GPU:NODESxGPUS, --nnodes/--gpus-per-node and a cluster YAML name the same cluster; the
+    short name h100 is read as h100-sxm with a note."""
+    strategy = ["--strategy", "dp=16", "--global-batch-size", "64", "--json"]
+    outs = []
+    for cluster in (
+        ["--cluster", "h100-sxm:2x8"],
+        ["--cluster", "h100-sxm", "--nnodes", "2", "--gpus-per-node", "8"],
+        ["--cluster", "h100:2x8"],
+    ):
+        code, out, err = run(capsys, "estimate", "--model", "llama3-8b", *cluster, *strategy)
+        assert code == 0
+        assert ("read as the 'h100-sxm' profile" in err) == (cluster[1] == "h100:2x8")
+        outs.append(json.loads(out))
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0]["cluster"] == "h100-sxm:2x8" and outs[0]["strategy"]["global_batch_size"] == 64
+
+
+def test_estimate_global_batch_flag_equals_the_strategy_field(capsys):
+    base = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--json"]
+    code1, out1, _ = run(capsys, *base, "--strategy", "dp=8,global_batch_size=256")
+    code2, out2, _ = run(capsys, *base, "--strategy", "dp=8", "--global-batch-size", "256")
+    assert code1 == code2 == 0 and json.loads(out1) == json.loads(out2)
+    assert json.loads(out1)["report"]["samples_per_s"] > 0
+
+
+def test_tune_refuses_an_out_folder_holding_another_study(capsys, tmp_path):
+    """Issue 11 item 9: a second study into the same --out is refused; the first one's outputs
+    stay as they were, and the same command as the first resumes it."""
+    out = str(tmp_path / "o")
+    first = ["tune", "--model", "tiny-gpt", "--cluster", "h100-sxm:1x8", "--global-batch-size"]
+    first += ["64", "--n-trials", "3", "--quiet", "--out", out]
+    assert run(capsys, *first)[0] == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir() if p.is_file()}
+    second = [a if a != "tiny-gpt" else "tiny-llama" for a in first]
+    code, _, err = run(capsys, *second)
+    assert code == 2 and "holds the outputs of another study" in err and "tiny-gpt" in err
+    after = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir() if p.is_file()}
+    assert after == before
+    code, out_text, _ = run(capsys, *first)
+    assert code == 0 and "nothing new to run" in out_text

@@ -60,14 +60,25 @@ def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
 
 
 def load_model_cluster(args: argparse.Namespace):
-    from autosearch.core.model_spec import ModelSpec
-
-    model = ModelSpec.load(check_text(args.model, "--model"))
+    model = load_model(args.model)
     return model, load_cluster(
         args.cluster,
         nnodes=getattr(args, "nnodes", None),
         gpus_per_node=getattr(args, "gpus_per_node", None),
     )
+
+
+def load_model(text: str | None, *, flag: str = "--model"):
+    """A catalog model or a model YAML file; a message about a file names its path."""
+    from autosearch.core.model_spec import ModelSpec
+
+    text = check_text(text, flag)
+    try:
+        return ModelSpec.load(text)
+    except SpecError as exc:
+        if os.path.isfile(text) and text not in str(exc):
+            raise SpecError(f"model file {text!r}: {exc}") from None
+        raise
 
 
 def load_cluster(
@@ -182,8 +193,10 @@ def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str 
     text = check_text(text, flag)
     if os.path.exists(text) or text.endswith((".yaml", ".yml")):
         data = read_yaml_mapping(text, what="strategy")
-        if isinstance(data.get("strategy"), dict):  # a best_strategy.yaml written by the tuner
-            data = data["strategy"]
+        if "strategy" in data:  # a best_strategy.yaml written by the tuner
+            inner = {} if data["strategy"] is None else data["strategy"]
+            if isinstance(inner, dict):
+                data = inner
         if not data:
             raise SpecError(
                 f"strategy file {text!r} is empty; it needs at least dp, tp, pp and "

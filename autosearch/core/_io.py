@@ -87,8 +87,9 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
     """
     if len(text) > MAX_FILE_BYTES:
         raise SpecError(f"{what} is larger than {MAX_FILE_BYTES >> 20} MiB")
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # checks the characters first (ReaderError)
         node = loader.get_single_node()
         if node is not None:
             _check_node_size(node, what)
@@ -101,7 +102,8 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
     except RecursionError:
         raise SpecError(f"{what} is nested too deeply (more than {MAX_DEPTH} levels)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
