@@ -8,6 +8,7 @@ import argparse
 import importlib
 import sys
 
+from autosearch import __version__
 from autosearch.core.errors import SpecError
 
 # Subcommand modules, in the order `autosearch --help` lists them.
@@ -19,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autosearch",
         description="Find the fastest parallel strategy to train a model on a cluster.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"autosearch {__version__}",
+        help="print the version",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -33,10 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None) is not None:
+            # A config file gives the subcommand's defaults; the flags given override them.
+            sub = _subparser(parser, args.command)
+            sub.set_defaults(**args.read_config(args.config, sub))
+            args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except SpecError as exc:
         print(f"autosearch {args.command}: error: {exc}", file=sys.stderr)

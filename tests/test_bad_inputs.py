@@ -1082,6 +1082,68 @@ CASES = [
     ),
     Case("cli-no-command", cli=(), expect=("COMMAND",)),
     Case("cli-unknown-command", cli=("search",), expect=("search",)),
+    # ---- tune --config (issue 11 item 5) -------------------------------------------------------
+    Case(
+        "cfg-file-missing",
+        cli=("tune", "--config", "c.yaml"),
+        expect=("c.yaml", "does not exist"),
+    ),
+    Case(
+        "cfg-unknown-key",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: llama3-8b\nbatch: 64\n"},
+        expect=("c.yaml", "'batch'", "global_batch_size"),
+    ),
+    Case(
+        "cfg-word-for-a-number",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: llama3-8b\nn_trials: many\n"},
+        expect=("c.yaml", "n_trials", "many"),
+    ),
+    Case(
+        "cfg-number-for-a-switch",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "quiet: 3\n"},
+        expect=("c.yaml", "quiet", "true or false"),
+    ),
+    Case(
+        "cfg-bad-choice",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "sampler: cmaes\n"},
+        expect=("c.yaml", "sampler", "cmaes"),
+    ),
+    Case(
+        "cfg-huge-batch",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "global_batch_size: 4611686018427387904\n"},
+        expect=("c.yaml", "global_batch_size", "limit"),
+    ),
+    Case(
+        "cfg-list-for-a-value",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: [llama3-8b, llama3-70b]\n"},
+        expect=("c.yaml", "model", "single value"),
+    ),
+    Case(
+        "cfg-missing-required",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: llama3-8b\n"},
+        expect=("--cluster", "--global-batch-size", "--config"),
+    ),
+    Case(
+        "cfg-cluster-mapping-without-gpus-per-node",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: llama3-8b\nglobal_batch_size: 64\ncluster: {gpu: h100-sxm}\n"},
+        expect=("--cluster", "gpus_per_node"),
+    ),
+    Case(
+        "cfg-model-mapping-missing-keys",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: {n_layers: 2}\ncluster: h100-sxm:1x8\nglobal_batch_size: 64\n"},
+        expect=("--model", "hidden_size"),
+    ),
+    Case("tune-without-model", cli=TUNE_B[:1] + TUNE_B[3:], expect=("--model",)),
+    Case("tune-dry-run-bad-pin", cli=TUNE_B + ("--pin", "tp=3", "--dry-run"), expect=("tp",)),
     # ---- the Python API -------------------------------------------------------------------------
     Case("api-strategy-string-degree", api="Strategy(dp='8')", expect=("dp", "'8'")),
     Case("api-strategy-bool-degree", api="Strategy(dp=True)", expect=("dp", "True")),

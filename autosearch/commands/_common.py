@@ -25,13 +25,18 @@ GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
 _AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
 
 
-def add_model_cluster_args(p: argparse.ArgumentParser, *, cluster_required: bool = True) -> None:
+def add_model_cluster_args(
+    p: argparse.ArgumentParser, *, required: bool = True, cluster_required: bool | None = None
+) -> None:
+    """--model, --cluster (with --nnodes, --gpus-per-node) and --runtime. `required=False` for a
+    command that can take them from a config file (it then checks them itself)."""
     p.add_argument(
         "--model",
-        required=True,
-        help="catalog name (see `autosearch models`) or a model YAML file",
+        required=required,
+        help="catalog name (see `autosearch models`) or a model YAML file"
+        + ("" if required else " (required, here or in the config file)"),
     )
-    add_cluster_args(p, required=cluster_required)
+    add_cluster_args(p, required=required if cluster_required is None else cluster_required)
     p.add_argument(
         "--runtime",
         default="torch",
@@ -72,6 +77,8 @@ def load_model(text: str | None, *, flag: str = "--model"):
     """A catalog model or a model YAML file; a message about a file names its path."""
     from autosearch.core.model_spec import ModelSpec
 
+    if isinstance(text, dict):  # from a config file: the fields of a ModelSpec
+        return ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
     text = check_text(text, flag)
     try:
         return ModelSpec.load(text)
@@ -97,6 +104,18 @@ def load_cluster(
     from autosearch.core._io import MAX_DEVICES, read_yaml_mapping
     from autosearch.core.hardware import Cluster
 
+    if isinstance(text, dict):  # from a config file: gpu, n_nodes, gpus_per_node
+        if "gpus_per_node" not in text:
+            raise SpecError(f"{flag} (a mapping) has no gpus_per_node; add it (e.g. 8)")
+        data = dict(text)
+        if isinstance(data.get("gpu"), str):
+            data["gpu"] = _gpu_name(data["gpu"], f"{flag}: gpu")
+        cluster = Cluster.from_dict(data, what=f"{flag} (a mapping)")
+        if cluster.world_size > MAX_DEVICES:
+            raise SpecError(
+                f"{flag} has {cluster.world_size:,} devices, above the limit of {MAX_DEVICES:,}"
+            )
+        return cluster
     text = check_text(text, flag)
     if (nnodes is None) != (gpus_per_node is None):
         raise SpecError(
@@ -229,6 +248,81 @@ def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str 
             f"dp*micro_batch_size = {strategy.global_batch_size}, one micro-batch per replica"
         )
     return strategy
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The defaults a config file gives to the flags of `parser`, checked as the flags are.
+
+    Keys are the flags' names (``global_batch_size`` or ``global-batch-size``); a flag that
+    takes KEY=VALUE items repeatedly (``pin``) also takes a mapping. A file with a ``config``
+    mapping (the study.yaml that `tune` writes) is read through that mapping.
+    """
+    from autosearch.core._io import read_yaml_mapping
+
+    data = read_yaml_mapping(check_text(path, "--config"), what="config")
+    if isinstance(data.get("config"), dict):
+        data = data["config"]
+    return config_defaults(data, parser, what=f"--config {path!r}")
+
+
+def config_defaults(
+    data: dict[str, Any], parser: argparse.ArgumentParser, *, what: str
+) -> dict[str, Any]:
+    """`read_config_file` on a mapping already read."""
+    actions = {
+        a.dest: a
+        for a in parser._actions
+        if a.option_strings and a.dest not in ("help", "config", "version")
+    }
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            raise SpecError(
+                f"{what}: unknown key {key!r}; valid keys are the flags: "
+                + ", ".join(sorted(actions))
+            )
+        if value is None:
+            continue
+        out[dest] = _config_value(action, value, f"{what}: {key}")
+    return out
+
+
+def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
+    if action.nargs == 0:  # store_true
+        if not isinstance(value, bool):
+            raise SpecError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if isinstance(value, dict):
+            items = [
+                f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in value.items()
+            ]
+        elif isinstance(value, list):
+            items = [str(v) for v in value]
+        else:
+            items = [str(value)]
+        return items
+    if isinstance(value, dict) and action.dest in ("model", "cluster"):
+        return value
+    if isinstance(value, (dict, list)):
+        raise SpecError(f"{where} must be a single value, got a {type(value).__name__}")
+    if isinstance(value, bool) and action.type is not None:
+        raise SpecError(f"{where} must be a number, got {value!r}")
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise SpecError(f"{where}: {exc}") from None
+    elif not isinstance(value, str):
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise SpecError(
+            f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
+        )
+    return value
 
 
 def check_text(text: str | None, flag: str) -> str:
