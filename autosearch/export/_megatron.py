@@ -1,34 +1,114 @@
-"""Megatron-LM (`pretrain_gpt.py` arguments, Megatron-Core era)."""
+"""Megatron-LM (`pretrain_gpt.py` arguments, Megatron-Core era): the parallel layout, the batch
+sizes and the whole model shape, so the argument list runs as it is.
+
+The flag names were checked against the packages (megatron-core 0.16.1, megatron-bridge 0.3.1,
+installed with `pip install --no-deps` and read, not imported):
+
+* Megatron-LM copies every argument whose name is a field of Megatron-Core's config dataclasses
+  into them (megatron-bridge `training/mlm_compat/arguments.py`, `_transformer_config_from_args`:
+  ``for f in dataclasses.fields(config_class): if hasattr(args, f.name)``), so a flag
+  ``--num-layers`` is the field ``num_layers`` of `megatron/core/transformer/transformer_config.py`
+  (`TransformerConfig`), `megatron/core/model_parallel_config.py` (`ModelParallelConfig`) or
+  `megatron/core/distributed/distributed_data_parallel_config.py`.
+* Arguments that are not config fields are read by name in megatron-bridge
+  `training/mlm_compat/arguments.py` and `mlm_compat/model.py` (``args.swiglu``,
+  ``args.group_query_attention``, ``args.position_embedding_type``,
+  ``args.untie_embeddings_and_output_weights``, ``args.max_position_embeddings``), the batch sizes
+  by `megatron/core/num_microbatches_calculator.py` (`init_num_microbatches_calculator`), the
+  tokenizer by megatron-bridge `training/tokenizers/config.py`.
+* `--num-layers-per-virtual-pipeline-stage` and `--seq-length` live only in Megatron-LM's
+  `megatron/training/arguments.py`, which no PyPI package ships; they are cited from there.
+"""
 
 from __future__ import annotations
 
 from autosearch.export._base import Exported, Exporter
 
+# flag -> (value kind, where the name comes from). tests/test_export.py builds an argparse parser
+# from this table and parses every exported argument list with it.
+FLAGS: dict[str, tuple[str, str]] = {
+    "--num-layers": ("int", "TransformerConfig.num_layers"),
+    "--hidden-size": ("int", "TransformerConfig.hidden_size"),
+    "--num-attention-heads": ("int", "TransformerConfig.num_attention_heads"),
+    "--group-query-attention": ("switch", "mlm_compat/arguments.py args.group_query_attention"),
+    "--num-query-groups": ("int", "TransformerConfig.num_query_groups"),
+    "--ffn-hidden-size": ("int", "TransformerConfig.ffn_hidden_size"),
+    "--swiglu": ("switch", "mlm_compat/arguments.py args.swiglu (gated_linear_unit + silu)"),
+    "--normalization": ("str", "TransformerConfig.normalization (LayerNorm, RMSNorm)"),
+    "--position-embedding-type": (
+        "str",
+        "GPTModel(position_embedding_type=...) learned_absolute|rope",
+    ),
+    "--disable-bias-linear": ("switch", "TransformerConfig.add_bias_linear = False"),
+    "--hidden-dropout": ("float", "TransformerConfig.hidden_dropout"),
+    "--attention-dropout": ("float", "TransformerConfig.attention_dropout"),
+    "--untie-embeddings-and-output-weights": ("switch", "mlm_compat/model.py args.untie_..."),
+    "--seq-length": ("int", "Megatron-LM megatron/training/arguments.py"),
+    "--max-position-embeddings": ("int", "mlm_compat/model.py args.max_position_embeddings"),
+    "--tokenizer-type": ("str", "megatron-bridge training/tokenizers/config.py tokenizer_type"),
+    "--vocab-size": ("int", "megatron-bridge training/tokenizers/config.py vocab_size"),
+    "--micro-batch-size": ("int", "num_microbatches_calculator.py micro_batch_size"),
+    "--global-batch-size": ("int", "num_microbatches_calculator.py global_batch_size"),
+    "--tensor-model-parallel-size": ("int", "ModelParallelConfig.tensor_model_parallel_size"),
+    "--pipeline-model-parallel-size": ("int", "ModelParallelConfig.pipeline_model_parallel_size"),
+    "--num-layers-per-virtual-pipeline-stage": (
+        "int",
+        "Megatron-LM megatron/training/arguments.py",
+    ),
+    "--num-virtual-stages-per-pipeline-rank": (
+        "int",
+        "Megatron-LM megatron/training/arguments.py",
+    ),
+    "--sequence-parallel": ("switch", "ModelParallelConfig.sequence_parallel"),
+    "--recompute-granularity": (
+        "str",
+        "TransformerConfig.recompute_granularity (full, selective)",
+    ),
+    "--recompute-method": ("str", "TransformerConfig.recompute_method (uniform, block)"),
+    "--recompute-num-layers": ("int", "TransformerConfig.recompute_num_layers"),
+    "--use-distributed-optimizer": ("switch", "DistributedDataParallelConfig.use_distributed_..."),
+    "--use-torch-fsdp2": ("switch", "megatron-bridge training/config.py use_torch_fsdp2"),
+    "--bf16": ("switch", "ModelParallelConfig.bf16"),
+    "--fp16": ("switch", "ModelParallelConfig.fp16"),
+}
+
 
 class MegatronExporter(Exporter):
-    """Command-line flags of Megatron-LM's `pretrain_gpt.py`.
+    """Command-line flags of Megatron-LM's `pretrain_gpt.py`, with the model's shape when a
+    ModelSpec is given, and the `torchrun` launch line when a Cluster is given.
 
     Megatron derives dp = WORLD_SIZE / (tp * pp) and the gradient accumulation from the global and
-    micro-batch sizes; it runs 1F1B, interleaved when virtual stages are given (Narayanan et al. 2021).
+    micro-batch sizes; it runs 1F1B, interleaved when virtual stages are given (Narayanan et al.
+    2021).
     """
 
     name = "megatron"
 
-    def export(self, strategy, *, model=None) -> Exported:
+    def export(self, strategy, *, model=None, cluster=None) -> Exported:
         s = strategy
-        flags = [
+        flags: list[str] = []
+        notes: list[str] = []
+        if model is not None:
+            flags += model_flags(model)
+            notes.append(
+                "vocabulary: --tokenizer-type NullTokenizer --vocab-size sets the size only; "
+                "for real text give your tokenizer (e.g. --tokenizer-type HuggingFaceTokenizer "
+                "--tokenizer-model PATH), whose size Megatron pads to a multiple of "
+                "--make-vocab-size-divisible-by x tp"
+            )
+        else:
+            notes.append("pass --model to add the model's flags (layers, hidden size, heads, ...)")
+        flags += [
             f"--tensor-model-parallel-size {s.tp}",
             f"--pipeline-model-parallel-size {s.pp}",
             f"--micro-batch-size {s.micro_batch_size}",
             f"--global-batch-size {s.global_batch_size}",
         ]
-        unsupported, notes = (
-            [],
-            [
-                f"dp = WORLD_SIZE / (tp*pp) = {s.dp}: launch {s.world_size} processes "
-                "(torchrun --nnodes N --nproc-per-node GPUS_PER_NODE)"
-            ],
+        notes.append(
+            f"dp = WORLD_SIZE / (tp*pp) = {s.dp}: launch {s.world_size} processes "
+            "(torchrun --nnodes N --nproc-per-node GPUS_PER_NODE)"
         )
+        unsupported = []
         mapped = {"dp", "tp", "pp", "micro_batch_size", "global_batch_size"}
         if s.pp > 1 and s.pipeline_schedule == "gpipe":
             unsupported.append(
@@ -42,9 +122,8 @@ class MegatronExporter(Exporter):
             mapped.add("pipeline_schedule")
         if s.virtual_stages > 1:
             if model is not None:
-                flags.append(
-                    f"--num-layers-per-virtual-pipeline-stage {model.n_layers // (s.pp * s.virtual_stages)}"
-                )
+                per_stage = model.n_layers // (s.pp * s.virtual_stages)
+                flags.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
             else:
                 flags.append(f"--num-virtual-stages-per-pipeline-rank {s.virtual_stages}")
                 notes.append(
@@ -90,5 +169,48 @@ class MegatronExporter(Exporter):
         if s.amp in ("bf16", "fp16"):
             flags.append(f"--{s.amp}")
         mapped.add("amp")
-        text = " \\\n  ".join(["pretrain_gpt.py"] + flags)
+        launcher = ["pretrain_gpt.py"]
+        if cluster is not None:
+            launcher = [
+                f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.gpus_per_node}",
+                "pretrain_gpt.py",
+            ]
+            if cluster.world_size != s.world_size:
+                notes.append(
+                    f"the cluster has {cluster.world_size} devices but dp*tp*pp = {s.world_size}"
+                )
+        text = " \\\n  ".join([" ".join(launcher)] + flags)
         return Exported(self.name, text, frozenset(mapped), tuple(unsupported), tuple(notes))
+
+
+def model_flags(model) -> list[str]:
+    """The flags that give Megatron-LM the shape of `model` (Llama style: SwiGLU, RMSNorm, RoPE,
+    no biases, no dropout; GPT style: GeLU, LayerNorm with biases, learned positions)."""
+    flags = [
+        f"--num-layers {model.n_layers}",
+        f"--hidden-size {model.hidden_size}",
+        f"--num-attention-heads {model.n_heads}",
+    ]
+    if model.n_kv_heads != model.n_heads:
+        flags += ["--group-query-attention", f"--num-query-groups {model.n_kv_heads}"]
+    flags += [
+        f"--ffn-hidden-size {model.ffn_hidden_size}",
+        f"--seq-length {model.seq_len}",
+        f"--max-position-embeddings {model.seq_len}",
+        "--tokenizer-type NullTokenizer",
+        f"--vocab-size {model.vocab_size}",
+    ]
+    if model.is_gpt_style:
+        flags += ["--normalization LayerNorm", "--position-embedding-type learned_absolute"]
+    else:
+        flags += [
+            "--swiglu",
+            "--normalization RMSNorm",
+            "--position-embedding-type rope",
+            "--disable-bias-linear",
+            "--hidden-dropout 0.0",
+            "--attention-dropout 0.0",
+        ]
+    if not model.tied_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags

@@ -1,4 +1,19 @@
-"""torchtitan (the job-config TOML of `torchtitan/train.py`)."""
+"""torchtitan: the job-config TOML of `torchtitan/train.py` (`--job.config_file job.toml`).
+
+Every section and key was checked against torchtitan 0.2.2 `torchtitan/config/job_config.py`
+(installed with `pip install --no-deps`, read, not imported): `JobConfig` has the sections
+`model` (`Model.name`, `Model.flavor`), `training` (`Training.local_batch_size`,
+`global_batch_size`, `seq_len`, `mixed_precision_param`), `parallelism` (`Parallelism.*`) and
+`activation_checkpoint` (`ActivationCheckpoint.mode`, `selective_ac_option`). The gradient
+accumulation is global_batch_size / (local_batch_size * dp) (`torchtitan/train.py`), and the
+pipeline splits local_batch_size into micro-batches of pipeline_parallel_microbatch_size
+(`torchtitan/distributed/pipeline_parallel.py`).
+
+torchtitan 0.3 replaced TOML job files by Python config registries with command-line overrides:
+the same `[section] key = value` pairs are given there as `--section.key value`
+(`torchtitan/config/configs.py` keeps the `training` and `parallelism` names); its activation
+checkpointing is chosen by config class instead of `mode`.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +22,42 @@ from autosearch.export._base import Exported, Exporter
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
+# section -> keys this exporter may write, all fields of torchtitan 0.2.2 job_config.py.
+KEYS: dict[str, tuple[str, ...]] = {
+    "model": ("name", "flavor"),
+    "parallelism": (
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "fsdp_reshard_after_forward",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "pipeline_parallel_schedule",
+        "pipeline_parallel_microbatch_size",
+        "pipeline_parallel_layers_per_stage",
+    ),
+    "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param"),
+    "activation_checkpoint": ("mode", "selective_ac_option"),
+}
+
+# torchtitan's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args): dim, layers,
+# heads, kv heads, and the MLP width its formula gives (multiple_of * ceil(multiplier * 8 dim/3
+# / multiple_of), torchtitan/models/llama3/model/model.py FeedForward).
+LLAMA3_FLAVORS = {
+    "8B": (4096, 32, 32, 8, 14336),
+    "70B": (8192, 80, 64, 8, 28672),
+    "405B": (16384, 126, 128, 8, 53248),
+}
+
 
 class TorchTitanExporter(Exporter):
-    """The `[parallelism]`, `[training]` and `[activation_checkpoint]` sections of a torchtitan job
-    config. torchtitan composes FSDP2 (ZeRO-3 over `data_parallel_shard_degree`), DTensor tensor
-    parallel (with sequence parallel on the norms always on) and torch.distributed.pipelining."""
+    """The `[model]`, `[parallelism]`, `[training]` and `[activation_checkpoint]` sections of a
+    torchtitan job config. torchtitan composes FSDP2 (ZeRO-3 over `data_parallel_shard_degree`),
+    DTensor tensor parallel (with sequence parallel on the norms always on) and
+    torch.distributed.pipelining."""
 
     name = "torchtitan"
 
-    def export(self, strategy, *, model=None) -> Exported:
+    def export(self, strategy, *, model=None, cluster=None) -> Exported:
         s = strategy
         unsupported, notes = [], []
         mapped = {
@@ -28,8 +70,27 @@ class TorchTitanExporter(Exporter):
             "virtual_stages",
             "recompute",
         }
+        lines = []
+        if model is not None:
+            flavor = llama3_flavor(model)
+            if flavor is not None:
+                lines += ["[model]", 'name = "llama3"', f'flavor = "{flavor}"', ""]
+            else:
+                notes.append(
+                    f"no torchtitan model flavor has the shape of {model.name}: add one to "
+                    "torchtitan/models/llama3/__init__.py (llama3_args) with "
+                    f"dim={model.hidden_size}, n_layers={model.n_layers}, "
+                    f"n_heads={model.n_heads}, n_kv_heads={model.n_kv_heads} and an MLP of "
+                    f"{model.ffn_hidden_size}, and name it in [model] flavor"
+                    + (
+                        "; torchtitan's Llama blocks are SwiGLU/RMSNorm/RoPE, not GPT style"
+                        if model.is_gpt_style
+                        else ""
+                    )
+                )
+            notes.append("the vocabulary comes from the tokenizer ([model] hf_assets_path)")
         shard, replicate = (s.dp, 1) if s.zero_stage >= 2 else (1, s.dp)
-        lines = [
+        lines += [
             "[parallelism]",
             f"data_parallel_replicate_degree = {replicate}",
             f"data_parallel_shard_degree = {shard}",
@@ -40,12 +101,12 @@ class TorchTitanExporter(Exporter):
             lines.append(f'pipeline_parallel_schedule = "{_SCHEDULES[s.pipeline_schedule]}"')
             lines.append(f"pipeline_parallel_microbatch_size = {s.micro_batch_size}")
             if s.virtual_stages > 1 and model is not None:
-                lines.append(
-                    f"pipeline_parallel_layers_per_stage = {model.n_layers // (s.pp * s.virtual_stages)}"
-                )
+                per_stage = model.n_layers // (s.pp * s.virtual_stages)
+                lines.append(f"pipeline_parallel_layers_per_stage = {per_stage}")
             elif s.virtual_stages > 1:
                 notes.append(
-                    f"set pipeline_parallel_layers_per_stage = n_layers / {s.pp * s.virtual_stages} "
+                    "set pipeline_parallel_layers_per_stage = n_layers / "
+                    f"{s.pp * s.virtual_stages} "
                     "(pass --model to compute it)"
                 )
         if s.zero_stage == 2:
@@ -66,18 +127,24 @@ class TorchTitanExporter(Exporter):
             unsupported.append(
                 (
                     "sequence_parallel",
-                    "torchtitan's tensor parallel always shards the norms over the tp "
-                    "group (sequence parallel); it cannot be turned off",
+                    "torchtitan 0.2's tensor parallel always shards the norms over the tp "
+                    "group (sequence parallel); 0.3 has parallelism.enable_sequence_parallel",
                 )
             )
         else:
             mapped.add("sequence_parallel")
+        # Without a pipeline, local_batch_size is the micro-batch and torchtitan accumulates
+        # gradients global / (local * dp) times; with one, it is what each data-parallel rank
+        # feeds the pipeline per step, split into micro-batches.
+        local = s.micro_batch_size if s.pp == 1 else s.global_batch_size // s.dp
         lines += [
             "",
             "[training]",
+            f"local_batch_size = {local}",
             f"global_batch_size = {s.global_batch_size}",
-            f"local_batch_size = {s.global_batch_size // s.dp}",
         ]
+        if model is not None:
+            lines.append(f"seq_len = {model.seq_len}")
         if s.amp in _DTYPES:
             lines.append(f'mixed_precision_param = "{_DTYPES[s.amp]}"')
             mapped.add("amp")
@@ -86,21 +153,50 @@ class TorchTitanExporter(Exporter):
             unsupported.append(
                 (
                     "amp",
-                    "fp16 needs a gradient scaler, which torchtitan's FSDP2 mixed precision does not "
-                    "set up; bfloat16 is exported instead",
+                    "fp16 needs a gradient scaler, which torchtitan's FSDP2 mixed precision does "
+                    "not set up; bfloat16 is exported instead",
                 )
             )
-        mode = {"none": "none", "selective": "selective", "full": "full"}[s.recompute]
-        lines += ["", "[activation_checkpoint]", f'mode = "{mode}"']
+        lines += ["", "[activation_checkpoint]", f'mode = "{s.recompute}"']
         if s.recompute == "selective":
             lines.append('selective_ac_option = "op"')
             notes.append(
-                "torchtitan's selective AC saves matmul outputs per op policy; close to, not the same as, "
-                "recomputing the attention core only (Korthikanti et al. 2022)"
+                "torchtitan's selective AC saves matmul outputs per op policy; close to, not the "
+                "same as, recomputing the attention core only (Korthikanti et al. 2022)"
             )
         notes.append(
-            f"local_batch_size is per data-parallel rank; micro-batches per step = {s.grad_accum_steps}"
+            f"micro-batches per step = {s.grad_accum_steps} "
+            + ("(gradient accumulation)" if s.pp == 1 else "(pipeline micro-batches)")
         )
+        command = ""
+        if cluster is not None:
+            command = (
+                f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.gpus_per_node} "
+                "-m torchtitan.train --job.config_file torchtitan.toml"
+            )
         return Exported(
-            self.name, "\n".join(lines), frozenset(mapped), tuple(unsupported), tuple(notes)
+            self.name,
+            "\n".join(lines),
+            frozenset(mapped),
+            tuple(unsupported),
+            tuple(notes),
+            command=command,
+            filename="torchtitan.toml",
         )
+
+
+def llama3_flavor(model) -> str | None:
+    """The torchtitan Llama 3 flavor with the shape of `model`, or None."""
+    if model.is_gpt_style:
+        return None
+    shape = (
+        model.hidden_size,
+        model.n_layers,
+        model.n_heads,
+        model.n_kv_heads,
+        model.ffn_hidden_size,
+    )
+    for flavor, dims in LLAMA3_FLAVORS.items():
+        if dims == shape:
+            return flavor
+    return None
