@@ -364,6 +364,10 @@ def test_cli_export_writes_runnable_files_next_to_a_study(tmp_path):
     argv += ["--global-batch-size", "512", "--n-trials", "10", "--quiet", "--out", str(study)]
     assert main(argv) == 0
     best = Strategy.from_yaml(str(study / "best_strategy.yaml"))
+    # tune wrote them next to best_strategy.yaml already
+    for name in ("megatron.sh", "ds_config.json", "deepspeed_launch.sh", "torchtitan.toml"):
+        assert (study / name).is_file()
+    assert json.loads((study / "ds_config.json").read_text())["train_batch_size"] == 512
     out = tmp_path / "exports"
     code = main(
         ["export", "--strategy", str(study / "best_strategy.yaml"), "--to", "all"]

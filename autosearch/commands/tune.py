@@ -16,6 +16,7 @@ from autosearch.commands._common import (
     fmt_s,
     positive_int_arg,
 )
+from autosearch.commands.export import OUTPUT_FILES as EXPORT_FILES
 from autosearch.core.errors import SpecError
 
 # What `tune` writes into --out (checked before the search: none may be a folder).
@@ -31,7 +32,7 @@ OUTPUT_FILES = (
     "time_breakdown.png",
     "throughput_memory.png",
     "importances.png",
-)
+) + EXPORT_FILES
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 # Database drivers by SQLAlchemy dialect: what to install when one is missing.
 DRIVERS = {
@@ -269,6 +270,11 @@ def run(args: argparse.Namespace) -> int:
         _raise_storage_error(exc, args.storage or os.path.join(out, "study.journal"))
         raise
     record_config(out, config_record(args, model, cluster, name, out))
+    if result.best_strategy is not None:
+        # What each runtime takes, next to best_strategy.yaml (autosearch.export.write_exports).
+        from autosearch.export import write_exports
+
+        write_exports(out, result.best_strategy, model=model, cluster=cluster)
     print(summary(result))
     return 0
 
@@ -452,7 +458,10 @@ def summary(result) -> str:
     if result.pareto:
         lines.append(f"Pareto front: {len(result.pareto)} strategies (pareto.csv)")
     if result.out_dir:
-        lines.append(f"wrote {result.out_dir}/: trials.csv top_k.csv best_strategy.yaml report.md")
+        lines.append(
+            f"wrote {result.out_dir}/: trials.csv top_k.csv best_strategy.yaml report.md, and "
+            "for other runtimes megatron.sh ds_config.json deepspeed_launch.sh torchtitan.toml"
+        )
     return "\n".join(lines)
 
 
