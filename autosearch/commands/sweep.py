@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep",
         help="best strategy for many models x clusters x batch sizes, in one CSV",
-        description="Run the search for every combination of models, clusters and global batch sizes "
+        description="Run the search for every combination of models, clusters and global batch "
+        "sizes "
         "and write one CSV row per combination (its best strategy and figures).",
     )
     p.add_argument(
@@ -167,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     todo = [c for c in combos if (c[0].name, c[1].name, c[2]) not in done]
     if not args.quiet:
         print(
-            f"sweep: {len(combos)} combinations ({len(combos) - len(todo)} already in {args.out}), "
+            f"sweep: {len(combos)} combinations "
+            f"({len(combos) - len(todo)} already in {args.out}), "
             f"{args.n_trials} trials each",
             file=sys.stderr,
         )
@@ -197,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                 what = row["strategy"] or row["reason"]
                 tps = f"{row['tokens_per_s']:,.0f} tok/s " if row["tokens_per_s"] != "" else ""
                 print(
-                    f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: {row['status']} {tps}{what} "
+                    f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: "
+                    f"{row['status']} {tps}{what} "
                     f"({time.perf_counter() - t0:.1f} s)",
                     file=sys.stderr,
                 )
