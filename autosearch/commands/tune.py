@@ -71,6 +71,10 @@ REQUIRED = ("model", "cluster", "global_batch_size")
 # Flags not recorded in the config block of study.yaml (presentation only).
 NOT_RECORDED = ("quiet", "dry_run", "config", "help")
 DRY_RUN_TRIALS = 20  # trials run in memory by --dry-run to measure the time per trial
+# tune's default budget when --n-trials is not given (tuning/_study.py): every layout when
+# scoring them all takes under DEFAULT_BUDGET_S, else DEFAULT_N_TRIALS trials.
+DEFAULT_BUDGET_S = 10.0
+DEFAULT_N_TRIALS = 200
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -366,13 +370,39 @@ def dry_run(args, model, cluster, space, objective: str, name: str, out: str) ->
     multi = objective != "throughput"
     unit = args.trial_unit or ("strategy" if multi else "layout")
     n_units = space.n_groups if unit == "layout" else space.size
+    # Time a few trials in memory with the sampler the search would most likely use.
+    probe_sampler = args.sampler or ("nsga2" if multi else "tpe")
+    k = min(DRY_RUN_TRIALS, n_units)
+    t0 = time.perf_counter()
+    try:
+        tune(
+            model,
+            cluster,
+            global_batch_size=args.global_batch_size,
+            space=space,
+            objective=objective,
+            n_trials=k,
+            sampler=probe_sampler,
+            seed=args.seed,
+            runtime=args.runtime,
+            price_per_gpu_hour=args.price_per_gpu_hour,
+            trial_unit=unit,
+            use_recipes=False,
+            top_k=1,
+        )
+    except NoFeasibleStrategyError:
+        pass
+    per_trial = (time.perf_counter() - t0) / k
+    n_trials = args.n_trials
+    if n_trials is None:  # tune's default: every unit when that is quick, else 200
+        n_trials = n_units if n_units * per_trial < DEFAULT_BUDGET_S else DEFAULT_N_TRIALS
     if args.sampler is not None:
         sampler = args.sampler
-    elif n_units <= args.n_trials and not multi:
+    elif n_units <= n_trials and not multi:
         sampler = "exhaustive"
     else:
         sampler = "nsga2" if multi else "tpe"
-    target = min(args.n_trials, n_units) if sampler == "exhaustive" else args.n_trials
+    target = min(n_trials, n_units) if sampler == "exhaustive" else n_trials
     done = _finished_trials(out, name)
     todo = max(0, target - done)
     layouts = list(space.layouts()) if hasattr(space, "layouts") else []
@@ -390,31 +420,10 @@ def dry_run(args, model, cluster, space, objective: str, name: str, out: str) ->
         lines.append(f"           dp{dp}-tp{tp}-pp{pp} mb{mb}{sched}")
     if len(layouts) > shown:
         lines.append(f"           ... and {len(layouts) - shown} more")
-    k = min(DRY_RUN_TRIALS, max(todo, 1), n_units)
-    t0 = time.perf_counter()
-    try:
-        tune(
-            model,
-            cluster,
-            global_batch_size=args.global_batch_size,
-            space=space,
-            objective=objective,
-            n_trials=k,
-            sampler=sampler,
-            seed=args.seed,
-            runtime=args.runtime,
-            price_per_gpu_hour=args.price_per_gpu_hour,
-            trial_unit=unit,
-            use_recipes=False,
-            top_k=1,
-        )
-    except NoFeasibleStrategyError:
-        pass
-    per_trial = (time.perf_counter() - t0) / k
     lines.append(
         f"expected   about {todo * per_trial:,.1f} s of search for {todo} trials "
-        f"({per_trial * 1e3:.1f} ms per trial over {k} trials run in memory now; TPE slows as "
-        "the study grows, and a persistent storage adds its write per trial)"
+        f"({per_trial * 1e3:.1f} ms per trial over {k} {probe_sampler} trials run in memory now; "
+        "TPE slows as the study grows, and a persistent storage adds its write per trial)"
     )
     return "\n".join(lines)
 
