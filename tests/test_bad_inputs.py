@@ -207,6 +207,19 @@ CASES = [
         expect=("h100-sxm:8", "h100-sxm:8x8", "h100-sxm:1x8"),
     ),
     Case(
+        "i11.8-cluster-bare-gpu-name",
+        cli=(
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--cluster",
+            "h100-sxm",
+            "--strategy",
+            OK_STRATEGY,
+        ),
+        expect=("'h100-sxm'", "h100-sxm:1x8", "--nnodes"),
+    ),
+    Case(
         "i11.8-api-cluster-gpu-colon-n",
         api="Cluster.parse('h100-sxm:8')",
         expect=("h100-sxm:8", "NODESxGPUS"),

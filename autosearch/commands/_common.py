@@ -97,9 +97,10 @@ def load_cluster(
 ):
     """A Cluster from the CLI forms, stricter than `Cluster.parse` where it would guess.
 
-    Refused: ``GPU:N`` (is it N nodes or N GPUs?), a cluster YAML without ``gpus_per_node``, a
-    world size above `MAX_DEVICES`. Accepted with a note on stderr: a short GPU name in
-    `GPU_ALIASES` (``h100`` for ``h100-sxm``).
+    Refused: ``GPU:N`` (is it N nodes or N GPUs?) and a bare GPU name without --nnodes and
+    --gpus-per-node (the devices per node would be the profile's, unsaid), a cluster YAML without
+    ``gpus_per_node``, a world size above `MAX_DEVICES`. Accepted with a note on stderr: a short
+    GPU name in `GPU_ALIASES` (``h100`` for ``h100-sxm``).
     """
     from autosearch.core._io import MAX_DEVICES, read_yaml_mapping
     from autosearch.core.hardware import Cluster
@@ -160,6 +161,12 @@ def load_cluster(
     elif ":" in text and not os.path.exists(text):
         raise SpecError(
             f"{flag} {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
+        )
+    elif nnodes is None and not os.path.exists(text):
+        gpu = _gpu_name(text, flag)
+        raise SpecError(
+            f"{flag} {text!r} does not say how many nodes and devices: write {gpu}:1x8 for one "
+            f"node of 8 devices, {gpu}:NODESx8 for more, or add --nnodes N --gpus-per-node G"
         )
     else:
         cluster = _cluster(_gpu_name(text, flag), nnodes or 1, gpus_per_node, flag)
