@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from autosearch import __version__
 from autosearch.core.errors import SpecError
@@ -48,35 +50,70 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = "autosearch"
+    interrupts = _count_interrupts()
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = f"autosearch {args.command}"
         if getattr(args, "config", None) is not None:
             # A config file gives the subcommand's defaults; the flags given override them.
             sub = _subparser(parser, args.command)
             sub.set_defaults(**args.read_config(args.config, sub))
             args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except SpecError as exc:
-        print(f"autosearch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        # A new line first: a progress bar may be on the current one.
-        print(f"\nautosearch {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(command)
+    except SpecError as exc:
+        if interrupts.count:
+            return _interrupted(command)
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `autosearch ... | head`
         return 0
     except OSError as exc:
         # The file system refused a path the user gave (read-only, full, a folder in the way):
         # one message naming the path; the commands check their outputs before any work, so
         # this is the net for what changes while they run.
+        if interrupts.count:  # a library turned the Ctrl-C into another error on its way out
+            return _interrupted(command)
         if exc.filename is None:
             raise
-        print(
-            f"autosearch {args.command}: error: {exc.filename}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
+        print(f"{command}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    except Exception:
+        if interrupts.count:
+            return _interrupted(command)
+        raise
+    finally:
+        interrupts.restore()
+
+
+def _interrupted(command: str) -> int:
+    # A new line first: a progress bar may be on the current one.
+    print(f"\n{command}: interrupted", file=sys.stderr)
+    return 130
+
+
+class _count_interrupts:
+    """Counts Ctrl-C (SIGINT) while a command runs and raises KeyboardInterrupt as Python does,
+    so that an error a library raises while it unwinds from the interrupt is reported as the
+    interrupt. Only in the main thread, and only where SIGINT has Python's default handler."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 if __name__ == "__main__":

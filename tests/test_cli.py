@@ -5,8 +5,10 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -364,3 +366,28 @@ def test_tune_dry_run_prints_the_space_and_writes_nothing(capsys, tmp_path, monk
     expected = re.search(r"expected   about ([\d,.]+) s of search for 50 trials", out)
     assert expected and float(expected.group(1).replace(",", "")) > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.0, 2.5])
+def test_ctrl_c_at_any_point_is_one_line_and_status_130(tmp_path, delay_s):
+    """Issue 13 item 16: Ctrl-C while the study opens or inside a TPE trial (where Optuna logs
+    the trial's traceback) ends in "interrupted", status 130, no traceback. The delay counts
+    from the line tune prints before the search (a Ctrl-C while Python itself imports the
+    `autosearch` package, before any of its code runs, is Python's to report)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autosearch", "tune", "--model", "llama3-70b"]
+        + ["--cluster", "h100-sxm:32x8", "--global-batch-size", "512", "--n-trials", "100000"]
+        + ["--sampler", "tpe", "--out", str(tmp_path / "o")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    first = proc.stdout.readline()
+    assert first.startswith("searching"), first
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err and "failed with" not in err
+    assert err.rstrip().endswith("interrupted")

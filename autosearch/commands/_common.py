@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -184,8 +185,9 @@ def _cluster(gpu: str, n_nodes: int, gpus_per_node: int | None, flag: str):
 
     # Check the numbers before the profile is read, so the message names the flag.
     positive_int(n_nodes, f"{flag}: n_nodes")
-    if gpus_per_node is not None:
-        positive_int(gpus_per_node, f"{flag}: gpus_per_node")
+    if gpus_per_node is None:  # a profile YAML: its own devices per node
+        return Cluster(gpu=gpu, n_nodes=n_nodes)
+    positive_int(gpus_per_node, f"{flag}: gpus_per_node")
     return Cluster(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
 
 
@@ -318,9 +320,10 @@ def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
         raise SpecError(f"{where} must be a single value, got a {type(value).__name__}")
     if isinstance(value, bool) and action.type is not None:
         raise SpecError(f"{where} must be a number, got {value!r}")
-    if action.type is not None:
+    convert = action.type
+    if callable(convert):
         try:
-            value = action.type(str(value))
+            value = convert(str(value))
         except (argparse.ArgumentTypeError, ValueError) as exc:
             raise SpecError(f"{where}: {exc}") from None
     elif not isinstance(value, str):
@@ -457,6 +460,33 @@ def finite_float_arg(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+class _DropInterruptedTrials(logging.Filter):
+    """Drops Optuna's two warnings about a trial that a Ctrl-C stopped: the one with the
+    KeyboardInterrupt traceback and the "failed with value None" that follows it (the CLI says
+    "interrupted" once; Optuna logs them from `optuna/study/_optimize.py` `_log_failed_trial`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0] if record.exc_info else None
+        if exc is not None and issubclass(exc, KeyboardInterrupt):
+            self.interrupted = True
+            return False
+        return not (self.interrupted and "failed with value" in record.getMessage())
+
+
+def quiet_interrupted_trials() -> None:
+    """Keep Optuna from printing a traceback when Ctrl-C stops a trial (call before a search)."""
+    import optuna
+
+    optuna.logging.get_logger("optuna")  # makes Optuna attach its handler
+    for handler in logging.getLogger("optuna").handlers:
+        if not any(isinstance(f, _DropInterruptedTrials) for f in handler.filters):
+            handler.addFilter(_DropInterruptedTrials())
 
 
 def require(condition: bool, message: str) -> None:

@@ -21,6 +21,7 @@ from autosearch.commands._common import (
     finite_float_arg,
     load_cluster,
     positive_int_arg,
+    quiet_interrupted_trials,
 )
 
 COLUMNS = [
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             f"to {limit:,}" + (f"; got {bad[0]:,}" if bad else "")
         )
 
+    quiet_interrupted_trials()
     _drop_torn_last_line(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))

@@ -15,6 +15,7 @@ from autosearch.commands._common import (
     fmt_bytes,
     fmt_s,
     positive_int_arg,
+    quiet_interrupted_trials,
 )
 from autosearch.commands.export import OUTPUT_FILES as EXPORT_FILES
 from autosearch.core.errors import SpecError
@@ -247,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     check_other_study(out, name)
     if not args.quiet:
         print(f"searching {space.describe()}")
+    quiet_interrupted_trials()
     kwargs = dict(
         global_batch_size=args.global_batch_size,
         space=space,
