@@ -13,6 +13,7 @@ import itertools
 import os
 import sys
 import time
+from typing import Any
 
 from autosearch.commands._common import (
     _gpu_name,
@@ -227,7 +228,7 @@ def sweep_row(
     from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
     from search_spaces import SearchSpace
 
-    row = {k: "" for k in COLUMNS}
+    row: dict[str, Any] = {k: "" for k in COLUMNS}
     row.update(
         model=model.name,
         params_b=round(model.n_params / 1e9, 3),
