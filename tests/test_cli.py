@@ -15,7 +15,7 @@ import yaml
 
 from autosearch.cli import build_parser, main
 
-STRATEGY = "dp=8,tp=8,pp=4,global_batch_size=512,recompute=selective,sequence_parallel=true"
+STRATEGY = "dp=8,tp=8,pp=4,global_batch_size=512,recompute=full,sequence_parallel=true"
 
 
 def run(capsys, *argv):
