@@ -51,6 +51,35 @@ STRATEGIES = [
         pipeline_schedule="gpipe",
         amp="fp32",
     ),
+    # the dimensions added since: context parallel, an uneven split, part of the layers
+    # recomputed, fp8, torch.compile, async tensor parallel
+    Strategy(
+        dp=4,
+        tp=8,
+        pp=4,
+        cp=2,
+        global_batch_size=512,
+        pipeline_split=(19, 21, 21, 19),
+        recompute="full",
+        recompute_num_layers=2,
+        sequence_parallel=True,
+        zero_stage=1,
+        fp8="rowwise",
+        compile=True,
+        async_tp=True,
+    ),
+    Strategy(
+        dp=8,
+        tp=4,
+        pp=4,
+        cp=2,
+        global_batch_size=512,
+        recompute="selective_op",
+        sequence_parallel=True,
+        zero_stage=3,
+        fp8="tensorwise",
+        compile=True,
+    ),
 ]
 
 
@@ -200,23 +229,36 @@ def megatron_round_trip(text: str, world_size: int):
         vocab_size=a.vocab_size,
         seq_len=a.seq_length,
         tied_embeddings=not a.untie_embeddings_and_output_weights,
+        position_embedding={"rope": "rotary", "learned_absolute": "learned"}[
+            a.position_embedding_type
+        ],
+        linear_bias=not a.disable_bias_linear,
+        dropout=not (a.hidden_dropout == 0.0 and a.attention_dropout == 0.0),
     )
     assert a.max_position_embeddings == a.seq_length
     assert a.normalization == ("RMSNorm" if a.swiglu else "LayerNorm")
-    assert a.position_embedding_type == ("rope" if a.swiglu else "learned_absolute")
-    assert a.disable_bias_linear == a.swiglu
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    cp = a.context_parallel_size or 1
     v = 1
     if a.num_layers_per_virtual_pipeline_stage:
-        v = a.num_layers // (
-            a.pipeline_model_parallel_size * a.num_layers_per_virtual_pipeline_stage
-        )
+        v = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
+    split = None
+    first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
+    if first or last:  # Megatron: the given first/last stages, the other layers evenly
+        middle = pp - (first is not None) - (last is not None)
+        even = (a.num_layers - (first or 0) - (last or 0)) // middle if middle else 0
+        split = (first or even,) + (even,) * (pp - 2) + (last or even,)
     recompute = a.recompute_granularity or "none"
-    if recompute == "full":
+    recompute_num_layers = None
+    if recompute == "full" and a.recompute_method == "block":
+        recompute_num_layers = a.recompute_num_layers
+    elif recompute == "full":
         assert (a.recompute_method, a.recompute_num_layers) == ("uniform", 1)
     strategy = Strategy(
-        dp=world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size),
-        tp=a.tensor_model_parallel_size,
-        pp=a.pipeline_model_parallel_size,
+        dp=world_size // (tp * pp * cp),
+        tp=tp,
+        pp=pp,
+        cp=cp,
         micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size,
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
@@ -225,11 +267,19 @@ def megatron_round_trip(text: str, world_size: int):
         sequence_parallel=a.sequence_parallel,
         zero_stage=3 if a.use_torch_fsdp2 else (1 if a.use_distributed_optimizer else 0),
         amp="bf16" if a.bf16 else ("fp16" if a.fp16 else "fp32"),
+        pipeline_split=split,
+        recompute_num_layers=recompute_num_layers,
+        fp8=a.fp8_recipe or "none",
+        async_tp=a.tp_comm_overlap,
     )
     return model, strategy
 
 
-def same_except(a: Strategy, b: Strategy, fields: set[str]) -> bool:
+def same_except(a: Strategy, b: Strategy, fields: set[str], model=None) -> bool:
+    """Equal but for `fields`; an explicit split equal to the default one counts as the same."""
+    if model is not None:
+        a = a.replace(pipeline_split=a.layers_per_chunk(model.n_layers))
+        b = b.replace(pipeline_split=b.layers_per_chunk(model.n_layers))
     da, db = a.to_dict(), b.to_dict()
     return {k: v for k, v in da.items() if k not in fields} == {
         k: v for k, v in db.items() if k not in fields
@@ -260,7 +310,7 @@ def test_megatron_arguments_parse_and_round_trip(model):
         back_model, back = megatron_round_trip(out.text, CLUSTER.world_size)
         assert back_model.to_dict() == {**model.to_dict(), "name": "read-back"}
         lossy = {f for f, _ in out.unsupported}
-        assert same_except(back, s, lossy), (back.short(), s.short())
+        assert same_except(back, s, lossy, model), (back.short(), s.short())
         if s.pp > 1 and s.pipeline_schedule == "gpipe":
             assert back.pipeline_schedule == "1f1b" and "pipeline_schedule" in lossy
 
@@ -313,10 +363,18 @@ def test_deepspeed_config_keys_are_deepspeeds_and_round_trip():
 def test_torchtitan_toml_keys_are_torchtitans_and_round_trip(model):
     from autosearch.export._torchtitan import KEYS, LLAMA3_FLAVORS
 
+    def sections(cfg, prefix=""):
+        """[a.b.c] tables by dotted name (tomllib nests them)."""
+        for name, value in cfg.items():
+            if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+                yield from sections(value, prefix + name + ".")
+            else:
+                yield prefix + name, value
+
     schedules = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}
     for s in layouts_for(model):
         out = export(s, to="torchtitan", model=model, cluster=CLUSTER)
-        cfg = tomllib.loads(out.text)
+        cfg = dict(sections(tomllib.loads(out.text)))
         for section, values in cfg.items():
             assert set(values) <= set(KEYS[section]), (section, set(values) - set(KEYS[section]))
         par, tr, ac = cfg["parallelism"], cfg["training"], cfg["activation_checkpoint"]
@@ -325,26 +383,42 @@ def test_torchtitan_toml_keys_are_torchtitans_and_round_trip(model):
         # torchtitan/train.py: accumulation = global / (local * dp); with a pipeline, local is
         # split into micro-batches of pipeline_parallel_microbatch_size.
         mbs = par.get("pipeline_parallel_microbatch_size", tr["local_batch_size"])
-        v = 1
+        v, split = 1, None
         if "pipeline_parallel_layers_per_stage" in par:
             v = model.n_layers // (pp * par["pipeline_parallel_layers_per_stage"])
+        if "module_fqns_per_model_part" in par:
+            parts = par["module_fqns_per_model_part"]
+            split = tuple(sum(x.startswith("layers.") for x in part) for part in parts)
+            v = len(parts) // pp
+            assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
         zero = {"never": 2, "always": 3}.get(par.get("fsdp_reshard_after_forward"), 0)
+        selective = ac.get("selective_ac_option") == "op"
+        fp8 = cfg.get("quantize.linear.float8", {}).get("recipe_name", "none")
+        if fp8 != "none" and "model" in cfg:
+            assert "quantize.linear.float8" in cfg["model"]["converters"]
         back = Strategy(
             dp=dp,
             tp=par["tensor_parallel_degree"],
             pp=pp,
+            cp=par.get("context_parallel_degree", 1),
             micro_batch_size=mbs,
             global_batch_size=tr["global_batch_size"],
             pipeline_schedule=schedules[par.get("pipeline_parallel_schedule", "1F1B")],
             virtual_stages=v,
-            recompute=ac["mode"],
+            pipeline_split=split,
+            recompute="selective_op" if selective else ac["mode"],
             sequence_parallel=s.sequence_parallel,  # torchtitan 0.2: on whenever tp > 1
             zero_stage=zero,
             amp={"bfloat16": "bf16", "float32": "fp32"}[tr["mixed_precision_param"]],
+            fp8=fp8,
+            compile=cfg.get("compile", {}).get("enable", False),
+            async_tp=par.get("enable_async_tensor_parallel", False),
         )
+        assert dp * back.tp * pp * back.cp == CLUSTER.world_size
         assert tr["global_batch_size"] % (tr["local_batch_size"] * dp) == 0
         assert tr["seq_len"] == model.seq_len
-        assert same_except(back, s, {f for f, _ in out.unsupported}), (back.short(), s.short())
+        lossy = {f for f, _ in out.unsupported}
+        assert same_except(back, s, lossy, model), (back.short(), s.short())
         if "model" in cfg:
             dims = LLAMA3_FLAVORS[cfg["model"]["flavor"]]
             shape = (model.hidden_size, model.n_layers, model.n_heads, model.n_kv_heads)
@@ -475,11 +549,9 @@ def test_torchtitan_keys_are_job_config_fields():
     path = os.path.join(_package_dir("torchtitan"), "config", "job_config.py")
     if not os.path.exists(path):
         pytest.skip("torchtitan >= 0.3 has no TOML job config (job_config.py)")
-    from autosearch.export._torchtitan import KEYS
+    from autosearch.export._torchtitan import KEYS, SECTION_CLASSES
 
     classes = _dataclass_fields(path)
-    sections = {"model": "Model", "parallelism": "Parallelism", "training": "Training"}
-    sections["activation_checkpoint"] = "ActivationCheckpoint"
-    assert set(KEYS) <= classes["JobConfig"]
+    assert {k.split(".")[0] for k in KEYS} <= classes["JobConfig"]
     for section, keys in KEYS.items():
-        assert set(keys) <= classes[sections[section]], (section, keys)
+        assert set(keys) <= classes[SECTION_CLASSES[section]], (section, keys)

@@ -414,12 +414,16 @@ def dry_run(args, model, cluster, space, objective: str, name: str, out: str) ->
         f"study      {name} in {out}/ ({done} finished trials there)",
         f"trials     {target} {unit}s with the {sampler} sampler ({todo} to run; "
         f"{n_units:,} {unit}s in the space)",
-        f"layouts    {len(layouts)} (dp, tp, pp, micro-batch, schedule, virtual stages):",
+        f"layouts    {len(layouts)} (dp, tp, pp, cp, micro-batch, schedule, virtual stages):",
     ]
     shown = 12
-    for dp, tp, pp, mb, schedule, v in layouts[:shown]:
+    for layout in layouts[:shown]:
+        dp, tp, pp, mb, schedule, v = layout[:6]
+        cp = getattr(layout, "cp", 1)
         sched = "" if pp == 1 else f" {schedule}" + (f" v{v}" if v > 1 else "")
-        lines.append(f"           dp{dp}-tp{tp}-pp{pp} mb{mb}{sched}")
+        lines.append(
+            f"           dp{dp}-tp{tp}-pp{pp}{f'-cp{cp}' if cp > 1 else ''} mb{mb}{sched}"
+        )
     if len(layouts) > shown:
         lines.append(f"           ... and {len(layouts) - shown} more")
     lines.append(

@@ -61,7 +61,7 @@ class DeepSpeedExporter(Exporter):
             "zero_optimization": {"stage": s.zero_stage},
         }
         mapped = {"dp", "micro_batch_size", "global_batch_size", "amp"}
-        unsupported, notes = [], [f"data parallel = WORLD_SIZE / (tp*pp) = {s.dp}"]
+        unsupported, notes = [], [f"data parallel = WORLD_SIZE / (tp*pp*cp) = {s.dp}"]
         if s.amp == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif s.amp == "fp16":
@@ -113,7 +113,7 @@ class DeepSpeedExporter(Exporter):
                 "model code"
             )
             mapped.add("recompute")
-        elif s.recompute == "selective":
+        elif s.recompute in ("selective", "selective_op"):
             unsupported.append(
                 (
                     "recompute",
@@ -133,6 +133,31 @@ class DeepSpeedExporter(Exporter):
             )
         else:
             mapped.add("sequence_parallel")
+        # Axes DeepSpeed's config cannot express; each is mapped when it is off.
+        for field, on, why in (
+            (
+                "cp",
+                s.cp > 1,
+                "no ring context parallel; DeepSpeed-Ulysses splits the sequence another way",
+            ),
+            (
+                "recompute_num_layers",
+                s.recompute_num_layers is not None,
+                "which blocks are checkpointed is the training script's choice, not a config key",
+            ),
+            (
+                "pipeline_split",
+                s.pipeline_split is not None,
+                "the layer split is PipelineModule(partition_method=...) in the model code",
+            ),
+            ("fp8", s.fp8 != "none", "fp8 matmuls come from TransformerEngine in the model code"),
+            ("compile", s.compile, "no config key: call engine.compile() after initialize"),
+            ("async_tp", s.async_tp, "AutoTP does not overlap its collectives with the matmuls"),
+        ):
+            if on:
+                unsupported.append((field, why))
+            else:
+                mapped.add(field)
         if model is not None:
             notes.append(
                 f"the model ({model.name}: {model.n_layers} layers, hidden {model.hidden_size}, "

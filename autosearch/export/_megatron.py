@@ -60,6 +60,12 @@ FLAGS: dict[str, tuple[str, str]] = {
         "Megatron-LM megatron/training/arguments.py",
     ),
     "--sequence-parallel": ("switch", "ModelParallelConfig.sequence_parallel"),
+    "--context-parallel-size": ("int", "ModelParallelConfig.context_parallel_size"),
+    "--decoder-first-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_first_..."),
+    "--decoder-last-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_last_..."),
+    "--fp8-format": ("str", "TransformerConfig.fp8 (e4m3, hybrid)"),
+    "--fp8-recipe": ("str", "TransformerConfig.fp8_recipe (tensorwise, delayed, ...)"),
+    "--tp-comm-overlap": ("switch", "ModelParallelConfig.tp_comm_overlap"),
     "--recompute-granularity": (
         "str",
         "TransformerConfig.recompute_granularity (full, selective)",
@@ -90,6 +96,11 @@ class MegatronExporter(Exporter):
         notes: list[str] = []
         if model is not None:
             flags += model_flags(model)
+            if model.position_embedding not in _POSITIONS:
+                notes.append(
+                    f"{model.name} uses {model.position_embedding} positions, which Megatron-LM "
+                    "does not have; rope is given instead"
+                )
             notes.append(
                 "vocabulary: --tokenizer-type NullTokenizer --vocab-size sets the size only; "
                 "for real text give your tokenizer (e.g. --tokenizer-type HuggingFaceTokenizer "
@@ -101,15 +112,19 @@ class MegatronExporter(Exporter):
         flags += [
             f"--tensor-model-parallel-size {s.tp}",
             f"--pipeline-model-parallel-size {s.pp}",
+        ]
+        if s.cp > 1:
+            flags.append(f"--context-parallel-size {s.cp}")
+        flags += [
             f"--micro-batch-size {s.micro_batch_size}",
             f"--global-batch-size {s.global_batch_size}",
         ]
         notes.append(
-            f"dp = WORLD_SIZE / (tp*pp) = {s.dp}: launch {s.world_size} processes "
+            f"dp = WORLD_SIZE / (tp*pp*cp) = {s.dp}: launch {s.world_size} processes "
             "(torchrun --nnodes N --nproc-per-node GPUS_PER_NODE)"
         )
         unsupported = []
-        mapped = {"dp", "tp", "pp", "micro_batch_size", "global_batch_size"}
+        mapped = {"dp", "tp", "pp", "cp", "micro_batch_size", "global_batch_size"}
         if s.pp > 1 and s.pipeline_schedule == "gpipe":
             unsupported.append(
                 (
@@ -120,10 +135,10 @@ class MegatronExporter(Exporter):
             )
         else:
             mapped.add("pipeline_schedule")
+        chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
         if s.virtual_stages > 1:
-            if model is not None:
-                per_stage = model.n_layers // (s.pp * s.virtual_stages)
-                flags.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+            if chunks is not None:
+                flags.append(f"--num-layers-per-virtual-pipeline-stage {chunks[0]}")
             else:
                 flags.append(f"--num-virtual-stages-per-pipeline-rank {s.virtual_stages}")
                 notes.append(
@@ -131,18 +146,55 @@ class MegatronExporter(Exporter):
                     "n_layers/(pp*virtual_stages) instead (pass --model to get it)"
                 )
         mapped.add("virtual_stages")
+        split_ok = chunks is None or len(set(chunks)) == 1
+        if chunks is not None and not split_ok and s.virtual_stages == 1:
+            middle = set(chunks[1:-1])
+            if len(middle) <= 1:  # Megatron: first and last given, the rest split evenly
+                even = next(iter(middle), None)
+                if chunks[0] != even:
+                    flags.append(f"--decoder-first-pipeline-num-layers {chunks[0]}")
+                if chunks[-1] != even:
+                    flags.append(f"--decoder-last-pipeline-num-layers {chunks[-1]}")
+                split_ok = True
+        if split_ok:
+            mapped.add("pipeline_split")
+        else:
+            unsupported.append(
+                (
+                    "pipeline_split",
+                    f"Megatron-LM splits layers evenly, with only the first and last pipeline "
+                    f"stage allowed to differ (and not with virtual stages); {list(chunks or ())} "
+                    "is not expressible",
+                )
+            )
         if s.sequence_parallel:
             flags.append("--sequence-parallel")
         mapped.add("sequence_parallel")
-        if s.recompute == "selective":
+        if s.recompute in ("selective", "selective_op"):
             flags.append("--recompute-granularity selective")
+        elif s.recompute == "full" and s.recompute_num_layers is not None:
+            flags += [
+                "--recompute-granularity full",
+                "--recompute-method block",
+                f"--recompute-num-layers {s.recompute_num_layers}",
+            ]
         elif s.recompute == "full":
             flags += [
                 "--recompute-granularity full",
                 "--recompute-method uniform",
                 "--recompute-num-layers 1",
             ]
-        mapped.add("recompute")
+        mapped.add("recompute_num_layers")
+        if s.recompute == "selective_op":
+            unsupported.append(
+                (
+                    "recompute",
+                    "op-level selective recompute (save matmul outputs) is torchtitan's; "
+                    "Megatron's selective recompute is the attention core",
+                )
+            )
+        else:
+            mapped.add("recompute")
         if s.zero_stage == 1:
             flags.append("--use-distributed-optimizer")
             mapped.add("zero_stage")
@@ -169,6 +221,35 @@ class MegatronExporter(Exporter):
         if s.amp in ("bf16", "fp16"):
             flags.append(f"--{s.amp}")
         mapped.add("amp")
+        if s.fp8 != "none":
+            flags += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
+            notes.append(
+                "fp8 runs through TransformerEngine (--transformer-impl transformer_engine)"
+            )
+        if s.fp8 == "rowwise":
+            unsupported.append(
+                (
+                    "fp8",
+                    "Megatron's fp8 recipes are tensorwise, delayed, mxfp8 and blockwise; "
+                    "torchao's rowwise scaling is not one of them (tensorwise given)",
+                )
+            )
+        else:
+            mapped.add("fp8")
+        if s.compile:
+            unsupported.append(
+                (
+                    "compile",
+                    "Megatron-LM fuses elementwise work with TransformerEngine and its own "
+                    "kernels, not torch.compile",
+                )
+            )
+        else:
+            mapped.add("compile")
+        if s.async_tp:
+            flags.append("--tp-comm-overlap")
+            notes.append("--tp-comm-overlap needs TransformerEngine's userbuffers")
+        mapped.add("async_tp")
         launcher = ["pretrain_gpt.py"]
         if cluster is not None:
             launcher = [
@@ -184,8 +265,9 @@ class MegatronExporter(Exporter):
 
 
 def model_flags(model) -> list[str]:
-    """The flags that give Megatron-LM the shape of `model` (Llama style: SwiGLU, RMSNorm, RoPE,
-    no biases, no dropout; GPT style: GeLU, LayerNorm with biases, learned positions)."""
+    """The flags that give Megatron-LM the shape of `model`: SwiGLU with RMSNorm (Llama style)
+    or GeLU with LayerNorm (GPT style), the position embedding, biases and dropout as the spec
+    says."""
     flags = [
         f"--num-layers {model.n_layers}",
         f"--hidden-size {model.hidden_size}",
@@ -201,16 +283,18 @@ def model_flags(model) -> list[str]:
         f"--vocab-size {model.vocab_size}",
     ]
     if model.is_gpt_style:
-        flags += ["--normalization LayerNorm", "--position-embedding-type learned_absolute"]
+        flags.append("--normalization LayerNorm")
     else:
-        flags += [
-            "--swiglu",
-            "--normalization RMSNorm",
-            "--position-embedding-type rope",
-            "--disable-bias-linear",
-            "--hidden-dropout 0.0",
-            "--attention-dropout 0.0",
-        ]
+        flags += ["--swiglu", "--normalization RMSNorm"]
+    flags.append(f"--position-embedding-type {_POSITIONS.get(model.position_embedding, 'rope')}")
+    if not model.linear_bias:
+        flags.append("--disable-bias-linear")
+    if not model.dropout:
+        flags += ["--hidden-dropout 0.0", "--attention-dropout 0.0"]
     if not model.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
     return flags
+
+
+# ModelSpec.position_embedding -> GPTModel(position_embedding_type=...); Megatron has no ALiBi.
+_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}

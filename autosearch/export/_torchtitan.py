@@ -24,19 +24,33 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 # section -> keys this exporter may write, all fields of torchtitan 0.2.2 job_config.py.
 KEYS: dict[str, tuple[str, ...]] = {
-    "model": ("name", "flavor"),
+    "model": ("name", "flavor", "converters"),
     "parallelism": (
         "data_parallel_replicate_degree",
         "data_parallel_shard_degree",
         "fsdp_reshard_after_forward",
         "tensor_parallel_degree",
+        "enable_async_tensor_parallel",
+        "context_parallel_degree",
         "pipeline_parallel_degree",
         "pipeline_parallel_schedule",
         "pipeline_parallel_microbatch_size",
         "pipeline_parallel_layers_per_stage",
+        "module_fqns_per_model_part",
     ),
     "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param"),
     "activation_checkpoint": ("mode", "selective_ac_option"),
+    "compile": ("enable", "components"),
+    "quantize.linear.float8": ("recipe_name",),
+}
+# The class of each section in job_config.py (for the check against the installed package).
+SECTION_CLASSES = {
+    "model": "Model",
+    "parallelism": "Parallelism",
+    "training": "Training",
+    "activation_checkpoint": "ActivationCheckpoint",
+    "compile": "Compile",
+    "quantize.linear.float8": "Float8Linear",
 }
 
 # torchtitan's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args): dim, layers,
@@ -68,13 +82,15 @@ class TorchTitanExporter(Exporter):
             "global_batch_size",
             "pipeline_schedule",
             "virtual_stages",
-            "recompute",
         }
         lines = []
         if model is not None:
             flavor = llama3_flavor(model)
             if flavor is not None:
-                lines += ["[model]", 'name = "llama3"', f'flavor = "{flavor}"', ""]
+                lines += ["[model]", 'name = "llama3"', f'flavor = "{flavor}"']
+                if s.fp8 != "none":
+                    lines.append('converters = ["quantize.linear.float8"]')
+                lines.append("")
             else:
                 notes.append(
                     f"no torchtitan model flavor has the shape of {model.name}: add one to "
@@ -95,20 +111,35 @@ class TorchTitanExporter(Exporter):
             f"data_parallel_replicate_degree = {replicate}",
             f"data_parallel_shard_degree = {shard}",
             f"tensor_parallel_degree = {s.tp}",
-            f"pipeline_parallel_degree = {s.pp}",
         ]
+        if s.async_tp:
+            lines.append("enable_async_tensor_parallel = true")
+            if not s.compile:
+                notes.append("torchtitan's async tensor parallel needs [compile] enable = true")
+        mapped.add("async_tp")
+        if s.cp > 1:
+            lines.append(f"context_parallel_degree = {s.cp}")
+        mapped.add("cp")
+        lines.append(f"pipeline_parallel_degree = {s.pp}")
         if s.pp > 1:
             lines.append(f'pipeline_parallel_schedule = "{_SCHEDULES[s.pipeline_schedule]}"')
             lines.append(f"pipeline_parallel_microbatch_size = {s.micro_batch_size}")
-            if s.virtual_stages > 1 and model is not None:
-                per_stage = model.n_layers // (s.pp * s.virtual_stages)
-                lines.append(f"pipeline_parallel_layers_per_stage = {per_stage}")
+            chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
+            if chunks is not None and len(set(chunks)) > 1:
+                lines.append(f"module_fqns_per_model_part = {module_fqns(chunks)}")
+            elif chunks is not None and s.virtual_stages > 1:
+                lines.append(f"pipeline_parallel_layers_per_stage = {chunks[0]}")
             elif s.virtual_stages > 1:
                 notes.append(
                     "set pipeline_parallel_layers_per_stage = n_layers / "
-                    f"{s.pp * s.virtual_stages} "
-                    "(pass --model to compute it)"
+                    f"{s.pp * s.virtual_stages} (pass --model to compute it)"
                 )
+        if s.pipeline_split is not None and model is None:
+            unsupported.append(
+                ("pipeline_split", "pass --model: the split names the model's layers")
+            )
+        else:
+            mapped.add("pipeline_split")
         if s.zero_stage == 2:
             lines.append('fsdp_reshard_after_forward = "never"')
         elif s.zero_stage == 3:
@@ -157,13 +188,38 @@ class TorchTitanExporter(Exporter):
                     "not set up; bfloat16 is exported instead",
                 )
             )
-        lines += ["", "[activation_checkpoint]", f'mode = "{s.recompute}"']
-        if s.recompute == "selective":
+        mode = {"selective_op": "selective"}.get(s.recompute, s.recompute)
+        lines += ["", "[activation_checkpoint]", f'mode = "{mode}"']
+        if mode == "selective":
             lines.append('selective_ac_option = "op"')
-            notes.append(
-                "torchtitan's selective AC saves matmul outputs per op policy; close to, not the "
-                "same as, recomputing the attention core only (Korthikanti et al. 2022)"
+        if s.recompute == "selective":
+            unsupported.append(
+                (
+                    "recompute",
+                    "torchtitan has no attention-only recompute; its op-level selective AC "
+                    "(save matmul outputs, recompute the rest) is given instead",
+                )
             )
+        else:
+            mapped.add("recompute")
+        if s.recompute_num_layers is not None:
+            unsupported.append(
+                (
+                    "recompute_num_layers",
+                    "torchtitan's selective_ac_option N checkpoints every N-th block, not the "
+                    f"first {s.recompute_num_layers} of each stage; full AC is given instead",
+                )
+            )
+        else:
+            mapped.add("recompute_num_layers")
+        if s.compile:
+            lines += ["", "[compile]", "enable = true", 'components = ["model", "loss"]']
+        mapped.add("compile")
+        if s.fp8 != "none":
+            lines += ["", "[quantize.linear.float8]", f'recipe_name = "{s.fp8}"']
+            if model is None or llama3_flavor(model) is None:
+                notes.append('fp8: add "quantize.linear.float8" to [model] converters')
+        mapped.add("fp8")
         notes.append(
             f"micro-batches per step = {s.grad_accum_steps} "
             + ("(gradient accumulation)" if s.pp == 1 else "(pipeline micro-batches)")
@@ -183,6 +239,21 @@ class TorchTitanExporter(Exporter):
             command=command,
             filename="torchtitan.toml",
         )
+
+
+def module_fqns(chunks) -> str:
+    """torchtitan's `module_fqns_per_model_part` for layer counts per pipeline chunk: the
+    embedding goes with the first chunk, the final norm and the output with the last."""
+    parts, start = [], 0
+    for i, n in enumerate(chunks):
+        names = [f"layers.{j}" for j in range(start, start + n)]
+        if i == 0:
+            names.insert(0, "tok_embeddings")
+        if i == len(chunks) - 1:
+            names += ["norm", "output"]
+        parts.append("[" + ", ".join(f'"{x}"' for x in names) + "]")
+        start += n
+    return "[" + ", ".join(parts) + "]"
 
 
 def llama3_flavor(model) -> str | None:
