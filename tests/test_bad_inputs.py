@@ -858,6 +858,12 @@ CASES = [
         expect=("h100-sxm:8", "h100-sxm:8x8"),
     ),
     Case(
+        "cli-sweep-out-with-other-columns",
+        cli=SWEEP + ("--clusters", "h100-sxm:1x8", "--out", "old.csv"),
+        files={"old.csv": "model,cluster,global_batch_size,status\nllama3-8b,x,64,ok\n"},
+        expect=("old.csv", "other columns"),
+    ),
+    Case(
         "cli-sweep-empty-models",
         cli=("sweep", "--models", ",", "--clusters", "h100-sxm:1x8", "--global-batch-sizes", "64"),
         expect=("--models",),

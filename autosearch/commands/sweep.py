@@ -47,6 +47,12 @@ COLUMNS = [
     "sequence_parallel",
     "zero_stage",
     "amp",
+    "cp",
+    "recompute_num_layers",
+    "pipeline_split",
+    "fp8",
+    "compile",
+    "async_tp",
     "tokens_per_s",
     "step_time_s",
     "mfu",
@@ -166,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_interrupted_trials()
     _drop_torn_last_line(args.out)
+    _check_header(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))
     todo = [c for c in combos if (c[0].name, c[1].name, c[2]) not in done]
@@ -277,11 +284,35 @@ def sweep_row(
         trials=result.n_trials,
         search_s=round(result.timings.get("search_s", 0.0), 3),
     )
+    # The CLI's forms: 15/16/16/15 for a split, empty for "every layer"
+    row["pipeline_split"] = "/".join(map(str, s.pipeline_split)) if s.pipeline_split else ""
+    row["recompute_num_layers"] = "" if s.recompute_num_layers is None else s.recompute_num_layers
     if price_per_gpu_hour:
         row["usd_per_million_tokens"] = usd_per_million_tokens(
             r, price_per_gpu_hour, cluster.world_size
         )
     return row
+
+
+def _check_header(path: str) -> None:
+    """Refuse to append to a CSV whose columns are not this version's (rows would misalign)."""
+    from autosearch.core.errors import SpecError
+
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    if header != COLUMNS:
+        missing = [c for c in COLUMNS if c not in header]
+        raise SpecError(
+            f"--out {path!r} has other columns than this sweep writes"
+            + (
+                f" (no {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
+                if missing
+                else ""
+            )
+            + "; give another --out, or move the file away to start it again"
+        )
 
 
 def _rows_done(path: str) -> set[tuple[str, str, int]]:
