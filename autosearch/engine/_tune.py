@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.core.hardware import Cluster
     from autosearch.engine._engine import Engine
+    from autosearch.core.hardware import Cluster
 
 CALIBRATION_DIR_ENV = "AUTOSEARCH_CALIBRATION_DIR"
 DEFAULT_CALIBRATION_DIR = os.path.join("results", "calibration")
@@ -83,8 +83,8 @@ def tune_engine(engine: "Engine", train_data: Any = None, *, batch_size: int | N
     """What `Engine.tune` does; returns (TuneResult or None on ranks > 0, ValidationResult or None)."""
     import torch.distributed as dist
 
-    from autosearch.core.strategy import Strategy
     from autosearch.engine import distributed as D
+    from autosearch.core.strategy import Strategy
 
     world = D.launched_world_size()
     D.init_distributed()
@@ -111,9 +111,9 @@ def tune_engine(engine: "Engine", train_data: Any = None, *, batch_size: int | N
 
 def _search(engine: "Engine", train_data: Any, *, batch_size, cluster, world, n_trials, validate_top_k, steps,
             warmup, timeout_s, factory, out, calibration_dir, log, **tune_kwargs):
-    from autosearch.core.hardware import Cluster
     from autosearch.tuner import tune
     from autosearch.tuning import default_study_name
+    from autosearch.core.hardware import Cluster
 
     spec = engine._model_spec()
     check_sequence_length(train_data, spec.seq_len)
