@@ -96,11 +96,11 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
                 "modules; "
                 "pass a ParallelPlan or use pp=1"
             )
-        elif (
-            plan.check is None or plan.split_points is not None
-        ):  # else the model's check covers it
-            bounds = plan.chunk_bounds(len(container), strategy.pp * strategy.virtual_stages)
-            if isinstance(bounds, str):
+        else:
+            from autosearch.engine.pipeline import pipeline_bounds
+
+            bounds = pipeline_bounds(plan, strategy, len(container))
+            if isinstance(bounds, str) and not problems:  # else the model's check said why
                 problems.append(f"the pipeline split is impossible: {bounds}")
     if strategy.recompute == "selective" and (
         plan.attention_core is None or blocks_of(model, plan) is None

@@ -29,6 +29,26 @@ def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
+def pipeline_bounds(plan: ParallelPlan, strategy: "Strategy", n_blocks: int
+                    ) -> list[tuple[int, int]] | str:
+    """(start, stop) block ranges of each pipeline chunk, or why the blocks cannot split so.
+
+    The plan's `split_points` win; otherwise the strategy's layers per chunk (its
+    ``pipeline_split``, or the even split with the extra blocks in the middle chunks that the
+    cost model prices, `Strategy.layers_per_chunk`).
+    """
+    n_chunks = strategy.pp * strategy.virtual_stages
+    if plan.split_points is not None:
+        return plan.chunk_bounds(n_blocks, n_chunks)
+    sizes = list(strategy.layers_per_chunk(n_blocks))
+    if len(sizes) != n_chunks or min(sizes) < 1 or sum(sizes) != n_blocks:
+        return (f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} chunks of "
+                f"{sizes} blocks; every chunk needs at least one block and the sizes must add up "
+                f"to {n_blocks}")
+    edges = [sum(sizes[:i]) for i in range(n_chunks + 1)]
+    return list(zip(edges, edges[1:]))
+
+
 def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *, pp_rank: int
                    ) -> list[tuple[int, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
@@ -36,7 +56,7 @@ def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *
     from autosearch.engine.parallelize import get_path, set_path
 
     keys = list(get_path(model, plan.blocks).keys())
-    bounds = plan.chunk_bounds(len(keys), n_chunks)
+    bounds = pipeline_bounds(plan, strategy, len(keys))
     parts = []
     for stage in stage_indices(pp_rank, strategy.pp, strategy.virtual_stages):
         part = copy.deepcopy(model)
