@@ -1,0 +1,474 @@
+"""One owner for the processes a command starts: they all end, and are reaped, when the owner is
+done, times out, is interrupted, or dies (even by SIGKILL), and its temporary folders go with them.
+
+How. `ProcessGroup` starts a small supervisor (this file run as a script, standard library only)
+in a session of its own and keeps a pipe to it open. The supervisor starts the commands, is a child
+subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so every process they start stays its
+descendant, even torchrun's workers, which run in sessions of their own, and even after their
+parent died. It ends everything when the commands are done, when one fails (``fail_fast``), or
+when the pipe closes: the owner finished, timed out, caught SIGINT/SIGTERM, or was killed and the
+kernel closed its end. Ending is SIGTERM to every descendant, a grace period, then SIGKILL; every
+child is reaped and the temporary folders removed before the supervisor reports the exit statuses
+(with each command's peak resident memory) and exits.
+
+Written by hand because no library does it: `subprocess` reaps one child and kills nothing when
+the parent dies; ``start_new_session`` + ``killpg`` miss processes that start sessions of their
+own (torchrun's workers do); `multiprocessing` and psutil have no owner that survives SIGKILL.
+
+The children also get a clean environment: the variables torchrun gives its workers (RANK,
+WORLD_SIZE, MASTER_PORT, TORCHELASTIC_*, ...) are removed (`clean_env`), so a job started from
+inside a distributed job does not join that job's rendezvous, and TMPDIR points to a private
+temporary folder that is removed with the group.
+
+Example:
+    >>> from autosearch.core.processes import ProcessGroup
+    >>> with ProcessGroup([["true"], ["sh", "-c", "exit 3"]], timeout_s=30) as group:
+    ...     exits = group.wait()
+    >>> [e.returncode for e in exits]
+    [0, 3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The variables torch.distributed.run sets for its workers, and the ones it reads its own options
+# from (PET_*): a child launch must not inherit them from a job it was started in.
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+DISTRIBUTED_ENV_PREFIXES = ("TORCHELASTIC_", "PET_")
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class ProcessTimeout(TimeoutError):
+    """The commands did not finish in time; they were stopped."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exit:
+    """How one command ended.
+
+    Attributes:
+        returncode: exit status, negative for a signal (as `subprocess` reports it); None if it
+            never ended by itself (it was stopped by the owner).
+        max_rss_bytes: peak resident memory of the command's own process (not its children).
+    """
+
+    returncode: int | None
+    max_rss_bytes: int = 0
+
+    @property
+    def signal_name(self) -> str | None:
+        """``"SIGSEGV"`` for a command killed by a signal, else None."""
+        if self.returncode is None or self.returncode >= 0:
+            return None
+        return signal_name(-self.returncode)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def clean_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of `env` (default: this process's) without torchrun's distributed variables."""
+    env = dict(os.environ if env is None else env)
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in DISTRIBUTED_ENV and not k.startswith(DISTRIBUTED_ENV_PREFIXES)
+    }
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessGroup:
+    """Start commands under one owner, wait with a timeout, and always end and reap them all.
+
+    Args:
+        commands: argument lists, started together.
+        envs: one environment for all commands, or one per command (default: this process's);
+            either way without torchrun's distributed variables (`clean_env`), and with TMPDIR
+            set to a private folder removed at the end.
+        cwd: working folder of the commands.
+        logs: a file per command receiving its stdout and stderr (default: /dev/null).
+        timeout_s: `wait` stops the commands and raises `ProcessTimeout` after this long.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping.
+        fail_fast: stop the others as soon as one command exits with a non-zero status.
+        remove: more paths (files or folders) removed when the group ends.
+
+    Use it as a context manager: leaving the block, normally or by an exception (KeyboardInterrupt
+    included), stops everything. While the block runs in the main thread, SIGTERM raises
+    ``SystemExit(143)`` so that the block is left the same way.
+    """
+
+    def __init__(
+        self,
+        commands: Sequence[Sequence[str]],
+        *,
+        envs: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        cwd: str | os.PathLike | None = None,
+        logs: Sequence[str | os.PathLike] | None = None,
+        timeout_s: float | None = None,
+        grace_s: float = 5.0,
+        fail_fast: bool = True,
+        remove: Sequence[str | os.PathLike] = (),
+    ) -> None:
+        if not commands:
+            raise ValueError("ProcessGroup needs at least one command")
+        if envs is None or isinstance(envs, Mapping):
+            envs = [envs] * len(commands)  # type: ignore[list-item]
+        if len(envs) != len(commands) or (logs is not None and len(logs) != len(commands)):
+            raise ValueError(
+                f"{len(commands)} commands but {len(envs)} environments and "
+                f"{len(logs) if logs is not None else 'no'} logs"
+            )
+        self.commands = [list(map(str, c)) for c in commands]
+        self.envs = list(envs)
+        self.cwd = os.fspath(cwd) if cwd is not None else None
+        self.logs = [os.fspath(p) for p in logs] if logs is not None else None
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.fail_fast = fail_fast
+        self.remove = [os.fspath(p) for p in remove]
+        self.tmp: str | None = None
+        self.exits: list[Exit] | None = None
+        self._proc: subprocess.Popen | None = None
+        self._started_at = 0.0
+        self._old_sigterm: Any = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> "ProcessGroup":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the supervisor, which starts the commands."""
+        if self._proc is not None:
+            raise RuntimeError("this ProcessGroup was started already")
+        self.tmp = tempfile.mkdtemp(prefix="autosearch-group-")
+        commands = []
+        for i, (argv, env) in enumerate(zip(self.commands, self.envs)):
+            env = clean_env(env)
+            env["TMPDIR"] = self.tmp
+            log = self.logs[i] if self.logs else os.devnull
+            commands.append({"argv": argv, "env": env, "cwd": self.cwd, "log": log})
+        spec = {
+            "commands": commands,
+            "grace_s": self.grace_s,
+            "fail_fast": self.fail_fast,
+            "remove": [self.tmp, *self.remove],
+        }
+        self._install_sigterm()
+        # -I: the supervisor imports nothing but the standard library, not even from its folder.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._started_at = time.monotonic()
+        assert self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(spec) + "\n").encode())
+        self._proc.stdin.flush()  # and keep it open: closing it is the signal to stop
+
+    def wait(self) -> list[Exit]:
+        """Wait for the commands to end (or one to fail, with ``fail_fast``); their exits.
+
+        Raises:
+            ProcessTimeout: after ``timeout_s``; the commands were stopped and reaped.
+        """
+        if self._proc is None:
+            raise RuntimeError("start the ProcessGroup first")
+        if self.exits is not None:
+            return self.exits
+        remaining = None
+        if self.timeout_s is not None:
+            remaining = max(0.0, self.timeout_s - (time.monotonic() - self._started_at))
+        try:
+            self._proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise ProcessTimeout(
+                f"{' '.join(self.commands[0][:4])} ...: not done after {self.timeout_s:g} s; "
+                "stopped"
+            ) from None
+        return self._collect()
+
+    def stop(self) -> list[Exit]:
+        """End every process of the group now (SIGTERM, then SIGKILL), reap them, clean up.
+
+        Idempotent; the exits of commands that were still running have ``returncode=None``.
+        """
+        try:
+            if self._proc is not None and self.exits is None:
+                self._close_pipe()
+                try:
+                    self._proc.wait(timeout=self.grace_s + 30)
+                except subprocess.TimeoutExpired:  # the supervisor itself is stuck: last resort
+                    _killpg(self._proc.pid, signal.SIGKILL)
+                    self._proc.wait()
+                self._collect()
+        finally:
+            self._restore_sigterm()
+            if self.tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.exits or []
+
+    # ---- internals --------------------------------------------------------------------------
+    def _close_pipe(self) -> None:
+        assert self._proc is not None
+        try:
+            if self._proc.stdin and not self._proc.stdin.closed:
+                self._proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def _collect(self) -> list[Exit]:
+        assert self._proc is not None
+        self._close_pipe()
+        out = self._proc.stdout.read() if self._proc.stdout else b""
+        if self._proc.stdout:
+            self._proc.stdout.close()
+        try:
+            report = json.loads(out.decode() or "{}")
+        except ValueError:
+            report = {}
+        exits = report.get("exits") or [{"returncode": None}] * len(self.commands)
+        self.exits = [Exit(**e) for e in exits]
+        return self.exits
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def terminated(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, terminated)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+def run(commands: Sequence[Sequence[str]], **options: Any) -> list[Exit]:
+    """Start `commands` as one `ProcessGroup`, wait for them, and clean up; their exits."""
+    with ProcessGroup(commands, **options) as group:
+        return group.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---- the supervisor (runs as `python -I processes.py`, reading its spec from stdin) -----------
+def _prctl(option: int, value: int) -> bool:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live descendant of `root`, from /proc (Linux); empty where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields and fields[0] != b"Z":  # zombies are reaped below, not signalled
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class _Supervisor:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.pids: list[int] = []
+        self.exits: dict[int, dict[str, Any]] = {}
+        self.stop_requested = False
+
+    def run(self) -> dict[str, Any]:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._request_stop)
+        try:
+            self._start_all()
+            self._watch(wake_r)
+        finally:
+            self._end_all()
+            for path in self.spec.get("remove", []):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        exits = [self.exits.get(pid, {"returncode": None}) for pid in self.pids]
+        return {"exits": exits, "stopped": self.stop_requested}
+
+    def _request_stop(self, *_: object) -> None:
+        self.stop_requested = True
+
+    def _start_all(self) -> None:
+        for command in self.spec["commands"]:
+            self.pids.append(_spawn(command))
+
+    def _reap(self) -> None:
+        """Collect every child that ended; remember how the commands ended."""
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.pids and pid not in self.exits:
+                self.exits[pid] = {
+                    "returncode": os.waitstatus_to_exitcode(status),
+                    "max_rss_bytes": int(usage.ru_maxrss) * 1024,  # Linux reports KiB
+                }
+
+    def _watch(self, wake_r: int) -> None:
+        import select
+
+        stdin = sys.stdin.fileno()
+        while not self.stop_requested:
+            self._reap()
+            if len(self.exits) == len(self.pids):
+                return
+            if self.spec.get("fail_fast") and any(e["returncode"] for e in self.exits.values()):
+                return
+            readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            if stdin in readable and not os.read(stdin, 4096):
+                self.stop_requested = True  # the owner closed the pipe, or died
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+
+    def _end_all(self) -> None:
+        """SIGTERM every descendant, wait `grace_s`, SIGKILL what is left, reap everything."""
+        me = os.getpid()
+        for sig, patience in (
+            (signal.SIGTERM, self.spec.get("grace_s", 5.0)),
+            (signal.SIGKILL, 10),
+        ):
+            self._reap()
+            alive = _descendants(me)
+            if not alive:
+                break
+            for pid in alive:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + patience
+            while time.monotonic() < deadline:
+                self._reap()
+                if not _descendants(me):
+                    break
+                time.sleep(0.02)
+        self._reap()
+
+
+def _spawn(command: dict[str, Any]) -> int:
+    """fork + exec one command (the supervisor is single-threaded, so fork is safe here), with
+    stdin from /dev/null, stdout and stderr to its log, and SIGKILL if the supervisor dies."""
+    log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    pid = os.fork()
+    if pid:
+        os.close(log)
+        return pid
+    try:  # the child
+        supervisor = os.getppid()
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor:  # it died before the line above took effect
+            os._exit(137)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        if command.get("cwd"):
+            os.chdir(command["cwd"])
+        os.execvpe(command["argv"][0], command["argv"], command["env"])
+    except BaseException as exc:  # noqa: BLE001 - report in the log, exit like a shell would
+        os.write(2, f"cannot start {command['argv'][0]}: {exc}\n".encode())
+    os._exit(127)
+
+
+def _supervise() -> int:
+    spec = json.loads(sys.stdin.buffer.readline())
+    report = _Supervisor(spec).run()
+    sys.stdout.write(json.dumps(report))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_supervise())
