@@ -116,6 +116,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``); False where that is unavailable or the parent is gone already.
+    Call it in the child right after fork, in a single-threaded parent."""
+    parent = os.getppid()
+    return _prctl(PR_SET_PDEATHSIG, sig) and os.getppid() == parent
+
+
 class ProcessGroup:
     """Start commands under one owner, wait with a timeout, and always end and reap them all.
 
