@@ -104,8 +104,8 @@ def test_classification_uses_exit_status_and_exception_types(code, ranks, timed_
 
 
 def test_validate_cli_runs_the_top_candidates_of_a_study(tmp_path, capsys):
-    """tune -> validate --study: the top candidate runs, its measured figures land in validation.csv and
-    in the study (as the study attribute validation/<trial number>)."""
+    """tune -> validate --study: the top candidate runs, its measured figures land in
+    validation.csv and in the study (as the study attribute validation/<trial number>)."""
     import optuna
     import yaml
 
@@ -210,7 +210,7 @@ def test_cpu_refuses_candidates_beyond_this_machine_unless_forced(tmp_path, caps
         validate(SPEC, [many], out=tmp_path / "a", verbose=False)
     assert "would start 1024 processes on" in str(refused.value)
     big = ModelSpec.load("llama3-70b")  # ~1 TB of fp32 weights and Adam states in one process
-    with pytest.raises(SpecError, match=r"needs about [\d,.]+ GiB .* by the cost model's estimate"):
+    with pytest.raises(SpecError, match=r"needs about [\d,.]+ GiB .* cost model's estimate"):
         validate(big, [Strategy(global_batch_size=1)], out=tmp_path / "b", verbose=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     (tmp_path / "s.yaml").write_text("dp: 1024\nmicro_batch_size: 1\nglobal_batch_size: 1024\n")
