@@ -40,3 +40,14 @@ def two_args(spec, other):
 
 
 not_callable = 42
+
+
+def fault_point(spec):
+    """For the fault tests: one process trains (a candidate that finishes); under torchrun each
+    rank says it is ready in $FAULT_READY_DIR and waits to be killed."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return build(spec)
+    ready = os.path.join(os.environ["FAULT_READY_DIR"], f"rank{os.environ['RANK']}")
+    with open(ready, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
