@@ -127,3 +127,17 @@ def test_killing_the_owner_ends_every_process_and_removes_the_temporary_folders(
     )  # Python re-raises SIGINT
     assert wait_until_gone(mark, 15) == []
     assert private and not os.path.exists(private) and not scratch.exists()
+
+
+def test_temporary_folders_live_until_the_group_is_left(tmp_path):
+    """What the commands write in a folder given to `remove` (or in TMPDIR) can be read after
+    `wait`; leaving the block removes it. A launcher that sets RANK itself keeps it (clean=False)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "RANK": "3"}
+    cmd = ["sh", "-c", f'echo "$RANK" > {scratch}/out.txt; echo x > "$TMPDIR/t"']
+    with ProcessGroup([cmd], envs=env, remove=[scratch], timeout_s=30, clean=False) as g:
+        (e,) = g.wait()
+        assert e.returncode == 0 and (scratch / "out.txt").read_text() == "3\n"
+        assert os.path.exists(os.path.join(g.tmp, "t"))
+    assert not scratch.exists() and not os.path.exists(g.tmp)

@@ -8,8 +8,10 @@ descendant, even torchrun's workers, which run in sessions of their own, and eve
 parent died. It ends everything when the commands are done, when one fails (``fail_fast``), or
 when the pipe closes: the owner finished, timed out, caught SIGINT/SIGTERM, or was killed and the
 kernel closed its end. Ending is SIGTERM to every descendant, a grace period, then SIGKILL; every
-child is reaped and the temporary folders removed before the supervisor reports the exit statuses
-(with each command's peak resident memory) and exits.
+child is reaped before the supervisor reports the exit statuses (with each command's peak
+resident memory). The temporary folders stay until the owner releases the group (closes the
+pipe, by leaving the ``with`` block or by dying), so that it can read what the commands left
+there; then the supervisor removes them and exits.
 
 Written by hand because no library does it: `subprocess` reaps one child and kills nothing when
 the parent dies; ``start_new_session`` + ``killpg`` miss processes that start sessions of their
@@ -137,7 +139,11 @@ class ProcessGroup:
         timeout_s: `wait` stops the commands and raises `ProcessTimeout` after this long.
         grace_s: seconds between SIGTERM and SIGKILL when stopping.
         fail_fast: stop the others as soon as one command exits with a non-zero status.
-        remove: more paths (files or folders) removed when the group ends.
+        remove: more paths (files or folders) removed when the group is stopped (the block
+            is left) or its owner dies.
+        clean: remove torchrun's distributed variables from the environments (default); False
+            keeps the environments as given (a launcher that sets RANK etc. itself, over
+            `clean_env()`).
 
     Use it as a context manager: leaving the block, normally or by an exception (KeyboardInterrupt
     included), stops everything. While the block runs in the main thread, SIGTERM raises
@@ -155,6 +161,7 @@ class ProcessGroup:
         grace_s: float = 5.0,
         fail_fast: bool = True,
         remove: Sequence[str | os.PathLike] = (),
+        clean: bool = True,
     ) -> None:
         if not commands:
             raise ValueError("ProcessGroup needs at least one command")
@@ -173,6 +180,7 @@ class ProcessGroup:
         self.grace_s = grace_s
         self.fail_fast = fail_fast
         self.remove = [os.fspath(p) for p in remove]
+        self.clean = clean
         self.tmp: str | None = None
         self.exits: list[Exit] | None = None
         self._proc: subprocess.Popen | None = None
@@ -194,7 +202,7 @@ class ProcessGroup:
         self.tmp = tempfile.mkdtemp(prefix="autosearch-group-")
         commands = []
         for i, (argv, env) in enumerate(zip(self.commands, self.envs)):
-            env = clean_env(env)
+            env = clean_env(env) if self.clean else dict(os.environ if env is None else env)
             env["TMPDIR"] = self.tmp
             log = self.logs[i] if self.logs else os.devnull
             commands.append({"argv": argv, "env": env, "cwd": self.cwd, "log": log})
@@ -220,6 +228,9 @@ class ProcessGroup:
     def wait(self) -> list[Exit]:
         """Wait for the commands to end (or one to fail, with ``fail_fast``); their exits.
 
+        The temporary folders stay until the group is stopped (leaving the ``with`` block), so
+        that what the commands wrote there can still be read.
+
         Raises:
             ProcessTimeout: after ``timeout_s``; the commands were stopped and reaped.
         """
@@ -230,35 +241,37 @@ class ProcessGroup:
         remaining = None
         if self.timeout_s is not None:
             remaining = max(0.0, self.timeout_s - (time.monotonic() - self._started_at))
-        try:
-            self._proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
+        if not self._read_report(remaining):
             self.stop()
             raise ProcessTimeout(
                 f"{' '.join(self.commands[0][:4])} ...: not done after {self.timeout_s:g} s; "
                 "stopped"
-            ) from None
-        return self._collect()
+            )
+        assert self.exits is not None
+        return self.exits
 
     def stop(self) -> list[Exit]:
-        """End every process of the group now (SIGTERM, then SIGKILL), reap them, clean up.
-
-        Idempotent; the exits of commands that were still running have ``returncode=None``.
-        """
+        """End every process of the group now (SIGTERM, then SIGKILL), reap them, remove the
+        temporary folders. Idempotent; commands that were still running have no returncode."""
         try:
-            if self._proc is not None and self.exits is None:
-                self._close_pipe()
+            if self._proc is not None and self._proc.returncode is None:
+                self._close_pipe()  # the supervisor's signal to end everything and clean up
+                if self.exits is None:
+                    self._read_report(self.grace_s + 30)
                 try:
                     self._proc.wait(timeout=self.grace_s + 30)
                 except subprocess.TimeoutExpired:  # the supervisor itself is stuck: last resort
                     _killpg(self._proc.pid, signal.SIGKILL)
                     self._proc.wait()
-                self._collect()
+                if self._proc.stdout:
+                    self._proc.stdout.close()
         finally:
             self._restore_sigterm()
             if self.tmp:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-        return self.exits or []
+        if self.exits is None:
+            self.exits = [Exit(returncode=None)] * len(self.commands)
+        return self.exits
 
     # ---- internals --------------------------------------------------------------------------
     def _close_pipe(self) -> None:
@@ -269,19 +282,22 @@ class ProcessGroup:
         except BrokenPipeError:
             pass
 
-    def _collect(self) -> list[Exit]:
-        assert self._proc is not None
-        self._close_pipe()
-        out = self._proc.stdout.read() if self._proc.stdout else b""
-        if self._proc.stdout:
-            self._proc.stdout.close()
+    def _read_report(self, timeout_s: float | None) -> bool:
+        """Read the supervisor's one-line report (the exits) if it comes within `timeout_s`."""
+        import select
+
+        assert self._proc is not None and self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        if not ready:
+            return False
+        line = self._proc.stdout.readline()
         try:
-            report = json.loads(out.decode() or "{}")
+            report = json.loads(line.decode() or "{}")
         except ValueError:
             report = {}
         exits = report.get("exits") or [{"returncode": None}] * len(self.commands)
         self.exits = [Exit(**e) for e in exits]
-        return self.exits
+        return True
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -354,8 +370,10 @@ class _Supervisor:
         self.pids: list[int] = []
         self.exits: dict[int, dict[str, Any]] = {}
         self.stop_requested = False
+        self.signalled = False
+        self.released = False
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -368,6 +386,13 @@ class _Supervisor:
             self._watch(wake_r)
         finally:
             self._end_all()
+            exits = [self.exits.get(pid, {"returncode": None}) for pid in self.pids]
+            try:
+                sys.stdout.write(json.dumps({"exits": exits}) + "\n")
+                sys.stdout.flush()
+            except OSError:  # the owner is gone
+                pass
+            self._wait_for_release(wake_r)
             for path in self.spec.get("remove", []):
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -376,11 +401,22 @@ class _Supervisor:
                         os.unlink(path)
                     except OSError:
                         pass
-        exits = [self.exits.get(pid, {"returncode": None}) for pid in self.pids]
-        return {"exits": exits, "stopped": self.stop_requested}
 
     def _request_stop(self, *_: object) -> None:
-        self.stop_requested = True
+        self.stop_requested = self.signalled = True
+
+    def _wait_for_release(self, wake_r: int) -> None:
+        """The owner reads what the commands left in the temporary folders, then closes the
+        pipe (or dies, or signals us): only then are they removed."""
+        import select
+
+        stdin = sys.stdin.fileno()
+        while not self.released and not self.signalled:
+            readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            if stdin in readable and not os.read(stdin, 4096):
+                self.released = True
+            if wake_r in readable:
+                os.read(wake_r, 4096)
 
     def _start_all(self) -> None:
         for command in self.spec["commands"]:
@@ -413,7 +449,7 @@ class _Supervisor:
                 return
             readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
             if stdin in readable and not os.read(stdin, 4096):
-                self.stop_requested = True  # the owner closed the pipe, or died
+                self.stop_requested = self.released = True  # the owner closed the pipe, or died
             if wake_r in readable:
                 os.read(wake_r, 4096)
 
@@ -472,9 +508,7 @@ def _spawn(command: dict[str, Any]) -> int:
 
 def _supervise() -> int:
     spec = json.loads(sys.stdin.buffer.readline())
-    report = _Supervisor(spec).run()
-    sys.stdout.write(json.dumps(report))
-    sys.stdout.flush()
+    _Supervisor(spec).run()
     return 0
 
 

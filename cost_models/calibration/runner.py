@@ -18,7 +18,7 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -298,12 +298,17 @@ def _launch(
     `python -m torch.distributed.run --standalone`. Either way, if one rank fails the others are
     stopped and the failing rank's stderr is in the error.
     """
-    with tempfile.TemporaryDirectory(prefix="autosearch-calibrate-") as tmp:
+    from autosearch.core.processes import clean_env, free_port
+
+    # The group owner removes `tmp` with the workers, even if this process is killed.
+    tmp = tempfile.mkdtemp(prefix="autosearch-calibrate-")
+    try:
         plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(worker_plan, f)
         module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
-        env = dict(os.environ)
+        # Not the RANK, WORLD_SIZE, MASTER_PORT of a torchrun job this may run inside.
+        env = clean_env()
         env["PYTHONPATH"] = PACKAGE_ROOT + (
             os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
         )
@@ -324,7 +329,7 @@ def _launch(
                 )
             ]
         elif world > 1:
-            port = _free_port()
+            port = free_port()
             cmds = [
                 (
                     [sys.executable] + module,
@@ -342,56 +347,50 @@ def _launch(
             ]
         else:
             cmds = [([sys.executable] + module, env)]
-        codes, errors = _run_all(cmds, tmp, timeout_s)
+        codes, errors, rows = _run_all(cmds, tmp, timeout_s, out_path)
         if codes is None:
             raise RuntimeError(
                 f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s"
             )
-        if any(codes) or not os.path.exists(out_path):
+        if any(codes) or rows is None:
             bad = next((i for i, c in enumerate(codes) if c), 0)
             raise RuntimeError(
                 f"calibration worker (world size {world}, rank {bad}) failed with exit status "
                 f"{codes[bad]}:\n{errors[bad][-3000:]}"
             )
-        with open(out_path, encoding="utf-8") as f:
-            return json.load(f)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run_all(
-    cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float
-) -> tuple[list[int] | None, list[str]]:
-    """Start every command, wait for all; stop the rest as soon as one fails or time runs out."""
-    import time
+    cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float, out_path: str
+) -> tuple[list[int] | None, list[str], list[dict] | None]:
+    """Start every command, wait for all; stop the rest as soon as one fails or time runs out.
+    One `ProcessGroup` owns them: they and `tmp` end with it, even if this process is killed.
+    Returns the exit statuses (None on timeout), each rank's log, and the rows in `out_path`."""
+    from autosearch.core.processes import ProcessGroup, ProcessTimeout
 
-    procs, logs = [], []
-    for i, (cmd, env) in enumerate(cmds):
-        log = open(os.path.join(tmp, f"rank{i}.log"), "w+", encoding="utf-8")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                timed_out = time.monotonic() > deadline
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    return (None if timed_out else [p.returncode for p in procs]), texts
+    logs = [os.path.join(tmp, f"rank{i}.log") for i in range(len(cmds))]
+    codes: list[int] | None = None
+    with ProcessGroup(
+        [cmd for cmd, _ in cmds],
+        envs=[env for _, env in cmds],
+        logs=logs,
+        timeout_s=timeout_s,
+        remove=[tmp],
+        clean=False,
+    ) as group:
+        try:
+            codes = [-1 if e.returncode is None else e.returncode for e in group.wait()]
+        except ProcessTimeout:
+            codes = None
+        texts = []
+        for path in logs:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+        rows = None
+        if os.path.exists(out_path):
+            with open(out_path, encoding="utf-8") as f:
+                rows = json.load(f)
+    return codes, texts, rows
