@@ -40,9 +40,10 @@ def profiles_with_quality(folder: Path, *, ok: bool, problems=()) -> Path:
     return folder
 
 
-def test_tune_calibrates_a_new_machine_validates_and_trains(tmp_path, capsys):
-    """No profile for this machine: a quick calibration first (and it says so); the two best
-    candidates run for real; the fastest measured one becomes the strategy, and training works."""
+def test_tune_validates_the_top_candidates_and_trains_with_the_fastest(tmp_path, capsys):
+    """The two best candidates run for real; the fastest measured one becomes the strategy, and
+    training works. The profile: the committed calibration of this kind of machine."""
+    folder = profiles_with_quality(tmp_path / "calibration", ok=True)
     engine = Engine(lambda: Transformer(SPEC), optimizer=adamw, seed=0)
     data = SyntheticTokens.for_model(SPEC, 64)
     result = engine.tune(
@@ -51,16 +52,15 @@ def test_tune_calibrates_a_new_machine_validates_and_trains(tmp_path, capsys):
         n_trials=20,
         seed=0,
         out=str(tmp_path / "study"),
-        calibration_dir=str(tmp_path / "calibration"),
+        calibration_dir=str(folder),
         validate_top_k=2,
         steps=1,
         warmup=1,
         space={"amp": "fp32"},
     )
     printed = capsys.readouterr().out
-    assert "calibrating it quickly" in printed and "best measured" in printed
-    assert f"hardware profile cpu-local ({tmp_path / 'calibration'}" in printed
-    assert (tmp_path / "calibration" / "cpu-local.yaml").exists()
+    assert "best measured" in printed and "calibrating" not in printed
+    assert f"tune: hardware profile cpu-local-np1 ({folder}" in printed
     assert engine.best_strategy_.world_size == 1 and engine.strategy_ == engine.best_strategy_
     assert engine.strategy is None  # the constructor's argument is kept (sklearn style)
     assert engine.best_strategy_ in [c.strategy for c in result.top_k[:2]]
@@ -69,6 +69,31 @@ def test_tune_calibrates_a_new_machine_validates_and_trains(tmp_path, capsys):
     assert (tmp_path / "study" / "best_measured_strategy.yaml").exists()
     history = engine.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
     assert len(history["loss"]) == 2 and all(loss == loss for loss in history["loss"])
+
+
+def test_tune_calibrates_a_new_machine_first(tmp_path, capsys):
+    """No profile for this machine: a quick calibration first (and it says so). A calibration
+    that passes its quality checks is searched with; on a busy machine it may fail them, and then
+    tune refuses to search with it (SpecError naming the problems), never silently."""
+    engine = Engine(lambda: Transformer(SPEC), optimizer=adamw, seed=0)
+    folder = tmp_path / "calibration"
+    try:
+        engine.tune(
+            batch_size=8,
+            n_trials=5,
+            seed=0,
+            out=str(tmp_path / "study"),
+            calibration_dir=str(folder),
+            space={"amp": "fp32"},
+        )
+    except SpecError as exc:
+        assert "failed its checks, so tune will not search with it" in str(exc)
+        assert "calibrating it quickly" in capsys.readouterr().out
+        return
+    printed = capsys.readouterr().out
+    assert "calibrating it quickly" in printed
+    assert f"tune: hardware profile cpu-local-np1 ({folder}" in printed
+    assert (folder / "cpu-local.yaml").exists() and engine.strategy_.world_size == 1
 
 
 def test_tune_sets_learned_attributes_and_keeps_constructor_arguments(tmp_path):
@@ -189,3 +214,19 @@ def test_ranks_waiting_for_rank0_give_up_at_their_timeout_with_a_message(tmp_pat
     assert "waited 3 s for rank 0" in record["error"] and "wait_timeout_s" in record["error"], (
         proc.stderr[-3000:]
     )
+
+
+@pytest.mark.slow
+def test_tune_under_torchrun_without_a_profile_calibrates_on_rank0_and_does_not_hang(tmp_path):
+    """Rank 0 calibrates this machine from inside the torchrun job (its calibration workers must
+    not inherit RANK/WORLD_SIZE/MASTER_PORT and join the job: that hung for ten minutes), then
+    searches; rank 1 waits. On a busy machine the quick calibration may fail its quality checks:
+    then every rank stops with the same message instead of searching with it."""
+    env = {**os.environ, "AUTOSEARCH_CALIBRATION_DIR": str(tmp_path / "calibration")}
+    proc = _torchrun("same", tmp_path, env, 420)
+    if proc.returncode == 0:
+        ranks = [json.loads((tmp_path / f"record.{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["strategy"] == ranks[1]["strategy"]
+        assert (tmp_path / "calibration" / "cpu-local.yaml").exists()
+    else:
+        assert "failed its checks" in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -370,16 +370,17 @@ def local_cluster(
             "(`autosearch calibrate` without --quick measures it properly)"
         )
         sizes = sorted({1, world_size} | ({2} if device == "cpu" and count >= 2 else set()))
-        calibrate(device=device, world_sizes=sizes, quick=True, out=path, log=log)
-        problems = profile_problems(HardwareProfile.load(path))
+        # A calibration that fails its checks may write under another name (<out>.untrusted).
+        calibration = calibrate(device=device, world_sizes=sizes, quick=True, out=path, log=log)
+        problems = profile_problems(calibration.profile)
         if problems:
             raise SpecError(
                 problems,
-                context=f"the quick calibration of this machine ({path}) failed its checks, so "
-                "tune will not search with it; calibrate on a quiet machine (`autosearch "
-                f"calibrate --out {path}`) or pass cluster=...",
+                context=f"the quick calibration of this machine ({calibration.profile_path}) "
+                "failed its checks, so tune will not search with it; calibrate on a quiet "
+                f"machine (`autosearch calibrate --out {path}`) or pass cluster=...",
             )
-        return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
+        return Cluster(gpu=calibration.profile_path, n_nodes=1, gpus_per_node=world_size)
     from cost_models.calibration.profile import catalog_profile_for
 
     base = catalog_profile_for(name) if device == "cuda" else None
