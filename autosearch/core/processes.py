@@ -120,10 +120,10 @@ def free_port() -> int:
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send `sig` to this process when its parent ends (Linux
-    ``prctl(PR_SET_PDEATHSIG)``); False where that is unavailable or the parent is gone already.
-    Call it in the child right after fork, in a single-threaded parent."""
-    parent = os.getppid()
-    return _prctl(PR_SET_PDEATHSIG, sig) and os.getppid() == parent
+    ``prctl(PR_SET_PDEATHSIG)``); False where that is unavailable. Call it in the child right
+    after fork (from a single-threaded parent), then check that ``os.getppid()`` is still the
+    parent: one that died before the call sends nothing."""
+    return _prctl(PR_SET_PDEATHSIG, sig)
 
 
 class ProcessGroup:
@@ -372,6 +372,7 @@ class _Supervisor:
         self.stop_requested = False
         self.signalled = False
         self.released = False
+        self.owner = os.getppid()
 
     def run(self) -> None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -390,8 +391,8 @@ class _Supervisor:
             try:
                 sys.stdout.write(json.dumps({"exits": exits}) + "\n")
                 sys.stdout.flush()
-            except OSError:  # the owner is gone
-                pass
+            except OSError:  # the owner is gone; say nothing more there
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             self._wait_for_release(wake_r)
             for path in self.spec.get("remove", []):
                 if os.path.isdir(path) and not os.path.islink(path):
@@ -414,6 +415,8 @@ class _Supervisor:
         while not self.released and not self.signalled:
             readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
             if stdin in readable and not os.read(stdin, 4096):
+                self.released = True
+            if os.getppid() != self.owner:
                 self.released = True
             if wake_r in readable:
                 os.read(wake_r, 4096)
@@ -450,6 +453,8 @@ class _Supervisor:
             readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
             if stdin in readable and not os.read(stdin, 4096):
                 self.stop_requested = self.released = True  # the owner closed the pipe, or died
+            if os.getppid() != self.owner:  # died, though a forked child keeps the pipe open
+                self.stop_requested = self.released = True
             if wake_r in readable:
                 os.read(wake_r, 4096)
 

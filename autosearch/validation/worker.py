@@ -137,9 +137,11 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     record_path = Path(config["result_dir"], f"rank{rank}.json")
     sys.stdout.flush()
+    guard_pid = os.getpid()
     pid = os.fork()  # before torch is imported: the guard stays small and single-threaded
     if pid == 0:
-        if not die_with_parent():
+        die_with_parent()  # Linux; elsewhere the launcher's process group owner still ends it
+        if os.getppid() != guard_pid:  # the guard died already
             os._exit(1)
         run_rank(config, rank, record_path)
     guard(pid, rank, record_path)
