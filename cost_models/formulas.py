@@ -66,8 +66,10 @@ def microbatches_in_flight(
     """Micro-batches whose activations the first pipeline stage holds at its peak, in units of
     one micro-batch through the whole stage.
 
-    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec. 2.2.1).
-    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec. 4.2.3).
+    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec.
+    2.2.1).
+    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec.
+    4.2.3).
     Without a pipeline, gradient accumulation frees each micro-batch before the next: 1.
     """
     if pp <= 1:
@@ -112,7 +114,7 @@ def layer_activation_bytes(
     flash_attention: bool = False,
     act_bytes: int = 2,
 ) -> float:
-    """Bytes one layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank."""
     sb = seq_len * micro_batch
     a = act_bytes
     sp_div = tp if sequence_parallel else 1

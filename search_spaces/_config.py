@@ -83,7 +83,7 @@ class SpaceConfig:
             if value is None:
                 object.__setattr__(self, name, tuple(legal))
                 continue
-            values = []
+            chosen: list[Any] = []
             for v in _as_tuple(value):
                 if name == "sequence_parallel" and isinstance(v, str):
                     v = _BOOL_WORDS.get(v.lower(), v)
@@ -95,14 +95,14 @@ class SpaceConfig:
                     problems.append(
                         f"{name} value {v!r} is not one of {', '.join(map(str, legal))}"
                     )
-                elif v not in values:
-                    values.append(v)
-            if not values and not problems:
+                elif v not in chosen:
+                    chosen.append(v)
+            if not chosen and not problems:
                 problems.append(
                     f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
                 )
             # Keep the canonical order of the legal values, so equal configs compare equal.
-            object.__setattr__(self, name, tuple(v for v in legal if v in values))
+            object.__setattr__(self, name, tuple(v for v in legal if v in chosen))
         if not isinstance(self.tp_within_node, bool):
             problems.append(f"tp_within_node must be true or false, got {self.tp_within_node!r}")
         for name in ("max_micro_batch_size", "max_virtual_stages"):
@@ -149,8 +149,8 @@ class SpaceConfig:
                     what=f"search space {path!r}",
                 )
             raise SpecError(
-                f"search space {path!r} is neither a YAML file nor a shipped space; shipped spaces: "
-                f"{', '.join(shipped_spaces())}"
+                f"search space {path!r} is neither a YAML file nor a shipped space; shipped"
+                f" spaces: {', '.join(shipped_spaces())}"
             )
         data = read_yaml_mapping(path, what="search space")
         if "space" in data and isinstance(data["space"], dict):
@@ -184,7 +184,7 @@ class SpaceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            f.name: (list(v) if isinstance(v, tuple) else v)
+            f.name: list(v) if isinstance(v, tuple) else v
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
         }

@@ -5,10 +5,13 @@ The space is built once, as a tree whose every leaf is valid by construction:
     tp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)      [the "layout"]
     x recompute x sequence_parallel (tp > 1 only) x zero_stage x amp        [independent axes]
 
-Layout rules (exactly those of `Strategy.problems`): tp divides n_heads and n_kv_heads (and stays
-inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp = world/(tp*pp);
+Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
+applied level by level: tp divides n_heads and n_kv_heads (and stays
+inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp =
+world/(tp*pp);
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
-needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to be
+needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to
+be
 a multiple of pp (Narayanan et al. 2021, sec. 2.2). Branches with no valid leaf are pruned, so a
 sampler walking the tree can never reach an invalid strategy.
 
@@ -34,6 +37,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from autosearch.core import rules
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster
 from autosearch.core.model_spec import ModelSpec
@@ -44,11 +48,11 @@ from search_spaces._config import SpaceConfig
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-INTERLEAVED = "interleaved_1f1b"
+INTERLEAVED = rules.INTERLEAVED
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
-    """The categorical value of one pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
+    """The categorical value of a pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
     return f"{INTERLEAVED}_v{virtual_stages}" if schedule == INTERLEAVED else schedule
 
 
@@ -143,40 +147,41 @@ class SearchSpace(BaseSearchSpace):
         )
         if not self.amps:
             raise SpecError(
-                f"amp {', '.join(c.amp)} not supported by hardware profile {self.cluster.profile.name!r} "
-                f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
+                f"amp {', '.join(c.amp)} not supported by hardware profile"
+                f" {self.cluster.profile.name!r} (it has peaks for"
+                f" {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
             )
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
-        rules: list[str] = []  # why candidate values were dropped, for the empty-space message
+        dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
 
-        tps = [t for t in _divisors(world) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]
+        # The layout rules are those of Strategy.problems, applied level by level.
+        tps = [t for t in _divisors(world) if rules.tp_problem(t, m) is None]
         if c.tp_within_node:
             tps = [t for t in tps if t <= gpn]
         if c.tp is not None:
             tps = [t for t in tps if t in c.tp]
-        tps = [
-            t for t in tps if self._sequence_parallel_choices(t)
-        ]  # `sequence_parallel: true` needs tp > 1
-        rules.append(
+        # `sequence_parallel: true` needs tp > 1
+        tps = [t for t in tps if self._sequence_parallel_choices(t)]
+        dropped.append(
             f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
             + (f", <= {gpn} per node" if c.tp_within_node else "")
             + ")"
         )
 
-        schedules_pp1 = [s for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
+        schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
         tree: dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]] = {}
         for tp in tps:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if (
-                    m.n_layers % pp
+                    rules.layers_problem(pp, 1, m) is not None
                     or (c.pp is not None and pp not in c.pp)
                     or (c.dp is not None and dp not in c.dp)
                 ):
                     continue
                 if pp == 1 and not schedules_pp1:
                     continue
-                per_rank = gbs // dp if gbs % dp == 0 else 0
+                per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
                 mbs = {}
                 for mb in _divisors(per_rank) if per_rank else []:
                     if c.micro_batch_size is not None:
@@ -185,7 +190,7 @@ class SearchSpace(BaseSearchSpace):
                     elif c.max_micro_batch_size is not None and mb > c.max_micro_batch_size:
                         continue
                     n_micro = per_rank // mb
-                    if pp > 1 and n_micro < pp:
+                    if rules.microbatch_problem(pp, n_micro, "1f1b") is not None:
                         continue
                     options = self._pipeline_options(pp, n_micro, schedules_pp1)
                     if options:
@@ -193,7 +198,7 @@ class SearchSpace(BaseSearchSpace):
                 if mbs:
                     tree.setdefault(tp, {})[pp] = mbs
         if not tree:
-            raise SpecError(self._empty_message(tps, rules), context="search space is empty")
+            raise SpecError(self._empty_message(tps, dropped), context="search space is empty")
         self._tree = tree
         self._sp_choices = {tp: self._sequence_parallel_choices(tp) for tp in tree}
         self.tps = tuple(sorted(tree))
@@ -215,10 +220,17 @@ class SearchSpace(BaseSearchSpace):
         c, layers = self.config, self.model.n_layers
         if pp == 1:
             return ((schedules_pp1[0], 1),)
-        out = [(s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule]
-        if INTERLEAVED in c.pipeline_schedule and n_micro % pp == 0:
+        out: list[tuple[str, int]] = [
+            (s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule
+        ]
+        if INTERLEAVED in c.pipeline_schedule:
             for v in _divisors(layers // pp):
                 if v == 1 or (c.virtual_stages is not None and v not in c.virtual_stages):
+                    continue
+                if (
+                    rules.microbatch_problem(pp, n_micro, INTERLEAVED) is not None
+                    or rules.layers_problem(pp, v, self.model) is not None
+                ):
                     continue
                 if (
                     c.virtual_stages is None
@@ -231,25 +243,26 @@ class SearchSpace(BaseSearchSpace):
 
     def _sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
         allowed = self.config.sequence_parallel
-        if tp == 1 or self.model.seq_len % tp:
+        if rules.sequence_parallel_problem(True, tp, self.model.seq_len) is not None:
             return (False,) if False in allowed else ()
         return allowed
 
-    def _empty_message(self, tps: list[int], rules: list[str]) -> str:
+    def _empty_message(self, tps: list[int], dropped: list[str]) -> str:
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         if not tps:
             return (
-                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {rules[0]}; "
-                f"pins tp={list(c.tp) if c.tp else 'all'}, tp_within_node={c.tp_within_node}. "
-                "Widen tp or set tp_within_node: false"
+                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
+                f" {dropped[0]}; pins tp={list(c.tp) if c.tp else 'all'},"
+                f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
             )
         return (
-            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits global_batch_size={gbs} "
-            f"for {m.name} ({m.n_layers} layers): {rules[0]}; pp must divide {m.n_layers} layers, dp must "
-            f"divide {gbs}, and a pipeline of pp stages needs >= pp micro-batches per step. Pins: "
-            f"dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, micro_batch_size={_fmt(c.micro_batch_size)}, "
-            f"pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a multiple of the "
-            "data-parallel degree, or widen the pins"
+            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
+            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must"
+            f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages needs"
+            f" >= pp micro-batches per step. Pins: dp={_fmt(c.dp)}, pp={_fmt(c.pp)},"
+            f" micro_batch_size={_fmt(c.micro_batch_size)},"
+            f" pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a"
+            " multiple of the data-parallel degree, or widen the pins"
         )
 
     # ---- the interface -------------------------------------------------------------------------
@@ -377,13 +390,14 @@ class SearchSpace(BaseSearchSpace):
         options = mbs.get(s.micro_batch_size)
         if options is None:
             raise SpecError(
-                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for this split"
+                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for"
+                " this split"
             )
         schedule = s.pipeline_schedule if s.pp > 1 else options[0][0]
         if (schedule, s.virtual_stages) not in options:
             raise SpecError(
-                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not one of "
-                f"{[pipeline_label(*o) for o in options]}"
+                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not"
+                f" one of {[pipeline_label(*o) for o in options]}"
             )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
@@ -443,16 +457,16 @@ class SearchSpace(BaseSearchSpace):
             }
         )
         return (
-            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global batch "
-            f"{self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts} layouts with micro-batch "
-            f"and schedule, x recompute {list(self.recomputes)} x zero {list(self.zero_stages)} x amp "
-            f"{list(self.amps)} x sequence parallel where tp > 1"
+            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
+            f" batch {self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts}"
+            f" layouts with micro-batch and schedule, x recompute {list(self.recomputes)} x zero"
+            f" {list(self.zero_stages)} x amp {list(self.amps)} x sequence parallel where tp > 1"
         )
 
     def __repr__(self) -> str:
         return (
-            f"SearchSpace({self.model.name!r}, {self.cluster.name!r}, global_batch_size={self.global_batch_size}, "
-            f"size={self.size})"
+            f"SearchSpace({self.model.name!r}, {self.cluster.name!r},"
+            f" global_batch_size={self.global_batch_size}, size={self.size})"
         )
 
 

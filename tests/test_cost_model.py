@@ -148,7 +148,8 @@ def test_a_model_too_large_does_not_fit_and_says_by_how_much():
 
 def test_memory_of_a_known_case_is_the_zero_paper_accounting():
     """Rajbhandari et al. 2020 (ZeRO) sec. 3.1: mixed-precision Adam keeps 16 bytes per parameter
-    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp."""
+    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp.
+    """
     model = ModelSpec.load("gpt3-1.3b")
     c = Cluster.parse("a100-sxm4-80gb:1x8")
     m = AnalyticCostModel(model, c, runtime=MEGATRON_SC21)

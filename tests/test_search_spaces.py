@@ -49,7 +49,7 @@ def _spaces() -> dict[str, BaseSearchSpace]:
 SPACES = _spaces()
 
 
-# ---- contract suite: every implementation ----------------------------------------------------------
+# ---- contract suite: every implementation -------------------------------------------------------
 @pytest.fixture(params=sorted(SPACES), ids=str)
 def space(request) -> BaseSearchSpace:
     return SPACES[request.param]
@@ -124,7 +124,7 @@ def test_the_same_parameter_name_always_has_the_same_choices(space):
         study.tell(trial, 0.0)
 
 
-# ---- SearchSpace: exactly the rules of Strategy.problems -------------------------------------------
+# ---- SearchSpace: exactly the rules of Strategy.problems ----------------------------------------
 def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     model, cluster, gbs = ModelSpec.load("tiny-llama"), Cluster.parse("h100-sxm:2x4"), 16
     space = SearchSpace(model, cluster, global_batch_size=gbs)
@@ -229,11 +229,10 @@ def test_user_errors_say_what_and_how():
 
 def test_importing_the_search_and_cost_model_does_not_import_torch():
     code = (
-        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner, autosearch.export\n"
-        "from autosearch import tune, TuneResult\n"
-        "from search_spaces import SearchSpace\n"
-        "SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\n"
-        "import autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\n"
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner,"
+        " autosearch.export\nfrom autosearch import tune, TuneResult\nfrom search_spaces import"
+        " SearchSpace\nSearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
+        " autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\nassert"
+        " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

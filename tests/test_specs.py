@@ -1,9 +1,12 @@
 """ModelSpec, Strategy, HardwareProfile and Cluster: loading, round trips, and every user error."""
 
+import math
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from autosearch import ModelSpec, SpecError, Strategy
 from cost_models import Cluster, HardwareProfile, profile_names
@@ -285,10 +288,80 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
 
 def test_model_free_rules_and_scaled_defaults():
     assert Strategy(dp=2, global_batch_size=3).problems(None) == [
-        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch that is a multiple of 2"
+        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch"
+        " that is a multiple of 2"
     ]
     assert Strategy(tp=3).problems(None) == []  # no model: head rules are not checked
     small = ModelSpec.load("tiny-gpt").scaled(n_heads=2, hidden_size=128)
     assert (small.n_kv_heads, small.ffn_hidden_size) == (2, 512)
     gqa = ModelSpec.load("tiny-llama").scaled(n_layers=2)
     assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
+
+
+# ---- hostile or broken input to the floor (issue: nothing silently wrong) -----------------------
+
+
+def _profile_dict():
+    from autosearch.core.hardware import _profiles_dir
+
+    return yaml.safe_load((_profiles_dir() / "h100-sxm.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "path,value,words",
+    [
+        (("kernel_launch_s",), -1.0, "kernel_launch_s = -1 is outside"),
+        (("kernel_launch_s",), float("nan"), "finite"),
+        (("memory", "capacity_bytes"), float("inf"), "finite"),
+        (("memory", "efficiency"), 1.5, "memory.efficiency = 1.5 is outside"),
+        (("gemm", "max_efficiency", "bf16"), 0.0, "gemm.max_efficiency.bf16 = 0 is outside"),
+        (("attention", "flash_efficiency", "bf16"), "fast", "must be a number"),
+        (("intra_node", "latency_s"), -3e-6, "intra_node.latency_s"),
+        (("peak_flops", "bf16"), "nan", "finite"),
+    ],
+)
+def test_profile_numbers_are_checked(path, value, words):
+    data = _profile_dict()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(SpecError, match=words.replace("(", r"\(")):
+        HardwareProfile.from_dict(data, what="test profile")
+
+
+def test_calibration_profile_cut_short_is_refused(tmp_path):
+    text = (
+        pathlib.Path(__file__).parents[1] / "results" / "calibration" / "cpu-local.yaml"
+    ).read_text()
+    cut = text[: text.index("\nkernel_launch_s:")]  # the issue's case: cut before this key
+    (tmp_path / "cut.yaml").write_text(cut)
+    with pytest.raises(SpecError, match="truncated"):
+        HardwareProfile.load(str(tmp_path / "cut.yaml"))
+
+
+def test_strategy_files_empty_or_truncated_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(SpecError, match="is empty"):
+        Strategy.from_yaml(empty)
+    with pytest.raises(SpecError, match="the strategy is empty"):
+        Strategy.parse("")
+    whole = Strategy(dp=8, tp=4, global_batch_size=512).to_yaml()
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(whole[: whole.index("pp:")])
+    with pytest.raises(SpecError, match="truncated"):
+        Strategy.from_yaml(cut)
+    # a hand-written file names only what differs: that stays valid
+    short = tmp_path / "short.yaml"
+    short.write_text("dp: 8\ntp: 4\n")
+    assert Strategy.from_yaml(short) == Strategy(dp=8, tp=4)
+
+
+def test_estimate_takes_a_dict_and_names_a_wrong_type():
+    from autosearch import estimate
+
+    report = estimate("llama3-8b", "h100-sxm:8x8", {"dp": 64, "zero_stage": 3})
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    with pytest.raises(TypeError, match="got int"):
+        estimate("llama3-8b", "h100-sxm:8x8", 64)

@@ -58,7 +58,8 @@ def check_keys(
             unknown.append(str(key))
     if unknown:
         raise SpecError(
-            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are {', '.join(sorted(names))}"
+            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are"
+            f" {', '.join(sorted(names))}"
         )
     return out
 

@@ -5,7 +5,8 @@ Two styles, chosen by `ffn_activation`, matching the reference transformer in
 
 * ``gelu``  -> GPT style (Radford et al. 2019; Brown et al. 2020): LayerNorm with bias, biases in
   every linear layer, learned position embeddings, dropout.
-* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no dropout,
+* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no
+dropout,
   gated MLP with three matrices.
 
 Example:
@@ -55,8 +56,8 @@ class ModelSpec:
     n_layers: int
     hidden_size: int
     n_heads: int
-    n_kv_heads: int | None = None
-    ffn_hidden_size: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads, set in __post_init__
+    ffn_hidden_size: int = None  # type: ignore[assignment]  # None: 4 * hidden_size
     ffn_activation: str = "gelu"
     vocab_size: int
     seq_len: int
@@ -94,7 +95,7 @@ class ModelSpec:
             if self.hidden_size % self.n_heads:
                 problems.append(
                     f"hidden_size {self.hidden_size} must be a multiple of n_heads {self.n_heads} "
-                    f"(head size = hidden_size / n_heads)"
+                    "(head size = hidden_size / n_heads)"
                 )
             if self.n_heads % self.n_kv_heads:
                 problems.append(
@@ -132,7 +133,8 @@ class ModelSpec:
     def layer_params(self) -> int:
         """All parameters of one block, biases and norms included.
 
-        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h) + ...)).
+        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h)
+        + ...)).
         """
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
@@ -199,16 +201,16 @@ class ModelSpec:
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
             return cls.from_dict(data, what=f"model file {key!r}")
-        family = re.match(r"[a-z]*", key.lower()).group()
+        family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
         close += [n for n in catalog if family and n.startswith(family) and n not in close][
             : 8 - len(close)
         ]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
-            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "
-            "Run `autosearch models` for the catalog, or pass a YAML file with n_layers, hidden_size, "
-            "n_heads, vocab_size and seq_len."
+            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} Run `autosearch"
+            " models` for the catalog, or pass a YAML file with n_layers, hidden_size, n_heads,"
+            " vocab_size and seq_len."
         )
 
     def to_dict(self) -> dict[str, Any]:

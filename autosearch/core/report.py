@@ -68,8 +68,9 @@ class CostReport(NamedTuple):
         if self.fits:
             return None
         return (
-            f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device, "
-            f"{self.memory_excess_bytes / GiB:.1f} GiB over the {self.memory_capacity_bytes / GiB:.1f} GiB available"
+            f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device,"
+            f" {self.memory_excess_bytes / GiB:.1f} GiB over the"
+            f" {self.memory_capacity_bytes / GiB:.1f} GiB available"
         )
 
     @classmethod
@@ -84,7 +85,7 @@ class CostReport(NamedTuple):
         )
 
     def to_dict(self, *, flat: bool = True) -> dict[str, Any]:
-        """Every field; with ``flat`` the breakdowns become ``time_<term>`` and ``memory_<term>``."""
+        """Every field; with ``flat`` the breakdowns become ``time_<t>`` and ``memory_<t>``."""
         out: dict[str, Any] = {
             k: getattr(self, k) for k in self._fields if k not in ("time", "memory", "notes")
         }

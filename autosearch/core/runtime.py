@@ -3,7 +3,8 @@
 The same strategy costs different time and memory under different runtimes: PyTorch autocast keeps
 fp32 parameters and casts per use, Megatron-LM (2021) keeps fp16 parameters and fp32 master copies
 in the optimizer; FlashAttention never stores the s x s attention matrix; DDP overlaps the gradient
-all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware is.
+all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware
+is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class RuntimeOptions:
         name: a label.
         flash_attention: fused attention (no s x s matrix stored or streamed; Dao et al. 2022).
         dp_overlap: fraction of the backward pass during which data-parallel gradient reduction
-            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after backward).
+            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after
+            backward).
         tp_overlap: fraction of tensor-parallel communication hidden behind GEMMs (0 by default:
             neither Megatron-LM 2021 nor DTensor without async-TP overlaps it).
         low_precision_params: parameters are stored in the 16-bit amp dtype with fp32 master

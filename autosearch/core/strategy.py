@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core import rules
 from autosearch.core._io import check_keys, parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
@@ -37,6 +38,9 @@ ALIASES = {
     "pp_degree": "pp",
     "sharding_stage": "zero_stage",
 }
+# First line of every strategy file autosearch writes: such a file must hold every field, so that a
+# file cut short (a full disk, a killed writer) is refused instead of read with defaults.
+MARKER = "# autosearch strategy"
 _BOOL_WORDS = {
     "true": True,
     "false": False,
@@ -72,7 +76,7 @@ class Strategy:
     tp: int = 1
     pp: int = 1
     micro_batch_size: int = 1
-    global_batch_size: int | None = None
+    global_batch_size: int = None  # type: ignore[assignment]  # None: dp * micro_batch_size
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
@@ -116,21 +120,21 @@ class Strategy:
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
-    # ---- derived ---------------------------------------------------------------------------------
+    # ---- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank (= pipeline micro-batches)."""
+        """Micro-batches per optimizer step on a data-parallel rank (pipeline micro-batches)."""
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     @property
     def n_microbatches(self) -> int:
         return self.grad_accum_steps
 
-    # ---- checks against a model and a cluster ----------------------------------------------------
+    # ---- checks against a model and a cluster ---------------------------------------------------
     def problems(
         self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None
     ) -> list[str]:
@@ -139,68 +143,38 @@ class Strategy:
         Without a model (a user's own network), only the rules that hold for any model are checked;
         without a cluster, the world size is not.
         """
-        out = []
         dp, tp, pp, v = self.dp, self.tp, self.pp, self.virtual_stages
-        if cluster is not None and self.world_size != cluster.world_size:
-            out.append(
-                f"dp*tp*pp = {dp}*{tp}*{pp} = {self.world_size} but the cluster has {cluster.world_size} devices "
-                f"({cluster.n_nodes} nodes x {cluster.gpus_per_node}); choose degrees whose product is {cluster.world_size}"
-            )
-        if model is not None:
-            if model.n_heads % tp:
-                out.append(
-                    f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides {model.n_heads}"
+        batch = rules.batch_problem(self.global_batch_size, dp, self.micro_batch_size)
+        checks = [
+            (
+                rules.world_size_problem(
+                    dp,
+                    tp,
+                    pp,
+                    devices=cluster.world_size,
+                    where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
                 )
-            elif model.n_kv_heads % tp:
-                out.append(
-                    f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; use a tp that divides {model.n_kv_heads}"
-                )
-            if model.n_layers % (pp * v):
-                out.append(
-                    f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{v} = {pp * v} equal "
-                    f"chunks; use pp*virtual_stages dividing {model.n_layers}"
-                )
-        if self.global_batch_size % (dp * self.micro_batch_size):
-            out.append(
-                f"global_batch_size={self.global_batch_size} does not split into dp*micro_batch_size = "
-                f"{dp}*{self.micro_batch_size} = {dp * self.micro_batch_size}; use a global batch that is a "
-                f"multiple of {dp * self.micro_batch_size}"
-            )
-        if self.sequence_parallel and tp == 1:
-            out.append(
-                "sequence_parallel needs tp > 1 (it shards activations over the tp group); set tp > 1 or turn it off"
-            )
-        if self.sequence_parallel and model is not None and model.seq_len % tp:
-            out.append(
-                f"sequence_parallel with tp={tp} needs seq_len={model.seq_len} divisible by tp"
-            )
-        if v > 1 and self.pipeline_schedule != "interleaved_1f1b":
-            out.append(
-                f"virtual_stages={v} needs pipeline_schedule interleaved_1f1b (got {self.pipeline_schedule}); "
-                "set virtual_stages=1 or the interleaved schedule"
-            )
-        if self.pipeline_schedule == "interleaved_1f1b" and pp == 1:
-            out.append("interleaved_1f1b needs pp > 1; use pipeline_schedule=1f1b with pp=1")
-        if self.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1:
-            out.append(
-                "interleaved_1f1b needs virtual_stages > 1 (model chunks per pipeline rank); "
-                "set virtual_stages or use 1f1b"
-            )
-        if pp > 1 and not self.global_batch_size % (dp * self.micro_batch_size):
-            m = self.grad_accum_steps
-            if m < pp:
-                out.append(
-                    f"pipeline with pp={pp} needs at least {pp} micro-batches per step, got {m} "
-                    f"(= global_batch_size / (dp*micro_batch_size)); raise the global batch or lower micro_batch_size"
-                )
-            elif self.pipeline_schedule == "interleaved_1f1b" and m % pp:
-                out.append(
-                    f"interleaved_1f1b needs the micro-batch count {m} to be a multiple of pp={pp}"
-                )
-        return out
+                if cluster is not None
+                else None
+            ),
+            rules.tp_problem(tp, model) if model is not None else None,
+            rules.layers_problem(pp, v, model) if model is not None else None,
+            batch,
+            rules.sequence_parallel_problem(
+                self.sequence_parallel, tp, model.seq_len if model is not None else None
+            ),
+            rules.schedule_problem(self.pipeline_schedule, pp, v),
+            # the micro-batch count is defined only when the batch splits
+            (
+                rules.microbatch_problem(pp, self.grad_accum_steps, self.pipeline_schedule)
+                if batch is None
+                else None
+            ),
+        ]
+        return [problem for problem in checks if problem is not None]
 
     def validate(self, model: "ModelSpec", cluster: "Cluster | None" = None) -> "Strategy":
-        """Raise SpecError (a ValueError) naming every violated rule and its fix; return self if valid."""
+        """Raise SpecError naming every violated rule and its fix; return self if valid."""
         problems = self.problems(model, cluster)
         if problems:
             raise SpecError(
@@ -231,16 +205,28 @@ class Strategy:
                 parse_yaml_mapping(text, what="strategy YAML"), what="strategy YAML"
             )
         data = read_yaml_mapping(text, what="strategy")
-        if "strategy" in data and isinstance(
-            data["strategy"], dict
-        ):  # a file written by the tuner
-            data = data["strategy"]
-        return cls.from_dict(data, what=f"strategy file {text!r}")
+        what = f"strategy file {text!r}"
+        complete = _has_marker(text)  # written whole by autosearch: every field must be there
+        if "strategy" in data and isinstance(data["strategy"], dict):  # a file written by tune
+            data, complete = data["strategy"], True
+        if not data:
+            raise SpecError(
+                f"{what} is empty; write the fields that differ from the defaults "
+                "(for example `dp: 8`, `tp: 8`), or pass key=value pairs"
+            )
+        if complete:
+            missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+            if missing:
+                raise SpecError(
+                    f"{what} was written by autosearch but lacks {', '.join(missing)}: the file "
+                    "looks truncated; write it again (autosearch tune, or Strategy.to_yaml)"
+                )
+        return cls.from_dict(data, what=what)
 
     def to_yaml(
         self, path: "str | os.PathLike | None" = None, *, comment: str | None = None
     ) -> str:
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text = MARKER + "\n" + yaml.safe_dump(self.to_dict(), sort_keys=False)
         if comment:
             text = "".join(f"# {line}\n" for line in comment.splitlines()) + text
         if path is not None:
@@ -251,6 +237,15 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Parse ``"dp=8,tp=8,pp=4,recompute=full"`` (the CLI form), or a YAML file path."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a strategy is a Strategy, a dict or a string; got {type(text).__name__}"
+            )
+        if not text.strip():
+            raise SpecError(
+                "the strategy is empty; give key=value pairs (for example dp=8,tp=8) or a YAML"
+                " file"
+            )
         if os.path.exists(text) or text.endswith((".yaml", ".yml")):
             return cls.from_yaml(text)
         data: dict[str, Any] = {}
@@ -298,3 +293,11 @@ def _parse_scalar(value: str) -> Any:
         return int(value)
     except ValueError:
         return value
+
+
+def _has_marker(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(line.strip() == MARKER for line in f.read(4096).splitlines())
+    except OSError:
+        return False

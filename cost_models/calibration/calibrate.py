@@ -19,7 +19,7 @@ import pandas as pd
 
 from autosearch.core._io import read_yaml_mapping
 from autosearch.core.errors import SpecError
-from autosearch.core.hardware import HardwareProfile
+from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
 from cost_models.calibration.profile import build_profile
 from cost_models.calibration.runner import (
     _loadavg,
@@ -209,7 +209,7 @@ def write_profile(profile: HardwareProfile, path: str) -> None:
     defaults = cal.get("defaults", {})
     machine = cal.get("machine", {})
     lines = [
-        f"# Hardware profile written by `autosearch calibrate` on {machine.get('date')}.",
+        f"{PROFILE_MARKER} on {machine.get('date')}.",
         f"# Device: {profile.description}",
         f"# torch {machine.get('torch')}, python {machine.get('python')}, backend {machine.get('backend')}; "
         f"load average {machine.get('load_average_at_start')} -> {machine.get('load_average_at_end')}",
