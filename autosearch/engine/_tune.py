@@ -232,6 +232,8 @@ def _search(
         **tune_kwargs,
     )
     best, report = result.best_strategy, result.best_report
+    if best is None or report is None:  # tune raises NoFeasibleStrategyError first; say it anyway
+        raise SpecError(f"no strategy of {spec.name} fits {cluster.name}; nothing to train with")
     log(
         f"tune: best predicted {best.short()} ({report.tokens_per_s:,.0f} tokens/s); "
         f"study and best_strategy.yaml in {out}"
@@ -261,10 +263,8 @@ def _search(
                 os.path.join(out, "best_measured_strategy.yaml"),
                 comment="fastest measured of the top candidates (Engine.tune)",
             )
-            log(
-                f"tune: best measured {best.short()} "
-                f"({validation.best_row['measured_tokens_per_s']:,.0f} tokens/s)"
-            )
+            measured = (validation.best_row or {}).get("measured_tokens_per_s", float("nan"))
+            log(f"tune: best measured {best.short()} ({measured:,.0f} tokens/s)")
         else:
             log(
                 "tune: no candidate ran successfully; keeping the best predicted strategy "
@@ -300,7 +300,7 @@ def profile_problems(profile: "HardwareProfile") -> list[str]:
     try:
         from cost_models.calibration import quality_problems
     except ImportError:  # TODO(lead): the `calibration` branch adds quality_problems; drop this
-        quality_problems = _quality_problems_fallback
+        return _quality_problems_fallback(profile)
     return list(quality_problems(profile))
 
 
@@ -363,7 +363,7 @@ def local_cluster(
             return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
         why = f"the profile at {path} is not trusted ({'; '.join(problems)})"
     if calibrate_if_missing:
-        from cost_models.calibration import calibrate
+        from cost_models.calibration.calibrate import calibrate
 
         log(
             f"tune: this machine: {name} ({device}); {why}: calibrating it quickly "

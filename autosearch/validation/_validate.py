@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,7 +141,7 @@ def too_big_for_this_cpu(
 
 def validate(
     model: "ModelSpec | str",
-    candidates: "list[Candidate | Strategy]",
+    candidates: "Sequence[Candidate | Strategy]",
     *,
     cluster: "Cluster | str | None" = None,
     steps: int = 10,
