@@ -217,3 +217,44 @@ def test_cpu_refuses_candidates_beyond_this_machine_unless_forced(tmp_path, caps
     args = ["validate", "--strategies", str(tmp_path / "s.yaml"), "--model", "tiny-gpt"]
     assert main(args + ["--out", str(tmp_path / "c")]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_the_cpu_bound_is_four_processes_per_core_and_the_memory_available():
+    from autosearch.validation._validate import Candidate, too_big_for_this_cpu
+
+    def refused(world, *, cores=2, available=1e12, limit=None):
+        s = Strategy(dp=world, micro_batch_size=1, global_batch_size=world, amp="fp32")
+        return too_big_for_this_cpu(
+            SPEC, [Candidate(s)], cores=cores, memory_limit_bytes=limit, available_bytes=available
+        )
+
+    assert refused(8) == [] and "would start 9 processes on 2 cores" in refused(9)[0]
+    assert refused(2, available=1e3) and "needs about" in refused(2, available=1e3)[0]
+    assert refused(2, available=1e4, limit=100) == []  # a capped device needs at most the cap
+
+
+def test_validate_help_says_the_factory_is_user_code_run_on_every_rank(capsys):
+    from autosearch.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runs your code" in text and "on every rank" in text and "--force" in text
+
+
+def test_a_validation_started_inside_a_torchrun_job_does_not_join_it(tmp_path, monkeypatch):
+    """RANK, WORLD_SIZE and MASTER_PORT of the job around it are not passed on: the candidate
+    runs as the single process it is."""
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "9",
+        "TORCHELASTIC_RUN_ID": "job",
+    }.items():
+        monkeypatch.setenv(key, value)
+    result = validate(SPEC, [S1], steps=1, warmup=0, timeout_s=120, out=tmp_path, verbose=False)
+    row = result.table.iloc[0]
+    assert row.status == "ok", row.reason
+    assert list(tmp_path.glob("run000_*/rank*.json"))[0].name == "rank0.json"

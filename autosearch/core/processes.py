@@ -186,6 +186,7 @@ class ProcessGroup:
         self._proc: subprocess.Popen | None = None
         self._started_at = 0.0
         self._old_sigterm: Any = None
+        self._sigterm_installed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "ProcessGroup":
@@ -307,11 +308,13 @@ class ProcessGroup:
             raise SystemExit(128 + signum)
 
         self._old_sigterm = signal.signal(signal.SIGTERM, terminated)
+        self._sigterm_installed = True
 
     def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        if self._sigterm_installed:
+            # None: a handler not set from Python; the default is the closest we can restore
+            signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)
+            self._sigterm_installed = False
 
 
 def run(commands: Sequence[Sequence[str]], **options: Any) -> list[Exit]:
