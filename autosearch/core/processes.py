@@ -63,6 +63,7 @@ DISTRIBUTED_ENV = (
 )
 DISTRIBUTED_ENV_PREFIXES = ("TORCHELASTIC_", "PET_")
 
+PROC_TABLE = os.path.isdir("/proc/self")  # Linux: every descendant can be found
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -463,15 +464,16 @@ class _Supervisor:
 
     def _end_all(self) -> None:
         """SIGTERM every descendant, wait `grace_s`, SIGKILL what is left, reap everything."""
-        me = os.getpid()
         for sig, patience in (
             (signal.SIGTERM, self.spec.get("grace_s", 5.0)),
             (signal.SIGKILL, 10),
         ):
             self._reap()
-            alive = _descendants(me)
+            alive = self._alive()
             if not alive:
                 break
+            if sig == signal.SIGTERM and not PROC_TABLE:  # our handler only notes it
+                _killpg(os.getpid(), sig)
             for pid in alive:
                 try:
                     os.kill(pid, sig)
@@ -480,10 +482,16 @@ class _Supervisor:
             deadline = time.monotonic() + patience
             while time.monotonic() < deadline:
                 self._reap()
-                if not _descendants(me):
+                if not self._alive():
                     break
                 time.sleep(0.02)
         self._reap()
+
+    def _alive(self) -> list[int]:
+        """Every live descendant (Linux); without /proc, the commands not yet reaped."""
+        if PROC_TABLE:
+            return _descendants(os.getpid())
+        return [pid for pid in self.pids if pid not in self.exits]
 
 
 def _spawn(command: dict[str, Any]) -> int:
