@@ -45,7 +45,7 @@ def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: floa
     ``--standalone`` rendezvouses on a free port of its own.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("rank*.json"):
+    for old in run_dir.glob("rank*.json*"):
         old.unlink()
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps({**config, "result_dir": str(run_dir)}, indent=2))
@@ -74,10 +74,26 @@ def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: floa
         except ProcessTimeout:
             timed_out = True
     wall = time.perf_counter() - start
-    ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
+    ranks = [_read_record(p) for p in sorted(run_dir.glob("rank*.json"))]
     outcome = classify(code, ranks, nproc=nproc, timed_out=timed_out, timeout_s=timeout_s)
     outcome.wall_s, outcome.log_path = wall, str(log_path)
     return outcome
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record, dict):
+            return record
+    except (OSError, ValueError):
+        pass
+    rank = path.stem.removeprefix("rank")
+    return {
+        "rank": rank,
+        "status": CRASHED,
+        "error_type": "record",
+        "message": f"{path} unreadable",
+    }
 
 
 def classify(

@@ -161,7 +161,7 @@ def run_rank(config: dict[str, Any], rank: int, record_path: Path) -> NoReturn:
         )
         traceback.print_exc()
         code = 1
-    record_path.write_text(json.dumps(record, indent=1))
+    write_record(record_path, record)
     from autosearch.engine import distributed as D
 
     D.shutdown(code)
@@ -191,7 +191,7 @@ def guard(pid: int, rank: int, record_path: Path) -> NoReturn:
             stopped=bool(stopped),
             new_oom_kills=oom_kill_count() - oom_kills,
         )
-        record_path.write_text(json.dumps(record, indent=1))
+        write_record(record_path, record)
     sys.stdout.flush()
     sys.stderr.flush()
     if code < 0:  # end the same way, so that torchrun (or the launcher) sees the signal
@@ -199,6 +199,13 @@ def guard(pid: int, rank: int, record_path: Path) -> NoReturn:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Whole or not at all: a rank killed while writing leaves no half record."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
 
 
 def death_record(
