@@ -38,7 +38,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -153,7 +152,7 @@ class ProcessGroup:
 
     def __init__(
         self,
-        commands: Sequence[Sequence[str]],
+        commands: Sequence[Sequence[str]] = (),
         *,
         envs: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
         cwd: str | os.PathLike | None = None,
@@ -164,10 +163,27 @@ class ProcessGroup:
         remove: Sequence[str | os.PathLike] = (),
         clean: bool = True,
     ) -> None:
-        if not commands:
-            raise ValueError("ProcessGroup needs at least one command")
+        self.commands: list[list[str]] = []
+        self.envs: list[Mapping[str, str] | None] = []
+        self.logs: list[str] | None = None
+        self._set_commands(commands, envs, logs)
+        self.cwd = os.fspath(cwd) if cwd is not None else None
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.fail_fast = fail_fast
+        self.remove = [os.fspath(p) for p in remove]
+        self.clean = clean
+        self.tmp = ""  # the private temporary folder, once open
+        self.exits: list[Exit] | None = None
+        self._proc: subprocess.Popen | None = None
+        self._started = False
+        self._started_at = 0.0
+        self._old_sigterm: Any = None
+        self._sigterm_installed = False
+
+    def _set_commands(self, commands: Any, envs: Any, logs: Any) -> None:
         if envs is None or isinstance(envs, Mapping):
-            envs = [envs] * len(commands)  # type: ignore[list-item]
+            envs = [envs] * len(commands)
         if len(envs) != len(commands) or (logs is not None and len(logs) != len(commands)):
             raise ValueError(
                 f"{len(commands)} commands but {len(envs)} environments and "
@@ -175,45 +191,24 @@ class ProcessGroup:
             )
         self.commands = [list(map(str, c)) for c in commands]
         self.envs = list(envs)
-        self.cwd = os.fspath(cwd) if cwd is not None else None
         self.logs = [os.fspath(p) for p in logs] if logs is not None else None
-        self.timeout_s = timeout_s
-        self.grace_s = grace_s
-        self.fail_fast = fail_fast
-        self.remove = [os.fspath(p) for p in remove]
-        self.clean = clean
-        self.tmp: str | None = None
-        self.exits: list[Exit] | None = None
-        self._proc: subprocess.Popen | None = None
-        self._started_at = 0.0
-        self._old_sigterm: Any = None
-        self._sigterm_installed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "ProcessGroup":
-        self.start()
+        self.open()
+        if self.commands:
+            self.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def start(self) -> None:
-        """Start the supervisor, which starts the commands."""
+    def open(self) -> str:
+        """Start the supervisor; it makes the private temporary folder (`tmp`, returned), which
+        it removes at the end even if this process dies right now. Write the commands' input
+        files there, then `start` them."""
         if self._proc is not None:
-            raise RuntimeError("this ProcessGroup was started already")
-        self.tmp = tempfile.mkdtemp(prefix="autosearch-group-")
-        commands = []
-        for i, (argv, env) in enumerate(zip(self.commands, self.envs)):
-            env = clean_env(env) if self.clean else dict(os.environ if env is None else env)
-            env["TMPDIR"] = self.tmp
-            log = self.logs[i] if self.logs else os.devnull
-            commands.append({"argv": argv, "env": env, "cwd": self.cwd, "log": log})
-        spec = {
-            "commands": commands,
-            "grace_s": self.grace_s,
-            "fail_fast": self.fail_fast,
-            "remove": [self.tmp, *self.remove],
-        }
+            raise RuntimeError("this ProcessGroup was opened already")
         self._install_sigterm()
         # -I: the supervisor imports nothing but the standard library, not even from its folder.
         self._proc = subprocess.Popen(
@@ -222,10 +217,44 @@ class ProcessGroup:
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
-        self._started_at = time.monotonic()
-        assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(spec) + "\n").encode())
-        self._proc.stdin.flush()  # and keep it open: closing it is the signal to stop
+        settings = {"grace_s": self.grace_s, "fail_fast": self.fail_fast, "remove": self.remove}
+        self._send(settings)
+        assert self._proc.stdout is not None
+        reply = json.loads(self._proc.stdout.readline().decode() or "{}")
+        if "tmp" not in reply:
+            raise RuntimeError("the process-group supervisor did not start (see stderr)")
+        self.tmp = str(reply["tmp"])
+        return self.tmp
+
+    def start(
+        self,
+        commands: Sequence[Sequence[str]] | None = None,
+        *,
+        envs: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        logs: Sequence[str | os.PathLike] | None = None,
+    ) -> None:
+        """Start the commands (given here or to the constructor); the timeout counts from now."""
+        if commands is not None:
+            self._set_commands(commands, envs, logs)
+        if not self.commands:
+            raise ValueError("ProcessGroup needs at least one command")
+        if self._proc is None:
+            self.open()
+        if self._started:
+            raise RuntimeError("this ProcessGroup was started already")
+        specs = []
+        for i, (argv, env) in enumerate(zip(self.commands, self.envs)):
+            env = clean_env(env) if self.clean else dict(os.environ if env is None else env)
+            env["TMPDIR"] = self.tmp
+            log = self.logs[i] if self.logs else os.devnull
+            specs.append({"argv": argv, "env": env, "cwd": self.cwd, "log": log})
+        self._send({"commands": specs})  # and keep the pipe open: closing it means stop
+        self._started, self._started_at = True, time.monotonic()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())
+        self._proc.stdin.flush()
 
     def wait(self) -> list[Exit]:
         """Wait for the commands to end (or one to fail, with ``fail_fast``); their exits.
@@ -236,7 +265,7 @@ class ProcessGroup:
         Raises:
             ProcessTimeout: after ``timeout_s``; the commands were stopped and reaped.
         """
-        if self._proc is None:
+        if not self._started:
             raise RuntimeError("start the ProcessGroup first")
         if self.exits is not None:
             return self.exits
@@ -379,6 +408,10 @@ class _Supervisor:
         self.owner = os.getppid()
 
     def run(self) -> None:
+        """Make the private temporary folder and say where it is, read the commands, run them,
+        end everything, report, wait for the owner's release, clean up."""
+        import tempfile
+
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -386,9 +419,13 @@ class _Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._request_stop)
+        tmp = tempfile.mkdtemp(prefix="autosearch-group-")
+        self.spec["remove"] = [tmp, *self.spec.get("remove", [])]
+        self.spec["commands"] = self._read_commands(tmp, wake_r)
         try:
             self._start_all()
-            self._watch(wake_r)
+            if self.pids:
+                self._watch(wake_r)
         finally:
             self._end_all()
             exits = [self.exits.get(pid, {"returncode": None}) for pid in self.pids]
@@ -406,6 +443,31 @@ class _Supervisor:
                         os.unlink(path)
                     except OSError:
                         pass
+
+    def _read_commands(self, tmp: str, wake_r: int) -> list[dict[str, Any]]:
+        """Say where the temporary folder is; the commands the owner sends back, or none if it
+        dies, closes the pipe or signals us first."""
+        import select
+
+        try:
+            sys.stdout.write(json.dumps({"tmp": tmp}) + "\n")
+            sys.stdout.flush()
+        except OSError:
+            self.released = True
+            return []
+        stdin = sys.stdin.fileno()
+        while not self.signalled and os.getppid() == self.owner:
+            readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+            if stdin in readable:
+                line = sys.stdin.buffer.readline()
+                try:
+                    return list(json.loads(line)["commands"])
+                except (ValueError, KeyError, TypeError):
+                    break
+        self.released = True
+        return []
 
     def _request_stop(self, *_: object) -> None:
         self.stop_requested = self.signalled = True
@@ -523,8 +585,10 @@ def _spawn(command: dict[str, Any]) -> int:
 
 
 def _supervise() -> int:
-    spec = json.loads(sys.stdin.buffer.readline())
-    _Supervisor(spec).run()
+    line = sys.stdin.buffer.readline()  # the settings; nothing if the owner died already
+    if not line:
+        return 0
+    _Supervisor(json.loads(line)).run()
     return 0
 
 

@@ -18,9 +18,7 @@ import datetime as _dt
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -298,16 +296,16 @@ def _launch(
     `python -m torch.distributed.run --standalone`. Either way, if one rank fails the others are
     stopped and the failing rank's stderr is in the error.
     """
-    from autosearch.core.processes import clean_env, free_port
+    from autosearch.core.processes import ProcessGroup, clean_env, free_port
 
-    # The group owner removes `tmp` with the workers, even if this process is killed.
-    tmp = tempfile.mkdtemp(prefix="autosearch-calibrate-")
-    try:
+    # One owner for the workers and their temporary folder: both end with it (even if this
+    # process is killed), and the workers get no RANK/WORLD_SIZE/MASTER_PORT of a job around it.
+    with ProcessGroup(timeout_s=timeout_s, clean=False) as group:
+        tmp = group.tmp
         plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(worker_plan, f)
         module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
-        # Not the RANK, WORLD_SIZE, MASTER_PORT of a torchrun job this may run inside.
         env = clean_env()
         env["PYTHONPATH"] = PACKAGE_ROOT + (
             os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
@@ -347,50 +345,38 @@ def _launch(
             ]
         else:
             cmds = [([sys.executable] + module, env)]
-        codes, errors, rows = _run_all(cmds, tmp, timeout_s, out_path)
+        codes, errors = _run_all(group, cmds, tmp)
         if codes is None:
             raise RuntimeError(
                 f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s"
             )
-        if any(codes) or rows is None:
+        if any(codes) or not os.path.exists(out_path):
             bad = next((i for i, c in enumerate(codes) if c), 0)
             raise RuntimeError(
                 f"calibration worker (world size {world}, rank {bad}) failed with exit status "
                 f"{codes[bad]}:\n{errors[bad][-3000:]}"
             )
-        return rows
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with open(out_path, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def _run_all(
-    cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float, out_path: str
-) -> tuple[list[int] | None, list[str], list[dict] | None]:
-    """Start every command, wait for all; stop the rest as soon as one fails or time runs out.
-    One `ProcessGroup` owns them: they and `tmp` end with it, even if this process is killed.
-    Returns the exit statuses (None on timeout), each rank's log, and the rows in `out_path`."""
-    from autosearch.core.processes import ProcessGroup, ProcessTimeout
+    group: Any, cmds: list[tuple[list[str], dict]], tmp: str
+) -> tuple[list[int] | None, list[str]]:
+    """Start every command in `group` (a ProcessGroup), wait for all; the group stops the rest
+    as soon as one fails or time runs out. Returns the exit statuses (None on timeout) and each
+    rank's log."""
+    from autosearch.core.processes import ProcessTimeout
 
     logs = [os.path.join(tmp, f"rank{i}.log") for i in range(len(cmds))]
-    codes: list[int] | None = None
-    with ProcessGroup(
-        [cmd for cmd, _ in cmds],
-        envs=[env for _, env in cmds],
-        logs=logs,
-        timeout_s=timeout_s,
-        remove=[tmp],
-        clean=False,
-    ) as group:
-        try:
-            codes = [-1 if e.returncode is None else e.returncode for e in group.wait()]
-        except ProcessTimeout:
-            codes = None
-        texts = []
-        for path in logs:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                texts.append(f.read())
-        rows = None
-        if os.path.exists(out_path):
-            with open(out_path, encoding="utf-8") as f:
-                rows = json.load(f)
-    return codes, texts, rows
+    group.start([cmd for cmd, _ in cmds], envs=[env for _, env in cmds], logs=logs)
+    codes: list[int] | None
+    try:
+        codes = [-1 if e.returncode is None else e.returncode for e in group.wait()]
+    except ProcessTimeout:
+        codes = None
+    texts = []
+    for path in logs:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return codes, texts
