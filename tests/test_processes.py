@@ -131,7 +131,8 @@ def test_killing_the_owner_ends_every_process_and_removes_the_temporary_folders(
 
 def test_temporary_folders_live_until_the_group_is_left(tmp_path):
     """What the commands write in a folder given to `remove` (or in TMPDIR) can be read after
-    `wait`; leaving the block removes it. A launcher that sets RANK itself keeps it (clean=False)."""
+    `wait`; leaving the block removes it. A launcher that sets RANK itself keeps it
+    (clean=False)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "RANK": "3"}
@@ -141,3 +142,40 @@ def test_temporary_folders_live_until_the_group_is_left(tmp_path):
         assert e.returncode == 0 and (scratch / "out.txt").read_text() == "3\n"
         assert os.path.exists(os.path.join(g.tmp, "t"))
     assert not scratch.exists() and not os.path.exists(g.tmp)
+
+
+OPEN_ONLY = textwrap.dedent(
+    """
+    import time
+    from autosearch.core.processes import ProcessGroup
+    with ProcessGroup(timeout_s=60) as g:  # opened: the folder exists, no command started yet
+        print(g.tmp, flush=True)
+        time.sleep(300)
+    """
+)
+
+
+def test_an_owner_killed_before_starting_its_commands_leaves_no_folder(mark, tmp_path):
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OPEN_ONLY],
+        cwd=ROOT,
+        env={**os.environ, **mark},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    private = owner.stdout.readline().strip()
+    assert private and os.path.isdir(private)
+    owner.kill()
+    owner.wait(timeout=30)
+    assert wait_until_gone(mark, 15) == []  # the supervisor too
+    assert not os.path.exists(private)
+
+
+def test_open_then_start_with_files_written_first(tmp_path):
+    with ProcessGroup(timeout_s=30) as group:
+        plan = os.path.join(group.tmp, "plan.txt")
+        with open(plan, "w") as f:
+            f.write("7")
+        group.start([["sh", "-c", f'test "$(cat {plan})" = 7']])
+        (e,) = group.wait()
+    assert e.returncode == 0 and not os.path.exists(plan)

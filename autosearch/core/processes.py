@@ -2,7 +2,9 @@
 done, times out, is interrupted, or dies (even by SIGKILL), and its temporary folders go with them.
 
 How. `ProcessGroup` starts a small supervisor (this file run as a script, standard library only)
-in a session of its own and keeps a pipe to it open. The supervisor starts the commands, is a child
+in a session of its own and keeps a pipe to it open. The supervisor first makes the group's
+private temporary folder (so that no moment exists where the owner could die and leave a folder
+nobody owns), then starts the commands the owner sends. It is a child
 subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so every process they start stays its
 descendant, even torchrun's workers, which run in sessions of their own, and even after their
 parent died. It ends everything when the commands are done, when one fails (``fail_fast``), or
@@ -147,7 +149,9 @@ class ProcessGroup:
 
     Use it as a context manager: leaving the block, normally or by an exception (KeyboardInterrupt
     included), stops everything. While the block runs in the main thread, SIGTERM raises
-    ``SystemExit(143)`` so that the block is left the same way.
+    ``SystemExit(143)`` so that the block is left the same way. Without commands, the block
+    opens the group only: write the commands' input files into ``group.tmp``, then call
+    ``group.start(commands)``.
     """
 
     def __init__(
