@@ -74,7 +74,9 @@ def predict(profile: str, runs: pd.DataFrame) -> pd.DataFrame:
     """Predictions with `profile` for every run (its world size decides the processes per node)."""
     rows = []
     for _, run in runs.iterrows():
-        s = Strategy.from_dict({k: run[k] for k in Strategy.__dataclass_fields__})
+        # rows written before a field existed keep its default
+        fields = [k for k in Strategy.__dataclass_fields__ if k in run and not _missing(run[k])]
+        s = Strategy.from_dict({k: run[k] for k in fields})
         cluster = Cluster(gpu=profile, n_nodes=1, gpus_per_node=s.world_size)
         r = AnalyticCostModel(MODEL, cluster).estimate(s)
         rows.append(
@@ -139,6 +141,10 @@ def summarize(df: pd.DataFrame, predicted: str = "predicted_step_time_s") -> dic
         "regret_by_world_size": reg,
         "regret_worst": max(reg.values()),
     }
+
+
+def _missing(value) -> bool:
+    return isinstance(value, float) and value != value  # NaN in a CSV cell
 
 
 def main() -> int:

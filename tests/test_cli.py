@@ -8,7 +8,7 @@ import pytest
 
 from autosearch.cli import main
 
-STRATEGY = "dp=8,tp=8,pp=4,global_batch_size=512,recompute=selective,sequence_parallel=true"
+STRATEGY = "dp=8,tp=8,pp=4,global_batch_size=512,recompute=full,sequence_parallel=true"
 
 
 def run(capsys, *argv):

@@ -236,3 +236,35 @@ def test_importing_the_search_and_cost_model_does_not_import_torch():
         " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_dimensions_of_todays_stacks_widen_the_space():
+    """cp, fp8, compile, async TP and uneven pipelines are off by default (the Engine runs none
+    of them) and widen the space when allowed, where the hardware and layout allow them."""
+    base = SearchSpace("llama3.1-405b", "h100-sxm:8x8", global_batch_size=64)
+    assert {s.cp for s in base.enumerate()} == {1} and all(
+        s.fp8 == "none" for s in base.enumerate()
+    )
+    wide = SearchSpace(
+        "llama3.1-405b",
+        "h100-sxm:8x8",
+        global_batch_size=64,
+        cp=[1, 2],
+        fp8=["none", "tensorwise"],
+        compile="all",
+        async_tp="all",
+        uneven_pipeline=True,
+    )
+    strategies = list(wide.enumerate())
+    assert len(strategies) == wide.size > base.size
+    assert {s.cp for s in strategies} == {1, 2}
+    assert {s.pp for s in strategies} >= {8}  # 126 layers over 8 stages: only with uneven splits
+    assert 8 not in {s.pp for s in base.enumerate()}
+    assert all(not s.async_tp for s in strategies if s.tp == 1)
+    model, cluster = wide.model, wide.cluster
+    for s in strategies[:: max(1, len(strategies) // 500)]:
+        assert s.problems(model, cluster) == [], s.short()
+        assert wide.params_of(s, group=True) is not None
+    # no fp8 units on an A100: the axis collapses to "none"
+    a100 = SearchSpace("llama3-8b", "a100-sxm4-80gb:1x8", global_batch_size=16, fp8="all")
+    assert {s.fp8 for s in a100.enumerate()} == {"none"}

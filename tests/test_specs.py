@@ -145,7 +145,7 @@ def test_strategy_yaml_round_trip_and_mp_alias(tmp_path):
         ("dp=-2", "dp must be >= 1, got -2"),
         ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
         ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
-        ("recompute=some", "recompute must be one of none, selective, full"),
+        ("recompute=some", "recompute must be one of none, selective, selective_op, full"),
         ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
         ("dp", "is not key=value"),
         ("tp=2,mp=2", "'tp' is given twice"),
@@ -167,13 +167,14 @@ def test_validate_names_every_violated_rule_with_its_fix():
         global_batch_size=10,
         sequence_parallel=False,
         virtual_stages=2,
+        pipeline_split=(7, 7, 7, 7, 7),
     )
     with pytest.raises(SpecError) as err:
         bad.validate(model, cluster)
     text = str(err.value)
     assert "dp*tp*pp = 3*3*3 = 27 but the cluster has 16 devices" in text
     assert "tp=3 does not divide n_heads=40" in text
-    assert "n_layers=40 does not split into pp*virtual_stages = 3*2 = 6" in text
+    assert "pipeline_split has 5 chunks but pp*virtual_stages = 6" in text
     assert "global_batch_size=10 does not split into dp*micro_batch_size = 3*2 = 6" in text
     assert "virtual_stages=2 needs pipeline_schedule interleaved_1f1b" in text
     assert text.count("\n  - ") == 5
@@ -365,3 +366,29 @@ def test_estimate_takes_a_dict_and_names_a_wrong_type():
     assert math.isfinite(report.step_time_s) and report.step_time_s > 0
     with pytest.raises(TypeError, match="got int"):
         estimate("llama3-8b", "h100-sxm:8x8", 64)
+
+
+def test_uneven_pipeline_splits():
+    """126 layers over 8 stages: the middle stages take the extra layers (as torchtitan and
+    Megatron-LM split Llama 3.1 405B); an explicit split must cover every layer."""
+    model = ModelSpec.load("llama3.1-405b")
+    s = Strategy(dp=8, tp=8, pp=8, global_batch_size=64)
+    assert s.problems(model) == []
+    assert s.layers_per_chunk(model.n_layers) == (15, 16, 16, 16, 16, 16, 16, 15)
+    wrong = s.replace(pipeline_split=(16,) * 8)
+    assert any("sums to 128 layers, not n_layers=126" in p for p in wrong.problems(model))
+    assert Strategy.parse("pp=2,pipeline_split=10/22").pipeline_split == (10, 22)
+
+
+def test_new_dimensions_have_rules():
+    model = ModelSpec.load("llama3-8b")
+    h100, a100 = Cluster.parse("h100-sxm:1x8"), Cluster.parse("a100-sxm4-80gb:1x8")
+    assert Strategy(dp=4, cp=2, global_batch_size=8).problems(model, h100) == []
+    assert Strategy(dp=4, cp=2).world_size == 8
+    problems = Strategy(dp=8, fp8="tensorwise", async_tp=True).problems(model, a100)
+    assert any("fp8=tensorwise needs float8" in p for p in problems)
+    assert any("async_tp" in p and "tp > 1" in p for p in problems)
+    bad = Strategy(dp=8, recompute="selective", recompute_num_layers=2).problems(model)
+    assert any("needs recompute=full" in p for p in bad)
+    odd = model.scaled(seq_len=1000)
+    assert any("divisible by 2*cp = 16" in p for p in Strategy(cp=8).problems(odd))

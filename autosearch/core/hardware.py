@@ -26,6 +26,11 @@ from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# Backward time over forward time, the defaults of a profile that does not measure them:
+# a GEMM's backward is two GEMMs of its size (dgrad + wgrad); fused attention's backward does
+# 5 GEMMs per tile against 2 forward, plus recomputing the softmax: 2.5x (Dao 2023, sec. 3.2).
+GEMM_BACKWARD_OVER_FORWARD = 2.0
+ATTENTION_BACKWARD_OVER_FORWARD = 2.5
 # The first line of every profile `autosearch calibrate` writes (such a file must hold every key).
 PROFILE_MARKER = "# Hardware profile written by `autosearch calibrate`"
 
@@ -73,7 +78,7 @@ class GemmEfficiency:
     max_efficiency: dict[str, float]
     half_dim: float
     launch_s: float = 0.0
-    backward_over_forward: float = 2.0  # dgrad + wgrad: two GEMMs of the forward's size
+    backward_over_forward: float = GEMM_BACKWARD_OVER_FORWARD
 
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
         hd = self.half_dim
@@ -105,7 +110,8 @@ class HardwareProfile:
     inter_node: Link
     gemm: GemmEfficiency
     attention_efficiency: dict[str, float]
-    attention_backward_over_forward: float = 2.5
+    attention_backward_over_forward: float = ATTENTION_BACKWARD_OVER_FORWARD
+    attention_kernels: dict[str, float] = field(default_factory=dict)
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
     sources: tuple[str, ...] = ()
@@ -231,7 +237,9 @@ class HardwareProfile:
             half_dim=num(g.get("half_dim", 0.0), "gemm.half_dim", zero=True, high=1e6),
             launch_s=num(g.get("launch_s", 0.0), "gemm.launch_s", zero=True, high=1.0),
             backward_over_forward=num(
-                g.get("backward_over_forward", 2.0), "gemm.backward_over_forward", high=100.0
+                g.get("backward_over_forward", GEMM_BACKWARD_OVER_FORWARD),
+                "gemm.backward_over_forward",
+                high=100.0,
             ),
         )
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
@@ -273,8 +281,12 @@ class HardwareProfile:
             inter_node=link(data["inter_node"], "inter_node"),
             gemm=gemm,
             attention_efficiency=att,
+            attention_kernels={
+                str(k): num(v, f"attention.kernels.{k}", high=1.0)
+                for k, v in (attention.get("kernels") or {}).items()
+            },
             attention_backward_over_forward=num(
-                attention.get("backward_over_forward", 2.5),
+                attention.get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD),
                 "attention.backward_over_forward",
                 high=100.0,
             ),
@@ -323,6 +335,7 @@ class HardwareProfile:
             "attention": {
                 "flash_efficiency": dict(self.attention_efficiency),
                 "backward_over_forward": self.attention_backward_over_forward,
+                **({"kernels": dict(self.attention_kernels)} if self.attention_kernels else {}),
             },
             "kernel_launch_s": self.kernel_launch_s,
             "step_overhead_s": self.step_overhead_s,

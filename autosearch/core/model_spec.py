@@ -33,6 +33,7 @@ from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,10 @@ class ModelSpec:
         vocab_size: vocabulary V.
         seq_len: training sequence length s.
         tied_embeddings: the output projection shares the input embedding matrix.
+        position_embedding: ``learned`` (GPT), ``rotary`` (Llama) or ``alibi`` (MPT: no
+            parameters, a bias on the attention scores); defaults by `ffn_activation`.
+        linear_bias: biases in the linear layers and norms; defaults to GPT style.
+        dropout: dropout after attention and MLP (it stores masks); defaults to GPT style.
     """
 
     name: str = "custom"
@@ -62,9 +67,28 @@ class ModelSpec:
     vocab_size: int
     seq_len: int
     tied_embeddings: bool = False
+    position_embedding: str = None  # type: ignore[assignment]  # None: by ffn_activation
+    linear_bias: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
+    dropout: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
 
     def __post_init__(self) -> None:
         problems = []
+        gpt = self.ffn_activation == "gelu"
+        for name, default in (
+            ("position_embedding", "learned" if gpt else "rotary"),
+            ("linear_bias", gpt),
+            ("dropout", gpt),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            problems.append(
+                f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                f"got {self.position_embedding!r}"
+            )
+        for name in ("linear_bias", "dropout"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("n_layers", "hidden_size", "n_heads", "vocab_size", "seq_len"):
             try:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
@@ -138,22 +162,23 @@ class ModelSpec:
         """
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
-        if self.is_gpt_style:
-            biases = (h + 2 * self.kv_hidden_size) + h + f + h
+        if self.linear_bias:
+            biases = (h + 2 * self.kv_hidden_size) + h + (self.n_ffn_matrices - 1) * f + h
             norms = 2 * 2 * h  # two LayerNorms, weight and bias
             return n + biases + norms
-        return n + 2 * h  # two RMSNorm weights, no biases
+        return n + 2 * h  # two norm weights (RMSNorm, or LayerNorm without bias), no biases
 
     @property
     def embedding_params(self) -> int:
-        """Token embedding (+ learned positions for GPT style)."""
-        positions = self.seq_len * self.hidden_size if self.is_gpt_style else 0
+        """Token embedding (+ learned positions)."""
+        learned = self.position_embedding == "learned"
+        positions = self.seq_len * self.hidden_size if learned else 0
         return self.vocab_size * self.hidden_size + positions
 
     @property
     def head_params(self) -> int:
         """Final norm and, if untied, the output projection."""
-        norm = 2 * self.hidden_size if self.is_gpt_style else self.hidden_size
+        norm = 2 * self.hidden_size if self.linear_bias else self.hidden_size
         return norm + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
     @property

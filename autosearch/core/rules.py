@@ -22,12 +22,18 @@ if TYPE_CHECKING:  # pragma: no cover
 INTERLEAVED = "interleaved_1f1b"
 
 
-def world_size_problem(dp: int, tp: int, pp: int, *, devices: int, where: str = "") -> str | None:
-    if dp * tp * pp == devices:
+def world_size_problem(
+    dp: int, tp: int, pp: int, *, devices: int, cp: int = 1, where: str = ""
+) -> str | None:
+    if dp * tp * pp * cp == devices:
         return None
+    if cp == 1:
+        product = f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}"
+    else:
+        product = f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}"
     return (
-        f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but the cluster has {devices} devices{where};"
-        f" choose degrees whose product is {devices}"
+        f"{product} but the cluster has {devices} devices{where}; "
+        f"choose degrees whose product is {devices}"
     )
 
 
@@ -46,15 +52,95 @@ def tp_problem(tp: int, model: ModelSpec) -> str | None:
     return None
 
 
-def layers_problem(pp: int, virtual_stages: int, model: ModelSpec) -> str | None:
-    """The layers split into pp * virtual_stages equal chunks."""
+def layers_problem(
+    pp: int, virtual_stages: int, model: ModelSpec, *, uneven: bool = False
+) -> str | None:
+    """The layers split into pp * virtual_stages equal chunks (or, `uneven`, chunks of at
+    least one layer whose sizes differ by at most one: `split_layers`)."""
     chunks = pp * virtual_stages
-    if model.n_layers % chunks == 0:
+    if model.n_layers % chunks == 0 or (uneven and model.n_layers >= chunks):
         return None
+    if uneven:
+        return (
+            f"n_layers={model.n_layers} is fewer than pp*virtual_stages = {pp}*{virtual_stages} "
+            f"= {chunks} pipeline chunks; every chunk needs at least one layer"
+        )
     return (
         f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{virtual_stages}"
-        f" = {chunks} equal chunks; use pp*virtual_stages dividing {model.n_layers}"
+        f" = {chunks} equal chunks; use pp*virtual_stages dividing {model.n_layers}, or give "
+        "pipeline_split (layers per chunk)"
     )
+
+
+def pipeline_split_problem(
+    split: tuple[int, ...], pp: int, virtual_stages: int, n_layers: int | None
+) -> str | None:
+    """An explicit split names one layer count per chunk and covers every layer."""
+    chunks = pp * virtual_stages
+    if len(split) != chunks:
+        return (
+            f"pipeline_split has {len(split)} chunks but pp*virtual_stages = {chunks}; "
+            f"give {chunks} layer counts"
+        )
+    if n_layers is not None and sum(split) != n_layers:
+        return f"pipeline_split {list(split)} sums to {sum(split)} layers, not n_layers={n_layers}"
+    return None
+
+
+def split_layers(n_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per pipeline chunk, as even as possible. With a remainder the middle chunks take
+    the extra layers, since the first and last chunks also hold the embedding and the logits
+    (torchtitan and Megatron-LM split Llama 3.1 405B's 126 layers over 8 stages as 15, 16 x 6,
+    15; docs/runtimes.md)."""
+    base, extra = divmod(n_layers, chunks)
+    sizes = [base] * chunks
+    order = sorted(range(chunks), key=lambda i: (abs(2 * i - (chunks - 1)), i))  # middle first
+    for i in order[:extra]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def context_parallel_problem(cp: int, seq_len: int | None) -> str | None:
+    """Load-balanced ring attention cuts the sequence into 2 * cp pieces (torch's context
+    parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks)."""
+    if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
+        return None
+    return f"cp={cp} needs seq_len={seq_len} divisible by 2*cp = {2 * cp} (load-balanced halves)"
+
+
+def recompute_layers_problem(
+    recompute: str, recompute_num_layers: int | None, smallest_chunk: int | None
+) -> str | None:
+    """Recomputing N layers per chunk is a form of full recompute, bounded by the chunk."""
+    if recompute_num_layers is None:
+        return None
+    if recompute != "full":
+        return (
+            f"recompute_num_layers={recompute_num_layers} needs recompute=full (it chooses how "
+            "many layers per pipeline chunk are recomputed whole)"
+        )
+    if smallest_chunk is not None and recompute_num_layers > smallest_chunk:
+        return (
+            f"recompute_num_layers={recompute_num_layers} exceeds the {smallest_chunk} layers of "
+            "the smallest pipeline chunk; use at most that, or leave it unset for every layer"
+        )
+    return None
+
+
+def fp8_problem(fp8: str, peak_flops: dict[str, float] | None) -> str | None:
+    """Float8 matmuls need hardware with fp8 units (a profile with an fp8 peak)."""
+    if fp8 == "none" or peak_flops is None or "fp8" in peak_flops:
+        return None
+    return (
+        f"fp8={fp8} needs float8 matmul units, and this hardware profile has no fp8 peak "
+        f"(it has {', '.join(peak_flops)}); set fp8=none or use a GPU with fp8 (H100, H200)"
+    )
+
+
+def async_tp_problem(async_tp: bool, tp: int) -> str | None:
+    if async_tp and tp == 1:
+        return "async_tp overlaps tensor-parallel collectives: it needs tp > 1; turn it off"
+    return None
 
 
 def batch_problem(global_batch_size: int, dp: int, micro_batch_size: int) -> str | None:

@@ -27,8 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE = ("none", "selective", "full")
+# none; selective = the attention core (Korthikanti et al. 2022, sec. 5); selective_op = save the
+# matmul outputs, recompute everything else (torchtitan's default "selective op" AC); full = each
+# layer's whole forward (Chen et al. 2016), on every layer or on `recompute_num_layers` per stage.
+RECOMPUTE = ("none", "selective", "selective_op", "full")
 AMP = ("fp32", "fp16", "bf16")
+# Float8 linears with a scale per tensor (torchao tensorwise; TransformerEngine delayed and
+# current scaling are per-tensor scales too) or per row (torchao rowwise).
+FP8 = ("none", "tensorwise", "rowwise")
 ZERO_STAGES = (0, 1, 2, 3)
 # Paddle calls tensor parallel "mp"; accepted at the edges (YAML, CLI), never used inside.
 ALIASES = {
@@ -41,6 +47,21 @@ ALIASES = {
 # First line of every strategy file autosearch writes: such a file must hold every field, so that a
 # file cut short (a full disk, a killed writer) is refused instead of read with defaults.
 MARKER = "# autosearch strategy"
+# The fields such a file always holds (those added later, cp, fp8 ..., keep their defaults when
+# an older file lacks them).
+FILE_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "global_batch_size",
+    "pipeline_schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+)
 _BOOL_WORDS = {
     "true": True,
     "false": False,
@@ -70,6 +91,19 @@ class Strategy:
         sequence_parallel: shard norms/dropout activations over tp (Korthikanti et al. 2022).
         zero_stage: ZeRO sharding over dp: 1 optimizer states, 2 + gradients, 3 + parameters.
         amp: compute precision, ``fp32``, ``fp16`` or ``bf16``.
+        cp: context-parallel degree: the sequence split over cp ranks, attention by ring
+            exchange of keys and values (torch's context parallel; Liu et al. 2023).
+        recompute_num_layers: with ``recompute: full``, recompute only this many layers of
+            each pipeline chunk (Megatron-LM ``--recompute-num-layers`` with the block method);
+            ``None`` means every layer.
+        pipeline_split: layers of each pipeline chunk, in order (``pp * virtual_stages``
+            numbers summing to the layers; ``15/16/16/15`` on the command line); ``None``
+            splits them as evenly as possible, the first and last chunks taking one layer less
+            when the division is uneven (they also hold the embedding and the logits).
+        fp8: float8 matmuls in the transformer blocks, ``none``, ``tensorwise`` or ``rowwise``
+            (needs a GPU with fp8 units); the compute precision of the rest stays `amp`.
+        compile: the runtime compiles each block (``torch.compile``): elementwise work fuses.
+        async_tp: tensor-parallel collectives overlap the matmuls (micro-pipelined TP).
     """
 
     dp: int = 1
@@ -83,10 +117,16 @@ class Strategy:
     sequence_parallel: bool = False
     zero_stage: int = 0
     amp: str = "bf16"
+    cp: int = 1
+    recompute_num_layers: int | None = None
+    pipeline_split: tuple[int, ...] | None = None
+    fp8: str = "none"
+    compile: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "cp"):
             try:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
@@ -107,28 +147,51 @@ class Strategy:
             ("pipeline_schedule", PIPELINE_SCHEDULES),
             ("recompute", RECOMPUTE),
             ("amp", AMP),
+            ("fp8", FP8),
         ):
             value = getattr(self, name)
             if value not in choices:
                 problems.append(f"{name} must be one of {', '.join(choices)}; got {value!r}")
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             problems.append(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            problems.append(
-                f"sequence_parallel must be true or false; got {self.sequence_parallel!r}"
-            )
+        for name in ("sequence_parallel", "compile", "async_tp"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.recompute_num_layers is not None:
+            try:
+                n = positive_int(self.recompute_num_layers, "recompute_num_layers")
+                object.__setattr__(self, "recompute_num_layers", n)
+            except SpecError as exc:
+                problems.append(str(exc))
+        if self.pipeline_split is not None:
+            split = self.pipeline_split
+            if isinstance(split, str):  # "15/16/16/15" from the command line
+                parts = split.replace("/", ",").split(",")
+                split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())
+            try:
+                split = tuple(positive_int(n, "pipeline_split entry") for n in split)
+                object.__setattr__(self, "pipeline_split", split)
+            except (SpecError, TypeError) as exc:
+                problems.append(f"pipeline_split must be a list of layer counts: {exc}")
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
     # ---- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step on a data-parallel rank (pipeline micro-batches)."""
         return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    def layers_per_chunk(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline chunk, in pipeline order (`pipeline_split`, or the even split
+        of `autosearch.core.rules.split_layers`)."""
+        if self.pipeline_split is not None:
+            return self.pipeline_split
+        return rules.split_layers(n_layers, self.pp * self.virtual_stages)
 
     @property
     def n_microbatches(self) -> int:
@@ -143,14 +206,24 @@ class Strategy:
         Without a model (a user's own network), only the rules that hold for any model are checked;
         without a cluster, the world size is not.
         """
-        dp, tp, pp, v = self.dp, self.tp, self.pp, self.virtual_stages
+        dp, tp, pp, v, cp = self.dp, self.tp, self.pp, self.virtual_stages, self.cp
+        seq_len = model.seq_len if model is not None else None
+        n_layers = model.n_layers if model is not None else None
         batch = rules.batch_problem(self.global_batch_size, dp, self.micro_batch_size)
+        if self.pipeline_split is not None:
+            layers = rules.pipeline_split_problem(self.pipeline_split, pp, v, n_layers)
+        elif model is not None:
+            layers = rules.layers_problem(pp, v, model, uneven=True)
+        else:
+            layers = None
+        chunks = self.layers_per_chunk(n_layers) if layers is None and n_layers else None
         checks = [
             (
                 rules.world_size_problem(
                     dp,
                     tp,
                     pp,
+                    cp=cp,
                     devices=cluster.world_size,
                     where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
                 )
@@ -158,11 +231,12 @@ class Strategy:
                 else None
             ),
             rules.tp_problem(tp, model) if model is not None else None,
-            rules.layers_problem(pp, v, model) if model is not None else None,
+            layers,
             batch,
             rules.sequence_parallel_problem(
-                self.sequence_parallel, tp, model.seq_len if model is not None else None
+                self.sequence_parallel, tp, seq_len // cp if seq_len is not None else None
             ),
+            rules.context_parallel_problem(cp, seq_len),
             rules.schedule_problem(self.pipeline_schedule, pp, v),
             # the micro-batch count is defined only when the batch splits
             (
@@ -170,6 +244,11 @@ class Strategy:
                 if batch is None
                 else None
             ),
+            rules.recompute_layers_problem(
+                self.recompute, self.recompute_num_layers, min(chunks) if chunks else None
+            ),
+            rules.fp8_problem(self.fp8, cluster.profile.peak_flops if cluster else None),
+            rules.async_tp_problem(self.async_tp, tp),
         ]
         return [problem for problem in checks if problem is not None]
 
@@ -184,12 +263,15 @@ class Strategy:
 
     # ---- text forms ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.pipeline_split is not None:
+            out["pipeline_split"] = list(self.pipeline_split)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "strategy") -> "Strategy":
         kwargs = check_keys(data, cls, what=what, aliases=ALIASES)
-        for key in ("recompute", "pipeline_schedule", "amp"):
+        for key in ("recompute", "pipeline_schedule", "amp", "fp8"):
             if key in kwargs and isinstance(kwargs[key], str):
                 kwargs[key] = kwargs[key].lower()
         if kwargs.get("recompute") is False:  # YAML reads `recompute: no` as a bool
@@ -215,7 +297,7 @@ class Strategy:
                 "(for example `dp: 8`, `tp: 8`), or pass key=value pairs"
             )
         if complete:
-            missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+            missing = [name for name in FILE_FIELDS if name not in data]
             if missing:
                 raise SpecError(
                     f"{what} was written by autosearch but lacks {', '.join(missing)}: the file "
@@ -273,12 +355,23 @@ class Strategy:
                 + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             )
         if self.recompute != "none":
-            parts.append(f"rc-{self.recompute}")
+            layers = f"{self.recompute_num_layers}" if self.recompute_num_layers else ""
+            parts.append(f"rc-{self.recompute}{layers}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.zero_stage:
             parts.append(f"z{self.zero_stage}")
+        if self.cp > 1:
+            parts.insert(3, f"cp{self.cp}")
+        if self.pipeline_split is not None:
+            parts.append("split" + "_".join(map(str, self.pipeline_split)))
         parts.append(self.amp)
+        if self.fp8 != "none":
+            parts.append(f"fp8{self.fp8}")
+        if self.compile:
+            parts.append("compile")
+        if self.async_tp:
+            parts.append("asynctp")
         return "-".join(parts)
 
     def replace(self, **changes: Any) -> "Strategy":
