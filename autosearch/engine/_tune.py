@@ -293,29 +293,11 @@ def as_strategy(value: Any) -> "Strategy | None":
 
 # ---- the hardware profile --------------------------------------------------------------------
 def profile_problems(profile: "HardwareProfile") -> list[str]:
-    """Why a measured profile must not be searched with (empty: trusted). Datasheet profiles
-    (no calibration record) are not measurements and are not judged here."""
-    if not profile.calibration:
-        return []
-    try:
-        from cost_models.calibration import quality_problems
-    except ImportError:  # TODO(lead): the `calibration` branch adds quality_problems; drop this
-        return _quality_problems_fallback(profile)
+    """Why a measured profile must not be searched with (empty: trusted), from the calibration's
+    own quality checks; datasheet profiles (no calibration record) measured nothing: []."""
+    from cost_models.calibration import quality_problems
+
     return list(quality_problems(profile))
-
-
-def _quality_problems_fallback(profile: "HardwareProfile") -> list[str]:
-    """The agreed interface (scratch/INTERFACES.md, item 2) read from the profile's record, for
-    as long as `cost_models.calibration.quality_problems` does not exist. Calibrations without it
-    write no quality record, so a missing record is not held against a profile here (the real
-    function says it is a problem)."""
-    quality = (profile.calibration or {}).get("quality")
-    if not isinstance(quality, dict):
-        return []
-    problems = [str(p) for p in quality.get("problems") or []]
-    if not quality.get("ok", False) and not problems:
-        problems.append(f"profile {profile.name}: its calibration failed its quality checks")
-    return problems
 
 
 def _where(profile: "HardwareProfile") -> str:
@@ -363,7 +345,7 @@ def local_cluster(
             return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
         why = f"the profile at {path} is not trusted ({'; '.join(problems)})"
     if calibrate_if_missing:
-        from cost_models.calibration.calibrate import calibrate
+        from cost_models.calibration import calibrate
 
         log(
             f"tune: this machine: {name} ({device}); {why}: calibrating it quickly "
