@@ -112,19 +112,6 @@ EXPORT = ("export", "--to", "megatron", "--strategy")
 HAS_PSYCOPG = importlib.util.find_spec("psycopg") is not None
 HAS_PYMYSQL = importlib.util.find_spec("pymysql") is not None
 NOBODY = 65534
-LEAD_STRATEGY = (
-    "core/strategy.py (lead): Strategy.from_yaml should refuse an empty file and a file that "
-    "does not name dp, tp and pp, as autosearch.commands._common.load_strategy does"
-)
-LEAD_CLUSTER = "core/hardware.py (lead): "
-COST_MODELS_ESTIMATE = (
-    "cost_models/analytic.py estimate(): accept a dict (Strategy.from_dict(strategy)) and raise "
-    "TypeError('strategy must be a Strategy, a dict or a str, got int') for other types"
-)
-SPACE_GBS = (
-    "search_spaces/_parallel.py: check global_batch_size with autosearch.core._io.positive_int "
-    "(limit 2**24) instead of `< 1` only; enumerating the divisors of 2**62 hangs"
-)
 STORAGE = "tuning/_storage.py (tuning helper, storage integrity): "
 
 CASES = [
