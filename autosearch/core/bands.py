@@ -133,6 +133,12 @@ class ErrorBands:
     bands: dict[str, tuple[float, float, int]]
     sources: tuple[str, ...] = ()
 
+    @property
+    def worst_high(self) -> float:
+        """The largest upper bound of any kind (what an extrapolation is taken at when ranking
+        pessimistically); 1 with no bands."""
+        return max((high for _, high, _ in self.bands.values()), default=1.0)
+
     def band(self, kind: dict[str, str]) -> Band:
         for level in range(len(LEVELS)):
             key = key_of(kind, level)
