@@ -213,7 +213,9 @@ def test_cpu_refuses_candidates_beyond_this_machine_unless_forced(tmp_path, caps
     with pytest.raises(SpecError, match=r"needs about [\d,.]+ GiB .* cost model's estimate"):
         validate(big, [Strategy(global_batch_size=1)], out=tmp_path / "b", verbose=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    (tmp_path / "s.yaml").write_text("dp: 1024\nmicro_batch_size: 1\nglobal_batch_size: 1024\n")
+    (tmp_path / "s.yaml").write_text(
+        "dp: 1024\ntp: 1\npp: 1\nmicro_batch_size: 1\nglobal_batch_size: 1024\n"
+    )
     args = ["validate", "--strategies", str(tmp_path / "s.yaml"), "--model", "tiny-gpt"]
     assert main(args + ["--out", str(tmp_path / "c")]) == 2
     assert "--force" in capsys.readouterr().err
