@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from autosearch.core import rules
+from autosearch.core._io import positive_int
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster
 from autosearch.core.model_spec import ModelSpec
@@ -112,15 +113,7 @@ class SearchSpace(BaseSearchSpace):
     ):
         self.model = ModelSpec.load(model)
         self.cluster = Cluster.parse(cluster)
-        if (
-            isinstance(global_batch_size, bool)
-            or not isinstance(global_batch_size, int)
-            or global_batch_size < 1
-        ):
-            raise SpecError(
-                f"global_batch_size must be a positive integer, got {global_batch_size!r}"
-            )
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = positive_int(global_batch_size, "global_batch_size")
         if config is None:
             config = SpaceConfig.default()
         elif not isinstance(config, SpaceConfig):

@@ -231,7 +231,8 @@ def test_profiles_load_and_cite_sources():
 def test_cluster_forms(tmp_path):
     c = Cluster.parse("h100-sxm:32x8")
     assert (c.n_nodes, c.gpus_per_node, c.world_size) == (32, 8, 256)
-    assert Cluster.parse("h100-sxm:4").world_size == 32
+    with pytest.raises(SpecError, match="ambiguous"):
+        Cluster.parse("h100-sxm:4")  # 4 nodes or 4 GPUs? NODESxGPUS says
     assert Cluster.parse("a100-sxm4-40gb").world_size == 8
     f = tmp_path / "c.yaml"
     f.write_text("gpu: h200-sxm\nn_nodes: 2\ngpus_per_node: 4\n")
@@ -355,8 +356,11 @@ def test_strategy_files_empty_or_truncated_are_refused(tmp_path):
         Strategy.from_yaml(cut)
     # a hand-written file names only what differs: that stays valid
     short = tmp_path / "short.yaml"
-    short.write_text("dp: 8\ntp: 4\n")
+    short.write_text("dp: 8\ntp: 4\npp: 1\n")
     assert Strategy.from_yaml(short) == Strategy(dp=8, tp=4)
+    short.write_text("dp: 8\ntp: 4\n")  # a file must name its degrees
+    with pytest.raises(SpecError, match="does not name pp"):
+        Strategy.from_yaml(short)
 
 
 def test_estimate_takes_a_dict_and_names_a_wrong_type():

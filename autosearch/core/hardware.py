@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core._io import MAX_DEVICES, check_keys, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -440,6 +440,11 @@ class Cluster:
             else positive_int(self.gpus_per_node, "gpus_per_node")
         )
         object.__setattr__(self, "gpus_per_node", gpn)
+        if self.n_nodes * gpn > MAX_DEVICES:
+            raise SpecError(
+                f"cluster {self.gpu}:{self.n_nodes}x{gpn} has {self.n_nodes * gpn:,} devices, "
+                f"beyond the {MAX_DEVICES:,} autosearch models; use fewer nodes"
+            )
         if profile.device_type == "cpu" and gpn != profile.gpus_per_node:
             # A CPU "device" is a process sharing the node's cores: use the calibration made with
             # this many processes, else time-share the measured ones.
@@ -463,16 +468,19 @@ class Cluster:
 
     @classmethod
     def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
-        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES``, ``GPU``, or a cluster YAML."""
+        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU`` (one node), or a cluster YAML."""
         if isinstance(text, Cluster):
             return text
         text = os.fspath(text)
         match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
         if match:
             gpu, nodes, per_node = match.groups()
-            if per_node:
-                return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
-            return cls(gpu=gpu, n_nodes=int(nodes))
+            if not per_node:
+                raise SpecError(
+                    f"cluster {text!r} is ambiguous ({nodes} nodes or {nodes} GPUs?); write "
+                    f"NODESxGPUS: {gpu}:{nodes}x8 for {nodes} nodes of 8, or {gpu}:1x{nodes}"
+                )
+            return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
         if text.endswith((".yaml", ".yml")) and os.path.exists(text):
             data = read_yaml_mapping(text, what="cluster")
             if (
@@ -489,6 +497,11 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
         kwargs = check_keys(data, cls, what=what)
+        if "gpu" in kwargs and "gpus_per_node" not in kwargs:
+            raise SpecError(
+                f"{what}: missing key 'gpus_per_node' (devices per node, e.g. 8); it is not "
+                "guessed from the GPU"
+            )
         if "gpu" not in kwargs:
             raise SpecError(
                 f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML"

@@ -76,7 +76,8 @@ _BOOL_WORDS = {
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """A parallel training strategy. Every field has a default, so a file names only what differs.
+    """A parallel training strategy. Every field has a default, so a file names only what differs
+    (and its degrees dp, tp, pp, which a file must always name).
 
     Args:
         dp: data-parallel degree (replicas, or shards with ZeRO).
@@ -303,6 +304,13 @@ class Strategy:
                     f"{what} was written by autosearch but lacks {', '.join(missing)}: the file "
                     "looks truncated; write it again (autosearch tune, or Strategy.to_yaml)"
                 )
+        named = {ALIASES.get(str(k), str(k)) for k in data}
+        degrees = [d for d in ("dp", "tp", "pp") if d not in named]
+        if degrees:
+            raise SpecError(
+                f"{what} does not name {', '.join(degrees)}: a strategy file names its parallel "
+                "degrees (dp * tp * pp [* cp] = the devices), e.g. `dp: 8`, `tp: 1`, `pp: 1`"
+            )
         return cls.from_dict(data, what=what)
 
     def to_yaml(
