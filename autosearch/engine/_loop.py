@@ -102,7 +102,7 @@ def _call(callbacks, hook: str, *args) -> None:
 def _mfu_inputs(engine: "Engine") -> tuple[float | None, float | None]:
     """(flops per token, peak FLOP/s of the whole run) if the model spec and cluster are known
     (the engine's cluster, else the one `tune` searched for)."""
-    tuned = getattr(getattr(getattr(engine, "tune_result_", None), "space", None), "cluster", None)
+    tuned = getattr(engine, "tuned_cluster_", None)  # set by Engine.tune on every rank
     if engine.cluster is None and tuned is None:
         return None, None
     try:
