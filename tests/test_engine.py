@@ -3,6 +3,7 @@
 Multi-process behaviour (every strategy against this single-process run) is in
 test_engine_parallel.py; the torchrun example in test_engine_example.py.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -39,22 +40,35 @@ def _threads():
 
 
 def test_importing_the_engine_does_not_import_torch():
-    code = ("import sys; import autosearch; from autosearch import Engine; "
-            "from autosearch.engine import ParallelPlan; Engine(lambda: None); print('torch' in sys.modules)")
+    code = (
+        "import sys; import autosearch; from autosearch import Engine; "
+        "from autosearch.engine import ParallelPlan; Engine(lambda: None); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_fit_evaluate_predict_single_process():
     engine = Engine(model_factory, optimizer=adamw, metrics=Accuracy(), strategy=B)
-    history = engine.fit(SyntheticTokens.for_model(SPEC, 96), epochs=2, steps_per_epoch=6,
-                         valid_data=SyntheticTokens.for_model(SPEC, 16, seed=1), verbose=0)
+    history = engine.fit(
+        SyntheticTokens.for_model(SPEC, 96),
+        epochs=2,
+        steps_per_epoch=6,
+        valid_data=SyntheticTokens.for_model(SPEC, 16, seed=1),
+        verbose=0,
+    )
     assert engine.history is history
-    assert len(history["loss"]) == 12 and len(history["epoch_loss"]) == 2 and len(history["val_loss"]) == 2
+    assert (
+        len(history["loss"]) == 12
+        and len(history["epoch_loss"]) == 2
+        and len(history["val_loss"]) == 2
+    )
     assert history["loss"][-1] < history["loss"][0] - 0.2
     assert all(t > 0 for t in history["tokens_per_s"])
     logs = engine.evaluate(SyntheticTokens.for_model(SPEC, 16, seed=1), verbose=0)
-    assert set(logs) == {"loss", "accuracy"} and logs["loss"] == pytest.approx(history["val_loss"][-1])
+    assert set(logs) == {"loss", "accuracy"} and logs["loss"] == pytest.approx(
+        history["val_loss"][-1]
+    )
     preds = engine.predict(SyntheticTokens.for_model(SPEC, 12, seed=1), batch_size=8)
     assert [p.shape[0] for p in preds] == [8, 4]  # predict keeps the last partial batch
     assert engine.mesh is None and engine.main_program is engine.model_parts_[0]
@@ -64,7 +78,11 @@ def test_gradient_accumulation_matches_one_big_batch():
     data = SyntheticTokens.for_model(SPEC, 16)
     losses = {}
     for mbs in (2, 8):
-        engine = Engine(model_factory, optimizer=adamw, strategy=f"micro_batch_size={mbs},global_batch_size=8,amp=fp32")
+        engine = Engine(
+            model_factory,
+            optimizer=adamw,
+            strategy=f"micro_batch_size={mbs},global_batch_size=8,amp=fp32",
+        )
         losses[mbs] = engine.fit(data, epochs=1, verbose=0)["loss"]
     assert losses[2] == pytest.approx(losses[8], abs=2e-5)
 
@@ -73,8 +91,11 @@ def test_optimizer_is_rebuilt_with_its_class_and_param_groups():
     model = model_factory()
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=5e-4, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=5e-4,
+        betas=(0.9, 0.95),
+    )
     engine = Engine(model, optimizer=opt, strategy=f"recompute=full,{B}").prepare(mode="train")
     (rebuilt,) = engine.optimizers_
     assert type(rebuilt) is torch.optim.AdamW and rebuilt is not opt
@@ -108,8 +129,13 @@ class Points(torch.utils.data.Dataset):
 def test_user_model_without_plan(strategy):
     torch.manual_seed(0)
     model = TinyClassifier()
-    engine = Engine(model, loss=torch.nn.functional.cross_entropy, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-                    metrics=Accuracy(), strategy=f"micro_batch_size=8,global_batch_size=16,{strategy}")
+    engine = Engine(
+        model,
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        metrics=Accuracy(),
+        strategy=f"micro_batch_size=8,global_batch_size=16,{strategy}",
+    )
     history = engine.fit(Points(), epochs=3, verbose=0)
     assert history["epoch_loss"][-1] < history["epoch_loss"][0]
     assert engine.evaluate(Points(), verbose=0)["accuracy"] > 0.5
@@ -119,8 +145,11 @@ def test_user_model_errors_say_what_to_pass():
     engine = Engine(TinyClassifier, strategy="recompute=selective,amp=fp32")
     with pytest.raises(SpecError, match=r"ParallelPlan\(attention_core"):
         engine.prepare()
-    problems = engine._problems(Strategy(tp=2, pp=2, micro_batch_size=1, global_batch_size=2), ParallelPlan(),
-                                TinyClassifier())
+    problems = engine._problems(
+        Strategy(tp=2, pp=2, micro_batch_size=1, global_batch_size=2),
+        ParallelPlan(),
+        TinyClassifier(),
+    )
     assert any("tensor-parallel plan" in p for p in problems)
     assert any("nn.ModuleDict" in p for p in problems)
     with pytest.raises(SpecError, match="model_spec="):
@@ -139,9 +168,13 @@ def test_cost_uses_the_analytic_model():
     from cost_models import AnalyticCostModel, Cluster
 
     strategy = Strategy(dp=8, micro_batch_size=1, global_batch_size=64, zero_stage=1)
-    engine = Engine(lambda: Transformer(ModelSpec.load("gpt3-1.3b")), strategy=strategy, cluster="h100-sxm:1x8")
+    engine = Engine(
+        lambda: Transformer(ModelSpec.load("gpt3-1.3b")), strategy=strategy, cluster="h100-sxm:1x8"
+    )
     step_time_s, peak_memory_bytes = engine.cost()  # the factory is only built on the meta device
-    report = AnalyticCostModel(ModelSpec.load("gpt3-1.3b"), Cluster.parse("h100-sxm:1x8")).estimate(strategy)
+    report = AnalyticCostModel(
+        ModelSpec.load("gpt3-1.3b"), Cluster.parse("h100-sxm:1x8")
+    ).estimate(strategy)
     assert (step_time_s, peak_memory_bytes) == (report.step_time_s, report.peak_memory_bytes)
     with pytest.raises(SpecError, match="cluster"):
         Engine(model_factory, strategy=strategy).cost()
@@ -194,3 +227,22 @@ def test_synthetic_tokens_are_deterministic_and_learnable():
     assert torch.equal(x[1:], y[:-1]) and x.shape == (SPEC.seq_len,)
     valid = SyntheticTokens.for_model(SPEC, 4, seed=1)
     assert torch.equal(valid.successor, a.successor) and not torch.equal(valid[0][0], a[0][0])
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ("cp=2", "cp=2 (context parallel)"),
+        ("fp8=tensorwise", "fp8=tensorwise"),
+        ("compile=true", "compile=true"),
+        ("recompute=selective_op", "recompute=selective_op"),
+    ],
+)
+def test_the_engine_names_what_it_cannot_run(extra, words):
+    """Dimensions of today's stacks the Engine does not run are refused with what to do."""
+    from autosearch.core import Strategy
+    from autosearch.engine.build import engine_lacks
+
+    problems = engine_lacks(Strategy.parse(f"dp=2,{extra}"))
+    assert len(problems) == 1 and words in problems[0] and "export" in problems[0]
+    assert engine_lacks(Strategy.parse("dp=2,pp=1,pipeline_split=4")) == []

@@ -166,6 +166,8 @@ class Strategy:
                 problems.append(str(exc))
         if self.pipeline_split is not None:
             split = self.pipeline_split
+            if isinstance(split, int) and not isinstance(split, bool):  # one chunk
+                split = (split,)
             if isinstance(split, str):  # "15/16/16/15" from the command line
                 parts = split.replace("/", ",").split(",")
                 split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())

@@ -102,6 +102,7 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
             bounds = pipeline_bounds(plan, strategy, len(container))
             if isinstance(bounds, str) and not problems:  # else the model's check said why
                 problems.append(f"the pipeline split is impossible: {bounds}")
+    problems += engine_lacks(strategy)
     if strategy.recompute == "selective" and (
         plan.attention_core is None or blocks_of(model, plan) is None
     ):
@@ -111,6 +112,32 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
             "each block; use recompute=full or give the plan"
         )
     return problems
+
+
+def engine_lacks(strategy: "Strategy") -> list[str]:
+    """The dimensions of today's stacks the Engine does not run (the `torch` runtime preset's
+    `supports` in cost_models/runtimes.yaml), each with what to do instead."""
+    from autosearch.core import RUNTIMES
+
+    supported = set(RUNTIMES["torch"].supports)
+    wanted = {
+        "cp": (strategy.cp > 1, f"cp={strategy.cp} (context parallel)"),
+        "fp8": (strategy.fp8 != "none", f"fp8={strategy.fp8}"),
+        "compile": (strategy.compile, "compile=true"),
+        "async_tp": (strategy.async_tp, "async_tp=true"),
+        "selective_op": (strategy.recompute == "selective_op", "recompute=selective_op"),
+        "recompute_num_layers": (
+            strategy.recompute_num_layers is not None,
+            f"recompute_num_layers={strategy.recompute_num_layers}",
+        ),
+        "uneven_pp": (strategy.pipeline_split is not None, "pipeline_split"),
+    }
+    return [
+        f"the Engine cannot run {what} on this machine's torch.distributed yet; leave it out, or "
+        f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
+        for dim, (used, what) in wanted.items()
+        if used and dim not in supported
+    ]
 
 
 def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
