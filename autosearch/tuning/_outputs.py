@@ -1,6 +1,11 @@
 """What a search leaves in its folder: trials.csv, top_k.csv, best_strategy.yaml, study.yaml and
-report.md with its plots (matplotlib, Agg backend). Every file is written to a temporary name
-and renamed, so a run killed while writing never leaves a torn file."""
+report.md with its plots (matplotlib, Agg backend).
+
+Every file goes through `_files.atomic_write` (temporary name in the folder, fsync, rename), so a
+run killed while writing never leaves a torn file; writers take the folder's lock (`.lock`,
+opened without following a symbolic link), and remove what killed writers left behind.
+One folder holds the outputs of one study: `claim_out_folder` refuses another study's folder.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,15 @@ import csv
 import io
 import math
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core.errors import SpecError
+from autosearch.tuning._files import FileLock, atomic_write, remove_stale_temp_files
 from autosearch.tuning._objectives import CONSTRAINT, GiB
+from autosearch.tuning._reader import report_from_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
@@ -63,7 +72,6 @@ def trial_row(trial, objective: "Objective") -> dict[str, Any]:
     """One CSV row: trial number and state, feasibility and why, objective values, every
     Strategy field, every CostReport field (breakdowns flattened to time_* / memory_*)."""
     from autosearch.core.strategy import Strategy
-    from autosearch.tuning._study import report_from_dict
 
     row: dict[str, Any] = {"trial": trial.number, "state": trial.state.name}
     attrs = trial.user_attrs
@@ -105,14 +113,14 @@ def write_csv(path: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(row.get(k)) for k in cols})
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def write_outputs(
     result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
 ) -> None:
-    """Write every output of a search into `out_dir`."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write every output of a search into `out_dir` (call it holding `outputs_lock`)."""
+    _make_folder(out_dir)
     objective = _objective_of(result)
     write_csv(os.path.join(out_dir, "trials.csv"), rows, columns(objective))
     top_rows = [
@@ -168,7 +176,7 @@ def write_outputs(
             f"# The best strategy found by `autosearch tune` (study {meta['study_name']}).\n"
             "# Load it with Strategy.from_yaml(path); export it with `autosearch export --strategy PATH`.\n"
         )
-        _atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
+        atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
     elif os.path.exists(best_path):
         os.remove(best_path)
     study_doc = {
@@ -178,7 +186,7 @@ def write_outputs(
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
         "summary": result.message,
     }
-    _atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
+    atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
     _write_report(result, rows, out_dir=out_dir, meta=meta)
 
 
@@ -278,7 +286,7 @@ def _write_report(
         "`best_strategy.yaml`, `study.yaml` (run metadata).",
         "",
     ]
-    _atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
+    atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
 
 
 def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | None:
@@ -407,37 +415,66 @@ def _save(fig, out_dir: str, name: str) -> str:
     import matplotlib.pyplot as plt
 
     path = os.path.join(out_dir, name)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return path
+
+
+STUDY_FILE = "study.yaml"
+LOCK_FILE = ".lock"
+_OLD_TEMP = re.compile(r".+\.tmp\d+(\.png)?$")  # temporary names of earlier versions
 
 
 @contextlib.contextmanager
 def outputs_lock(out_dir: str):
-    """An exclusive lock on `out_dir` (a `.lock` file, flock) while one worker writes the outputs."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, ".lock"), "w") as f:
-        try:
-            import fcntl
-        except (
-            ImportError
-        ):  # pragma: no cover - not POSIX: no lock, files are still written atomically
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """An exclusive lock on `out_dir` (``.lock``, flock, never through a symbolic link) while one
+    worker writes the outputs; temporary files of killed writers are removed under it."""
+    _make_folder(out_dir)
+    with FileLock(os.path.join(out_dir, LOCK_FILE)):
+        remove_stale_temp_files(out_dir)
+        for name in os.listdir(out_dir):
+            if _OLD_TEMP.match(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(out_dir, name))
+        yield
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
+    """Refuse to write one study's outputs over another's.
+
+    Raises:
+        SpecError: `out_dir` holds the outputs of another study (another name or storage); the
+            message says how to continue that one or where to put this one.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SpecError(f"--out {out_dir!r} is a file; give a folder")
+    path = os.path.join(out_dir, STUDY_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return  # no (readable) outputs yet
+    if not isinstance(doc, dict):
+        return
+    theirs = (doc.get("study_name"), doc.get("storage"))
+    if theirs != (study_name, storage):
+        raise SpecError(
+            f"{out_dir!r} holds the outputs of study {theirs[0]!r} (storage {theirs[1]}), not of "
+            f"{study_name!r} ({storage}); outputs of different studies never share a folder. "
+            f"Pass another --out (for example results/{study_name}), or --study-name "
+            f"{theirs[0]} with the same storage to continue that study"
+        )
+
+
+def _make_folder(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except FileExistsError:
+        raise SpecError(f"--out {out_dir!r}: a file is in the way of this folder") from None
+    except OSError as exc:
+        raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
 
 
 def _cell(value: Any) -> Any:

@@ -17,16 +17,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Candidate:
-    """One scored strategy: what a trial found, with its cost report and trial number."""
+    """A strategy, with what the cost model predicted for it and the trial that found it.
+
+    The one candidate record of the project: `tune` returns them (`TuneResult.top_k`), and
+    validation runs them (a strategy from a file has no report nor trial number).
+    """
 
     strategy: "Strategy"
-    report: "CostReport"
-    trial_number: int
+    report: "CostReport | None" = None
+    trial_number: int | None = None
     values: tuple[float, ...] = ()
 
     @property
     def feasible(self) -> bool:
-        return self.report.fits
+        """Whether the prediction fits in device memory (False when there is none)."""
+        return self.report is not None and self.report.fits
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class TuneResult:
         study: the Optuna study (persistent when a storage was given).
         space: the search space searched.
         n_trials: finished trials in the study; n_new_trials: how many this call ran.
+        n_units: layouts (trial unit ``layout``) or strategies in the space; n_units_covered:
+            how many of them the study's trials hold.
         out_dir: where the outputs were written (None when not asked).
         message: a one-line summary for people.
     """
@@ -60,6 +67,8 @@ class TuneResult:
     out_dir: str | None = None
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    n_units: int = 0
+    n_units_covered: int = 0
 
 
 class NoFeasibleStrategyError(SpecError):
