@@ -176,9 +176,9 @@ def tune(
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
     cm = _resolve_cost_model(cost_model, model, cluster, runtime)
     opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
-    name = opts.study_name or default_study_name(
-        model.name, cluster.name, global_batch_size, obj.name
-    )
+    name = opts.study_name
+    if name is None:
+        name = default_study_name(model.name, cluster.name, global_batch_size, obj.name)
     check_study_name(name)
     out_dir = os.fspath(opts.out) if opts.out is not None else None
     storage_arg = opts.storage
