@@ -201,7 +201,17 @@ def _open_sqlite(path: str) -> OpenedStorage:
 
 def _open_rdb(url: str) -> OpenedStorage:
     shown = _hide_password(url)
-    storage = _rdb(url, what=f"database {shown}")
+    if _is_postgres(url):
+        # Workers started together on an empty database race to create Optuna's tables
+        # ("duplicate key value violates unique constraint"): create them under a lock.
+        schema_lock = _AdvisoryLock(url, "\0schema")
+        try:
+            with schema_lock:
+                storage = _rdb(url, what=f"database {shown}")
+        finally:
+            schema_lock.close()
+    else:
+        storage = _rdb(url, what=f"database {shown}")
     if not _is_postgres(url):
         warnings.warn(
             f"{shown}: autosearch has no study lock for this database (it has one for journal "
@@ -300,12 +310,24 @@ class _AdvisoryLock:
 
     def __enter__(self):
         import sqlalchemy
+        import sqlalchemy.exc
 
         if self._depth == 0:
             if self._conn is None:
-                self._conn = self._engine.connect().execution_options(
-                    isolation_level="AUTOCOMMIT"
-                )
+                try:
+                    self._conn = self._engine.connect().execution_options(
+                        isolation_level="AUTOCOMMIT"
+                    )
+                except ImportError as exc:
+                    raise SpecError(
+                        f"the PostgreSQL driver is not installed ({exc}); pip install "
+                        "'autosearch[postgres]' and a URL starting postgresql+psycopg://"
+                    ) from None
+                except sqlalchemy.exc.SQLAlchemyError as exc:
+                    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                    raise SpecError(
+                        f"cannot connect to {_hide_password(str(self._engine.url))}: {detail}"
+                    ) from None
             self._conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": self.key})
         self._depth += 1
         return self
@@ -316,6 +338,12 @@ class _AdvisoryLock:
         self._depth -= 1
         if self._depth == 0 and self._conn is not None:
             self._conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._engine.dispose()
 
 
 def _advisory_lock(url: str, study_name: str) -> _AdvisoryLock:
