@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import math
 import os
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -41,6 +41,7 @@ STRATEGY_FIELDS = (
     "zero_stage",
     "amp",
 )
+IMPORTANCE_MAX_TRIALS = 5000
 IMPORTANCE_FIELDS = (
     "tp",
     "pp",
@@ -107,22 +108,48 @@ def columns(objective: "Objective") -> list[str]:
     )
 
 
-def write_csv(path: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _cell(row.get(k)) for k in cols})
-    atomic_write(path, buf.getvalue())
+def write_csv(path: str, rows: "Iterable[dict[str, Any]]", cols: list[str]) -> None:
+    """Write `rows` (any iterable, consumed once: a study's rows are streamed, not held)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: _cell(row.get(k)) for k in cols})
+
+    atomic_write(path, write)
+
+
+def plot_row(trial) -> dict[str, Any] | None:
+    """The few fields the plots need, straight from a trial's stored records."""
+    report = trial.user_attrs.get("report")
+    if not report or report.get("tokens_per_s") is None:
+        return None
+    row = {
+        "peak_memory_bytes": report["peak_memory_bytes"],
+        "tokens_per_s": report["tokens_per_s"],
+        "memory_capacity_bytes": report.get("memory_capacity_bytes"),
+        "feasible": bool(report.get("fits")),
+    }
+    if row["feasible"] and "strategy" in trial.user_attrs:
+        row.update(trial.user_attrs["strategy"])
+    return row
 
 
 def write_outputs(
-    result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
+    result: "TuneResult", trials: list, *, out_dir: str, meta: dict[str, Any]
 ) -> None:
-    """Write every output of a search into `out_dir` (call it holding `outputs_lock`)."""
+    """Write every output of a search into `out_dir` from one snapshot of its finished trials
+    (call it holding `outputs_lock`)."""
     _make_folder(out_dir)
     objective = _objective_of(result)
-    write_csv(os.path.join(out_dir, "trials.csv"), rows, columns(objective))
+    write_csv(
+        os.path.join(out_dir, "trials.csv"),
+        (trial_row(t, objective) for t in trials),
+        columns(objective),
+    )
+    rows = [r for r in map(plot_row, trials) if r is not None]
     top_rows = [
         dict(
             rank=i + 1,
@@ -370,6 +397,14 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
     ok = [r for r in rows if r["feasible"] and r.get("tokens_per_s")]
     if len(ok) < 4:
         return None, "parameter importances need at least 4 trials that fit"
+    note = None
+    if len(ok) > IMPORTANCE_MAX_TRIALS:  # fANOVA's forest grows with the trials: subsample
+        stride = math.ceil(len(ok) / IMPORTANCE_MAX_TRIALS)
+        note = (
+            f"parameter importances from every {stride}th of the {len(ok):,} trials that fit "
+            f"({len(ok[::stride]):,} trials)"
+        )
+        ok = ok[::stride]
     values = {f: [] for f in IMPORTANCE_FIELDS}
     for r in ok:
         for f in IMPORTANCE_FIELDS:
@@ -408,7 +443,7 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
     method = type(_importance_evaluator()).__name__.replace("ImportanceEvaluator", "")
     ax.set_xlabel(f"importance for tokens/s ({method}, trials that fit)")
     fig.tight_layout()
-    return _save(fig, out_dir, "importances.png"), None
+    return _save(fig, out_dir, "importances.png"), note
 
 
 def _save(fig, out_dir: str, name: str) -> str:

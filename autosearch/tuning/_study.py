@@ -43,7 +43,7 @@ from optuna.trial import TrialState
 
 from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
-from autosearch.tuning._outputs import claim_out_folder, outputs_lock, trial_row, write_outputs
+from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
 from autosearch.tuning._reader import (
     ATTR_ERROR,
     ATTR_GROUP,
@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover
 SAMPLERS = ("tpe", "nsga2", "random", "exhaustive")
 TRIAL_UNITS = ("layout", "strategy")
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+SHADOW_RENEW = 1000
 STUDY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 
 
@@ -254,8 +255,7 @@ def tune(
             result = _collect(
                 runner, top_k=top_k, n_new=n_new, out=out_dir, timings=timings, trials=trials
             )
-            rows = [trial_row(t, obj) for t in trials]
-            write_outputs(result, rows, out_dir=out_dir, meta=run_meta)
+            write_outputs(result, trials, out_dir=out_dir, meta=run_meta)
         timings["outputs_s"] = time.perf_counter() - t0
     nothing_fits = not result.pareto if obj.is_multi else result.best_strategy is None
     if nothing_fits:
@@ -292,6 +292,14 @@ class _Runner:
         self._best: float | None = None
         self._units: list[dict[str, Any]] | None = None
         self._unit_cursor = 0
+        # Random sampling and the exhaustive order read no history: their shadow is renewed
+        # every SHADOW_RENEW trials, so its memory and Optuna's per-ask scan of it stay flat.
+        import optuna
+
+        self.history_free = self.storage is not None and (
+            exhaustive or isinstance(shadow.sampler, optuna.samplers.RandomSampler)
+        )
+        self._in_shadow = 0
 
     @property
     def n_finished(self) -> int:
@@ -379,7 +387,7 @@ class _Runner:
             self._covered.add(_key(t.params))
         if t.state == TrialState.COMPLETE and t.values and t.constraints.get(CONSTRAINT, 0) <= 0:
             self._best = t.values[0] if self._best is None else max(self._best, t.values[0])
-        if t.user_attrs.get(ATTR_WORKER) != self.worker:
+        if t.user_attrs.get(ATTR_WORKER) != self.worker and not self.history_free:
             self.shadow.add_trial(_for_sampler(t))
 
     def all_trials(self) -> list:
@@ -403,6 +411,7 @@ class _Runner:
         units are covered, or every unit is). Returns how many this worker persisted."""
         new = 0
         while True:
+            self._renew_shadow_if_due()
             if self.exhaustive:
                 with self.lock():
                     self.sync()
@@ -423,7 +432,17 @@ class _Runner:
                 progress(min(done, target), target, self._best)
         return new
 
+    def _renew_shadow_if_due(self) -> None:
+        if self.history_free and self._in_shadow >= SHADOW_RENEW:
+            import optuna
+
+            self.shadow = optuna.create_study(
+                directions=list(self.shadow.directions), sampler=self.shadow.sampler
+            )
+            self._in_shadow = 0
+
     def _one_trial(self, target: int) -> bool:
+        self._in_shadow += 1
         trial = self.shadow.ask()
         try:
             values, constraint, attrs = self._evaluate(trial)
