@@ -19,9 +19,9 @@ import tempfile
 import time
 
 import pytest
+from test_storage_concurrency import check_outputs_agree_with_storage, new_trials, run_workers
 
 from autosearch.tuning import load_study
-from test_storage_concurrency import check_outputs_agree_with_storage, new_trials, run_workers
 
 
 def _pg_bin() -> str | None:

@@ -97,7 +97,7 @@ def test_reads_are_incremental(tmp_path):
 
 # ---- locks and writes -------------------------------------------------------------------------
 def test_a_lock_held_by_a_killed_process_is_free_at_once(tmp_path):
-    """Optuna's symbolic-link lock outlives a kill (the next run waited ~30 s); an flock does not."""
+    """Optuna's symbolic-link lock outlives a kill (the next run waited ~30 s); flock does not."""
     import fcntl
 
     lock = tmp_path / "x.flock"
@@ -215,3 +215,28 @@ def test_sqlite_resumes_and_counts_exactly(tmp_path):
     tune(**SMALL, n_trials=5, seed=0, storage=db, **FAST)
     again = tune(**SMALL, n_trials=7, seed=1, storage=f"sqlite:///{db}", **FAST)
     assert (again.n_new_trials, again.n_trials) == (2, 7)
+
+
+def test_exhaustive_strategy_units_cover_the_space_once_across_shadow_renewals(
+    tmp_path, monkeypatch
+):
+    import autosearch.tuning._study as study_module
+    from search_spaces import SearchSpace
+
+    monkeypatch.setattr(study_module, "SHADOW_RENEW", 50)  # renew many times in a small space
+    space = SearchSpace(
+        "llama3-8b", "h100-sxm:1x8", global_batch_size=32, config="megatron", amp="bf16"
+    )
+    assert space.size > 3 * 50
+    result = tune(
+        space.model,
+        space.cluster,
+        global_batch_size=32,
+        space=space,
+        sampler="exhaustive",
+        trial_unit="strategy",
+        n_trials=None,
+        storage=tmp_path / "s.journal",
+    )
+    params = {tuple(sorted(t.params.items())) for t in result.study.get_trials()}
+    assert result.n_trials == len(params) == space.size == result.n_units_covered

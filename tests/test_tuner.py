@@ -1,4 +1,4 @@
-"""The tuner: what it finds, what it writes, and how it survives kills, resumes and shares a study."""
+"""The tuner: what it finds, what it writes, how it survives kills, resumes and shares a study."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _read_csv(path):
         return list(csv.DictReader(f))
 
 
-# ---- what it finds -------------------------------------------------------------------------------
+# ---- what it finds ------------------------------------------------------------------------------
 def test_tune_finds_a_fitting_strategy_and_distinct_sorted_top_k():
     result = tune(
         SMALL["model"], SMALL["cluster"], global_batch_size=64, n_trials=40, seed=0, top_k=4
@@ -118,7 +118,7 @@ def test_cost_objective_needs_a_price_and_bad_arguments_are_clear():
     assert result.pareto and result.best_report.fits
 
 
-# ---- outputs, resume, storage mismatch -------------------------------------------------------------
+# ---- outputs, resume, storage mismatch ----------------------------------------------------------
 def test_outputs_are_complete_and_the_best_strategy_file_loads(tmp_path):
     out = tmp_path / "run"
     result = tune(**SMALL, n_trials=25, seed=0, out=out, top_k=3)
@@ -203,7 +203,7 @@ def test_no_feasible_strategy_says_how_far_the_least_hungry_one_is(tmp_path):
     assert "no strategy fits in memory" in cli.stderr and "GiB over" in cli.stderr
 
 
-# ---- crash safety and sharing (real processes) ---------------------------------------------------
+# ---- crash safety and sharing (real processes) --------------------------------------------------
 def _journal_trials(path) -> list:
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -279,7 +279,8 @@ def test_sigkill_mid_run_then_the_same_command_loses_no_finished_trial(tmp_path)
 @pytest.mark.slow
 def test_two_processes_share_one_study_without_duplicate_or_lost_trials(tmp_path):
     out = tmp_path / "shared"
-    # 150 trials take a worker several seconds, longer than the other needs to start even on a loaded machine
+    # 150 trials take a worker several seconds, longer than the other needs to start even on a
+    # loaded machine
     procs = [
         subprocess.Popen(
             [
@@ -306,7 +307,7 @@ def test_two_processes_share_one_study_without_duplicate_or_lost_trials(tmp_path
     trials = _journal_trials(out / "study.journal")
     numbers = sorted(t.number for t in trials)
     assert numbers == list(range(len(numbers)))  # no duplicate, no hole
-    assert 150 <= len(trials) <= 151  # at most one trial of overshoot per extra worker
+    assert len(trials) == 150  # count and persist are one step under the study lock
     workers = {t.user_attrs["worker"] for t in trials}
     assert len(workers) == 2  # both did work
     new = [int(o[0].split(" trials (")[1].split(" new")[0]) for o in outputs]

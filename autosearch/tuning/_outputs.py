@@ -201,7 +201,8 @@ def write_outputs(
         }
         header = (
             f"# The best strategy found by `autosearch tune` (study {meta['study_name']}).\n"
-            "# Load it with Strategy.from_yaml(path); export it with `autosearch export --strategy PATH`.\n"
+            "# Load it with Strategy.from_yaml(path); export it with\n"
+            "# `autosearch export --strategy PATH`.\n"
         )
         atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
     elif os.path.exists(best_path):
@@ -226,7 +227,7 @@ def _objective_of(result: "TuneResult"):
     return make_objective(result.objective, cluster=result.space.cluster, price_per_gpu_hour=price)
 
 
-# ---- report.md and plots --------------------------------------------------------------------------
+# ---- report.md and plots ------------------------------------------------------------------------
 def _write_report(
     result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
 ) -> None:
@@ -245,11 +246,13 @@ def _write_report(
     except ImportError as exc:  # matplotlib is a dependency; keep the report if it is broken
         notes.append(f"plots skipped: {exc}")
     lines = [
-        f"# Strategy search: {meta['model']} on {meta['cluster']}, global batch {meta['global_batch_size']}",
+        f"# Strategy search: {meta['model']} on {meta['cluster']}, "
+        f"global batch {meta['global_batch_size']}",
         "",
     ]
     lines += [
-        f"- objective: {meta['objective']} (memory limit as a constraint), sampler {meta['sampler']}, "
+        f"- objective: {meta['objective']} (memory limit as a constraint), "
+        f"sampler {meta['sampler']}, "
         f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
         f"- space: {meta['space']}",
         f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
@@ -265,10 +268,12 @@ def _write_report(
             "",
             "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |",
             "|---|---|---|---|---|",
-            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.tflops_per_gpu:.1f} | "
+            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
+            f"{r.tflops_per_gpu:.1f} | "
             f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |",
             "",
-            "Saved in `best_strategy.yaml`; `autosearch export --strategy best_strategy.yaml --to megatron` "
+            "Saved in `best_strategy.yaml`; "
+            "`autosearch export --strategy best_strategy.yaml --to megatron` "
             "prints the equivalent launch flags.",
             "",
         ]
@@ -277,7 +282,8 @@ def _write_report(
         if result.least_hungry is not None:
             c = result.least_hungry
             lines += [
-                f"Least memory-hungry strategy tried: `{c.strategy.short()}`, {c.report.infeasible_reason}.",
+                f"Least memory-hungry strategy tried: `{c.strategy.short()}`, "
+                f"{c.report.infeasible_reason}.",
                 "",
             ]
     if result.top_k:
@@ -291,8 +297,9 @@ def _write_report(
         for i, c in enumerate(result.top_k, 1):
             r = c.report
             lines.append(
-                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.step_time_s:.3f} | "
-                f"{r.peak_memory_bytes / GiB:.1f} | {r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
+                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
+                f"{r.step_time_s:.3f} | {r.peak_memory_bytes / GiB:.1f} | "
+                f"{r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
                 f"{r.time.tp_comm_s:.3f} |"
             )
         lines.append("")
@@ -301,7 +308,9 @@ def _write_report(
     titles = {
         "time_breakdown": "Where the step time goes (top-k)",
         "throughput_memory": "Throughput vs memory",
-        "importances": "What matters (importance of each dimension for throughput, trials that fit)",
+        "importances": (
+            "What matters (importance of each dimension for throughput, trials that fit)"
+        ),
     }
     for key, path in plots.items():
         if path:

@@ -73,7 +73,7 @@ class TuneResult:
 
 class NoFeasibleStrategyError(SpecError):
     """No strategy of the space fits in device memory; `.result` holds the TuneResult (outputs
-    are written before this is raised) and the message says how far the least hungry strategy is."""
+    are written before this is raised); the message says how far the least hungry one is."""
 
     def __init__(self, message: str, *, result: TuneResult | None = None):
         super().__init__(message)

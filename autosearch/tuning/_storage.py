@@ -158,7 +158,7 @@ def describe_storage(storage: Any) -> str:
     return type(storage).__name__
 
 
-# ---- one opener per kind --------------------------------------------------------------------------
+# ---- one opener per kind ------------------------------------------------------------------------
 def _open_journal(path: str) -> OpenedStorage:
     import optuna
 
@@ -294,7 +294,7 @@ def _remove_optuna_lock_leftovers(path: str) -> None:
                 os.unlink(os.path.join(folder, n))
 
 
-# ---- PostgreSQL advisory lock ---------------------------------------------------------------------
+# ---- PostgreSQL advisory lock -------------------------------------------------------------------
 class _AdvisoryLock:
     """A session-level PostgreSQL advisory lock on one dedicated connection (released by the
     server when the connection ends, so a killed worker never leaves it held)."""

@@ -24,7 +24,8 @@ trial samples the layout (tp, pp, micro-batch size, pipeline schedule) and score
 combination of recompute x sequence parallel x ZeRO x amp of that layout (at most 72 cost-model
 calls, ~2 ms, well below the ~10 ms Optuna spends per trial), keeping the best that fits. This
 shrinks what the sampler must learn from ~20,000 strategies to a few hundred layouts. With
-``"strategy"`` (always for multi-objective studies, which need every point) a trial is one strategy.
+``"strategy"`` (always for multi-objective studies, which need every point) a trial is one
+strategy.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def tune(
     return result
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 class _Runner:
     """The ask-score-tell-persist loop of one worker process."""
 
@@ -551,9 +552,7 @@ def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     return list(units.values())
 
 
-def _collect(
-    runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=None
-) -> TuneResult:
+def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=None) -> TuneResult:
     trials = runner.all_trials() if trials is None else trials
     ranked = read_candidates(trials, top_k=None if runner.objective.is_multi else top_k)
     pareto: tuple[Candidate, ...] = ()
@@ -790,4 +789,3 @@ class _ProgressBar:
     def close(self) -> None:
         self.stream.write("\n")
         self.stream.flush()
-

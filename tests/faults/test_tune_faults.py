@@ -104,7 +104,9 @@ def _sqlite_snapshot(path: str) -> dict[int, tuple]:
     "kind,n_trials,max_delay_s",
     [("journal", 1200, 2.0), ("sqlite", 120, 2.5)],
 )
-def test_sigkill_at_random_points_loses_and_duplicates_nothing(tmp_path, kind, n_trials, max_delay_s):
+def test_sigkill_at_random_points_loses_and_duplicates_nothing(
+    tmp_path, kind, n_trials, max_delay_s
+):
     out = str(tmp_path / "run")
     storage = None if kind == "journal" else os.path.join(out, "study.db")
     path = os.path.join(out, "study.journal") if kind == "journal" else storage
