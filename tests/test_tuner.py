@@ -312,3 +312,58 @@ def test_two_processes_share_one_study_without_duplicate_or_lost_trials(tmp_path
     assert len(workers) == 2  # both did work
     new = [int(o[0].split(" trials (")[1].split(" new")[0]) for o in outputs]
     assert sum(new) == len(trials)  # every trial a worker ran is in the study
+
+
+# ---- what tune takes: a cost model, a sampler object -------------------------------------------
+def test_tune_takes_a_cost_model_instance_or_factory_and_a_sampler_object():
+    from autosearch import ModelSpec
+    from cost_models import Cluster
+
+    model, cluster = ModelSpec.load(SMALL["model"]), Cluster.parse(SMALL["cluster"])
+    kw = dict(global_batch_size=64, n_trials=15, trial_unit="strategy", use_recipes=False)
+    by_name = tune(model, cluster, runtime="megatron-sc21", seed=3, **kw)
+    instance = AnalyticCostModel(model, cluster, runtime="megatron-sc21")
+    by_instance = tune(model, cluster, cost_model=instance, seed=3, **kw)
+    by_factory = tune(
+        model,
+        cluster,
+        cost_model=lambda m, c: AnalyticCostModel(m, c, runtime="megatron-sc21"),
+        sampler=optuna.samplers.TPESampler(seed=3),
+        **kw,
+    )
+    assert by_name.best_report == by_instance.best_report == by_factory.best_report
+    assert by_instance.study.user_attrs["autosearch"]["runtime"] == "megatron-sc21"
+    brute = tune(
+        model,
+        cluster,
+        global_batch_size=64,
+        n_trials=10_000,
+        sampler=optuna.samplers.BruteForceSampler(),
+        space={"tp": 8, "amp": "bf16"},
+    )
+    assert brute.n_trials == brute.n_units == brute.n_units_covered
+    with pytest.raises(SpecError, match="either runtime"):
+        tune(model, cluster, cost_model=instance, runtime="torch", **kw)
+    with pytest.raises(SpecError, match="cost_model must be"):
+        tune(model, cluster, cost_model="analytic", **kw)
+    other = AnalyticCostModel(model, Cluster.parse("h100-sxm:1x8"))
+    with pytest.raises(SpecError, match="built for another cluster"):
+        tune(model, cluster, cost_model=other, **kw)
+
+
+# ---- the default budget rule (issue 10) ----------------------------------------------------------
+def test_default_scores_every_layout_when_cheap_and_says_what_it_covered(monkeypatch):
+    import autosearch.tuning._study as study_module
+
+    space = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
+    result = tune(space.model, space.cluster, global_batch_size=64, space=space)
+    assert result.n_trials == result.n_units_covered == result.n_units == space.n_groups
+    assert result.plan.startswith(f"exhaustive: every one of the {space.n_groups} layouts")
+    best_tps, _ = _exhaustive_best(space)  # exact: the cost model's own optimum
+    assert result.best_report.tokens_per_s == pytest.approx(best_tps, rel=1e-12)
+    # an expensive space (here: a budget nothing fits in) is sampled, and the coverage is told
+    monkeypatch.setattr(study_module, "EXHAUSTIVE_BUDGET_S", 1e-9)
+    monkeypatch.setattr(study_module, "DEFAULT_TRIALS", 12)
+    sampled = tune(space.model, space.cluster, global_batch_size=64, space=space, seed=0)
+    assert sampled.n_trials == 12 and sampled.plan.startswith("sampled: 12 trials")
+    assert f"holds {sampled.n_units_covered} of the {space.n_groups} layouts" in sampled.plan

@@ -213,6 +213,7 @@ def write_outputs(
         "n_new_trials": result.n_new_trials,
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
         "summary": result.message,
+        "coverage": result.plan,
     }
     atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
     _write_report(result, rows, out_dir=out_dir, meta=meta)
@@ -255,6 +256,7 @@ def _write_report(
         f"sampler {meta['sampler']}, "
         f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
         f"- space: {meta['space']}",
+        f"- search: {result.plan}",
         f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
         f"`{meta['study_name']}` in {meta['storage']}",
         "",

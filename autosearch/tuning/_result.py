@@ -50,6 +50,8 @@ class TuneResult:
         n_trials: finished trials in the study; n_new_trials: how many this call ran.
         n_units: layouts (trial unit ``layout``) or strategies in the space; n_units_covered:
             how many of them the study's trials hold.
+        plan: one line: what the search did (exhaustive or sampled, and why) and how much of
+            the space the study covers.
         out_dir: where the outputs were written (None when not asked).
         message: a one-line summary for people.
     """
@@ -69,6 +71,7 @@ class TuneResult:
     timings: dict[str, float] = field(default_factory=dict)
     n_units: int = 0
     n_units_covered: int = 0
+    plan: str = ""
 
 
 class NoFeasibleStrategyError(SpecError):

@@ -38,6 +38,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from optuna.trial import TrialState
@@ -87,7 +88,7 @@ def tune(
     global_batch_size: int,
     space: "BaseSearchSpace | str | os.PathLike | dict | None" = None,
     objective: str = "throughput",
-    n_trials: int | None = 200,
+    n_trials: int | None = None,
     sampler: "str | optuna.samplers.BaseSampler | None" = None,
     cost_model: "CostModel | Callable[[ModelSpec, Cluster], CostModel] | None" = None,
     seed: int | None = None,
@@ -113,7 +114,10 @@ def tune(
         objective: ``throughput`` (default), ``throughput-memory`` or ``throughput-cost``
             (needs `price_per_gpu_hour`).
         n_trials: finished trials the study should hold in the end (a resumed study runs only the
-            rest); None with the exhaustive sampler means every layout or strategy.
+            rest). None: the budget rule (`plan_search`): every layout (or strategy) when scoring
+            them all is estimated under `EXHAUSTIVE_BUDGET_S`, measured on this cost model;
+            else `DEFAULT_TRIALS` trials of TPE (NSGA-II for two objectives). With the
+            exhaustive sampler, None means every unit.
         sampler: a name (``tpe``: constrained TPE, ``nsga2``, ``random``, ``exhaustive``: every
             unit once, in a fixed order) or an Optuna sampler object (a `BruteForceSampler` means
             exhaustive). None: exhaustive when `n_trials` covers every layout (or strategy) of
@@ -153,6 +157,8 @@ def tune(
 
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     model, cluster = ModelSpec.load(model), Cluster.parse(cluster)
     space = _resolve_space(space, model, cluster, global_batch_size)
     obj = make_objective(objective, cluster=cluster, price_per_gpu_hour=price_per_gpu_hour)
@@ -169,15 +175,19 @@ def tune(
         isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
     ):
         raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
-    sampler_name, shadow_sampler = _resolve_sampler(sampler, n_trials, n_units, obj, seed)
-    if n_trials is None and sampler_name != "exhaustive":
-        raise SpecError(
-            "n_trials=None (run until the space is exhausted) needs sampler=exhaustive"
-        )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
     cm = _resolve_cost_model(cost_model, model, cluster, runtime)
     opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
+    plan = None
+    if n_trials is None and sampler is None:
+        plan = plan_search(space, cm, unit=unit, multi=obj.is_multi, storage=opts.storage)
+        n_trials = plan.n_trials
+        if plan.exhaustive:
+            sampler = "exhaustive"
+    sampler_name, shadow_sampler = _resolve_sampler(sampler, n_trials, n_units, obj, seed)
+    if n_trials is None:
+        n_trials = n_units if sampler_name == "exhaustive" else DEFAULT_TRIALS
     name = opts.study_name
     if name is None:
         name = default_study_name(model.name, cluster.name, global_batch_size, obj.name)
@@ -187,8 +197,6 @@ def tune(
     if out_dir is not None and storage_arg is None:
         storage_arg = os.path.join(out_dir, DEFAULT_FILENAME)
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     opened = open_study_storage(storage_arg)
     if out_dir is not None:
         claim_out_folder(out_dir, study_name=name, storage=_describe_storage(opened))
@@ -243,7 +251,9 @@ def tune(
         "n_trials_target": target,
         "n_units": n_units,
         "space": _describe(space),
+        "plan": plan.reason if plan else None,
     }
+    runner.plan = _coverage_line(sampler_name, target, plan, runner, unit, n_units)
     if out_dir is None:
         result = _collect(runner, top_k=top_k, n_new=n_new, out=None, timings=timings)
     else:
@@ -301,6 +311,7 @@ class _Runner:
             exhaustive or isinstance(shadow.sampler, optuna.samplers.RandomSampler)
         )
         self._in_shadow = 0
+        self.plan = ""
 
     @property
     def n_finished(self) -> int:
@@ -519,6 +530,97 @@ class _Runner:
         return None
 
 
+# ---- the budget rule ----------------------------------------------------------------------------
+EXHAUSTIVE_BUDGET_S = 10.0
+DEFAULT_TRIALS = 200
+# Seconds Optuna and the storage add per finished trial, around the cost model (measured with
+# benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded).
+PERSIST_S = {"memory": 0.001, "journal": 0.006, "sqlite": 0.015, "rdb": 0.02}
+PLAN_PROBES = 6
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """What the budget rule chose: `exhaustive` over every unit, or `n_trials` of a sampler,
+    and why (`reason`, one line with the measured estimate)."""
+
+    exhaustive: bool
+    n_trials: int
+    estimate_s: float
+    reason: str
+
+
+def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = None) -> SearchPlan:
+    """Every layout when scoring them all is cheap, else a sampler with `DEFAULT_TRIALS`.
+
+    "Cheap" is measured, not assumed: a few units drawn at random are scored with this cost
+    model, and the time of all units is that average times their number, plus what Optuna and
+    the storage add per trial (`PERSIST_S`). Under `EXHAUSTIVE_BUDGET_S` (and one objective),
+    the search is exhaustive: exact, and no slower than the default number of sampled trials.
+    """
+    import optuna
+
+    n_units = space.n_groups if unit == "layout" else space.size
+    probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    t0 = time.perf_counter()
+    n_probes = min(PLAN_PROBES, n_units)
+    for _ in range(n_probes):
+        trial = probe.ask()
+        group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
+        for s in group:
+            try:
+                cost_model.estimate(s, validate=False)
+            except ValueError:
+                pass
+        probe.tell(trial, 0.0)
+    per_unit = (time.perf_counter() - t0) / max(n_probes, 1)
+    kind = _storage_kind_of(storage)
+    estimate = n_units * (per_unit + PERSIST_S[kind])
+    what = "layouts" if unit == "layout" else "strategies"
+    if not multi and (estimate <= EXHAUSTIVE_BUDGET_S or n_units <= DEFAULT_TRIALS):
+        return SearchPlan(
+            exhaustive=True,
+            n_trials=n_units,
+            estimate_s=estimate,
+            reason=f"exhaustive: every one of the {n_units:,} {what} (all of them estimated at "
+            f"{estimate:.1f} s, {per_unit * 1e3:.1f} ms each measured on this cost model + "
+            f"{PERSIST_S[kind] * 1e3:.0f} ms per trial for the {kind} storage; budget "
+            f"{EXHAUSTIVE_BUDGET_S:.0f} s)",
+        )
+    why = (
+        "two objectives"
+        if multi
+        else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
+        f"{EXHAUSTIVE_BUDGET_S:.0f} s budget"
+    )
+    return SearchPlan(
+        exhaustive=False,
+        n_trials=DEFAULT_TRIALS,
+        estimate_s=estimate,
+        reason=f"sampled: {DEFAULT_TRIALS} trials ({why}; --sampler exhaustive scores them all)",
+    )
+
+
+def _storage_kind_of(storage: Any) -> str:
+    if storage is None:
+        return "journal"  # with --out the default; in memory it is cheaper, so this is safe
+    if isinstance(storage, OpenedStorage):
+        return storage.kind if storage.kind in PERSIST_S else "rdb"
+    text = os.fspath(storage) if isinstance(storage, (str, os.PathLike)) else ""
+    if text.endswith((".journal", ".log", ".jsonl")):
+        return "journal"
+    if text.startswith("sqlite:") or text.endswith((".db", ".sqlite", ".sqlite3")):
+        return "sqlite"
+    return "rdb"
+
+
+def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
+    """What the search did and how much of the space it covered ({covered} is filled in)."""
+    what = "layouts" if unit == "layout" else "strategies"
+    head = plan.reason if plan is not None else f"{sampler_name}: {target:,} trials asked"
+    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}"
+
+
 def _key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
@@ -587,6 +689,7 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=No
         timings=timings,
         n_units=n_units,
         n_units_covered=covered,
+        plan=runner.plan.format(covered=covered),
     )
 
 
