@@ -351,7 +351,7 @@ def test_tune_takes_a_cost_model_instance_or_factory_and_a_sampler_object():
         tune(model, cluster, cost_model=other, **kw)
 
 
-# ---- the default budget rule (issue 10) ----------------------------------------------------------
+# ---- the default budget rule (issue 10) ---------------------------------------------------------
 def test_default_scores_every_layout_when_cheap_and_says_what_it_covered(monkeypatch):
     import autosearch.tuning._study as study_module
 
