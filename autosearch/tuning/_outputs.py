@@ -488,10 +488,11 @@ def outputs_lock(out_dir: str):
 
 
 def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
-    """Refuse to write one study's outputs over another's.
+    """Refuse to write one study's outputs over another's (told apart by the study name; a
+    study's storage refuses a search it was not made for on its own).
 
     Raises:
-        SpecError: `out_dir` holds the outputs of another study (another name or storage); the
+        SpecError: `out_dir` holds the outputs of a study with another name; the
             message says how to continue that one or where to put this one.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -504,13 +505,13 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
         return  # no (readable) outputs yet
     if not isinstance(doc, dict):
         return
-    theirs = (doc.get("study_name"), doc.get("storage"))
-    if theirs != (study_name, storage):
+    theirs = doc.get("study_name")
+    if theirs is not None and theirs != study_name:
         raise SpecError(
-            f"{out_dir!r} holds the outputs of study {theirs[0]!r} (storage {theirs[1]}), not of "
-            f"{study_name!r} ({storage}); outputs of different studies never share a folder. "
-            f"Pass another --out (for example results/{study_name}), or --study-name "
-            f"{theirs[0]} with the same storage to continue that study"
+            f"{out_dir!r} holds the outputs of study {theirs!r} (storage "
+            f"{doc.get('storage')}), not of {study_name!r} ({storage}); outputs of different "
+            f"studies never share a folder. Pass another --out (for example "
+            f"results/{study_name}), or --study-name {theirs} to continue that study"
         )
 
 

@@ -63,6 +63,7 @@ from autosearch.tuning._storage import (
     DEFAULT_FILENAME,
     OpenedStorage,
     StudyOptions,
+    describe_storage,
     open_study_storage,
 )
 
@@ -197,9 +198,9 @@ def tune(
     if out_dir is not None and storage_arg is None:
         storage_arg = os.path.join(out_dir, DEFAULT_FILENAME)
 
+    if out_dir is not None:  # before anything is created there
+        claim_out_folder(out_dir, study_name=name, storage=describe_storage(storage_arg))
     opened = open_study_storage(storage_arg)
-    if out_dir is not None:
-        claim_out_folder(out_dir, study_name=name, storage=_describe_storage(opened))
     meta = StudyMeta(
         signature=space.signature(),
         objective=obj.name,
