@@ -1,5 +1,6 @@
 """Lazy package exports (PEP 562), shared by the packages whose names pull in heavy imports
-(torch, scipy): ``__getattr__, __dir__ = lazy_exports(__name__, globals(), {"Name": "module"})``."""
+(torch, scipy): ``__getattr__, __dir__ = lazy_exports(__name__, globals(), {"Name": "module"})``.
+"""
 
 from __future__ import annotations
 

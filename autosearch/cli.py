@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
+from autosearch import __version__
 from autosearch.core.errors import SpecError
 
 # Subcommand modules, in the order `autosearch --help` lists them.
@@ -19,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autosearch",
         description="Find the fastest parallel strategy to train a model on a cluster.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"autosearch {__version__}",
+        help="print the version",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -33,19 +42,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = "autosearch"
+    interrupts = _count_interrupts()
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = f"autosearch {args.command}"
+        if getattr(args, "config", None) is not None:
+            # A config file gives the subcommand's defaults; the flags given override them.
+            sub = _subparser(parser, args.command)
+            sub.set_defaults(**args.read_config(args.config, sub))
+            args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except SpecError as exc:
-        print(f"autosearch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"autosearch {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(command)
+    except SpecError as exc:
+        if interrupts.count:
+            return _interrupted(command)
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `autosearch ... | head`
         return 0
+    except OSError as exc:
+        # The file system refused a path the user gave (read-only, full, a folder in the way):
+        # one message naming the path; the commands check their outputs before any work, so
+        # this is the net for what changes while they run.
+        if interrupts.count:  # a library turned the Ctrl-C into another error on its way out
+            return _interrupted(command)
+        if exc.filename is None:
+            raise
+        print(f"{command}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except Exception:
+        if interrupts.count:
+            return _interrupted(command)
+        raise
+    finally:
+        interrupts.restore()
+
+
+def _interrupted(command: str) -> int:
+    # A new line first: a progress bar may be on the current one.
+    print(f"\n{command}: interrupted", file=sys.stderr)
+    return 130
+
+
+class _count_interrupts:
+    """Counts Ctrl-C (SIGINT) while a command runs and raises KeyboardInterrupt as Python does,
+    so that an error a library raises while it unwinds from the interrupt is reported as the
+    interrupt. Only in the main thread, and only where SIGINT has Python's default handler."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ GBS = 16
 
 
 def sixteen_bit() -> list[Strategy]:
-    """16-bit runs: part of any search space, and a test of calibration on CPUs where they are slow."""
+    """16-bit runs: in any search space, and a test of calibration on CPUs where they are slow."""
     return [
         Strategy(global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
         Strategy(dp=2, global_batch_size=GBS, micro_batch_size=8, amp="bf16"),
@@ -43,7 +43,8 @@ def sixteen_bit() -> list[Strategy]:
 
 
 def strategies() -> list[Strategy]:
-    """Twelve-plus strategies over every mechanism the Engine applies, at world sizes 1 and 2 (fp32:
+    """Twelve-plus strategies over every mechanism the Engine applies, at world sizes 1 and 2
+    (fp32:
     16-bit matmuls are emulated, hence very slow, on CPUs without AVX-512 BF16)."""
     s = lambda **kw: Strategy(global_batch_size=GBS, amp="fp32", **kw)  # noqa: E731
     return [
@@ -73,7 +74,9 @@ def predict(profile: str, runs: pd.DataFrame) -> pd.DataFrame:
     """Predictions with `profile` for every run (its world size decides the processes per node)."""
     rows = []
     for _, run in runs.iterrows():
-        s = Strategy.from_dict({k: run[k] for k in Strategy.__dataclass_fields__})
+        # rows written before a field existed keep its default
+        fields = [k for k in Strategy.__dataclass_fields__ if k in run and not _missing(run[k])]
+        s = Strategy.from_dict({k: run[k] for k in fields})
         cluster = Cluster(gpu=profile, n_nodes=1, gpus_per_node=s.world_size)
         r = AnalyticCostModel(MODEL, cluster).estimate(s)
         rows.append(
@@ -93,7 +96,7 @@ def errors(pred: pd.Series, meas: pd.Series) -> pd.Series:
 
 
 def regret(df: pd.DataFrame, predicted: str) -> dict[int, float]:
-    """Per world size: measured step time of the predicted-fastest strategy over the measured best."""
+    """Per world size: measured step time of the predicted-fastest over the measured best."""
     out = {}
     for ws, g in df.groupby("world_size"):
         pick = g.loc[g[predicted].idxmin()]
@@ -138,6 +141,10 @@ def summarize(df: pd.DataFrame, predicted: str = "predicted_step_time_s") -> dic
         "regret_by_world_size": reg,
         "regret_worst": max(reg.values()),
     }
+
+
+def _missing(value) -> bool:
+    return isinstance(value, float) and value != value  # NaN in a CSV cell
 
 
 def main() -> int:
@@ -284,24 +291,28 @@ def report(args, profile: str, table: pd.DataFrame, t0: float) -> int:
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     c = summary["calibrated"]
     print(
-        f"\ncalibrated profile: step time MAPE {c['step_time_mape_pct']:.1f}% (target <= 10), worst "
-        f"{c['step_time_worst_pct']:.1f}%; Spearman {c['spearman']:.3f} (target >= 0.9); memory MAPE "
-        f"{c['memory_mape_pct']:.1f}% (target <= 15), worst {c['memory_worst_pct']:.1f}%; regret "
-        f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }% (target <= 5)"
+        f"\ncalibrated profile: step time MAPE {c['step_time_mape_pct']:.1f}% (target <= 10),"
+        f" worst {c['step_time_worst_pct']:.1f}%; Spearman {c['spearman']:.3f} (target >= 0.9);"
+        f" memory MAPE {c['memory_mape_pct']:.1f}% (target <= 15), worst"
+        f" {c['memory_worst_pct']:.1f}%; regret"
+        f" { {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }% (target <= 5)"
     )
     c = summary["calibrated_fp32_only"]
     n = summary["noise_ceiling_fp32"]
     print(
-        f"fp32 runs only: step time MAPE {c['step_time_mape_pct']:.1f}%, Spearman {c['spearman']:.3f}, regret "
-        f"{ {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }%; noise ceiling (first vs second "
-        f"half of each run's steps): Spearman {n['spearman_half_vs_half']:.3f}, mean difference "
-        f"{n['mean_abs_diff_half_vs_half_pct']:.1f}%"
+        f"fp32 runs only: step time MAPE {c['step_time_mape_pct']:.1f}%, Spearman"
+        f" {c['spearman']:.3f}, regret"
+        f" { {k: round(v * 100, 1) for k, v in c['regret_by_world_size'].items()} }%; noise"
+        " ceiling (first vs second half of each run's steps): Spearman"
+        f" {n['spearman_half_vs_half']:.3f}, mean difference"
+        f" {n['mean_abs_diff_half_vs_half_pct']:.1f}%"
     )
     e = refit.errors
     print(
-        f"refit on half the runs: factors {', '.join(f'{k} {v:.2f}' for k, v in refit.factors.items())}, "
-        f"overhead {refit.intercept_s * 1e3:.1f} ms; held-out MAPE {e['holdout_before']['mape'] * 100:.1f}% -> "
-        f"{e['holdout_after']['mape'] * 100:.1f}%"
+        "refit on half the runs: factors"
+        f" {', '.join(f'{k} {v:.2f}' for k, v in refit.factors.items())}, overhead"
+        f" {refit.intercept_s * 1e3:.1f} ms; held-out MAPE"
+        f" {e['holdout_before']['mape'] * 100:.1f}% -> {e['holdout_after']['mape'] * 100:.1f}%"
     )
     print(f"wrote {args.out} ({summary['wall_s']:.0f} s)")
     return 0

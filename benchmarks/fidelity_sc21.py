@@ -95,9 +95,11 @@ def fidelity(profile: "str | HardwareProfile" = PROFILE) -> pd.DataFrame:
                 "strategy": strategy.short(),
                 "published_tflops_per_gpu": float(row.published_tflops_per_gpu),
                 "predicted_tflops_per_gpu": predicted,
-                "error_pct": 100.0
-                * (predicted - row.published_tflops_per_gpu)
-                / row.published_tflops_per_gpu,
+                "error_pct": (
+                    100.0
+                    * (predicted - row.published_tflops_per_gpu)
+                    / row.published_tflops_per_gpu
+                ),
                 "published_iteration_s": published_time,
                 "predicted_iteration_s": report.step_time_s,
                 "predicted_peak_memory_gib": report.peak_memory_bytes / 2**30,
@@ -112,7 +114,7 @@ def fidelity(profile: "str | HardwareProfile" = PROFILE) -> pd.DataFrame:
 
 def with_gemm(profile: HardwareProfile, max_efficiency: float, half_dim: float) -> HardwareProfile:
     eff = {
-        k: (max_efficiency if k in ("fp16", "bf16") else v)
+        k: max_efficiency if k in ("fp16", "bf16") else v
         for k, v in profile.gemm.max_efficiency.items()
     }
     gemm = GemmEfficiency(max_efficiency=eff, half_dim=half_dim, launch_s=profile.gemm.launch_s)
@@ -203,8 +205,9 @@ def main() -> int:
     )
     loo = leave_one_out(args.profile)
     print(
-        f"leave-one-out (GEMM constants refit without the row): mean absolute error "
-        f"{loo.held_out_error_pct.abs().mean():.2f}%, worst {loo.held_out_error_pct.abs().max():.2f}%"
+        "leave-one-out (GEMM constants refit without the row): mean absolute error"
+        f" {loo.held_out_error_pct.abs().mean():.2f}%, worst"
+        f" {loo.held_out_error_pct.abs().max():.2f}%"
     )
     df["loo_error_pct"] = loo.held_out_error_pct.values
     rate_raw, rate_validated = estimates_per_second()

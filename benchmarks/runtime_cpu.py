@@ -1,6 +1,7 @@
 """Step time and peak memory of the Engine on this machine's CPUs, under many strategies.
 
-    python benchmarks/runtime_cpu.py                       # every run below -> results/runtime_cpu.csv
+    python benchmarks/runtime_cpu.py                       # every run below ->
+    results/runtime_cpu.csv
     python benchmarks/runtime_cpu.py --only pp2            # rerun a subset (replaces those rows)
 
 Each strategy runs as its own job (torchrun for several processes, a plain process for one)
@@ -53,7 +54,9 @@ RUNS = {
     "w2-tp2-sp": f"tp=2,sequence_parallel=true,micro_batch_size=8,{GBS},amp=fp32",
     "w2-pp2-gpipe": f"pp=2,pipeline_schedule=gpipe,micro_batch_size=2,{GBS},amp=fp32",
     "w2-pp2-1f1b": f"pp=2,pipeline_schedule=1f1b,micro_batch_size=2,{GBS},amp=fp32",
-    "w2-pp2-interleaved": f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,micro_batch_size=2,{GBS},amp=fp32",
+    "w2-pp2-interleaved": (
+        f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,micro_batch_size=2,{GBS},amp=fp32"
+    ),
     "w4-dp4": f"dp=4,micro_batch_size=2,{GBS},amp=fp32",
     "w4-dp4-zero3": f"dp=4,micro_batch_size=2,{GBS},zero_stage=3,amp=fp32",
     "w4-dp2-tp2": f"dp=2,tp=2,micro_batch_size=4,{GBS},amp=fp32",
@@ -177,7 +180,8 @@ def main() -> None:
         f"{spec.name}, torch {torch_version}, {os.cpu_count()} CPUs ({cpu_model()}; {cpu_flags()})"
     )
     print(
-        f"{'run':24s} {'status':8s} {'step (s)':>9s} {'tokens/s':>9s} {'tensor peak MiB':>16s} {'RSS peak MiB':>13s}"
+        f"{'run':24s} {'status':8s} {'step (s)':>9s} {'tokens/s':>9s} {'tensor peak MiB':>16s}"
+        f" {'RSS peak MiB':>13s}"
     )
     for name in names:
         strategy = Strategy.parse(RUNS[name]).validate(spec)

@@ -2,11 +2,13 @@
 
 Part 1, regret: for six real cases (model, cluster, realistic global batch), the size of the space,
 its exhaustive optimum (every strategy scored), and what `tune` finds after 50, 100 and 200 trials
-(regret = 1 - found / optimum throughput, among strategies that fit), for three seeds, with the wall
+(regret = 1 - found / optimum throughput, among strategies that fit), for three seeds, with the
+wall
 time of each 200-trial search. The default tuner (trial unit "layout": each trial scores every
 recompute x sequence-parallel x ZeRO x amp combination of the sampled layout) is measured, and
 plain TPE with one strategy per trial is measured too, for comparison.
-Targets: zero regret at 200 trials in >= 5 of 6 cases and <= 1 % in all; < 10 s per 200-trial search;
+Targets: zero regret at 200 trials in >= 5 of 6 cases and <= 1 % in all; < 10 s per 200-trial
+search;
 exhaustive enumeration (and scoring) of 100,000 strategies < 10 s.
 
 Part 2, the experts: for every row of benchmarks/reference/sc21_table1.csv (Narayanan et al. 2021,
@@ -15,7 +17,8 @@ configuration, both scored by the cost model with runtime megatron-sc21 and amp 
 (ratio = found / published throughput; it should never be below 1). Also with the tools of 2021
 only (no sequence parallel, no ZeRO, recompute none or full).
 
-Part 3, overhead: the cost of one Optuna trial and of persisting it (in memory, journal file, SQLite).
+Part 3, overhead: the cost of one Optuna trial and of persisting it (in memory, journal file,
+SQLite).
 
 Usage: python benchmarks/search_quality.py [--quick] [--out results/search_quality.csv]
 Timings depend on the machine and on what else runs on it; the figures are printed, not asserted.
@@ -93,8 +96,8 @@ def regrets(result, optimum: float) -> dict[int, float]:
 def part_regret(rows: list[dict], quick: bool) -> None:
     print("== Part 1: regret of the search against the exhaustive optimum")
     print(
-        f"{'case':<44} {'space':>7} {'layouts':>7} {'exh. s':>6}  {'regret @50/100/200 (worst of seeds)':<36} "
-        f"{'s/200':>6}  {'plain TPE @200':>14}"
+        f"{'case':<44} {'space':>7} {'layouts':>7} {'exh. s':>6} "
+        f" {'regret @50/100/200 (worst of seeds)':<36} {'s/200':>6}  {'plain TPE @200':>14}"
     )
     seeds = SEEDS[:1] if quick else SEEDS
     for model, cluster, gbs, why in CASES:
@@ -129,8 +132,9 @@ def part_regret(rows: list[dict], quick: bool) -> None:
         worst = {m: max(r[m] for r in per_seed) for m in CHECKPOINTS}
         label = f"{model} on {cluster} gbs {gbs}"
         print(
-            f"{label:<44} {space.size:>7} {space.n_groups:>7} {exh_s:>6.2f}  "
-            f"{' / '.join(f'{worst[m]:6.2%}' for m in CHECKPOINTS):<36} {max(walls):>6.2f}  {max(plain):>13.2%}"
+            f"{label:<44} {space.size:>7} {space.n_groups:>7} {exh_s:>6.2f} "
+            f" {' / '.join(f'{worst[m]:6.2%}' for m in CHECKPOINTS):<36} {max(walls):>6.2f} "
+            f" {max(plain):>13.2%}"
         )
         rows.append(
             {
@@ -163,8 +167,9 @@ def part_regret(rows: list[dict], quick: bool) -> None:
     worst_all = max(r["regret_200_worst"] for r in rows if r["kind"] == "regret")
     slowest = max(r["wall_s_200_max"] for r in rows if r["kind"] == "regret")
     print(
-        f"zero regret at 200 trials (every seed): {zero} of {len(CASES)} cases (target >= 5); worst regret "
-        f"{worst_all:.2%} (target <= 1%); slowest 200-trial search {slowest:.2f} s (target < 10 s)"
+        f"zero regret at 200 trials (every seed): {zero} of {len(CASES)} cases (target >= 5);"
+        f" worst regret {worst_all:.2%} (target <= 1%); slowest 200-trial search {slowest:.2f} s"
+        " (target < 10 s)"
     )
 
 
@@ -186,7 +191,8 @@ def part_enumeration(rows: list[dict]) -> None:
             break
     dt = time.perf_counter() - t0
     print(
-        f"{n:,} strategies enumerated and scored in {dt:.2f} s ({n / dt:,.0f} per s; target < 10 s)"
+        f"{n:,} strategies enumerated and scored in {dt:.2f} s ({n / dt:,.0f} per s; target <"
+        " 10 s)"
     )
     rows.append(
         {
@@ -217,7 +223,7 @@ def published_strategy(row: dict) -> Strategy:
 
 
 def sc21_model(row: dict) -> ModelSpec:
-    """The catalog model of a Table 1 row, matched by shape (names differ: 1008.0B vs sc21-gpt-1008b)."""
+    """The catalog model of a Table 1 row, matched by shape (1008.0B vs sc21-gpt-1008b)."""
     shape = (int(row["n_layers"]), int(row["hidden_size"]), int(row["n_heads"]))
     for name, m in model_catalog().items():
         if name.startswith("sc21-") and (m.n_layers, m.hidden_size, m.n_heads) == shape:
@@ -231,8 +237,8 @@ def part_sc21(rows: list[dict]) -> None:
         "(cost model runtime megatron-sc21, amp fp16)"
     )
     print(
-        f"{'model':<16} {'gpus':>5} {'gbs':>5}  {'published':<44} {'found (TPE, 200 trials)':<52} {'ratio':>6} "
-        f"{'exh.':>6} {'2021 tools':>10}"
+        f"{'model':<16} {'gpus':>5} {'gbs':>5}  {'published':<44} {'found (TPE, 200 trials)':<52}"
+        f" {'ratio':>6} {'exh.':>6} {'2021 tools':>10}"
     )
     with open(REFERENCE, newline="") as f:
         table = list(csv.DictReader(f))
@@ -284,8 +290,8 @@ def part_sc21(rows: list[dict]) -> None:
         base = pub_r.tokens_per_s if pub_r.fits else float("nan")
         ratio = found_r.tokens_per_s / base
         print(
-            f"{model.name:<16} {n:>5} {gbs:>5}  {pub.short():<44} {res.best_strategy.short():<52} {ratio:>6.3f} "
-            f"{opt / base:>6.3f} {res_old.best_report.tokens_per_s / base:>10.3f}"
+            f"{model.name:<16} {n:>5} {gbs:>5}  {pub.short():<44} {res.best_strategy.short():<52}"
+            f" {ratio:>6.3f} {opt / base:>6.3f} {res_old.best_report.tokens_per_s / base:>10.3f}"
             + ("" if pub_r.fits else "  (published config does not fit in the cost model!)")
             + ("" if in_space else "  (published config not in the space!)")
         )
@@ -317,13 +323,15 @@ def part_sc21(rows: list[dict]) -> None:
         )
     ratios = [r["ratio_found_over_published"] for r in rows if r["kind"] == "sc21"]
     print(
-        f"found/published: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} (should never be below 1)"
+        f"found/published: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} (should"
+        " never be below 1)"
     )
 
 
 def part_overhead(rows: list[dict]) -> None:
     print(
-        "\n== Part 3: per-trial overhead of Optuna and of persistence (llama3-70b on 256 h100-sxm, 200 trials)"
+        "\n== Part 3: per-trial overhead of Optuna and of persistence (llama3-70b on 256 h100-sxm,"
+        " 200 trials)"
     )
     model, cluster, gbs, _ = CASES[1]
     space = SearchSpace(model, cluster, global_batch_size=gbs)
@@ -392,8 +400,9 @@ def main() -> int:
         w.writeheader()
         w.writerows(rows)
     print(
-        f"\nwrote {args.out} ({len(rows)} rows) in {time.perf_counter() - t0:.0f} s; "
-        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared with other work: timings are indicative)"
+        f"\nwrote {args.out} ({len(rows)} rows) in {time.perf_counter() - t0:.0f} s; python"
+        f" {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared with other work: timings are"
+        " indicative)"
     )
     return 0
 

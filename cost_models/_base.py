@@ -16,4 +16,4 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def estimate(self, strategy: "Strategy", *, validate: bool = True) -> "CostReport":
-        """Predict step time and memory of `strategy`; with `validate`, reject invalid strategies."""
+        """Predict step time and memory of `strategy`; with `validate`, reject invalid ones."""

@@ -6,6 +6,8 @@ seconds, bandwidths in bytes per second.
 
 from __future__ import annotations
 
+import math
+
 # ---------------------------------------------------------------------------------------------
 # Collectives: the alpha-beta (latency-bandwidth) model of ring algorithms.
 # Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
@@ -34,6 +36,19 @@ def ring_all_gather_time_s(
 
 
 ring_reduce_scatter_time_s = ring_all_gather_time_s
+
+
+def tree_all_reduce_time_s(
+    nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float
+) -> float:
+    """NCCL's double binary tree: 2 ceil(log2 n) alpha + 2(n-1)/n * S / beta. Its latency grows
+    with log n instead of n; at large messages it moves the ring's volume (NCCL 2.4 release
+    notes, "Massively Scale Your Deep Learning Training with NCCL 2.4", Sanders et al. 2009
+    two-tree broadcast). NCCL picks the faster of the two per call."""
+    if group <= 1:
+        return 0.0
+    steps = 2 * math.ceil(math.log2(group))
+    return steps * latency_s + 2.0 * (group - 1) / group * nbytes / bandwidth_bytes_per_s
 
 
 def p2p_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
@@ -66,8 +81,10 @@ def microbatches_in_flight(
     """Micro-batches whose activations the first pipeline stage holds at its peak, in units of
     one micro-batch through the whole stage.
 
-    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec. 2.2.1).
-    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec. 4.2.3).
+    GPipe keeps all m (Huang et al. 2019). 1F1B keeps at most p (Narayanan et al. 2021, sec.
+    2.2.1).
+    Interleaved 1F1B needs 1 + (p-1)/(p v) times the 1F1B amount (Korthikanti et al. 2022, sec.
+    4.2.3).
     Without a pipeline, gradient accumulation frees each micro-batch before the next: 1.
     """
     if pp <= 1:
@@ -111,8 +128,16 @@ def layer_activation_bytes(
     recompute: str = "none",
     flash_attention: bool = False,
     act_bytes: int = 2,
+    fused_swiglu: bool = False,
+    fp8_linear_inputs: bool = False,
 ) -> float:
-    """Bytes one layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank.
+
+    `fused_swiglu`: a fused SwiGLU (TransformerEngine, torch.compile) keeps its input (gate and
+    up) and its product, 3 x sbf instead of eager autograd's 4. `fp8_linear_inputs`: float8
+    linears keep the float8 copy of their input for the weight gradient (TransformerEngine), 1
+    byte instead of `act_bytes`.
+    """
     sb = seq_len * micro_batch
     a = act_bytes
     sp_div = tp if sequence_parallel else 1
@@ -122,12 +147,16 @@ def layer_activation_bytes(
     # Kept whole on every tp rank unless sequence parallel shards them along the sequence:
     # two norm inputs, the QKV input, the MLP input (4 x 2sbh + ... = 8sbh at 16 bit) and two
     # dropout masks (2sbh): the "10" of Table 2.
-    replicated = sb * (4 * hidden * a + 2 * hidden * mask)
+    li = 1 if fp8_linear_inputs else a  # bytes of a saved linear input
+    replicated = sb * (2 * hidden * a + 2 * hidden * li + 2 * hidden * mask)
     # Split over tp by the column/row partitioning: Q, K, V, the projection input, and the MLP
     # intermediates: gelu keeps its input and output (2 x sbf); SwiGLU keeps the gate, the up
     # projection, silu(gate) and the product (4 x sbf). The "24/t" of Table 2.
-    mlp = (4 if swiglu else 2) * ffn_hidden
-    sharded = sb * a * (hidden + 2 * kv_hidden + hidden + mlp)
+    if swiglu:  # gate and up (+ silu(gate) in eager), and the product: fc2's input
+        mlp = ((2 if fused_swiglu else 3) * a + li) * ffn_hidden
+    else:  # gelu's input, and its output: fc2's input
+        mlp = (a + li) * ffn_hidden
+    sharded = sb * (a * (hidden + 2 * kv_hidden) + li * hidden + mlp)
     # The attention core: softmax output (2as^2b), and with dropout its mask and output (+3as^2b):
     # the "5as/h" of Table 2. Fused attention keeps only the log-sum-exp (fp32, a s b).
     if flash_attention:

@@ -4,7 +4,8 @@ Pure Python: importing this package never imports torch.
 
 Example:
     >>> from search_spaces import SearchSpace
-    >>> space = SearchSpace("llama3-70b", "h100-sxm:32x8", global_batch_size=512, config="megatron")
+    >>> space = SearchSpace("llama3-70b", "h100-sxm:32x8", global_batch_size=512,
+    ...                     config="megatron")
     >>> space.size > 0
     True
 """

@@ -22,16 +22,19 @@ from typing import Any
 
 from autosearch.core._io import parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
-from autosearch.core.strategy import ALIASES, AMP, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
+from autosearch.core.strategy import ALIASES, AMP, FP8, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
 
 _ALL_WORDS = ("all", "any", "auto", "*")
-_INT_DIMS = ("dp", "tp", "pp", "micro_batch_size", "virtual_stages")
+_INT_DIMS = ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "cp")
 _CHOICE_DIMS = {
     "pipeline_schedule": PIPELINE_SCHEDULES,
     "recompute": RECOMPUTE,
     "amp": AMP,
     "zero_stage": ZERO_STAGES,
     "sequence_parallel": (False, True),
+    "fp8": FP8,
+    "compile": (False, True),
+    "async_tp": (False, True),
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 
@@ -49,6 +52,11 @@ class SpaceConfig:
             every layer and would cross the network otherwise).
         max_micro_batch_size: upper bound applied when ``micro_batch_size`` is ``None``.
         max_virtual_stages: upper bound applied when ``virtual_stages`` is ``None``.
+        cp: allowed context-parallel degrees (default 1: off).
+        fp8, compile, async_tp: allowed values (defaults: none, false, false), each kept only
+            where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
+        uneven_pipeline: allow pipeline degrees that do not divide the layers (the middle
+            stages take the extra layers; `autosearch.core.rules.split_layers`).
     """
 
     dp: tuple[int, ...] | None = None
@@ -64,6 +72,11 @@ class SpaceConfig:
     tp_within_node: bool = True
     max_micro_batch_size: int | None = 32
     max_virtual_stages: int | None = None
+    cp: tuple[int, ...] | None = (1,)
+    fp8: tuple[str, ...] = ("none",)
+    compile: tuple[bool, ...] = (False,)
+    async_tp: tuple[bool, ...] = (False,)
+    uneven_pipeline: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,9 +96,9 @@ class SpaceConfig:
             if value is None:
                 object.__setattr__(self, name, tuple(legal))
                 continue
-            values = []
+            chosen: list[Any] = []
             for v in _as_tuple(value):
-                if name == "sequence_parallel" and isinstance(v, str):
+                if name in ("sequence_parallel", "compile", "async_tp") and isinstance(v, str):
                     v = _BOOL_WORDS.get(v.lower(), v)
                 if name == "recompute" and v is False:  # YAML reads `no` as false
                     v = "none"
@@ -95,16 +108,17 @@ class SpaceConfig:
                     problems.append(
                         f"{name} value {v!r} is not one of {', '.join(map(str, legal))}"
                     )
-                elif v not in values:
-                    values.append(v)
-            if not values and not problems:
+                elif v not in chosen:
+                    chosen.append(v)
+            if not chosen and not problems:
                 problems.append(
                     f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
                 )
             # Keep the canonical order of the legal values, so equal configs compare equal.
-            object.__setattr__(self, name, tuple(v for v in legal if v in values))
-        if not isinstance(self.tp_within_node, bool):
-            problems.append(f"tp_within_node must be true or false, got {self.tp_within_node!r}")
+            object.__setattr__(self, name, tuple(v for v in legal if v in chosen))
+        for name in ("tp_within_node", "uneven_pipeline"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_micro_batch_size", "max_virtual_stages"):
             value = getattr(self, name)
             if value is not None:
@@ -149,8 +163,8 @@ class SpaceConfig:
                     what=f"search space {path!r}",
                 )
             raise SpecError(
-                f"search space {path!r} is neither a YAML file nor a shipped space; shipped spaces: "
-                f"{', '.join(shipped_spaces())}"
+                f"search space {path!r} is neither a YAML file nor a shipped space; shipped"
+                f" spaces: {', '.join(shipped_spaces())}"
             )
         data = read_yaml_mapping(path, what="search space")
         if "space" in data and isinstance(data["space"], dict):
@@ -172,7 +186,7 @@ class SpaceConfig:
                 value = None
             if value is None and key in _CHOICE_DIMS:
                 value = _CHOICE_DIMS[key]
-            if key in ("tp_within_node",) and isinstance(value, str):
+            if key in ("tp_within_node", "uneven_pipeline") and isinstance(value, str):
                 value = _BOOL_WORDS.get(value.lower(), value)
             changes[key] = value
         if unknown:
@@ -184,7 +198,7 @@ class SpaceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            f.name: (list(v) if isinstance(v, tuple) else v)
+            f.name: list(v) if isinstance(v, tuple) else v
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
         }

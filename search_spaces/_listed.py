@@ -1,4 +1,4 @@
-"""ListedSpace: an explicit list of strategies (re-scoring candidates, tests, hand-made shortlists)."""
+"""ListedSpace: an explicit list of strategies (re-scoring candidates, tests, shortlists)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ class ListedSpace(BaseSearchSpace):
     Example:
         >>> from autosearch import Strategy
         >>> from search_spaces import ListedSpace
-        >>> space = ListedSpace("llama3-8b", "h100-sxm:1x8", [Strategy(dp=8, global_batch_size=64),
-        ...                                                     Strategy(tp=8, global_batch_size=64)])
+        >>> shortlist = [Strategy(dp=8, global_batch_size=64), Strategy(tp=8,
+        ...              global_batch_size=64)]
+        >>> space = ListedSpace("llama3-8b", "h100-sxm:1x8", shortlist)
         >>> space.size
         2
     """

@@ -5,10 +5,13 @@ The space is built once, as a tree whose every leaf is valid by construction:
     tp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)      [the "layout"]
     x recompute x sequence_parallel (tp > 1 only) x zero_stage x amp        [independent axes]
 
-Layout rules (exactly those of `Strategy.problems`): tp divides n_heads and n_kv_heads (and stays
-inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp = world/(tp*pp);
+Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
+applied level by level: tp divides n_heads and n_kv_heads (and stays
+inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp =
+world/(tp*pp);
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
-needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to be
+needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to
+be
 a multiple of pp (Narayanan et al. 2021, sec. 2.2). Branches with no valid leaf are pruned, so a
 sampler walking the tree can never reach an invalid strategy.
 
@@ -32,8 +35,10 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from autosearch.core import rules
+from autosearch.core._io import positive_int
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster
 from autosearch.core.model_spec import ModelSpec
@@ -44,11 +49,23 @@ from search_spaces._config import SpaceConfig
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-INTERLEAVED = "interleaved_1f1b"
+INTERLEAVED = rules.INTERLEAVED
+
+
+class Layout(NamedTuple):
+    """What a trial of the layout kind samples; every other axis is scanned inside the trial."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    pipeline_schedule: str
+    virtual_stages: int
+    cp: int = 1
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
-    """The categorical value of one pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
+    """The categorical value of a pipeline option: ``1f1b``, ``gpipe``, ``interleaved_1f1b_v2``."""
     return f"{INTERLEAVED}_v{virtual_stages}" if schedule == INTERLEAVED else schedule
 
 
@@ -96,15 +113,7 @@ class SearchSpace(BaseSearchSpace):
     ):
         self.model = ModelSpec.load(model)
         self.cluster = Cluster.parse(cluster)
-        if (
-            isinstance(global_batch_size, bool)
-            or not isinstance(global_batch_size, int)
-            or global_batch_size < 1
-        ):
-            raise SpecError(
-                f"global_batch_size must be a positive integer, got {global_batch_size!r}"
-            )
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = positive_int(global_batch_size, "global_batch_size")
         if config is None:
             config = SpaceConfig.default()
         elif not isinstance(config, SpaceConfig):
@@ -134,80 +143,108 @@ class SearchSpace(BaseSearchSpace):
     # ---- building the tree ---------------------------------------------------------------------
     def _build(self) -> None:
         c, m, world = self.config, self.model, self.cluster.world_size
-        gbs, gpn = self.global_batch_size, self.cluster.gpus_per_node
+        gpn = self.cluster.gpus_per_node
+        peaks = self.cluster.profile.peak_flops
         # Preference order, so that among equally fast strategies bf16 comes first.
-        self.amps = tuple(
-            a
-            for a in ("bf16", "fp16", "fp32")
-            if a in c.amp and a in self.cluster.profile.peak_flops
-        )
+        self.amps = tuple(a for a in ("bf16", "fp16", "fp32") if a in c.amp and a in peaks)
         if not self.amps:
             raise SpecError(
-                f"amp {', '.join(c.amp)} not supported by hardware profile {self.cluster.profile.name!r} "
-                f"(it has peaks for {', '.join(self.cluster.profile.peak_flops)}); allow one of those"
+                f"amp {', '.join(c.amp)} not supported by hardware profile"
+                f" {self.cluster.profile.name!r} (it has peaks for"
+                f" {', '.join(peaks)}); allow one of those"
             )
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
-        rules: list[str] = []  # why candidate values were dropped, for the empty-space message
+        # fp8 only on hardware with fp8 units; compile as allowed
+        self.fp8s = tuple(f for f in c.fp8 if rules.fp8_problem(f, peaks) is None) or ("none",)
+        self.compiles = c.compile
+        dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
 
-        tps = [t for t in _divisors(world) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]
+        # The layout rules are those of Strategy.problems, applied level by level.
+        tps = [t for t in _divisors(world) if rules.tp_problem(t, m) is None]
         if c.tp_within_node:
             tps = [t for t in tps if t <= gpn]
         if c.tp is not None:
             tps = [t for t in tps if t in c.tp]
-        tps = [
-            t for t in tps if self._sequence_parallel_choices(t)
-        ]  # `sequence_parallel: true` needs tp > 1
-        rules.append(
+        # `sequence_parallel: true` needs tp > 1
+        tps = [t for t in tps if self._sequence_parallel_choices(t)]
+        dropped.append(
             f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
             + (f", <= {gpn} per node" if c.tp_within_node else "")
             + ")"
         )
 
-        schedules_pp1 = [s for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
-        tree: dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]] = {}
+        schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
+        Tree = dict[int, dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]]]
+        tree: Tree = {}
         for tp in tps:
-            for pp in _divisors(world // tp):
-                dp = world // (tp * pp)
-                if (
-                    m.n_layers % pp
-                    or (c.pp is not None and pp not in c.pp)
-                    or (c.dp is not None and dp not in c.dp)
-                ):
+            for cp in _divisors(world // tp):
+                if (c.cp is not None and cp not in c.cp) or rules.context_parallel_problem(
+                    cp, m.seq_len
+                ) is not None:
                     continue
-                if pp == 1 and not schedules_pp1:
-                    continue
-                per_rank = gbs // dp if gbs % dp == 0 else 0
-                mbs = {}
-                for mb in _divisors(per_rank) if per_rank else []:
-                    if c.micro_batch_size is not None:
-                        if mb not in c.micro_batch_size:
-                            continue
-                    elif c.max_micro_batch_size is not None and mb > c.max_micro_batch_size:
+                for pp in _divisors(world // (tp * cp)):
+                    dp = world // (tp * cp * pp)
+                    if (
+                        rules.layers_problem(pp, 1, m, uneven=c.uneven_pipeline) is not None
+                        or (c.pp is not None and pp not in c.pp)
+                        or (c.dp is not None and dp not in c.dp)
+                    ):
                         continue
-                    n_micro = per_rank // mb
-                    if pp > 1 and n_micro < pp:
+                    if pp == 1 and not schedules_pp1:
                         continue
-                    options = self._pipeline_options(pp, n_micro, schedules_pp1)
-                    if options:
-                        mbs[mb] = options
-                if mbs:
-                    tree.setdefault(tp, {})[pp] = mbs
+                    mbs = self._micro_batches(dp, pp, schedules_pp1)
+                    if mbs:
+                        tree.setdefault(tp, {}).setdefault(cp, {})[pp] = mbs
         if not tree:
-            raise SpecError(self._empty_message(tps, rules), context="search space is empty")
+            raise SpecError(self._empty_message(tps, dropped), context="search space is empty")
         self._tree = tree
         self._sp_choices = {tp: self._sequence_parallel_choices(tp) for tp in tree}
+        self._async_choices = {
+            tp: tuple(a for a in c.async_tp if rules.async_tp_problem(a, tp) is None) or (False,)
+            for tp in tree
+        }
         self.tps = tuple(sorted(tree))
         # The size, counted per layout: leaves x independent axes.
-        other = len(self.recomputes) * len(self.zero_stages) * len(self.amps)
-        self._n_layouts = sum(
-            len(opts) for pps in tree.values() for mbs in pps.values() for opts in mbs.values()
+        other = (
+            len(self.recomputes)
+            * len(self.zero_stages)
+            * len(self.amps)
+            * len(self.fp8s)
+            * len(self.compiles)
         )
+        self._n_layouts = sum(len(opts) for _, opts in self._leaves())
         self._size = sum(
-            len(opts) * len(self._sp_choices[tp]) * other
-            for tp, pps in tree.items()
-            for mbs in pps.values()
-            for opts in mbs.values()
+            len(opts) * len(self._sp_choices[tp]) * len(self._async_choices[tp]) * other
+            for (tp, _, _, _), opts in self._leaves()
         )
+
+    def _micro_batches(
+        self, dp: int, pp: int, schedules_pp1: list[str]
+    ) -> dict[int, tuple[tuple[str, int], ...]]:
+        c, gbs = self.config, self.global_batch_size
+        per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
+        mbs = {}
+        for mb in _divisors(per_rank) if per_rank else []:
+            if c.micro_batch_size is not None:
+                if mb not in c.micro_batch_size:
+                    continue
+            elif c.max_micro_batch_size is not None and mb > c.max_micro_batch_size:
+                continue
+            n_micro = per_rank // mb
+            if rules.microbatch_problem(pp, n_micro, "1f1b") is not None:
+                continue
+            options = self._pipeline_options(pp, n_micro, schedules_pp1)
+            if options:
+                mbs[mb] = options
+        return mbs
+
+    def _leaves(self) -> Iterator[tuple[tuple[int, int, int, int], tuple[tuple[str, int], ...]]]:
+        """((tp, cp, pp, micro_batch_size), pipeline options) of every branch of the tree."""
+        for tp, cps in self._tree.items():
+            for cp, pps in cps.items():
+                for pp, mbs in pps.items():
+                    for mb, options in mbs.items():
+                        yield (tp, cp, pp, mb), options
 
     def _pipeline_options(
         self, pp: int, n_micro: int, schedules_pp1: list[str]
@@ -215,10 +252,21 @@ class SearchSpace(BaseSearchSpace):
         c, layers = self.config, self.model.n_layers
         if pp == 1:
             return ((schedules_pp1[0], 1),)
-        out = [(s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule]
-        if INTERLEAVED in c.pipeline_schedule and n_micro % pp == 0:
-            for v in _divisors(layers // pp):
+        out: list[tuple[str, int]] = [
+            (s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule
+        ]
+        if INTERLEAVED in c.pipeline_schedule:
+            candidates = (
+                range(2, layers // pp + 1) if c.uneven_pipeline else _divisors(layers // pp)
+            )
+            for v in candidates:
                 if v == 1 or (c.virtual_stages is not None and v not in c.virtual_stages):
+                    continue
+                if (
+                    rules.microbatch_problem(pp, n_micro, INTERLEAVED) is not None
+                    or rules.layers_problem(pp, v, self.model, uneven=c.uneven_pipeline)
+                    is not None
+                ):
                     continue
                 if (
                     c.virtual_stages is None
@@ -231,25 +279,27 @@ class SearchSpace(BaseSearchSpace):
 
     def _sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
         allowed = self.config.sequence_parallel
-        if tp == 1 or self.model.seq_len % tp:
+        if rules.sequence_parallel_problem(True, tp, self.model.seq_len) is not None:
             return (False,) if False in allowed else ()
         return allowed
 
-    def _empty_message(self, tps: list[int], rules: list[str]) -> str:
+    def _empty_message(self, tps: list[int], dropped: list[str]) -> str:
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         if not tps:
             return (
-                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}: {rules[0]}; "
-                f"pins tp={list(c.tp) if c.tp else 'all'}, tp_within_node={c.tp_within_node}. "
-                "Widen tp or set tp_within_node: false"
+                f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
+                f" {dropped[0]}; pins tp={list(c.tp) if c.tp else 'all'},"
+                f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
             )
         return (
-            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits global_batch_size={gbs} "
-            f"for {m.name} ({m.n_layers} layers): {rules[0]}; pp must divide {m.n_layers} layers, dp must "
-            f"divide {gbs}, and a pipeline of pp stages needs >= pp micro-batches per step. Pins: "
-            f"dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, micro_batch_size={_fmt(c.micro_batch_size)}, "
-            f"pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a multiple of the "
-            "data-parallel degree, or widen the pins"
+            f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
+            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must"
+            f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages"
+            " needs >= pp micro-batches per step. Pins:"
+            f" dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, cp={_fmt(c.cp)},"
+            f" micro_batch_size={_fmt(c.micro_batch_size)},"
+            f" pipeline_schedule={list(c.pipeline_schedule)}. Use a global batch that is a"
+            " multiple of the data-parallel degree, or widen the pins"
         )
 
     # ---- the interface -------------------------------------------------------------------------
@@ -259,97 +309,91 @@ class SearchSpace(BaseSearchSpace):
 
     @property
     def n_groups(self) -> int:
-        """Number of layouts (dp, tp, pp, micro-batch, schedule): the groups of `suggest_group`."""
+        """Number of layouts (dp, tp, pp, cp, micro-batch, schedule): the groups of
+        `suggest_group`."""
         return self._n_layouts
 
-    def layouts(self) -> Iterator[tuple[int, int, int, int, str, int]]:
-        """Every valid (dp, tp, pp, micro_batch_size, schedule, virtual_stages)."""
+    def layouts(self) -> Iterator[Layout]:
+        """Every valid layout: (dp, tp, pp, micro_batch_size, schedule, virtual_stages, cp)."""
         world = self.cluster.world_size
-        for tp, pps in self._tree.items():
-            for pp, mbs in pps.items():
-                for mb, options in mbs.items():
-                    for schedule, v in options:
-                        yield world // (tp * pp), tp, pp, mb, schedule, v
+        for (tp, cp, pp, mb), options in self._leaves():
+            for schedule, v in options:
+                yield Layout(world // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
+
+    def _group(self, layout: Layout) -> Iterator[Strategy]:
+        """The strategies of one layout: every combination of the independent axes."""
+        for rc in self.recomputes:
+            for sp in self._sp_choices[layout.tp]:
+                for zero in self.zero_stages:
+                    for amp in self.amps:
+                        for fp8 in self.fp8s:
+                            for compiled in self.compiles:
+                                for async_tp in self._async_choices[layout.tp]:
+                                    yield self._strategy(
+                                        layout,
+                                        recompute=rc,
+                                        sequence_parallel=sp,
+                                        zero_stage=zero,
+                                        amp=amp,
+                                        fp8=fp8,
+                                        compile=compiled,
+                                        async_tp=async_tp,
+                                    )
+
+    def _strategy(self, layout: Layout, **axes: Any) -> Strategy:
+        return Strategy(
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            micro_batch_size=layout.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            pipeline_schedule=layout.pipeline_schedule,
+            virtual_stages=layout.virtual_stages,
+            **axes,
+        )
 
     def enumerate(self) -> Iterator[Strategy]:
-        gbs, rcs, zeros, amps = (
-            self.global_batch_size,
-            self.recomputes,
-            self.zero_stages,
-            self.amps,
-        )
-        for dp, tp, pp, mb, schedule, v in self.layouts():
-            for rc in rcs:
-                for sp in self._sp_choices[tp]:
-                    for zero in zeros:
-                        for amp in amps:
-                            yield Strategy(
-                                dp=dp,
-                                tp=tp,
-                                pp=pp,
-                                micro_batch_size=mb,
-                                global_batch_size=gbs,
-                                pipeline_schedule=schedule,
-                                virtual_stages=v,
-                                recompute=rc,
-                                sequence_parallel=sp,
-                                zero_stage=zero,
-                                amp=amp,
-                            )
+        for layout in self.layouts():
+            yield from self._group(layout)
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> Strategy:
-        tp, pp, mb, schedule, v = self._suggest_layout(trial)
+        layout = self._suggest_layout(trial)
         pick = _picker(trial)
         recompute = pick("recompute", self.recomputes)
-        sp_choices = self._sp_choices[tp]
+        sp_choices = self._sp_choices[layout.tp]
         sp = (
             pick("sequence_parallel", sp_choices) if sp_choices == (False, True) else sp_choices[0]
         )
         zero = pick("zero_stage", self.zero_stages)
         amp = pick("amp", self.amps)
-        return Strategy(
-            dp=self.cluster.world_size // (tp * pp),
-            tp=tp,
-            pp=pp,
-            micro_batch_size=mb,
-            global_batch_size=self.global_batch_size,
-            pipeline_schedule=schedule,
-            virtual_stages=v,
+        fp8 = pick("fp8", self.fp8s)
+        compiled = pick("compile", self.compiles)
+        async_choices = self._async_choices[layout.tp]
+        async_tp = pick("async_tp", async_choices) if len(async_choices) > 1 else async_choices[0]
+        return self._strategy(
+            layout,
             recompute=recompute,
             sequence_parallel=sp,
             zero_stage=zero,
             amp=amp,
+            fp8=fp8,
+            compile=compiled,
+            async_tp=async_tp,
         )
 
     def suggest_group(self, trial: "optuna.trial.BaseTrial") -> tuple[Strategy, ...]:
-        """Sample a layout (tp, pp, micro-batch, schedule); return it with every combination of
-        recompute x sequence parallel x ZeRO stage x amp (at most 72 strategies)."""
-        tp, pp, mb, schedule, v = self._suggest_layout(trial)
-        dp, gbs = self.cluster.world_size // (tp * pp), self.global_batch_size
-        return tuple(
-            Strategy(
-                dp=dp,
-                tp=tp,
-                pp=pp,
-                micro_batch_size=mb,
-                global_batch_size=gbs,
-                pipeline_schedule=schedule,
-                virtual_stages=v,
-                recompute=rc,
-                sequence_parallel=sp,
-                zero_stage=zero,
-                amp=amp,
-            )
-            for rc in self.recomputes
-            for sp in self._sp_choices[tp]
-            for zero in self.zero_stages
-            for amp in self.amps
-        )
+        """Sample a layout (tp, cp, pp, micro-batch, schedule); return it with every
+        combination of recompute x sequence parallel x ZeRO stage x amp (x fp8, compile and
+        async TP where allowed)."""
+        return tuple(self._group(self._suggest_layout(trial)))
 
-    def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> tuple[int, int, int, str, int]:
+    def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
         pick = _picker(trial)
         tp = pick("tp", self.tps)
-        pps = self._tree[tp]
+        cps = self._tree[tp]
+        cp = pick(_keyed("cp", [str(c) for c in cps]), tuple(cps))
+        pps = cps[cp]
         pp = pick(_keyed("pp", [str(p) for p in pps]), tuple(pps))
         mbs = pps[pp]
         mb = pick(_keyed("micro_batch_size", [str(b) for b in mbs]), tuple(mbs))
@@ -357,18 +401,22 @@ class SearchSpace(BaseSearchSpace):
         labels = tuple(pipeline_label(s, v) for s, v in options)
         label = pick(_keyed("pipeline", list(labels)), labels)
         schedule, v = options[labels.index(label)]
-        return tp, pp, mb, schedule, v
+        return Layout(self.cluster.world_size // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
 
     def params_of(self, strategy: Strategy, *, group: bool = False) -> dict[str, Any]:
         s = strategy
         where = f"strategy {s.short()} is not in this search space"
-        pps = self._tree.get(s.tp)
-        if pps is None:
+        cps = self._tree.get(s.tp)
+        if cps is None:
             raise SpecError(f"{where}: tp={s.tp} is not one of {list(self.tps)}")
+        pps = cps.get(s.cp)
+        if pps is None:
+            raise SpecError(f"{where}: cp={s.cp} is not one of {list(cps)} for tp={s.tp}")
         mbs = pps.get(s.pp)
         if mbs is None or s.world_size != self.cluster.world_size:
             raise SpecError(
-                f"{where}: (dp, tp, pp) = ({s.dp}, {s.tp}, {s.pp}) is not a valid split here"
+                f"{where}: (dp, tp, pp, cp) = ({s.dp}, {s.tp}, {s.pp}, {s.cp}) is not a valid"
+                " split here"
             )
         if s.global_batch_size != self.global_batch_size:
             raise SpecError(
@@ -377,27 +425,36 @@ class SearchSpace(BaseSearchSpace):
         options = mbs.get(s.micro_batch_size)
         if options is None:
             raise SpecError(
-                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for this split"
+                f"{where}: micro_batch_size={s.micro_batch_size} is not one of {list(mbs)} for"
+                " this split"
             )
         schedule = s.pipeline_schedule if s.pp > 1 else options[0][0]
         if (schedule, s.virtual_stages) not in options:
             raise SpecError(
-                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not one of "
-                f"{[pipeline_label(*o) for o in options]}"
+                f"{where}: pipeline {pipeline_label(s.pipeline_schedule, s.virtual_stages)} is not"
+                f" one of {[pipeline_label(*o) for o in options]}"
             )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
-        for name, value, choices in (
+        if s.recompute_num_layers is not None or s.pipeline_split is not None:
+            raise SpecError(f"{where}: the space holds no recompute_num_layers or pipeline_split")
+        axes = (
             ("recompute", s.recompute, self.recomputes),
+            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
             ("zero_stage", s.zero_stage, self.zero_stages),
             ("amp", s.amp, self.amps),
-            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
-        ):
+            ("fp8", s.fp8, self.fp8s),
+            ("compile", s.compile, self.compiles),
+            ("async_tp", s.async_tp, self._async_choices[s.tp]),
+        )
+        for name, value, choices in axes:
             if value not in choices:
                 raise SpecError(f"{where}: {name}={value} is not one of {list(choices)}")
         params: dict[str, Any] = {}
         if len(self.tps) > 1:
             params["tp"] = s.tp
+        if len(cps) > 1:
+            params[_keyed("cp", [str(c) for c in cps])] = s.cp
         if len(pps) > 1:
             params[_keyed("pp", [str(p) for p in pps])] = s.pp
         if len(mbs) > 1:
@@ -408,12 +465,7 @@ class SearchSpace(BaseSearchSpace):
             )
         if group:
             return params
-        for name, value, choices in (
-            ("recompute", s.recompute, self.recomputes),
-            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
-            ("zero_stage", s.zero_stage, self.zero_stages),
-            ("amp", s.amp, self.amps),
-        ):
+        for name, value, choices in axes:
             if len(choices) > 1:
                 params[name] = value
         return params
@@ -434,25 +486,24 @@ class SearchSpace(BaseSearchSpace):
 
     def describe(self) -> str:
         """One paragraph: what the space contains, for logs and reports."""
-        n_layouts = sum(1 for _ in self.layouts())
-        splits = sorted(
-            {
-                (self.cluster.world_size // (t * p), t, p)
-                for t, pps in self._tree.items()
-                for p in pps
-            }
+        splits = {(lay.dp, lay.tp, lay.pp, lay.cp) for lay in self.layouts()}
+        extra = "".join(
+            f" x {name} {list(values)}"
+            for name, values in (("fp8", self.fp8s), ("compile", self.compiles))
+            if len(values) > 1
         )
         return (
-            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global batch "
-            f"{self.global_batch_size}: {len(splits)} (dp, tp, pp) splits, {n_layouts} layouts with micro-batch "
-            f"and schedule, x recompute {list(self.recomputes)} x zero {list(self.zero_stages)} x amp "
-            f"{list(self.amps)} x sequence parallel where tp > 1"
+            f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
+            f" batch {self.global_batch_size}: {len(splits)} (dp, tp, pp, cp) splits,"
+            f" {self.n_groups} layouts with micro-batch and schedule, x recompute"
+            f" {list(self.recomputes)} x zero {list(self.zero_stages)} x amp {list(self.amps)}"
+            f"{extra} x sequence parallel where tp > 1"
         )
 
     def __repr__(self) -> str:
         return (
-            f"SearchSpace({self.model.name!r}, {self.cluster.name!r}, global_batch_size={self.global_batch_size}, "
-            f"size={self.size})"
+            f"SearchSpace({self.model.name!r}, {self.cluster.name!r},"
+            f" global_batch_size={self.global_batch_size}, size={self.size})"
         )
 
 

@@ -13,6 +13,7 @@ checked within a factor of 2.
 import numpy as np
 import pytest
 
+from autosearch.core.hardware import ATTENTION_BACKWARD_OVER_FORWARD
 from cost_models.calibration import (
     collective_coefficients,
     fit_alpha_beta,
@@ -130,8 +131,9 @@ def test_attention_efficiency_recovered(seed):
     flops = attention_flops([1, 4] * 5, 8, [64, 128, 256, 512, 1024] * 2, 64)
     flops = np.concatenate([flops, flops])
     bwd = np.array([False] * 10 + [True] * 10)
-    t = _noisy(np.where(bwd, 2.5, 1.0) * (8e-6 + flops / 20e9), rng)
-    fit = fit_attention(flops, t, launch_s=8e-6, multiplier=np.where(bwd, 2.5, 1.0))
+    ratio = np.where(bwd, ATTENTION_BACKWARD_OVER_FORWARD, 1.0)
+    t = _noisy(ratio * (8e-6 + flops / 20e9), rng)
+    fit = fit_attention(flops, t, launch_s=8e-6, multiplier=ratio)
     assert fit.rate_flops == pytest.approx(20e9, rel=0.15)
 
 

@@ -11,8 +11,8 @@ from cost_models.calibration import refit_corrections
 
 
 def synthetic_runs(n=24, seed=0, noise=0.03):
-    """Runs whose truth is: compute 1.4x slower, communication 0.7x, optimizer 1.2x, plus 20 ms per step.
-    Strategy names repeat over two world sizes, as a validation sweep writes them."""
+    """Runs whose truth is: compute 1.4x slower, communication 0.7x, optimizer 1.2x, plus 20 ms per
+    step. Strategy names repeat over two world sizes, as a validation sweep writes them."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):

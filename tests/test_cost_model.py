@@ -1,5 +1,7 @@
 """Properties the analytic model must have, whatever its constants (a contract for CostModels)."""
 
+import dataclasses
+
 import pytest
 
 from autosearch import ModelSpec, Strategy
@@ -100,8 +102,16 @@ def test_each_zero_stage_lowers_memory():
 def test_zero3_moves_one_and_a_half_times_the_data_of_ddp():
     """Rajbhandari et al. 2020 sec. 7.2.2: ZeRO-3 communicates 1.5x the volume of data parallel
     (two parameter all-gathers and one gradient reduce-scatter vs one all-reduce). With no overlap
-    (Megatron 2021 runtime) and one micro-batch, the exposed times have exactly that ratio."""
-    model = cm(MEGATRON_SC21)
+    (Megatron 2021 runtime), one micro-batch and links without latency (ZeRO-3 gathers block by
+    block, and each block's collective pays the ring latency), the times have exactly that
+    ratio; with the profile's latency, ZeRO-3 costs more."""
+    profile = CLUSTER.profile
+    no_latency = dataclasses.replace(
+        profile,
+        intra_node=dataclasses.replace(profile.intra_node, latency_s=0.0),
+        inter_node=dataclasses.replace(profile.inter_node, latency_s=0.0),
+    )
+    model = cm(MEGATRON_SC21, cluster=Cluster(gpu=no_latency, n_nodes=4))
     t0, t3 = (
         model.estimate(
             Strategy(dp=32, micro_batch_size=1, global_batch_size=32, zero_stage=z)
@@ -109,6 +119,14 @@ def test_zero3_moves_one_and_a_half_times_the_data_of_ddp():
         for z in (0, 3)
     )
     assert t3 == pytest.approx(1.5 * t0, rel=1e-9)
+    with_latency = cm(MEGATRON_SC21)
+    t0, t3 = (
+        with_latency.estimate(
+            Strategy(dp=32, micro_batch_size=1, global_batch_size=32, zero_stage=z)
+        ).time.dp_comm_exposed_s
+        for z in (0, 3)
+    )
+    assert t3 > 1.5 * t0
 
 
 def test_sequence_parallel_lowers_activation_memory():
@@ -148,7 +166,8 @@ def test_a_model_too_large_does_not_fit_and_says_by_how_much():
 
 def test_memory_of_a_known_case_is_the_zero_paper_accounting():
     """Rajbhandari et al. 2020 (ZeRO) sec. 3.1: mixed-precision Adam keeps 16 bytes per parameter
-    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp."""
+    (2 fp16 params + 2 fp16 grads + 12 optimizer), Megatron-style; ZeRO-3 divides all of it by dp.
+    """
     model = ModelSpec.load("gpt3-1.3b")
     c = Cluster.parse("a100-sxm4-80gb:1x8")
     m = AnalyticCostModel(model, c, runtime=MEGATRON_SC21)

@@ -46,7 +46,7 @@ def test_docs_carry_the_table():
     )
 
 
-# ---- the Engine builds what the table says ---------------------------------------------------------
+# ---- the Engine builds what the table says ------------------------------------------------------
 @pytest.mark.parametrize("zero,dp,tp,pp", [c for c in COMBOS if c[1] > 1])
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
 def test_engine_applies_the_table(zero, dp, tp, pp, amp, monkeypatch):

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 import tomllib
 
-from autosearch import ModelSpec, SpecError, Strategy
+from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.export import EXPORTERS, export
 from autosearch.export._base import strategy_fields
 
@@ -48,6 +50,35 @@ STRATEGIES = [
         global_batch_size=256,
         pipeline_schedule="gpipe",
         amp="fp32",
+    ),
+    # the dimensions added since: context parallel, an uneven split, part of the layers
+    # recomputed, fp8, torch.compile, async tensor parallel
+    Strategy(
+        dp=4,
+        tp=8,
+        pp=4,
+        cp=2,
+        global_batch_size=512,
+        pipeline_split=(19, 21, 21, 19),
+        recompute="full",
+        recompute_num_layers=2,
+        sequence_parallel=True,
+        zero_stage=1,
+        fp8="rowwise",
+        compile=True,
+        async_tp=True,
+    ),
+    Strategy(
+        dp=8,
+        tp=4,
+        pp=4,
+        cp=2,
+        global_batch_size=512,
+        recompute="selective_op",
+        sequence_parallel=True,
+        zero_stage=3,
+        fp8="tensorwise",
+        compile=True,
     ),
 ]
 
@@ -144,3 +175,383 @@ def test_cli_export_prints_config_on_stdout_and_caveats_on_stderr(tmp_path):
         and "does not divide n_heads" in bad.stderr
         and "Traceback" not in bad.stderr
     )
+
+
+# ---- exports that run: each parsed as its runtime parses it, and read back ----------------------
+MODELS = [
+    ModelSpec.load("llama3-70b"),  # GQA, SwiGLU, untied
+    ModelSpec.load("gpt3-13b"),  # GPT style: LayerNorm, learned positions, biases
+    ModelSpec(
+        name="tied-llama",
+        n_layers=40,
+        hidden_size=2048,
+        n_heads=16,
+        ffn_hidden_size=5632,
+        ffn_activation="swiglu",
+        vocab_size=32000,
+        seq_len=2048,
+        tied_embeddings=True,
+    ),
+]
+CLUSTER = Cluster.parse("h100-sxm:32x8")
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """An argparse parser with exactly the flag names the exporter documents (FLAGS, each cited
+    to Megatron-Core / Megatron-Bridge / Megatron-LM), typed as Megatron-LM types them."""
+    from autosearch.export._megatron import FLAGS
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    parser.add_argument("script")
+    kinds = {"int": int, "float": float, "str": str}
+    for flag, (kind, _) in FLAGS.items():
+        if kind == "switch":
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=kinds[kind])
+    return parser
+
+
+def megatron_round_trip(text: str, world_size: int):
+    """The ModelSpec and Strategy that Megatron-LM would run with these arguments."""
+    argv = shlex.split(text.replace("\\\n", " "))
+    if argv[0] == "torchrun":
+        argv = argv[5:]  # torchrun --nnodes N --nproc-per-node G
+    a = megatron_parser().parse_args(argv)
+    model = ModelSpec(
+        name="read-back",
+        n_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        n_heads=a.num_attention_heads,
+        n_kv_heads=a.num_query_groups if a.group_query_attention else a.num_attention_heads,
+        ffn_hidden_size=a.ffn_hidden_size,
+        ffn_activation="swiglu" if a.swiglu else "gelu",
+        vocab_size=a.vocab_size,
+        seq_len=a.seq_length,
+        tied_embeddings=not a.untie_embeddings_and_output_weights,
+        position_embedding={"rope": "rotary", "learned_absolute": "learned"}[
+            a.position_embedding_type
+        ],
+        linear_bias=not a.disable_bias_linear,
+        dropout=not (a.hidden_dropout == 0.0 and a.attention_dropout == 0.0),
+    )
+    assert a.max_position_embeddings == a.seq_length
+    assert a.normalization == ("RMSNorm" if a.swiglu else "LayerNorm")
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    cp = a.context_parallel_size or 1
+    v = 1
+    if a.num_layers_per_virtual_pipeline_stage:
+        v = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
+    split = None
+    first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
+    if first or last:  # Megatron: the given first/last stages, the other layers evenly
+        middle = pp - (first is not None) - (last is not None)
+        even = (a.num_layers - (first or 0) - (last or 0)) // middle if middle else 0
+        split = (first or even,) + (even,) * (pp - 2) + (last or even,)
+    recompute = a.recompute_granularity or "none"
+    recompute_num_layers = None
+    if recompute == "full" and a.recompute_method == "block":
+        recompute_num_layers = a.recompute_num_layers
+    elif recompute == "full":
+        assert (a.recompute_method, a.recompute_num_layers) == ("uniform", 1)
+    strategy = Strategy(
+        dp=world_size // (tp * pp * cp),
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        micro_batch_size=a.micro_batch_size,
+        global_batch_size=a.global_batch_size,
+        pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
+        virtual_stages=v,
+        recompute=recompute,
+        sequence_parallel=a.sequence_parallel,
+        zero_stage=3 if a.use_torch_fsdp2 else (1 if a.use_distributed_optimizer else 0),
+        amp="bf16" if a.bf16 else ("fp16" if a.fp16 else "fp32"),
+        pipeline_split=split,
+        recompute_num_layers=recompute_num_layers,
+        fp8=a.fp8_recipe or "none",
+        async_tp=a.tp_comm_overlap,
+    )
+    return model, strategy
+
+
+def same_except(a: Strategy, b: Strategy, fields: set[str], model=None) -> bool:
+    """Equal but for `fields`; an explicit split equal to the default one counts as the same."""
+    if model is not None:
+        a = a.replace(pipeline_split=a.layers_per_chunk(model.n_layers))
+        b = b.replace(pipeline_split=b.layers_per_chunk(model.n_layers))
+    da, db = a.to_dict(), b.to_dict()
+    return {k: v for k, v in da.items() if k not in fields} == {
+        k: v for k, v in db.items() if k not in fields
+    }
+
+
+def layouts_for(model: ModelSpec) -> list[Strategy]:
+    """Strategies of STRATEGIES' kinds that are valid for `model` on CLUSTER."""
+    out = []
+    for s in STRATEGIES:
+        if s.world_size != CLUSTER.world_size:
+            continue
+        if s.virtual_stages > 1:
+            v = next(v for v in (5, 4, 2) if model.n_layers % (s.pp * v) == 0)
+            s = s.replace(virtual_stages=v)
+        if not s.problems(model, CLUSTER):
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_megatron_arguments_parse_and_round_trip(model):
+    strategies = layouts_for(model)
+    assert len(strategies) >= 3
+    for s in strategies:
+        out = export(s, to="megatron", model=model, cluster=CLUSTER)
+        assert out.text.startswith("torchrun --nnodes 32 --nproc-per-node 8 pretrain_gpt.py")
+        back_model, back = megatron_round_trip(out.text, CLUSTER.world_size)
+        assert back_model.to_dict() == {**model.to_dict(), "name": "read-back"}
+        lossy = {f for f, _ in out.unsupported}
+        assert same_except(back, s, lossy, model), (back.short(), s.short())
+        if s.pp > 1 and s.pipeline_schedule == "gpipe":
+            assert back.pipeline_schedule == "1f1b" and "pipeline_schedule" in lossy
+
+
+def test_deepspeed_config_keys_are_deepspeeds_and_round_trip():
+    from autosearch.export._deepspeed import KEYS, LAUNCH_FLAGS
+
+    def paths(d, prefix=""):
+        for k, v in d.items():
+            yield prefix + k
+            if isinstance(v, dict):
+                yield from paths(v, prefix + k + ".")
+
+    launcher = argparse.ArgumentParser(prog="deepspeed", allow_abbrev=False)
+    for flag in LAUNCH_FLAGS:
+        if flag == "--deepspeed":
+            launcher.add_argument(flag, action="store_true")
+        else:
+            launcher.add_argument(flag)
+    launcher.add_argument("script")
+    for s in STRATEGIES:
+        cluster = Cluster(gpu="h100-sxm", n_nodes=s.world_size // 8)
+        out = export(s, to="deepspeed", model=MODEL, cluster=cluster)
+        cfg = json.loads(out.text)
+        assert set(paths(cfg)) <= set(KEYS), set(paths(cfg)) - set(KEYS)
+        gas = cfg["gradient_accumulation_steps"]
+        mbs = cfg["train_micro_batch_size_per_gpu"]
+        # DeepSpeed's own check (runtime/config.py _batch_assertion):
+        # train_batch_size == micro_batch * gradient_accumulation * data-parallel world size
+        assert cfg["train_batch_size"] == mbs * gas * s.dp
+        amp = "bf16" if "bf16" in cfg else ("fp16" if "fp16" in cfg else "fp32")
+        back = {
+            "dp": cfg["train_batch_size"] // (mbs * gas),
+            "tp": cfg.get("tensor_parallel", {}).get("autotp_size", 1),
+            "pp": cfg.get("pipeline", {}).get("stages", 1),
+            "micro_batch_size": mbs,
+            "global_batch_size": cfg["train_batch_size"],
+            "zero_stage": cfg["zero_optimization"]["stage"],
+            "amp": amp,
+        }
+        assert back == {k: getattr(s, k) for k in back}
+        argv = shlex.split(out.command)
+        assert argv[0] == "deepspeed"
+        a = launcher.parse_args(argv[1:])
+        assert int(a.num_nodes) * int(a.num_gpus) == s.world_size
+        assert a.deepspeed and a.deepspeed_config == "ds_config.json"
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_torchtitan_toml_keys_are_torchtitans_and_round_trip(model):
+    from autosearch.export._torchtitan import KEYS, LLAMA3_FLAVORS
+
+    def sections(cfg, prefix=""):
+        """[a.b.c] tables by dotted name (tomllib nests them)."""
+        for name, value in cfg.items():
+            if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+                yield from sections(value, prefix + name + ".")
+            else:
+                yield prefix + name, value
+
+    schedules = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}
+    for s in layouts_for(model):
+        out = export(s, to="torchtitan", model=model, cluster=CLUSTER)
+        cfg = dict(sections(tomllib.loads(out.text)))
+        for section, values in cfg.items():
+            assert set(values) <= set(KEYS[section]), (section, set(values) - set(KEYS[section]))
+        par, tr, ac = cfg["parallelism"], cfg["training"], cfg["activation_checkpoint"]
+        dp = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+        pp = par["pipeline_parallel_degree"]
+        # torchtitan/train.py: accumulation = global / (local * dp); with a pipeline, local is
+        # split into micro-batches of pipeline_parallel_microbatch_size.
+        mbs = par.get("pipeline_parallel_microbatch_size", tr["local_batch_size"])
+        v, split = 1, None
+        if "pipeline_parallel_layers_per_stage" in par:
+            v = model.n_layers // (pp * par["pipeline_parallel_layers_per_stage"])
+        if "module_fqns_per_model_part" in par:
+            parts = par["module_fqns_per_model_part"]
+            split = tuple(sum(x.startswith("layers.") for x in part) for part in parts)
+            v = len(parts) // pp
+            assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+        zero = {"never": 2, "always": 3}.get(par.get("fsdp_reshard_after_forward"), 0)
+        selective = ac.get("selective_ac_option") == "op"
+        fp8 = cfg.get("quantize.linear.float8", {}).get("recipe_name", "none")
+        if fp8 != "none" and "model" in cfg:
+            assert "quantize.linear.float8" in cfg["model"]["converters"]
+        back = Strategy(
+            dp=dp,
+            tp=par["tensor_parallel_degree"],
+            pp=pp,
+            cp=par.get("context_parallel_degree", 1),
+            micro_batch_size=mbs,
+            global_batch_size=tr["global_batch_size"],
+            pipeline_schedule=schedules[par.get("pipeline_parallel_schedule", "1F1B")],
+            virtual_stages=v,
+            pipeline_split=split,
+            recompute="selective_op" if selective else ac["mode"],
+            sequence_parallel=s.sequence_parallel,  # torchtitan 0.2: on whenever tp > 1
+            zero_stage=zero,
+            amp={"bfloat16": "bf16", "float32": "fp32"}[tr["mixed_precision_param"]],
+            fp8=fp8,
+            compile=cfg.get("compile", {}).get("enable", False),
+            async_tp=par.get("enable_async_tensor_parallel", False),
+        )
+        assert dp * back.tp * pp * back.cp == CLUSTER.world_size
+        assert tr["global_batch_size"] % (tr["local_batch_size"] * dp) == 0
+        assert tr["seq_len"] == model.seq_len
+        lossy = {f for f, _ in out.unsupported}
+        assert same_except(back, s, lossy, model), (back.short(), s.short())
+        if "model" in cfg:
+            dims = LLAMA3_FLAVORS[cfg["model"]["flavor"]]
+            shape = (model.hidden_size, model.n_layers, model.n_heads, model.n_kv_heads)
+            assert dims == shape + (model.ffn_hidden_size,)
+        else:
+            assert any("no torchtitan model flavor" in n for n in out.notes)
+    assert (model.name == "llama3-70b") == ("model" in cfg)
+
+
+def test_cli_export_writes_runnable_files_next_to_a_study(tmp_path):
+    """`autosearch export --to all --out DIR` from a tuner's best_strategy.yaml: the model and
+    cluster come from the study; every file parses."""
+    from autosearch.cli import main
+
+    study = tmp_path / "study"
+    argv = ["tune", "--model", "llama3-70b", "--cluster", "h100-sxm:32x8"]
+    argv += ["--global-batch-size", "512", "--n-trials", "10", "--quiet", "--out", str(study)]
+    assert main(argv) == 0
+    best = Strategy.from_yaml(str(study / "best_strategy.yaml"))
+    # tune wrote them next to best_strategy.yaml already
+    for name in ("megatron.sh", "ds_config.json", "deepspeed_launch.sh", "torchtitan.toml"):
+        assert (study / name).is_file()
+    assert json.loads((study / "ds_config.json").read_text())["train_batch_size"] == 512
+    out = tmp_path / "exports"
+    code = main(
+        ["export", "--strategy", str(study / "best_strategy.yaml"), "--to", "all"]
+        + [
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert sorted(os.listdir(out)) == [
+        "deepspeed_launch.sh",
+        "ds_config.json",
+        "megatron.sh",
+        "torchtitan.toml",
+    ]
+    text = (out / "megatron.sh").read_text()
+    script = text.split("\n", 1)[1].split("\n\n", 1)[0]  # the command, before the comments
+    model, strategy = megatron_round_trip(script, 256)
+    assert model.n_layers == 80 and model.n_kv_heads == 8
+    assert strategy.tp == best.tp and strategy.global_batch_size == 512
+    assert json.loads((out / "ds_config.json").read_text())["train_batch_size"] == 512
+    cfg = tomllib.loads((out / "torchtitan.toml").read_text())
+    assert cfg["model"]["flavor"] == "70B"
+    launch = (out / "deepspeed_launch.sh").read_text().splitlines()[-1]
+    assert launch.startswith("deepspeed --num_nodes 32 --num_gpus 8 --hostfile hostfile")
+    assert os.access(out / "megatron.sh", os.X_OK)
+
+
+# ---- the documented names against the real packages -------------------------------------------
+def _package_dir(name: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)  # top level only: nothing is imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(iter(spec.submodule_search_locations))
+
+
+def _dataclass_fields(path: str) -> dict[str, set[str]]:
+    """Annotated field names of every class in a source file (read with ast, not imported)."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    return out
+
+
+@pytest.mark.skipif(_package_dir("megatron") is None, reason="megatron-core is not installed")
+def test_megatron_flags_are_megatron_core_fields():
+    """Run where megatron-core is installed (pip install --no-deps megatron-core): every flag
+    cited to a Megatron-Core config class names a field of that class."""
+    from autosearch.export._megatron import FLAGS
+
+    root = os.path.join(_package_dir("megatron"), "core")
+    classes = {}
+    for rel in (
+        "transformer/transformer_config.py",
+        "model_parallel_config.py",
+        "distributed/distributed_data_parallel_config.py",
+    ):
+        classes.update(_dataclass_fields(os.path.join(root, rel)))
+    checked = 0
+    for flag, (_, source) in FLAGS.items():
+        cls, _, field = source.split()[0].partition(".")
+        if cls in classes:
+            field = field.rstrip(".") if not field.endswith("...") else field[:-3]
+            assert any(f.startswith(field) for f in classes[cls]), (flag, source)
+            checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.skipif(_package_dir("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_keys_are_in_deepspeed():
+    """Run where DeepSpeed is installed (DS_BUILD_OPS=0 pip install --no-deps deepspeed): every
+    key's constant or field is defined in the file its citation names, with that spelling."""
+    import re
+
+    from autosearch.export._deepspeed import KEYS
+
+    root = _package_dir("deepspeed")
+    for key, source in KEYS.items():
+        words = source.split()
+        rel = words[0] if words[0].startswith("deepspeed/") else "deepspeed/runtime/" + words[0]
+        with open(os.path.join(root, rel[len("deepspeed/") :]), encoding="utf-8") as f:
+            text = f.read()
+        last = key.rsplit(".", 1)[-1]
+        if len(words) > 1 and words[1].isupper():
+            assert re.search(rf"^{words[1]} = ['\"]{last}['\"]", text, re.M), (key, source)
+        else:
+            assert re.search(rf"['\"]?{last}['\"]?\s*[:=]", text), (key, source)
+
+
+@pytest.mark.skipif(_package_dir("torchtitan") is None, reason="torchtitan is not installed")
+def test_torchtitan_keys_are_job_config_fields():
+    """Run where torchtitan 0.2.x is installed (pip install --no-deps torchtitan==0.2.2): every
+    section is a field of JobConfig and every key a field of that section's class."""
+    path = os.path.join(_package_dir("torchtitan"), "config", "job_config.py")
+    if not os.path.exists(path):
+        pytest.skip("torchtitan >= 0.3 has no TOML job config (job_config.py)")
+    from autosearch.export._torchtitan import KEYS, SECTION_CLASSES
+
+    classes = _dataclass_fields(path)
+    assert {k.split(".")[0] for k in KEYS} <= classes["JobConfig"]
+    for section, keys in KEYS.items():
+        assert set(keys) <= classes[SECTION_CLASSES[section]], (section, keys)

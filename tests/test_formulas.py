@@ -76,12 +76,13 @@ def test_flash_attention_stores_no_attention_matrix():
     )
     flash = layer_activation_bytes(**kw, flash_attention=True)
     selective = layer_activation_bytes(**kw, recompute="selective")
-    # Flash keeps what selective recompute keeps, plus the fp32 log-sum-exp (4 bytes per head and token).
+    # Flash keeps what selective recompute keeps, plus the fp32 log-sum-exp (4 bytes per head and
+    # token).
     assert flash == pytest.approx(selective + 4 * A * S * B / 8, rel=1e-12)
 
 
 def test_parameter_count_matches_narayanan():
-    """Narayanan et al. 2021 sec. 3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)), plus the final LayerNorm."""
+    """Narayanan et al. 2021 sec. 3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)) + final norm."""
     for name in ("sc21-gpt-1.7b", "sc21-gpt-18.4b", "sc21-gpt-1008b", "gpt3-175b"):
         m = ModelSpec.load(name)
         l, h, V, s = m.n_layers, m.hidden_size, m.vocab_size, m.seq_len
@@ -97,7 +98,8 @@ def test_parameter_count_of_released_llama_checkpoints():
 
 
 def test_flops_match_narayanan_eq3():
-    """eq. (3) counts 4 passes per layer (full recompute) and 3 for the logits; without recompute it is
+    """eq. (3) counts 4 passes per layer (full recompute) and 3 for the logits; without recompute
+    it is
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)). Our model FLOPs are the no-recompute count."""
     for name in ("sc21-gpt-1.7b", "sc21-gpt-145.6b"):
         m = ModelSpec.load(name)
@@ -114,7 +116,7 @@ def test_flops_match_narayanan_eq3():
 
 
 def test_ring_all_reduce_volume_and_time():
-    """Patarasuk & Yuan 2009: each rank sends 2(n-1)/n * S; time = 2(n-1) alpha + 2(n-1)/n S / beta."""
+    """Patarasuk & Yuan 2009: a rank sends 2(n-1)/n S; time 2(n-1) alpha + 2(n-1)/n S / beta."""
     S_bytes, bw = 1e9, 100e9
     assert ring_all_reduce_bytes_per_rank(S_bytes, 8) == pytest.approx(2 * 7 / 8 * S_bytes)
     assert ring_all_reduce_time_s(S_bytes, 8, 0.0, bw) == pytest.approx(1.75e-2)

@@ -49,7 +49,7 @@ def _spaces() -> dict[str, BaseSearchSpace]:
 SPACES = _spaces()
 
 
-# ---- contract suite: every implementation ----------------------------------------------------------
+# ---- contract suite: every implementation -------------------------------------------------------
 @pytest.fixture(params=sorted(SPACES), ids=str)
 def space(request) -> BaseSearchSpace:
     return SPACES[request.param]
@@ -124,7 +124,7 @@ def test_the_same_parameter_name_always_has_the_same_choices(space):
         study.tell(trial, 0.0)
 
 
-# ---- SearchSpace: exactly the rules of Strategy.problems -------------------------------------------
+# ---- SearchSpace: exactly the rules of Strategy.problems ----------------------------------------
 def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
     model, cluster, gbs = ModelSpec.load("tiny-llama"), Cluster.parse("h100-sxm:2x4"), 16
     space = SearchSpace(model, cluster, global_batch_size=gbs)
@@ -229,11 +229,42 @@ def test_user_errors_say_what_and_how():
 
 def test_importing_the_search_and_cost_model_does_not_import_torch():
     code = (
-        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner, autosearch.export\n"
-        "from autosearch import tune, TuneResult\n"
-        "from search_spaces import SearchSpace\n"
-        "SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\n"
-        "import autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\n"
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner,"
+        " autosearch.export\nfrom autosearch import tune, TuneResult\nfrom search_spaces import"
+        " SearchSpace\nSearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
+        " autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\nassert"
+        " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_dimensions_of_todays_stacks_widen_the_space():
+    """cp, fp8, compile, async TP and uneven pipelines are off by default (the Engine runs none
+    of them) and widen the space when allowed, where the hardware and layout allow them."""
+    base = SearchSpace("llama3.1-405b", "h100-sxm:8x8", global_batch_size=64)
+    assert {s.cp for s in base.enumerate()} == {1} and all(
+        s.fp8 == "none" for s in base.enumerate()
+    )
+    wide = SearchSpace(
+        "llama3.1-405b",
+        "h100-sxm:8x8",
+        global_batch_size=64,
+        cp=[1, 2],
+        fp8=["none", "tensorwise"],
+        compile="all",
+        async_tp="all",
+        uneven_pipeline=True,
+    )
+    strategies = list(wide.enumerate())
+    assert len(strategies) == wide.size > base.size
+    assert {s.cp for s in strategies} == {1, 2}
+    assert {s.pp for s in strategies} >= {8}  # 126 layers over 8 stages: only with uneven splits
+    assert 8 not in {s.pp for s in base.enumerate()}
+    assert all(not s.async_tp for s in strategies if s.tp == 1)
+    model, cluster = wide.model, wide.cluster
+    for s in strategies[:: max(1, len(strategies) // 500)]:
+        assert s.problems(model, cluster) == [], s.short()
+        assert wide.params_of(s, group=True) is not None
+    # no fp8 units on an A100: the axis collapses to "none"
+    a100 = SearchSpace("llama3-8b", "a100-sxm4-80gb:1x8", global_batch_size=16, fp8="all")
+    assert {s.fp8 for s in a100.enumerate()} == {"none"}

@@ -1,9 +1,12 @@
 """ModelSpec, Strategy, HardwareProfile and Cluster: loading, round trips, and every user error."""
 
+import math
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from autosearch import ModelSpec, SpecError, Strategy
 from cost_models import Cluster, HardwareProfile, profile_names
@@ -142,7 +145,7 @@ def test_strategy_yaml_round_trip_and_mp_alias(tmp_path):
         ("dp=-2", "dp must be >= 1, got -2"),
         ("amp=fp8", "amp must be one of fp32, fp16, bf16"),
         ("zero_stage=4", "zero_stage must be 0, 1, 2 or 3"),
-        ("recompute=some", "recompute must be one of none, selective, full"),
+        ("recompute=some", "recompute must be one of none, selective, selective_op, full"),
         ("dp=2,pipelines=3", "unknown key\\(s\\) 'pipelines'"),
         ("dp", "is not key=value"),
         ("tp=2,mp=2", "'tp' is given twice"),
@@ -164,13 +167,14 @@ def test_validate_names_every_violated_rule_with_its_fix():
         global_batch_size=10,
         sequence_parallel=False,
         virtual_stages=2,
+        pipeline_split=(7, 7, 7, 7, 7),
     )
     with pytest.raises(SpecError) as err:
         bad.validate(model, cluster)
     text = str(err.value)
     assert "dp*tp*pp = 3*3*3 = 27 but the cluster has 16 devices" in text
     assert "tp=3 does not divide n_heads=40" in text
-    assert "n_layers=40 does not split into pp*virtual_stages = 3*2 = 6" in text
+    assert "pipeline_split has 5 chunks but pp*virtual_stages = 6" in text
     assert "global_batch_size=10 does not split into dp*micro_batch_size = 3*2 = 6" in text
     assert "virtual_stages=2 needs pipeline_schedule interleaved_1f1b" in text
     assert text.count("\n  - ") == 5
@@ -227,7 +231,8 @@ def test_profiles_load_and_cite_sources():
 def test_cluster_forms(tmp_path):
     c = Cluster.parse("h100-sxm:32x8")
     assert (c.n_nodes, c.gpus_per_node, c.world_size) == (32, 8, 256)
-    assert Cluster.parse("h100-sxm:4").world_size == 32
+    with pytest.raises(SpecError, match="ambiguous"):
+        Cluster.parse("h100-sxm:4")  # 4 nodes or 4 GPUs? NODESxGPUS says
     assert Cluster.parse("a100-sxm4-40gb").world_size == 8
     f = tmp_path / "c.yaml"
     f.write_text("gpu: h200-sxm\nn_nodes: 2\ngpus_per_node: 4\n")
@@ -285,10 +290,109 @@ def test_cpu_profiles_follow_the_process_count(tmp_path):
 
 def test_model_free_rules_and_scaled_defaults():
     assert Strategy(dp=2, global_batch_size=3).problems(None) == [
-        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch that is a multiple of 2"
+        "global_batch_size=3 does not split into dp*micro_batch_size = 2*1 = 2; use a global batch"
+        " that is a multiple of 2"
     ]
     assert Strategy(tp=3).problems(None) == []  # no model: head rules are not checked
     small = ModelSpec.load("tiny-gpt").scaled(n_heads=2, hidden_size=128)
     assert (small.n_kv_heads, small.ffn_hidden_size) == (2, 512)
     gqa = ModelSpec.load("tiny-llama").scaled(n_layers=2)
     assert (gqa.n_kv_heads, gqa.ffn_hidden_size) == (4, 688)
+
+
+# ---- hostile or broken input to the floor (issue: nothing silently wrong) -----------------------
+
+
+def _profile_dict():
+    from autosearch.core.hardware import _profiles_dir
+
+    return yaml.safe_load((_profiles_dir() / "h100-sxm.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "path,value,words",
+    [
+        (("kernel_launch_s",), -1.0, "kernel_launch_s = -1 is outside"),
+        (("kernel_launch_s",), float("nan"), "finite"),
+        (("memory", "capacity_bytes"), float("inf"), "finite"),
+        (("memory", "efficiency"), 1.5, "memory.efficiency = 1.5 is outside"),
+        (("gemm", "max_efficiency", "bf16"), 0.0, "gemm.max_efficiency.bf16 = 0 is outside"),
+        (("attention", "flash_efficiency", "bf16"), "fast", "must be a number"),
+        (("intra_node", "latency_s"), -3e-6, "intra_node.latency_s"),
+        (("peak_flops", "bf16"), "nan", "finite"),
+    ],
+)
+def test_profile_numbers_are_checked(path, value, words):
+    data = _profile_dict()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(SpecError, match=words.replace("(", r"\(")):
+        HardwareProfile.from_dict(data, what="test profile")
+
+
+def test_calibration_profile_cut_short_is_refused(tmp_path):
+    text = (
+        pathlib.Path(__file__).parents[1] / "results" / "calibration" / "cpu-local.yaml"
+    ).read_text()
+    cut = text[: text.index("\nkernel_launch_s:")]  # the issue's case: cut before this key
+    (tmp_path / "cut.yaml").write_text(cut)
+    with pytest.raises(SpecError, match="truncated"):
+        HardwareProfile.load(str(tmp_path / "cut.yaml"))
+
+
+def test_strategy_files_empty_or_truncated_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(SpecError, match="is empty"):
+        Strategy.from_yaml(empty)
+    with pytest.raises(SpecError, match="the strategy is empty"):
+        Strategy.parse("")
+    whole = Strategy(dp=8, tp=4, global_batch_size=512).to_yaml()
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(whole[: whole.index("pp:")])
+    with pytest.raises(SpecError, match="truncated"):
+        Strategy.from_yaml(cut)
+    # a hand-written file names only what differs: that stays valid
+    short = tmp_path / "short.yaml"
+    short.write_text("dp: 8\ntp: 4\npp: 1\n")
+    assert Strategy.from_yaml(short) == Strategy(dp=8, tp=4)
+    short.write_text("dp: 8\ntp: 4\n")  # a file must name its degrees
+    with pytest.raises(SpecError, match="does not name pp"):
+        Strategy.from_yaml(short)
+
+
+def test_estimate_takes_a_dict_and_names_a_wrong_type():
+    from autosearch import estimate
+
+    report = estimate("llama3-8b", "h100-sxm:8x8", {"dp": 64, "zero_stage": 3})
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    with pytest.raises(TypeError, match="got int"):
+        estimate("llama3-8b", "h100-sxm:8x8", 64)
+
+
+def test_uneven_pipeline_splits():
+    """126 layers over 8 stages: the middle stages take the extra layers (as torchtitan and
+    Megatron-LM split Llama 3.1 405B); an explicit split must cover every layer."""
+    model = ModelSpec.load("llama3.1-405b")
+    s = Strategy(dp=8, tp=8, pp=8, global_batch_size=64)
+    assert s.problems(model) == []
+    assert s.layers_per_chunk(model.n_layers) == (15, 16, 16, 16, 16, 16, 16, 15)
+    wrong = s.replace(pipeline_split=(16,) * 8)
+    assert any("sums to 128 layers, not n_layers=126" in p for p in wrong.problems(model))
+    assert Strategy.parse("pp=2,pipeline_split=10/22").pipeline_split == (10, 22)
+
+
+def test_new_dimensions_have_rules():
+    model = ModelSpec.load("llama3-8b")
+    h100, a100 = Cluster.parse("h100-sxm:1x8"), Cluster.parse("a100-sxm4-80gb:1x8")
+    assert Strategy(dp=4, cp=2, global_batch_size=8).problems(model, h100) == []
+    assert Strategy(dp=4, cp=2).world_size == 8
+    problems = Strategy(dp=8, fp8="tensorwise", async_tp=True).problems(model, a100)
+    assert any("fp8=tensorwise needs float8" in p for p in problems)
+    assert any("async_tp" in p and "tp > 1" in p for p in problems)
+    bad = Strategy(dp=8, recompute="selective", recompute_num_layers=2).problems(model)
+    assert any("needs recompute=full" in p for p in bad)
+    odd = model.scaled(seq_len=1000)
+    assert any("divisible by 2*cp = 16" in p for p in Strategy(cp=8).problems(odd))

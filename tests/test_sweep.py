@@ -94,3 +94,14 @@ def test_sweep_user_errors(tmp_path):
         text=True,
     )
     assert run.returncode == 2 and "--gpus and --nodes go together" in run.stderr
+
+
+def test_sweep_rows_carry_every_strategy_dimension(tmp_path):
+    """The CSV has a column for every Strategy field (cp, fp8, the split, ...), so a row names
+    the whole strategy it found."""
+    import dataclasses
+
+    from autosearch import Strategy
+    from autosearch.commands.sweep import COLUMNS
+
+    assert {f.name for f in dataclasses.fields(Strategy)} <= set(COLUMNS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from autosearch.commands._common import fmt_s
 from autosearch.core.errors import SpecError
@@ -12,9 +13,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure this machine (GEMM, memory, attention, collectives) into a hardware profile",
-        description="Run microbenchmarks on the device present (CUDA + NCCL, or CPU + gloo), fit them into "
-        "the terms of a hardware profile, and write it (usable as --cluster FILE:1xN). The raw "
-        "measurements go to a CSV next to it.",
+        description="Run microbenchmarks on the device present (CUDA + NCCL, or CPU + gloo), fit "
+        "them into the terms of a hardware profile, and write it (usable as --cluster "
+        "FILE:1xN). The raw measurements go to a CSV next to it. The measurements are checked "
+        "(spread, machine load, "
+        "fit quality, physical plausibility); a profile that fails is written as "
+        "<out>.untrusted.yaml and the command exits with status 3.",
     )
     p.add_argument(
         "--device",
@@ -49,6 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "measuring again (the profile YAML written with it must sit next to it)",
     )
     p.add_argument(
+        "--accept-untrusted",
+        action="store_true",
+        help="write a profile that failed its quality checks under the --out name and exit 0 "
+        "(the problems stay in the profile; by default it is written as <out>.untrusted.yaml "
+        "and the command exits with status 3)",
+    )
+    p.add_argument(
         "--out",
         required=True,
         help="profile YAML to write, e.g. results/calibration/cpu-local.yaml",
@@ -69,6 +80,8 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status 0 with a trusted profile, 3 when the quality checks failed (the profile is
+    written as <out>.untrusted.yaml; 0 with --accept-untrusted), 2 for a user error."""
     from cost_models.calibration import calibrate
 
     try:
@@ -80,14 +93,39 @@ def run(args: argparse.Namespace) -> int:
             name=args.name,
             statistic=args.statistic,
             from_csv=args.from_csv,
+            accept_untrusted=args.accept_untrusted,
         )
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None
     print(summary(result.profile))
     for ws, path in sorted(result.variants.items()):
         print(f"variant for {ws} process(es) per node: {path}")
-    print(f"use it:    --cluster {args.out}:1x{result.profile.gpus_per_node}")
+    print(verdict(result))
+    if not result.trusted and not args.accept_untrusted:
+        print(
+            f"calibrate: REFUSED: the measurements failed {len(result.problems)} check(s); "
+            f"written as {result.profile_path} so that no search uses it. Calibrate again on a "
+            "quiet machine, or pass --accept-untrusted to keep it under the --out name.",
+            file=sys.stderr,
+        )
+        return 3
+    print(f"use it:    --cluster {result.profile_path}:1x{result.profile.gpus_per_node}")
     return 0
+
+
+def verdict(result) -> str:
+    """The quality checks' verdict, loud: a banner, then every problem and warning."""
+    if result.trusted:
+        head = "quality   TRUSTED" + (
+            f" ({len(result.warnings)} warning(s))" if result.warnings else ": every check passed"
+        )
+    else:
+        bar = "!" * 79
+        head = f"{bar}\nquality   UNTRUSTED: {len(result.problems)} problem(s)\n{bar}"
+    lines = [head] + [f"  PROBLEM {p}" for p in result.problems]
+    if result.warnings:
+        lines.append(f"  ({len(result.warnings)} warning(s): the WARNING lines above)")
+    return "\n".join(lines)
 
 
 def summary(profile) -> str:
@@ -102,12 +140,13 @@ def summary(profile) -> str:
 
     def q(d):
         qq = d.get("quality", {})
-        return f"R2(log) {qq.get('r2_log')}, worst {qq.get('worst_rel_residual', 0) * 100:.0f}%, n {qq.get('n_points')}"
+        worst = qq.get("worst_rel_residual", 0) * 100
+        return f"R2(log) {qq.get('r2_log')}, worst {worst:.0f}%, n {qq.get('n_points')}"
 
     if profile.cache_bytes:
         lines.append(
-            f"cache     {profile.cache_bandwidth_bytes_per_s / 1e9:.3g} GB/s for working sets up to "
-            f"{profile.cache_bytes / 2**20:.0f} MiB"
+            f"cache     {profile.cache_bandwidth_bytes_per_s / 1e9:.3g} GB/s for working sets up "
+            f"to {profile.cache_bytes / 2**20:.0f} MiB"
         )
     if "gemm" in fits:
         g = profile.gemm
@@ -128,8 +167,9 @@ def summary(profile) -> str:
     if "intra_node" in fits:
         link = profile.intra_node
         lines.append(
-            f"intra     latency {fmt_s(link.latency_s)}, {link.achieved_bandwidth_bytes_per_s / 1e9:.3g} GB/s "
-            f"achieved   [{q(fits['intra_node'])}]"
+            f"intra     latency {fmt_s(link.latency_s)}, "
+            f"{link.achieved_bandwidth_bytes_per_s / 1e9:.3g} GB/s achieved   "
+            f"[{q(fits['intra_node'])}]"
         )
     lines.append(f"launch    {fmt_s(profile.kernel_launch_s)} per op")
     lines.append(f"measured  {', '.join(profile.measured)}")

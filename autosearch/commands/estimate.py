@@ -6,9 +6,11 @@ import argparse
 
 from autosearch.commands._common import (
     add_model_cluster_args,
+    batch_size_arg,
     fmt_bytes,
     fmt_s,
     load_model_cluster,
+    load_strategy,
     print_json,
 )
 
@@ -17,24 +19,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "estimate",
         help="predict step time, throughput and memory of one strategy",
-        description="Predict step time, throughput and memory of one strategy with the analytic cost model.",
+        description="Predict step time, throughput and memory of one strategy with the analytic "
+        "cost model.",
     )
     add_model_cluster_args(p)
     p.add_argument(
         "--strategy",
         required=True,
-        help='a strategy YAML file, or "dp=8,tp=8,pp=4,micro_batch_size=1,global_batch_size=512,..."',
+        help='a strategy YAML file (naming dp, tp and pp), or "dp=8,tp=8,pp=4,micro_batch_size=1,'
+        'global_batch_size=512,..." (degrees not named are 1)',
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=batch_size_arg,
+        help="sequences per optimizer step, if the strategy does not give global_batch_size",
     )
     p.add_argument("--json", action="store_true", help="print the CostReport as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.core.strategy import Strategy
     from cost_models.analytic import AnalyticCostModel
 
     model, cluster = load_model_cluster(args)
-    strategy = Strategy.parse(args.strategy)
+    strategy = load_strategy(args.strategy, global_batch_size=args.global_batch_size)
     cm = AnalyticCostModel(model, cluster, runtime=args.runtime)
     report = cm.estimate(strategy)
     if args.json:
@@ -60,9 +68,11 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
         f"strategy  {strategy.short()}  (grad accumulation {strategy.grad_accum_steps})",
         "",
         f"step time        {fmt_s(report.step_time_s)}",
-        f"throughput       {report.tokens_per_s:,.0f} tokens/s   {report.samples_per_s:,.2f} samples/s",
+        f"throughput       {report.tokens_per_s:,.0f} tokens/s   "
+        f"{report.samples_per_s:,.2f} samples/s",
         f"per device       {report.tflops_per_gpu:.1f} TFLOP/s   MFU {report.mfu * 100:.1f}%",
-        f"memory           {fmt_bytes(report.peak_memory_bytes)} of {fmt_bytes(report.memory_capacity_bytes)}  "
+        f"memory           {fmt_bytes(report.peak_memory_bytes)} of "
+        f"{fmt_bytes(report.memory_capacity_bytes)}  "
         + ("fits" if report.fits else f"DOES NOT FIT: {report.infeasible_reason}"),
         "",
         "time per step                      memory per device",
@@ -82,7 +92,8 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
     defaults = cluster.profile.defaults_used()
     if defaults:
         lines.append(
-            f"note: profile {cluster.profile.name} uses datasheet/default values (not measured here) for: "
+            f"note: profile {cluster.profile.name} uses datasheet/default values "
+            f"(not measured here) for: "
             f"{', '.join(defaults)}; `autosearch calibrate` measures them"
         )
     return "\n".join(lines)

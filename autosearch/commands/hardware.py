@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
         bf16 = p.peak_flops.get("bf16", p.peak_flops.get("fp32", 0.0))
         print(
             f"{name:<16} {bf16 / 1e12:12.1f} {p.memory_capacity_bytes / 2**30:7.1f}Gi "
-            f"{p.memory_bandwidth_bytes_per_s / 1e12:8.2f} {p.intra_node.bandwidth_bytes_per_s / 1e9:10.0f} "
+            f"{p.memory_bandwidth_bytes_per_s / 1e12:8.2f} "
+            f"{p.intra_node.bandwidth_bytes_per_s / 1e9:10.0f} "
             f"{p.inter_node.bandwidth_bytes_per_s / 1e9:10.0f} {p.gpus_per_node:>8}"
         )
     return 0

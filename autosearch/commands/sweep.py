@@ -13,8 +13,17 @@ import itertools
 import os
 import sys
 import time
+from typing import Any
 
-from autosearch.commands._common import positive_int_arg
+from autosearch.commands._common import (
+    _gpu_name,
+    check_output_file,
+    check_text,
+    finite_float_arg,
+    load_cluster,
+    positive_int_arg,
+    quiet_interrupted_trials,
+)
 
 COLUMNS = [
     "model",
@@ -38,6 +47,12 @@ COLUMNS = [
     "sequence_parallel",
     "zero_stage",
     "amp",
+    "cp",
+    "recompute_num_layers",
+    "pipeline_split",
+    "fp8",
+    "compile",
+    "async_tp",
     "tokens_per_s",
     "step_time_s",
     "mfu",
@@ -57,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep",
         help="best strategy for many models x clusters x batch sizes, in one CSV",
-        description="Run the search for every combination of models, clusters and global batch sizes "
+        description="Run the search for every combination of models, clusters and global batch "
+        "sizes "
         "and write one CSV row per combination (its best strategy and figures).",
     )
     p.add_argument(
@@ -73,22 +89,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--global-batch-sizes", required=True, help="comma-separated, e.g. 256,512,1024"
     )
-    p.add_argument("--n-trials", type=positive_int_arg, default=200)
-    p.add_argument("--sampler", choices=["tpe", "random", "exhaustive"], default="tpe")
+    p.add_argument("--n-trials", type=positive_int_arg, default=200, help="trials per combination")
+    p.add_argument(
+        "--sampler",
+        choices=["tpe", "random", "exhaustive"],
+        default="tpe",
+        help="Optuna sampler of each search (default tpe)",
+    )
     p.add_argument("--space", help="search space YAML or shipped name (default, megatron)")
     p.add_argument("--runtime", default="torch", help="cost-model runtime: torch or megatron-sc21")
     p.add_argument(
         "--price-per-gpu-hour",
-        type=float,
+        type=finite_float_arg,
         help="dollars per device-hour: adds usd_per_million_tokens",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     p.add_argument(
         "--out",
         default=os.path.join("results", "sweep.csv"),
         help="CSV path (default results/sweep.csv)",
     )
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
 
 
@@ -97,21 +118,39 @@ def _split(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autosearch.core._io import INT_LIMITS
     from autosearch.core.errors import SpecError
-    from autosearch.core.hardware import Cluster
+    from autosearch.core.hardware import HardwareProfile
     from autosearch.core.model_spec import ModelSpec
 
-    models = [ModelSpec.load(m) for m in _split(args.models)]
-    clusters = [Cluster.parse(c) for c in _split(args.clusters)]
+    check_output_file(args.out)
+    models = [ModelSpec.load(m) for m in _split(check_text(args.models, "--models"))]
+    if not models:
+        raise SpecError(f"--models {args.models!r} names no model; e.g. --models llama3-8b")
+    clusters = [load_cluster(c, flag="--clusters") for c in _split(args.clusters)]
     if args.gpus or args.nodes:
         if not (args.gpus and args.nodes):
             raise SpecError(
                 "--gpus and --nodes go together (their cross product is swept); "
                 "or give --clusters GPU:NODESxGPUS,..."
             )
-        clusters += [
-            Cluster(gpu=g, n_nodes=int(n)) for g in _split(args.gpus) for n in _split(args.nodes)
-        ]
+        try:
+            nodes = [int(n) for n in _split(args.nodes)]
+        except ValueError:
+            nodes = []
+        if not nodes or min(nodes) < 1:
+            raise SpecError(
+                f"--nodes must be comma-separated integers >= 1 (e.g. 8,16,32), got {args.nodes!r}"
+            )
+        for g in _split(args.gpus):
+            if ":" in g or g.endswith((".yaml", ".yml")):
+                raise SpecError(
+                    f"--gpus takes GPU profile names (e.g. h100-sxm), got {g!r}; "
+                    "give whole clusters with --clusters"
+                )
+            name = _gpu_name(g, "--gpus")
+            per_node = HardwareProfile.load(name).gpus_per_node
+            clusters += [load_cluster(f"{name}:{n}x{per_node}", flag="--nodes") for n in nodes]
     if not clusters:
         raise SpecError(
             "give --clusters (e.g. h100-sxm:16x8,h100-sxm:32x8) or --gpus with --nodes"
@@ -120,18 +159,27 @@ def run(args: argparse.Namespace) -> int:
         batches = [int(b) for b in _split(args.global_batch_sizes)]
     except ValueError:
         raise SpecError(
-            f"--global-batch-sizes must be comma-separated integers, got {args.global_batch_sizes!r}"
+            "--global-batch-sizes must be comma-separated integers, "
+            f"got {args.global_batch_sizes!r}"
         ) from None
-    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour <= 0:
-        raise SpecError(f"--price-per-gpu-hour must be > 0, got {args.price_per_gpu_hour}")
+    limit = INT_LIMITS["global_batch_size"]
+    bad = [b for b in batches if not 1 <= b <= limit]
+    if bad or not batches:
+        raise SpecError(
+            f"--global-batch-sizes {args.global_batch_sizes!r}: each must be an integer from 1 "
+            f"to {limit:,}" + (f"; got {bad[0]:,}" if bad else "")
+        )
 
+    quiet_interrupted_trials()
     _drop_torn_last_line(args.out)
+    _check_header(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))
     todo = [c for c in combos if (c[0].name, c[1].name, c[2]) not in done]
     if not args.quiet:
         print(
-            f"sweep: {len(combos)} combinations ({len(combos) - len(todo)} already in {args.out}), "
+            f"sweep: {len(combos)} combinations "
+            f"({len(combos) - len(todo)} already in {args.out}), "
             f"{args.n_trials} trials each",
             file=sys.stderr,
         )
@@ -161,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                 what = row["strategy"] or row["reason"]
                 tps = f"{row['tokens_per_s']:,.0f} tok/s " if row["tokens_per_s"] != "" else ""
                 print(
-                    f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: {row['status']} {tps}{what} "
+                    f"[{i}/{len(todo)}] {model.name} {cluster.name} gbs {gbs}: "
+                    f"{row['status']} {tps}{what} "
                     f"({time.perf_counter() - t0:.1f} s)",
                     file=sys.stderr,
                 )
@@ -186,7 +235,7 @@ def sweep_row(
     from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
     from search_spaces import SearchSpace
 
-    row = {k: "" for k in COLUMNS}
+    row: dict[str, Any] = {k: "" for k in COLUMNS}
     row.update(
         model=model.name,
         params_b=round(model.n_params / 1e9, 3),
@@ -235,11 +284,35 @@ def sweep_row(
         trials=result.n_trials,
         search_s=round(result.timings.get("search_s", 0.0), 3),
     )
+    # The CLI's forms: 15/16/16/15 for a split, empty for "every layer"
+    row["pipeline_split"] = "/".join(map(str, s.pipeline_split)) if s.pipeline_split else ""
+    row["recompute_num_layers"] = "" if s.recompute_num_layers is None else s.recompute_num_layers
     if price_per_gpu_hour:
         row["usd_per_million_tokens"] = usd_per_million_tokens(
             r, price_per_gpu_hour, cluster.world_size
         )
     return row
+
+
+def _check_header(path: str) -> None:
+    """Refuse to append to a CSV whose columns are not this version's (rows would misalign)."""
+    from autosearch.core.errors import SpecError
+
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    if header != COLUMNS:
+        missing = [c for c in COLUMNS if c not in header]
+        raise SpecError(
+            f"--out {path!r} has other columns than this sweep writes"
+            + (
+                f" (no {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
+                if missing
+                else ""
+            )
+            + "; give another --out, or move the file away to start it again"
+        )
 
 
 def _rows_done(path: str) -> set[tuple[str, str, int]]:

@@ -32,16 +32,25 @@ DP_MODE_NAMES = ("none", "ddp", "hsdp", "ddp_zero1", "fsdp_zero1", "fsdp_zero2",
 
 _DESCRIPTIONS = {
     "none": "nothing to replicate or shard (dp = 1)",
-    "ddp": "DDP: one bucketed fp32 gradient all-reduce per step (`no_sync` before), overlapped "
-    "with backward",
-    "hsdp": "FSDP2 on a (dp, 1) HSDP mesh, i.e. replicate-only: the same single all-reduce per step",
-    "ddp_zero1": "DDP + `ZeroRedundancyOptimizer`: optimizer states sharded; each rank broadcasts "
-    "the parameters it updated",
+    "ddp": (
+        "DDP: one bucketed fp32 gradient all-reduce per step (`no_sync` before), overlapped "
+        "with backward"
+    ),
+    "hsdp": (
+        "FSDP2 on a (dp, 1) HSDP mesh, i.e. replicate-only: the same single all-reduce per step"
+    ),
+    "ddp_zero1": (
+        "DDP + `ZeroRedundancyOptimizer`: optimizer states sharded; each rank broadcasts "
+        "the parameters it updated"
+    ),
     "fsdp_zero1": "FSDP2 `reshard_after_forward=False`, gradients reduce-scattered once per step",
-    "fsdp_zero2": "FSDP2 `reshard_after_forward=False`: parameters gathered once per micro-batch, "
-    "gradients reduce-scattered every micro-batch (once per step under pp)",
-    "fsdp_zero3": "FSDP2 `reshard_after_forward=True`: as zero 2, and parameters gathered again "
-    "for backward",
+    "fsdp_zero2": (
+        "FSDP2 `reshard_after_forward=False`: parameters gathered once per micro-batch, "
+        "gradients reduce-scattered every micro-batch (once per step under pp)"
+    ),
+    "fsdp_zero3": (
+        "FSDP2 `reshard_after_forward=True`: as zero 2, and parameters gathered again for backward"
+    ),
 }
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 
 class SpecError(ValueError):
-    """An invalid model, cluster, strategy or search input, with what is wrong and how to fix it."""
+    """An invalid model, cluster, strategy or search input: what is wrong and how to fix it."""
 
     def __init__(self, problems: str | Iterable[str], *, context: str = ""):
         self.problems = [problems] if isinstance(problems, str) else list(problems)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,10 +22,17 @@ from typing import Any
 
 import yaml
 
-from autosearch.core._io import check_keys, positive_float, positive_int, read_yaml_mapping
+from autosearch.core._io import MAX_DEVICES, check_keys, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# Backward time over forward time, the defaults of a profile that does not measure them:
+# a GEMM's backward is two GEMMs of its size (dgrad + wgrad); fused attention's backward does
+# 5 GEMMs per tile against 2 forward, plus recomputing the softmax: 2.5x (Dao 2023, sec. 3.2).
+GEMM_BACKWARD_OVER_FORWARD = 2.0
+ATTENTION_BACKWARD_OVER_FORWARD = 2.5
+# The first line of every profile `autosearch calibrate` writes (such a file must hold every key).
+PROFILE_MARKER = "# Hardware profile written by `autosearch calibrate`"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +56,8 @@ class Link:
         return self.bandwidth_bytes_per_s * self.efficiency
 
     def op_factor(self, op: str) -> float:
-        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to the
+        """Bandwidth of collective `op` (all_reduce, all_gather, reduce_scatter, p2p) relative to
+        the
         link's achieved bandwidth: 1 for NCCL, where every op runs at the same bus bandwidth;
         measured for gloo on CPU, where reduce-scatter is several times slower than all-reduce."""
         return self.op_efficiency.get(op, 1.0)
@@ -58,7 +67,8 @@ class Link:
 class GemmEfficiency:
     """GEMM time as a function of shape, in a form calibration fits by least squares.
 
-    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n + half_dim/k)
+    time(m, n, k) = launch_s + 2mnk / (peak * max_efficiency) * (1 + half_dim/m + half_dim/n +
+    half_dim/k)
 
     i.e. efficiency = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): large GEMMs approach
     max_efficiency; a thin dimension (a small head size, a small micro-batch) costs in proportion
@@ -68,7 +78,7 @@ class GemmEfficiency:
     max_efficiency: dict[str, float]
     half_dim: float
     launch_s: float = 0.0
-    backward_over_forward: float = 2.0  # dgrad + wgrad: two GEMMs of the forward's size
+    backward_over_forward: float = GEMM_BACKWARD_OVER_FORWARD
 
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
         hd = self.half_dim
@@ -100,7 +110,8 @@ class HardwareProfile:
     inter_node: Link
     gemm: GemmEfficiency
     attention_efficiency: dict[str, float]
-    attention_backward_over_forward: float = 2.5
+    attention_backward_over_forward: float = ATTENTION_BACKWARD_OVER_FORWARD
+    attention_kernels: dict[str, float] = field(default_factory=dict)
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
     sources: tuple[str, ...] = ()
@@ -160,62 +171,75 @@ class HardwareProfile:
     # ---- YAML ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(
-        cls, data: dict[str, Any], *, what: str = "hardware profile", path: str | None = None
+        cls,
+        data: dict[str, Any],
+        *,
+        what: str = "hardware profile",
+        path: str | None = None,
+        complete: bool = False,
     ) -> "HardwareProfile":
+        """Read and check a profile: every number finite and inside its physical range (an
+        efficiency in (0, 1], a latency >= 0, ...). A file written by `autosearch calibrate` (it
+        has `measured` or `calibration`, or its header says so: `complete`) must hold every key, so
+        a
+        truncated file is refused."""
         try:
-            return cls._from_dict(data, what, path)
+            return cls._from_dict(data, what, path, complete)
         except (KeyError, TypeError, AttributeError) as exc:
             raise SpecError(
-                f"{what} is malformed ({exc!r}); compare with cost_models/profiles/a100-sxm4-80gb.yaml"
+                f"{what} is malformed ({exc!r}); "
+                "compare with cost_models/profiles/a100-sxm4-80gb.yaml"
             ) from None
 
     @classmethod
-    def _from_dict(cls, data: dict[str, Any], what: str, path: str | None) -> "HardwareProfile":
-        required = (
-            "name",
-            "gpus_per_node",
-            "peak_flops",
-            "memory",
-            "intra_node",
-            "inter_node",
-            "gemm",
-            "attention",
-        )
+    def _from_dict(
+        cls, data: dict[str, Any], what: str, path: str | None, complete: bool
+    ) -> "HardwareProfile":
+        required = ["name", "gpus_per_node", "peak_flops", "memory", "intra_node", "inter_node"]
+        required += ["gemm", "attention"]
+        written_by_calibration = complete or bool(data.get("measured") or data.get("calibration"))
+        if written_by_calibration:  # everything `to_dict` writes
+            required += ["kernel_launch_s", "step_overhead_s", "measured", "calibration"]
         missing = [k for k in required if k not in data]
         if missing:
-            raise SpecError(f"{what}: missing key(s) {', '.join(missing)}")
+            cut = " (the file looks truncated)" if written_by_calibration else ""
+            raise SpecError(f"{what}: missing key(s) {', '.join(missing)}{cut}")
+        num = _NumberReader(what)
         peak = {
-            str(k): positive_float(float(v), f"{what}: peak_flops.{k}")
-            for k, v in data["peak_flops"].items()
+            str(k): num(v, f"peak_flops.{k}", high=1e18)
+            for k, v in _mapping(data["peak_flops"], what, "peak_flops").items()
         }
         if not any(p in peak for p in PRECISIONS):
             raise SpecError(f"{what}: peak_flops needs at least one of {PRECISIONS}")
-        mem = data["memory"]
+        mem = _mapping(data["memory"], what, "memory")
+        capacity = num(mem["capacity_bytes"], "memory.capacity_bytes", high=1e15)
 
-        def link(d: dict[str, Any], name: str) -> Link:
+        def link(d: Any, name: str) -> Link:
+            d = _mapping(d, what, name)
             return Link(
-                bandwidth_bytes_per_s=positive_float(
-                    float(d["bandwidth_bytes_per_s"]), f"{what}: {name}.bandwidth_bytes_per_s"
+                bandwidth_bytes_per_s=num(
+                    d["bandwidth_bytes_per_s"], f"{name}.bandwidth_bytes_per_s", high=1e14
                 ),
-                latency_s=positive_float(
-                    float(d["latency_s"]), f"{what}: {name}.latency_s", allow_zero=True
-                ),
-                efficiency=positive_float(
-                    float(d.get("efficiency", 1.0)), f"{what}: {name}.efficiency"
-                ),
+                latency_s=num(d["latency_s"], f"{name}.latency_s", zero=True, high=1.0),
+                efficiency=num(d.get("efficiency", 1.0), f"{name}.efficiency", high=1.0),
                 op_efficiency={
-                    str(k): positive_float(float(v), f"{what}: {name}.op_efficiency.{k}")
+                    str(k): num(v, f"{name}.op_efficiency.{k}", high=10.0)
                     for k, v in (d.get("op_efficiency") or {}).items()
                 },
             )
 
-        g = data["gemm"]
+        g = _mapping(data["gemm"], what, "gemm")
         gemm = GemmEfficiency(
-            max_efficiency={str(k): float(v) for k, v in g["max_efficiency"].items()},
-            half_dim=float(g.get("half_dim", 0.0)),
-            launch_s=float(g.get("launch_s", 0.0)),
-            backward_over_forward=positive_float(
-                float(g.get("backward_over_forward", 2.0)), f"{what}: gemm.backward_over_forward"
+            max_efficiency={
+                str(k): num(v, f"gemm.max_efficiency.{k}", high=1.0)
+                for k, v in _mapping(g["max_efficiency"], what, "gemm.max_efficiency").items()
+            },
+            half_dim=num(g.get("half_dim", 0.0), "gemm.half_dim", zero=True, high=1e6),
+            launch_s=num(g.get("launch_s", 0.0), "gemm.launch_s", zero=True, high=1.0),
+            backward_over_forward=num(
+                g.get("backward_over_forward", GEMM_BACKWARD_OVER_FORWARD),
+                "gemm.backward_over_forward",
+                high=100.0,
             ),
         )
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
@@ -223,49 +247,54 @@ class HardwareProfile:
             raise SpecError(
                 f"{what}: gemm.max_efficiency has no value for {', '.join(missing_eff)}"
             )
-        att = {str(k): float(v) for k, v in data["attention"]["flash_efficiency"].items()}
-        att_bwd = positive_float(
-            float(data["attention"].get("backward_over_forward", 2.5)),
-            f"{what}: attention.backward_over_forward",
-        )
+        attention = _mapping(data["attention"], what, "attention")
+        att = {
+            str(k): num(v, f"attention.flash_efficiency.{k}", high=1.0)
+            for k, v in _mapping(
+                attention["flash_efficiency"], what, "attention.flash_efficiency"
+            ).items()
+        }
         return cls(
             name=str(data["name"]),
             description=str(data.get("description", "")),
             device_type=str(data.get("device_type", "cuda")),
             gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
             peak_flops=peak,
-            memory_capacity_bytes=positive_float(
-                float(mem["capacity_bytes"]), f"{what}: memory.capacity_bytes"
+            memory_capacity_bytes=capacity,
+            memory_bandwidth_bytes_per_s=num(
+                mem["bandwidth_bytes_per_s"], "memory.bandwidth_bytes_per_s", high=1e14
             ),
-            memory_bandwidth_bytes_per_s=positive_float(
-                float(mem["bandwidth_bytes_per_s"]), f"{what}: memory.bandwidth_bytes_per_s"
+            memory_efficiency=num(mem.get("efficiency", 1.0), "memory.efficiency", high=1.0),
+            reserved_memory_bytes=num(
+                mem.get("reserved_bytes", 0.0), "memory.reserved_bytes", zero=True, high=capacity
             ),
-            memory_efficiency=positive_float(
-                float(mem.get("efficiency", 1.0)), f"{what}: memory.efficiency"
+            cache_bytes=num(
+                mem.get("cache_bytes", 0.0), "memory.cache_bytes", zero=True, high=capacity
             ),
-            reserved_memory_bytes=positive_float(
-                float(mem.get("reserved_bytes", 0.0)),
-                f"{what}: memory.reserved_bytes",
-                allow_zero=True,
-            ),
-            cache_bytes=positive_float(
-                float(mem.get("cache_bytes", 0.0)), f"{what}: memory.cache_bytes", allow_zero=True
-            ),
-            cache_bandwidth_bytes_per_s=positive_float(
-                float(mem.get("cache_bandwidth_bytes_per_s", 0.0)),
-                f"{what}: memory.cache_bandwidth_bytes_per_s",
-                allow_zero=True,
+            cache_bandwidth_bytes_per_s=num(
+                mem.get("cache_bandwidth_bytes_per_s", 0.0),
+                "memory.cache_bandwidth_bytes_per_s",
+                zero=True,
+                high=1e15,
             ),
             intra_node=link(data["intra_node"], "intra_node"),
             inter_node=link(data["inter_node"], "inter_node"),
             gemm=gemm,
             attention_efficiency=att,
-            attention_backward_over_forward=att_bwd,
-            kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
-            step_overhead_s=positive_float(
-                float(data.get("step_overhead_s", 0.0)),
-                f"{what}: step_overhead_s",
-                allow_zero=True,
+            attention_kernels={
+                str(k): num(v, f"attention.kernels.{k}", high=1.0)
+                for k, v in (attention.get("kernels") or {}).items()
+            },
+            attention_backward_over_forward=num(
+                attention.get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD),
+                "attention.backward_over_forward",
+                high=100.0,
+            ),
+            kernel_launch_s=num(
+                data.get("kernel_launch_s", 0.0), "kernel_launch_s", zero=True, high=1.0
+            ),
+            step_overhead_s=num(
+                data.get("step_overhead_s", 0.0), "step_overhead_s", zero=True, high=3600.0
             ),
             sources=tuple(data.get("sources", ()) or ()),
             measured=tuple(data.get("measured", ()) or ()),
@@ -306,6 +335,7 @@ class HardwareProfile:
             "attention": {
                 "flash_efficiency": dict(self.attention_efficiency),
                 "backward_over_forward": self.attention_backward_over_forward,
+                **({"kernels": dict(self.attention_kernels)} if self.attention_kernels else {}),
             },
             "kernel_launch_s": self.kernel_launch_s,
             "step_overhead_s": self.step_overhead_s,
@@ -362,12 +392,23 @@ def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
     if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
         data = read_yaml_mapping(key, what="hardware profile")
         return HardwareProfile.from_dict(
-            data, what=f"hardware profile {key!r}", path=os.path.abspath(key)
+            data,
+            what=f"hardware profile {key!r}",
+            path=os.path.abspath(key),
+            complete=_written_by_calibration(key),
         )
     raise SpecError(
-        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. "
-        "Pass one of these names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
+        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. Pass one of these"
+        " names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
     )
+
+
+def _written_by_calibration(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(PROFILE_MARKER)
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,7 +423,7 @@ class Cluster:
 
     gpu: str
     n_nodes: int = 1
-    gpus_per_node: int | None = None
+    gpus_per_node: int = None  # type: ignore[assignment]  # None: the profile's, set in __post_init__
     profile: HardwareProfile = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -399,6 +440,11 @@ class Cluster:
             else positive_int(self.gpus_per_node, "gpus_per_node")
         )
         object.__setattr__(self, "gpus_per_node", gpn)
+        if self.n_nodes * gpn > MAX_DEVICES:
+            raise SpecError(
+                f"cluster {self.gpu}:{self.n_nodes}x{gpn} has {self.n_nodes * gpn:,} devices, "
+                f"beyond the {MAX_DEVICES:,} autosearch models; use fewer nodes"
+            )
         if profile.device_type == "cpu" and gpn != profile.gpus_per_node:
             # A CPU "device" is a process sharing the node's cores: use the calibration made with
             # this many processes, else time-share the measured ones.
@@ -422,16 +468,19 @@ class Cluster:
 
     @classmethod
     def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
-        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU:NODES`` , ``GPU``, or a cluster YAML file."""
+        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU`` (one node), or a cluster YAML."""
         if isinstance(text, Cluster):
             return text
         text = os.fspath(text)
         match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
         if match:
             gpu, nodes, per_node = match.groups()
-            return cls(
-                gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node) if per_node else None
-            )
+            if not per_node:
+                raise SpecError(
+                    f"cluster {text!r} is ambiguous ({nodes} nodes or {nodes} GPUs?); write "
+                    f"NODESxGPUS: {gpu}:{nodes}x8 for {nodes} nodes of 8, or {gpu}:1x{nodes}"
+                )
+            return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
         if text.endswith((".yaml", ".yml")) and os.path.exists(text):
             data = read_yaml_mapping(text, what="cluster")
             if (
@@ -448,11 +497,48 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
         kwargs = check_keys(data, cls, what=what)
+        if "gpu" in kwargs and "gpus_per_node" not in kwargs:
+            raise SpecError(
+                f"{what}: missing key 'gpus_per_node' (devices per node, e.g. 8); it is not "
+                "guessed from the GPU"
+            )
         if "gpu" not in kwargs:
             raise SpecError(
-                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML path)"
+                f"{what}: missing key 'gpu' (a profile name such as h100-sxm, or a profile YAML"
+                " path)"
             )
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}
+
+
+class _NumberReader:
+    """Checks one number of a profile: a real, finite value inside its physical range."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, value: Any, name: str, *, zero: bool = False, high: float) -> float:
+        where = f"{self.what}: {name}"
+        if isinstance(value, str):  # PyYAML reads 19.5e12 (no sign in the exponent) as text
+            try:
+                value = float(value)
+            except ValueError:
+                raise SpecError(f"{where} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where} must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise SpecError(f"{where} must be a finite number, got {value!r}")
+        low_ok = value >= 0 if zero else value > 0
+        if not low_ok or value > high:
+            low = "0 <=" if zero else "0 <"
+            raise SpecError(f"{where} = {value:g} is outside {low} value <= {high:g}")
+        return value
+
+
+def _mapping(value: Any, what: str, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{what}: {name} must be a mapping of key: value, got {value!r}")
+    return value

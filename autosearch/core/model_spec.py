@@ -5,7 +5,8 @@ Two styles, chosen by `ffn_activation`, matching the reference transformer in
 
 * ``gelu``  -> GPT style (Radford et al. 2019; Brown et al. 2020): LayerNorm with bias, biases in
   every linear layer, learned position embeddings, dropout.
-* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no dropout,
+* ``swiglu`` -> Llama style (Touvron et al. 2023): RMSNorm, no biases, rotary positions, no
+dropout,
   gated MLP with three matrices.
 
 Example:
@@ -32,6 +33,7 @@ from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,21 +51,44 @@ class ModelSpec:
         vocab_size: vocabulary V.
         seq_len: training sequence length s.
         tied_embeddings: the output projection shares the input embedding matrix.
+        position_embedding: ``learned`` (GPT), ``rotary`` (Llama) or ``alibi`` (MPT: no
+            parameters, a bias on the attention scores); defaults by `ffn_activation`.
+        linear_bias: biases in the linear layers and norms; defaults to GPT style.
+        dropout: dropout after attention and MLP (it stores masks); defaults to GPT style.
     """
 
     name: str = "custom"
     n_layers: int
     hidden_size: int
     n_heads: int
-    n_kv_heads: int | None = None
-    ffn_hidden_size: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads, set in __post_init__
+    ffn_hidden_size: int = None  # type: ignore[assignment]  # None: 4 * hidden_size
     ffn_activation: str = "gelu"
     vocab_size: int
     seq_len: int
     tied_embeddings: bool = False
+    position_embedding: str = None  # type: ignore[assignment]  # None: by ffn_activation
+    linear_bias: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
+    dropout: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
 
     def __post_init__(self) -> None:
         problems = []
+        gpt = self.ffn_activation == "gelu"
+        for name, default in (
+            ("position_embedding", "learned" if gpt else "rotary"),
+            ("linear_bias", gpt),
+            ("dropout", gpt),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            problems.append(
+                f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                f"got {self.position_embedding!r}"
+            )
+        for name in ("linear_bias", "dropout"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("n_layers", "hidden_size", "n_heads", "vocab_size", "seq_len"):
             try:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
@@ -94,7 +119,7 @@ class ModelSpec:
             if self.hidden_size % self.n_heads:
                 problems.append(
                     f"hidden_size {self.hidden_size} must be a multiple of n_heads {self.n_heads} "
-                    f"(head size = hidden_size / n_heads)"
+                    "(head size = hidden_size / n_heads)"
                 )
             if self.n_heads % self.n_kv_heads:
                 problems.append(
@@ -132,26 +157,28 @@ class ModelSpec:
     def layer_params(self) -> int:
         """All parameters of one block, biases and norms included.
 
-        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h) + ...)).
+        GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h)
+        + ...)).
         """
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
-        if self.is_gpt_style:
-            biases = (h + 2 * self.kv_hidden_size) + h + f + h
+        if self.linear_bias:
+            biases = (h + 2 * self.kv_hidden_size) + h + (self.n_ffn_matrices - 1) * f + h
             norms = 2 * 2 * h  # two LayerNorms, weight and bias
             return n + biases + norms
-        return n + 2 * h  # two RMSNorm weights, no biases
+        return n + 2 * h  # two norm weights (RMSNorm, or LayerNorm without bias), no biases
 
     @property
     def embedding_params(self) -> int:
-        """Token embedding (+ learned positions for GPT style)."""
-        positions = self.seq_len * self.hidden_size if self.is_gpt_style else 0
+        """Token embedding (+ learned positions)."""
+        learned = self.position_embedding == "learned"
+        positions = self.seq_len * self.hidden_size if learned else 0
         return self.vocab_size * self.hidden_size + positions
 
     @property
     def head_params(self) -> int:
         """Final norm and, if untied, the output projection."""
-        norm = 2 * self.hidden_size if self.is_gpt_style else self.hidden_size
+        norm = 2 * self.hidden_size if self.linear_bias else self.hidden_size
         return norm + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
     @property
@@ -199,16 +226,16 @@ class ModelSpec:
             data = read_yaml_mapping(key, what="model")
             data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
             return cls.from_dict(data, what=f"model file {key!r}")
-        family = re.match(r"[a-z]*", key.lower()).group()
+        family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
         close += [n for n in catalog if family and n.startswith(family) and n not in close][
             : 8 - len(close)
         ]
         hint = f" Similar names: {', '.join(close)}." if close else ""
         raise SpecError(
-            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} "
-            "Run `autosearch models` for the catalog, or pass a YAML file with n_layers, hidden_size, "
-            "n_heads, vocab_size and seq_len."
+            f"unknown model {key!r}: not in the catalog and not a YAML file.{hint} Run `autosearch"
+            " models` for the catalog, or pass a YAML file with n_layers, hidden_size, n_heads,"
+            " vocab_size and seq_len."
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from autosearch.core.bands import Band
+
 GiB = float(1 << 30)
 
 
@@ -57,6 +59,7 @@ class CostReport(NamedTuple):
     time: TimeBreakdown
     memory: MemoryBreakdown
     notes: tuple[str, ...] = ()
+    band: Band | None = None  # how sure: actual / predicted step time for 90% of runs of its kind
 
     @property
     def memory_excess_bytes(self) -> float:
@@ -68,15 +71,18 @@ class CostReport(NamedTuple):
         if self.fits:
             return None
         return (
-            f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device, "
-            f"{self.memory_excess_bytes / GiB:.1f} GiB over the {self.memory_capacity_bytes / GiB:.1f} GiB available"
+            f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device,"
+            f" {self.memory_excess_bytes / GiB:.1f} GiB over the"
+            f" {self.memory_capacity_bytes / GiB:.1f} GiB available"
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostReport":
         """Rebuild a report from ``to_dict(flat=False)`` (e.g. stored in an Optuna trial)."""
-        fields = {k: data[k] for k in cls._fields if k not in ("time", "memory", "notes")}
+        fields = {k: data[k] for k in cls._fields if k not in ("time", "memory", "notes", "band")}
+        band = data.get("band")
         return cls(
+            band=Band(**band) if isinstance(band, dict) else None,
             **fields,
             time=TimeBreakdown(**data["time"]),
             memory=MemoryBreakdown(**data["memory"]),
@@ -84,11 +90,22 @@ class CostReport(NamedTuple):
         )
 
     def to_dict(self, *, flat: bool = True) -> dict[str, Any]:
-        """Every field; with ``flat`` the breakdowns become ``time_<term>`` and ``memory_<term>``."""
+        """Every field; with ``flat`` the breakdowns become ``time_<t>`` and ``memory_<t>``."""
         out: dict[str, Any] = {
-            k: getattr(self, k) for k in self._fields if k not in ("time", "memory", "notes")
+            k: getattr(self, k)
+            for k in self._fields
+            if k not in ("time", "memory", "notes", "band")
         }
         out["memory_excess_bytes"] = self.memory_excess_bytes
+        band = self.band
+        if flat:
+            has = band is not None and not band.extrapolation
+            out["step_time_band_low_s"] = self.step_time_s * band.low if has else None
+            out["step_time_band_high_s"] = self.step_time_s * band.high if has else None
+            out["band_runs"] = band.runs if band is not None else None
+            out["band_kind"] = band.kind if band is not None else None
+        else:
+            out["band"] = band._asdict() if band is not None else None
         if flat:
             out.update({f"time_{k}": v for k, v in self.time._asdict().items()})
             out.update({f"memory_{k}": v for k, v in self.memory._asdict().items()})

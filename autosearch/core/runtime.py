@@ -3,14 +3,22 @@
 The same strategy costs different time and memory under different runtimes: PyTorch autocast keeps
 fp32 parameters and casts per use, Megatron-LM (2021) keeps fp16 parameters and fp32 master copies
 in the optimizer; FlashAttention never stores the s x s attention matrix; DDP overlaps the gradient
-all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware is.
+all-reduce with the backward pass, Megatron-LM 2021 did not. These choices are data, as hardware
+is.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from autosearch.core._io import check_keys, read_yaml_mapping
 from autosearch.core.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +29,8 @@ class RuntimeOptions:
         name: a label.
         flash_attention: fused attention (no s x s matrix stored or streamed; Dao et al. 2022).
         dp_overlap: fraction of the backward pass during which data-parallel gradient reduction
-            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after backward).
+            runs hidden (1.0 = bucketed overlap as DDP / FSDP2, Li et al. 2020; 0.0 = after
+            backward).
         tp_overlap: fraction of tensor-parallel communication hidden behind GEMMs (0 by default:
             neither Megatron-LM 2021 nor DTensor without async-TP overlaps it).
         low_precision_params: parameters are stored in the 16-bit amp dtype with fp32 master
@@ -31,21 +40,69 @@ class RuntimeOptions:
         pp_scatter_gather: pipeline sends are split over the tp ranks and re-gathered over the
             fast intra-node link (Narayanan et al. 2021, sec. 4.1).
         step_overhead_s: fixed host-side cost per optimizer step (Python, launch queues).
+        description: one line on what the runtime is.
+        attention_kernel: the fused attention kernel it runs (``fa2``, ``cudnn``, ``triton``):
+            its efficiency is the hardware profile's `attention.kernels` entry when the profile
+            has one, else the profile's (calibrated) flash efficiency.
+        async_tp_overlap: `tp_overlap` when the strategy asks for async tensor parallelism.
+        main_grad_fp32: gradients accumulate in a full fp32 buffer on every rank (Megatron-Core
+            ``main_grad``), sharded or not.
+        param_gather_bytes: bytes per parameter element that FSDP / ZeRO-3 all-gathers; 0 means
+            the amp dtype's size.
+        sp_saves_gathered_input: with sequence parallel, a linear layer saves its all-gathered
+            (full-sequence) input for the weight gradient (DTensor); else the shard, gathered
+            again in backward (Megatron-Core).
+        fsdp_backward_gather_exposed: FSDP issues the backward all-gather of the next unit only
+            after the current unit's gradients (FSDP1 ``BACKWARD_POST``): it is not hidden.
+        elementwise_traffic: memory traffic of the elementwise work (norms, activations,
+            rotary, residuals, casts) relative to one kernel per op in eager mode; fused
+            kernels (TransformerEngine) move less.
+        compiled_elementwise_traffic: the same under ``torch.compile`` (strategy.compile).
+        loss_bytes_per_logit: bytes the loss keeps per logit (the logits, an fp32 copy and
+            the saved softmax in eager mode; less when fused or compiled).
+        compiled_loss_bytes_per_logit: the same with a compiled loss.
+        fp8_all_gather: FSDP gathers float8 weights when the strategy uses fp8.
+        fp8_saves_fp8_inputs: float8 linears keep the float8 copy of their input for backward
+            (TransformerEngine), not the 16-bit one (torchao).
+        fused_swiglu: the runtime's SwiGLU is one fused kernel that keeps 3 x sbf, not 4
+            (TransformerEngine); `compile` fuses it too.
+        allocator_reserve_fraction: memory the caching allocator reserves beyond the live
+            tensors at the peak (fragmentation), as a fraction of them.
+        supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
+            ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``).
+        sources: where each value comes from (docs/runtimes.md has the details).
     """
 
     name: str = "torch"
+    description: str = ""
     flash_attention: bool = True
+    attention_kernel: str = ""
     dp_overlap: float = 1.0
     tp_overlap: float = 0.0
+    async_tp_overlap: float = 0.0
     low_precision_params: bool = False
+    main_grad_fp32: bool = False
     grad_reduce_bytes: int = 4
+    param_gather_bytes: int = 0
     pp_scatter_gather: bool = False
+    sp_saves_gathered_input: bool = False
+    fsdp_backward_gather_exposed: bool = False
+    elementwise_traffic: float = 1.0
+    compiled_elementwise_traffic: float = 1.0
+    loss_bytes_per_logit: float = 10.0
+    compiled_loss_bytes_per_logit: float = 10.0
+    fp8_all_gather: bool = False
+    fp8_saves_fp8_inputs: bool = False
+    fused_swiglu: bool = False
+    allocator_reserve_fraction: float = 0.0
     step_overhead_s: float = 0.0
+    supports: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
 
     @classmethod
     def get(cls, name_or_options: "str | RuntimeOptions | None") -> "RuntimeOptions":
         if name_or_options is None:
-            return TORCH
+            return RUNTIMES["torch"]
         if isinstance(name_or_options, RuntimeOptions):
             return name_or_options
         try:
@@ -55,22 +112,47 @@ class RuntimeOptions:
                 f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
             ) from None
 
+    def lacks(self, strategy: "Strategy") -> list[str]:
+        """The dimensions of `strategy` this runtime cannot run, each as a message."""
+        wanted = {
+            "cp": strategy.cp > 1,
+            "fp8": strategy.fp8 != "none",
+            "compile": strategy.compile,
+            "async_tp": strategy.async_tp,
+            "selective_op": strategy.recompute == "selective_op",
+            "recompute_num_layers": strategy.recompute_num_layers is not None,
+            "uneven_pp": strategy.pipeline_split is not None,
+        }
+        return [
+            f"runtime {self.name!r} cannot run {dim} (it supports "
+            f"{', '.join(self.supports) or 'none of cp, fp8, compile, async_tp'})"
+            for dim, used in wanted.items()
+            if used and dim not in self.supports
+        ]
 
-# PyTorch as the Engine runs it: autocast, SDPA flash attention, DDP/FSDP2 with overlapped
-# gradient reduction, torch.distributed.pipelining (each tp rank sends its own full activation).
-TORCH = RuntimeOptions(name="torch")
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, what: str) -> "RuntimeOptions":
+        kwargs = check_keys(data, cls, what=what)
+        for key in ("supports", "sources"):
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key] or ())
+        return cls(**kwargs)
 
-# Megatron-LM as used for SC'21 Table 1 (Narayanan et al. 2021): fused but not flash attention,
-# fp16 parameters with fp32 master weights, fp16 gradient all-reduce after the backward pass
-# (no overlap), scatter/gather of pipeline messages over the tp ranks.
-MEGATRON_SC21 = RuntimeOptions(
-    name="megatron-sc21",
-    flash_attention=False,
-    dp_overlap=0.0,
-    tp_overlap=0.0,
-    low_precision_params=True,
-    grad_reduce_bytes=2,
-    pp_scatter_gather=True,
-)
 
-RUNTIMES = {r.name: r for r in (TORCH, MEGATRON_SC21)}
+def _load_runtimes() -> dict[str, RuntimeOptions]:
+    """The presets of `cost_models/runtimes.yaml` (found without importing cost_models)."""
+    spec = importlib.util.find_spec("cost_models")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError("the cost_models package is not installed; reinstall autosearch")
+    path = Path(next(iter(spec.submodule_search_locations))) / "runtimes.yaml"
+    data = read_yaml_mapping(path, what="runtime presets")
+    return {
+        name: RuntimeOptions.from_dict({"name": name, **fields}, what=f"runtime {name!r}")
+        for name, fields in data["runtimes"].items()
+    }
+
+
+RUNTIMES = _load_runtimes()
+# PyTorch as the Engine runs it (the default), and Megatron-LM as in SC'21 Table 1.
+TORCH = RUNTIMES["torch"]
+MEGATRON_SC21 = RUNTIMES["megatron-sc21"]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core import rules
 from autosearch.core._io import check_keys, parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
@@ -26,8 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE = ("none", "selective", "full")
+# none; selective = the attention core (Korthikanti et al. 2022, sec. 5); selective_op = save the
+# matmul outputs, recompute everything else (torchtitan's default "selective op" AC); full = each
+# layer's whole forward (Chen et al. 2016), on every layer or on `recompute_num_layers` per stage.
+RECOMPUTE = ("none", "selective", "selective_op", "full")
 AMP = ("fp32", "fp16", "bf16")
+# Float8 linears with a scale per tensor (torchao tensorwise; TransformerEngine delayed and
+# current scaling are per-tensor scales too) or per row (torchao rowwise).
+FP8 = ("none", "tensorwise", "rowwise")
 ZERO_STAGES = (0, 1, 2, 3)
 # Paddle calls tensor parallel "mp"; accepted at the edges (YAML, CLI), never used inside.
 ALIASES = {
@@ -37,6 +44,24 @@ ALIASES = {
     "pp_degree": "pp",
     "sharding_stage": "zero_stage",
 }
+# First line of every strategy file autosearch writes: such a file must hold every field, so that a
+# file cut short (a full disk, a killed writer) is refused instead of read with defaults.
+MARKER = "# autosearch strategy"
+# The fields such a file always holds (those added later, cp, fp8 ..., keep their defaults when
+# an older file lacks them).
+FILE_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "global_batch_size",
+    "pipeline_schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+)
 _BOOL_WORDS = {
     "true": True,
     "false": False,
@@ -51,7 +76,8 @@ _BOOL_WORDS = {
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """A parallel training strategy. Every field has a default, so a file names only what differs.
+    """A parallel training strategy. Every field has a default, so a file names only what differs
+    (and its degrees dp, tp, pp, which a file must always name).
 
     Args:
         dp: data-parallel degree (replicas, or shards with ZeRO).
@@ -66,23 +92,42 @@ class Strategy:
         sequence_parallel: shard norms/dropout activations over tp (Korthikanti et al. 2022).
         zero_stage: ZeRO sharding over dp: 1 optimizer states, 2 + gradients, 3 + parameters.
         amp: compute precision, ``fp32``, ``fp16`` or ``bf16``.
+        cp: context-parallel degree: the sequence split over cp ranks, attention by ring
+            exchange of keys and values (torch's context parallel; Liu et al. 2023).
+        recompute_num_layers: with ``recompute: full``, recompute only this many layers of
+            each pipeline chunk (Megatron-LM ``--recompute-num-layers`` with the block method);
+            ``None`` means every layer.
+        pipeline_split: layers of each pipeline chunk, in order (``pp * virtual_stages``
+            numbers summing to the layers; ``15/16/16/15`` on the command line); ``None``
+            splits them as evenly as possible, the first and last chunks taking one layer less
+            when the division is uneven (they also hold the embedding and the logits).
+        fp8: float8 matmuls in the transformer blocks, ``none``, ``tensorwise`` or ``rowwise``
+            (needs a GPU with fp8 units); the compute precision of the rest stays `amp`.
+        compile: the runtime compiles each block (``torch.compile``): elementwise work fuses.
+        async_tp: tensor-parallel collectives overlap the matmuls (micro-pipelined TP).
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     micro_batch_size: int = 1
-    global_batch_size: int | None = None
+    global_batch_size: int = None  # type: ignore[assignment]  # None: dp * micro_batch_size
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
     zero_stage: int = 0
     amp: str = "bf16"
+    cp: int = 1
+    recompute_num_layers: int | None = None
+    pipeline_split: tuple[int, ...] | None = None
+    fp8: str = "none"
+    compile: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "cp"):
             try:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
@@ -103,34 +148,57 @@ class Strategy:
             ("pipeline_schedule", PIPELINE_SCHEDULES),
             ("recompute", RECOMPUTE),
             ("amp", AMP),
+            ("fp8", FP8),
         ):
             value = getattr(self, name)
             if value not in choices:
                 problems.append(f"{name} must be one of {', '.join(choices)}; got {value!r}")
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             problems.append(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            problems.append(
-                f"sequence_parallel must be true or false; got {self.sequence_parallel!r}"
-            )
+        for name in ("sequence_parallel", "compile", "async_tp"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.recompute_num_layers is not None:
+            try:
+                n = positive_int(self.recompute_num_layers, "recompute_num_layers")
+                object.__setattr__(self, "recompute_num_layers", n)
+            except SpecError as exc:
+                problems.append(str(exc))
+        if self.pipeline_split is not None:
+            split = self.pipeline_split
+            if isinstance(split, str):  # "15/16/16/15" from the command line
+                parts = split.replace("/", ",").split(",")
+                split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())
+            try:
+                split = tuple(positive_int(n, "pipeline_split entry") for n in split)
+                object.__setattr__(self, "pipeline_split", split)
+            except (SpecError, TypeError) as exc:
+                problems.append(f"pipeline_split must be a list of layer counts: {exc}")
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
-    # ---- derived ---------------------------------------------------------------------------------
+    # ---- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank (= pipeline micro-batches)."""
+        """Micro-batches per optimizer step on a data-parallel rank (pipeline micro-batches)."""
         return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    def layers_per_chunk(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline chunk, in pipeline order (`pipeline_split`, or the even split
+        of `autosearch.core.rules.split_layers`)."""
+        if self.pipeline_split is not None:
+            return self.pipeline_split
+        return rules.split_layers(n_layers, self.pp * self.virtual_stages)
 
     @property
     def n_microbatches(self) -> int:
         return self.grad_accum_steps
 
-    # ---- checks against a model and a cluster ----------------------------------------------------
+    # ---- checks against a model and a cluster ---------------------------------------------------
     def problems(
         self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None
     ) -> list[str]:
@@ -139,68 +207,54 @@ class Strategy:
         Without a model (a user's own network), only the rules that hold for any model are checked;
         without a cluster, the world size is not.
         """
-        out = []
-        dp, tp, pp, v = self.dp, self.tp, self.pp, self.virtual_stages
-        if cluster is not None and self.world_size != cluster.world_size:
-            out.append(
-                f"dp*tp*pp = {dp}*{tp}*{pp} = {self.world_size} but the cluster has {cluster.world_size} devices "
-                f"({cluster.n_nodes} nodes x {cluster.gpus_per_node}); choose degrees whose product is {cluster.world_size}"
-            )
-        if model is not None:
-            if model.n_heads % tp:
-                out.append(
-                    f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides {model.n_heads}"
+        dp, tp, pp, v, cp = self.dp, self.tp, self.pp, self.virtual_stages, self.cp
+        seq_len = model.seq_len if model is not None else None
+        n_layers = model.n_layers if model is not None else None
+        batch = rules.batch_problem(self.global_batch_size, dp, self.micro_batch_size)
+        if self.pipeline_split is not None:
+            layers = rules.pipeline_split_problem(self.pipeline_split, pp, v, n_layers)
+        elif model is not None:
+            layers = rules.layers_problem(pp, v, model, uneven=True)
+        else:
+            layers = None
+        chunks = self.layers_per_chunk(n_layers) if layers is None and n_layers else None
+        checks = [
+            (
+                rules.world_size_problem(
+                    dp,
+                    tp,
+                    pp,
+                    cp=cp,
+                    devices=cluster.world_size,
+                    where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
                 )
-            elif model.n_kv_heads % tp:
-                out.append(
-                    f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; use a tp that divides {model.n_kv_heads}"
-                )
-            if model.n_layers % (pp * v):
-                out.append(
-                    f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{v} = {pp * v} equal "
-                    f"chunks; use pp*virtual_stages dividing {model.n_layers}"
-                )
-        if self.global_batch_size % (dp * self.micro_batch_size):
-            out.append(
-                f"global_batch_size={self.global_batch_size} does not split into dp*micro_batch_size = "
-                f"{dp}*{self.micro_batch_size} = {dp * self.micro_batch_size}; use a global batch that is a "
-                f"multiple of {dp * self.micro_batch_size}"
-            )
-        if self.sequence_parallel and tp == 1:
-            out.append(
-                "sequence_parallel needs tp > 1 (it shards activations over the tp group); set tp > 1 or turn it off"
-            )
-        if self.sequence_parallel and model is not None and model.seq_len % tp:
-            out.append(
-                f"sequence_parallel with tp={tp} needs seq_len={model.seq_len} divisible by tp"
-            )
-        if v > 1 and self.pipeline_schedule != "interleaved_1f1b":
-            out.append(
-                f"virtual_stages={v} needs pipeline_schedule interleaved_1f1b (got {self.pipeline_schedule}); "
-                "set virtual_stages=1 or the interleaved schedule"
-            )
-        if self.pipeline_schedule == "interleaved_1f1b" and pp == 1:
-            out.append("interleaved_1f1b needs pp > 1; use pipeline_schedule=1f1b with pp=1")
-        if self.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1:
-            out.append(
-                "interleaved_1f1b needs virtual_stages > 1 (model chunks per pipeline rank); "
-                "set virtual_stages or use 1f1b"
-            )
-        if pp > 1 and not self.global_batch_size % (dp * self.micro_batch_size):
-            m = self.grad_accum_steps
-            if m < pp:
-                out.append(
-                    f"pipeline with pp={pp} needs at least {pp} micro-batches per step, got {m} "
-                    f"(= global_batch_size / (dp*micro_batch_size)); raise the global batch or lower micro_batch_size"
-                )
-            elif self.pipeline_schedule == "interleaved_1f1b" and m % pp:
-                out.append(
-                    f"interleaved_1f1b needs the micro-batch count {m} to be a multiple of pp={pp}"
-                )
-        return out
+                if cluster is not None
+                else None
+            ),
+            rules.tp_problem(tp, model) if model is not None else None,
+            layers,
+            batch,
+            rules.sequence_parallel_problem(
+                self.sequence_parallel, tp, seq_len // cp if seq_len is not None else None
+            ),
+            rules.context_parallel_problem(cp, seq_len),
+            rules.schedule_problem(self.pipeline_schedule, pp, v),
+            # the micro-batch count is defined only when the batch splits
+            (
+                rules.microbatch_problem(pp, self.grad_accum_steps, self.pipeline_schedule)
+                if batch is None
+                else None
+            ),
+            rules.recompute_layers_problem(
+                self.recompute, self.recompute_num_layers, min(chunks) if chunks else None
+            ),
+            rules.fp8_problem(self.fp8, cluster.profile.peak_flops if cluster else None),
+            rules.async_tp_problem(self.async_tp, tp),
+        ]
+        return [problem for problem in checks if problem is not None]
 
     def validate(self, model: "ModelSpec", cluster: "Cluster | None" = None) -> "Strategy":
-        """Raise SpecError (a ValueError) naming every violated rule and its fix; return self if valid."""
+        """Raise SpecError naming every violated rule and its fix; return self if valid."""
         problems = self.problems(model, cluster)
         if problems:
             raise SpecError(
@@ -210,12 +264,15 @@ class Strategy:
 
     # ---- text forms ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.pipeline_split is not None:
+            out["pipeline_split"] = list(self.pipeline_split)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "strategy") -> "Strategy":
         kwargs = check_keys(data, cls, what=what, aliases=ALIASES)
-        for key in ("recompute", "pipeline_schedule", "amp"):
+        for key in ("recompute", "pipeline_schedule", "amp", "fp8"):
             if key in kwargs and isinstance(kwargs[key], str):
                 kwargs[key] = kwargs[key].lower()
         if kwargs.get("recompute") is False:  # YAML reads `recompute: no` as a bool
@@ -231,16 +288,35 @@ class Strategy:
                 parse_yaml_mapping(text, what="strategy YAML"), what="strategy YAML"
             )
         data = read_yaml_mapping(text, what="strategy")
-        if "strategy" in data and isinstance(
-            data["strategy"], dict
-        ):  # a file written by the tuner
-            data = data["strategy"]
-        return cls.from_dict(data, what=f"strategy file {text!r}")
+        what = f"strategy file {text!r}"
+        complete = _has_marker(text)  # written whole by autosearch: every field must be there
+        if "strategy" in data and isinstance(data["strategy"], dict):  # a file written by tune
+            data, complete = data["strategy"], True
+        if not data:
+            raise SpecError(
+                f"{what} is empty; write the fields that differ from the defaults "
+                "(for example `dp: 8`, `tp: 8`), or pass key=value pairs"
+            )
+        if complete:
+            missing = [name for name in FILE_FIELDS if name not in data]
+            if missing:
+                raise SpecError(
+                    f"{what} was written by autosearch but lacks {', '.join(missing)}: the file "
+                    "looks truncated; write it again (autosearch tune, or Strategy.to_yaml)"
+                )
+        named = {ALIASES.get(str(k), str(k)) for k in data}
+        degrees = [d for d in ("dp", "tp", "pp") if d not in named]
+        if degrees:
+            raise SpecError(
+                f"{what} does not name {', '.join(degrees)}: a strategy file names its parallel "
+                "degrees (dp * tp * pp [* cp] = the devices), e.g. `dp: 8`, `tp: 1`, `pp: 1`"
+            )
+        return cls.from_dict(data, what=what)
 
     def to_yaml(
         self, path: "str | os.PathLike | None" = None, *, comment: str | None = None
     ) -> str:
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text = MARKER + "\n" + yaml.safe_dump(self.to_dict(), sort_keys=False)
         if comment:
             text = "".join(f"# {line}\n" for line in comment.splitlines()) + text
         if path is not None:
@@ -251,6 +327,15 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Parse ``"dp=8,tp=8,pp=4,recompute=full"`` (the CLI form), or a YAML file path."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a strategy is a Strategy, a dict or a string; got {type(text).__name__}"
+            )
+        if not text.strip():
+            raise SpecError(
+                "the strategy is empty; give key=value pairs (for example dp=8,tp=8) or a YAML"
+                " file"
+            )
         if os.path.exists(text) or text.endswith((".yaml", ".yml")):
             return cls.from_yaml(text)
         data: dict[str, Any] = {}
@@ -278,12 +363,23 @@ class Strategy:
                 + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             )
         if self.recompute != "none":
-            parts.append(f"rc-{self.recompute}")
+            layers = f"{self.recompute_num_layers}" if self.recompute_num_layers else ""
+            parts.append(f"rc-{self.recompute}{layers}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.zero_stage:
             parts.append(f"z{self.zero_stage}")
+        if self.cp > 1:
+            parts.insert(3, f"cp{self.cp}")
+        if self.pipeline_split is not None:
+            parts.append("split" + "_".join(map(str, self.pipeline_split)))
         parts.append(self.amp)
+        if self.fp8 != "none":
+            parts.append(f"fp8{self.fp8}")
+        if self.compile:
+            parts.append("compile")
+        if self.async_tp:
+            parts.append("asynctp")
         return "-".join(parts)
 
     def replace(self, **changes: Any) -> "Strategy":
@@ -298,3 +394,11 @@ def _parse_scalar(value: str) -> Any:
         return int(value)
     except ValueError:
         return value
+
+
+def _has_marker(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(line.strip() == MARKER for line in f.read(4096).splitlines())
+    except OSError:
+        return False

@@ -3,13 +3,15 @@
 Example:
     >>> from autosearch import Strategy
     >>> from autosearch.export import export
-    >>> out = export(Strategy(dp=4, tp=8, pp=2, global_batch_size=64, sequence_parallel=True), to="megatron")
+    >>> s = Strategy(dp=4, tp=8, pp=2, global_batch_size=64, sequence_parallel=True)
+    >>> out = export(s, to="megatron")
     >>> "--tensor-model-parallel-size 8" in out.text
     True
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from autosearch.core.errors import SpecError
@@ -19,6 +21,7 @@ from autosearch.export._megatron import MegatronExporter
 from autosearch.export._torchtitan import TorchTitanExporter
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
@@ -27,15 +30,93 @@ EXPORTERS: dict[str, Exporter] = {
 }
 
 
-def export(strategy: "Strategy", *, to: str, model: "ModelSpec | None" = None) -> Exported:
-    """`strategy` in the words of runtime `to` (``megatron``, ``deepspeed`` or ``torchtitan``)."""
+def export(
+    strategy: "Strategy",
+    *,
+    to: str,
+    model: "ModelSpec | None" = None,
+    cluster: "Cluster | None" = None,
+) -> Exported:
+    """`strategy` in the words of runtime `to` (``megatron``, ``deepspeed`` or ``torchtitan``);
+    `model` adds the model's shape, `cluster` the launch command."""
     try:
         exporter = EXPORTERS[to.lower()]
     except KeyError:
         raise SpecError(
             f"unknown runtime {to!r} to export to; choose one of {', '.join(EXPORTERS)}"
         ) from None
-    return exporter.export(strategy, model=model)
+    return exporter.export(strategy, model=model, cluster=cluster)
+
+
+def megatron_args(
+    model: "ModelSpec", strategy: "Strategy", cluster: "Cluster | None" = None
+) -> str:
+    """Megatron-LM's `pretrain_gpt.py` argument list for `model` trained with `strategy`."""
+    return export(strategy, to="megatron", model=model, cluster=cluster).text
+
+
+def deepspeed_config(
+    model: "ModelSpec", strategy: "Strategy", cluster: "Cluster | None" = None
+) -> str:
+    """DeepSpeed's `ds_config.json` for `strategy` (the launch line is `deepspeed_launch`)."""
+    return export(strategy, to="deepspeed", model=model, cluster=cluster).text
+
+
+def deepspeed_launch(
+    model: "ModelSpec", strategy: "Strategy", cluster: "Cluster | None" = None
+) -> str:
+    """The `deepspeed` launcher line that runs a script with `deepspeed_config`'s file."""
+    return export(strategy, to="deepspeed", model=model, cluster=cluster).command
+
+
+def torchtitan_toml(
+    model: "ModelSpec", strategy: "Strategy", cluster: "Cluster | None" = None
+) -> str:
+    """torchtitan's job-config TOML for `model` trained with `strategy`."""
+    return export(strategy, to="torchtitan", model=model, cluster=cluster).text
+
+
+def write_exports(
+    out_dir: "str | os.PathLike",
+    strategy: "Strategy",
+    *,
+    model: "ModelSpec | None" = None,
+    cluster: "Cluster | None" = None,
+    to: "tuple[str, ...] | None" = None,
+) -> list[str]:
+    """Write what each runtime takes, next to best_strategy.yaml: `megatron.sh`,
+    `ds_config.json` with `deepspeed_launch.sh`, `torchtitan.toml`. Shell and TOML files carry
+    the caveats as comments; each file is written whole (a temporary file, then renamed).
+
+    Returns:
+        the paths written.
+    """
+    folder = os.fspath(out_dir)
+    os.makedirs(folder, exist_ok=True)
+    written = []
+    for name in to or tuple(EXPORTERS):
+        out = export(strategy, to=name, model=model, cluster=cluster)
+        files = {}
+        if name == "megatron":
+            files["megatron.sh"] = "#!/usr/bin/env bash\n" + out.render()
+        elif name == "deepspeed":
+            files["ds_config.json"] = out.text.rstrip() + "\n"
+            caveats = out.render()[len(out.text.rstrip()) :].strip("\n").replace("//", "#")
+            files["deepspeed_launch.sh"] = (
+                "#!/usr/bin/env bash\n" + caveats + "\n" + out.command + "\n"
+            )
+        else:
+            files[out.filename] = out.render()
+        for filename, text in files.items():
+            path = os.path.join(folder, filename)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            if filename.endswith(".sh"):
+                os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+            written.append(path)
+    return written
 
 
 __all__ = [
@@ -45,5 +126,10 @@ __all__ = [
     "Exporter",
     "MegatronExporter",
     "TorchTitanExporter",
+    "deepspeed_config",
+    "deepspeed_launch",
     "export",
+    "megatron_args",
+    "torchtitan_toml",
+    "write_exports",
 ]

@@ -1,4 +1,9 @@
-"""DeepSpeed (the `ds_config.json` passed to `deepspeed.initialize`)."""
+"""DeepSpeed: the `ds_config.json` passed to `deepspeed.initialize`, and the `deepspeed` launch
+line.
+
+Every key was checked against DeepSpeed 0.19.8 (installed with DS_BUILD_OPS=0 and
+`pip install --no-deps`, read, not imported); `KEYS` cites the file of each.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,48 @@ import json
 
 from autosearch.export._base import Exported, Exporter
 
+# Config key path -> where DeepSpeed defines it. tests/test_export.py checks that every key an
+# export writes is here.
+KEYS: dict[str, str] = {
+    "train_batch_size": "deepspeed/runtime/constants.py TRAIN_BATCH_SIZE",
+    "train_micro_batch_size_per_gpu": "deepspeed/runtime/constants.py "
+    "TRAIN_MICRO_BATCH_SIZE_PER_GPU",
+    "gradient_accumulation_steps": "deepspeed/runtime/constants.py GRADIENT_ACCUMULATION_STEPS",
+    "zero_optimization": "deepspeed/runtime/zero/config.py ZERO_OPTIMIZATION",
+    "zero_optimization.stage": "deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.stage",
+    "bf16": "deepspeed/runtime/precision_config.py BFLOAT16",
+    "bf16.enabled": "deepspeed/runtime/constants.py BFLOAT16_ENABLED",
+    "fp16": "deepspeed/runtime/precision_config.py FP16",
+    "fp16.enabled": "deepspeed/runtime/constants.py FP16_ENABLED",
+    "fp16.loss_scale": "deepspeed/runtime/constants.py FP16_LOSS_SCALE",
+    "fp16.initial_scale_power": "deepspeed/runtime/constants.py FP16_INITIAL_SCALE_POWER",
+    "tensor_parallel": "deepspeed/runtime/tensor_parallel/config.py get_tensor_parallel_config",
+    "tensor_parallel.autotp_size": "deepspeed/runtime/tensor_parallel/config.py "
+    "TPTrainingConfig.autotp_size",
+    "pipeline": "deepspeed/runtime/config.py get_pipeline_config",
+    "pipeline.stages": "deepspeed/runtime/config.py get_pipeline_config default_pipeline",
+    "activation_checkpointing": "deepspeed/runtime/activation_checkpointing/config.py",
+    "activation_checkpointing.partition_activations": "activation_checkpointing/config.py "
+    "ACT_CHKPT_PARTITION_ACTIVATIONS",
+    "activation_checkpointing.contiguous_memory_optimization": "activation_checkpointing/"
+    "config.py ACT_CHKPT_CONTIGUOUS_MEMORY_OPTIMIZATION",
+    "activation_checkpointing.cpu_checkpointing": "activation_checkpointing/config.py "
+    "ACT_CHKPT_CPU_CHECKPOINTING",
+}
+# Launcher flags: deepspeed/launcher/runner.py (--num_nodes, --num_gpus, --hostfile) and
+# deepspeed/__init__.py _add_core_arguments (--deepspeed, --deepspeed_config).
+LAUNCH_FLAGS = ("--num_nodes", "--num_gpus", "--hostfile", "--deepspeed", "--deepspeed_config")
+
 
 class DeepSpeedExporter(Exporter):
     """A DeepSpeed JSON config. Batch sizes, ZeRO stage and precision live in the config; tensor
     parallel through AutoTP (`tensor_parallel.autotp_size`, DeepSpeed >= 0.16.4); pipeline stages
-    through `deepspeed.pipe.PipelineModule(num_stages=pp)` in the model code."""
+    through `deepspeed.pipe.PipelineModule(num_stages=pp)` in the model code (`pipeline.stages` in
+    the config records it). The model's shape is the user's code: DeepSpeed has no model keys."""
 
     name = "deepspeed"
 
-    def export(self, strategy, *, model=None) -> Exported:
+    def export(self, strategy, *, model=None, cluster=None) -> Exported:
         s = strategy
         cfg: dict = {
             "train_batch_size": s.global_batch_size,
@@ -23,7 +61,7 @@ class DeepSpeedExporter(Exporter):
             "zero_optimization": {"stage": s.zero_stage},
         }
         mapped = {"dp", "micro_batch_size", "global_batch_size", "amp"}
-        unsupported, notes = [], [f"data parallel = WORLD_SIZE / (tp*pp) = {s.dp}"]
+        unsupported, notes = [], [f"data parallel = WORLD_SIZE / (tp*pp*cp) = {s.dp}"]
         if s.amp == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif s.amp == "fp16":
@@ -32,9 +70,10 @@ class DeepSpeedExporter(Exporter):
             cfg["tensor_parallel"] = {"autotp_size": s.tp}
         mapped.add("tp")
         if s.pp > 1:
+            cfg["pipeline"] = {"stages": s.pp}
             notes.append(
-                f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={s.pp}); "
-                "the config has no pipeline degree"
+                f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, "
+                f"num_stages={s.pp}); the engine reads the degree from the module"
             )
         mapped.add("pp")
         if s.pp > 1 and s.zero_stage >= 2:
@@ -70,10 +109,11 @@ class DeepSpeedExporter(Exporter):
                 "cpu_checkpointing": False,
             }
             notes.append(
-                "full recompute: wrap each block in deepspeed.checkpointing.checkpoint in the model code"
+                "full recompute: wrap each block in deepspeed.checkpointing.checkpoint in the "
+                "model code"
             )
             mapped.add("recompute")
-        elif s.recompute == "selective":
+        elif s.recompute in ("selective", "selective_op"):
             unsupported.append(
                 (
                     "recompute",
@@ -93,10 +133,56 @@ class DeepSpeedExporter(Exporter):
             )
         else:
             mapped.add("sequence_parallel")
+        # Axes DeepSpeed's config cannot express; each is mapped when it is off.
+        for field, on, why in (
+            (
+                "cp",
+                s.cp > 1,
+                "no ring context parallel; DeepSpeed-Ulysses splits the sequence another way",
+            ),
+            (
+                "recompute_num_layers",
+                s.recompute_num_layers is not None,
+                "which blocks are checkpointed is the training script's choice, not a config key",
+            ),
+            (
+                "pipeline_split",
+                s.pipeline_split is not None,
+                "the layer split is PipelineModule(partition_method=...) in the model code",
+            ),
+            ("fp8", s.fp8 != "none", "fp8 matmuls come from TransformerEngine in the model code"),
+            ("compile", s.compile, "no config key: call engine.compile() after initialize"),
+            ("async_tp", s.async_tp, "AutoTP does not overlap its collectives with the matmuls"),
+        ):
+            if on:
+                unsupported.append((field, why))
+            else:
+                mapped.add(field)
+        if model is not None:
+            notes.append(
+                f"the model ({model.name}: {model.n_layers} layers, hidden {model.hidden_size}, "
+                f"{model.n_heads} heads, seq {model.seq_len}) is built by your training script; "
+                "DeepSpeed's config has no model keys"
+            )
         return Exported(
             self.name,
             json.dumps(cfg, indent=2),
             frozenset(mapped),
             tuple(unsupported),
             tuple(notes),
+            command=launch_command(s, cluster),
+            filename="ds_config.json",
         )
+
+
+def launch_command(strategy, cluster=None) -> str:
+    """The `deepspeed` launcher line for `ds_config.json` (TRAIN_SCRIPT is the user's)."""
+    if cluster is not None:
+        nodes, per_node = cluster.n_nodes, cluster.gpus_per_node
+    else:
+        nodes, per_node = 1, strategy.world_size
+    hostfile = " --hostfile hostfile" if nodes > 1 else ""
+    return (
+        f"deepspeed --num_nodes {nodes} --num_gpus {per_node}{hostfile} TRAIN_SCRIPT.py "
+        "--deepspeed --deepspeed_config ds_config.json"
+    )

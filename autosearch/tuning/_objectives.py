@@ -62,6 +62,40 @@ class Throughput(Objective):
 
 
 @dataclass(frozen=True)
+class ThroughputPessimistic(Objective):
+    """Maximize the pessimistic end of the throughput band: tokens per second if the run is as
+    slow as 95% of the published and measured runs of its kind allow (the band's upper step
+    time, autosearch/core/bands.py). A strategy of a kind without evidence (an extrapolation)
+    is taken at the worst band any kind has. Where the model is on firm ground this ranks as
+    `throughput`; it stops the search from walking into the regimes where the model is most
+    optimistic."""
+
+    name: str = "throughput-pessimistic"
+    directions: tuple[str, ...] = ("maximize",)
+    value_names: tuple[str, ...] = ("pessimistic_tokens_per_s",)
+
+    def values(self, report: "CostReport") -> tuple[float, ...]:
+        return (pessimistic_tokens_per_s(report),)
+
+    def better(self, a: "CostReport", b: "CostReport | None") -> bool:
+        if b is None or a.fits != b.fits or not a.fits:
+            return super().better(a, b)
+        return (pessimistic_tokens_per_s(a), -a.peak_memory_bytes) > (
+            pessimistic_tokens_per_s(b), -b.peak_memory_bytes
+        )
+
+
+def pessimistic_tokens_per_s(report: "CostReport") -> float:
+    """Throughput at the slow end of the report's band (the worst known band if it has none)."""
+    from autosearch.core.bands import error_bands
+
+    band = report.band
+    if band is not None and not band.extrapolation:
+        return report.tokens_per_s / band.high
+    return report.tokens_per_s / error_bands().worst_high
+
+
+@dataclass(frozen=True)
 class ThroughputMemory(Objective):
     """Maximize tokens per second and minimize peak memory per device (Pareto front)."""
 
@@ -95,7 +129,7 @@ class ThroughputCost(Objective):
         )
 
 
-OBJECTIVES = ("throughput", "throughput-memory", "throughput-cost")
+OBJECTIVES = ("throughput", "throughput-pessimistic", "throughput-memory", "throughput-cost")
 
 
 def usd_per_million_tokens(
@@ -112,6 +146,8 @@ def make_objective(
     key = {"memory": "throughput-memory", "cost": "throughput-cost"}.get(name, name)
     if key == "throughput":
         return Throughput()
+    if key == "throughput-pessimistic":
+        return ThroughputPessimistic()
     if key == "throughput-memory":
         return ThroughputMemory()
     if key == "throughput-cost":

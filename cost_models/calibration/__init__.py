@@ -1,5 +1,7 @@
 """Calibration: microbenchmarks of a real machine, fitted (scipy) into a hardware profile, and the
-refit of correction terms from measured training runs.
+refit of correction terms from measured training runs. Every calibrated profile carries the
+verdict of its own checks (`calibration.quality`); `quality_problems(profile)` says why one must
+not be trusted.
 
 Importing this package is cheap and never imports torch: the names below load their module on
 first use (PEP 562), and the benchmarks run in worker processes (`_worker.py`, `microbench.py`),
@@ -7,7 +9,8 @@ which therefore do not pay for scipy and pandas either.
 
 Example:
     >>> from cost_models.calibration import fit_alpha_beta
-    >>> f = fit_alpha_beta(["send_recv"] * 3, [2] * 3, [1e3, 1e6, 1e8], [1.01e-4, 1.1e-3, 1.0001e-1])
+    >>> f = fit_alpha_beta(["send_recv"] * 3, [2] * 3, [1e3, 1e6, 1e8],
+    ...                    [1.01e-4, 1.1e-3, 1.0001e-1])
     >>> round(f.bandwidth_bytes_per_s / 1e9, 1)
     1.0
 """
@@ -35,6 +38,7 @@ _EXPORTS = {
         "fit_quality",
     ),
     "cost_models.calibration.profile": ("build_profile", "catalog_profile_for"),
+    "cost_models.calibration.quality": ("Quality", "assess_quality", "quality_problems"),
     "cost_models.calibration.refit": ("RefitResult", "TERM_GROUPS", "refit_corrections"),
     "cost_models.calibration.runner": ("Plan", "make_plan"),
 }

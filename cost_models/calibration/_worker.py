@@ -1,5 +1,5 @@
-"""One calibration process: `python -m cost_models.calibration._worker PLAN.json OUT.json`, alone or
-under torchrun (one per rank). Runs the suites the plan names and rank 0 writes the rows.
+"""One calibration process: `python -m cost_models.calibration._worker PLAN.json OUT.json`,
+alone or under torchrun (one per rank). Runs the suites the plan names and rank 0 writes the rows.
 
 Ends with destroy_process_group + flush + os._exit: gloo worker threads can abort the interpreter
 at exit otherwise (shared/notes/torch-on-this-machine.md, "crash at process exit").
@@ -31,10 +31,10 @@ def main(plan_path: str, out_path: str) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(int(plan["threads"]))
     if world > 1:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            **({"device_id": device} if device.type == "cuda" else {}),
-        )
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     timer = mb.Timer(
         device, budget_s=plan["budget_s"], min_reps=plan["min_reps"], max_reps=plan["max_reps"]
     )

@@ -1,4 +1,4 @@
-"""`calibrate()`: measure this machine and write its hardware profile (what `autosearch calibrate` runs).
+"""`calibrate()`: measure this machine and write its hardware profile (`autosearch calibrate`).
 
 Example:
     >>> from cost_models.calibration import calibrate
@@ -19,7 +19,7 @@ import pandas as pd
 
 from autosearch.core._io import read_yaml_mapping
 from autosearch.core.errors import SpecError
-from autosearch.core.hardware import HardwareProfile
+from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
 from cost_models.calibration.profile import build_profile
 from cost_models.calibration.runner import (
     _loadavg,
@@ -36,10 +36,14 @@ class CalibrationResult:
     """What one calibration wrote.
 
     profile: the main profile (on CPU: the largest world size, i.e. processes per node).
-    profile_path: its YAML file.
+    profile_path: its YAML file (`<out>.untrusted.yaml` when the checks failed and the
+        calibration was not told to accept that).
     variants: on CPU, {processes per node: YAML path} for every other world size measured (a
         process's threads, hence its compute rates, depend on how many share the cores).
     measurements_path: the raw measurements CSV.
+    trusted: every profile written passed the quality checks (`calibration.quality`).
+    problems, warnings: of every profile written, each prefixed with the profile's name when
+        several were written.
     """
 
     profile: HardwareProfile
@@ -47,6 +51,12 @@ class CalibrationResult:
     measurements_path: str
     measurements: pd.DataFrame = field(repr=False)
     variants: dict[int, str] = field(default_factory=dict)
+    trusted: bool = True
+    problems: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+UNTRUSTED_SUFFIX = ".untrusted"
 
 
 def default_world_sizes(device: str) -> list[int]:
@@ -68,9 +78,18 @@ def calibrate(
     statistic: str = "median",
     timeout_s: float | None = None,
     from_csv: str | None = None,
+    accept_untrusted: bool = False,
     log: Callable[[str], None] = print,
 ) -> CalibrationResult:
-    """Run the microbenchmarks, fit them, and write `out` (YAML) and the raw CSV next to it.
+    """Run the microbenchmarks, fit them, check them, and write `out` (YAML) and the raw CSV
+    next to it.
+
+    Every profile carries the verdict of its checks in `calibration.quality` (see
+    `cost_models.calibration.quality`). When a check fails, the files are written with
+    `.untrusted` before their extension (`cpu.untrusted.yaml`, `cpu.untrusted.csv`), so that
+    nothing measured is lost and no search picks them up by the trusted name, and the result
+    says `trusted=False`; `accept_untrusted=True` writes them under the names asked for (the
+    problems stay in the profile).
 
     Args:
         device: "auto" (CUDA if torch sees a GPU, else CPU), "cuda" or "cpu".
@@ -84,22 +103,22 @@ def calibrate(
             worker past it is stopped and the calibration fails with that message.
         from_csv: fit the measurements of an earlier calibration (its CSV; the machine description
             is read from the profile YAML next to it) instead of measuring again.
+        accept_untrusted: write a profile that failed its checks under the trusted name.
     """
     if statistic not in ("median", "min"):
         raise SpecError(f"statistic must be median or min, got {statistic!r}")
     if not str(out).endswith((".yaml", ".yml")):
         raise SpecError(f"--out must be a .yaml file, got {out!r}")
     name = name or os.path.splitext(os.path.basename(out))[0]
-    folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stem = os.path.splitext(os.path.abspath(out))[0]
-    csv_path = stem + ".csv"
     if from_csv is not None:
         df, machine = _earlier_measurements(from_csv)
         device = str(df["device"].iloc[0])
         world_sizes = sorted(int(w) for w in df["world_size"].dropna().unique())
         log(
-            f"calibrate: fitting the measurements of {from_csv} ({len(df)} rows, world sizes {world_sizes})"
+            f"calibrate: fitting the measurements of {from_csv} ({len(df)} rows, "
+            f"world sizes {world_sizes})"
         )
     else:
         device = resolve_device(device)
@@ -117,52 +136,110 @@ def calibrate(
         machine["load_average_at_end"] = _loadavg()
         machine["world_sizes"] = world_sizes
         machine["quick"] = quick
-    if os.path.abspath(from_csv or "") != csv_path:
-        df.to_csv(csv_path, index=False)
-    machine["measurements_csv"] = os.path.basename(csv_path)
 
-    if device == "cuda":
-        targets = {
-            max(world_sizes): (os.path.abspath(out), name, 1, int(machine.get("device_count", 1)))
+    targets = _targets(device, world_sizes, machine, name)
+    try:
+        profiles = {
+            ws: build_profile(
+                df,
+                name=pname,
+                machine={**machine, "measurements_csv": None},
+                compute_world_size=compute_ws,
+                gpus_per_node=gpn,
+                statistic=statistic,
+            )[0]
+            for ws, (pname, compute_ws, gpn) in targets.items()
         }
-    else:
-        targets = {}
-        for ws in world_sizes:
-            main = ws == max(world_sizes)
-            path = os.path.abspath(out) if main else f"{stem}-np{ws}.yaml"
-            targets[ws] = (path, name if main else f"{name}-np{ws}", ws, ws)
-    variants = {ws: t[0] for ws, t in targets.items() if t[0] != os.path.abspath(out)}
-    profile = None
-    for ws, (path, pname, compute_ws, gpn) in targets.items():
-        prof, _ = build_profile(
-            df,
-            name=pname,
-            machine=machine,
-            compute_world_size=compute_ws,
-            gpus_per_node=gpn,
-            statistic=statistic,
-        )
-        if path == os.path.abspath(out) and variants:
+    except Exception:
+        _write_csv(df, from_csv, stem + UNTRUSTED_SUFFIX + ".csv", log)  # lose nothing measured
+        raise
+    problems, warnings = _verdict(profiles)
+    trusted = not problems
+    marker = "" if trusted or accept_untrusted else UNTRUSTED_SUFFIX
+    csv_path = stem + marker + ".csv"
+    _write_csv(df, from_csv, csv_path, log)
+    main_ws = max(targets)
+    paths = {ws: stem + ("" if ws == main_ws else f"-np{ws}") + marker + ".yaml" for ws in targets}
+    variants = {ws: p for ws, p in paths.items() if ws != main_ws}
+    for ws, prof in profiles.items():
+        prof.calibration["machine"]["measurements_csv"] = os.path.basename(csv_path)
+        if not trusted and accept_untrusted:
+            prof.calibration["quality"]["accepted_untrusted"] = True
+        if ws == main_ws and variants:
             prof.calibration["variants"] = {
                 int(w): os.path.basename(p) for w, p in variants.items()
             }
-        write_profile(prof, path)
+        write_profile(prof, paths[ws])
+        log(f"calibrate: wrote {paths[ws]}")
+    _log_verdict(problems, warnings, trusted, accept_untrusted, paths[main_ws], log)
+    # Read back (not through the load cache: the file may be new).
+    path = paths[main_ws]
+    profile = HardwareProfile.from_dict(
+        read_yaml_mapping(path, what="calibrated profile"),
+        what=f"calibrated profile {path!r}",
+        path=path,
+    )
+    return CalibrationResult(
+        profile, path, csv_path, df, variants, trusted, tuple(problems), tuple(warnings)
+    )
+
+
+def _targets(
+    device: str, world_sizes: list[int], machine: dict, name: str
+) -> dict[int, tuple[str, int, int]]:
+    """{world size: (profile name, compute world size, devices per node)} of the profiles to
+    write: on a GPU one (compute measured on one GPU, links over all); on a CPU one per world
+    size, the largest under `name`."""
+    if device == "cuda":
+        return {max(world_sizes): (name, 1, int(machine.get("device_count", 1)))}
+    top = max(world_sizes)
+    return {ws: (name if ws == top else f"{name}-np{ws}", ws, ws) for ws in world_sizes}
+
+
+def _verdict(profiles: dict[int, HardwareProfile]) -> tuple[list[str], list[str]]:
+    """Every profile's problems and warnings, each once, prefixed with its profile's name unless
+    every profile has it."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    for prof in profiles.values():
+        q = prof.calibration["quality"]
+        for key, dst in (("problems", problems), ("warnings", warnings)):
+            for msg in q[key]:
+                everywhere = all(msg in p.calibration["quality"][key] for p in profiles.values())
+                text = msg if everywhere else f"{prof.name}: {msg}"
+                if text not in dst:
+                    dst.append(text)
+    return problems, warnings
+
+
+def _log_verdict(problems, warnings, trusted, accepted, path, log) -> None:
+    for msg in warnings:
+        log(f"calibrate: WARNING {msg}")
+    for msg in problems:
+        log(f"calibrate: PROBLEM {msg}")
+    if trusted:
+        log("calibrate: quality checks passed" + (" (with warnings)" if warnings else ""))
+    elif accepted:
+        log(
+            f"calibrate: UNTRUSTED: {len(problems)} problem(s), written as {path} because "
+            "untrusted profiles were accepted; a search that checks quality will refuse it"
+        )
+    else:
+        log(
+            f"calibrate: UNTRUSTED: {len(problems)} problem(s); the profile was written as {path} "
+            "so that no search uses it (pass --accept-untrusted to write it under the asked name)"
+        )
+
+
+def _write_csv(df: pd.DataFrame, from_csv: str | None, path: str, log) -> None:
+    if os.path.abspath(from_csv or "") != path:
+        df.to_csv(path, index=False)
         log(f"calibrate: wrote {path}")
-        if path == os.path.abspath(
-            out
-        ):  # read back (not through the load cache: the file may be new)
-            profile = HardwareProfile.from_dict(
-                read_yaml_mapping(path, what="calibrated profile"),
-                what=f"calibrated profile {path!r}",
-                path=path,
-            )
-    log(f"calibrate: wrote {csv_path}")
-    assert profile is not None
-    return CalibrationResult(profile, os.path.abspath(out), csv_path, df, variants)
 
 
 def _earlier_measurements(csv_path: str) -> tuple[pd.DataFrame, dict]:
-    """The measurements CSV of an earlier run and the machine it was measured on (from its YAML)."""
+    """The measurements CSV of an earlier run and the machine it was measured on (from the
+    profile YAML written with it)."""
     if not os.path.exists(csv_path):
         raise SpecError(f"--from-csv {csv_path!r} does not exist")
     df = pd.read_csv(csv_path)
@@ -173,7 +250,8 @@ def _earlier_measurements(csv_path: str) -> tuple[pd.DataFrame, dict]:
     yaml_path = os.path.splitext(csv_path)[0] + ".yaml"
     if not os.path.exists(yaml_path):
         raise SpecError(
-            f"--from-csv needs the profile written with it ({yaml_path}) for the machine description"
+            f"--from-csv needs the profile written with it ({yaml_path}) for the machine "
+            "description"
         )
     machine = dict(
         (read_yaml_mapping(yaml_path, what="calibrated profile").get("calibration") or {}).get(
@@ -193,13 +271,13 @@ def _check_world_sizes(device: str, world_sizes: list[int], log: Callable[[str],
         n = torch.cuda.device_count()
         if max(world_sizes) > n:
             raise SpecError(
-                f"world size {max(world_sizes)} needs {max(world_sizes)} GPUs, this machine has {n}; "
-                f"pass --world-sizes with values <= {n}"
+                f"world size {max(world_sizes)} needs {max(world_sizes)} GPUs, this machine has "
+                f"{n}; pass --world-sizes with values <= {n}"
             )
     elif max(world_sizes) > cpu_cores():
         log(
-            f"calibrate: warning: {max(world_sizes)} processes on {cpu_cores()} cores oversubscribe the CPU; "
-            "the measurements will show it"
+            f"calibrate: warning: {max(world_sizes)} processes on {cpu_cores()} cores "
+            "oversubscribe the CPU; the measurements will show it"
         )
 
 
@@ -208,16 +286,23 @@ def write_profile(profile: HardwareProfile, path: str) -> None:
     cal = profile.calibration
     defaults = cal.get("defaults", {})
     machine = cal.get("machine", {})
+    quality = cal.get("quality") or {}
     lines = [
-        f"# Hardware profile written by `autosearch calibrate` on {machine.get('date')}.",
+        f"{PROFILE_MARKER} on {machine.get('date')}.",
         f"# Device: {profile.description}",
-        f"# torch {machine.get('torch')}, python {machine.get('python')}, backend {machine.get('backend')}; "
-        f"load average {machine.get('load_average_at_start')} -> {machine.get('load_average_at_end')}",
+        f"# torch {machine.get('torch')}, python {machine.get('python')}, backend "
+        f"{machine.get('backend')}; load average {machine.get('load_average_at_start')} -> "
+        f"{machine.get('load_average_at_end')}",
         f"# Measured: {', '.join(profile.measured)}",
         "# Defaults (not measured): "
         + ("; ".join(f"{k}: {v}" for k, v in defaults.items()) or "none"),
         f"# Peak: {cal.get('peak_definition')}",
-        f"# Raw measurements: {machine.get('measurements_csv')}; fit forms and quality under `calibration.fits`.",
+        f"# Raw measurements: {machine.get('measurements_csv')}; fit forms and quality under "
+        "`calibration.fits`.",
+        "# Quality: "
+        + ("TRUSTED" if quality.get("ok") else "UNTRUSTED")
+        + "".join(f"\n#   problem: {p}" for p in quality.get("problems", []))
+        + "".join(f"\n#   warning: {w}" for w in quality.get("warnings", [])),
     ]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n" + profile.to_yaml())

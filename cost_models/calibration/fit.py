@@ -5,14 +5,16 @@ six orders of magnitude, and an absolute least-squares fit would ignore everythi
 largest points. Fit quality is reported the same way for every fit (`FitQuality`): R^2 of
 log(time), the worst and the median relative residual, and the number of points.
 
-The model forms are the ones `cost_models.analytic` consumes, so that what is fitted is what the
-cost model uses:
-- GEMM (`autosearch.core.hardware.GemmEfficiency`): t = launch + 2mnk/(peak * eff_p) * (1 + h/m + h/n + h/k),
-  backward = 2 x forward (dgrad + wgrad, as `AnalyticCostModel._layer_costs` assumes).
-- Fused attention: t_fwd = launch + F/(peak * eff_p), t_bwd = 2.5 t_fwd (FLASH_BWD_OVER_FWD).
-- Streaming memory: t = launch + bytes / bandwidth (McCalpin's STREAM, arrays >= 4x the last-level cache).
-- Collectives, alpha-beta of ring algorithms (Thakur et al. 2005; `cost_models.formulas`):
-  t = a_op(n) * alpha + b_op(n) * S / beta.
+The model forms are the cost model's own functions, called here, so that what is fitted is what
+the cost model uses:
+- GEMM: `GemmEfficiency.time_s` (autosearch.core.hardware), t = launch + 2mnk / (peak * eff_p)
+  * (1 + h/m + h/n + h/k); a backward costs `gemm.backward_over_forward` x its forward.
+- Fused attention: t_fwd = launch + F / (peak * eff_p) with F the causal forward FLOPs
+  (`cost_models.analytic.CAUSAL_FRACTION`), t_bwd = `attention.backward_over_forward` x t_fwd.
+- Streaming memory: t = launch + bytes / bandwidth (McCalpin's STREAM, arrays >= 4x the
+  last-level cache).
+- Collectives: the ring alpha-beta functions of `cost_models.formulas` (Thakur et al. 2005),
+  t = a_op(n) * alpha + b_op(n) * S / beta, with (a, b) read off those functions.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import least_squares
 
-# Backward over forward time, as the analytic model assumes them (cost_models/analytic.py).
-GEMM_BWD_OVER_FWD = 2.0
-ATTENTION_BWD_OVER_FWD = 2.5
-ATTENTION_CAUSAL_FRACTION = 0.5
+from autosearch.core.hardware import GemmEfficiency
+from cost_models import formulas
+from cost_models.analytic import CAUSAL_FRACTION
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class FitQuality:
         }
 
 
-def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> FitQuality:
+def fit_quality(predicted: ArrayLike, measured: ArrayLike) -> FitQuality:
     p = np.asarray(predicted, dtype=float)
     y = np.asarray(measured, dtype=float)
     lp, ly = np.log(p), np.log(y)
@@ -101,15 +103,25 @@ def gemm_time_s(
     launch_s: float,
     multiplier=1.0,
 ) -> np.ndarray:
-    m, n, k = (np.asarray(x, dtype=float) for x in (m, n, k))
-    rate = np.array([rate_flops[p] for p in np.atleast_1d(precision)], dtype=float)
-    shape = 1.0 + half_dim * (1.0 / m + 1.0 / n + 1.0 / k)
-    return np.asarray(multiplier, dtype=float) * (launch_s + 2.0 * m * n * k / rate * shape)
+    """`GemmEfficiency.time_s`, the cost model's GEMM time, for arrays of shapes and precisions.
+
+    rate_flops[p] stands for peak * max_efficiency[p]: the function is evaluated with peak 1 and
+    max_efficiency = the rates. `multiplier` scales the whole time (1 + backward_over_forward for
+    a forward + backward pair)."""
+    m, n, k = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (m, n, k))
+    prec = np.broadcast_to(np.atleast_1d(np.asarray(precision, dtype=object)), m.shape)
+    gemm = GemmEfficiency(max_efficiency=dict(rate_flops), half_dim=half_dim, launch_s=launch_s)
+    t = np.empty(m.shape)
+    for p in set(prec.tolist()):
+        sel = prec == p
+        t[sel] = gemm.time_s(m[sel], n[sel], k[sel], 1.0, p)
+    return np.asarray(multiplier, dtype=float) * t
 
 
 def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     """Fit one asymptotic rate per precision, and one half_dim and launch_s shared by all
-    (the GemmEfficiency form). `multiplier` is 1 for forward GEMMs and 2 for the backward pair."""
+    (the GemmEfficiency form). `multiplier` scales each point's time: 1 for a forward GEMM,
+    r for its backward, 1 + r for both (r = gemm.backward_over_forward)."""
     m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
     prec = np.asarray(precision, dtype=object)
     mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
@@ -124,12 +136,11 @@ def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     x0 = np.concatenate([np.log(rate0), [np.log(16.0), np.log(max(t.min() / 4, 1e-9))]])
 
     def unpack(x):
-        return np.exp(x[: len(names)]), np.exp(x[-2]), np.exp(x[-1])
+        return dict(zip(names, np.exp(x[: len(names)]))), np.exp(x[-2]), np.exp(x[-1])
 
     def resid(x):
-        rate, hd, launch = unpack(x)
-        pred = mult * (launch + flops / rate[idx] * (1 + hd * (1 / m + 1 / n + 1 / k)))
-        return np.log(pred / t)
+        rates, hd, launch = unpack(x)
+        return np.log(gemm_time_s(m, n, k, rates, prec, hd, launch, mult) / t)
 
     sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
     rate, hd, launch = unpack(sol.x)
@@ -140,7 +151,7 @@ def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
         if np.sum(idx == i) >= 2
     }
     return GemmFit(
-        {p: float(rate[i]) for i, p in enumerate(names)},
+        {p: float(rate[p]) for p in names},
         float(hd),
         float(launch),
         fit_quality(pred, t),
@@ -165,12 +176,13 @@ def attention_flops(batch, heads, seq_len, head_dim, *, causal: bool = True) -> 
     """Forward FLOPs of QK^T and softmax(.)V: 4 b a s^2 d, halved with a causal mask
     (as AnalyticCostModel counts them, CAUSAL_FRACTION)."""
     b, a, s, d = (np.asarray(x, dtype=float) for x in (batch, heads, seq_len, head_dim))
-    return 4.0 * b * a * s * s * d * (ATTENTION_CAUSAL_FRACTION if causal else 1.0)
+    return 4.0 * b * a * s * s * d * (CAUSAL_FRACTION if causal else 1.0)
 
 
 def fit_attention(flops, time_s, *, launch_s: float, multiplier=1.0) -> AttentionFit:
-    """Fit one rate to t = multiplier * (launch + F / rate), F the forward FLOPs; multiplier 1 for a
-    forward, 2.5 for a backward, 3.5 for both (the model's FLASH_BWD_OVER_FWD)."""
+    """Fit one rate to t = multiplier * (launch + F / rate), F the forward FLOPs; multiplier 1 for
+    a forward, r for a backward, 1 + r for both (r = the profile's
+    attention.backward_over_forward)."""
     f, t = np.asarray(flops, dtype=float), np.asarray(time_s, dtype=float)
     _check(t, "attention fit", min_points=1)
     mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
@@ -224,16 +236,21 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def collective_coefficients(op: str, group: int) -> tuple[float, float]:
-    """(a, b) such that t = a alpha + b S / beta for a ring over `group` ranks, S the full buffer
+    """(a, b) such that t = a alpha + b S / beta for `op` over `group` ranks, S the full buffer
     (all-reduce input, all-gather output, reduce-scatter input; one message for send/recv).
-    The same formulas as cost_models.formulas (Thakur, Rabenseifner & Gropp 2005, sec. 4)."""
-    n = float(group)
-    if op == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return n - 1, (n - 1) / n
+
+    Read off the cost model's own functions (`cost_models.formulas`, Thakur, Rabenseifner &
+    Gropp 2005, sec. 4), which are linear in alpha and 1/beta: a = t(S=0, alpha=1),
+    b = t(S=1, alpha=0, beta=1). For a ring all-reduce, (2(n-1), 2(n-1)/n)."""
+    ring = {
+        "all_reduce": formulas.ring_all_reduce_time_s,
+        "all_gather": formulas.ring_all_gather_time_s,
+        "reduce_scatter": formulas.ring_reduce_scatter_time_s,
+    }
     if op == "send_recv":
-        return 1.0, 1.0
+        return formulas.p2p_time_s(0.0, 1.0, 1.0), formulas.p2p_time_s(1.0, 0.0, 1.0)
+    if op in ring:
+        return ring[op](0.0, group, 1.0, 1.0), ring[op](1.0, group, 0.0, 1.0)
     raise ValueError(f"unknown collective {op!r}; expected one of {COLLECTIVES}")
 
 

@@ -13,6 +13,7 @@ is the same on all ranks, and the ranks stay in lock-step without further coordi
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -22,6 +23,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from autosearch.core.hardware import ATTENTION_BACKWARD_OVER_FORWARD, GEMM_BACKWARD_OVER_FORWARD
+from cost_models.analytic import CAUSAL_FRACTION
 
 DTYPES = {
     "fp32": torch.float32,
@@ -79,7 +83,8 @@ class Timer:
     def measure(
         self, fn: Callable[[], Any], *, barrier_each: bool = False, warmup: int = 1
     ) -> dict[str, float]:
-        """Median, minimum and number of timed calls of `fn`, agreed over ranks."""
+        """Median, minimum, coefficient of variation (standard deviation / mean) and number of
+        timed calls of `fn`, each the maximum over ranks."""
         self.barrier()
         warm = 0.0
         for _ in range(warmup):
@@ -93,8 +98,9 @@ class Timer:
             if barrier_each:
                 self.barrier()
             times.append(self.once(fn))
-        med, best = self.agree_max([statistics.median(times), min(times)])
-        return {"time_s": med, "time_min_s": best, "reps": reps}
+        cv = statistics.pstdev(times) / statistics.fmean(times) if len(times) > 1 else 0.0
+        med, best, cv = self.agree_max([statistics.median(times), min(times), cv])
+        return {"time_s": med, "time_min_s": best, "time_cv": cv, "reps": reps}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +123,7 @@ def launch_overhead(timer: Timer, *, calls: int = 200) -> list[dict[str, Any]]:
             "op": "tiny_add",
             "time_s": r["time_s"] / calls,
             "time_min_s": r["time_min_s"] / calls,
+            "time_cv": r["time_cv"],  # of the bursts
             "reps": r["reps"] * calls,
         }
     ]
@@ -171,10 +178,12 @@ def gemm(
             x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
             w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
             with torch.no_grad():
-                fwd = timer.measure(lambda: F.linear(x, w))
+                fwd = timer.measure(functools.partial(F.linear, x, w))
             y = F.linear(x, w)
             g = torch.randn_like(y)
-            bwd = timer.measure(lambda: torch.autograd.grad(y, (x, w), g, retain_graph=True))
+            bwd = timer.measure(
+                functools.partial(torch.autograd.grad, y, (x, w), g, retain_graph=True)
+            )
             for op, r in (("linear_fwd", fwd), ("linear_bwd", bwd)):
                 rows.append(
                     {
@@ -184,7 +193,7 @@ def gemm(
                         "m": m,
                         "n": n,
                         "k": k,
-                        "flops": flops * (2 if op == "linear_bwd" else 1),
+                        "flops": flops * (GEMM_BACKWARD_OVER_FORWARD if op == "linear_bwd" else 1),
                         **r,
                     }
                 )
@@ -208,9 +217,9 @@ def memory(timer: Timer, *, array_bytes: Iterable[int]) -> list[dict[str, Any]]:
         b = torch.ones(n, device=timer.device)
         c = torch.empty(n, device=timer.device)
         ops = {
-            "copy": (lambda: c.copy_(a), 2),
-            "add": (lambda: torch.add(a, b, out=c), 3),
-            "triad": (lambda: torch.add(a, b, alpha=3.0, out=c), 3),
+            "copy": (functools.partial(c.copy_, a), 2),
+            "add": (functools.partial(torch.add, a, b, out=c), 3),
+            "triad": (functools.partial(torch.add, a, b, alpha=3.0, out=c), 3),
         }
         for op, (fn, arrays) in ops.items():
             r = timer.measure(fn, warmup=2)
@@ -249,7 +258,7 @@ def attention(
         dtype = DTYPES[precision]
         rate = None
         for b, h, s, d in configs:
-            flops = 4.0 * b * h * s * s * d * 0.5
+            flops = 4.0 * b * h * s * s * d * CAUSAL_FRACTION
             base = {
                 "kind": "attention",
                 "precision": precision,
@@ -269,13 +278,17 @@ def attention(
             )
             with torch.no_grad():
                 fwd = timer.measure(
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
                 )
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             g = torch.randn_like(o)
-            bwd = timer.measure(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+            bwd = timer.measure(
+                functools.partial(torch.autograd.grad, o, (q, k, v), g, retain_graph=True)
+            )
             rows.append({**base, "op": "sdpa_fwd", "flops": flops, **fwd})
-            rows.append({**base, "op": "sdpa_bwd", "flops": flops * 2.5, **bwd})
+            rows.append(
+                {**base, "op": "sdpa_bwd", "flops": flops * ATTENTION_BACKWARD_OVER_FORWARD, **bwd}
+            )
             rate = flops / fwd["time_s"]
             del q, k, v, o, g
     _precision_context("fp32", dev)
@@ -310,34 +323,41 @@ def collectives(
             if op in slow:
                 rows.append({**base, "skipped": "slower than max_call_s"})
                 continue
+            fn: Callable[[], Any]
             if op == "all_reduce":
-                buf = torch.ones(elems, device=dev)
-                fn = lambda: dist.all_reduce(buf)  # noqa: E731
+                fn = functools.partial(dist.all_reduce, torch.ones(elems, device=dev))
             elif op == "all_gather":
                 inp, out = torch.ones(elems // world, device=dev), torch.empty(elems, device=dev)
-                fn = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+                fn = functools.partial(dist.all_gather_into_tensor, out, inp)
             elif op == "reduce_scatter":
                 inp, out = torch.ones(elems, device=dev), torch.empty(elems // world, device=dev)
-                fn = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+                fn = functools.partial(dist.reduce_scatter_tensor, out, inp)
             elif op == "send_recv":
-                buf = torch.ones(elems, device=dev)
-
-                def fn():
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    elif rank == 1:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
+                fn = functools.partial(_ping_pong, torch.ones(elems, device=dev), rank)
             else:
                 raise ValueError(f"unknown collective {op!r}")
-            r = timer.measure(lambda: (fn(), timer.sync()), barrier_each=True)
+            r = timer.measure(functools.partial(_then_sync, fn, timer), barrier_each=True)
             if op == "send_recv":  # one way = half the round trip
                 r = {**r, "time_s": r["time_s"] / 2, "time_min_s": r["time_min_s"] / 2}
             rows.append({**base, **r})
             if r["time_s"] * 4 > max_call_s:  # the next size (4x larger) would exceed the limit
                 slow.add(op)
     return rows
+
+
+def _ping_pong(buf: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends `buf` to rank 1 and receives it back; the other ranks wait at the barrier."""
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _then_sync(fn: Callable[[], Any], timer: Timer) -> None:
+    fn()
+    timer.sync()
 
 
 def process_memory_bytes(device: torch.device) -> float:

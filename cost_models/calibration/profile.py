@@ -5,31 +5,66 @@ What "peak" means:
 - GPU whose name matches a catalog profile (H100, H200, A100): the datasheet peak of that profile,
   and max_efficiency = the fitted large-shape GEMM rate / peak.
 - CPU (or an unknown GPU): no published peak exists for a virtual machine's share of a CPU, so
-  peak_flops is *measured*: the highest fitted large-shape GEMM rate over all precisions (on an AVX2
-  CPU, fp32), the same number for every precision, since a CPU has one set of vector units.
-  max_efficiency[p] = that precision's fitted rate / peak (1.0 for the best precision; bf16 without
-  native bf16 instructions is a small fraction). MFU on such a profile is therefore a fraction of
-  the best dense matmul rate this machine reaches, not of a datasheet figure.
+  peak_flops is *measured*: the highest fitted large-shape GEMM rate over all precisions (on an
+  AVX2 CPU, fp32), the same number for every precision, since a CPU has one set of vector units.
+  max_efficiency[p] = that precision's fitted rate / peak (1.0 for the best precision; bf16
+  without native bf16 instructions is a small fraction). MFU on such a profile is therefore a
+  fraction of the best dense matmul rate this machine reaches, not of a datasheet figure.
 
 Likewise, with no nominal bandwidth (CPU memory in a VM, gloo over loopback), the link and memory
 bandwidths are the fitted achieved values with efficiency 1.0; on a GPU with a catalog match they
 are the datasheet values with efficiency = fitted / datasheet.
+
+`build_profile` composes one function per fitted term (`fit_launch`, `fit_gemm_term`,
+`fit_memory_term`, `fit_attention_term`, `fit_links`, `fit_capacity`); each returns a small
+record of what it fitted and the `measured` / `defaults` / `fits` entries it adds. The profile
+is then made as a `HardwareProfile` and written by its own `to_dict` / `to_yaml` (one schema),
+with the verdict of `quality.assess_quality` on the measurements in `calibration.quality`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from autosearch.core.hardware import PRECISIONS, HardwareProfile, profile_names
+from autosearch.core.hardware import (
+    ATTENTION_BACKWARD_OVER_FORWARD,
+    GEMM_BACKWARD_OVER_FORWARD,
+    PRECISIONS,
+    GemmEfficiency,
+    HardwareProfile,
+    Link,
+    profile_names,
+)
 from cost_models.calibration import fit as F
+from cost_models.calibration.quality import assess_quality
 
 # Streaming arrays count as "in DRAM" when the data touched is at least 4x the last-level cache
 # (McCalpin, STREAM run rules).
 STREAM_CACHE_FACTOR = 4.0
+# Upper ends of the ranges the profile reader (HardwareProfile.from_dict) accepts for the fitted
+# terms a disturbed calibration can overshoot (an efficiency is a fraction, ...). Such a value is
+# written clamped, so that the untrusted profile still loads; the raw value stays in
+# `calibration.fits`, and the quality checks refuse the calibration for it.
+SCHEMA_LIMITS = {
+    "efficiency": 1.0,
+    "max_efficiency": 1.0,
+    "flash_efficiency": 1.0,
+    "op_efficiency": 10.0,
+    "latency_s": 1.0,
+    "launch_s": 1.0,
+    "kernel_launch_s": 1.0,
+    "half_dim": 1e6,
+    "backward_over_forward": 100.0,
+    "peak_flops": 1e18,
+    "bandwidth_bytes_per_s": 1e14,
+    "cache_bandwidth_bytes_per_s": 1e15,
+}
 CATALOG_MATCH = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm4-{mem}gb"))
 
 
@@ -47,14 +82,56 @@ def catalog_profile_for(
     return None
 
 
-def _measured(df: pd.DataFrame, kind: str, statistic: str) -> pd.DataFrame:
-    out = df[df["kind"] == kind]
-    if "skipped" in out.columns:
-        out = out[out["skipped"].isna()]
-    col = "time_min_s" if statistic == "min" else "time_s"
-    out = out[out[col].notna() & (out[col] > 0)].copy()
-    out["t"] = out[col].astype(float)
-    return out
+@dataclass(frozen=True, kw_only=True)
+class Term:
+    """What fitting one term adds to the profile's record.
+
+    measured: names added to the profile's `measured` list.
+    defaults: `calibration.defaults` entries (field -> what it holds instead of a measurement).
+    fits: `calibration.fits` entries (name -> form, parameters and fit quality).
+    """
+
+    measured: tuple[str, ...] = ()
+    defaults: dict[str, str] = field(default_factory=dict)
+    fits: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchTerm(Term):
+    kernel_launch_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmTerm(Term):
+    peak_flops: dict[str, float]
+    gemm: GemmEfficiency
+    peak_definition: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryTerm(Term):
+    bandwidth_bytes_per_s: float
+    efficiency: float
+    cache_bytes: float = 0.0
+    cache_bandwidth_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionTerm(Term):
+    efficiency: dict[str, float]
+    backward_over_forward: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinksTerm(Term):
+    intra_node: Link
+    inter_node: Link
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityTerm(Term):
+    capacity_bytes: float
+    reserved_bytes: float
 
 
 def build_profile(
@@ -67,7 +144,7 @@ def build_profile(
     statistic: str = "median",
     description: str = "",
 ) -> tuple[HardwareProfile, dict]:
-    """Fit every term that `df` has measurements for and build the profile.
+    """Fit every term that `df` has measurements for, check them, and build the profile.
 
     Args:
         df: the rows of `run_microbenchmarks` (one per measurement point).
@@ -79,7 +156,8 @@ def build_profile(
         statistic: "median" (default) or "min" of the timed calls of each point.
 
     Returns:
-        (profile, fits): the profile and a dict of every fit (also stored in profile.calibration).
+        (profile, fits): the profile and a dict of every fit (also stored in profile.calibration);
+        `profile.calibration["quality"]` holds the verdict of `assess_quality`.
     """
     device = str(df["device"].iloc[0])
     base = (
@@ -88,35 +166,155 @@ def build_profile(
         else None
     )
     cdf = df[df["world_size"] == compute_world_size]
-    measured: list[str] = []
-    defaults: dict[str, str] = {}
-    fits: dict[str, Any] = {}
-
-    # ---- per-call overhead ---------------------------------------------------------------------
-    launch_rows = _measured(cdf, "launch", statistic)
-    if len(launch_rows):
-        kernel_launch_s = float(launch_rows["t"].median())
-        measured.append("kernel_launch_s")
-        fits["kernel_launch"] = {
-            "form": "median time of a 1-element add, back to back",
-            "kernel_launch_s": kernel_launch_s,
+    launch = fit_launch(cdf, statistic=statistic, base=base)
+    gemm = fit_gemm_term(cdf, statistic=statistic, base=base, world_size=compute_world_size)
+    memory = fit_memory_term(
+        cdf, statistic=statistic, machine=machine, base=base, launch_s=launch.kernel_launch_s
+    )
+    attention = fit_attention_term(
+        cdf, statistic=statistic, gemm=gemm, launch_s=launch.kernel_launch_s
+    )
+    links = fit_links(df, statistic=statistic, machine=machine, base=base)
+    capacity = fit_capacity(cdf, machine=machine, base=base, gpus_per_node=gpus_per_node)
+    gemm, attention, catalog = _catalog_precisions(gemm, attention, base)
+    terms = Terms(launch, gemm, memory, attention, links, capacity, catalog)
+    threads = cdf["threads"].dropna()
+    threads_per_process = int(threads.iloc[0]) if len(threads) else None
+    data = _assemble(
+        terms,
+        name=name,
+        description=description or _describe(device, machine, gpus_per_node, threads_per_process),
+        device=device,
+        gpus_per_node=gpus_per_node,
+        sources=_sources(machine, base),
+    ).to_dict()
+    clamped = _within_schema(data)
+    quality = assess_quality(
+        rows=_rows_used(df, compute_world_size),
+        fits=_plain(terms.fits),
+        machine=machine,
+        device=device,
+        threads_per_process=threads_per_process,
+        catalog=base,
+        clamped=clamped,
+    )
+    data["calibration"] = _plain(
+        {
+            "tool": "autosearch calibrate",
+            "statistic": statistic,
+            "device": device,
+            "compute_world_size": int(compute_world_size),
+            "threads_per_process": threads_per_process,
+            "machine": machine,
+            "peak_definition": gemm.peak_definition,
+            "defaults": terms.defaults,
+            "fits": terms.fits,
+            "quality": quality.to_dict(),
         }
-    else:
-        kernel_launch_s = base.kernel_launch_s if base else 1e-5
-        defaults["kernel_launch_s"] = "not measured"
+    )
+    # Read through the schema's own reader: the same checks as any profile file gets.
+    return HardwareProfile.from_dict(data, what=f"calibrated profile {name!r}"), terms.fits
 
-    # ---- GEMM ---------------------------------------------------------------------------------
+
+class Terms(NamedTuple):
+    """Every fitted term of one profile, in the order their records are written."""
+
+    launch: LaunchTerm
+    gemm: GemmTerm
+    memory: MemoryTerm
+    attention: AttentionTerm
+    links: LinksTerm
+    capacity: CapacityTerm
+    catalog: Term  # precisions a GPU did not measure, kept from its catalog profile
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        return tuple(m for t in self for m in t.measured)
+
+    @property
+    def defaults(self) -> dict[str, str]:
+        return {k: v for t in self for k, v in t.defaults.items()}
+
+    @property
+    def fits(self) -> dict[str, Any]:
+        return {k: v for t in self for k, v in t.fits.items()}
+
+
+def _assemble(
+    terms: Terms,
+    *,
+    name: str,
+    description: str,
+    device: str,
+    gpus_per_node: int,
+    sources: tuple[str, ...],
+) -> HardwareProfile:
+    """The profile of the fitted terms (its `to_dict` is the one schema writer)."""
+    return HardwareProfile(
+        name=name,
+        description=description,
+        device_type=device,
+        sources=sources,
+        gpus_per_node=int(gpus_per_node),
+        peak_flops=terms.gemm.peak_flops,
+        memory_capacity_bytes=terms.capacity.capacity_bytes,
+        memory_bandwidth_bytes_per_s=terms.memory.bandwidth_bytes_per_s,
+        memory_efficiency=terms.memory.efficiency,
+        reserved_memory_bytes=terms.capacity.reserved_bytes,
+        cache_bytes=terms.memory.cache_bytes,
+        cache_bandwidth_bytes_per_s=terms.memory.cache_bandwidth_bytes_per_s,
+        intra_node=terms.links.intra_node,
+        inter_node=terms.links.inter_node,
+        gemm=terms.gemm.gemm,
+        attention_efficiency=terms.attention.efficiency,
+        attention_backward_over_forward=terms.attention.backward_over_forward,
+        kernel_launch_s=terms.launch.kernel_launch_s,
+        measured=terms.measured,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One function per fitted term
+# ---------------------------------------------------------------------------------------------
+
+
+def fit_launch(cdf: pd.DataFrame, *, statistic: str, base: HardwareProfile | None) -> LaunchTerm:
+    """Per-call overhead: the median time of a 1-element add, back to back."""
+    rows = _measured(cdf, "launch", statistic)
+    if not len(rows):
+        return LaunchTerm(
+            kernel_launch_s=base.kernel_launch_s if base else 1e-5,
+            defaults={"kernel_launch_s": "not measured"},
+        )
+    launch_s = float(rows["t"].median())
+    return LaunchTerm(
+        kernel_launch_s=launch_s,
+        measured=("kernel_launch_s",),
+        fits={
+            "kernel_launch": {
+                "form": "median time of a 1-element add, back to back",
+                "kernel_launch_s": launch_s,
+            }
+        },
+    )
+
+
+def fit_gemm_term(
+    cdf: pd.DataFrame, *, statistic: str, base: HardwareProfile | None, world_size: int
+) -> GemmTerm:
+    """`GemmEfficiency` (max_efficiency per precision, half_dim, launch_s, backward_over_forward)
+    and the peak it is relative to.
+
+    The cost model charges a GEMM's backward as gemm.backward_over_forward x its forward. The
+    profile takes the measured ratio (F.linear's backward is ~3x its forward on CPU, not 2x), and
+    the shape fit runs on forward + backward per shape with that multiplier, so that the total
+    the model charges is what was measured.
+    """
     g = _measured(cdf, "gemm", statistic)
     if len(g) < 3:
-        raise ValueError(
-            f"too few GEMM measurements for world size {compute_world_size} ({len(g)})"
-        )
-    # The cost model charges a GEMM's backward as gemm.backward_over_forward x its forward. The
-    # profile takes the measured ratio (F.linear's backward is ~3x its forward on CPU, not 2x), and
-    # the shape fit runs on forward + backward per shape with that multiplier, so that the total
-    # the model charges is what was measured.
+        raise ValueError(f"too few GEMM measurements for world size {world_size} ({len(g)})")
     bwd_ratio = _bwd_over_fwd(g)
-    gemm_ratio = bwd_ratio if bwd_ratio else F.GEMM_BWD_OVER_FWD
+    ratio = bwd_ratio if bwd_ratio else GEMM_BACKWARD_OVER_FORWARD
     total = _fwd_plus_bwd(g, ["precision", "m", "n", "k"], "linear_fwd", "linear_bwd")
     if len(total) >= 3:
         gfit = F.fit_gemm(
@@ -125,7 +323,7 @@ def build_profile(
             total["k"],
             total["precision"].tolist(),
             total["t"],
-            multiplier=1.0 + gemm_ratio,
+            multiplier=1.0 + ratio,
         )
     else:
         gfit = F.fit_gemm(
@@ -134,7 +332,7 @@ def build_profile(
             g["k"],
             g["precision"].tolist(),
             g["t"],
-            multiplier=np.where(g["op"] == "linear_bwd", gemm_ratio, 1.0),
+            multiplier=np.where(g["op"] == "linear_bwd", ratio, 1.0),
         )
     fwd = g[g["op"] == "linear_fwd"]
     fwd_fit = (
@@ -144,34 +342,29 @@ def build_profile(
     )
     if base is not None:
         peak = {p: base.peak_flops[p] for p in gfit.rate_flops if p in base.peak_flops}
-        peak_definition = f"datasheet peak of catalog profile {base.name}"
+        definition = f"datasheet peak of catalog profile {base.name}"
     else:
         best = max(gfit.rate_flops.values())
         peak = {p: best for p in gfit.rate_flops}
-        best_p = max(gfit.rate_flops, key=gfit.rate_flops.get)
-        peak_definition = (
+        best_p = max(gfit.rate_flops, key=lambda p: gfit.rate_flops[p])
+        definition = (
             f"measured: the fitted large-shape rate of F.linear in {best_p} (the best precision), "
             "the same for every precision; max_efficiency = each precision's rate / this"
         )
-    max_eff = {p: gfit.rate_flops[p] / peak[p] for p in peak}
-    measured += [
-        "peak_flops" if base is None else "",
-        "gemm.max_efficiency",
-        "gemm.half_dim",
-        "gemm.launch_s",
-    ]
-    if bwd_ratio:
-        measured.append("gemm.backward_over_forward")
-    fits["gemm"] = {
-        "form": "t_fwd+bwd = (1 + r) (launch + 2mnk / (peak * max_eff[p]) * (1 + half_dim (1/m + 1/n + 1/k))): "
-        "F.linear forward + backward (dgrad + wgrad) per shape, r = gemm.backward_over_forward (measured)",
+    measured: tuple[str, ...] = ("peak_flops",) if base is None else ()
+    measured += ("gemm.max_efficiency", "gemm.half_dim", "gemm.launch_s")
+    measured += ("gemm.backward_over_forward",) if bwd_ratio else ()
+    record = {
+        "form": "t_fwd+bwd = (1 + r) (launch + 2mnk / (peak * max_eff[p]) * (1 + half_dim "
+        "(1/m + 1/n + 1/k))): GemmEfficiency.time_s; F.linear forward + backward (dgrad + "
+        "wgrad) per shape, r = gemm.backward_over_forward (measured)",
         "rate_flops": gfit.rate_flops,
         "half_dim": gfit.half_dim,
         "launch_s": gfit.launch_s,
         "quality": gfit.quality.to_dict(),
         "quality_by_precision": {p: q.to_dict() for p, q in gfit.quality_by_precision.items()},
         "backward_over_forward_measured": bwd_ratio,
-        "backward_over_forward_model": F.GEMM_BWD_OVER_FWD,
+        "backward_over_forward_model": GEMM_BACKWARD_OVER_FORWARD,
         "forward_only": None
         if fwd_fit is None
         else {
@@ -180,241 +373,343 @@ def build_profile(
             "launch_s": fwd_fit.launch_s,
             "quality": fwd_fit.quality.to_dict(),
         },
-        "peak_definition": peak_definition,
+        "peak_definition": definition,
         "skipped_shapes": int(_skipped(cdf, "gemm")),
     }
-
-    # ---- memory bandwidth -------------------------------------------------------------------
-    mem = _measured(cdf, "memory", statistic)
-    llc = (
-        machine.get("device_l2_cache_bytes")
-        if device == "cuda"
-        else machine.get("last_level_cache_bytes")
+    return GemmTerm(
+        peak_flops={p: float(v) for p, v in peak.items()},
+        gemm=GemmEfficiency(
+            max_efficiency={p: float(gfit.rate_flops[p] / peak[p]) for p in peak},
+            half_dim=float(gfit.half_dim),
+            launch_s=float(gfit.launch_s),
+            backward_over_forward=float(ratio),
+        ),
+        peak_definition=definition,
+        measured=measured,
+        fits={"gemm": record},
     )
-    llc = float(llc) if llc else 32 * 2**20
-    if len(mem):
-        dram = mem[mem["bytes"] >= STREAM_CACHE_FACTOR * llc]
-        rule = f"footprint >= {STREAM_CACHE_FACTOR:g} x last-level cache ({llc / 2**20:.0f} MiB)"
-        if dram["array_bytes"].nunique() < 2:
-            sizes = sorted(mem["array_bytes"].unique())[-2:]
-            dram = mem[mem["array_bytes"].isin(sizes)]
-            rule = "the two largest arrays (none reach 4x the last-level cache)"
-        bfit = F.fit_bandwidth(dram["bytes"], dram["t"], launch_s=kernel_launch_s)
-        all_q = F.fit_quality(
-            kernel_launch_s + mem["bytes"] / bfit.bandwidth_bytes_per_s, mem["t"]
-        )
-        in_cache = mem[mem["bytes"] <= llc]
-        cache_bw = float((in_cache["bytes"] / in_cache["t"]).max()) if len(in_cache) else None
-        cache_fit = None
-        if device == "cpu" and in_cache["array_bytes"].nunique() >= 2:
-            # Working sets that fit in the last-level cache stream several times faster than DRAM;
-            # the cost model uses this rate for kernels whose bytes fit (tiny models on a CPU).
-            cache_fit = F.fit_bandwidth(in_cache["bytes"], in_cache["t"], launch_s=kernel_launch_s)
-            measured.append("memory.cache_bandwidth_bytes_per_s")
-        if base is not None:
-            mem_bw, mem_eff = (
-                base.memory_bandwidth_bytes_per_s,
-                bfit.bandwidth_bytes_per_s / base.memory_bandwidth_bytes_per_s,
-            )
-            measured.append("memory_efficiency")
-        else:
-            mem_bw, mem_eff = bfit.bandwidth_bytes_per_s, 1.0
-            measured.append("memory_bandwidth_bytes_per_s")
-        fits["memory"] = {
-            "form": "t = kernel_launch_s + bytes / bandwidth, bytes = reads + writes of STREAM copy/add/triad",
-            "points": rule,
-            "bandwidth_bytes_per_s": bfit.bandwidth_bytes_per_s,
-            "quality": bfit.quality.to_dict(),
-            "quality_all_sizes": all_q.to_dict(),
-            "best_in_cache_bytes_per_s": cache_bw,
-            "cache": None
-            if cache_fit is None
-            else {
-                "points": f"footprint <= last-level cache ({llc / 2**20:.0f} MiB)",
-                "cache_bytes": llc,
-                "bandwidth_bytes_per_s": cache_fit.bandwidth_bytes_per_s,
-                "quality": cache_fit.quality.to_dict(),
-            },
-        }
-    else:
-        cache_fit = None
-        mem_bw = base.memory_bandwidth_bytes_per_s if base else 1e10
-        mem_eff = base.memory_efficiency if base else 1.0
-        defaults["memory_bandwidth_bytes_per_s"] = "not measured"
 
-    # ---- attention ----------------------------------------------------------------------------
+
+def fit_memory_term(
+    cdf: pd.DataFrame,
+    *,
+    statistic: str,
+    machine: dict[str, Any],
+    base: HardwareProfile | None,
+    launch_s: float,
+) -> MemoryTerm:
+    """Streaming (DRAM) bandwidth from STREAM arrays beyond the last-level cache, and on a CPU the
+    bandwidth of working sets that fit in it."""
+    mem = _measured(cdf, "memory", statistic)
+    if not len(mem):
+        return MemoryTerm(
+            bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s if base else 1e10,
+            efficiency=base.memory_efficiency if base else 1.0,
+            defaults={"memory_bandwidth_bytes_per_s": "not measured"},
+        )
+    device = str(cdf["device"].iloc[0])
+    llc = machine.get("device_l2_cache_bytes" if device == "cuda" else "last_level_cache_bytes")
+    llc = float(llc) if llc else 32 * 2**20
+    dram = mem[mem["bytes"] >= STREAM_CACHE_FACTOR * llc]
+    rule = f"footprint >= {STREAM_CACHE_FACTOR:g} x last-level cache ({llc / 2**20:.0f} MiB)"
+    if dram["array_bytes"].nunique() < 2:
+        sizes = sorted(mem["array_bytes"].unique())[-2:]
+        dram = mem[mem["array_bytes"].isin(sizes)]
+        rule = "the two largest arrays (none reach 4x the last-level cache)"
+    bfit = F.fit_bandwidth(dram["bytes"], dram["t"], launch_s=launch_s)
+    all_q = F.fit_quality(
+        (launch_s + mem["bytes"] / bfit.bandwidth_bytes_per_s).tolist(), mem["t"].tolist()
+    )
+    in_cache = mem[mem["bytes"] <= llc]
+    cache_bw = float((in_cache["bytes"] / in_cache["t"]).max()) if len(in_cache) else None
+    cache_fit = None
+    measured: tuple[str, ...] = ()
+    if device == "cpu" and in_cache["array_bytes"].nunique() >= 2:
+        # Working sets that fit in the last-level cache stream several times faster than DRAM;
+        # the cost model uses this rate for kernels whose bytes fit (tiny models on a CPU).
+        cache_fit = F.fit_bandwidth(in_cache["bytes"], in_cache["t"], launch_s=launch_s)
+        measured += ("memory.cache_bandwidth_bytes_per_s",)
+    if base is not None:
+        bandwidth = base.memory_bandwidth_bytes_per_s
+        efficiency = bfit.bandwidth_bytes_per_s / base.memory_bandwidth_bytes_per_s
+        measured += ("memory_efficiency",)
+    else:
+        bandwidth, efficiency = bfit.bandwidth_bytes_per_s, 1.0
+        measured += ("memory_bandwidth_bytes_per_s",)
+    record = {
+        "form": "t = kernel_launch_s + bytes / bandwidth, bytes = reads + writes of STREAM "
+        "copy/add/triad",
+        "points": rule,
+        "bandwidth_bytes_per_s": bfit.bandwidth_bytes_per_s,
+        "quality": bfit.quality.to_dict(),
+        "quality_all_sizes": all_q.to_dict(),
+        "best_in_cache_bytes_per_s": cache_bw,
+        "cache": None
+        if cache_fit is None
+        else {
+            "points": f"footprint <= last-level cache ({llc / 2**20:.0f} MiB)",
+            "cache_bytes": llc,
+            "bandwidth_bytes_per_s": cache_fit.bandwidth_bytes_per_s,
+            "quality": cache_fit.quality.to_dict(),
+        },
+    }
+    return MemoryTerm(
+        bandwidth_bytes_per_s=float(bandwidth),
+        efficiency=float(efficiency),
+        cache_bytes=float(llc) if cache_fit is not None else 0.0,
+        cache_bandwidth_bytes_per_s=float(cache_fit.bandwidth_bytes_per_s)
+        if cache_fit is not None
+        else 0.0,
+        measured=measured,
+        fits={"memory": record},
+    )
+
+
+def fit_attention_term(
+    cdf: pd.DataFrame, *, statistic: str, gemm: GemmTerm, launch_s: float
+) -> AttentionTerm:
+    """Fused attention efficiency per precision and one backward-over-forward ratio."""
     att = _measured(cdf, "attention", statistic)
-    attention_eff: dict[str, float] = {}
-    att_total = _fwd_plus_bwd(
+    peak, max_eff = gemm.peak_flops, gemm.gemm.max_efficiency
+    total = _fwd_plus_bwd(
         att, ["precision", "batch", "heads", "seq_len", "head_dim"], "sdpa_fwd", "sdpa_bwd"
     )
     # One backward ratio for every precision (the profile has one): the one of the fastest
     # precision, the one a search will pick; the others' efficiencies absorb the difference.
     best_rows = (
-        att_total[att_total["precision"] == max(peak, key=lambda p: max_eff.get(p, 0))]
-        if len(att_total)
-        else att_total
+        total[total["precision"] == max(peak, key=lambda p: max_eff.get(p, 0))]
+        if len(total)
+        else total
     )
-    att_ratio = (
+    ratio = (
         float(np.median(best_rows["t_bwd"] / best_rows["t_fwd"]))
         if len(best_rows)
-        else F.ATTENTION_BWD_OVER_FWD
+        else ATTENTION_BACKWARD_OVER_FORWARD
     )
-    fits["attention"] = {
+    record: dict[str, Any] = {
         "form": "t_fwd+bwd = (1 + r) (kernel_launch_s + F / (peak * eff[p])), F = 4 b a s^2 d / 2 "
         "(causal SDPA forward FLOPs); r = attention.backward_over_forward (measured)",
-        "backward_over_forward": att_ratio,
+        "backward_over_forward": ratio,
     }
+    efficiency: dict[str, float] = {}
     for p in peak:
-        rows = att_total[att_total["precision"] == p]
+        rows = total[total["precision"] == p]
         if len(rows) >= 1:
             afit = F.fit_attention(
-                rows["flops"], rows["t"], launch_s=kernel_launch_s, multiplier=1.0 + att_ratio
+                rows["flops"], rows["t"], launch_s=launch_s, multiplier=1.0 + ratio
             )
-            attention_eff[p] = afit.rate_flops / peak[p]
-            fits["attention"][p] = {
+            efficiency[p] = afit.rate_flops / peak[p]
+            record[p] = {
                 "rate_flops": afit.rate_flops,
-                "efficiency": attention_eff[p],
+                "efficiency": efficiency[p],
                 "quality": afit.quality.to_dict(),
                 "backward_over_forward_measured": float(np.median(rows["t_bwd"] / rows["t_fwd"])),
             }
-    if attention_eff:
-        measured += ["attention_efficiency", "attention.backward_over_forward"]
-    missing_att = [p for p in peak if p not in attention_eff]
-    for p in missing_att:  # the GEMM efficiency of the precision, said so
-        attention_eff[p] = max_eff[p] * 0.5
+    measured = ("attention_efficiency", "attention.backward_over_forward") if efficiency else ()
+    defaults = {}
+    for p in [p for p in peak if p not in efficiency]:  # the GEMM efficiency of the precision
+        efficiency[p] = max_eff[p] * 0.5
         defaults[f"attention_efficiency.{p}"] = "not measured: half the GEMM max_efficiency"
+    return AttentionTerm(
+        efficiency={p: float(v) for p, v in efficiency.items()},
+        backward_over_forward=float(ratio),
+        measured=measured,
+        defaults=defaults,
+        fits={"attention": record},
+    )
 
-    # ---- collectives: the intra-node link ----------------------------------------------------
+
+# Collectives as the CSV names them -> as `Link.op_factor` names them.
+_LINK_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "send_recv": "p2p",
+}
+
+
+def fit_links(
+    df: pd.DataFrame, *, statistic: str, machine: dict[str, Any], base: HardwareProfile | None
+) -> LinksTerm:
+    """The intra-node link (alpha-beta over every op, and each op's bandwidth relative to it);
+    the inter-node link is never measured on one node (catalog value, or a copy of intra)."""
     coll = _measured(df, "collective", statistic)
     if len(coll) >= 2:
-        ab = F.fit_alpha_beta(
-            coll["op"].tolist(), coll["group_size"].astype(int).tolist(), coll["bytes"], coll["t"]
+        intra = _fit_intra_link(coll, machine=machine, base=base)
+    elif base is not None:
+        intra = LinksTerm(
+            intra_node=dataclasses.replace(base.intra_node, op_efficiency={}),
+            inter_node=base.inter_node,
+            defaults={
+                "intra_node": f"not measured (world size 1 only): catalog profile {base.name}"
+            },
         )
-        per_op = {}
-        for op, rows in coll.groupby("op"):
-            if len(rows) >= 2:
-                f1 = F.fit_alpha_beta(
-                    [op] * len(rows),
-                    rows["group_size"].astype(int).tolist(),
-                    rows["bytes"],
-                    rows["t"],
-                )
-                per_op[op] = {
-                    "latency_s": f1.latency_s,
-                    "bandwidth_bytes_per_s": f1.bandwidth_bytes_per_s,
-                    "quality": f1.quality.to_dict(),
-                }
-        # Each collective's bandwidth relative to the joint fit (gloo's reduce-scatter is far slower
-        # than its all-reduce; NCCL's ops are within a few percent of each other).
-        op_names = {
-            "all_reduce": "all_reduce",
-            "all_gather": "all_gather",
-            "reduce_scatter": "reduce_scatter",
-            "send_recv": "p2p",
-        }
-        op_eff = {
-            op_names[op]: v["bandwidth_bytes_per_s"] / ab.bandwidth_bytes_per_s
-            for op, v in per_op.items()
-            if op in op_names
-        }
-        if base is not None:
-            intra = {
-                "bandwidth_bytes_per_s": base.intra_node.bandwidth_bytes_per_s,
-                "latency_s": ab.latency_s,
-                "efficiency": ab.bandwidth_bytes_per_s / base.intra_node.bandwidth_bytes_per_s,
-            }
-            measured += ["intra_node.latency_s", "intra_node.efficiency"]
-        else:
-            intra = {
-                "bandwidth_bytes_per_s": ab.bandwidth_bytes_per_s,
-                "latency_s": ab.latency_s,
-                "efficiency": 1.0,
-            }
-            measured += ["intra_node.latency_s", "intra_node.bandwidth_bytes_per_s"]
-        if op_eff:
-            intra["op_efficiency"] = op_eff
-            measured.append("intra_node.op_efficiency")
-        fits["intra_node"] = {
-            "form": "t = a_op(n) alpha + b_op(n) S / beta, ring coefficients of cost_models.formulas "
-            "(all_reduce 2(n-1), 2(n-1)/n; all_gather and reduce_scatter n-1, (n-1)/n; send_recv 1, 1)",
-            "backend": machine.get("backend"),
-            "group_sizes": sorted(coll["group_size"].astype(int).unique().tolist()),
-            "message_bytes": [float(coll["bytes"].min()), float(coll["bytes"].max())],
-            "latency_s": ab.latency_s,
-            "bandwidth_bytes_per_s": ab.bandwidth_bytes_per_s,
-            "quality": ab.quality.to_dict(),
-            "per_op": per_op,
-        }
     else:
-        if base is not None:
-            intra = {
-                "bandwidth_bytes_per_s": base.intra_node.bandwidth_bytes_per_s,
-                "latency_s": base.intra_node.latency_s,
-                "efficiency": base.intra_node.efficiency,
-            }
-            defaults["intra_node"] = (
-                f"not measured (world size 1 only): catalog profile {base.name}"
-            )
-        else:
-            intra = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4, "efficiency": 1.0}
-            defaults["intra_node"] = "not measured (world size 1 only): placeholder 1 GB/s, 100 us"
+        intra = LinksTerm(
+            intra_node=Link(bandwidth_bytes_per_s=1e9, latency_s=1e-4, efficiency=1.0),
+            inter_node=Link(bandwidth_bytes_per_s=1e9, latency_s=1e-4, efficiency=1.0),
+            defaults={
+                "intra_node": "not measured (world size 1 only): placeholder 1 GB/s, 100 us"
+            },
+        )
     if base is not None:
-        inter = {
-            "bandwidth_bytes_per_s": base.inter_node.bandwidth_bytes_per_s,
-            "latency_s": base.inter_node.latency_s,
-            "efficiency": base.inter_node.efficiency,
-        }
-        defaults["inter_node"] = f"not measured (one node): catalog profile {base.name}"
+        inter = dataclasses.replace(base.inter_node, op_efficiency={})
+        note = f"not measured (one node): catalog profile {base.name}"
     else:
-        inter = dict(intra)
-        defaults["inter_node"] = "not measured (one node): a copy of intra_node"
+        inter, note = intra.intra_node, "not measured (one node): a copy of intra_node"
+    return dataclasses.replace(
+        intra,
+        intra_node=_rounded(intra.intra_node),
+        inter_node=_rounded(inter),
+        defaults={**intra.defaults, "inter_node": note},
+    )
 
-    # ---- memory capacity and what a process holds before the model ---------------------------
+
+def _fit_intra_link(
+    coll: pd.DataFrame, *, machine: dict[str, Any], base: HardwareProfile | None
+) -> LinksTerm:
+    groups = coll["group_size"].astype(int)
+    ab = F.fit_alpha_beta(coll["op"].tolist(), groups.tolist(), coll["bytes"], coll["t"])
+    per_op: dict[str, dict[str, Any]] = {}
+    for op in sorted(set(coll["op"])):
+        rows = coll[coll["op"] == op]
+        if len(rows) >= 2:
+            f1 = F.fit_alpha_beta(
+                [op] * len(rows), rows["group_size"].astype(int).tolist(), rows["bytes"], rows["t"]
+            )
+            per_op[str(op)] = {
+                "latency_s": f1.latency_s,
+                "bandwidth_bytes_per_s": f1.bandwidth_bytes_per_s,
+                "quality": f1.quality.to_dict(),
+            }
+    # Each collective's bandwidth relative to the joint fit (gloo's reduce-scatter is far
+    # slower than its all-reduce; NCCL's ops are within a few percent of each other).
+    op_eff = {
+        _LINK_OPS[op]: v["bandwidth_bytes_per_s"] / ab.bandwidth_bytes_per_s
+        for op, v in per_op.items()
+        if op in _LINK_OPS
+    }
+    if base is not None:
+        bandwidth = base.intra_node.bandwidth_bytes_per_s
+        efficiency = ab.bandwidth_bytes_per_s / bandwidth
+        measured: tuple[str, ...] = ("intra_node.latency_s", "intra_node.efficiency")
+    else:
+        bandwidth, efficiency = ab.bandwidth_bytes_per_s, 1.0
+        measured = ("intra_node.latency_s", "intra_node.bandwidth_bytes_per_s")
+    if op_eff:
+        measured += ("intra_node.op_efficiency",)
+    link = _rounded(
+        Link(
+            bandwidth_bytes_per_s=bandwidth,
+            latency_s=ab.latency_s,
+            efficiency=efficiency,
+            op_efficiency=op_eff,
+        )
+    )
+    record = {
+        "form": "t = a_op(n) alpha + b_op(n) S / beta, the ring functions of cost_models.formulas "
+        "(all_reduce 2(n-1), 2(n-1)/n; all_gather and reduce_scatter n-1, (n-1)/n; "
+        "send_recv 1, 1)",
+        "backend": machine.get("backend"),
+        "group_sizes": sorted(groups.unique().tolist()),
+        "message_bytes": [float(coll["bytes"].min()), float(coll["bytes"].max())],
+        "latency_s": ab.latency_s,
+        "bandwidth_bytes_per_s": ab.bandwidth_bytes_per_s,
+        "quality": ab.quality.to_dict(),
+        "quality_as_used": _link_quality_as_used(coll, link).to_dict(),
+        "per_op": per_op,
+    }
+    return LinksTerm(
+        intra_node=link, inter_node=link, measured=measured, fits={"intra_node": record}
+    )
+
+
+def _link_quality_as_used(coll: pd.DataFrame, link: Link) -> F.FitQuality:
+    """How well the link as the cost model uses it (one latency, each op's bandwidth = the
+    achieved bandwidth x its op factor) reproduces every collective measured."""
+    predicted = [
+        a * link.latency_s + b * s / (link.achieved_bandwidth_bytes_per_s * link.op_factor(o))
+        for o, g, s in zip(coll["op"], coll["group_size"].astype(int), coll["bytes"])
+        for a, b in [F.collective_coefficients(o, g)]
+    ]
+    return F.fit_quality(predicted, coll["t"].tolist())
+
+
+def fit_capacity(
+    cdf: pd.DataFrame, *, machine: dict[str, Any], base: HardwareProfile | None, gpus_per_node: int
+) -> CapacityTerm:
+    """Memory capacity per device and what a process holds before the model."""
     held = (
         cdf[cdf["kind"] == "process_memory"]["bytes"]
         if "bytes" in cdf.columns
         else pd.Series(dtype=float)
     )
     held = held[held.notna()] if len(held) else held
-    if device == "cuda":
+    if str(cdf["device"].iloc[0]) == "cuda":
         capacity = float(
             machine.get("device_memory_bytes") or (base.memory_capacity_bytes if base else 0)
         )
-        measured.append("memory_capacity_bytes")
         reserved = (
             base.reserved_memory_bytes if base else (float(held.max()) if len(held) else 0.0)
         )
+        defaults = {}
         if base is not None:
+            context = f"{float(held.max()) / 2**20:.0f} MiB)" if len(held) else "n/a)"
             defaults["reserved_memory_bytes"] = (
-                f"catalog profile {base.name} (CUDA context measured: "
-                + (f"{float(held.max()) / 2**20:.0f} MiB)" if len(held) else "n/a)")
+                f"catalog profile {base.name} (CUDA context measured: {context}"
             )
-    else:
-        total = float(machine.get("memory_total_bytes") or 0)
-        capacity = total / gpus_per_node
-        measured.append("memory_capacity_bytes")
-        reserved = float(held.max()) if len(held) else 0.0
-        if len(held):
-            measured.append("reserved_memory_bytes")
-        fits["memory_capacity"] = {
+        return CapacityTerm(
+            capacity_bytes=capacity,
+            reserved_bytes=float(reserved),
+            measured=("memory_capacity_bytes",),
+            defaults=defaults,
+        )
+    total = float(machine.get("memory_total_bytes") or 0)
+    fits: dict[str, Any] = {
+        "memory_capacity": {
             "form": "MemTotal / processes per node (processes share the RAM)",
             "memory_total_bytes": total,
         }
-        if len(held):
-            fits["reserved_memory"] = {
-                "form": "peak VmRSS of a rank after import torch and init_process_group"
-            }
+    }
+    if len(held):
+        fits["reserved_memory"] = {
+            "form": "peak VmRSS of a rank after import torch and init_process_group"
+        }
+    return CapacityTerm(
+        capacity_bytes=total / gpus_per_node,
+        reserved_bytes=float(held.max()) if len(held) else 0.0,
+        measured=("memory_capacity_bytes",) + (("reserved_memory_bytes",) if len(held) else ()),
+        fits=fits,
+    )
 
-    extra = [p for p in PRECISIONS if base is not None and p in base.peak_flops and p not in peak]
-    for (
-        p
-    ) in extra:  # keep the catalog's other precisions (e.g. tf32) when a GPU did not measure them
-        peak[p] = base.peak_flops[p]
-        max_eff[p] = base.gemm.max_efficiency[p]
-        attention_eff[p] = base.attention_efficiency.get(p, 0.4)
-        defaults[f"precision.{p}"] = f"not measured: catalog profile {base.name}"
-    measured = [m for m in measured if m]
+
+def _catalog_precisions(
+    gemm: GemmTerm, attention: AttentionTerm, base: HardwareProfile | None
+) -> tuple[GemmTerm, AttentionTerm, Term]:
+    """Keep the catalog's other precisions (e.g. tf32) when a GPU did not measure them."""
+    extra = [p for p in PRECISIONS if base is not None and p in base.peak_flops]
+    extra = [p for p in extra if p not in gemm.peak_flops]
+    if base is None or not extra:
+        return gemm, attention, Term()
+    peak = {**gemm.peak_flops, **{p: base.peak_flops[p] for p in extra}}
+    max_eff = {**gemm.gemm.max_efficiency, **{p: base.gemm.max_efficiency[p] for p in extra}}
+    att = {**attention.efficiency, **{p: base.attention_efficiency.get(p, 0.4) for p in extra}}
+    return (
+        dataclasses.replace(
+            gemm,
+            peak_flops=peak,
+            gemm=dataclasses.replace(gemm.gemm, max_efficiency=max_eff),
+        ),
+        dataclasses.replace(attention, efficiency=att),
+        Term(
+            defaults={
+                f"precision.{p}": f"not measured: catalog profile {base.name}" for p in extra
+            }
+        ),
+    )
+
+
+def _sources(machine: dict[str, Any], base: HardwareProfile | None) -> tuple[str, ...]:
     sources = [
         f"[calibration] measured by `autosearch calibrate` on {machine.get('device_name')} "
         f"({machine.get('date')}); fits and fit quality in `calibration`"
@@ -423,71 +718,58 @@ def build_profile(
         sources += [
             f"[catalog] peaks, nominal bandwidths and unmeasured terms from {base.name}: "
         ] + list(base.sources)
-    threads = cdf["threads"].dropna()
-    calibration = {
-        "tool": "autosearch calibrate",
-        "statistic": statistic,
-        "device": device,
-        "compute_world_size": int(compute_world_size),
-        "threads_per_process": int(threads.iloc[0]) if len(threads) else None,
-        "machine": _plain(machine),
-        "peak_definition": peak_definition,
-        "defaults": defaults,
-        "fits": _plain(fits),
-    }
-    calibration = _plain(calibration)
-    data = {
-        "name": name,
-        "description": description
-        or _describe(device, machine, gpus_per_node, calibration["threads_per_process"]),
-        "device_type": device,
-        "sources": sources,
-        "gpus_per_node": int(gpus_per_node),
-        "peak_flops": {p: float(v) for p, v in peak.items()},
-        "memory": {
-            "capacity_bytes": float(capacity),
-            "bandwidth_bytes_per_s": float(mem_bw),
-            "efficiency": float(mem_eff),
-            "reserved_bytes": float(reserved),
-            **(
-                {
-                    "cache_bytes": float(llc),
-                    "cache_bandwidth_bytes_per_s": float(cache_fit.bandwidth_bytes_per_s),
-                }
-                if cache_fit is not None
-                else {}
-            ),
-        },
-        "intra_node": _plain(intra),
-        "inter_node": _plain(inter),
-        "gemm": {
-            "max_efficiency": {p: float(v) for p, v in max_eff.items()},
-            "half_dim": float(gfit.half_dim),
-            "launch_s": float(gfit.launch_s),
-            "backward_over_forward": float(gemm_ratio),
-        },
-        "attention": {
-            "flash_efficiency": {p: float(v) for p, v in attention_eff.items()},
-            "backward_over_forward": float(att_ratio),
-        },
-        "kernel_launch_s": float(kernel_launch_s),
-        "measured": measured,
-        "calibration": calibration,
-    }
-    return HardwareProfile.from_dict(data, what=f"calibrated profile {name!r}"), fits
+    return tuple(sources)
+
+
+def _within_schema(data: dict[str, Any], path: str = "") -> dict[str, float]:
+    """Clamp, in place, the numbers of a profile dict above their SCHEMA_LIMITS; returns
+    {dotted path: value before clamping}."""
+    clamped: dict[str, float] = {}
+    for key, value in data.items():
+        where = f"{path}{key}"
+        limit = SCHEMA_LIMITS.get(key) or SCHEMA_LIMITS.get(path.rstrip(".").rsplit(".", 1)[-1])
+        if isinstance(value, dict) and key != "calibration":
+            clamped.update(_within_schema(value, where + "."))
+        elif limit is not None and isinstance(value, float) and value > limit:
+            clamped[where] = value
+            data[key] = limit
+    return clamped
+
+
+def _rows_used(df: pd.DataFrame, compute_world_size: int) -> pd.DataFrame:
+    """The measurements a profile is fitted on: compute of its world size, every collective."""
+    return df[(df["world_size"] == compute_world_size) | (df["kind"] == "collective")]
+
+
+def _rounded(link: Link) -> Link:
+    """A link's numbers to 6 significant digits, as calibration has always written them."""
+    d = _plain(dataclasses.asdict(link))
+    return Link(**d)
+
+
+def _measured(df: pd.DataFrame, kind: str, statistic: str) -> pd.DataFrame:
+    out = df[df["kind"] == kind]
+    if "skipped" in out.columns:
+        out = out[out["skipped"].isna()]
+    col = "time_min_s" if statistic == "min" else "time_s"
+    out = out[out[col].notna() & (out[col] > 0)].copy()
+    out["t"] = out[col].astype(float)
+    return out
 
 
 def _describe(device: str, machine: dict, gpus_per_node: int, threads: int | None) -> str:
     if device == "cpu":
         return (
-            f"{machine.get('host_cpu')} ({machine.get('cpu_cores')} cores), measured as {gpus_per_node} "
-            f"process(es) per node with {threads} thread(s) each, gloo between processes"
+            f"{machine.get('host_cpu')} ({machine.get('cpu_cores')} cores), measured as "
+            f"{gpus_per_node} process(es) per node with {threads} thread(s) each, gloo between "
+            "processes"
         )
     return f"{machine.get('device_name')}, {gpus_per_node} per node, measured with NCCL"
 
 
 def _fwd_plus_bwd(df: pd.DataFrame, key: list[str], fwd_op: str, bwd_op: str) -> pd.DataFrame:
-    """One row per shape with t = forward + backward time (t_fwd, t_bwd kept), flops of the forward."""
+    """One row per shape with t = forward + backward time (t_fwd, t_bwd kept), flops of the
+    forward."""
     if df.empty:
         return df.assign(t_fwd=[], t_bwd=[])
     f = df[df["op"] == fwd_op][key + ["flops", "t"]]
@@ -512,7 +794,8 @@ def _skipped(df: pd.DataFrame, kind: str) -> int:
 
 
 def _plain(obj: Any) -> Any:
-    """Numbers and containers YAML can write (no numpy scalars), floats rounded to 6 significant digits."""
+    """Numbers and containers YAML can write (no numpy scalars), floats rounded to 6 significant
+    digits."""
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -6,16 +6,18 @@ The correction model scales each group of predicted breakdown terms and adds a f
     measured ~= intercept_s + sum_g factor_g * sum_{t in g} time_t + time_other_s
 
 with the groups of `TERM_GROUPS` (columns as `CostReport.to_dict()` names them). Residuals are
-relative, (corrected - measured) / measured, so that a 10 ms run weighs as much as a 10 s one, and a
-weak prior pulls each log(factor) towards 0 (factor 1: trust the calibrated profile) so that a
-handful of runs cannot produce wild factors for a term they barely exercise.
+relative, (corrected - measured) / measured, so that a 10 ms run weighs as much as a 10 s one,
+and a weak prior pulls each log(factor) towards 0 (factor 1: trust the calibrated profile) so
+that a handful of runs cannot produce wild factors for a term they barely exercise.
 
 Example:
     >>> import pandas as pd
     >>> df = pd.DataFrame({"strategy": list("abcdefgh"),
-    ...     "time_compute_s": [1, 2, 3, 4, 1, 2, 3, 4.], "time_dp_comm_exposed_s": [0, 0, 1, 1, 0.5, 0.5, 0, 0]})
+    ...     "time_compute_s": [1, 2, 3, 4, 1, 2, 3, 4.],
+    ...     "time_dp_comm_exposed_s": [0, 0, 1, 1, 0.5, 0.5, 0, 0]})
     >>> df["predicted_step_time_s"] = df.time_compute_s + df.time_dp_comm_exposed_s
-    >>> df["measured_step_time_s"] = 1.5 * df.time_compute_s + 0.8 * df.time_dp_comm_exposed_s + 0.1
+    >>> df["measured_step_time_s"] = (1.5 * df.time_compute_s + 0.8 * df.time_dp_comm_exposed_s
+    ...                               + 0.1)
     >>> r = refit_corrections(df, holdout=0.25, seed=0)
     >>> r.errors["holdout_after"]["mape"] < r.errors["holdout_before"]["mape"]
     True
@@ -127,20 +129,21 @@ def refit_corrections(
     """Fit correction factors on part of `runs` and report the error on the rest.
 
     Args:
-        runs: one row per measured run, with `predicted_step_time_s`, `measured_step_time_s` and the
-            predicted breakdown columns (`time_compute_s`, ... as `CostReport.to_dict()` writes them;
-            missing ones count as 0). Failed runs (measured time missing or <= 0) are ignored.
+        runs: one row per measured run, with `predicted_step_time_s`, `measured_step_time_s` and
+            the predicted breakdown columns (`time_compute_s`, ... as `CostReport.to_dict()`
+            writes them; missing ones count as 0). Failed runs (measured time missing or <= 0)
+            are ignored.
         groups: term groups to scale (default `TERM_GROUPS`).
-        holdout: fraction of runs held out at random (at least one when there are 4 or more runs), or a
-            boolean mask, or the name of a boolean column (True = held out).
-        group_column: with a random holdout, rows sharing this column's value (e.g. the same strategy
-            at two world sizes) fall on the same side, so the held-out error is not flattered by a
-            near-duplicate in the training set. Ignored if the column is absent.
+        holdout: fraction of runs held out at random (at least one when there are 4 or more runs),
+            or a boolean mask, or the name of a boolean column (True = held out).
+        group_column: with a random holdout, rows sharing this column's value (e.g. the same
+            strategy at two world sizes) fall on the same side, so the held-out error is not
+            flattered by a near-duplicate in the training set. Ignored if the column is absent.
         prior_weight: strength of the pull of log(factor) towards 0, in units of relative residual.
         intercept: fit a fixed per-step overhead (>= 0).
         seed: of the random holdout.
     """
-    groups = {k: tuple(v) for k, v in (groups or TERM_GROUPS).items()}
+    term_groups = {k: tuple(v) for k, v in (groups or TERM_GROUPS).items()}
     need = {"predicted_step_time_s", "measured_step_time_s"}
     if not need <= set(runs.columns):
         raise SpecError(f"runs need the columns {sorted(need)}; got {sorted(runs.columns)}")
@@ -149,12 +152,13 @@ def refit_corrections(
         raise SpecError(f"need at least 2 successful runs to refit, got {len(df)}")
     mask = _holdout_mask(df, holdout, group_column, seed)
     train, test = df[~mask], df[mask]
-    sums = _group_sums(train, groups)
-    active = [g for g in groups if np.any(sums[g] > 0)]
+    sums = _group_sums(train, term_groups)
+    active = [g for g in term_groups if np.any(sums[g] > 0)]
     n_params = len(active) + int(intercept)
     if len(train) < max(2, n_params):
         raise SpecError(
-            f"{len(train)} training runs for {n_params} parameters; run more strategies or hold out fewer"
+            f"{len(train)} training runs for {n_params} parameters; run more strategies or hold "
+            "out fewer"
         )
 
     y = train["measured_step_time_s"].to_numpy(float)
@@ -180,25 +184,25 @@ def refit_corrections(
     upper = [np.inf] * n_params
     sol = least_squares(resid, x0, bounds=(lower, upper))
     factors, icpt = unpack(sol.x)
-    factors = {g: factors.get(g, 1.0) for g in groups}
+    factors = {g: factors.get(g, 1.0) for g in term_groups}
     errors = {
         "train_before": _errors(train["predicted_step_time_s"], train["measured_step_time_s"]),
         "train_after": _errors(
-            _corrected(train, groups, factors, icpt), train["measured_step_time_s"]
+            _corrected(train, term_groups, factors, icpt), train["measured_step_time_s"]
         ),
         "holdout_before": _errors(test["predicted_step_time_s"], test["measured_step_time_s"]),
         "holdout_after": _errors(
-            _corrected(test, groups, factors, icpt), test["measured_step_time_s"]
+            _corrected(test, term_groups, factors, icpt), test["measured_step_time_s"]
         ),
     }
     return RefitResult(
         factors,
         icpt,
         errors,
-        groups,
+        term_groups,
         tuple(train.index),
         tuple(test.index),
-        tuple(g for g in groups if g not in active),
+        tuple(g for g in term_groups if g not in active),
         prior_weight,
     )
 
@@ -228,24 +232,28 @@ def _holdout_mask(df: pd.DataFrame, holdout, group_column: str | None, seed: int
         n_out = max(1, n_out)
     n_out = min(n_out, len(unique) - 1)
     chosen = (
-        np.random.default_rng(seed).choice(unique, size=n_out, replace=False) if n_out > 0 else []
+        np.random.default_rng(seed).choice(unique, size=n_out, replace=False)
+        if n_out > 0
+        else np.array([], dtype=unique.dtype)
     )
     return np.isin(keys, chosen)
 
 
 def _group_sums(df: pd.DataFrame, groups: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
-    return {
-        g: sum((df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in cols)
-        if cols
-        else np.zeros(len(df))
-        for g, cols in groups.items()
-    }
+    return {g: _column_sum(df, cols) for g, cols in groups.items()}
 
 
 def _fixed(df: pd.DataFrame) -> np.ndarray:
-    return sum(
-        (df[c].to_numpy(float) if c in df.columns else np.zeros(len(df))) for c in FIXED_TERMS
-    )
+    return _column_sum(df, FIXED_TERMS)
+
+
+def _column_sum(df: pd.DataFrame, columns: Sequence[str]) -> np.ndarray:
+    """Row-wise sum of `columns` (a missing column counts as 0)."""
+    total = np.zeros(len(df))
+    for c in columns:
+        if c in df.columns:
+            total = total + df[c].to_numpy(float)
+    return total
 
 
 def _corrected(

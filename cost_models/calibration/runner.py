@@ -1,9 +1,9 @@
 """Run the microbenchmarks of a calibration: one worker process per rank, for each world size.
 
 A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones start N such
-processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The parent process
-never imports torch except to detect the device, so the benchmarks run in fresh processes whose
-thread settings are their own.
+processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The
+parent process never imports torch except to detect the device, so the benchmarks run in fresh
+processes whose thread settings are their own.
 
 On CPU a "device" is one process: with N processes per node each gets cores // N threads
 (processes x threads <= cores; more oversubscribes and slows everything down), so compute rates
@@ -21,6 +21,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,7 +34,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What one calibration measures. Built by `make_plan`; pure data (written to JSON for the workers)."""
+    """What one calibration measures. Built by `make_plan`; pure data (written to JSON for the
+    workers)."""
 
     device: str
     quick: bool
@@ -57,7 +59,8 @@ class Plan:
 def make_plan(device: str, *, quick: bool) -> Plan:
     """The grids: shapes of a transformer's GEMMs (tokens x hidden-like sizes), STREAM arrays from
     in-cache to well beyond the last-level cache, attention from short to long sequences, and
-    messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take ~0.3 s)."""
+    messages from 4 bytes to hundreds of MB (capped on CPU, where 256 MB all-reduces take
+    ~0.3 s)."""
     if device == "cuda":
         if quick:
             return Plan(
@@ -167,6 +170,7 @@ def describe_machine(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "load_average_at_start": _loadavg(),
+        **cpu_isa(),
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -236,6 +240,105 @@ def _llc_bytes() -> float | None:
     return best
 
 
+# Instruction-set flags that bound a CPU's matmul rate (what `lscpu` lists under Flags).
+ISA_FLAGS = (
+    "avx",
+    "fma",
+    "avx2",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+)
+
+
+def cpu_isa() -> dict[str, Any]:
+    """The matmul-relevant ISA flags of cpu0 and its clock (/proc/cpuinfo "cpu MHz" and, where the
+    kernel exposes it, the maximum boost clock from cpufreq), for the plausibility checks."""
+    flags: set[str] = set()
+    mhz = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key == "cpu MHz" and mhz is None:
+                    mhz = float(value)
+    except (OSError, ValueError):
+        pass
+    max_mhz = None
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq", encoding="ascii") as f:
+            max_mhz = float(f.read()) / 1000.0
+    except (OSError, ValueError):
+        pass
+    return {
+        "cpu_flags": [f for f in ISA_FLAGS if f in flags] if flags else None,
+        "cpu_mhz": mhz,
+        "cpu_max_mhz": max_mhz,
+    }
+
+
+def cpu_time_sample() -> dict[str, float]:
+    """Busy and stolen CPU seconds of the cores this process may run on (/proc/stat, summed over
+    the CPUs of its affinity mask), this process's own CPU seconds and its reaped children's
+    (getrusage), and a monotonic clock. Two samples give the load others put on those cores
+    (`load_between`). Empty where /proc/stat is missing."""
+    import resource
+
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = steal = 0.0
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if not name[3:].isdigit() or (
+                    allowed is not None and int(name[3:]) not in allowed
+                ):
+                    continue
+                v = [float(x) for x in fields]
+                # user nice system idle iowait irq softirq steal ...: busy excludes idle, iowait
+                busy += v[0] + v[1] + v[2] + v[5] + v[6]
+                steal += v[7] if len(v) > 7 else 0.0
+    except (OSError, ValueError, IndexError):
+        return {}
+    own = sum(
+        r.ru_utime + r.ru_stime
+        for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
+    return {
+        "wall_s": time.monotonic(),
+        "busy_s": busy / tick,
+        "steal_s": steal / tick,
+        "own_s": own,
+        "cores": float(len(allowed)) if allowed is not None else float(os.cpu_count() or 1),
+    }
+
+
+def load_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Average number of cores that other processes kept busy (and that the hypervisor stole)
+    between two `cpu_time_sample`s: (busy - this process tree's CPU time) / wall time."""
+    if not before or not after:
+        return {}
+    wall = max(after["wall_s"] - before["wall_s"], 1e-9)
+    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
+    return {
+        "load_other_cores": max(0.0, others / wall),
+        "load_steal_cores": max(0.0, (after["steal_s"] - before["steal_s"]) / wall),
+        "load_cores": after["cores"],
+    }
+
+
 def _loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -274,10 +377,21 @@ def run_microbenchmarks(
             f"calibrate: world size {ws}: {', '.join(suites)}"
             + (f" ({threads} thread(s) per process)" if threads else "")
         )
+        load_average, before = _loadavg(), cpu_time_sample()
         rows = _launch(
             plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s, launcher
         )
-        frames.append(pd.DataFrame(rows))
+        load = load_between(before, cpu_time_sample())
+        frame = pd.DataFrame(rows)
+        for key, value in load.items():
+            frame[key] = value
+        frame["load_average_1m"] = load_average[0] if load_average else None
+        frames.append(frame)
+        if load:
+            log(
+                f"calibrate: world size {ws}: other processes kept "
+                f"{load['load_other_cores']:.2f} of {load['load_cores']:.0f} core(s) busy"
+            )
     df = pd.concat(frames, ignore_index=True)
     df.insert(0, "device", plan.device)
     return df

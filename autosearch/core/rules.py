@@ -1,0 +1,204 @@
+"""The rules a parallel layout must follow, each written once.
+
+Every rule is a small function that returns ``None`` when the layout follows it, else one message
+that says what is wrong and how to fix it. `Strategy.problems` composes all of them;
+`search_spaces.SearchSpace` builds its tree with the same functions, so the space holds exactly
+the strategies that `Strategy.validate` accepts (tests/test_search_spaces.py compares
+`enumerate()` with a brute-force grid filtered by validation).
+
+Sources: tensor parallel splits heads (Shoeybi et al. 2019, sec. 3); a pipeline needs at least
+one micro-batch per stage to fill, and interleaved 1F1B needs pp * v to divide the layers and the
+micro-batch count to be a multiple of pp (Narayanan et al. 2021, sec. 2.2); sequence parallel
+splits the sequence over the tp group (Korthikanti et al. 2022, sec. 4.2.2).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.model_spec import ModelSpec
+
+INTERLEAVED = "interleaved_1f1b"
+
+
+def world_size_problem(
+    dp: int, tp: int, pp: int, *, devices: int, cp: int = 1, where: str = ""
+) -> str | None:
+    if dp * tp * pp * cp == devices:
+        return None
+    if cp == 1:
+        product = f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}"
+    else:
+        product = f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}"
+    return (
+        f"{product} but the cluster has {devices} devices{where}; "
+        f"choose degrees whose product is {devices}"
+    )
+
+
+def tp_problem(tp: int, model: ModelSpec) -> str | None:
+    """tp splits the attention heads and the key/value heads."""
+    if model.n_heads % tp:
+        return (
+            f"tp={tp} does not divide n_heads={model.n_heads}; use a tp that divides"
+            f" {model.n_heads}"
+        )
+    if model.n_kv_heads % tp:
+        return (
+            f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; "
+            f"use a tp that divides {model.n_kv_heads}"
+        )
+    return None
+
+
+def layers_problem(
+    pp: int, virtual_stages: int, model: ModelSpec, *, uneven: bool = False
+) -> str | None:
+    """The layers split into pp * virtual_stages equal chunks (or, `uneven`, chunks of at
+    least one layer whose sizes differ by at most one: `split_layers`)."""
+    chunks = pp * virtual_stages
+    if model.n_layers % chunks == 0 or (uneven and model.n_layers >= chunks):
+        return None
+    if uneven:
+        return (
+            f"n_layers={model.n_layers} is fewer than pp*virtual_stages = {pp}*{virtual_stages} "
+            f"= {chunks} pipeline chunks; every chunk needs at least one layer"
+        )
+    return (
+        f"n_layers={model.n_layers} does not split into pp*virtual_stages = {pp}*{virtual_stages}"
+        f" = {chunks} equal chunks; use pp*virtual_stages dividing {model.n_layers}, or give "
+        "pipeline_split (layers per chunk)"
+    )
+
+
+def pipeline_split_problem(
+    split: tuple[int, ...], pp: int, virtual_stages: int, n_layers: int | None
+) -> str | None:
+    """An explicit split names one layer count per chunk and covers every layer."""
+    chunks = pp * virtual_stages
+    if len(split) != chunks:
+        return (
+            f"pipeline_split has {len(split)} chunks but pp*virtual_stages = {chunks}; "
+            f"give {chunks} layer counts"
+        )
+    if n_layers is not None and sum(split) != n_layers:
+        return f"pipeline_split {list(split)} sums to {sum(split)} layers, not n_layers={n_layers}"
+    return None
+
+
+def split_layers(n_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per pipeline chunk, as even as possible. With a remainder the middle chunks take
+    the extra layers, since the first and last chunks also hold the embedding and the logits
+    (torchtitan and Megatron-LM split Llama 3.1 405B's 126 layers over 8 stages as 15, 16 x 6,
+    15; docs/runtimes.md)."""
+    base, extra = divmod(n_layers, chunks)
+    sizes = [base] * chunks
+    order = sorted(range(chunks), key=lambda i: (abs(2 * i - (chunks - 1)), i))  # middle first
+    for i in order[:extra]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def context_parallel_problem(cp: int, seq_len: int | None) -> str | None:
+    """Load-balanced ring attention cuts the sequence into 2 * cp pieces (torch's context
+    parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks)."""
+    if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
+        return None
+    return f"cp={cp} needs seq_len={seq_len} divisible by 2*cp = {2 * cp} (load-balanced halves)"
+
+
+def recompute_layers_problem(
+    recompute: str, recompute_num_layers: int | None, smallest_chunk: int | None
+) -> str | None:
+    """Recomputing N layers per chunk is a form of full recompute, bounded by the chunk."""
+    if recompute_num_layers is None:
+        return None
+    if recompute != "full":
+        return (
+            f"recompute_num_layers={recompute_num_layers} needs recompute=full (it chooses how "
+            "many layers per pipeline chunk are recomputed whole)"
+        )
+    if smallest_chunk is not None and recompute_num_layers > smallest_chunk:
+        return (
+            f"recompute_num_layers={recompute_num_layers} exceeds the {smallest_chunk} layers of "
+            "the smallest pipeline chunk; use at most that, or leave it unset for every layer"
+        )
+    return None
+
+
+def fp8_problem(fp8: str, peak_flops: dict[str, float] | None) -> str | None:
+    """Float8 matmuls need hardware with fp8 units (a profile with an fp8 peak)."""
+    if fp8 == "none" or peak_flops is None or "fp8" in peak_flops:
+        return None
+    return (
+        f"fp8={fp8} needs float8 matmul units, and this hardware profile has no fp8 peak "
+        f"(it has {', '.join(peak_flops)}); set fp8=none or use a GPU with fp8 (H100, H200)"
+    )
+
+
+def async_tp_problem(async_tp: bool, tp: int) -> str | None:
+    if async_tp and tp == 1:
+        return "async_tp overlaps tensor-parallel collectives: it needs tp > 1; turn it off"
+    return None
+
+
+def batch_problem(global_batch_size: int, dp: int, micro_batch_size: int) -> str | None:
+    """The global batch splits into dp ranks x whole micro-batches."""
+    per_step = dp * micro_batch_size
+    if global_batch_size % per_step == 0:
+        return None
+    return (
+        f"global_batch_size={global_batch_size} does not split into dp*micro_batch_size ="
+        f" {dp}*{micro_batch_size} = {per_step}; use a global batch that is a multiple of"
+        f" {per_step}"
+    )
+
+
+def sequence_parallel_problem(sequence_parallel: bool, tp: int, seq_len: int | None) -> str | None:
+    """Sequence parallel shards activations over tp > 1 ranks along the sequence."""
+    if not sequence_parallel:
+        return None
+    if tp == 1:
+        return (
+            "sequence_parallel needs tp > 1 (it shards activations over the tp group); "
+            "set tp > 1 or turn it off"
+        )
+    if seq_len is not None and seq_len % tp:
+        return f"sequence_parallel with tp={tp} needs seq_len={seq_len} divisible by tp"
+    return None
+
+
+def schedule_problem(schedule: str, pp: int, virtual_stages: int) -> str | None:
+    """Virtual stages exist only in the interleaved schedule, which needs a pipeline."""
+    if virtual_stages > 1 and schedule != INTERLEAVED:
+        return (
+            f"virtual_stages={virtual_stages} needs pipeline_schedule interleaved_1f1b (got "
+            f"{schedule}); set virtual_stages=1 or the interleaved schedule"
+        )
+    if schedule == INTERLEAVED and pp == 1:
+        return "interleaved_1f1b needs pp > 1; use pipeline_schedule=1f1b with pp=1"
+    if schedule == INTERLEAVED and virtual_stages == 1:
+        return (
+            "interleaved_1f1b needs virtual_stages > 1 (model chunks per pipeline rank); "
+            "set virtual_stages or use 1f1b"
+        )
+    return None
+
+
+def microbatch_problem(pp: int, n_microbatches: int, schedule: str) -> str | None:
+    """A pipeline of pp stages needs >= pp micro-batches; interleaving a multiple of pp."""
+    if pp == 1:
+        return None
+    if n_microbatches < pp:
+        return (
+            f"pipeline with pp={pp} needs at least {pp} micro-batches per step, got "
+            f"{n_microbatches} (= global_batch_size / (dp*micro_batch_size)); raise the global "
+            "batch or lower micro_batch_size"
+        )
+    if schedule == INTERLEAVED and n_microbatches % pp:
+        return (
+            f"interleaved_1f1b needs the micro-batch count {n_microbatches} to be a multiple of"
+            f" pp={pp}"
+        )
+    return None

@@ -1,0 +1,308 @@
+"""Fidelity on the stacks people train with today: torchtitan (H100 500 W, H200), Megatron-Core
+FP8 (DGX H100) and MosaicML Composer FSDP (A100-80GB, H100), 181 published runs.
+
+Every row of benchmarks/reference/modern_runs.csv and mosaicml_fsdp.csv becomes a ModelSpec, a
+Cluster and a Strategy, scored by the analytic cost model under the row's runtime preset
+(cost_models/runtimes.yaml) with the shipped hardware profiles: one set of constants for all rows,
+none chosen per row. Where a row leaves something out, the assumption is written in `ASSUMED`
+below and in the CSV (docs/reference_rows.md explains each).
+
+Reports, per source group: throughput MAPE, worst row, memory MAPE where published, and whether
+every published run is predicted to fit. Targets (issue 9): throughput MAPE <= 10% per group and
+no row beyond 25%; memory MAPE <= 10%; every row expressible and predicted to fit.
+
+Run: python benchmarks/fidelity_modern.py   (writes results/fidelity_modern.csv and
+results/fidelity_modern_summary.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from autosearch.core import Cluster, ModelSpec, SpecError, Strategy
+from cost_models import AnalyticCostModel
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TABLES = ("modern_runs.csv", "mosaicml_fsdp.csv")
+GiB = float(1 << 30)
+GPUS = {
+    "h100-sxm": "h100-sxm",
+    "h100-sxm-96gb-500w": "h100-sxm-96gb-500w",
+    "h200": "h200-sxm",
+    "a100-sxm4-80gb": "a100-sxm4-80gb",
+}
+TARGET_MAPE, TARGET_WORST, TARGET_MEMORY = 0.10, 0.25, 0.10
+
+# What the sources leave out, and what this benchmark assumes (docs/reference_rows.md).
+ASSUMED = {
+    "megatron recompute": "unknown -> none (the Megatron-Bridge Llama recipes set no recompute)",
+    "megatron sequence parallel": "tp > 1 -> on (TP comm overlap requires it; the recipes)",
+    "megatron fp8": "TE delayed or current scaling -> tensorwise (per-tensor scales)",
+    "megatron 8B virtual stages": "unknown with pp = 1 -> 1",
+    "torchtitan sequence parallel": "tp > 1 -> on (torchtitan always applies SequenceParallel)",
+    "torchtitan pipeline micro-batches": "as many micro-batches as pipeline stages (the late-2024"
+    " default): 1F1B 8 of 4 sequences, interleaved 2 stages per rank, 16 of 2 sequences",
+    "torchtitan async TP without compile (TT-2408)": "compile assumed on (async TP needs it)",
+    "mosaicml model": "MPT: gelu 4h MLP, ALiBi (no position parameters), no biases, no dropout",
+    "mosaicml fp8": "TransformerEngine delayed scaling -> tensorwise",
+}
+
+
+def group_of(row: pd.Series) -> str:
+    if row.id.startswith("MOSAIC"):
+        return "MosaicML H100" if row.gpu == "h100-sxm" else "MosaicML A100-80"
+    if row.id.startswith(("MLM", "MBRIDGE")):
+        return "Megatron FP8 H100"
+    return "torchtitan H200" if row.gpu == "h200" else "torchtitan H100"
+
+
+def runtime_of(row: pd.Series) -> str:
+    framework = str(row.framework).lower()
+    if "composer" in framework:
+        return "composer-fsdp"
+    if "megatron" in framework:
+        return "megatron-core"
+    return "torchtitan"
+
+
+def model_of(row: pd.Series) -> ModelSpec:
+    mpt = row.id.startswith("MOSAIC")
+    return ModelSpec(
+        name=row.id,
+        n_layers=int(row.n_layers),
+        hidden_size=int(row.hidden_size),
+        n_heads=int(row.n_heads),
+        n_kv_heads=int(row.n_kv_heads),
+        ffn_hidden_size=int(row.ffn_hidden_size),
+        ffn_activation=row.ffn_activation,
+        vocab_size=int(row.vocab_size),
+        seq_len=int(row.seq_len),
+        tied_embeddings=bool(row.tied_embeddings),
+        **({"position_embedding": "alibi", "linear_bias": False, "dropout": False} if mpt else {}),
+    )
+
+
+def strategy_of(row: pd.Series, runtime: str) -> Strategy:
+    tp, pp, dp, cp = int(row.tp), int(row.pp), int(row.dp), int(row.cp)
+    gbs = int(row.global_batch_size)
+    recompute = {"full": "full", "none": "none", "unknown": "none"}.get(row.recompute)
+    if recompute is None:  # selective: which kind
+        note = str(row.recompute_note).lower()
+        recompute = "selective_op" if "op" in note else "selective"
+    v = 1 if str(row.virtual_stages) == "unknown" else int(row.virtual_stages)
+    mb = int(row.micro_batch_size)
+    schedule = "1f1b"
+    if runtime == "torchtitan" and pp > 1:
+        v = 2 if "Interleaved" in row.id else 1
+        mb = gbs // dp // (pp * v)  # as many micro-batches as stages
+    if v > 1:
+        schedule = "interleaved_1f1b"
+    fp8 = str(row.fp8).lower()
+    fp8 = "rowwise" if "rowwise" in fp8 else ("none" if fp8 in ("none", "nan") else "tensorwise")
+    async_tp = str(row.async_tp).lower() == "true"
+    compile_ = str(row.compile).lower() == "true" or (runtime == "torchtitan" and async_tp)
+    sp = tp > 1 and (
+        runtime in ("torchtitan", "megatron-core") or str(row.sequence_parallel).lower() == "true"
+    )
+    return Strategy(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        micro_batch_size=mb,
+        global_batch_size=gbs,
+        pipeline_schedule=schedule,
+        virtual_stages=v,
+        recompute=recompute,
+        sequence_parallel=sp,
+        zero_stage=int(row.zero_stage),
+        amp=row.amp,
+        fp8=fp8,
+        compile=compile_,
+        async_tp=async_tp,
+    )
+
+
+def predict(row: pd.Series, *, profiles: dict | None = None, runtimes: dict | None = None) -> dict:
+    runtime = runtime_of(row)
+    out = {
+        "id": row.id,
+        "group": group_of(row),
+        "runtime": runtime,
+        "published_tokens_per_s_per_gpu": float(row.published),
+        "published_memory_gib": float(row.published_memory_gib)
+        if not pd.isna(row.published_memory_gib)
+        else math.nan,
+    }
+    try:
+        model = model_of(row)
+        gpus = int(row.n_gpus)
+        gpu = (profiles or {}).get(row.gpu, GPUS[row.gpu])
+        cluster = Cluster(gpu=gpu, n_nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus))
+        strategy = strategy_of(row, runtime)
+        options = (runtimes or {}).get(runtime, runtime)
+        report = AnalyticCostModel(model, cluster, runtime=options).estimate(strategy)
+    except (SpecError, KeyError) as exc:
+        return {**out, "expressible": False, "error": str(exc)}
+    # torchtitan reports the caching allocator's peak (no CUDA context): compare like with like
+    memory = (report.peak_memory_bytes - cluster.profile.reserved_memory_bytes) / GiB
+    tokens = report.tokens_per_s / cluster.world_size
+    return {
+        **out,
+        "expressible": True,
+        "strategy": strategy.short(),
+        "predicted_tokens_per_s_per_gpu": tokens,
+        "throughput_error": tokens / out["published_tokens_per_s_per_gpu"] - 1,
+        "predicted_memory_gib": memory,
+        "memory_error": memory / out["published_memory_gib"] - 1
+        if not math.isnan(out["published_memory_gib"])
+        else math.nan,
+        "fits": report.fits,
+        "predicted_mfu": report.mfu,
+        **{f"time_{k}": v for k, v in report.time._asdict().items()},
+        **{f"memory_{k}_gib": v / GiB for k, v in report.memory._asdict().items()},
+    }
+
+
+def summarize(table: pd.DataFrame) -> dict:
+    groups = {}
+    for name, g in table.groupby("group"):
+        ok = g[g.expressible]
+        err = ok.throughput_error.abs()
+        mem = ok.memory_error.abs().dropna()
+        groups[name] = {
+            "rows": len(g),
+            "expressible": int(ok.shape[0]),
+            "throughput_mape": float(err.mean()),
+            "worst_row": ok.id[err.idxmax()],
+            "worst_error": float(ok.throughput_error[err.idxmax()]),
+            "signed_mean_error": float(ok.throughput_error.mean()),
+            "memory_mape": float(mem.mean()) if len(mem) else None,
+            "memory_rows": len(mem),
+            "all_fit": bool(ok.fits.all()),
+            "meets_targets": bool(
+                err.mean() <= TARGET_MAPE
+                and err.max() <= TARGET_WORST
+                and (not len(mem) or mem.mean() <= TARGET_MEMORY)
+                and ok.fits.all()
+                and len(ok) == len(g)
+            ),
+        }
+    return groups
+
+
+def leave_one_group_out(rows: pd.DataFrame) -> dict:
+    """Each group predicted with the constants it did not help choose. Two constants were
+    chosen against a table, both against torchtitan's H100 rows: the 500 W part's sustained
+    clock (0.75 of the 700 W part's) and torchtitan's async-TP overlap (0.4). Without that table
+    they fall back to the 700 W profile's efficiencies and the research value 1 - 1/tp = 0.875
+    (docs/runtimes.md [1.6]); every other group uses neither, so its figure is its own."""
+    import dataclasses
+
+    from autosearch.core import RUNTIMES, HardwareProfile
+
+    h100 = HardwareProfile.load("h100-sxm")
+    unfitted = dataclasses.replace(
+        h100,
+        name="h100-sxm-96gb-500w",
+        memory_capacity_bytes=HardwareProfile.load("h100-sxm-96gb-500w").memory_capacity_bytes,
+    )
+    research = dataclasses.replace(RUNTIMES["torchtitan"], async_tp_overlap=0.875)
+    held_out = rows[rows.gpu == "h100-sxm-96gb-500w"]
+    table = pd.DataFrame(
+        [
+            predict(
+                r, profiles={"h100-sxm-96gb-500w": unfitted}, runtimes={"torchtitan": research}
+            )
+            for _, r in held_out.iterrows()
+        ]
+    )
+    g = summarize(table)
+    return {
+        name: {k: g[name][k] for k in ("throughput_mape", "worst_error", "memory_mape")}
+        for name in g
+    }
+
+
+def sc21_figures() -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fidelity_sc21", HERE / "fidelity_sc21.py")
+    sc21 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc21)
+    table = sc21.fidelity()
+    err = table.error_pct.abs()
+    return {"mape_pct": float(err.mean()), "worst_pct": float(err.max()), "rows": len(table)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "results" / "fidelity_modern.csv"))
+    args = parser.parse_args()
+    rows = pd.concat([pd.read_csv(HERE / "reference" / t) for t in TABLES], ignore_index=True)
+    table = pd.DataFrame([predict(r) for _, r in rows.iterrows()])
+    groups = summarize(table)
+    pd.set_option("display.width", 200)
+    print(
+        table[
+            [
+                "id",
+                "group",
+                "published_tokens_per_s_per_gpu",
+                "predicted_tokens_per_s_per_gpu",
+                "throughput_error",
+                "published_memory_gib",
+                "predicted_memory_gib",
+                "fits",
+            ]
+        ].to_string(index=False, float_format=lambda x: f"{x:,.3g}")
+    )
+    print()
+    for name, g in groups.items():
+        memory = (
+            f"{g['memory_mape']:.1%} on {g['memory_rows']}"
+            if g["memory_mape"] is not None
+            else "not published"
+        )
+        print(
+            f"{name:20s} rows {g['rows']:3d}  throughput MAPE {g['throughput_mape']:6.1%} "
+            f"(signed {g['signed_mean_error']:+.1%}, worst {g['worst_error']:+.1%} "
+            f"{g['worst_row']})  memory {memory}  all fit: {g['all_fit']}"
+        )
+    logo = leave_one_group_out(rows)
+    for name, g in logo.items():
+        print(
+            f"leaving the torchtitan H100 table out ({name}): throughput MAPE "
+            f"{g['throughput_mape']:.1%}, worst {g['worst_error']:+.1%}"
+        )
+    sc21 = sc21_figures()
+    print(
+        f"SC'21 Table 1 (megatron-sc21 runtime): MAPE {sc21['mape_pct']:.2f}%, worst "
+        f"{sc21['worst_pct']:.2f}% over {sc21['rows']} rows"
+    )
+    table.to_csv(args.out, index=False)
+    summary = {
+        "groups": groups,
+        "leave_one_group_out": logo,
+        "sc21": sc21,
+        "assumed": ASSUMED,
+        "targets": {
+            "throughput_mape": TARGET_MAPE,
+            "worst_row": TARGET_WORST,
+            "memory_mape": TARGET_MEMORY,
+        },
+    }
+    Path(args.out).with_name("fidelity_modern_summary.json").write_text(
+        json.dumps(summary, indent=1)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

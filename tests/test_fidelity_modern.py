@@ -1,0 +1,54 @@
+"""Golden figures: the cost model against 181 published runs of today's stacks
+(benchmarks/fidelity_modern.py; sources in benchmarks/reference/README.md).
+
+Each group is held to issue 9's targets where it meets them (throughput MAPE <= 10%, no row
+beyond 25%, memory MAPE <= 10% where published, every run predicted to fit). Groups that do not
+meet them yet are held to their current figure plus a small margin, so that a change that makes
+them worse fails here; the margins are the rounding of the figures in results/fidelity_modern.csv.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pandas as pd
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def groups():
+    spec = importlib.util.spec_from_file_location(
+        "fidelity_modern", ROOT / "benchmarks" / "fidelity_modern.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tables = [pd.read_csv(ROOT / "benchmarks" / "reference" / t) for t in bench.TABLES]
+    rows = pd.concat(tables, ignore_index=True)
+    table = pd.DataFrame([bench.predict(r) for _, r in rows.iterrows()])
+    assert table.expressible.all(), table[~table.expressible][["id", "error"]]
+    return bench.summarize(table)
+
+
+# group: (throughput MAPE bound, worst-row bound, memory MAPE bound or None)
+BOUNDS = {
+    "MosaicML A100-80": (0.10, 0.30, None),  # meets the MAPE target; one row at +28%
+    "Megatron FP8 H100": (0.10, 0.13, None),  # meets the targets
+    "torchtitan H100": (0.10, 0.25, 0.15),  # meets throughput; memory 14% (target 10%)
+    "torchtitan H200": (0.13, 0.14, 0.28),  # 12% / 27%: not yet
+    "MosaicML H100": (0.23, 0.46, None),  # 22%: not yet (docs in the closing note of issue 9)
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_group_is_held_to_its_bound(groups, name):
+    mape, worst, memory = BOUNDS[name]
+    g = groups[name]
+    assert g["expressible"] == g["rows"]
+    assert g["all_fit"], f"{name}: a published run is predicted not to fit"
+    assert g["throughput_mape"] <= mape, g
+    assert abs(g["worst_error"]) <= worst, g
+    if memory is not None:
+        assert g["memory_mape"] <= memory, g
