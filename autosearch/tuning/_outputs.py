@@ -28,30 +28,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
     from autosearch.tuning._result import Candidate, TuneResult
 
-STRATEGY_FIELDS = (
-    "dp",
-    "tp",
-    "pp",
-    "micro_batch_size",
-    "global_batch_size",
-    "pipeline_schedule",
-    "virtual_stages",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
-)
+
+def _strategy_fields() -> tuple[str, ...]:
+    """Every Strategy field, in its order (new dimensions become columns by themselves)."""
+    import dataclasses
+
+    from autosearch.core.strategy import Strategy
+
+    return tuple(f.name for f in dataclasses.fields(Strategy))
+
+
+STRATEGY_FIELDS = _strategy_fields()
 IMPORTANCE_MAX_TRIALS = 5000
-IMPORTANCE_FIELDS = (
-    "tp",
-    "pp",
-    "dp",
-    "micro_batch_size",
-    "pipeline",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
+# The dimensions whose importance report.md plots: the Strategy fields, with the pipeline
+# schedule and its virtual stages as one ("pipeline"), and without what every strategy shares.
+IMPORTANCE_FIELDS = tuple(
+    "pipeline" if f == "pipeline_schedule" else f
+    for f in STRATEGY_FIELDS
+    if f not in ("global_batch_size", "virtual_stages")
 )
 
 
@@ -422,7 +416,7 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
             v = (
                 pipeline_label(r["pipeline_schedule"], r["virtual_stages"])
                 if f == "pipeline"
-                else r[f]
+                else r.get(f)
             )
             values[f].append(str(v))
     fields = [f for f in IMPORTANCE_FIELDS if len(set(values[f])) > 1]

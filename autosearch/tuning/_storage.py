@@ -190,12 +190,19 @@ def _open_sqlite(path: str) -> OpenedStorage:
     lock_path = path + ".lock"
     # Several workers started at once on a new file would race to create the tables ("table
     # already exists", "UNIQUE constraint failed: alembic_version"): create them under the lock.
-    with _file_lock(lock_path):
-        storage = _rdb(
-            f"sqlite:///{path}",
-            engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}},
-            what=f"SQLite file {path!r}",
-        )
+    new_lock = not os.path.lexists(lock_path)
+    try:
+        with _file_lock(lock_path):
+            storage = _rdb(
+                f"sqlite:///{path}",
+                engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}},
+                what=f"SQLite file {path!r}",
+            )
+    except SpecError:
+        if new_lock:  # leave nothing behind for a file that is not a study
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+        raise
     return OpenedStorage(storage, "sqlite", path, lock_path=lock_path, url=f"sqlite:///{path}")
 
 

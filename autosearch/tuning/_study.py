@@ -643,13 +643,7 @@ def _for_sampler(t):
 def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     """Every trial unit of the space once, in the space's enumeration order."""
     units: dict[tuple, dict[str, Any]] = {}
-    last_layout = None
     for s in space.enumerate():
-        if group:
-            layout = (s.tp, s.pp, s.micro_batch_size, s.pipeline_schedule, s.virtual_stages)
-            if layout == last_layout:
-                continue
-            last_layout = layout
         params = space.params_of(s, group=group)
         units.setdefault(_key(params), params)
     return list(units.values())
