@@ -153,14 +153,22 @@ def test_atomic_write_replaces_whole_and_leaves_no_temporary_file(tmp_path):
 
 
 def test_temporary_files_of_killed_writers_are_removed(tmp_path):
+    """Temporary names carry their writer's pid: those of dead processes are removed, a write
+    in progress in a live process (here: this one) is left alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
     out = tmp_path / "run"
     out.mkdir()
-    for name in (".autosearch-trials.csv.abc123.tmp", "report.md.tmp4242", "x.png.tmp7.png"):
+    stale = [f".autosearch-{dead.pid}-trials.csv.abc123.tmp", f"report.md.tmp{dead.pid}"]
+    stale.append(f"x.png.tmp{dead.pid}.png")
+    live = f"megatron.sh.tmp{os.getpid()}"
+    for name in [*stale, live]:
         (out / name).write_text("torn")
     (out / "study.journal.lock0f3e.rename").write_text("")  # Optuna's lock, killed mid-release
     tune(**SMALL, n_trials=3, seed=0, out=out, **FAST)
     left = sorted(os.listdir(out))
-    assert not [n for n in left if "tmp" in n or n.endswith(".rename")], left
+    assert not [n for n in left if n in stale or n.endswith(".rename")], left
+    assert live in left
 
 
 # ---- names and folders -------------------------------------------------------------------------

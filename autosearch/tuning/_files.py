@@ -8,8 +8,8 @@
 * `atomic_write`: every output file is written to an unpredictable temporary name in the same
   folder (`tempfile.mkstemp`), flushed and fsync'ed, then renamed over the target (`os.replace`,
   atomic on POSIX), so a reader sees the old file or the new one, never a torn one.
-* `remove_stale_temp_files`: what a kill between `mkstemp` and `os.replace` leaves behind.
-  Call it only while holding the lock that every writer of the folder takes.
+* `remove_stale_temp_files`: what a kill between `mkstemp` and `os.replace` leaves behind (a
+  temporary name carries its writer's pid; only files of dead processes are removed).
 
 Written by hand because the standard library has the primitives but no such helper, and the
 `filelock` package follows symbolic links when it opens its lock file.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -120,7 +121,9 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[str], No
     if os.path.isdir(path):
         raise SpecError(f"{path!r} is a folder; autosearch needs to write a file there")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}.", suffix=TEMP_SUFFIX, dir=folder)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f"{TEMP_PREFIX}{os.getpid()}-{name}.", suffix=TEMP_SUFFIX, dir=folder
+        )
     except OSError as exc:
         raise SpecError(f"cannot write into {folder!r}: {exc.strerror}") from None
     try:
@@ -166,11 +169,15 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def remove_stale_temp_files(folder: str | os.PathLike) -> list[str]:
-    """Remove the temporary files `atomic_write` leaves when its process is killed mid-write.
+def remove_stale_temp_files(
+    folder: str | os.PathLike, *, extra: re.Pattern | None = None
+) -> list[str]:
+    """Remove the temporary files that writers killed mid-write left in `folder`.
 
-    Only safe while holding the lock every writer of `folder` takes (then no write is running).
-    Returns the names removed.
+    A temporary name carries its writer's process id (``.autosearch-<pid>-<name>.<random>.tmp``);
+    a file is removed only when that process is gone, so a write in progress in another process
+    is never disturbed. `extra`: a pattern for other writers' names, whose first group is the pid
+    (e.g. ``name.tmp<pid>``). Returns the names removed.
     """
     removed = []
     try:
@@ -178,10 +185,32 @@ def remove_stale_temp_files(folder: str | os.PathLike) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
-            try:
-                os.unlink(os.path.join(folder, name))
-                removed.append(name)
-            except OSError:
-                pass
+        pid = None
+        m = _OURS.match(name)
+        if m:
+            pid = int(m.group(1))
+        elif extra is not None and (m := extra.match(name)):
+            pid = int(m.group(1))
+        if pid is None or _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(name)
+        except OSError:
+            pass
     return removed
+
+
+_OURS = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-.*" + re.escape(TEMP_SUFFIX) + "$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

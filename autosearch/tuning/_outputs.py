@@ -464,7 +464,8 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 STUDY_FILE = "study.yaml"
 LOCK_FILE = ".lock"
-_OLD_TEMP = re.compile(r".+\.tmp\d+(\.png)?$")  # temporary names of earlier versions
+# `name.tmp<pid>`: temporary names of earlier versions and of the exports written next to ours
+_OTHER_TEMP = re.compile(r".+\.tmp(\d+)(\.png)?$")
 
 
 @contextlib.contextmanager
@@ -473,11 +474,7 @@ def outputs_lock(out_dir: str):
     worker writes the outputs; temporary files of killed writers are removed under it."""
     _make_folder(out_dir)
     with FileLock(os.path.join(out_dir, LOCK_FILE)):
-        remove_stale_temp_files(out_dir)
-        for name in os.listdir(out_dir):
-            if _OLD_TEMP.match(name):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(out_dir, name))
+        remove_stale_temp_files(out_dir, extra=_OTHER_TEMP)
         yield
 
 
