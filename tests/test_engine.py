@@ -150,7 +150,8 @@ def test_cost_uses_the_analytic_model():
 def test_tune_sets_the_best_strategy(tmp_path):
     engine = Engine(model_factory, cluster="h100-sxm:1x8")
     result = engine.tune(batch_size=16, n_trials=8, seed=0, out=str(tmp_path), verbose=0)
-    assert engine.best_strategy_ == result.best_strategy == engine.strategy
+    assert engine.best_strategy_ == result.best_strategy == engine.strategy_
+    assert engine.strategy is None  # the constructor argument is not overwritten (sklearn style)
     assert engine.best_strategy_.world_size == 8
 
 

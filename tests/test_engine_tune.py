@@ -1,4 +1,6 @@
-"""Engine.tune end to end: describe this machine, search, optionally validate, then train with it."""
+"""Engine.tune end to end: describe this machine, search, optionally validate, then train."""
+
+import ast
 import json
 import os
 import subprocess
@@ -7,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from autosearch import Engine, ModelSpec
-from autosearch.engine import SyntheticTokens
 from autosearch.core.errors import SpecError
+from autosearch.engine import SyntheticTokens
+from autosearch.engine._tune import local_cluster
 from autosearch.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,24 +25,97 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def test_tune_calibrates_a_new_machine_validates_and_trains(tmp_path, capsys):
-    """No profile for this machine: a quick calibration first (and it says so); the two best
-    candidates run for real; the fastest measured one becomes the strategy, and training works."""
+def profiles_with_quality(folder: Path, *, ok: bool, problems=()) -> Path:
+    """The committed CPU calibration of this kind of machine, with a calibration quality record
+    (scratch/INTERFACES.md item 2) saying it passed or failed its checks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("cpu-local.yaml", "cpu-local-np1.yaml"):
+        data = yaml.safe_load((ROOT / "results" / "calibration" / name).read_text())
+        data.setdefault("calibration", {})["quality"] = {
+            "ok": ok,
+            "problems": list(problems),
+            "warnings": [],
+        }
+        (folder / name).write_text(yaml.safe_dump(data, sort_keys=False))
+    return folder
+
+
+def test_tune_validates_the_top_candidates_and_trains_with_the_fastest(tmp_path, capsys):
+    """The two best candidates run for real; the fastest measured one becomes the strategy, and
+    training works. The profile: the committed calibration of this kind of machine."""
+    folder = profiles_with_quality(tmp_path / "calibration", ok=True)
     engine = Engine(lambda: Transformer(SPEC), optimizer=adamw, seed=0)
     data = SyntheticTokens.for_model(SPEC, 64)
-    result = engine.tune(data, batch_size=8, n_trials=20, seed=0, out=str(tmp_path / "study"),
-                         calibration_dir=str(tmp_path / "calibration"), validate_top_k=2, steps=1, warmup=1,
-                         space={"amp": "fp32"})
+    result = engine.tune(
+        data,
+        batch_size=8,
+        n_trials=20,
+        seed=0,
+        out=str(tmp_path / "study"),
+        calibration_dir=str(folder),
+        validate_top_k=2,
+        steps=1,
+        warmup=1,
+        space={"amp": "fp32"},
+    )
     printed = capsys.readouterr().out
-    assert "calibrating it quickly" in printed and "best measured" in printed
-    assert (tmp_path / "calibration" / "cpu-local.yaml").exists()
-    assert engine.best_strategy_.world_size == 1 and engine.strategy == engine.best_strategy_
+    assert "best measured" in printed and "calibrating" not in printed
+    assert f"tune: hardware profile cpu-local-np1 ({folder}" in printed
+    assert engine.best_strategy_.world_size == 1 and engine.strategy_ == engine.best_strategy_
+    assert engine.strategy is None  # the constructor's argument is kept (sklearn style)
     assert engine.best_strategy_ in [c.strategy for c in result.top_k[:2]]
     assert list(engine.validation_.table.status) == ["ok", "ok"]
     assert (tmp_path / "study" / "best_strategy.yaml").exists()
     assert (tmp_path / "study" / "best_measured_strategy.yaml").exists()
     history = engine.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
-    assert len(history["loss"]) == 2 and all(l == l for l in history["loss"])
+    assert len(history["loss"]) == 2 and all(loss == loss for loss in history["loss"])
+
+
+def test_tune_calibrates_a_new_machine_first(tmp_path, capsys):
+    """No profile for this machine: a quick calibration first (and it says so). A calibration
+    that passes its quality checks is searched with; on a busy machine it may fail them, and then
+    tune refuses to search with it (SpecError naming the problems), never silently."""
+    engine = Engine(lambda: Transformer(SPEC), optimizer=adamw, seed=0)
+    folder = tmp_path / "calibration"
+    try:
+        engine.tune(
+            batch_size=8,
+            n_trials=5,
+            seed=0,
+            out=str(tmp_path / "study"),
+            calibration_dir=str(folder),
+            space={"amp": "fp32"},
+        )
+    except SpecError as exc:
+        assert "failed its checks, so tune will not search with it" in str(exc)
+        assert "calibrating it quickly" in capsys.readouterr().out
+        return
+    printed = capsys.readouterr().out
+    assert "calibrating it quickly" in printed
+    assert f"tune: hardware profile cpu-local-np1 ({folder}" in printed
+    assert (folder / "cpu-local.yaml").exists() and engine.strategy_.world_size == 1
+
+
+def test_tune_sets_learned_attributes_and_keeps_constructor_arguments(tmp_path):
+    start = "dp=1,micro_batch_size=8,global_batch_size=8,amp=fp32,recompute=full"
+    engine = Engine(lambda: Transformer(SPEC), optimizer=adamw, strategy=start, seed=0)
+    data = SyntheticTokens.for_model(SPEC, 16)
+    result = engine.tune(
+        data,
+        cluster="h100-sxm:1x1",
+        n_trials=10,
+        seed=0,
+        out=str(tmp_path),
+        space={"amp": "fp32"},
+        verbose=0,
+    )
+    assert engine.strategy == start and engine.cluster is None  # arguments untouched
+    assert engine.strategy_ == engine.best_strategy_ == result.best_strategy
+    assert engine.best_strategy_.global_batch_size == 8  # the default batch: the start strategy's
+    assert engine.best_report_ == result.best_report and engine.tune_result_ is result
+    assert engine.tuned_cluster_.name == "h100-sxm:1x1" and engine.validation_ is None
+    engine.fit(data, epochs=1, steps_per_epoch=1, verbose=0)
+    assert engine.strategy_ == result.best_strategy  # what it trained with
 
 
 def test_tune_refuses_data_of_another_length(tmp_path):
@@ -48,16 +125,108 @@ def test_tune_refuses_data_of_another_length(tmp_path):
         engine.tune(other, batch_size=8, cluster="h100-sxm:1x1", out=str(tmp_path), verbose=0)
 
 
+def test_tune_never_searches_with_a_profile_that_failed_its_checks(tmp_path):
+    bad = profiles_with_quality(
+        tmp_path / "bad", ok=False, problems=["GEMM rate 0.16 GFLOP/s: the machine was busy"]
+    )
+    engine = Engine(lambda: Transformer(SPEC), optimizer=adamw)
+    with pytest.raises(SpecError, match="GEMM rate 0.16 GFLOP/s") as refused:
+        engine.tune(
+            batch_size=8, cluster=f"{bad / 'cpu-local.yaml'}:1x1", out=str(tmp_path), verbose=0
+        )
+    assert "will not search with the profile cpu-local" in str(refused.value)
+    with pytest.raises(SpecError, match="is not trusted .*GEMM rate"):
+        local_cluster(1, calibration_dir=str(bad), calibrate_if_missing=False, log=print)
+    good = profiles_with_quality(tmp_path / "good", ok=True)
+    cluster = local_cluster(1, calibration_dir=str(good), calibrate_if_missing=False, log=print)
+    assert cluster.profile.path.startswith(str(good))
+
+
+def test_validation_and_engine_do_not_import_each_other_in_a_loop():
+    """The validation package (launcher and API) imports neither torch nor the Engine; the
+    Engine's tune path uses validation only through the package's public names."""
+    code = (
+        "import sys, autosearch.validation, autosearch.core.processes; print(sorted(m for m in "
+        "sys.modules if m == 'torch' or m.startswith('autosearch.engine')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    tree = ast.parse((ROOT / "autosearch" / "engine" / "_tune.py").read_text())
+    used = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in used if m and m.startswith("autosearch.validation")} == {
+        "autosearch.validation"
+    }
+    engine_tune = ast.parse((ROOT / "autosearch" / "engine" / "_engine.py").read_text())
+    tune = next(
+        n for n in ast.walk(engine_tune) if isinstance(n, ast.FunctionDef) and n.name == "tune"
+    )
+    assigned = {
+        t.attr
+        for n in ast.walk(tune)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute)
+    }
+    assert "strategy" not in assigned and "cluster" not in assigned
+
+
+def _torchrun(mode, tmp_path, env, timeout):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "engine_tune_worker.py"),
+            mode,
+            str(tmp_path / "study"),
+            str(tmp_path / "record"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
 def test_tune_under_torchrun_gives_every_rank_the_same_strategy(tmp_path):
     """Rank 0 searches (with the committed calibration of this kind of machine), rank 1 waits; both
     receive the same strategy and train with it."""
-    record = tmp_path / "record"
-    env = {**os.environ, "AUTOSEARCH_CALIBRATION_DIR": str(ROOT / "results" / "calibration")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "engine_tune_worker.py"), str(tmp_path / "study"), str(record)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    folder = profiles_with_quality(tmp_path / "calibration", ok=True)
+    env = {**os.environ, "AUTOSEARCH_CALIBRATION_DIR": str(folder)}
+    proc = _torchrun("same", tmp_path, env, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads(Path(f"{record}.{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((tmp_path / f"record.{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["strategy"] == ranks[1]["strategy"]
-    assert ranks[0]["strategy"]["dp"] * ranks[0]["strategy"]["tp"] * ranks[0]["strategy"]["pp"] == 2
+    assert (
+        ranks[0]["strategy"]["dp"] * ranks[0]["strategy"]["tp"] * ranks[0]["strategy"]["pp"] == 2
+    )
     assert ranks[0]["loss"] == pytest.approx(ranks[1]["loss"])
+
+
+@pytest.mark.slow
+def test_ranks_waiting_for_rank0_give_up_at_their_timeout_with_a_message(tmp_path):
+    proc = _torchrun("slow", tmp_path, dict(os.environ), 300)
+    record = json.loads((tmp_path / "record.1.json").read_text())
+    assert "waited 3 s for rank 0" in record["error"] and "wait_timeout_s" in record["error"], (
+        proc.stderr[-3000:]
+    )
+
+
+@pytest.mark.slow
+def test_tune_under_torchrun_without_a_profile_calibrates_on_rank0_and_does_not_hang(tmp_path):
+    """Rank 0 calibrates this machine from inside the torchrun job (its calibration workers must
+    not inherit RANK/WORLD_SIZE/MASTER_PORT and join the job: that hung for ten minutes), then
+    searches; rank 1 waits. On a busy machine the quick calibration may fail its quality checks:
+    then every rank stops with the same message instead of searching with it."""
+    env = {**os.environ, "AUTOSEARCH_CALIBRATION_DIR": str(tmp_path / "calibration")}
+    proc = _torchrun("same", tmp_path, env, 420)
+    if proc.returncode == 0:
+        ranks = [json.loads((tmp_path / f"record.{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["strategy"] == ranks[1]["strategy"]
+        assert (tmp_path / "calibration" / "cpu-local.yaml").exists()
+    else:
+        assert "failed its checks" in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -91,7 +91,7 @@ def test_invalid_candidates_are_rows_too(tmp_path):
             False,
             "crashed",
         ),
-        (-9, [], False, "crashed"),
+        (-9, [], False, "oom"),
         (None, [], True, "timeout"),
     ],
 )
@@ -100,11 +100,12 @@ def test_classification_uses_exit_status_and_exception_types(code, ranks, timed_
     assert outcome.status == status
     if code == -9:
         assert "SIGKILL" in outcome.reason and "out-of-memory killer" in outcome.reason
+    assert outcome.status == status
 
 
 def test_validate_cli_runs_the_top_candidates_of_a_study(tmp_path, capsys):
-    """tune -> validate --study: the top candidate runs, its measured figures land in validation.csv and
-    in the study (as the study attribute validation/<trial number>)."""
+    """tune -> validate --study: the top candidate runs, its measured figures land in
+    validation.csv and in the study (as the study attribute validation/<trial number>)."""
     import optuna
     import yaml
 
@@ -158,3 +159,104 @@ def test_validate_cli_user_errors(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
     assert main(["validate", "--strategies", str(tmp_path / "s.yaml")]) == 2
     assert "--strategies needs --model" in capsys.readouterr().err
+
+
+def test_native_deaths_are_named_by_their_signal(tmp_path):
+    """A rank killed by SIGKILL (the kernel's OOM killer) is an OOM; a segfault names SIGSEGV;
+    neither rank wrote a result, the guard around each rank recorded how it ended."""
+    dp2 = Strategy(dp=2, micro_batch_size=2, global_batch_size=4, amp="fp32")
+    result = validate(
+        SPEC,
+        [S1, dp2],
+        steps=1,
+        warmup=0,
+        timeout_s=120,
+        out=tmp_path,
+        verbose=False,
+        factory=f"{FACTORIES}:native_death",
+    )
+    killed, segv = result.table.iloc[0], result.table.iloc[1]
+    assert killed.status == "oom" and "SIGKILL" in killed.reason
+    assert "out-of-memory killer" in killed.reason
+    assert segv.status == "crashed" and "rank 1: SIGSEGV" in segv.reason
+    assert "exit status" not in segv.reason
+
+
+@pytest.mark.parametrize(
+    "factory,message",
+    [
+        ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
+        (f"{FACTORIES}:missing", "has no attribute 'missing'"),
+        (f"{FACTORIES}:not_callable", "'not_callable' is a int, not a function"),
+        (f"{FACTORIES}:two_args", "must take one argument"),
+        (str(FACTORIES.parent / "nowhere.py") + ":f", "no file"),
+        ("build", "is not 'package.module:function'"),
+    ],
+)
+def test_a_bad_factory_is_refused_before_any_run(tmp_path, factory, message):
+    from autosearch.core.errors import SpecError
+
+    with pytest.raises(SpecError, match=message):
+        validate(SPEC, [S1], steps=1, out=tmp_path / "val", verbose=False, factory=factory)
+    assert not (tmp_path / "val").exists()  # nothing started, nothing written
+
+
+def test_cpu_refuses_candidates_beyond_this_machine_unless_forced(tmp_path, capsys):
+    from autosearch.cli import main
+    from autosearch.core.errors import SpecError
+
+    many = Strategy(dp=1024, micro_batch_size=1, global_batch_size=1024)  # > 4 per core
+    with pytest.raises(SpecError, match="--force") as refused:
+        validate(SPEC, [many], out=tmp_path / "a", verbose=False)
+    assert "would start 1024 processes on" in str(refused.value)
+    big = ModelSpec.load("llama3-70b")  # ~1 TB of fp32 weights and Adam states in one process
+    with pytest.raises(SpecError, match=r"needs about [\d,.]+ GiB .* cost model's estimate"):
+        validate(big, [Strategy(global_batch_size=1)], out=tmp_path / "b", verbose=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (tmp_path / "s.yaml").write_text(
+        "dp: 1024\ntp: 1\npp: 1\nmicro_batch_size: 1\nglobal_batch_size: 1024\n"
+    )
+    args = ["validate", "--strategies", str(tmp_path / "s.yaml"), "--model", "tiny-gpt"]
+    assert main(args + ["--out", str(tmp_path / "c")]) == 2
+    assert "--force" in capsys.readouterr().err
+
+
+def test_the_cpu_bound_is_four_processes_per_core_and_the_memory_available():
+    from autosearch.validation._validate import Candidate, too_big_for_this_cpu
+
+    def refused(world, *, cores=2, available=1e12, limit=None):
+        s = Strategy(dp=world, micro_batch_size=1, global_batch_size=world, amp="fp32")
+        return too_big_for_this_cpu(
+            SPEC, [Candidate(s)], cores=cores, memory_limit_bytes=limit, available_bytes=available
+        )
+
+    assert refused(8) == [] and "would start 9 processes on 2 cores" in refused(9)[0]
+    assert refused(2, available=1e3) and "needs about" in refused(2, available=1e3)[0]
+    assert refused(2, available=1e4, limit=100) == []  # a capped device needs at most the cap
+
+
+def test_validate_help_says_the_factory_is_user_code_run_on_every_rank(capsys):
+    from autosearch.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runs your code" in text and "on every rank" in text and "--force" in text
+
+
+def test_a_validation_started_inside_a_torchrun_job_does_not_join_it(tmp_path, monkeypatch):
+    """RANK, WORLD_SIZE and MASTER_PORT of the job around it are not passed on: the candidate
+    runs as the single process it is."""
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "9",
+        "TORCHELASTIC_RUN_ID": "job",
+    }.items():
+        monkeypatch.setenv(key, value)
+    result = validate(SPEC, [S1], steps=1, warmup=0, timeout_s=120, out=tmp_path, verbose=False)
+    row = result.table.iloc[0]
+    assert row.status == "ok", row.reason
+    assert list(tmp_path.glob("run000_*/rank*.json"))[0].name == "rank0.json"

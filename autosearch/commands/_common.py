@@ -41,8 +41,9 @@ def add_model_cluster_args(
     p.add_argument(
         "--runtime",
         default="torch",
-        help="runtime behaviour the cost model assumes: torch (default) "
-        "or megatron-sc21 (Megatron-LM as in Narayanan et al. 2021)",
+        help="runtime the cost model assumes (cost_models/runtimes.yaml): torch (the Engine, "
+        "default), torchtitan, megatron-core, composer-fsdp, deepspeed, or megatron-sc21 "
+        "(Megatron-LM as in Narayanan et al. 2021)",
     )
 
 

@@ -68,6 +68,11 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
         f"strategy  {strategy.short()}  (grad accumulation {strategy.grad_accum_steps})",
         "",
         f"step time        {fmt_s(report.step_time_s)}",
+        *(
+            [f"how sure         {report.band.describe(report.step_time_s)}"]
+            if report.band is not None
+            else []
+        ),
         f"throughput       {report.tokens_per_s:,.0f} tokens/s   "
         f"{report.samples_per_s:,.2f} samples/s",
         f"per device       {report.tflops_per_gpu:.1f} TFLOP/s   MFU {report.mfu * 100:.1f}%",

@@ -97,7 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Optuna sampler of each search (default tpe)",
     )
     p.add_argument("--space", help="search space YAML or shipped name (default, megatron)")
-    p.add_argument("--runtime", default="torch", help="cost-model runtime: torch or megatron-sc21")
+    p.add_argument(
+        "--runtime",
+        default="torch",
+        help="cost-model runtime (cost_models/runtimes.yaml): torch, torchtitan, megatron-core, "
+        "composer-fsdp, deepspeed or megatron-sc21",
+    )
     p.add_argument(
         "--price-per-gpu-hour",
         type=finite_float_arg,

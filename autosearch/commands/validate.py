@@ -9,13 +9,18 @@ from autosearch.commands._common import fmt_bytes, fmt_s, positive_int_arg
 
 EPILOG = """\
 examples:
-  autosearch tune --model tiny-gpt --cluster results/calibration/cpu-local.yaml:1x2 --global-batch-size 16 --out results/tiny
+  autosearch tune --model tiny-gpt --cluster results/calibration/cpu-local.yaml:1x2 \
+      --global-batch-size 16 --out results/tiny
   autosearch validate --study results/tiny --top-k 3 --steps 10
-  autosearch validate --strategies a.yaml b.yaml --model tiny-gpt --cluster results/calibration/cpu-local.yaml:1x2
+  autosearch validate --strategies a.yaml b.yaml --model tiny-gpt \
+      --cluster results/calibration/cpu-local.yaml:1x2
 
 Each candidate runs under torchrun with as many processes as its strategy needs, on this machine.
-A run that runs out of memory, crashes or outlives --timeout-s is recorded as failed with the
-reason; the others still run. validation.csv is rewritten after every run.
+A run that runs out of memory, crashes (a signal such as SIGSEGV is named) or outlives
+--timeout-s is recorded as failed with the reason; the others still run. validation.csv is
+rewritten after every run. On CPU, candidates with more than 4 processes per core, or needing
+more memory than the machine has (by the cost model's estimate), are refused unless --force.
+Stopping validate (Ctrl-C, SIGTERM, even SIGKILL) stops torchrun and every worker it started.
 """
 
 
@@ -56,7 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--factory",
         help='"module:function" or "file.py:function" building the model from its '
-        "ModelSpec (default: the reference transformer)",
+        "ModelSpec (default: the reference transformer). This runs your code: it is imported "
+        "once here (and checked) before any run, then on every rank of every run; give only "
+        "code you trust",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="on CPU, run candidates even with more than 4 processes per core or more memory "
+        "than this machine has available (by the cost model's estimate)",
     )
     p.add_argument(
         "--out", help="output folder (default: <study folder>/validation or results/validation)"
@@ -79,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         candidates = candidates_from_study(study, top_k=args.top_k)
         if not candidates:
             raise SpecError(
-                f"study {study.study_name!r} has no completed trial that fits in memory; nothing to validate"
+                f"study {study.study_name!r} has no completed trial that fits in memory; "
+                "nothing to validate"
             )
         model = ModelSpec.load(args.model) if args.model else _model_from(meta)
         cluster = args.cluster or _cluster_from(meta)
@@ -109,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         factory=args.factory,
         study=study,
         runtime=runtime,
+        force=args.force,
     )
     print(summary(result, out))
     if result.best is not None:
@@ -132,8 +147,8 @@ def open_study(where: str, storage: str | None):
     if storage is None:
         if not os.path.isdir(where):
             raise SpecError(
-                f"--study {where!r} is not a folder; give the tuner's --out folder, or a study name "
-                "together with --storage"
+                f"--study {where!r} is not a folder; give the tuner's --out folder, or a study "
+                "name together with --storage"
             )
         candidates = [
             os.path.join(where, f)
@@ -142,7 +157,8 @@ def open_study(where: str, storage: str | None):
         ]
         if not candidates:
             raise SpecError(
-                f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by `autosearch tune --out`?"
+                f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by "
+                "`autosearch tune --out`?"
             )
         storage = candidates[0]
     else:
@@ -154,7 +170,8 @@ def open_study(where: str, storage: str | None):
     if name is None:
         if len(names) != 1:
             raise SpecError(
-                f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage and the study name"
+                f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage "
+                "and the study name"
             )
         name = names[0]
     elif name not in names:
@@ -184,8 +201,8 @@ def _cluster_from(meta: dict):
 
 def summary(result, out: str) -> str:
     lines = [
-        f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'memory':>11} "
-        f"{'predicted':>11}"
+        f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} "
+        f"{'memory':>11} {'predicted':>11}"
     ]
     for _, r in result.table.iterrows():
         if r.status == "ok":

@@ -1,64 +1,377 @@
 """`Engine.tune`: search the strategy for the machine the engine runs on, optionally check the best
-candidates in real runs, and hand the winner to the engine.
+candidates in real runs, and hand the winner back.
+
+It takes plain values (the ModelSpec, the current strategy, the model factory, the world size, the
+cluster), never the Engine itself, and it uses validation only through its public API
+(`autosearch.validation.validate`), which starts the torch worker as a module in new processes.
 
 Under torchrun, rank 0 describes the machine, calibrates it if needed, searches and validates; the
-other ranks wait at a barrier and receive the chosen strategy, so every rank ends with the same one.
+other ranks wait, at most ``wait_timeout_s``, for the chosen strategy, so every rank ends with
+the same one or with the same error.
 """
+
 from __future__ import annotations
 
+import datetime
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.engine._engine import Engine
-    from autosearch.core.hardware import Cluster
+    from autosearch.core.hardware import Cluster, HardwareProfile
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
+    from autosearch.tuning import TuneResult
+    from autosearch.validation import ValidationResult
 
 CALIBRATION_DIR_ENV = "AUTOSEARCH_CALIBRATION_DIR"
 DEFAULT_CALIBRATION_DIR = os.path.join("results", "calibration")
 
 
-def local_cluster(world_size: int, *, calibration_dir: str | None = None, calibrate_if_missing: bool = True,
-                  log: Callable[[str], None] = print) -> "Cluster":
+@dataclass(frozen=True, kw_only=True)
+class TuneOutcome:
+    """What `tune_engine` found; the Engine keeps it in its learned attributes.
+
+    Attributes:
+        strategy: the strategy to train with (the best measured one when candidates were run,
+            else the best predicted one); the same on every rank.
+        report: the cost model's report of `strategy`, on the cluster searched.
+        cluster: the cluster searched (its profile says which hardware numbers were used).
+        result: the TuneResult of the search (rank 0 only; None on the other ranks).
+        validation: the real runs of the top candidates, if any (rank 0 only).
+    """
+
+    strategy: "Strategy"
+    report: "CostReport | None"
+    cluster: "Cluster"
+    result: "TuneResult | None" = None
+    validation: "ValidationResult | None" = None
+
+
+def tune_engine(
+    *,
+    model_spec: "ModelSpec",
+    model: Any,
+    strategy: Any,
+    world_size: int,
+    cluster: "Cluster | str | None" = None,
+    train_data: Any = None,
+    batch_size: int | None = None,
+    n_trials: int = 200,
+    validate_top_k: int = 0,
+    steps: int = 10,
+    warmup: int = 3,
+    timeout_s: float = 600.0,
+    factory: str | None = None,
+    out: str | None = None,
+    calibration_dir: str | None = None,
+    wait_timeout_s: float | None = None,
+    log: Callable[[str], None] = print,
+    **tune_kwargs: Any,
+) -> TuneOutcome:
+    """What `Engine.tune` does, from plain values.
+
+    Args:
+        model_spec: the model's shape, which the search prices.
+        model: the Engine's model argument (an nn.Module or a zero-argument factory): validation
+            rebuilds the reference transformer without a factory; anything else needs `factory`.
+        strategy: the current strategy (a Strategy, YAML path, ``"dp=2"`` string, dict, or None):
+            its global batch is the default `batch_size`.
+        world_size: processes of this run (torchrun's WORLD_SIZE, 1 without torchrun).
+        wait_timeout_s: how long ranks > 0 wait for rank 0 (default: enough for a quick
+            calibration, the search and every validation run at its timeout).
+        Other arguments: as `Engine.tune`.
+    """
+    from autosearch.engine import distributed as D
+
+    D.init_distributed()
+    search = dict(
+        model_spec=model_spec,
+        model=model,
+        strategy=strategy,
+        world_size=world_size,
+        cluster=cluster,
+        train_data=train_data,
+        batch_size=batch_size,
+        n_trials=n_trials,
+        validate_top_k=validate_top_k,
+        steps=steps,
+        warmup=warmup,
+        timeout_s=timeout_s,
+        factory=factory,
+        out=out,
+        calibration_dir=calibration_dir,
+        log=log,
+        **tune_kwargs,
+    )
+    if world_size == 1:
+        return _search(**search)
+    if wait_timeout_s is None:
+        wait_timeout_s = 900.0 + validate_top_k * (timeout_s + 60.0)
+    return _search_on_rank0(search, rank=D.rank(), wait_timeout_s=wait_timeout_s, log=log)
+
+
+def _search_on_rank0(
+    search: dict[str, Any], *, rank: int, wait_timeout_s: float, log: Callable[[str], None]
+) -> TuneOutcome:
+    """Rank 0 searches; the others receive its answer (or its error) over a gloo group whose
+    timeout bounds their wait, whatever backend the training uses."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s))
+    box: list[Any] = [None]
+    outcome = None
+    if rank == 0:
+        log(
+            f"tune: rank 0 searches; the other {search['world_size'] - 1} rank(s) wait for it "
+            f"(at most {wait_timeout_s:.0f} s: Engine.tune(wait_timeout_s=...))"
+        )
+        try:
+            outcome = _search(**search)
+            box[0] = {"strategy": outcome.strategy, "report": outcome.report}
+            box[0]["cluster"] = outcome.cluster
+        except BaseException as exc:
+            box[0] = {"error": str(exc), "spec_error": isinstance(exc, SpecError)}
+            dist.broadcast_object_list(box, src=0, group=group)
+            raise
+        dist.broadcast_object_list(box, src=0, group=group)
+        return outcome
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except RuntimeError as exc:  # gloo: "Timed out waiting ... for recv operation"
+        raise TimeoutError(
+            f"tune: rank {rank} waited {wait_timeout_s:.0f} s for rank 0 to calibrate, search "
+            "and validate, and got no answer. Rank 0 may still be calibrating a new machine or "
+            "running candidates: pass cluster=... (or calibrate once with `autosearch "
+            "calibrate`), fewer validate_top_k, or a longer Engine.tune(wait_timeout_s=...)"
+        ) from exc
+    answer = box[0]
+    if "error" in answer:
+        if answer["spec_error"]:
+            raise SpecError(answer["error"])
+        raise RuntimeError(f"tune failed on rank 0: {answer['error']}")
+    return TuneOutcome(
+        strategy=answer["strategy"], report=answer["report"], cluster=answer["cluster"]
+    )
+
+
+# ---- the search (rank 0) -------------------------------------------------------------------
+def _search(
+    *,
+    model_spec: "ModelSpec",
+    model: Any,
+    strategy: Any,
+    world_size: int,
+    cluster: "Cluster | str | None",
+    train_data: Any,
+    batch_size: int | None,
+    n_trials: int,
+    validate_top_k: int,
+    steps: int,
+    warmup: int,
+    timeout_s: float,
+    factory: str | None,
+    out: str | None,
+    calibration_dir: str | None,
+    log: Callable[[str], None],
+    **tune_kwargs: Any,
+) -> TuneOutcome:
+    from autosearch.core.hardware import Cluster
+    from autosearch.tuner import tune
+    from autosearch.tuning import default_study_name
+
+    spec, world = model_spec, world_size
+    check_sequence_length(train_data, spec.seq_len)
+    if batch_size is None:
+        current = as_strategy(strategy)
+        if current is None:
+            raise SpecError(
+                "tune needs batch_size, the global batch (sequences per optimizer step): "
+                "engine.tune(train_data, batch_size=512)"
+            )
+        batch_size = current.global_batch_size
+    if cluster is None:
+        cluster = local_cluster(world, calibration_dir=calibration_dir, log=log)
+    else:
+        cluster = Cluster.parse(cluster)
+        problems = profile_problems(cluster.profile)
+        if problems:
+            raise SpecError(
+                problems,
+                context=f"tune will not search with the profile {_where(cluster.profile)}",
+            )
+    log(f"tune: hardware profile {_where(cluster.profile)}")
+    if cluster.world_size != world and validate_top_k:
+        raise SpecError(
+            f"validate_top_k runs candidates on this machine, but the cluster has "
+            f"{cluster.world_size} devices and this run {world} process(es); validate on the "
+            "target cluster, or tune without it"
+        )
+    if cluster.world_size != world:
+        log(
+            f"tune: searching for {cluster.name} ({cluster.world_size} devices); this run has "
+            f"{world} process(es), so the engine cannot train with the result here: save "
+            "best_strategy_ and launch on that cluster"
+        )
+    name = tune_kwargs.pop("study_name", None) or default_study_name(
+        spec.name, cluster.name, batch_size, "throughput"
+    )
+    out = out or os.path.join("results", name)
+    result = tune(
+        spec,
+        cluster,
+        global_batch_size=batch_size,
+        n_trials=n_trials,
+        out=out,
+        study_name=name,
+        progress=False,
+        **tune_kwargs,
+    )
+    best, report = result.best_strategy, result.best_report
+    if best is None or report is None:  # tune raises NoFeasibleStrategyError first; say it anyway
+        raise SpecError(f"no strategy of {spec.name} fits {cluster.name}; nothing to train with")
+    log(
+        f"tune: best predicted {best.short()} ({report.tokens_per_s:,.0f} tokens/s); "
+        f"study and best_strategy.yaml in {out}"
+    )
+    validation = None
+    if validate_top_k:
+        from autosearch.validation import Candidate, validate
+
+        factory = factory or reference_factory(model)
+        candidates = [
+            Candidate(c.strategy, c.report, c.trial_number) for c in result.top_k[:validate_top_k]
+        ]
+        validation = validate(
+            spec,
+            candidates,
+            cluster=cluster,
+            steps=steps,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            out=os.path.join(out, "validation"),
+            factory=factory,
+            study=result.study,
+        )
+        if validation.best is not None:
+            best, report = validation.best.strategy, validation.best.report
+            best.to_yaml(
+                os.path.join(out, "best_measured_strategy.yaml"),
+                comment="fastest measured of the top candidates (Engine.tune)",
+            )
+            measured = (validation.best_row or {}).get("measured_tokens_per_s", float("nan"))
+            log(f"tune: best measured {best.short()} ({measured:,.0f} tokens/s)")
+        else:
+            log(
+                "tune: no candidate ran successfully; keeping the best predicted strategy "
+                f"(see {os.path.join(out, 'validation', 'validation.csv')})"
+            )
+    return TuneOutcome(
+        strategy=best, report=report, cluster=cluster, result=result, validation=validation
+    )
+
+
+def as_strategy(value: Any) -> "Strategy | None":
+    """A Strategy from what Engine(strategy=...) accepts, or None."""
+    from autosearch.core.strategy import Strategy
+
+    if value is None or isinstance(value, Strategy):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return Strategy.parse(os.fspath(value))
+    if isinstance(value, dict):
+        return Strategy.from_dict(value)
+    raise SpecError(
+        "strategy must be a Strategy, a YAML path, a 'dp=2,tp=2' string or a dict; "
+        f"got {type(value).__name__}"
+    )
+
+
+# ---- the hardware profile --------------------------------------------------------------------
+def profile_problems(profile: "HardwareProfile") -> list[str]:
+    """Why a measured profile must not be searched with (empty: trusted), from the calibration's
+    own quality checks; datasheet profiles (no calibration record) measured nothing: []."""
+    from cost_models.calibration import quality_problems
+
+    return list(quality_problems(profile))
+
+
+def _where(profile: "HardwareProfile") -> str:
+    return f"{profile.name} ({profile.path})" if profile.path else f"{profile.name} (catalog)"
+
+
+def local_cluster(
+    world_size: int,
+    *,
+    calibration_dir: str | None = None,
+    calibrate_if_missing: bool = True,
+    log: Callable[[str], None] = print,
+) -> "Cluster":
     """The machine this process runs on, as a Cluster of `world_size` devices.
 
-    Uses the calibrated profile ``<calibration_dir>/<device>-local.yaml`` when it exists (default
-    folder results/calibration, or $AUTOSEARCH_CALIBRATION_DIR); otherwise runs a quick calibration
-    into that file first (and says so), or, with ``calibrate_if_missing=False``, falls back to the
-    shipped profile of a known GPU.
+    Uses the calibrated profile ``<calibration_dir>/<device>-local.yaml`` when it exists and passes
+    its quality checks (default folder results/calibration, or $AUTOSEARCH_CALIBRATION_DIR);
+    otherwise runs a quick calibration into that file first (and says so), or, with
+    ``calibrate_if_missing=False``, falls back to the shipped profile of a known GPU. A profile
+    that fails its checks, even after calibrating again, is never used: SpecError.
     """
     import torch
 
-    from autosearch.core.hardware import Cluster
+    from autosearch.core.hardware import Cluster, HardwareProfile
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     count = torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
     if device == "cuda" and world_size > count:
-        raise SpecError(f"{world_size} processes but this machine has {count} GPUs; launch at most {count} per node")
+        raise SpecError(
+            f"{world_size} processes but this machine has {count} GPUs; launch at most "
+            f"{count} per node"
+        )
     folder = calibration_dir or os.environ.get(CALIBRATION_DIR_ENV) or DEFAULT_CALIBRATION_DIR
     path = os.path.join(folder, f"{device}-local.yaml")
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    units = "GPUs" if device == "cuda" else "cores"
+    why = f"no calibrated profile at {path}"
     if os.path.exists(path):
-        log(f"tune: this machine: {name} ({device}, {count} {'GPUs' if device == 'cuda' else 'cores'}), "
-            f"{world_size} process(es); calibrated profile {path}")
-    elif calibrate_if_missing:
+        problems = profile_problems(HardwareProfile.load(path))
+        if not problems:
+            log(
+                f"tune: this machine: {name} ({device}, {count} {units}), {world_size} "
+                f"process(es); calibrated profile {path}"
+            )
+            return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
+        why = f"the profile at {path} is not trusted ({'; '.join(problems)})"
+    if calibrate_if_missing:
         from cost_models.calibration import calibrate
 
-        log(f"tune: this machine: {name} ({device}); no calibrated profile at {path}: calibrating it quickly "
-            "(`autosearch calibrate` without --quick measures it properly)")
+        log(
+            f"tune: this machine: {name} ({device}); {why}: calibrating it quickly "
+            "(`autosearch calibrate` without --quick measures it properly)"
+        )
         sizes = sorted({1, world_size} | ({2} if device == "cpu" and count >= 2 else set()))
-        calibrate(device=device, world_sizes=sizes, quick=True, out=path, log=log)
-    else:
-        from cost_models.calibration.profile import catalog_profile_for
+        # A calibration that fails its checks may write under another name (<out>.untrusted).
+        calibration = calibrate(device=device, world_sizes=sizes, quick=True, out=path, log=log)
+        problems = profile_problems(calibration.profile)
+        if problems:
+            raise SpecError(
+                problems,
+                context=f"the quick calibration of this machine ({calibration.profile_path}) "
+                "failed its checks, so tune will not search with it; calibrate on a quiet "
+                f"machine (`autosearch calibrate --out {path}`) or pass cluster=...",
+            )
+        return Cluster(gpu=calibration.profile_path, n_nodes=1, gpus_per_node=world_size)
+    from cost_models.calibration.profile import catalog_profile_for
 
-        base = catalog_profile_for(name) if device == "cuda" else None
-        if base is None:
-            raise SpecError(f"no calibrated profile at {path} for this {device}; run `autosearch calibrate "
-                            f"--out {path}` or pass cluster=...")
-        log(f"tune: this machine: {name}; no calibrated profile, using the datasheet profile {base.name}")
-        return Cluster(gpu=base, n_nodes=1, gpus_per_node=world_size)
-    return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
+    base = catalog_profile_for(name) if device == "cuda" else None
+    if base is None:
+        raise SpecError(
+            f"{why} for this {device}; run `autosearch calibrate --out {path}` or pass cluster=..."
+        )
+    log(f"tune: this machine: {name}; {why}, using the datasheet profile {base.name}")
+    return Cluster(gpu=base, n_nodes=1, gpus_per_node=world_size)
 
 
 def check_sequence_length(data: Any, seq_len: int) -> None:
@@ -72,109 +385,28 @@ def check_sequence_length(data: Any, seq_len: int) -> None:
     inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
     shape = getattr(inputs, "shape", None)
     if shape is not None and len(shape) >= 1 and shape[-1] != seq_len:
-        raise SpecError(f"samples of train_data have length {shape[-1]} but the model's ModelSpec says seq_len={seq_len}; "
-                        "the search prices the ModelSpec: make them agree (Engine(..., model_spec=...))")
+        raise SpecError(
+            f"samples of train_data have length {shape[-1]} but the model's ModelSpec says "
+            f"seq_len={seq_len}; the search prices the ModelSpec: make them agree "
+            "(Engine(..., model_spec=...))"
+        )
 
 
-def tune_engine(engine: "Engine", train_data: Any = None, *, batch_size: int | None, cluster=None,
-                n_trials: int = 200, validate_top_k: int = 0, steps: int = 10, warmup: int = 3,
-                timeout_s: float = 600.0, factory: str | None = None, out: str | None = None,
-                calibration_dir: str | None = None, log: Callable[[str], None] = print, **tune_kwargs: Any):
-    """What `Engine.tune` does; returns (TuneResult or None on ranks > 0, ValidationResult or None)."""
-    import torch.distributed as dist
-
-    from autosearch.engine import distributed as D
-    from autosearch.core.strategy import Strategy
-
-    world = D.launched_world_size()
-    D.init_distributed()
-    rank = D.rank()
-    chosen: list[Any] = [None]
-    result = validation = None
-    error = None
-    if rank == 0:
-        try:
-            result, validation, strategy = _search(engine, train_data, batch_size=batch_size, cluster=cluster,
-                                                   world=world, n_trials=n_trials, validate_top_k=validate_top_k,
-                                                   steps=steps, warmup=warmup, timeout_s=timeout_s, factory=factory,
-                                                   out=out, calibration_dir=calibration_dir, log=log, **tune_kwargs)
-            chosen[0] = strategy.to_dict()
-        except SpecError as exc:
-            error = str(exc)
-            chosen[0] = {"error": error}
-    if world > 1 and dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    if "error" in chosen[0]:
-        raise SpecError(chosen[0]["error"] if rank else error)
-    return result, validation, Strategy.from_dict(chosen[0])
-
-
-def _search(engine: "Engine", train_data: Any, *, batch_size, cluster, world, n_trials, validate_top_k, steps,
-            warmup, timeout_s, factory, out, calibration_dir, log, **tune_kwargs):
-    from autosearch.tuner import tune
-    from autosearch.tuning import default_study_name
-    from autosearch.core.hardware import Cluster
-
-    spec = engine._model_spec()
-    check_sequence_length(train_data, spec.seq_len)
-    if batch_size is None:
-        if engine.strategy is None:
-            raise SpecError("tune needs batch_size, the global batch (sequences per optimizer step): "
-                            "engine.tune(train_data, batch_size=512)")
-        batch_size = engine._resolve_strategy().global_batch_size
-    if cluster is None and engine.cluster is not None:
-        cluster = engine.cluster
-    if cluster is None:
-        cluster = local_cluster(world, calibration_dir=calibration_dir, log=log)
-    else:
-        cluster = Cluster.parse(cluster)
-    if cluster.world_size != world and validate_top_k:
-        raise SpecError(f"validate_top_k runs candidates on this machine, but the cluster has {cluster.world_size} "
-                        f"devices and this run {world} process(es); validate on the target cluster, or tune without it")
-    if cluster.world_size != world:
-        log(f"tune: searching for {cluster.name} ({cluster.world_size} devices); this run has {world} process(es), "
-            "so the engine cannot train with the result here: save best_strategy_ and launch on that cluster")
-    name = tune_kwargs.pop("study_name", None) or default_study_name(spec.name, cluster.name, batch_size, "throughput")
-    out = out or os.path.join("results", name)
-    result = tune(spec, cluster, global_batch_size=batch_size, n_trials=n_trials, out=out, study_name=name,
-                  progress=False, **tune_kwargs)
-    strategy = result.best_strategy
-    log(f"tune: best predicted {strategy.short()} ({result.best_report.tokens_per_s:,.0f} tokens/s); "
-        f"study and best_strategy.yaml in {out}")
-    validation = None
-    if validate_top_k:
-        from autosearch.validation import validate
-        from autosearch.validation._validate import Candidate
-
-        factory = factory or _reference_factory(engine)
-        cands = [Candidate(c.strategy, c.report, c.trial_number) for c in result.top_k[:validate_top_k]]
-        validation = validate(spec, cands, cluster=cluster, steps=steps, warmup=warmup, timeout_s=timeout_s,
-                              out=os.path.join(out, "validation"), factory=factory, study=result.study)
-        if validation.best is not None:
-            strategy = validation.best.strategy
-            strategy.to_yaml(os.path.join(out, "best_measured_strategy.yaml"),
-                             comment="fastest measured of the top candidates (Engine.tune)")
-            log(f"tune: best measured {strategy.short()} "
-                f"({validation.best_row['measured_tokens_per_s']:,.0f} tokens/s)")
-        else:
-            log("tune: no candidate ran successfully; keeping the best predicted strategy "
-                f"(see {os.path.join(out, 'validation', 'validation.csv')})")
-    return result, validation, strategy
-
-
-def _reference_factory(engine: "Engine") -> str | None:
-    """Validation runs rebuild the model in new processes: the reference transformer needs nothing;
-    another model must be importable as "module:function" (spec -> module)."""
+def reference_factory(model: Any) -> str | None:
+    """Validation runs rebuild the model in new processes: the reference transformer needs no
+    factory (None); another model must be importable as "module:function" (spec -> module)."""
     from autosearch.transformer import Transformer
 
-    model = engine._built_model if getattr(engine, "_built_model", None) is not None else engine.model
     if isinstance(model, Transformer):
         return None
-    if callable(model):
+    if callable(model) and not hasattr(model, "parameters"):
         import torch
 
         with torch.device("meta"):
             if isinstance(model(), Transformer):
                 return None
-    raise SpecError("validate_top_k rebuilds the model in new processes; for a model other than "
-                    "autosearch.transformer.Transformer pass factory='package.module:function' (ModelSpec -> nn.Module)")
+    raise SpecError(
+        "validate_top_k rebuilds the model in new processes; for a model other than "
+        "autosearch.transformer.Transformer pass factory='package.module:function' "
+        "(ModelSpec -> nn.Module)"
+    )

@@ -3,9 +3,13 @@
 Example:
     >>> from autosearch import ModelSpec, Strategy
     >>> from autosearch.validation import validate
-    >>> result = validate(ModelSpec.load("tiny-gpt"), [Strategy(dp=2, global_batch_size=8)],
-    ...                   cluster="results/calibration/cpu-local.yaml:1x2", out="results/val")  # doctest: +SKIP
-    >>> result.best.strategy                                                                     # doctest: +SKIP
+    >>> result = validate(  # doctest: +SKIP
+    ...     ModelSpec.load("tiny-gpt"),
+    ...     [Strategy(dp=2, global_batch_size=8)],
+    ...     cluster="results/calibration/cpu-local.yaml:1x2",
+    ...     out="results/val",
+    ... )
+    >>> result.best.strategy  # doctest: +SKIP
 """
 
 from autosearch.validation._validate import (

@@ -1,5 +1,6 @@
 """Run one candidate strategy as a real training job under torchrun, with a timeout, and say how
-it ended. Torch-free: the job runs in a child process (`autosearch.validation.worker`).
+it ended. Torch-free: the job runs in child processes started by module name
+(`python -m autosearch.validation.worker`), so this package never imports the Engine.
 
 How a run ended is decided from facts, not from its log text: the exit status of the launcher,
 the signal that killed a worker, the timeout, and the exception type each rank records in its
@@ -11,14 +12,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autosearch.core.processes import ProcessGroup, ProcessTimeout, signal_name
+
 OK, OOM, CRASHED, TIMEOUT = "ok", "oom", "crashed", "timeout"
+STOPPED = "stopped"  # a rank record: ended by the launcher after another rank failed
 
 
 @dataclass
@@ -34,13 +37,19 @@ class RunOutcome:
 
 
 def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: float) -> RunOutcome:
-    """Start `nproc` workers on this machine (torchrun for nproc > 1), wait at most `timeout_s`."""
+    """Start `nproc` workers on this machine (torchrun for nproc > 1), wait at most `timeout_s`.
+
+    The launch is owned by `autosearch.core.processes.ProcessGroup`: torchrun and every worker
+    end with it (timeout, Ctrl-C, SIGTERM, or this process killed), and they get a clean
+    environment, so a validation started inside a torchrun job does not join that job; torchrun
+    ``--standalone`` rendezvouses on a free port of its own.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("rank*.json"):
+    for old in run_dir.glob("rank*.json*"):
         old.unlink()
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps({**config, "result_dir": str(run_dir)}, indent=2))
-    worker = [sys.executable, "-m", "autosearch.validation.worker", str(config_path)]
+    worker = ["-m", "autosearch.validation.worker", str(config_path)]
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -49,44 +58,42 @@ def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: floa
             "--standalone",
             f"--nproc_per_node={nproc}",
             "--module",
-            "autosearch.validation.worker",
-            str(config_path),
+            *worker[1:],
         ]
     else:
-        cmd = worker
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [sys.executable, *worker]
+    env = {"PYTHONUNBUFFERED": "1", **os.environ}
     log_path = run_dir / "log.txt"
+    log_path.write_text("")
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        # A session of its own, so that a timeout kills torchrun and every worker it started.
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    timed_out, code = False, None
+    with ProcessGroup([cmd], envs=env, logs=[log_path], timeout_s=timeout_s, grace_s=10) as group:
         try:
-            code = proc.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            code, timed_out = proc.returncode, True
+            (ended,) = group.wait()
+            code = ended.returncode
+        except ProcessTimeout:
+            timed_out = True
     wall = time.perf_counter() - start
-    ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
+    ranks = [_read_record(p) for p in sorted(run_dir.glob("rank*.json"))]
     outcome = classify(code, ranks, nproc=nproc, timed_out=timed_out, timeout_s=timeout_s)
     outcome.wall_s, outcome.log_path = wall, str(log_path)
     return outcome
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record, dict):
+            return record
+    except (OSError, ValueError):
+        pass
+    rank = path.stem.removeprefix("rank")
+    return {
+        "rank": rank,
+        "status": CRASHED,
+        "error_type": "record",
+        "message": f"{path} unreadable",
+    }
 
 
 def classify(
@@ -98,7 +105,7 @@ def classify(
     timeout_s: float,
 ) -> RunOutcome:
     """Decide how a run ended from its exit status, the timeout and the per-rank result records."""
-    failed = [r for r in ranks if r.get("status") != OK]
+    failed = [r for r in ranks if r.get("status") not in (OK, STOPPED)]
     if timed_out:
         done = sum(1 for r in ranks if r.get("status") == OK)
         return RunOutcome(
@@ -124,17 +131,19 @@ def classify(
             exit_code,
             ranks=ranks,
         )
-    if exit_code == 0 and len(ranks) == nproc:
+    if exit_code == 0 and sum(r.get("status") == OK for r in ranks) == nproc:
         return RunOutcome(OK, "", exit_code, ranks=ranks)
-    # A rank died without writing its record: killed by a signal, or a native crash.
+    # No rank says why (each rank's guard records signals): the launcher itself was killed.
     if exit_code is not None and exit_code < 0:
-        sig = signal.Signals(-exit_code).name
-        hint = (
-            " (the kernel's out-of-memory killer sends SIGKILL)"
-            if exit_code == -signal.SIGKILL
-            else ""
-        )
-        return RunOutcome(CRASHED, f"worker killed by {sig}{hint}", exit_code, ranks=ranks)
+        sig = signal_name(-exit_code)
+        if exit_code == -signal.SIGKILL:
+            return RunOutcome(
+                OOM,
+                "the launcher was killed by SIGKILL, as the kernel's out-of-memory killer does",
+                exit_code,
+                ranks=ranks,
+            )
+        return RunOutcome(CRASHED, f"the launcher was killed by {sig}", exit_code, ranks=ranks)
     return RunOutcome(
         CRASHED,
         f"exit status {exit_code} with {len(ranks)}/{nproc} rank results; see the log",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
+from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,21 +50,98 @@ class ValidationResult:
     outcomes: list[RunOutcome] = field(default_factory=list)
 
 
-def available_devices() -> tuple[str, int]:
-    """('cuda', GPU count) when GPUs are visible, else ('cpu', logical cores)."""
-    try:
-        import torch
+# On CPU, a run of more processes than this many per core is refused unless forced.
+MAX_PROCESSES_PER_CORE = 4
 
+
+def available_devices() -> tuple[str, int]:
+    """('cuda', GPU count) when GPUs are visible, else ('cpu', usable cores).
+
+    Torch-free: torch's own answer when the caller imported torch already (Engine.tune), else the
+    NVIDIA driver's list of GPUs (/proc/driver/nvidia/gpus) filtered by CUDA_VISIBLE_DEVICES.
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda"):
         if torch.cuda.is_available():
             return "cuda", torch.cuda.device_count()
-    except ImportError:  # pragma: no cover - torch is a dependency
+        return "cpu", _cores()
+    try:
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        gpus = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus and visible is not None:
+        gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return ("cuda", gpus) if gpus else ("cpu", _cores())
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _available_memory_bytes() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
         pass
-    return "cpu", os.cpu_count() or 1
+    return None
+
+
+def too_big_for_this_cpu(
+    model: "ModelSpec",
+    cands: "list[Candidate]",
+    *,
+    cores: int,
+    memory_limit_bytes: int | None,
+    available_bytes: float | None,
+) -> list[str]:
+    """Candidates this machine cannot run on CPU: more than MAX_PROCESSES_PER_CORE processes per
+    core, or more memory (processes x the cost model's per-device estimate) than is available."""
+    from autosearch.core.hardware import Cluster
+    from cost_models.analytic import AnalyticCostModel
+
+    problems = []
+    for i, cand in enumerate(cands):
+        s = cand.strategy
+        world = s.world_size
+        label = f"candidate {i} ({s.short()})"
+        if s.problems(model):  # an invalid candidate becomes a row; it starts nothing
+            continue
+        if world > MAX_PROCESSES_PER_CORE * cores:
+            problems.append(
+                f"{label} would start {world} processes on {cores} cores (more than "
+                f"{MAX_PROCESSES_PER_CORE} per core)"
+            )
+            continue
+        report = cand.report
+        if report is None:  # tensor memory does not depend on the GPU: price it on a catalog one
+            try:
+                c = Cluster(gpu="h100-sxm", n_nodes=1, gpus_per_node=world)
+                report = AnalyticCostModel(model, c).estimate(s)
+            except SpecError:
+                continue
+        need = report.peak_memory_bytes - report.memory.other_bytes
+        if memory_limit_bytes:
+            need = min(need, memory_limit_bytes)
+        if available_bytes is not None and world * need > available_bytes:
+            problems.append(
+                f"{label} needs about {world * need / 2**30:,.1f} GiB ({world} processes x "
+                f"{need / 2**30:,.2f} GiB by the cost model's estimate) and this machine has "
+                f"{available_bytes / 2**30:,.1f} GiB available"
+            )
+    return problems
 
 
 def validate(
     model: "ModelSpec | str",
-    candidates: "list[Candidate | Strategy]",
+    candidates: "Sequence[Candidate | Strategy]",
     *,
     cluster: "Cluster | str | None" = None,
     steps: int = 10,
@@ -75,6 +154,7 @@ def validate(
     study: "optuna.Study | None" = None,
     runtime: str | None = None,
     verbose: bool = True,
+    force: bool = False,
 ) -> ValidationResult:
     """Run each candidate for `warmup + steps` optimizer steps and measure it.
 
@@ -86,14 +166,23 @@ def validate(
         steps, warmup: measured steps after warm-up steps; the step time is the median.
         timeout_s: a run not finished by then is killed and recorded as a timeout.
         out: folder for `validation.csv` and each run's config, log and per-rank results.
-        memory_limit_bytes: emulate a smaller device (per process); a run exceeding it fails with OOM.
-        factory: ``"module:function"`` building the model from its ModelSpec, instead of the reference.
+        memory_limit_bytes: emulate a smaller device (per process); a run exceeding it fails
+            with OOM.
+        factory: ``"module:function"`` or ``"file.py:function"`` building the model from its
+            ModelSpec, instead of the reference. It is user code: imported here once (and
+            checked) before any run, then on every rank of every run.
         threads: intra-op threads per process (default: cores / processes, at least 1).
         study: an Optuna study whose trials get the measured figures as user attributes.
         runtime: the cost model's runtime options for candidates scored here.
+        force: on CPU, run candidates even with more than 4 processes per core or more memory
+            (by the cost model's estimate) than this machine has available.
 
     Returns:
         A ValidationResult; failures (OOM, crash, timeout) are rows, not exceptions.
+
+    Raises:
+        SpecError: before any run, for a factory that cannot be imported or is not a function,
+            and on CPU for candidates beyond this machine (unless `force`).
     """
     import pandas as pd
 
@@ -110,6 +199,24 @@ def validate(
         raise SpecError(
             "no candidate to validate: give strategies, or a study with completed feasible trials"
         )
+    if factory:
+        check_factory(factory)
+    if device_type == "cpu" and not force:
+        too_big = too_big_for_this_cpu(
+            model,
+            cands,
+            cores=n_devices,
+            memory_limit_bytes=memory_limit_bytes,
+            available_bytes=_available_memory_bytes(),
+        )
+        if too_big:
+            raise SpecError(
+                too_big,
+                context="validate runs every process on this machine's CPU and will not start "
+                "these (validate on the target cluster, choose smaller candidates, emulate a "
+                "smaller device with --memory-limit-gib, or pass --force / force=True to run "
+                "them anyway)",
+            )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "validation.csv"
@@ -141,7 +248,8 @@ def validate(
         problems = s.problems(model)
         if device_type == "cuda" and world > n_devices:
             problems.append(
-                f"needs {world} GPUs, this machine has {n_devices}; run validation on the target cluster"
+                f"needs {world} GPUs, this machine has {n_devices}; run validation on the "
+                "target cluster"
             )
         if problems:
             row.update(status="invalid", reason="; ".join(problems))
@@ -176,9 +284,10 @@ def validate(
             if outcome.status == OK:
                 row.update(_measured(outcome, s, model))
         if report is not None:
-            # Tensor memory against tensor memory: what a run measures (CUDA max allocated, the CPU
-            # tensor tracker) excludes the runtime's reserve (CUDA context, torch itself), which the
-            # prediction lists apart as `other`; the total is kept beside the process peak RSS.
+            # Tensor memory against tensor memory: what a run measures (CUDA max allocated, the
+            # CPU tensor tracker) excludes the runtime's reserve (CUDA context, torch itself),
+            # which the prediction lists apart as `other`; the total is kept beside the process
+            # peak RSS.
             row.update(
                 predicted_step_time_s=report.step_time_s,
                 predicted_peak_memory_bytes=report.peak_memory_bytes - report.memory.other_bytes,
@@ -202,9 +311,7 @@ def validate(
             print("    " + _one_line(row), flush=True)
         rows.append(row)
         outcomes.append(outcome)
-        pd.DataFrame(rows).to_csv(
-            csv_path, index=False
-        )  # after every run: nothing measured is lost
+        _write_csv(pd.DataFrame(rows), csv_path)  # after every run: nothing measured is lost
         if study is not None and cand.trial_number is not None:
             _record_in_study(study, cand.trial_number, row)
     table = pd.DataFrame(rows)
@@ -214,6 +321,13 @@ def validate(
         idx = ok.measured_tokens_per_s.idxmax()
         best, best_row = cands[int(table.loc[idx, "candidate"])], table.loc[idx].to_dict()
     return ValidationResult(table, best, best_row, outcomes)
+
+
+def _write_csv(table: "pd.DataFrame", path: Path) -> None:
+    """Replace `path` atomically: a kill leaves the previous table, never half of one."""
+    partial = path.with_name(path.name + ".partial")
+    table.to_csv(partial, index=False)
+    os.replace(partial, path)
 
 
 def _measured(outcome: RunOutcome, s: "Strategy", model: "ModelSpec") -> dict[str, Any]:
@@ -247,7 +361,10 @@ def _measured(outcome: RunOutcome, s: "Strategy", model: "ModelSpec") -> dict[st
 def _one_line(row: dict[str, Any]) -> str:
     if row["status"] != OK:
         return f"{row['status'].upper()}: {row.get('reason', '')}"
-    text = f"ok: step {row['measured_step_time_s'] * 1e3:.1f} ms, peak {row['measured_peak_memory_bytes'] / 2**20:.0f} MiB"
+    text = (
+        f"ok: step {row['measured_step_time_s'] * 1e3:.1f} ms, "
+        f"peak {row['measured_peak_memory_bytes'] / 2**20:.0f} MiB"
+    )
     if "predicted_step_time_s" in row:
         text += (
             f" (predicted {row['predicted_step_time_s'] * 1e3:.1f} ms, "
@@ -259,9 +376,9 @@ def _one_line(row: dict[str, Any]) -> str:
 def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, Any]) -> None:
     """Measured figures next to the predicted ones, kept in the study.
 
-    Optuna refuses to change a finished trial (UpdateFinishedTrialError), so they are a study user
-    attribute per validated trial, ``validation/<trial number>``, which `trials.csv` readers can join
-    on the trial number; the trial's own attributes keep the prediction (its CostReport).
+    Optuna refuses to change a finished trial (UpdateFinishedTrialError), so they are a study
+    user attribute per validated trial, ``validation/<trial number>``, which `trials.csv` readers
+    can join on the trial number; the trial's own attributes keep the prediction (its CostReport).
     """
     keep = (
         "status",

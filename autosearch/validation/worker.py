@@ -1,6 +1,11 @@
-"""One rank of a validation run: `python -m autosearch.validation.worker CONFIG.json` (under torchrun
-for several processes). Trains the candidate for a few steps with the Engine and writes
+"""One rank of a validation run: `python -m autosearch.validation.worker CONFIG.json` (under
+torchrun for several processes). Trains the candidate for a few steps with the Engine and writes
 `rank<N>.json` with what it measured, or with the type of the exception that stopped it.
+
+The process torchrun starts is a small guard: it forks the rank (which imports torch) and waits
+for it, so that a rank that dies without writing its record (a native crash, a signal, the
+kernel's out-of-memory killer) still gets one, written from its exit status: the signal's name,
+its peak resident memory, and the cgroup's oom_kill count. The guard then exits the same way.
 """
 
 from __future__ import annotations
@@ -8,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from autosearch.core.processes import die_with_parent, signal_name
 
 OOM_TYPES = ("OutOfMemoryError", "MemoryError")
 # Under an address-space cap (RLIMIT_AS, how a smaller device is emulated on CPU) an allocation
@@ -58,27 +66,14 @@ def limit_memory(limit_bytes: int | None, device_type: str) -> None:
     _address_space_cap.append(vm + int(limit_bytes))
 
 
-def load_factory(path: str):
-    """``"package.module:function"`` or ``"path/to/file.py:function"``: a function ModelSpec -> nn.Module."""
-    import importlib
-    import importlib.util
-
-    where, _, name = path.rpartition(":")
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
-
-
 def build_model_factory(config: dict[str, Any]):
     from autosearch.core.model_spec import ModelSpec
 
     spec = ModelSpec.from_dict(config["model"])
     factory_path = config.get("factory")
     if factory_path:
+        from autosearch.validation._factory import load_factory
+
         return spec, (lambda: load_factory(factory_path)(spec))
     from autosearch.transformer import build
 
@@ -140,6 +135,20 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ.get("RANK", "0"))
+    record_path = Path(config["result_dir"], f"rank{rank}.json")
+    sys.stdout.flush()
+    guard_pid = os.getpid()
+    pid = os.fork()  # before torch is imported: the guard stays small and single-threaded
+    if pid == 0:
+        die_with_parent()  # Linux; elsewhere the launcher's process group owner still ends it
+        if os.getppid() != guard_pid:  # the guard died already
+            os._exit(1)
+        run_rank(config, rank, record_path)
+    guard(pid, rank, record_path)
+
+
+def run_rank(config: dict[str, Any], rank: int, record_path: Path) -> NoReturn:
+    """Train and measure; write the record (measured, or the exception's type); exit."""
     record: dict[str, Any] = {"rank": rank}
     code = 0
     try:
@@ -152,10 +161,103 @@ def main() -> None:
         )
         traceback.print_exc()
         code = 1
-    Path(config["result_dir"], f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    write_record(record_path, record)
     from autosearch.engine import distributed as D
 
     D.shutdown(code)
+
+
+def guard(pid: int, rank: int, record_path: Path) -> NoReturn:
+    """Wait for the rank; if it left no record, write one from how it ended; exit like it."""
+    stopped: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:  # torchrun stops its workers with SIGTERM
+        stopped.append(signum)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    oom_kills = oom_kill_count()
+    _, status, usage = os.wait4(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 and not record_path.exists():
+        record = death_record(
+            rank,
+            code,
+            max_rss_bytes=int(usage.ru_maxrss) * 1024,  # Linux reports KiB
+            stopped=bool(stopped),
+            new_oom_kills=oom_kill_count() - oom_kills,
+        )
+        write_record(record_path, record)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:  # end the same way, so that torchrun (or the launcher) sees the signal
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Whole or not at all: a rank killed while writing leaves no half record."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+
+
+def death_record(
+    rank: int, code: int, *, max_rss_bytes: int, stopped: bool, new_oom_kills: int
+) -> dict[str, Any]:
+    """The record of a rank that ended without writing one, from its exit status alone."""
+    record: dict[str, Any] = {"rank": rank, "exit_code": code, "max_rss_bytes": max_rss_bytes}
+    rss = f"{max_rss_bytes / 2**20:,.0f} MiB resident at most"
+    if code > 0:
+        return {
+            **record,
+            "status": "crashed",
+            "error_type": f"exit status {code}",
+            "message": f"exited with status {code} without a result ({rss}); see the log",
+        }
+    name = signal_name(-code)
+    if stopped or -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        return {**record, "status": "stopped", "error_type": name, "message": "stopped"}
+    if -code == signal.SIGKILL:
+        evidence = (
+            f"; the cgroup's memory.events counted {new_oom_kills} oom_kill meanwhile"
+            if new_oom_kills > 0
+            else ""
+        )
+        return {
+            **record,
+            "status": "oom",
+            "error_type": name,
+            "message": f"killed by SIGKILL with {rss}: the kernel's out-of-memory killer (or a "
+            f"memory limit) ends a process this way{evidence}",
+        }
+    return {
+        **record,
+        "status": "crashed",
+        "error_type": name,
+        "message": f"killed by {name} ({signal.strsignal(-code)}): a native crash in torch, a "
+        f"library or the model code ({rss}); see the log",
+    }
+
+
+def oom_kill_count() -> int:
+    """The kernel's count of OOM kills in this process's cgroup (cgroup v2), 0 where unreadable."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{path}/memory.events", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    return 0
 
 
 if __name__ == "__main__":

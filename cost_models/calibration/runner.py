@@ -18,9 +18,7 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -412,12 +410,17 @@ def _launch(
     `python -m torch.distributed.run --standalone`. Either way, if one rank fails the others are
     stopped and the failing rank's stderr is in the error.
     """
-    with tempfile.TemporaryDirectory(prefix="autosearch-calibrate-") as tmp:
+    from autosearch.core.processes import ProcessGroup, clean_env, free_port
+
+    # One owner for the workers and their temporary folder: both end with it (even if this
+    # process is killed), and the workers get no RANK/WORLD_SIZE/MASTER_PORT of a job around it.
+    with ProcessGroup(timeout_s=timeout_s, clean=False) as group:
+        tmp = group.tmp
         plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(worker_plan, f)
         module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
-        env = dict(os.environ)
+        env = clean_env()
         env["PYTHONPATH"] = PACKAGE_ROOT + (
             os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
         )
@@ -438,7 +441,7 @@ def _launch(
                 )
             ]
         elif world > 1:
-            port = _free_port()
+            port = free_port()
             cmds = [
                 (
                     [sys.executable] + module,
@@ -456,7 +459,7 @@ def _launch(
             ]
         else:
             cmds = [([sys.executable] + module, env)]
-        codes, errors = _run_all(cmds, tmp, timeout_s)
+        codes, errors = _run_all(group, cmds, tmp)
         if codes is None:
             raise RuntimeError(
                 f"calibration worker (world size {world}) did not finish in {timeout_s:.0f} s"
@@ -471,41 +474,23 @@ def _launch(
             return json.load(f)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_all(
-    cmds: list[tuple[list[str], dict]], tmp: str, timeout_s: float
+    group: Any, cmds: list[tuple[list[str], dict]], tmp: str
 ) -> tuple[list[int] | None, list[str]]:
-    """Start every command, wait for all; stop the rest as soon as one fails or time runs out."""
-    import time
+    """Start every command in `group` (a ProcessGroup), wait for all; the group stops the rest
+    as soon as one fails or time runs out. Returns the exit statuses (None on timeout) and each
+    rank's log."""
+    from autosearch.core.processes import ProcessTimeout
 
-    procs, logs = [], []
-    for i, (cmd, env) in enumerate(cmds):
-        log = open(os.path.join(tmp, f"rank{i}.log"), "w+", encoding="utf-8")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
+    logs = [os.path.join(tmp, f"rank{i}.log") for i in range(len(cmds))]
+    group.start([cmd for cmd, _ in cmds], envs=[env for _, env in cmds], logs=logs)
+    codes: list[int] | None
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                timed_out = time.monotonic() > deadline
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        codes = [-1 if e.returncode is None else e.returncode for e in group.wait()]
+    except ProcessTimeout:
+        codes = None
     texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    return (None if timed_out else [p.returncode for p in procs]), texts
+    for path in logs:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return codes, texts
