@@ -14,7 +14,10 @@ from autosearch.tuning import (
     SAMPLERS,
     Candidate,
     NoFeasibleStrategyError,
+    StudyMeta,
+    StudyOptions,
     TuneResult,
+    load_study,
     open_storage,
     tune,
 )
@@ -24,7 +27,10 @@ __all__ = [
     "NoFeasibleStrategyError",
     "OBJECTIVES",
     "SAMPLERS",
+    "StudyMeta",
+    "StudyOptions",
     "TuneResult",
+    "load_study",
     "open_storage",
     "tune",
 ]

@@ -154,22 +154,24 @@ CASES = [
         "i11.5-journal-torn-last-line",
         cli=TUNE_B + ("--n-trials", "3", "--storage", "s.journal", "--out", "o"),
         files={"s.journal": '{"op_code": 0, "worker_id": "x", "study_name": "s", "dir'},
-        expect=("s.journal",),
-        xfail=STORAGE + "a torn last journal line is dropped (or refused with a message)",
+        # dropped with a TornJournalWarning naming the file (pytest captures warnings here;
+        # tests/test_storage.py checks its text); the run goes on, nothing was lost but the
+        # torn record itself, so the exit status is 0 and the study is written
+        expect=(),
+        exit_code=0,
+        may_write=("s.journal", "o"),
     ),
     Case(
         "i11.6-journal-garbage-in-the-middle",
         cli=TUNE_B + ("--n-trials", "3", "--storage", "s.journal", "--out", "o"),
         files={"s.journal": "\x00\x00garbage\n{not json}\n"},
-        expect=("s.journal",),
-        xfail=STORAGE + "a corrupt journal is refused with one message naming the file",
+        expect=("s.journal", "line 1"),
     ),
     Case(
         "i13.16-sqlite-file-corrupt",
         cli=TUNE_B + ("--n-trials", "3", "--storage", "s.db", "--out", "o"),
         files={"s.db": b"SQLite format 3\x00" + b"\xde\xad" * 500},
         expect=("s.db",),
-        xfail=STORAGE + "a corrupt SQLite file is refused with one message naming the file",
     ),
     Case(
         "i11.7-strategy-file-empty",
@@ -1024,8 +1026,6 @@ CASES = [
         "api-tune-storage-scheme",
         api="tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, storage='foo://bar')",
         expect=("foo",),
-        xfail=STORAGE + "open_storage should check the URL scheme and driver (as commands/tune.py "
-        "check_storage does)",
     ),
     Case(
         "api-space-negative-batch",

@@ -98,9 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--n-trials",
         type=positive_int_arg,
-        default=200,
-        help="finished trials the study should hold (default 200; a resumed study runs only "
-        "the rest)",
+        default=None,
+        help="finished trials the study should hold (a resumed study runs only the rest); "
+        "default: every layout when scoring them all is estimated under 10 s, else 200",
     )
     p.add_argument(
         "--sampler",
@@ -462,6 +462,8 @@ def summary(result) -> str:
         else "nothing new to run: the study was finished"
     )
     lines.append(f"{result.n_trials} trials ({ran}) in {result.timings.get('search_s', 0):.1f} s")
+    if result.plan:
+        lines.append(f"search    {result.plan}")
     if result.best_strategy is not None:
         r = result.best_report
         lines += [

@@ -1,36 +1,60 @@
 """The search: an Optuna study over a search space, scored by the cost model, persisted and shared.
 
 `autosearch.tuner` is the public face (``from autosearch import tune``); this package holds one
-module per concern: objectives, recipes, storage, the study loop, outputs.
+module per concern: objectives, recipes, files (locks, atomic writes), the journal file, storage,
+the study reader, the study loop, outputs.
 """
 
+from autosearch.tuning._files import FileLock, atomic_write
 from autosearch.tuning._objectives import (
     OBJECTIVES,
     Objective,
     make_objective,
     usd_per_million_tokens,
 )
+from autosearch.tuning._reader import (
+    LoadedStudy,
+    StudyMeta,
+    load_study,
+    read_candidates,
+    report_from_dict,
+)
 from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
-from autosearch.tuning._storage import open_storage
+from autosearch.tuning._storage import (
+    OpenedStorage,
+    StudyOptions,
+    open_storage,
+    open_study_storage,
+)
 from autosearch.tuning._study import (
     SAMPLERS,
     TRIAL_UNITS,
+    check_study_name,
     default_study_name,
-    report_from_dict,
     tune,
 )
 
 __all__ = [
     "Candidate",
+    "FileLock",
+    "LoadedStudy",
     "NoFeasibleStrategyError",
     "OBJECTIVES",
     "Objective",
+    "OpenedStorage",
     "SAMPLERS",
+    "StudyMeta",
+    "StudyOptions",
     "TRIAL_UNITS",
     "TuneResult",
+    "atomic_write",
+    "check_study_name",
     "default_study_name",
+    "load_study",
     "make_objective",
     "open_storage",
+    "open_study_storage",
+    "read_candidates",
     "report_from_dict",
     "tune",
     "usd_per_million_tokens",

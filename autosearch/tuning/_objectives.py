@@ -81,7 +81,8 @@ class ThroughputPessimistic(Objective):
         if b is None or a.fits != b.fits or not a.fits:
             return super().better(a, b)
         return (pessimistic_tokens_per_s(a), -a.peak_memory_bytes) > (
-            pessimistic_tokens_per_s(b), -b.peak_memory_bytes
+            pessimistic_tokens_per_s(b),
+            -b.peak_memory_bytes,
         )
 
 

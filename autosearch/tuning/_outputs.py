@@ -1,47 +1,51 @@
 """What a search leaves in its folder: trials.csv, top_k.csv, best_strategy.yaml, study.yaml and
-report.md with its plots (matplotlib, Agg backend). Every file is written to a temporary name
-and renamed, so a run killed while writing never leaves a torn file."""
+report.md with its plots (matplotlib, Agg backend).
+
+Every file goes through `_files.atomic_write` (temporary name in the folder, fsync, rename), so a
+run killed while writing never leaves a torn file; writers take the folder's lock (`.lock`,
+opened without following a symbolic link), and remove what killed writers left behind.
+One folder holds the outputs of one study: `claim_out_folder` refuses another study's folder.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import math
 import os
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core.errors import SpecError
+from autosearch.tuning._files import FileLock, atomic_write, remove_stale_temp_files
 from autosearch.tuning._objectives import CONSTRAINT, GiB
+from autosearch.tuning._reader import report_from_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
     from autosearch.tuning._result import Candidate, TuneResult
 
-STRATEGY_FIELDS = (
-    "dp",
-    "tp",
-    "pp",
-    "micro_batch_size",
-    "global_batch_size",
-    "pipeline_schedule",
-    "virtual_stages",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
-)
-IMPORTANCE_FIELDS = (
-    "tp",
-    "pp",
-    "dp",
-    "micro_batch_size",
-    "pipeline",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
+
+def _strategy_fields() -> tuple[str, ...]:
+    """Every Strategy field, in its order (new dimensions become columns by themselves)."""
+    import dataclasses
+
+    from autosearch.core.strategy import Strategy
+
+    return tuple(f.name for f in dataclasses.fields(Strategy))
+
+
+STRATEGY_FIELDS = _strategy_fields()
+IMPORTANCE_MAX_TRIALS = 5000
+# The dimensions whose importance report.md plots: the Strategy fields, with the pipeline
+# schedule and its virtual stages as one ("pipeline"), and without what every strategy shares.
+IMPORTANCE_FIELDS = tuple(
+    "pipeline" if f == "pipeline_schedule" else f
+    for f in STRATEGY_FIELDS
+    if f not in ("global_batch_size", "virtual_stages")
 )
 
 
@@ -63,7 +67,6 @@ def trial_row(trial, objective: "Objective") -> dict[str, Any]:
     """One CSV row: trial number and state, feasibility and why, objective values, every
     Strategy field, every CostReport field (breakdowns flattened to time_* / memory_*)."""
     from autosearch.core.strategy import Strategy
-    from autosearch.tuning._study import report_from_dict
 
     row: dict[str, Any] = {"trial": trial.number, "state": trial.state.name}
     attrs = trial.user_attrs
@@ -99,22 +102,48 @@ def columns(objective: "Objective") -> list[str]:
     )
 
 
-def write_csv(path: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _cell(row.get(k)) for k in cols})
-    _atomic_write(path, buf.getvalue())
+def write_csv(path: str, rows: "Iterable[dict[str, Any]]", cols: list[str]) -> None:
+    """Write `rows` (any iterable, consumed once: a study's rows are streamed, not held)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: _cell(row.get(k)) for k in cols})
+
+    atomic_write(path, write)
+
+
+def plot_row(trial) -> dict[str, Any] | None:
+    """The few fields the plots need, straight from a trial's stored records."""
+    report = trial.user_attrs.get("report")
+    if not report or report.get("tokens_per_s") is None:
+        return None
+    row = {
+        "peak_memory_bytes": report["peak_memory_bytes"],
+        "tokens_per_s": report["tokens_per_s"],
+        "memory_capacity_bytes": report.get("memory_capacity_bytes"),
+        "feasible": bool(report.get("fits")),
+    }
+    if row["feasible"] and "strategy" in trial.user_attrs:
+        row.update(trial.user_attrs["strategy"])
+    return row
 
 
 def write_outputs(
-    result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
+    result: "TuneResult", trials: list, *, out_dir: str, meta: dict[str, Any]
 ) -> None:
-    """Write every output of a search into `out_dir`."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write every output of a search into `out_dir` from one snapshot of its finished trials
+    (call it holding `outputs_lock`)."""
+    _make_folder(out_dir)
     objective = _objective_of(result)
-    write_csv(os.path.join(out_dir, "trials.csv"), rows, columns(objective))
+    write_csv(
+        os.path.join(out_dir, "trials.csv"),
+        (trial_row(t, objective) for t in trials),
+        columns(objective),
+    )
+    rows = [r for r in map(plot_row, trials) if r is not None]
     top_rows = [
         dict(
             rank=i + 1,
@@ -166,9 +195,10 @@ def write_outputs(
         }
         header = (
             f"# The best strategy found by `autosearch tune` (study {meta['study_name']}).\n"
-            "# Load it with Strategy.from_yaml(path); export it with `autosearch export --strategy PATH`.\n"
+            "# Load it with Strategy.from_yaml(path); export it with\n"
+            "# `autosearch export --strategy PATH`.\n"
         )
-        _atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
+        atomic_write(best_path, header + yaml.safe_dump(doc, sort_keys=False))
     elif os.path.exists(best_path):
         os.remove(best_path)
     study_doc = {
@@ -177,8 +207,9 @@ def write_outputs(
         "n_new_trials": result.n_new_trials,
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
         "summary": result.message,
+        "coverage": result.plan,
     }
-    _atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
+    atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
     _write_report(result, rows, out_dir=out_dir, meta=meta)
 
 
@@ -191,7 +222,7 @@ def _objective_of(result: "TuneResult"):
     return make_objective(result.objective, cluster=result.space.cluster, price_per_gpu_hour=price)
 
 
-# ---- report.md and plots --------------------------------------------------------------------------
+# ---- report.md and plots ------------------------------------------------------------------------
 def _write_report(
     result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
 ) -> None:
@@ -210,13 +241,16 @@ def _write_report(
     except ImportError as exc:  # matplotlib is a dependency; keep the report if it is broken
         notes.append(f"plots skipped: {exc}")
     lines = [
-        f"# Strategy search: {meta['model']} on {meta['cluster']}, global batch {meta['global_batch_size']}",
+        f"# Strategy search: {meta['model']} on {meta['cluster']}, "
+        f"global batch {meta['global_batch_size']}",
         "",
     ]
     lines += [
-        f"- objective: {meta['objective']} (memory limit as a constraint), sampler {meta['sampler']}, "
+        f"- objective: {meta['objective']} (memory limit as a constraint), "
+        f"sampler {meta['sampler']}, "
         f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
         f"- space: {meta['space']}",
+        f"- search: {result.plan}",
         f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
         f"`{meta['study_name']}` in {meta['storage']}",
         "",
@@ -230,10 +264,12 @@ def _write_report(
             "",
             "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |",
             "|---|---|---|---|---|",
-            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.tflops_per_gpu:.1f} | "
+            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
+            f"{r.tflops_per_gpu:.1f} | "
             f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |",
             "",
-            "Saved in `best_strategy.yaml`; `autosearch export --strategy best_strategy.yaml --to megatron` "
+            "Saved in `best_strategy.yaml`; "
+            "`autosearch export --strategy best_strategy.yaml --to megatron` "
             "prints the equivalent launch flags.",
             "",
         ]
@@ -242,7 +278,8 @@ def _write_report(
         if result.least_hungry is not None:
             c = result.least_hungry
             lines += [
-                f"Least memory-hungry strategy tried: `{c.strategy.short()}`, {c.report.infeasible_reason}.",
+                f"Least memory-hungry strategy tried: `{c.strategy.short()}`, "
+                f"{c.report.infeasible_reason}.",
                 "",
             ]
     if result.top_k:
@@ -256,8 +293,9 @@ def _write_report(
         for i, c in enumerate(result.top_k, 1):
             r = c.report
             lines.append(
-                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.step_time_s:.3f} | "
-                f"{r.peak_memory_bytes / GiB:.1f} | {r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
+                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
+                f"{r.step_time_s:.3f} | {r.peak_memory_bytes / GiB:.1f} | "
+                f"{r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
                 f"{r.time.tp_comm_s:.3f} |"
             )
         lines.append("")
@@ -266,7 +304,9 @@ def _write_report(
     titles = {
         "time_breakdown": "Where the step time goes (top-k)",
         "throughput_memory": "Throughput vs memory",
-        "importances": "What matters (importance of each dimension for throughput, trials that fit)",
+        "importances": (
+            "What matters (importance of each dimension for throughput, trials that fit)"
+        ),
     }
     for key, path in plots.items():
         if path:
@@ -278,7 +318,7 @@ def _write_report(
         "`best_strategy.yaml`, `study.yaml` (run metadata).",
         "",
     ]
-    _atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
+    atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
 
 
 def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | None:
@@ -362,13 +402,21 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
     ok = [r for r in rows if r["feasible"] and r.get("tokens_per_s")]
     if len(ok) < 4:
         return None, "parameter importances need at least 4 trials that fit"
+    note = None
+    if len(ok) > IMPORTANCE_MAX_TRIALS:  # fANOVA's forest grows with the trials: subsample
+        stride = math.ceil(len(ok) / IMPORTANCE_MAX_TRIALS)
+        note = (
+            f"parameter importances from every {stride}th of the {len(ok):,} trials that fit "
+            f"({len(ok[::stride]):,} trials)"
+        )
+        ok = ok[::stride]
     values = {f: [] for f in IMPORTANCE_FIELDS}
     for r in ok:
         for f in IMPORTANCE_FIELDS:
             v = (
                 pipeline_label(r["pipeline_schedule"], r["virtual_stages"])
                 if f == "pipeline"
-                else r[f]
+                else r.get(f)
             )
             values[f].append(str(v))
     fields = [f for f in IMPORTANCE_FIELDS if len(set(values[f])) > 1]
@@ -400,44 +448,71 @@ def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | N
     method = type(_importance_evaluator()).__name__.replace("ImportanceEvaluator", "")
     ax.set_xlabel(f"importance for tokens/s ({method}, trials that fit)")
     fig.tight_layout()
-    return _save(fig, out_dir, "importances.png"), None
+    return _save(fig, out_dir, "importances.png"), note
 
 
 def _save(fig, out_dir: str, name: str) -> str:
     import matplotlib.pyplot as plt
 
     path = os.path.join(out_dir, name)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return path
+
+
+STUDY_FILE = "study.yaml"
+LOCK_FILE = ".lock"
+# `name.tmp<pid>`: temporary names of earlier versions and of the exports written next to ours
+_OTHER_TEMP = re.compile(r".+\.tmp(\d+)(\.png)?$")
 
 
 @contextlib.contextmanager
 def outputs_lock(out_dir: str):
-    """An exclusive lock on `out_dir` (a `.lock` file, flock) while one worker writes the outputs."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, ".lock"), "w") as f:
-        try:
-            import fcntl
-        except (
-            ImportError
-        ):  # pragma: no cover - not POSIX: no lock, files are still written atomically
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """An exclusive lock on `out_dir` (``.lock``, flock, never through a symbolic link) while one
+    worker writes the outputs; temporary files of killed writers are removed under it."""
+    _make_folder(out_dir)
+    with FileLock(os.path.join(out_dir, LOCK_FILE)):
+        remove_stale_temp_files(out_dir, extra=_OTHER_TEMP)
+        yield
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
+    """Refuse to write one study's outputs over another's (told apart by the study name; a
+    study's storage refuses a search it was not made for on its own).
+
+    Raises:
+        SpecError: `out_dir` holds the outputs of a study with another name; the
+            message says how to continue that one or where to put this one.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SpecError(f"--out {out_dir!r} is a file; give a folder")
+    path = os.path.join(out_dir, STUDY_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return  # no (readable) outputs yet
+    if not isinstance(doc, dict):
+        return
+    theirs = doc.get("study_name")
+    if theirs is not None and theirs != study_name:
+        raise SpecError(
+            f"{out_dir!r} holds the outputs of study {theirs!r} (storage "
+            f"{doc.get('storage')}), not of {study_name!r} ({storage}); outputs of different "
+            f"studies never share a folder. Pass another --out (for example "
+            f"results/{study_name}), or --study-name {theirs} to continue that study"
+        )
+
+
+def _make_folder(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except FileExistsError:
+        raise SpecError(f"--out {out_dir!r}: a file is in the way of this folder") from None
+    except OSError as exc:
+        raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
 
 
 def _cell(value: Any) -> Any:

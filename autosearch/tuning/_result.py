@@ -17,16 +17,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Candidate:
-    """One scored strategy: what a trial found, with its cost report and trial number."""
+    """A strategy, with what the cost model predicted for it and the trial that found it.
+
+    The one candidate record of the project: `tune` returns them (`TuneResult.top_k`), and
+    validation runs them (a strategy from a file has no report nor trial number).
+    """
 
     strategy: "Strategy"
-    report: "CostReport"
-    trial_number: int
+    report: "CostReport | None" = None
+    trial_number: int | None = None
     values: tuple[float, ...] = ()
 
     @property
     def feasible(self) -> bool:
-        return self.report.fits
+        """Whether the prediction fits in device memory (False when there is none)."""
+        return self.report is not None and self.report.fits
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,10 @@ class TuneResult:
         study: the Optuna study (persistent when a storage was given).
         space: the search space searched.
         n_trials: finished trials in the study; n_new_trials: how many this call ran.
+        n_units: layouts (trial unit ``layout``) or strategies in the space; n_units_covered:
+            how many of them the study's trials hold.
+        plan: one line: what the search did (exhaustive or sampled, and why) and how much of
+            the space the study covers.
         out_dir: where the outputs were written (None when not asked).
         message: a one-line summary for people.
     """
@@ -60,11 +69,14 @@ class TuneResult:
     out_dir: str | None = None
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    n_units: int = 0
+    n_units_covered: int = 0
+    plan: str = ""
 
 
 class NoFeasibleStrategyError(SpecError):
     """No strategy of the space fits in device memory; `.result` holds the TuneResult (outputs
-    are written before this is raised) and the message says how far the least hungry strategy is."""
+    are written before this is raised); the message says how far the least hungry one is."""
 
     def __init__(self, message: str, *, result: TuneResult | None = None):
         super().__init__(message)

@@ -1,27 +1,40 @@
 """Where a study lives: Optuna storage from a URL, a file path, or nothing (in memory).
 
-Measured on this project's CI machine (2 shared cores; `benchmarks/search_quality.py` prints the
-current figures): persisting one finished trial (one `create_new_trial` with its parameters,
-values and attributes) costs about 1.7 ms in a journal file and about 25-30 ms in SQLite through
-Optuna's SQLAlchemy layer, against about 10 ms of TPE sampling per trial. Hence the default file
-storage is an Optuna journal file (`<out>/study.journal`): crash-safe (each record is appended and
-fsync'ed whole; a torn last line is ignored on reload), shared safely by several processes through
-a lock file, and ~15x cheaper per trial than SQLite. SQLite and every RDB URL work the same way,
-only slower per trial:
+Measured on this project's CI machine (2 shared, loaded cores; `benchmarks/storage_scale.py`,
+results/storage_scale.csv): one finished trial costs 2-10 ms in a journal file and 20-70 ms in
+SQLite through Optuna's SQLAlchemy layer, the same at 50,000 trials as at 1,000 for the journal,
+against about 10 ms of TPE sampling per trial. Hence the default file
+storage is an Optuna journal file (`<out>/study.journal`, see `_journal.py`): each record is
+appended whole and fsync'ed under an `flock`, a torn last line is ignored and cut off, and
+damage in the middle is reported with the line number. SQLite and every RDB URL work the same
+way, only slower per trial:
 
 * ``results/x/study.db`` or ``sqlite:///results/x/study.db``: one machine, a few processes.
-* ``postgresql://user:password@host/db``, ``mysql+pymysql://...``: many machines sharing one study
-  (run the same command on each; every worker pulls the others' trials into its sampler).
-* ``results/x/study.journal`` on a shared file system (NFS): many machines without a database
-  (Optuna's JournalFileBackend; each append takes a lock file next to the journal).
+* ``postgresql+psycopg://user:password@host/db`` (``pip install 'autosearch[postgres]'``): many
+  machines sharing one study (run the same command on each; every worker pulls the others'
+  trials into its sampler). Tested with four workers on a throwaway cluster
+  (tests/test_postgres.py).
+* ``results/x/study.journal`` on a shared file system (NFS with working ``flock``): many machines
+  without a database.
+
+Every storage also gives the tuner a *study lock* (`OpenedStorage.lock`): an `flock` for the
+journal and SQLite files, a PostgreSQL advisory lock for PostgreSQL. Workers take it to check the
+trial count and persist a trial as one step, so the study never holds more trials than asked,
+and an exhaustive search never scores a layout twice. Other databases get no such lock (a few
+trials of overshoot are then possible with several workers; said when the storage is opened).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-from typing import TYPE_CHECKING
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._files import FileLock
 
 if TYPE_CHECKING:  # pragma: no cover
     from optuna.storages import BaseStorage
@@ -29,6 +42,68 @@ if TYPE_CHECKING:  # pragma: no cover
 JOURNAL_SUFFIXES = (".journal", ".log", ".jsonl")
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 DEFAULT_FILENAME = "study.journal"
+SQLITE_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyOptions:
+    """Where a study is kept and what it is called (the storage options of `tune`).
+
+    Attributes:
+        storage: None (in memory, or ``<out>/study.journal`` when `out` is given), an Optuna
+            storage object, an RDB URL (``sqlite:///x.db``, ``postgresql+psycopg://...``) or a
+            ``.journal`` / ``.db`` path.
+        study_name: the study's name in the storage (letters, digits and ``._-+=``; it never
+            becomes part of a path); None: ``<model>_<gpu>-<nodes>x<gpus>_gbs<batch>_<objective>``.
+        out: folder for trials.csv, top_k.csv, best_strategy.yaml, study.yaml and report.md
+            (None: no files).
+    """
+
+    storage: "str | os.PathLike | BaseStorage | None" = None
+    study_name: str | None = None
+    out: "str | os.PathLike | None" = None
+
+
+@dataclass(frozen=True)
+class OpenedStorage:
+    """An opened storage, with what the tuner needs to share it safely.
+
+    Attributes:
+        storage: the Optuna storage object (keep this reference: the journal storage replays the
+            file incrementally, so one object per process reads each record once).
+        kind: ``journal``, ``sqlite`` or ``rdb``.
+        description: for people (a path, or a URL without its password).
+        lock: a re-entrant context manager factory: ``with opened.lock(study_name): ...``.
+        exact: whether the lock makes counts exact across workers.
+    """
+
+    storage: "BaseStorage"
+    kind: str
+    description: str
+    lock_path: str | None = None
+    url: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.lock_path is not None or _is_postgres(self.url)
+
+    def lock(self, study_name: str):
+        """The study lock (see the module docstring); a no-op where the storage has none."""
+        if self.lock_path is not None:
+            return _file_lock(self.lock_path)
+        if _is_postgres(self.url):
+            return _advisory_lock(self.url, study_name)
+        return contextlib.nullcontext()
+
+
+_FILE_LOCKS: dict[str, FileLock] = {}
+_ADVISORY_LOCKS: dict[tuple[str, str], Any] = {}
+
+
+def _file_lock(path: str) -> FileLock:
+    # One FileLock object per path and process: two flock()s on two descriptors of the same
+    # file would block each other even inside one process.
+    return _FILE_LOCKS.setdefault(os.path.abspath(path), FileLock(path))
 
 
 def open_storage(storage: "str | os.PathLike | BaseStorage | None") -> "BaseStorage | None":
@@ -36,46 +111,170 @@ def open_storage(storage: "str | os.PathLike | BaseStorage | None") -> "BaseStor
 
     Args:
         storage: None (in memory), an Optuna storage object, an RDB URL (``sqlite:///path.db``,
-            ``postgresql://...``), a ``.journal`` file, or a ``.db`` SQLite file path.
+            ``postgresql+psycopg://...``), a ``.journal`` file, or a ``.db`` SQLite file path.
 
     Raises:
-        SpecError: the string is neither a URL nor a path with a known suffix.
+        SpecError: the string is neither a URL nor a path with a known suffix, the driver is
+            missing, or the file is not a study storage.
     """
+    opened = open_study_storage(storage)
+    return None if opened is None else opened.storage
+
+
+def open_study_storage(storage: "str | os.PathLike | BaseStorage | None") -> OpenedStorage | None:
+    """Like `open_storage`, with the study lock and a description (None: in memory)."""
     import optuna
 
-    if storage is None or isinstance(storage, optuna.storages.BaseStorage):
+    if storage is None:
+        return None
+    if isinstance(storage, OpenedStorage):
         return storage
+    if isinstance(storage, optuna.storages.BaseStorage):
+        return OpenedStorage(storage, _kind_of(storage), type(storage).__name__)
     text = os.fspath(storage)
     if "://" in text:
         if text.startswith("sqlite:///"):
-            _make_parent(text[len("sqlite:///") :])
-            return optuna.storages.RDBStorage(
-                text, engine_kwargs={"connect_args": {"timeout": 60}}
-            )
-        return optuna.storages.RDBStorage(text)
+            return _open_sqlite(text[len("sqlite:///") :])
+        return _open_rdb(text)
     if text.endswith(JOURNAL_SUFFIXES):
-        from optuna.storages.journal import JournalFileBackend
-
-        _make_parent(text)
-        return optuna.storages.JournalStorage(JournalFileBackend(text))
+        return _open_journal(text)
     if text.endswith(SQLITE_SUFFIXES):
-        _make_parent(text)
-        return optuna.storages.RDBStorage(
-            f"sqlite:///{os.path.abspath(text)}", engine_kwargs={"connect_args": {"timeout": 60}}
-        )
+        return _open_sqlite(text)
     raise SpecError(
         f"storage {text!r} is not an RDB URL nor a file with a known suffix; use a journal file "
-        f"(path ending in {', '.join(JOURNAL_SUFFIXES)}), a SQLite file (ending in {', '.join(SQLITE_SUFFIXES)} or "
-        "sqlite:///path.db), or a database URL such as postgresql://user:password@host/dbname"
+        f"(path ending in {', '.join(JOURNAL_SUFFIXES)}), a SQLite file (ending in "
+        f"{', '.join(SQLITE_SUFFIXES)} or sqlite:///path.db), or a database URL such as "
+        "postgresql+psycopg://user:password@host/dbname"
     )
 
 
-def describe_storage(storage: "str | os.PathLike | BaseStorage | None") -> str:
+def describe_storage(storage: Any) -> str:
     if storage is None:
         return "in memory (nothing persisted)"
+    if isinstance(storage, OpenedStorage):
+        return storage.description
     if isinstance(storage, (str, os.PathLike)):
-        return os.fspath(storage)
+        return _hide_password(os.fspath(storage))
     return type(storage).__name__
+
+
+# ---- one opener per kind ------------------------------------------------------------------------
+def _open_journal(path: str) -> OpenedStorage:
+    import optuna
+
+    from autosearch.tuning._journal import LOCK_SUFFIX, JournalFile
+
+    _make_parent(path)
+    if os.path.isdir(path):
+        raise SpecError(f"the journal {path!r} is a folder; give a file path")
+    lock_path = path + LOCK_SUFFIX
+    backend = JournalFile(path, lock=_file_lock(lock_path))
+    _remove_optuna_lock_leftovers(path)
+    try:
+        storage = optuna.storages.JournalStorage(backend)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(
+            f"{path!r} is not an Optuna journal ({type(exc).__name__}: {exc}); move it away or "
+            "pass another --storage"
+        ) from None
+    return OpenedStorage(storage, "journal", path, lock_path=lock_path)
+
+
+def _open_sqlite(path: str) -> OpenedStorage:
+    _make_parent(path)
+    if os.path.isdir(path):
+        raise SpecError(f"the SQLite file {path!r} is a folder; give a file path")
+    path = os.path.abspath(path)
+    lock_path = path + ".lock"
+    # Several workers started at once on a new file would race to create the tables ("table
+    # already exists", "UNIQUE constraint failed: alembic_version"): create them under the lock.
+    new_lock = not os.path.lexists(lock_path)
+    try:
+        with _file_lock(lock_path):
+            storage = _rdb(
+                f"sqlite:///{path}",
+                engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}},
+                what=f"SQLite file {path!r}",
+            )
+    except SpecError:
+        if new_lock:  # leave nothing behind for a file that is not a study
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+        raise
+    return OpenedStorage(storage, "sqlite", path, lock_path=lock_path, url=f"sqlite:///{path}")
+
+
+def _open_rdb(url: str) -> OpenedStorage:
+    shown = _hide_password(url)
+    if _is_postgres(url):
+        # Workers started together on an empty database race to create Optuna's tables
+        # ("duplicate key value violates unique constraint"): create them under a lock.
+        schema_lock = _AdvisoryLock(url, "\0schema")
+        try:
+            with schema_lock:
+                storage = _rdb(url, what=f"database {shown}")
+        finally:
+            schema_lock.close()
+    else:
+        storage = _rdb(url, what=f"database {shown}")
+    if not _is_postgres(url):
+        warnings.warn(
+            f"{shown}: autosearch has no study lock for this database (it has one for journal "
+            "files, SQLite and PostgreSQL); several workers may finish a few trials more than "
+            "asked",
+            stacklevel=3,
+        )
+    return OpenedStorage(storage, "rdb", shown, url=url)
+
+
+def _rdb(url: str, *, what: str, engine_kwargs: dict | None = None) -> "BaseStorage":
+    import optuna
+    import sqlalchemy.exc
+
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    except sqlalchemy.exc.NoSuchModuleError:
+        scheme = url.split("://", 1)[0]
+        raise SpecError(
+            f"storage URL scheme {scheme!r} is not a database SQLAlchemy knows; use "
+            "postgresql+psycopg://user:password@host/db, sqlite:///path.db, or a .journal file"
+        ) from None
+    except ImportError as exc:
+        raise SpecError(
+            f"the driver for {what} is not installed ({exc}); for PostgreSQL: "
+            "pip install 'autosearch[postgres]' and a URL starting postgresql+psycopg://"
+        ) from None
+    except (sqlalchemy.exc.SQLAlchemyError, ValueError) as exc:
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise SpecError(
+            f"cannot open {what} as an Optuna study storage: {detail}. Check the URL, that the "
+            "server runs and accepts you, or that the file is an Optuna SQLite study"
+        ) from None
+
+
+def _kind_of(storage) -> str:
+    import optuna
+
+    if isinstance(storage, optuna.storages.JournalStorage):
+        return "journal"
+    if isinstance(storage, optuna.storages.RDBStorage):
+        return "rdb"
+    return "memory" if isinstance(storage, optuna.storages.InMemoryStorage) else "rdb"
+
+
+def _is_postgres(url: str | None) -> bool:
+    return bool(url) and url.split("://", 1)[0].split("+", 1)[0] in ("postgresql", "postgres")
+
+
+def _hide_password(url: str) -> str:
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}{':***' if ':' in creds else ''}@{host}"
 
 
 def _make_parent(path: str) -> None:
@@ -86,3 +285,76 @@ def _make_parent(path: str) -> None:
         raise SpecError(
             f"cannot create the folder {parent!r} for the study storage: {exc.strerror}"
         ) from None
+
+
+def _remove_optuna_lock_leftovers(path: str) -> None:
+    """Optuna's symbolic-link journal lock leaves ``<journal>.lock<uuid>.rename`` files when a
+    process dies while releasing it (journals written by earlier versions of autosearch)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(name + ".lock") and n.endswith(".rename"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, n))
+
+
+# ---- PostgreSQL advisory lock -------------------------------------------------------------------
+class _AdvisoryLock:
+    """A session-level PostgreSQL advisory lock on one dedicated connection (released by the
+    server when the connection ends, so a killed worker never leaves it held)."""
+
+    def __init__(self, url: str, study_name: str):
+        import sqlalchemy
+
+        digest = hashlib.blake2b(f"autosearch:{study_name}".encode(), digest_size=8).digest()
+        self.key = int.from_bytes(digest, "big", signed=True)
+        self._engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        self._conn = None
+        self._depth = 0
+
+    def __enter__(self):
+        import sqlalchemy
+        import sqlalchemy.exc
+
+        if self._depth == 0:
+            if self._conn is None:
+                try:
+                    self._conn = self._engine.connect().execution_options(
+                        isolation_level="AUTOCOMMIT"
+                    )
+                except ImportError as exc:
+                    raise SpecError(
+                        f"the PostgreSQL driver is not installed ({exc}); pip install "
+                        "'autosearch[postgres]' and a URL starting postgresql+psycopg://"
+                    ) from None
+                except sqlalchemy.exc.SQLAlchemyError as exc:
+                    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                    raise SpecError(
+                        f"cannot connect to {_hide_password(str(self._engine.url))}: {detail}"
+                    ) from None
+            self._conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": self.key})
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import sqlalchemy
+
+        self._depth -= 1
+        if self._depth == 0 and self._conn is not None:
+            self._conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._engine.dispose()
+
+
+def _advisory_lock(url: str, study_name: str) -> _AdvisoryLock:
+    key = (url, study_name)
+    if key not in _ADVISORY_LOCKS:
+        _ADVISORY_LOCKS[key] = _AdvisoryLock(url, study_name)
+    return _ADVISORY_LOCKS[key]

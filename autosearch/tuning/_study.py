@@ -4,28 +4,33 @@ How a run works (`tune`):
 
 1. The sampler works against an in-memory copy of the study ("shadow"); Optuna's per-operation
    storage writes (one per parameter, attribute and state change) would otherwise cost more than
-   the sampling itself (see `_storage.py` for the figures).
+   the sampling itself (see `_storage.py` for the figures). The shadow keeps only what a sampler
+   reads (parameters, values, the memory constraint), not the cost reports.
 2. Each finished trial is written to the persistent storage at once, whole, in one
-   `create_new_trial` (parameters, values, constraint, the full CostReport). So a run killed at
-   any moment loses only the trial in flight, and never leaves a half-written or eternally
-   RUNNING trial behind.
-3. A run first loads every finished trial of the persistent study into its shadow, and stops when
-   the study holds `n_trials` finished trials: running the same command again resumes, and running
-   it on a finished study does no new work. Several processes on one storage each persist their
-   own trials (the storage numbers them, so none is duplicated or lost) and regularly pull the
-   others' trials into their sampler.
+   `create_new_trial` (parameters, values, constraint, the full CostReport), under the study
+   lock together with the check of the trial count. So a run killed at any moment loses only the
+   trial in flight, never leaves a half-written or eternally RUNNING trial behind, and several
+   workers never finish more trials than asked.
+3. A worker reads the study incrementally, by trial number (the storage numbers trials
+   atomically, so each is read once, none twice): one bulk read when it starts, then only what
+   other workers added. It stops when the study holds `n_trials` finished trials: running the
+   same command again resumes, and running it on a finished study does no new work.
+4. The exhaustive sampler scores every unit of the space once, in a fixed order: under the
+   study lock a worker takes the first unit no trial holds yet, scores it and persists it. So
+   any number of workers cover every layout exactly once, and a rerun scores what is missing.
 
 What a trial is (`trial_unit`): with ``"layout"`` (the default for the throughput objective) a
 trial samples the layout (tp, pp, micro-batch size, pipeline schedule) and scores every
 combination of recompute x sequence parallel x ZeRO x amp of that layout (at most 72 cost-model
 calls, ~2 ms, well below the ~10 ms Optuna spends per trial), keeping the best that fits. This
 shrinks what the sampler must learn from ~20,000 strategies to a few hundred layouts. With
-``"strategy"`` (always for multi-objective studies, which need every point) a trial is one strategy.
+``"strategy"`` (always for multi-objective studies, which need every point) a trial is one
+strategy.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import re
 import sys
@@ -33,34 +38,48 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from optuna.trial import TrialState
 
 from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
+from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
+from autosearch.tuning._reader import (
+    ATTR_ERROR,
+    ATTR_GROUP,
+    ATTR_REPORT,
+    ATTR_STRATEGY,
+    ATTR_WORKER,
+    META_ATTR,
+    StudyMeta,
+    least_hungry,
+    read_candidates,
+)
 from autosearch.tuning._recipes import recipes as make_recipes
 from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
-from autosearch.tuning._storage import DEFAULT_FILENAME, describe_storage, open_storage
+from autosearch.tuning._storage import (
+    DEFAULT_FILENAME,
+    OpenedStorage,
+    StudyOptions,
+    describe_storage,
+    open_study_storage,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
+    import optuna
 
     from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
+    from cost_models import CostModel
     from search_spaces import BaseSearchSpace
 
 SAMPLERS = ("tpe", "nsga2", "random", "exhaustive")
 TRIAL_UNITS = ("layout", "strategy")
-SYNC_INTERVAL_S = {"journal": 0.0, "memory": math.inf, "rdb": 2.0}
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-_COMPLETE = (TrialState.COMPLETE,)
-_ATTR_STRATEGY, _ATTR_REPORT, _ATTR_WORKER, _ATTR_GROUP = (
-    "strategy",
-    "report",
-    "worker",
-    "group_size",
-)
-_ATTR_META = "autosearch"  # study attribute: what the study searches
+SHADOW_RENEW = 1000
+STUDY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 
 
 def tune(
@@ -70,20 +89,22 @@ def tune(
     global_batch_size: int,
     space: "BaseSearchSpace | str | os.PathLike | dict | None" = None,
     objective: str = "throughput",
-    n_trials: int | None = 200,
-    sampler: str | None = None,
-    storage: Any = None,
-    study_name: str | None = None,
+    n_trials: int | None = None,
+    sampler: "str | optuna.samplers.BaseSampler | None" = None,
+    cost_model: "CostModel | Callable[[ModelSpec, Cluster], CostModel] | None" = None,
     seed: int | None = None,
     top_k: int = 5,
-    runtime: str = "torch",
     price_per_gpu_hour: float | None = None,
     trial_unit: str | None = None,
     use_recipes: bool = True,
-    out: "str | os.PathLike | None" = None,
+    options: StudyOptions | None = None,
     progress: "bool | Callable[[int, int, float | None], None]" = False,
+    runtime: str | None = None,
+    storage: Any = None,
+    study_name: str | None = None,
+    out: "str | os.PathLike | None" = None,
 ) -> TuneResult:
-    """Search the fastest strategy that fits, with Optuna and the analytic cost model.
+    """Search the fastest strategy that fits, with Optuna and a cost model.
 
     Args:
         model: a ModelSpec or catalog name / YAML path.
@@ -94,22 +115,27 @@ def tune(
         objective: ``throughput`` (default), ``throughput-memory`` or ``throughput-cost``
             (needs `price_per_gpu_hour`).
         n_trials: finished trials the study should hold in the end (a resumed study runs only the
-            rest); None with the exhaustive sampler means every layout or strategy.
-        sampler: ``tpe`` (constrained TPE), ``nsga2`` (constrained NSGA-II), ``random`` or
-            ``exhaustive`` (Optuna's brute force). None: exhaustive when `n_trials` covers every
-            layout (or strategy) of the space, else tpe for one objective and nsga2 for two.
-        storage: None (in memory, or ``<out>/study.journal`` when `out` is given), an Optuna storage,
-            an RDB URL (``sqlite:///x.db``, ``postgresql://...``) or a ``.journal`` / ``.db`` path.
-        study_name: defaults to ``<model>_<gpu>-<nodes>x<gpus>_gbs<batch>_<objective>``.
+            rest). None: the budget rule (`plan_search`): every layout (or strategy) when scoring
+            them all is estimated under `EXHAUSTIVE_BUDGET_S`, measured on this cost model;
+            else `DEFAULT_TRIALS` trials of TPE (NSGA-II for two objectives). With the
+            exhaustive sampler, None means every unit.
+        sampler: a name (``tpe``: constrained TPE, ``nsga2``, ``random``, ``exhaustive``: every
+            unit once, in a fixed order) or an Optuna sampler object (a `BruteForceSampler` means
+            exhaustive). None: exhaustive when `n_trials` covers every layout (or strategy) of
+            the space, else tpe for one objective and nsga2 for two.
+        cost_model: a `cost_models.CostModel` for this model and cluster, or a factory
+            ``(model, cluster) -> CostModel``; None: the analytic model with `runtime`.
         seed: sampler seed (give parallel workers different seeds, or none).
         top_k: how many distinct strategies to keep in `top_k` and ``top_k.csv``.
-        runtime: cost-model runtime, ``torch`` or ``megatron-sc21``.
         price_per_gpu_hour: dollars per device-hour, for cost per token.
         trial_unit: ``layout`` or ``strategy`` (see the module docstring); default ``layout`` for
             the throughput objective, ``strategy`` otherwise.
         use_recipes: enqueue the usual recipes (tp in a node, pp as memory needs, FSDP) first.
-        out: folder for trials.csv, top_k.csv, best_strategy.yaml and report.md (None: no files).
+        options: where the study lives (`StudyOptions`: storage, study_name, out).
         progress: True for a progress bar on stderr, or a callable(done, total, best_tokens_per_s).
+        runtime: the analytic model's runtime (``torch``, ``megatron-sc21``) when `cost_model` is
+            None.
+        storage, study_name, out: the fields of `options`, accepted as keywords too.
 
     Returns:
         TuneResult with `best_strategy`, `best_report`, `top_k` and `study`.
@@ -125,128 +151,123 @@ def tune(
         >>> result.best_report.fits
         True
     """
+    import optuna
+
     from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
-    from cost_models.analytic import AnalyticCostModel
 
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     model, cluster = ModelSpec.load(model), Cluster.parse(cluster)
     space = _resolve_space(space, model, cluster, global_batch_size)
     obj = make_objective(objective, cluster=cluster, price_per_gpu_hour=price_per_gpu_hour)
     unit = trial_unit or ("strategy" if obj.is_multi else "layout")
     if unit not in TRIAL_UNITS:
         raise SpecError(f"unknown trial_unit {trial_unit!r}; choose layout or strategy")
-    n_units = space.n_groups if unit == "layout" else space.size
-    if sampler is None:  # a budget that covers the whole space enumerates it; else TPE / NSGA-II
-        small = n_trials is not None and n_units <= n_trials and not obj.is_multi
-        sampler_name = "exhaustive" if small else ("nsga2" if obj.is_multi else "tpe")
-    else:
-        sampler_name = sampler
-    if sampler_name not in SAMPLERS:
-        raise SpecError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     if unit == "layout" and obj.is_multi:
         raise SpecError(
             f"trial_unit=layout keeps one strategy per layout, which would hide most of the "
             f"Pareto front of {obj.name}; use trial_unit=strategy"
         )
-    if n_trials is None and sampler_name != "exhaustive":
-        raise SpecError(
-            "n_trials=None (run until the space is exhausted) needs sampler=exhaustive"
-        )
+    n_units = space.n_groups if unit == "layout" else space.size
     if n_trials is not None and (
         isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
     ):
         raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
-    if not isinstance(top_k, int) or top_k < 1:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
-    cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
-    study_name = study_name or default_study_name(
-        model.name, cluster.name, global_batch_size, obj.name
-    )
-    if out is not None and storage is None:
-        storage = os.path.join(os.fspath(out), DEFAULT_FILENAME)
+    cm = _resolve_cost_model(cost_model, model, cluster, runtime)
+    opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
+    plan = None
+    if n_trials is None and sampler is None:
+        plan = plan_search(space, cm, unit=unit, multi=obj.is_multi, storage=opts.storage)
+        n_trials = plan.n_trials
+        if plan.exhaustive:
+            sampler = "exhaustive"
+    sampler_name, shadow_sampler = _resolve_sampler(sampler, n_trials, n_units, obj, seed)
+    if n_trials is None:
+        n_trials = n_units if sampler_name == "exhaustive" else DEFAULT_TRIALS
+    name = opts.study_name
+    if name is None:
+        name = default_study_name(model.name, cluster.name, global_batch_size, obj.name)
+    check_study_name(name)
+    out_dir = os.fspath(opts.out) if opts.out is not None else None
+    storage_arg = opts.storage
+    if out_dir is not None and storage_arg is None:
+        storage_arg = os.path.join(out_dir, DEFAULT_FILENAME)
 
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    persistent_storage = open_storage(storage)
-    shadow = optuna.create_study(
-        directions=list(obj.directions), sampler=_make_sampler(sampler_name, seed=seed)
-    )
-    meta = {
-        "signature": space.signature(),
-        "objective": obj.name,
-        "trial_unit": unit,
-        "runtime": cost_model.runtime.name,
-        "model": model.name,
-        "cluster": cluster.name,
-        "global_batch_size": global_batch_size,
+    if out_dir is not None:  # before anything is created there
+        claim_out_folder(out_dir, study_name=name, storage=describe_storage(storage_arg))
+    opened = open_study_storage(storage_arg)
+    meta = StudyMeta(
+        signature=space.signature(),
+        objective=obj.name,
+        trial_unit=unit,
+        runtime=_runtime_name(cm),
+        model=model.name,
+        cluster=cluster.name,
+        global_batch_size=global_batch_size,
         # what `autosearch validate --study` needs to rebuild the model and the cluster
-        "model_spec": model.to_dict(),
-        "cluster_spec": cluster.to_dict(),
-    }
-    if persistent_storage is None:
-        persistent = shadow
-        persistent.set_user_attr(_ATTR_META, meta)
-    else:
-        persistent = optuna.create_study(
-            storage=persistent_storage,
-            study_name=study_name,
-            directions=list(obj.directions),
-            load_if_exists=True,
-        )
-        _check_or_set_meta(persistent, meta, study_name, storage)
+        model_spec=model.to_dict(),
+        cluster_spec=cluster.to_dict(),
+    )
+    shadow = optuna.create_study(directions=list(obj.directions), sampler=shadow_sampler)
+    target = n_trials if n_trials is not None else n_units
+    if sampler_name == "exhaustive":
+        target = min(target, n_units)
     runner = _Runner(
         space=space,
-        cost_model=cost_model,
+        cost_model=cm,
         objective=obj,
         unit=unit,
         shadow=shadow,
-        persistent=persistent,
-        storage_kind=_storage_kind(persistent_storage),
+        opened=opened,
+        study_name=name,
+        meta=meta,
+        exhaustive=sampler_name == "exhaustive",
     )
     timings["setup_s"] = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
-    runner.sync()
-    target = n_trials if n_trials is not None else n_units
-    if sampler_name == "exhaustive":
-        target = min(target, n_units)
-    if use_recipes and runner.n_finished == 0:
-        for s in make_recipes(space, cost_model):
+    runner.start()
+    if use_recipes and runner.n_finished == 0 and sampler_name != "exhaustive":
+        for s in make_recipes(space, cm):
             shadow.enqueue_trial(space.params_of(s, group=unit == "layout"), skip_if_exists=True)
     bar = _ProgressBar(target) if progress is True else (progress or None)
-    n_new = runner.run(target, progress=bar)
-    if isinstance(bar, _ProgressBar):
-        bar.close()
+    try:
+        n_new = runner.run(target, progress=bar)
+    finally:
+        if isinstance(bar, _ProgressBar):
+            bar.close()
     timings["search_s"] = time.perf_counter() - t0
 
-    if out is None:
-        result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
+    run_meta = {
+        **meta.to_dict(),
+        "study_name": name,
+        "storage": _describe_storage(opened),
+        "sampler": sampler_name,
+        "seed": seed,
+        "n_trials_target": target,
+        "n_units": n_units,
+        "space": _describe(space),
+        "plan": plan.reason if plan else None,
+    }
+    runner.plan = _coverage_line(sampler_name, target, plan, runner, unit, n_units)
+    if out_dir is None:
+        result = _collect(runner, top_k=top_k, n_new=n_new, out=None, timings=timings)
     else:
-        from autosearch.tuning._outputs import outputs_lock, write_outputs
-
-        # Workers sharing a folder take turns: each reads the study and writes every file under the
-        # lock, so the last writer always holds the freshest state.
+        # Workers sharing a folder take turns: each reads one snapshot of the study and writes
+        # every file from it under the lock, so the files agree with each other and the last
+        # writer always holds the freshest state.
         t0 = time.perf_counter()
-        with outputs_lock(os.fspath(out)):
-            result = _collect(runner, top_k=top_k, n_new=n_new, out=out, timings=timings)
-            write_outputs(
-                result,
-                runner.records(),
-                out_dir=os.fspath(out),
-                meta={
-                    **meta,
-                    "study_name": study_name,
-                    "storage": describe_storage(storage),
-                    "sampler": sampler_name,
-                    "seed": seed,
-                    "n_trials_target": target,
-                    "space": _describe(space),
-                },
+        with outputs_lock(out_dir):
+            trials = runner.all_trials()
+            result = _collect(
+                runner, top_k=top_k, n_new=n_new, out=out_dir, timings=timings, trials=trials
             )
+            write_outputs(result, trials, out_dir=out_dir, meta=run_meta)
         timings["outputs_s"] = time.perf_counter() - t0
     nothing_fits = not result.pareto if obj.is_multi else result.best_strategy is None
     if nothing_fits:
@@ -254,7 +275,7 @@ def tune(
     return result
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 class _Runner:
     """The ask-score-tell-persist loop of one worker process."""
 
@@ -266,79 +287,190 @@ class _Runner:
         objective: Objective,
         unit: str,
         shadow,
-        persistent,
-        storage_kind: str,
+        opened: OpenedStorage | None,
+        study_name: str,
+        meta: StudyMeta,
+        exhaustive: bool,
     ):
         self.space, self.cost_model, self.objective, self.unit = space, cost_model, objective, unit
-        self.shadow, self.persistent = shadow, persistent
-        self.in_memory = persistent is shadow
+        self.shadow, self.opened, self.study_name, self.meta = shadow, opened, study_name, meta
+        self.exhaustive = exhaustive
         self.worker = uuid.uuid4().hex[:12]
-        self.sync_interval_s = SYNC_INTERVAL_S[storage_kind]
-        self._seen: set[int] = set()  # persistent trial ids already in the shadow
-        self._finished = 0  # finished trials in the persistent study (as of the last sync)
-        self._last_sync = -math.inf
+        self.storage = opened.storage if opened is not None else None
+        self.study_id: int | None = None
+        self._next_number = 0  # trial numbers below this have been read
+        self._finished = 0  # finished trials in the study, as of the last read
+        self._covered: set[tuple] = set()  # units held by a trial (exhaustive mode)
+        self._best: float | None = None
+        self._units: list[dict[str, Any]] | None = None
+        self._unit_cursor = 0
+        # Random sampling and the exhaustive order read no history: their shadow is renewed
+        # every SHADOW_RENEW trials, so its memory and Optuna's per-ask scan of it stay flat.
+        import optuna
+
+        self.history_free = self.storage is not None and (
+            exhaustive or isinstance(shadow.sampler, optuna.samplers.RandomSampler)
+        )
+        self._in_shadow = 0
+        self.plan = ""
 
     @property
     def n_finished(self) -> int:
         return self._finished
 
-    def sync(self) -> None:
-        """Pull finished trials of other workers (and of earlier runs) into the shadow."""
-        if self.in_memory:
-            self._finished = len(self.shadow.get_trials(deepcopy=False, states=_FINISHED))
+    @property
+    def n_covered(self) -> int:
+        return len(self._covered)
+
+    def lock(self):
+        if self.opened is None:
+            return contextlib.nullcontext()
+        return self.opened.lock(self.study_name)
+
+    # ---- the study in storage --------------------------------------------------------------
+    def start(self) -> None:
+        """Create or load the study (under the lock: workers started together on a fresh
+        storage must not race), check it was made for this search, read what it holds."""
+        if self.storage is None:
+            self.shadow.set_user_attr(META_ATTR, self.meta.to_dict())
             return
-        trials = self.persistent.get_trials(deepcopy=False, states=_FINISHED)
-        new = [t for t in trials if t._trial_id not in self._seen]
-        for t in new:
-            self._seen.add(t._trial_id)
-        foreign = [t for t in new if t.user_attrs.get(_ATTR_WORKER) != self.worker]
-        if foreign:
-            self.shadow.add_trials(foreign)
-        self._finished = len(trials)
-        self._last_sync = time.monotonic()
+        from optuna.exceptions import DuplicatedStudyError
 
-    def run(self, target: int, *, progress) -> int:
-        """Run trials until the persistent study holds `target` finished ones (or the sampler has
-        nothing left, as BruteForceSampler does when it has seen every combination)."""
-        self.sync()
-        if self._finished >= target:
-            return 0
-        state = {"new": 0, "best": self._best_value()}
-
-        def after_trial(study, frozen) -> None:
-            if (
-                frozen.state == TrialState.COMPLETE
-                and frozen.constraints.get(CONSTRAINT, 0.0) <= 0
+        storage = self.storage
+        with self.lock():
+            try:
+                self.study_id = storage.get_study_id_from_name(self.study_name)
+            except KeyError:
+                try:
+                    self.study_id = storage.create_new_study(
+                        list(self.shadow.directions), study_name=self.study_name
+                    )
+                except DuplicatedStudyError:  # created meanwhile by a worker without our lock
+                    self.study_id = storage.get_study_id_from_name(self.study_name)
+            directions = storage.get_study_directions(self.study_id)
+            if list(directions) != list(self.shadow.directions):
+                raise SpecError(
+                    f"study {self.study_name!r} in {self.opened.description} optimizes "
+                    f"{[d.name.lower() for d in directions]}, not {self.objective.name}; use "
+                    "another --study-name or --out folder"
+                )
+            stored = storage.get_study_user_attrs(self.study_id).get(META_ATTR)
+            if stored is None:
+                storage.set_study_user_attr(self.study_id, META_ATTR, self.meta.to_dict())
+            else:
+                diffs = StudyMeta.from_dict(stored).differences(self.meta)
+                if diffs:
+                    raise SpecError(
+                        diffs,
+                        context=(
+                            f"study {self.study_name!r} in {self.opened.description} was created "
+                            "for a different search; use another --study-name or --out folder, "
+                            "or the same arguments as the first run"
+                        ),
+                    )
+            # one bulk read; afterwards only new trial numbers are read
+            for t in sorted(
+                storage.get_all_trials(self.study_id, deepcopy=False), key=lambda t: t.number
             ):
-                best = state["best"]
-                state["best"] = frozen.values[0] if best is None else max(best, frozen.values[0])
-            self._persist(frozen)
-            state["new"] += 1
-            if time.monotonic() - self._last_sync >= self.sync_interval_s:
-                self.sync()
+                self._ingest(t)
+
+    def sync(self) -> None:
+        """Read the trials other workers (and this one) added since the last read."""
+        if self.storage is None:
+            return
+        storage, study_id = self.storage, self.study_id
+        while True:
+            try:
+                trial_id = storage.get_trial_id_from_study_id_trial_number(
+                    study_id, self._next_number
+                )
+            except KeyError:
+                return
+            self._ingest(storage.get_trial(trial_id))
+
+    def _ingest(self, t) -> None:
+        """Count one stored trial once (by its number) and show it to the sampler."""
+        if t.number < self._next_number:
+            return
+        self._next_number = t.number + 1
+        if t.state not in _FINISHED:
+            return
+        self._finished += 1
+        if self.exhaustive:
+            self._covered.add(_key(t.params))
+        if t.state == TrialState.COMPLETE and t.values and t.constraints.get(CONSTRAINT, 0) <= 0:
+            self._best = t.values[0] if self._best is None else max(self._best, t.values[0])
+        if t.user_attrs.get(ATTR_WORKER) != self.worker and not self.history_free:
+            self.shadow.add_trial(_for_sampler(t))
+
+    def all_trials(self) -> list:
+        """Every finished trial of the study, by number (one snapshot)."""
+        if self.storage is None:
+            trials = self.shadow.get_trials(deepcopy=False, states=_FINISHED)
+        else:
+            trials = self.storage.get_all_trials(self.study_id, deepcopy=False, states=_FINISHED)
+        return sorted(trials, key=lambda t: t.number)
+
+    def study(self):
+        import optuna
+
+        if self.storage is None:
+            return self.shadow
+        return optuna.load_study(study_name=self.study_name, storage=self.storage)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, target: int, *, progress) -> int:
+        """Run trials until the study holds `target` finished ones (exhaustive: until `target`
+        units are covered, or every unit is). Returns how many this worker persisted."""
+        new = 0
+        while True:
+            self._renew_shadow_if_due()
+            if self.exhaustive:
+                with self.lock():
+                    self.sync()
+                    params = self._next_unit() if self.n_covered < target else None
+                    if params is None:
+                        break
+                    self.shadow.enqueue_trial(params)
+                    persisted = self._one_trial(target)
+            else:
+                if self._finished >= target:
+                    break
+                persisted = self._one_trial(target)
+            if not persisted:
+                break
+            new += 1
             if progress is not None:
-                progress(min(self._finished, target), target, state["best"])
-            if self._finished >= target:
-                study.stop()
+                done = self.n_covered if self.exhaustive else self._finished
+                progress(min(done, target), target, self._best)
+        return new
 
-        def objective(trial):
-            values, constraint = self._evaluate(trial)
+    def _renew_shadow_if_due(self) -> None:
+        if self.history_free and self._in_shadow >= SHADOW_RENEW:
+            import optuna
+
+            self.shadow = optuna.create_study(
+                directions=list(self.shadow.directions), sampler=self.shadow.sampler
+            )
+            self._in_shadow = 0
+
+    def _one_trial(self, target: int) -> bool:
+        self._in_shadow += 1
+        trial = self.shadow.ask()
+        try:
+            values, constraint, attrs = self._evaluate(trial)
+        except ValueError as exc:  # e.g. a precision the hardware has no peak for: recorded
+            frozen = self.shadow.tell(trial, state=TrialState.FAIL)
+            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker}
+        else:
             trial.set_constraint(CONSTRAINT, constraint)
-            return values if len(values) > 1 else values[0]
+            if self.storage is None:  # the shadow is the study: it keeps the report
+                for k, v in attrs.items():
+                    trial.set_user_attr(k, v)
+            frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
+        return self._persist(frozen, attrs, target)
 
-        # A ValueError from the cost model (e.g. a precision the hardware has no peak for) fails
-        # that trial, is recorded with its message, and the study goes on.
-        self.shadow.optimize(
-            objective,
-            n_trials=target - self._finished,
-            callbacks=[after_trial],
-            catch=(ValueError,),
-            gc_after_trial=False,
-            show_progress_bar=False,
-        )
-        return state["new"]
-
-    def _evaluate(self, trial) -> tuple[tuple[float, ...], float]:
+    def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
         group = (
             self.space.suggest_group(trial)
             if self.unit == "layout"
@@ -349,83 +481,210 @@ class _Runner:
             r = self.cost_model.estimate(s, validate=False)
             if self.objective.better(r, best_r):
                 best_s, best_r = s, r
-        trial.set_user_attr(_ATTR_STRATEGY, best_s.to_dict())
-        trial.set_user_attr(_ATTR_REPORT, best_r.to_dict(flat=False))
-        trial.set_user_attr(_ATTR_WORKER, self.worker)
-        trial.set_user_attr(_ATTR_GROUP, len(group))
-        return self.objective.values(best_r), best_r.memory_excess_bytes / GiB
+        attrs = {
+            ATTR_STRATEGY: best_s.to_dict(),
+            ATTR_REPORT: best_r.to_dict(flat=False),
+            ATTR_WORKER: self.worker,
+            ATTR_GROUP: len(group),
+        }
+        return self.objective.values(best_r), best_r.memory_excess_bytes / GiB, attrs
 
-    def _persist(self, frozen) -> None:
-        if self.in_memory:
+    def _persist(self, frozen, attrs: dict[str, Any], target: int) -> bool:
+        """Store one finished trial whole, unless the study already holds `target` (checked and
+        written under the study lock, so workers never overshoot)."""
+        if self.storage is None:
             self._finished += 1
-            return
-        storage, study_id = self.persistent._storage, self.persistent._study_id
-        trial_id = storage.create_new_trial(study_id, template_trial=frozen)
-        self._seen.add(trial_id)
-        self._finished += 1
+            if self.exhaustive:
+                self._covered.add(_key(frozen.params))
+            if frozen.state == TrialState.COMPLETE and frozen.constraints.get(CONSTRAINT, 0) <= 0:
+                v = frozen.values[0]
+                self._best = v if self._best is None else max(self._best, v)
+            return True
+        import optuna
 
-    def _best_value(self) -> float | None:
-        values = [
-            t.values[0]
-            for t in self.shadow.get_trials(deepcopy=False, states=_COMPLETE)
-            if t.constraints.get(CONSTRAINT, 0.0) <= 0
-        ]
-        return max(values) if values else None
+        template = optuna.trial.create_trial(
+            state=frozen.state,
+            values=frozen.values,
+            params=frozen.params,
+            distributions=frozen.distributions,
+            user_attrs=attrs,
+            system_attrs=frozen.system_attrs,
+        )
+        with self.lock():
+            self.sync()
+            done = self.n_covered if self.exhaustive else self._finished
+            if done >= target:
+                return False  # another worker finished the study meanwhile: drop ours
+            self.storage.create_new_trial(self.study_id, template_trial=template)
+            self.sync()  # reads our own trial back by its number (not shown to the sampler)
+        return True
 
-    def records(self) -> list[dict[str, Any]]:
-        """Every finished trial of the persistent study, as flat dicts for the CSV."""
-        from autosearch.tuning._outputs import trial_row
+    def _next_unit(self) -> dict[str, Any] | None:
+        """The first unit, in the space's fixed order, that no trial holds yet."""
+        if self._units is None:
+            self._units = _enumerate_units(self.space, group=self.unit == "layout")
+        while self._unit_cursor < len(self._units):
+            params = self._units[self._unit_cursor]
+            if _key(params) not in self._covered:
+                return params
+            self._unit_cursor += 1
+        return None
 
-        trials = self.persistent.get_trials(deepcopy=False, states=_FINISHED)
-        return [trial_row(t, self.objective) for t in sorted(trials, key=lambda t: t.number)]
+
+# ---- the budget rule ----------------------------------------------------------------------------
+EXHAUSTIVE_BUDGET_S = 10.0
+DEFAULT_TRIALS = 200
+# Seconds Optuna and the storage add per finished trial, around the cost model (measured with
+# benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded).
+PERSIST_S = {"memory": 0.001, "journal": 0.006, "sqlite": 0.015, "rdb": 0.02}
+PLAN_PROBES = 6
 
 
-def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings) -> TuneResult:
-    from autosearch.core.strategy import Strategy
+@dataclass(frozen=True)
+class SearchPlan:
+    """What the budget rule chose: `exhaustive` over every unit, or `n_trials` of a sampler,
+    and why (`reason`, one line with the measured estimate)."""
 
-    trials = runner.persistent.get_trials(deepcopy=False, states=_COMPLETE)
-    cands: dict[Strategy, Candidate] = {}
-    for t in sorted(trials, key=lambda t: t.number):
-        if _ATTR_STRATEGY not in t.user_attrs:
-            continue
-        s = Strategy.from_dict(t.user_attrs[_ATTR_STRATEGY])
-        if s not in cands:
-            cands[s] = Candidate(
-                s, report_from_dict(t.user_attrs[_ATTR_REPORT]), t.number, tuple(t.values)
-            )
-    feasible = [c for c in cands.values() if c.report.fits]
-    feasible.sort(
-        key=lambda c: (-c.report.tokens_per_s, c.report.peak_memory_bytes, c.trial_number)
+    exhaustive: bool
+    n_trials: int
+    estimate_s: float
+    reason: str
+
+
+def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = None) -> SearchPlan:
+    """Every layout when scoring them all is cheap, else a sampler with `DEFAULT_TRIALS`.
+
+    "Cheap" is measured, not assumed: a few units drawn at random are scored with this cost
+    model, and the time of all units is that average times their number, plus what Optuna and
+    the storage add per trial (`PERSIST_S`). Under `EXHAUSTIVE_BUDGET_S` (and one objective),
+    the search is exhaustive: exact, and no slower than the default number of sampled trials.
+    """
+    import optuna
+
+    n_units = space.n_groups if unit == "layout" else space.size
+    probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    t0 = time.perf_counter()
+    n_probes = min(PLAN_PROBES, n_units)
+    for _ in range(n_probes):
+        trial = probe.ask()
+        group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
+        for s in group:
+            try:
+                cost_model.estimate(s, validate=False)
+            except ValueError:
+                pass
+        probe.tell(trial, 0.0)
+    per_unit = (time.perf_counter() - t0) / max(n_probes, 1)
+    kind = _storage_kind_of(storage)
+    estimate = n_units * (per_unit + PERSIST_S[kind])
+    what = "layouts" if unit == "layout" else "strategies"
+    if not multi and (estimate <= EXHAUSTIVE_BUDGET_S or n_units <= DEFAULT_TRIALS):
+        return SearchPlan(
+            exhaustive=True,
+            n_trials=n_units,
+            estimate_s=estimate,
+            reason=f"exhaustive: every one of the {n_units:,} {what} (all of them estimated at "
+            f"{estimate:.1f} s, {per_unit * 1e3:.1f} ms each measured on this cost model + "
+            f"{PERSIST_S[kind] * 1e3:.0f} ms per trial for the {kind} storage; budget "
+            f"{EXHAUSTIVE_BUDGET_S:.0f} s)",
+        )
+    why = (
+        "two objectives"
+        if multi
+        else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
+        f"{EXHAUSTIVE_BUDGET_S:.0f} s budget"
     )
+    return SearchPlan(
+        exhaustive=False,
+        n_trials=DEFAULT_TRIALS,
+        estimate_s=estimate,
+        reason=f"sampled: {DEFAULT_TRIALS} trials ({why}; --sampler exhaustive scores them all)",
+    )
+
+
+def _storage_kind_of(storage: Any) -> str:
+    if storage is None:
+        return "journal"  # with --out the default; in memory it is cheaper, so this is safe
+    if isinstance(storage, OpenedStorage):
+        return storage.kind if storage.kind in PERSIST_S else "rdb"
+    text = os.fspath(storage) if isinstance(storage, (str, os.PathLike)) else ""
+    if text.endswith((".journal", ".log", ".jsonl")):
+        return "journal"
+    if text.startswith("sqlite:") or text.endswith((".db", ".sqlite", ".sqlite3")):
+        return "sqlite"
+    return "rdb"
+
+
+def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
+    """What the search did and how much of the space it covered ({covered} is filled in)."""
+    what = "layouts" if unit == "layout" else "strategies"
+    head = plan.reason if plan is not None else f"{sampler_name}: {target:,} trials asked"
+    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}"
+
+
+def _key(params: dict[str, Any]) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+def _for_sampler(t):
+    """A trial as the sampler needs it: parameters, values, state and the constraint, without
+    the cost report (which stays in the storage), so the shadow's memory stays small."""
+    import optuna
+
+    return optuna.trial.create_trial(
+        state=t.state,
+        values=t.values,
+        params=t.params,
+        distributions=t.distributions,
+        system_attrs={k: v for k, v in t.system_attrs.items() if k.startswith("constraints")},
+    )
+
+
+def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
+    """Every trial unit of the space once, in the space's enumeration order."""
+    units: dict[tuple, dict[str, Any]] = {}
+    for s in space.enumerate():
+        params = space.params_of(s, group=group)
+        units.setdefault(_key(params), params)
+    return list(units.values())
+
+
+def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=None) -> TuneResult:
+    trials = runner.all_trials() if trials is None else trials
+    ranked = read_candidates(trials, top_k=None if runner.objective.is_multi else top_k)
     pareto: tuple[Candidate, ...] = ()
     if runner.objective.is_multi:
         pareto = tuple(
-            sorted(_pareto(feasible, runner.objective), key=lambda c: -c.report.tokens_per_s)
+            sorted(_pareto(ranked, runner.objective), key=lambda c: -c.report.tokens_per_s)
         )
-    least = None
-    if not feasible and cands:
-        least = min(cands.values(), key=lambda c: c.report.peak_memory_bytes)
-    best = feasible[0] if feasible else None
+    best = ranked[0] if ranked else None
+    least = least_hungry(trials) if best is None else None
     message = (
-        f"best {best.strategy.short()}: {best.report.tokens_per_s:,.0f} tokens/s, MFU {best.report.mfu:.1%}, "
-        f"{best.report.peak_memory_bytes / GiB:.1f} of {best.report.memory_capacity_bytes / GiB:.1f} GiB"
+        f"best {best.strategy.short()}: {best.report.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {best.report.mfu:.1%}, {best.report.peak_memory_bytes / GiB:.1f} of "
+        f"{best.report.memory_capacity_bytes / GiB:.1f} GiB"
         if best
         else "no strategy fits"
     )
+    n_units = runner.space.n_groups if runner.unit == "layout" else runner.space.size
+    covered = len({_key(t.params) for t in trials})
     return TuneResult(
         best_strategy=best.strategy if best else None,
         best_report=best.report if best else None,
-        top_k=tuple(feasible[:top_k]),
-        study=runner.persistent,
+        top_k=tuple(ranked[:top_k]),
+        study=runner.study(),
         space=runner.space,
         objective=runner.objective.name,
-        n_trials=runner.n_finished,
+        n_trials=len(trials),
         n_new_trials=n_new,
         pareto=pareto,
         least_hungry=least,
         out_dir=os.fspath(out) if out is not None else None,
         message=message,
         timings=timings,
+        n_units=n_units,
+        n_units_covered=covered,
+        plan=runner.plan.format(covered=covered),
     )
 
 
@@ -461,32 +720,40 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
                 least_s, least_r = s, r
     if n_fit:
         return (
-            f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} strategies of the "
-            f"space fit; run more trials (--n-trials) or the exhaustive sampler"
+            f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} "
+            "strategies of the space fit; run more trials (--n-trials) or the exhaustive sampler"
         )
     if least_r is None:
         return "no trial finished; nothing to report"
     return (
-        f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B parameters) on "
-        f"{cluster.name} at global batch {space.global_batch_size}. The least memory-hungry strategy {where}, "
-        f"{least_s.short()}, needs {least_r.peak_memory_bytes / GiB:.1f} GiB per device: "
-        f"{least_r.memory_excess_bytes / GiB:.1f} GiB over the {least_r.memory_capacity_bytes / GiB:.1f} GiB "
-        f"of a {cluster.profile.name} (x{least_r.peak_memory_bytes / least_r.memory_capacity_bytes:.2f}). "
-        f"Use more nodes, GPUs with more memory, or widen the space (zero_stage 3, recompute full, larger pp)"
+        f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B "
+        f"parameters) on {cluster.name} at global batch {space.global_batch_size}. The least "
+        f"memory-hungry strategy {where}, {least_s.short()}, needs "
+        f"{least_r.peak_memory_bytes / GiB:.1f} GiB per device: "
+        f"{least_r.memory_excess_bytes / GiB:.1f} GiB over the "
+        f"{least_r.memory_capacity_bytes / GiB:.1f} GiB of a {cluster.profile.name} "
+        f"(x{least_r.peak_memory_bytes / least_r.memory_capacity_bytes:.2f}). Use more nodes, "
+        "GPUs with more memory, or widen the space (zero_stage 3, recompute full, larger pp)"
     )
-
-
-def report_from_dict(data: dict[str, Any]):
-    """Rebuild a CostReport from `CostReport.to_dict(flat=False)`."""
-    from autosearch.core.report import CostReport
-
-    return CostReport.from_dict(data)
 
 
 def default_study_name(model: str, cluster: str, global_batch_size: int, objective: str) -> str:
     """``llama3-70b_h100-sxm-32x8_gbs512_throughput`` (safe as a folder name)."""
     raw = f"{model}_{cluster}_gbs{global_batch_size}_{objective}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", raw.replace(":", "-"))
+    name = re.sub(r"[^A-Za-z0-9._+=-]+", "-", raw.replace(":", "-")).lstrip("._-+=")
+    return name[:200] or "study"
+
+
+def check_study_name(name: Any) -> str:
+    """A study name is a name, never a path: letters, digits and ``._+=-``, at most 200
+    characters, starting with a letter or digit (so ``../x`` or ``/etc`` are refused)."""
+    if not isinstance(name, str) or not STUDY_NAME_RE.fullmatch(name):
+        raise SpecError(
+            f"study name {name!r} is not allowed: use 1-200 letters, digits and . _ + = -, "
+            "starting with a letter or digit (it names the study in its storage and the default "
+            "output folder, so it may not hold a path)"
+        )
+    return name
 
 
 def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace":
@@ -499,8 +766,9 @@ def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace
             or space.global_batch_size != global_batch_size
         ):
             raise SpecError(
-                f"the search space was built for {space.model.name} on {space.cluster.name} at global batch "
-                f"{space.global_batch_size}, not {model.name} on {cluster.name} at {global_batch_size}"
+                f"the search space was built for {space.model.name} on {space.cluster.name} at "
+                f"global batch {space.global_batch_size}, not {model.name} on {cluster.name} at "
+                f"{global_batch_size}"
             )
         return space
     if isinstance(space, dict):
@@ -508,44 +776,85 @@ def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace
     return SearchSpace(model, cluster, global_batch_size=global_batch_size, config=space)
 
 
-def _make_sampler(name: str, *, seed: int | None):
+def _resolve_sampler(sampler, n_trials, n_units, obj: Objective, seed):
+    """(name, the sampler the shadow study uses)."""
     import optuna
 
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
-    if name == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.BruteForceSampler(seed=seed)
-
-
-def _storage_kind(storage) -> str:
-    if storage is None:
-        return "memory"
-    import optuna
-
-    return "journal" if isinstance(storage, optuna.storages.JournalStorage) else "rdb"
-
-
-def _check_or_set_meta(study, meta: dict[str, Any], study_name: str, storage) -> None:
-    """Record what the study searches (one attribute, written in one operation, so a concurrent
-    worker never sees half of it) and refuse to continue a study made for another search."""
-    stored = study.user_attrs.get(_ATTR_META)
-    if stored is None:
-        study.set_user_attr(_ATTR_META, meta)
-        stored = study.user_attrs.get(_ATTR_META, meta)  # another worker may have written first
-    diffs = [
-        f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in meta.items() if stored.get(k) != v
-    ]
-    if diffs:
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        if isinstance(sampler, optuna.samplers.BruteForceSampler):
+            return "exhaustive", optuna.samplers.RandomSampler(seed=seed)
+        return type(sampler).__name__, sampler
+    if sampler is None:  # a budget that covers the whole space enumerates it; else TPE / NSGA-II
+        small = n_trials is not None and n_units <= n_trials and not obj.is_multi
+        name = "exhaustive" if small else ("nsga2" if obj.is_multi else "tpe")
+    else:
+        name = sampler
+    if name not in SAMPLERS:
         raise SpecError(
-            diffs,
-            context=(
-                f"study {study_name!r} in {describe_storage(storage)} was created for a different search; "
-                "use another --study-name or --out folder, or the same arguments as the first run"
-            ),
+            f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}, or pass an "
+            "optuna.samplers object"
         )
+    if name == "tpe":
+        return name, optuna.samplers.TPESampler(seed=seed)
+    if name == "nsga2":
+        return name, optuna.samplers.NSGAIISampler(seed=seed)
+    # random, and exhaustive (every unit is enqueued with fixed parameters; nothing is sampled)
+    return name, optuna.samplers.RandomSampler(seed=seed)
+
+
+def _resolve_cost_model(cost_model, model, cluster, runtime) -> "CostModel":
+    from cost_models import AnalyticCostModel, CostModel
+
+    if cost_model is None:
+        return AnalyticCostModel(model, cluster, runtime=runtime or "torch")
+    if runtime is not None:
+        raise SpecError(
+            "pass either runtime (for the analytic cost model) or cost_model, not both; set the "
+            "runtime on the cost model you pass"
+        )
+    cm = cost_model if isinstance(cost_model, CostModel) else None
+    if cm is None and callable(cost_model):
+        cm = cost_model(model, cluster)
+    if not isinstance(cm, CostModel):
+        raise SpecError(
+            f"cost_model must be a cost_models.CostModel or a factory (model, cluster) -> "
+            f"CostModel, got {type(cost_model).__name__}"
+        )
+    for name, mine, theirs in (
+        ("model", model, getattr(cm, "model", model)),
+        ("cluster", cluster, getattr(cm, "cluster", cluster)),
+    ):
+        if mine != theirs:
+            raise SpecError(
+                f"the cost model was built for another {name} ({getattr(theirs, 'name', theirs)})"
+                f" than the search ({mine.name}); build it for the same one"
+            )
+    return cm
+
+
+def _runtime_name(cm) -> str:
+    runtime = getattr(cm, "runtime", None)
+    return getattr(runtime, "name", None) or type(cm).__name__
+
+
+def _resolve_options(options: StudyOptions | None, **keywords) -> StudyOptions:
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if options is None:
+        return StudyOptions(**given)
+    if not isinstance(options, StudyOptions):
+        raise SpecError(f"options must be a StudyOptions, got {type(options).__name__}")
+    clash = [k for k in given if getattr(options, k) is not None]
+    if clash:
+        raise SpecError(
+            f"{', '.join(clash)} given both in options and as keywords; give each once"
+        )
+    import dataclasses
+
+    return dataclasses.replace(options, **given)
+
+
+def _describe_storage(opened: OpenedStorage | None) -> str:
+    return "in memory (nothing persisted)" if opened is None else opened.description
 
 
 def _describe(space) -> str:
