@@ -10,7 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, installed by the test extra
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.export import EXPORTERS, export
