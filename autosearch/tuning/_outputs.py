@@ -268,6 +268,19 @@ def _write_report(
             f"{r.tflops_per_gpu:.1f} | "
             f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |",
             "",
+            f"How sure: {r.band.describe(r.step_time_s) if r.band else 'no error band'}.",
+            "",
+            *(
+                [
+                    "Ranked by the pessimistic end of each strategy's band (objective "
+                    "throughput-pessimistic): the throughput if the run is as slow as 95% of "
+                    "the published and measured runs of its kind allow; kinds without evidence "
+                    "are taken at the worst band known.",
+                    "",
+                ]
+                if meta["objective"] == "throughput-pessimistic"
+                else []
+            ),
             "Saved in `best_strategy.yaml`; "
             "`autosearch export --strategy best_strategy.yaml --to megatron` "
             "prints the equivalent launch flags.",
