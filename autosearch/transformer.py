@@ -21,6 +21,7 @@ Example:
     >>> model(torch.zeros(2, 16, dtype=torch.long)).shape
     torch.Size([2, 16, 1000])
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autosearch.engine.plan import ParallelPlan
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec
+from autosearch.engine.plan import ParallelPlan
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
 
@@ -45,7 +46,8 @@ def rope_table(seq_len: int, head_dim: int, theta: float = ROPE_THETA) -> torch.
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) by the table; the "rotate half" form of GPT-NeoX/Llama."""
+    """Rotate (batch, seq, heads, head_dim) by the table; the "rotate half" form of
+    GPT-NeoX/Llama."""
     seq = x.shape[1]
     cos = rope[0, :seq, None, :].to(x.dtype)
     sin = rope[1, :seq, None, :].to(x.dtype)
@@ -67,7 +69,11 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Heads come from the shapes, so the same code runs on the heads a tp rank holds.
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
@@ -104,7 +110,9 @@ class FeedForward(nn.Module):
         self.swiglu = not spec.is_gpt_style
         self.w1 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=bias)
         self.w2 = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=bias)
-        self.w3 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False) if self.swiglu else None
+        self.w3 = (
+            nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False) if self.swiglu else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -113,7 +121,11 @@ class FeedForward(nn.Module):
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.LayerNorm(spec.hidden_size) if spec.is_gpt_style else nn.RMSNorm(spec.hidden_size, eps=1e-5)
+    return (
+        nn.LayerNorm(spec.hidden_size)
+        if spec.is_gpt_style
+        else nn.RMSNorm(spec.hidden_size, eps=1e-5)
+    )
 
 
 class Block(nn.Module):
@@ -149,11 +161,17 @@ class Transformer(nn.Module):
             dropout = 0.0
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.pos_embeddings = nn.Embedding(spec.seq_len, spec.hidden_size) if spec.is_gpt_style else None
+        self.pos_embeddings = (
+            nn.Embedding(spec.seq_len, spec.hidden_size) if spec.is_gpt_style else None
+        )
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleDict({str(i): Block(spec, dropout) for i in range(spec.n_layers)})
         self.norm = _norm(spec)
-        self.output = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.output = (
+            None
+            if spec.tied_embeddings
+            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        )
         if not spec.is_gpt_style:
             self.register_buffer("rope", rope_table(spec.seq_len, spec.head_dim), persistent=False)
         else:
@@ -179,7 +197,8 @@ class Transformer(nn.Module):
             self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(self.rope.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to hidden."""
+        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to
+        hidden."""
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -212,9 +231,10 @@ class Transformer(nn.Module):
         problems = strategy.problems(self.spec)
         if self.spec.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
             problems.append(
-                f"model {self.spec.name!r} ties its input and output embeddings, which the reference "
-                f"transformer supports only with tp=1 and pp=1 (got tp={strategy.tp}, pp={strategy.pp}); "
-                "build it from spec.scaled(tied_embeddings=False) or use dp/zero only"
+                f"model {self.spec.name!r} ties its input and output embeddings, which the"
+                f" reference transformer supports only with tp=1 and pp=1 (got tp={strategy.tp},"
+                f" pp={strategy.pp}); build it from spec.scaled(tied_embeddings=False) or use"
+                " dp/zero only"
             )
         return problems
 
@@ -253,20 +273,25 @@ class Transformer(nn.Module):
             "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
         }
         if sequence_parallel:
-            plan.update({
-                "norm": SequenceParallel(),
-                "layers.*.attention_norm": SequenceParallel(),
-                "layers.*.ffn_norm": SequenceParallel(),
-                "layers.*.attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "layers.*.feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "norm": SequenceParallel(),
+                    "layers.*.attention_norm": SequenceParallel(),
+                    "layers.*.ffn_norm": SequenceParallel(),
+                    "layers.*.attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    ),
+                    "layers.*.feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         return plan
 
 
 def build(spec: "ModelSpec | str", **kwargs) -> Transformer:
-    """`Transformer(ModelSpec.load(spec), **kwargs)`: a catalog name, a YAML path or a ModelSpec."""
+    """`Transformer(ModelSpec.load(spec), **kwargs)`: a catalog name, a YAML path or a
+    ModelSpec."""
     if not isinstance(spec, (ModelSpec, str)):
         raise SpecError(f"build() takes a ModelSpec or a catalog name, got {type(spec).__name__}")
     return Transformer(ModelSpec.load(spec), **kwargs)

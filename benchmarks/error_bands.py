@@ -53,8 +53,9 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
             continue
         runtime = modern.runtime_of(row)
         gpus = int(row.n_gpus)
-        cluster = Cluster(gpu=modern.GPUS[row.gpu], n_nodes=max(1, gpus // 8),
-                          gpus_per_node=min(8, gpus))
+        cluster = Cluster(
+            gpu=modern.GPUS[row.gpu], n_nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus)
+        )
         ratio = pred["predicted_tokens_per_s_per_gpu"] / pred["published_tokens_per_s_per_gpu"]
         out.append((kind_of(modern.strategy_of(row, runtime), cluster, runtime), ratio, "modern"))
     local = pd.read_csv(ROOT / "results" / "fidelity_local.csv")
@@ -62,8 +63,11 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
     for _, run in local.iterrows():
         if not (run.measured_step_time_s > 0):
             continue
-        fields = {k: run[k] for k in Strategy.__dataclass_fields__
-                  if k in run and not (isinstance(run[k], float) and math.isnan(run[k]))}
+        fields = {
+            k: run[k]
+            for k in Strategy.__dataclass_fields__
+            if k in run and not (isinstance(run[k], float) and math.isnan(run[k]))
+        }
         s = Strategy.from_dict(fields)
         cluster = Cluster(gpu=str(profile), n_nodes=1, gpus_per_node=s.world_size)
         ratio = run.measured_step_time_s / run.predicted_step_time_s
@@ -97,11 +101,12 @@ def main() -> None:
 
     shipped = ErrorBands.from_dict(doc)
     covered = sum(
-        1 for kind, ratio, _ in runs
-        if (b := shipped.band(kind)).runs and b.low <= ratio <= b.high
+        1 for kind, ratio, _ in runs if (b := shipped.band(kind)).runs and b.low <= ratio <= b.high
     )
-    print(f"{len(runs)} runs ({', '.join(doc['sources'])}); {len(bands)} kinds over "
-          f"{len(LEVELS)} levels; the band each run gets covers it for {covered / len(runs):.1%}")
+    print(
+        f"{len(runs)} runs ({', '.join(doc['sources'])}); {len(bands)} kinds over "
+        f"{len(LEVELS)} levels; the band each run gets covers it for {covered / len(runs):.1%}"
+    )
     widest = sorted(bands.items(), key=lambda kv: -kv[1]["runs"])[:8]
     for key, b in widest:
         print(f"  {b['runs']:4d} runs  {b['low']:.2f}-{b['high']:.2f}  {key}")

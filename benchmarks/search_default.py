@@ -77,22 +77,36 @@ def main() -> None:
             wall = time.perf_counter() - t0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0
-            rows.append({
-                "model": model, "cluster": cluster, "global_batch_size": gbs, "seed": seed,
-                "space_size": size, "optimum_tokens_per_s": best, "optimum": best_s,
-                "found_tokens_per_s": found,
-                "found": result.best_strategy.short() if result.best_strategy else "",
-                "regret": regret, "trials": result.n_trials, "search_s": wall,
-                "exhaustive_scoring_s": exh_s,
-            })
-            print(f"{model:16s} {cluster:22s} gbs {gbs:6d} seed {seed}  size {size:7d}  "
-                  f"regret {regret:6.2%}  {wall:5.2f} s", flush=True)
+            rows.append(
+                {
+                    "model": model,
+                    "cluster": cluster,
+                    "global_batch_size": gbs,
+                    "seed": seed,
+                    "space_size": size,
+                    "optimum_tokens_per_s": best,
+                    "optimum": best_s,
+                    "found_tokens_per_s": found,
+                    "found": result.best_strategy.short() if result.best_strategy else "",
+                    "regret": regret,
+                    "trials": result.n_trials,
+                    "search_s": wall,
+                    "exhaustive_scoring_s": exh_s,
+                }
+            )
+            print(
+                f"{model:16s} {cluster:22s} gbs {gbs:6d} seed {seed}  size {size:7d}  "
+                f"regret {regret:6.2%}  {wall:5.2f} s",
+                flush=True,
+            )
     worst = max(r["regret"] for r in rows)
     zero = sum(r["regret"] <= 1e-12 for r in rows)
     slowest = max(r["search_s"] for r in rows)
-    print(f"\n{len(CASES)} cases x {args.seeds} seeds: zero regret in {zero} of {len(rows)} "
-          f"searches (target: all), worst regret {worst:.2%}; slowest search {slowest:.2f} s "
-          "(target <= 10 s)")
+    print(
+        f"\n{len(CASES)} cases x {args.seeds} seeds: zero regret in {zero} of {len(rows)} "
+        f"searches (target: all), worst regret {worst:.2%}; slowest search {slowest:.2f} s "
+        "(target <= 10 s)"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

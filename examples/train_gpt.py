@@ -7,13 +7,16 @@ The strategy is a YAML file (as `autosearch tune` writes) or a "key=value,..." s
 must equal the number of processes. Rank 0 prints the progress; a strategy that cannot run
 (wrong world size, tp not dividing the heads, ...) stops every rank with one message.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+)  # run from a checkout
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,18 +45,36 @@ def main() -> int:
     changes = {k: v for k, v in (("n_layers", args.layers), ("hidden_size", args.hidden)) if v}
     spec = spec.scaled(**changes) if changes else spec
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        torch.set_num_threads(min(2, os.cpu_count() or 1))  # torchrun sets 1 thread per process itself
+        torch.set_num_threads(
+            min(2, os.cpu_count() or 1)
+        )  # torchrun sets 1 thread per process itself
 
-    engine = Engine(lambda: Transformer(spec), optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                    metrics=Accuracy(), strategy=args.strategy, seed=0)
-    engine.prepare(mode="train")  # checks the strategy on every rank, builds and parallelizes the model
+    engine = Engine(
+        lambda: Transformer(spec),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
+        metrics=Accuracy(),
+        strategy=args.strategy,
+        seed=0,
+    )
+    engine.prepare(
+        mode="train"
+    )  # checks the strategy on every rank, builds and parallelizes the model
     strategy = engine.strategy_
     data = SyntheticTokens.for_model(spec, strategy.global_batch_size * args.steps, seed=0)
     valid = SyntheticTokens.for_model(spec, strategy.global_batch_size * 2, seed=1)
     if engine.mesh is None or engine.mesh.get_rank() == 0:
-        print(f"{spec.name}: {spec.n_params:,} parameters; strategy {strategy.short()}; mesh {engine.mesh}",
-              flush=True)
-    engine.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, valid_data=valid, log_freq=args.log_freq)
+        print(
+            f"{spec.name}: {spec.n_params:,} parameters; strategy {strategy.short()}; mesh"
+            f" {engine.mesh}",
+            flush=True,
+        )
+    engine.fit(
+        data,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps,
+        valid_data=valid,
+        log_freq=args.log_freq,
+    )
     if args.save:
         engine.save(args.save)
     return 0

@@ -5,6 +5,7 @@ One launch per world size keeps the suite fast on a 2-core machine: process star
 their results as JSON (one file per rank) and end with `shutdown` (destroy_process_group, flush,
 os._exit), which avoids the gloo crash at interpreter exit.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,24 +25,44 @@ if str(ROOT) not in sys.path:
 
 from autosearch import ModelSpec  # noqa: E402
 
-STEPS = 3          # optimizer steps compared per strategy
-LR = 1e-2          # large enough that the weights move visibly in 3 AdamW steps
+STEPS = 3  # optimizer steps compared per strategy
+LR = 1e-2  # large enough that the weights move visibly in 3 AdamW steps
 MODELS = {
-    # tiny-gpt / tiny-llama shrunk: 4 layers (pp=2 with 2 virtual stages), heads divisible by 2 and 4
-    "gpt": ModelSpec.load("tiny-gpt").scaled(hidden_size=64, n_heads=4, vocab_size=128, seq_len=32),
-    "llama": ModelSpec.load("tiny-llama").scaled(hidden_size=64, n_heads=4, n_kv_heads=2, ffn_hidden_size=128,
-                                                 vocab_size=128, seq_len=32),
+    # tiny-gpt / tiny-llama shrunk: 4 layers (pp=2 with 2 virtual stages), heads divisible by 2 and
+    # 4
+    "gpt": (
+        ModelSpec.load("tiny-gpt").scaled(hidden_size=64, n_heads=4, vocab_size=128, seq_len=32)
+    ),
+    "llama": (
+        ModelSpec.load("tiny-llama").scaled(
+            hidden_size=64,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden_size=128,
+            vocab_size=128,
+            seq_len=32,
+        )
+    ),
 }
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
 # (nothing is downloaded: each is built from its config class).
-HF_SHAPE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=128, max_position_embeddings=32,
-                tie_word_embeddings=False)
-HF_FAMILIES = {"hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-               "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
-               "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
+HF_SHAPE = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
+HF_FAMILIES = {
+    "hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
+    "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
 
 
 def hf_model(kind: str):
@@ -69,13 +90,19 @@ def dataset(kind: str, n: int = 64, seed: int = 0):
     return SyntheticTokens.for_model(spec, n, seed=seed)
 
 
-def train_losses(strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS) -> list[float]:
+def train_losses(
+    strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS
+) -> list[float]:
     """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
     from autosearch import Engine
 
     model = make_model(kind)
-    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), strategy=strategy,
-                    loss_parallel=loss_parallel)
+    engine = Engine(
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        strategy=strategy,
+        loss_parallel=loss_parallel,
+    )
     loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
     engine.prepare(mode="train")
     return [engine.run(batch, mode="train")["loss"] for batch in loader]
@@ -85,8 +112,11 @@ def train_losses(strategy: str, kind: str = "gpt", *, loss_parallel: bool = Fals
 def job_equivalence(cases: list[dict]) -> dict:
     out = {}
     for case in cases:
-        out[case["name"]] = train_losses(case["strategy"], case.get("model", "gpt"),
-                                         loss_parallel=case.get("loss_parallel", False))
+        out[case["name"]] = train_losses(
+            case["strategy"],
+            case.get("model", "gpt"),
+            loss_parallel=case.get("loss_parallel", False),
+        )
     return out
 
 
@@ -99,7 +129,9 @@ def job_invalid(cases: list[dict]) -> dict:
     for case in cases:
         spec = MODELS["gpt"].scaled(**case.get("model", {}))
         model = Transformer(spec)
-        engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters()), strategy=case["strategy"])
+        engine = Engine(
+            model, optimizer=torch.optim.AdamW(model.parameters()), strategy=case["strategy"]
+        )
         try:
             engine.fit(dataset("gpt", 32), batch_size=case.get("batch_size"), epochs=1, verbose=0)
             out[case["name"]] = "no error"
@@ -111,7 +143,8 @@ def job_invalid(cases: list[dict]) -> dict:
 
 
 def job_api(workdir: str) -> dict:
-    """fit / evaluate / predict / dataloader+prepare+run under parallel strategies, and checkpoints."""
+    """fit / evaluate / predict / dataloader+prepare+run under parallel strategies, and
+    checkpoints."""
     from autosearch import Engine
     from autosearch.engine import Accuracy
 
@@ -125,8 +158,13 @@ def job_api(workdir: str) -> dict:
         return torch.optim.AdamW(params, lr=LR)
 
     # fit + evaluate + predict under tp=2 with sequence parallel
-    e = Engine(factory, optimizer=adamw, metrics=Accuracy(), seed=0,
-               strategy="tp=2,sequence_parallel=true,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    e = Engine(
+        factory,
+        optimizer=adamw,
+        metrics=Accuracy(),
+        seed=0,
+        strategy="tp=2,sequence_parallel=true,micro_batch_size=2,global_batch_size=4,amp=fp32",
+    )
     history = e.fit(dataset("gpt", 32), epochs=2, steps_per_epoch=3, valid_data=valid, verbose=0)
     out["fit_history"] = {k: len(v) for k, v in history.items()}
     out["fit_loss"] = history["loss"]
@@ -137,21 +175,32 @@ def job_api(workdir: str) -> dict:
     out["tp_mesh"] = list(e.mesh.mesh.shape)
 
     # dataloader + prepare + run under pp=2 (1f1b), then evaluate and predict
-    e = Engine(factory, optimizer=adamw, metrics=Accuracy(),
-               strategy="pp=2,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    e = Engine(
+        factory,
+        optimizer=adamw,
+        metrics=Accuracy(),
+        strategy="pp=2,micro_batch_size=2,global_batch_size=4,amp=fp32",
+    )
     loader = e.dataloader(dataset("gpt", 32), mode="train", epochs=1, steps_per_epoch=3)
     e.prepare(mode="train")
     out["pp_run"] = [e.run(batch, mode="train") for batch in loader]
     out["pp_eval"] = e.evaluate(valid, verbose=0)
     out["pp_predict_batches"] = len(e.predict(valid))
-    inputs_only = [valid[i][0] for i in range(8)]  # a list of token tensors: predict without labels
+    inputs_only = [
+        valid[i][0] for i in range(8)
+    ]  # a list of token tensors: predict without labels
     out["pp_predict_inputs_only"] = [list(p.shape) for p in e.predict(inputs_only, batch_size=4)]
     out["pp_stages"] = e.stages_
     e.save(os.path.join(workdir, "pp2"))
     e.save(os.path.join(workdir, "pp2_model.pt"), training=False)
 
-    # save under dp=2 (zero 3) after 2 steps; train a 3rd step; the same from the checkpoint under tp=2
-    e = Engine(factory, optimizer=adamw, strategy="dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=4,amp=fp32")
+    # save under dp=2 (zero 3) after 2 steps; train a 3rd step; the same from the checkpoint under
+    # tp=2
+    e = Engine(
+        factory,
+        optimizer=adamw,
+        strategy="dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=4,amp=fp32",
+    )
     batches = list(e.dataloader(dataset("gpt", 32), mode="train", steps_per_epoch=3))
     for batch in batches[:2]:
         e.run(batch, mode="train")
@@ -162,8 +211,11 @@ def job_api(workdir: str) -> dict:
 
     # ZeRO-1 (each rank saves its own share of the optimizer state) -> plain DDP
     for name, zero in (("z1", 1), ("z0", 0)):
-        e = Engine(factory, optimizer=adamw,
-                   strategy=f"dp=2,zero_stage={zero},micro_batch_size=2,global_batch_size=4,amp=fp32")
+        e = Engine(
+            factory,
+            optimizer=adamw,
+            strategy=f"dp=2,zero_stage={zero},micro_batch_size=2,global_batch_size=4,amp=fp32",
+        )
         loader = e.dataloader(dataset("gpt", 32), mode="train", steps_per_epoch=3)
         batches = list(loader)
         if zero == 1:
@@ -175,7 +227,9 @@ def job_api(workdir: str) -> dict:
         e.run(batches[2], mode="train")
         out[f"{name}_after_step3_eval"] = e.evaluate(valid, verbose=0)["loss"]
 
-    e = Engine(factory, optimizer=adamw, strategy="tp=2,micro_batch_size=4,global_batch_size=4,amp=fp32")
+    e = Engine(
+        factory, optimizer=adamw, strategy="tp=2,micro_batch_size=4,global_batch_size=4,amp=fp32"
+    )
     e.load(os.path.join(workdir, "dp2z3"))
     out["tp_loaded_eval"] = e.evaluate(valid, verbose=0)["loss"]
     # the 3rd batch of the dp=2 run is its two ranks' halves; under tp=2 both ranks read it whole
@@ -195,8 +249,12 @@ def clipped_run(strategy: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     from autosearch import Engine
 
     model = make_model(kind)
-    engine = Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                    strategy=strategy, grad_clip_norm=CLIP_NORM)
+    engine = Engine(
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        strategy=strategy,
+        grad_clip_norm=CLIP_NORM,
+    )
     loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
     logs = [engine.run(batch, mode="train") for batch in loader]
     return {"loss": [r["loss"] for r in logs], "grad_norm": [r["grad_norm"] for r in logs]}
@@ -220,9 +278,14 @@ def _resume_engine():
         torch.manual_seed(1234)
         return Transformer(MODELS["gpt"], dropout=0.1)
 
-    return Engine(factory, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
-                  strategy=RESUME_STRATEGY, grad_clip_norm=1.0, seed=0,
-                  lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6))
+    return Engine(
+        factory,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+        strategy=RESUME_STRATEGY,
+        grad_clip_norm=1.0,
+        seed=0,
+        lr_scheduler=WarmupDecay(warmup_steps=2, total_steps=6),
+    )
 
 
 class _KillAt:
@@ -244,16 +307,32 @@ def job_resume(save_dir: str, phase: str) -> dict:
     "resume": a fresh engine continues from the newest checkpoint."""
     engine = _resume_engine()
     callbacks = [_KillAt(engine, 3)] if phase == "killed" else []
-    history = engine.fit(dataset("gpt", 64), epochs=2, steps_per_epoch=3, shuffle=True,
-                         save_dir=save_dir, save_steps=2, resume=phase == "resume", verbose=0,
-                         callbacks=callbacks, log_dir=save_dir)
+    history = engine.fit(
+        dataset("gpt", 64),
+        epochs=2,
+        steps_per_epoch=3,
+        shuffle=True,
+        save_dir=save_dir,
+        save_steps=2,
+        resume=phase == "resume",
+        verbose=0,
+        callbacks=callbacks,
+        log_dir=save_dir,
+    )
     return {"loss": history["loss"], "lr": history["lr"], "global_step": engine.global_step_}
 
 
 # ~66 M parameters (264 MB in fp32): large enough that the model dominates a process's setup
 # memory next to torch's own (~250 MB after import), small enough for 4 processes here.
-BIG = ModelSpec.load("tiny-llama").scaled(n_layers=8, hidden_size=512, n_heads=8, n_kv_heads=8,
-                                          ffn_hidden_size=2048, vocab_size=32000, seq_len=64)
+BIG = ModelSpec.load("tiny-llama").scaled(
+    n_layers=8,
+    hidden_size=512,
+    n_heads=8,
+    n_kv_heads=8,
+    ffn_hidden_size=2048,
+    vocab_size=32000,
+    seq_len=64,
+)
 
 
 def _status_kb(field: str) -> int:
@@ -288,8 +367,10 @@ def job_setup_memory(meta_init: bool) -> dict:
     engine = Engine(lambda: Transformer(BIG), strategy=strategy, meta_init=meta_init, seed=0)
     engine.prepare()
     peak_kb = _status_kb("VmHWM")
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                for p in engine.model_parts_[0].parameters())
+    local = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for p in engine.model_parts_[0].parameters()
+    )
     return {"setup_peak_bytes": (peak_kb - before_kb) * 1024, "local_params": local}
 
 
@@ -300,14 +381,19 @@ def job_meta_load(workdir: str) -> dict:
 
     valid = dataset("gpt", 8, seed=7)
     strategy = "dp=2,micro_batch_size=2,global_batch_size=4,amp=fp32"
-    e = Engine(lambda: make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
-               strategy=strategy)
+    e = Engine(
+        lambda: make_model("gpt"),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+        strategy=strategy,
+    )
     e.fit(dataset("gpt", 8), steps_per_epoch=2, verbose=0)
     e.save(os.path.join(workdir, "ckpt"))
     out = {"saved_eval": e.evaluate(valid, verbose=0)["loss"]}
     batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
-    for name, strat in (("zero3", f"dp=2,zero_stage=3,{batch}"),
-                        ("tp2_sp", f"tp=2,sequence_parallel=true,{batch}")):
+    for name, strat in (
+        ("zero3", f"dp=2,zero_stage=3,{batch}"),
+        ("tp2_sp", f"tp=2,sequence_parallel=true,{batch}"),
+    ):
         m = Engine(lambda: make_model("gpt"), strategy=strat, meta_init=True)
         out[f"{name}_fresh_eval"] = m.evaluate(valid, verbose=0)["loss"]
         m.load(os.path.join(workdir, "ckpt"), load_optimizer=False)
@@ -315,8 +401,15 @@ def job_meta_load(workdir: str) -> dict:
     return out
 
 
-JOBS = {"equivalence": job_equivalence, "invalid": job_invalid, "api": job_api, "clip": job_clip,
-        "resume": job_resume, "setup_memory": job_setup_memory, "meta_load": job_meta_load}
+JOBS = {
+    "equivalence": job_equivalence,
+    "invalid": job_invalid,
+    "api": job_api,
+    "clip": job_clip,
+    "resume": job_resume,
+    "setup_memory": job_setup_memory,
+    "meta_load": job_meta_load,
+}
 
 
 # ---- launcher ---------------------------------------------------------------------------------
@@ -327,8 +420,14 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, job: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     import warnings
 
@@ -349,20 +448,28 @@ def _entry(rank: int, world: int, port: int, outdir: str, job: str, args: tuple)
     shutdown(code)
 
 
-def launch(world: int, job: str, *args, timeout_s: float = 240.0,
-           killed: bool = False) -> list[dict]:
+def launch(
+    world: int, job: str, *args, timeout_s: float = 240.0, killed: bool = False
+) -> list[dict]:
     """Run ``JOBS[job](*args)`` on `world` gloo processes; return each rank's result (nothing
     when the job is `killed` on purpose)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), outdir, job, args), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, _free_port(), outdir, job, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{job} on {world} processes did not finish in {timeout_s:.0f} s (hang?)")
+                    raise TimeoutError(
+                        f"{job} on {world} processes did not finish in {timeout_s:.0f} s (hang?)"
+                    )
         except mp.ProcessRaisedException:
             pass
         except mp.ProcessExitedException:

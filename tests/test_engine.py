@@ -41,8 +41,8 @@ def _threads():
 
 def test_importing_the_engine_does_not_import_torch():
     code = (
-        "import sys; import autosearch; from autosearch import Engine; "
-        "from autosearch.engine import ParallelPlan; Engine(lambda: None); print('torch' in sys.modules)"
+        "import sys; import autosearch; from autosearch import Engine; from autosearch.engine"
+        " import ParallelPlan; Engine(lambda: None); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

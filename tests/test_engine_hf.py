@@ -54,7 +54,9 @@ def references():
 
 @pytest.fixture(scope="module")
 def world4():
-    cases = [dict(name=name, strategy=v[0], model=name.split("/")[0]) for name, v in WORLD4.items()]
+    cases = [
+        dict(name=name, strategy=v[0], model=name.split("/")[0]) for name, v in WORLD4.items()
+    ]
     return W.launch(4, "equivalence", cases, timeout_s=420)
 
 

@@ -17,6 +17,7 @@ single-process run with the same micro-batch size and global batch; the losses o
 * within 1e-2 for 16-bit amp, whose rounding (2^-8 relative for bf16) differs with the
   reduction order: observed 4e-4, while the loss falls by about 0.17 over the 3 steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,11 +38,20 @@ WORLD2 = {
     "dp2": (f"dp=2,{B},amp=fp32", "gpt", FP32),
     "tp2": (f"tp=2,{B},amp=fp32", "gpt", FP32),
     "tp2_sp": (f"tp=2,sequence_parallel=true,{B},amp=fp32", "gpt", FP32),
-    "tp2_sp_llama_loss_parallel": (f"tp=2,sequence_parallel=true,{B},amp=fp32", "llama", FP32, True),
+    "tp2_sp_llama_loss_parallel": (
+        f"tp=2,sequence_parallel=true,{B},amp=fp32",
+        "llama",
+        FP32,
+        True,
+    ),
     "pp2_gpipe": (f"pp=2,pipeline_schedule=gpipe,{B},amp=fp32", "gpt", EXACT),
     "pp2_1f1b": (f"pp=2,pipeline_schedule=1f1b,{B},amp=fp32", "gpt", EXACT),
     "pp2_uneven_split": (f"pp=2,pipeline_split=1/3,{B},amp=fp32", "gpt", EXACT),
-    "pp2_interleaved": (f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,{B},amp=fp32", "gpt", EXACT),
+    "pp2_interleaved": (
+        f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,{B},amp=fp32",
+        "gpt",
+        EXACT,
+    ),
     "zero1": (f"dp=2,zero_stage=1,{B},amp=fp32", "gpt", FP32),
     "zero2": (f"dp=2,zero_stage=2,{B},amp=fp32", "gpt", FP32),
     "zero3": (f"dp=2,zero_stage=3,{B},amp=fp32", "gpt", FP32),
@@ -55,7 +65,11 @@ WORLD2 = {
 WORLD4 = {
     "dp2_tp2": (f"dp=2,tp=2,{B},amp=fp32", "gpt", FP32),
     "dp2_tp2_zero1": (f"dp=2,tp=2,zero_stage=1,{B},amp=fp32", "gpt", FP32),
-    "dp2_tp2_zero3_sp": (f"dp=2,tp=2,zero_stage=3,sequence_parallel=true,{B},amp=fp32", "gpt", FP32),
+    "dp2_tp2_zero3_sp": (
+        f"dp=2,tp=2,zero_stage=3,sequence_parallel=true,{B},amp=fp32",
+        "gpt",
+        FP32,
+    ),
     "pp2_dp2": (f"pp=2,dp=2,{B},amp=fp32", "gpt", FP32),
     "pp2_dp2_zero3": (f"pp=2,dp=2,zero_stage=3,{B},amp=fp32", "gpt", FP32),
     "pp2_tp2": (f"pp=2,tp=2,{B},amp=fp32", "gpt", FP32),
@@ -63,7 +77,10 @@ WORLD4 = {
 
 
 def _cases(table):
-    return [dict(name=name, strategy=v[0], model=v[1], loss_parallel=len(v) > 3 and v[3]) for name, v in table.items()]
+    return [
+        dict(name=name, strategy=v[0], model=v[1], loss_parallel=len(v) > 3 and v[3])
+        for name, v in table.items()
+    ]
 
 
 def _reference_key(strategy: str, model: str) -> tuple[str, str]:
@@ -74,7 +91,9 @@ def _reference_key(strategy: str, model: str) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def references():
     keys = {_reference_key(v[0], v[1]) for v in [*WORLD2.values(), *WORLD4.values()]}
-    return {(model, amp): W.reference_losses(f"{B},amp={amp}", model) for model, amp in sorted(keys)}
+    return {
+        (model, amp): W.reference_losses(f"{B},amp={amp}", model) for model, amp in sorted(keys)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +114,16 @@ def _check(results, table, name, references):
     assert len(got) == len(ref) == W.STEPS
     assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
     if tol == EXACT:
-        assert got == ref, f"{name}: expected bitwise equality with the single-process run, got {got} vs {ref}"
+        assert got == ref, (
+            f"{name}: expected bitwise equality with the single-process run, got {got} vs {ref}"
+        )
     else:
         early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
         gap = max(abs(a - b) for a, b in zip(got, ref))
         assert early <= tol[0] and gap <= tol[1], (
-            f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first two "
-            f"steps (limit {tol[0]}) and {gap:.2e} overall (limit {tol[1]})")
+            f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first"
+            f" two steps (limit {tol[0]}) and {gap:.2e} overall (limit {tol[1]})"
+        )
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -129,7 +151,9 @@ def _single_process_loads(workdir: str) -> dict:
     from autosearch import Engine
 
     valid = W.dataset("gpt", 16, seed=7)
-    e = Engine(lambda: W.make_model("gpt"), strategy=f"micro_batch_size=2,global_batch_size=4,amp=fp32")
+    e = Engine(
+        lambda: W.make_model("gpt"), strategy="micro_batch_size=2,global_batch_size=4,amp=fp32"
+    )
     e.load(os.path.join(workdir, "pp2"), load_optimizer=False)
     dcp_loss = e.evaluate(valid, verbose=0)["loss"]
     model = W.make_model("gpt")
@@ -141,9 +165,20 @@ def _single_process_loads(workdir: str) -> dict:
 def test_fit_evaluate_predict_under_tp_sp(api_run):
     results, _ = api_run
     r0, r1 = results
-    assert r0["fit_history"] == r1["fit_history"] == {
-        "loss": 6, "step_time_s": 6, "tokens_per_s": 6, "lr": 6, "epoch_loss": 2, "accuracy": 2,
-        "val_loss": 2, "val_accuracy": 2}
+    assert (
+        r0["fit_history"]
+        == r1["fit_history"]
+        == {
+            "loss": 6,
+            "step_time_s": 6,
+            "tokens_per_s": 6,
+            "lr": 6,
+            "epoch_loss": 2,
+            "accuracy": 2,
+            "val_loss": 2,
+            "val_accuracy": 2,
+        }
+    )
     assert r0["fit_loss"] == r1["fit_loss"] and r0["fit_loss"][-1] < r0["fit_loss"][0]
     assert r0["tp_eval"] == r1["tp_eval"] and set(r0["tp_eval"]) == {"loss", "accuracy"}
     assert r0["tp_predict_shape"] == [4, 32, 128]  # tp ranks share the batch: whole batch each
@@ -159,7 +194,10 @@ def test_dataloader_prepare_run_under_pp(api_run):
     assert r0["pp_eval"] == r1["pp_eval"]
     assert sorted([r0["pp_stages"], r1["pp_stages"]]) == [[0], [1]]
     holds_last = {tuple(r["pp_stages"]): r["pp_predict_batches"] for r in results}
-    assert holds_last == {(0,): 0, (1,): 4}  # 16 samples / batch 4; only the last stage has outputs
+    assert holds_last == {
+        (0,): 0,
+        (1,): 4,
+    }  # 16 samples / batch 4; only the last stage has outputs
     shapes = {tuple(r["pp_stages"]): r["pp_predict_inputs_only"] for r in results}
     assert shapes == {(0,): [], (1,): [[4, 32, 128], [4, 32, 128]]}
 
@@ -179,14 +217,34 @@ def test_checkpoint_across_strategies(api_run):
 
 
 INVALID = [
-    dict(name="world_size", strategy=f"dp=4,{B}", expect="needs dp*tp*pp = 4*1*1 = 4 processes but this run has 2"),
-    dict(name="tp_heads", strategy=f"tp=2,{B}", model=dict(hidden_size=48, n_heads=3, n_kv_heads=3),
-         expect="tp=2 does not divide n_heads=3"),
-    dict(name="pipeline_split", strategy=f"pp=2,{B}", model=dict(n_layers=1),
-         expect="n_layers=1 is fewer than pp*virtual_stages = 2*1 = 2 pipeline chunks"),
-    dict(name="strategy_batch", strategy="dp=2,micro_batch_size=3,global_batch_size=9",
-         expect="global_batch_size=9 does not split into dp*micro_batch_size"),
-    dict(name="fit_batch", strategy=f"dp=2,{B}", batch_size=7, expect="batch_size=7 does not split over dp=2"),
+    dict(
+        name="world_size",
+        strategy=f"dp=4,{B}",
+        expect="needs dp*tp*pp = 4*1*1 = 4 processes but this run has 2",
+    ),
+    dict(
+        name="tp_heads",
+        strategy=f"tp=2,{B}",
+        model=dict(hidden_size=48, n_heads=3, n_kv_heads=3),
+        expect="tp=2 does not divide n_heads=3",
+    ),
+    dict(
+        name="pipeline_split",
+        strategy=f"pp=2,{B}",
+        model=dict(n_layers=1),
+        expect="n_layers=1 is fewer than pp*virtual_stages = 2*1 = 2 pipeline chunks",
+    ),
+    dict(
+        name="strategy_batch",
+        strategy="dp=2,micro_batch_size=3,global_batch_size=9",
+        expect="global_batch_size=9 does not split into dp*micro_batch_size",
+    ),
+    dict(
+        name="fit_batch",
+        strategy=f"dp=2,{B}",
+        batch_size=7,
+        expect="batch_size=7 does not split over dp=2",
+    ),
 ]
 
 

@@ -39,7 +39,13 @@ def test_the_pessimistic_objective_changes_the_pick(bands):
     assert ra.tokens_per_s / 1.60 < rb.tokens_per_s / 1.05
     space = ListedSpace(MODEL, CLUSTER, [A, B])
     point = tune(MODEL, CLUSTER, global_batch_size=64, space=space, seed=0)
-    careful = tune(MODEL, CLUSTER, global_batch_size=64, space=space, seed=0,
-                   objective="throughput-pessimistic")
+    careful = tune(
+        MODEL,
+        CLUSTER,
+        global_batch_size=64,
+        space=space,
+        seed=0,
+        objective="throughput-pessimistic",
+    )
     assert point.best_strategy == A
     assert careful.best_strategy == B

@@ -1,4 +1,5 @@
-"""The reference transformer: shapes, parameter counts against ModelSpec, causality, plans, splits."""
+"""The reference transformer: shapes, parameter counts against ModelSpec, causality, plans,
+splits."""
 
 from __future__ import annotations
 

@@ -74,13 +74,13 @@ class ModelSpec:
     def __post_init__(self) -> None:
         problems = []
         gpt = self.ffn_activation == "gelu"
-        for name, default in (
+        for name, fallback in (
             ("position_embedding", "learned" if gpt else "rotary"),
             ("linear_bias", gpt),
             ("dropout", gpt),
         ):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
+                object.__setattr__(self, name, fallback)
         if self.position_embedding not in POSITION_EMBEDDINGS:
             problems.append(
                 f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
@@ -94,13 +94,14 @@ class ModelSpec:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
                 problems.append(str(exc))
-        for name, default in (
+        defaults: tuple[tuple[str, int | None], ...] = (
             ("n_kv_heads", self.n_heads),
             (
                 "ffn_hidden_size",
                 4 * self.hidden_size if isinstance(self.hidden_size, int) else None,
             ),
-        ):
+        )
+        for name, default in defaults:
             value = getattr(self, name)
             if value is None:
                 object.__setattr__(self, name, default)

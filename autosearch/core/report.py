@@ -100,8 +100,10 @@ class CostReport(NamedTuple):
         band = self.band
         if flat:
             has = band is not None and not band.extrapolation
-            out["step_time_band_low_s"] = self.step_time_s * band.low if has else None
-            out["step_time_band_high_s"] = self.step_time_s * band.high if has else None
+            low = self.step_time_s * band.low if band is not None and has else None
+            high = self.step_time_s * band.high if band is not None and has else None
+            out["step_time_band_low_s"] = low
+            out["step_time_band_high_s"] = high
             out["band_runs"] = band.runs if band is not None else None
             out["band_kind"] = band.kind if band is not None else None
         else:

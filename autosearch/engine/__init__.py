@@ -3,6 +3,7 @@
 Exports are lazy (PEP 562): ``from autosearch.engine import Engine`` does not import torch; the
 Engine imports it when first used. `SyntheticTokens`, `Accuracy` and `run_main` import torch.
 """
+
 from __future__ import annotations
 
 from autosearch._lazy import lazy_exports
@@ -25,4 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports('autosearch.engine', globals(), _EXPORTS)
+__getattr__, __dir__ = lazy_exports("autosearch.engine", globals(), _EXPORTS)

@@ -4,6 +4,7 @@ Modelled on PaddlePaddle's auto-parallel ``Engine`` (fit / evaluate / predict / 
 cost, and the fine-grained dataloader + prepare + run), built on torch.distributed. Importing this
 module does not import torch; the first method that needs it does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,8 @@ MODES = ("train", "eval", "predict")
 
 
 def token_cross_entropy(outputs: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
-    """Mean cross-entropy of logits (..., classes) against labels (...), in fp32 (the default loss)."""
+    """Mean cross-entropy of logits (..., classes) against labels (...), in fp32 (the default
+    loss)."""
     import torch.nn.functional as F
 
     return F.cross_entropy(outputs.flatten(0, -2).float(), labels.flatten())
@@ -76,14 +78,29 @@ class Engine(StepMixin):
         from autosearch.transformer import Transformer
 
         spec = ModelSpec.load("tiny-gpt")
-        engine = Engine(lambda: Transformer(spec), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        engine = Engine(lambda: Transformer(spec), optimizer=lambda p: torch.optim.AdamW(p,
+        lr=1e-3),
                         strategy="dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32")
         history = engine.fit(SyntheticTokens.for_model(spec, 64), epochs=1)
     """
 
-    def __init__(self, model, loss=None, optimizer=None, metrics=None, strategy=None, cluster=None, *,
-                 plan=None, model_spec=None, loss_parallel: bool = False, seed: int | None = None,
-                 lr_scheduler=None, grad_clip_norm: float | None = None, meta_init: bool = False):
+    def __init__(
+        self,
+        model,
+        loss=None,
+        optimizer=None,
+        metrics=None,
+        strategy=None,
+        cluster=None,
+        *,
+        plan=None,
+        model_spec=None,
+        loss_parallel: bool = False,
+        seed: int | None = None,
+        lr_scheduler=None,
+        grad_clip_norm: float | None = None,
+        meta_init: bool = False,
+    ):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -121,7 +138,10 @@ class Engine(StepMixin):
 
     def _require_prepared(self) -> None:
         if not self._prepared:
-            raise SpecError("the engine is not prepared yet; call prepare(mode=...), fit, evaluate or predict first")
+            raise SpecError(
+                "the engine is not prepared yet; call prepare(mode=...), fit, evaluate or predict"
+                " first"
+            )
 
     # ---- strategy, model, plan ------------------------------------------------------------
     def _resolve_strategy(self, batch_size: int | None = None) -> "Strategy":
@@ -134,14 +154,18 @@ class Engine(StepMixin):
         if s is None:
             world = launched_world_size()
             gbs = batch_size or world
-            s = Strategy(dp=world, micro_batch_size=max(1, gbs // world), global_batch_size=gbs, amp="fp32")
+            s = Strategy(
+                dp=world, micro_batch_size=max(1, gbs // world), global_batch_size=gbs, amp="fp32"
+            )
         elif isinstance(s, (str, os.PathLike)):
             s = Strategy.parse(os.fspath(s))
         elif isinstance(s, dict):
             s = Strategy.from_dict(s)
         elif not isinstance(s, Strategy):
-            raise SpecError(f"strategy must be a Strategy, a YAML path, a 'dp=2,tp=2' string or a dict; "
-                            f"got {type(s).__name__}")
+            raise SpecError(
+                "strategy must be a Strategy, a YAML path, a 'dp=2,tp=2' string or a dict; "
+                f"got {type(s).__name__}"
+            )
         self.strategy_ = s
         return s
 
@@ -162,16 +186,22 @@ class Engine(StepMixin):
             with torch.device("meta"):  # build on the meta device: shapes only, no memory
                 spec = getattr(wrap_known(self.model()), "spec", None)
         if not isinstance(spec, ModelSpec):
-            raise SpecError("this needs the model's shape and the model carries no ModelSpec; pass "
-                            "Engine(..., model_spec=ModelSpec.load('tiny-gpt')) or a YAML path with "
-                            "n_layers, hidden_size, n_heads, vocab_size and seq_len")
+            raise SpecError(
+                "this needs the model's shape and the model carries no ModelSpec; pass "
+                "Engine(..., model_spec=ModelSpec.load('tiny-gpt')) or a YAML path with "
+                "n_layers, hidden_size, n_heads, vocab_size and seq_len"
+            )
         return spec
 
     def _build_model(self) -> "nn.Module":
         from autosearch.engine.build import build_model
 
-        model = build_model(self.model, meta_init=self.meta_init, seed=self.seed,
-                            instance_used=getattr(self, "_instance_used", False))
+        model = build_model(
+            self.model,
+            meta_init=self.meta_init,
+            seed=self.seed,
+            instance_used=getattr(self, "_instance_used", False),
+        )
         self._instance_used = not callable(self.model) or _is_module(self.model)
         return model
 
@@ -192,7 +222,8 @@ class Engine(StepMixin):
         return self
 
     def prepare(self, *, mode: str | None = None) -> "Engine":
-        """Check the strategy, build and parallelize the model, its optimizer and pipeline schedule.
+        """Check the strategy, build and parallelize the model, its optimizer and pipeline
+        schedule.
 
         Every rank runs the same checks before its first collective, so an invalid strategy
         raises one SpecError on every rank and nothing hangs. Called by the other methods.
@@ -234,8 +265,16 @@ class Engine(StepMixin):
                     for tensor in [*model.parameters(), *model.buffers()]:
                         dist.broadcast(tensor.data, src=0)
         names = {id(p): n for n, p in model.named_parameters()}
-        parts = parallelize(model, strategy, dims, mesh, plan, device=device,
-                            loss_parallel=self._loss_parallel(dims), materialize=materialize)
+        parts = parallelize(
+            model,
+            strategy,
+            dims,
+            mesh,
+            plan,
+            device=device,
+            loss_parallel=self._loss_parallel(dims),
+            materialize=materialize,
+        )
         self._built_model = model
         self.dims_, self.mesh_, self.plan_, self.device_ = dims, mesh, plan, device
         self.stages_ = [stage for stage, _ in parts]
@@ -248,7 +287,9 @@ class Engine(StepMixin):
             self.schedule_ = build_schedule(parts, strategy, mesh, device, self._pipeline_loss)
         self.optimizers_ = []
         if self.optimizer is not None:
-            self.optimizers_ = build_optimizers(self.model_parts_, OptimizerRecipe(self.optimizer, names), dims, mesh)
+            self.optimizers_ = build_optimizers(
+                self.model_parts_, OptimizerRecipe(self.optimizer, names), dims, mesh
+            )
         self.schedulers_ = build_schedulers(self.lr_scheduler, self.optimizers_)
         self.global_step_ = 0
         self._last_grad_norm = None
@@ -268,10 +309,19 @@ class Engine(StepMixin):
         return contextlib.nullcontext()
 
     # ---- data --------------------------------------------------------------------------------
-    def dataloader(self, dataset, *, batch_size: int | None = None, shuffle: bool = False,
-                   drop_last: bool | None = None, collate_fn: Callable | None = None, num_workers: int = 0,
-                   epochs: int = 1, steps_per_epoch: int | None = None, mode: str | None = None
-                   ) -> "DistributedLoader":
+    def dataloader(
+        self,
+        dataset,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        drop_last: bool | None = None,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        mode: str | None = None,
+    ) -> "DistributedLoader":
         """A loader of this rank's share of each global batch (prepares the engine first).
 
         Args:
@@ -281,7 +331,8 @@ class Engine(StepMixin):
                 micro-batches of ``micro_batch_size``; tp and pp peers get the same samples.
             drop_last: drop a last partial batch; default True in train mode and under
                 pipeline parallelism (a partial batch cannot fill the pipeline's micro-batches),
-                False otherwise (the distributed sampler then pads the last batch by repeating samples).
+                False otherwise (the distributed sampler then pads the last batch by repeating
+                samples).
             epochs, steps_per_epoch: how long iterating the returned loader lasts.
             mode: ``train``, ``eval`` or ``predict`` (switches the engine's mode).
         """
@@ -292,14 +343,25 @@ class Engine(StepMixin):
         mode = self._mode or "train"
         strategy = self._resolve_strategy(batch_size)
         batch_size = batch_size or strategy.global_batch_size
-        self.prepare()  # validates the strategy first, so its own message comes before batch messages
+        # validates the strategy first, so its own message comes before batch messages
+        self.prepare()
         check_batch(strategy, batch_size, mode)
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
         dp_rank = self.mesh_.get_local_rank("dp") if self.mesh_ is not None else 0
-        return build_loader(dataset, batch_size=batch_size, dp=strategy.dp, dp_rank=dp_rank, shuffle=shuffle,
-                            drop_last=drop_last, collate_fn=collate_fn, num_workers=num_workers, epochs=epochs,
-                            steps_per_epoch=steps_per_epoch, seed=self.seed or 0)
+        return build_loader(
+            dataset,
+            batch_size=batch_size,
+            dp=strategy.dp,
+            dp_rank=dp_rank,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            seed=self.seed or 0,
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     def run(self, data, *, mode: str | None = None) -> dict[str, Any]:
@@ -321,20 +383,37 @@ class Engine(StepMixin):
         return logs
 
     # ---- high level ----------------------------------------------------------------------------
-    def fit(self, train_data, *, batch_size: int | None = None, epochs: int = 1,
-            steps_per_epoch: int | None = None, valid_data=None, valid_freq: int = 1,
-            valid_steps: int | None = None, log_freq: int = 10, save_dir: str | None = None,
-            save_freq: int = 1, save_steps: int | None = None, resume: "bool | str" = False,
-            log_dir: str | None = None, tensorboard: bool = False,
-            collate_fn: Callable | None = None, callbacks: Sequence | None = None,
-            verbose: int = 2, shuffle: bool = False) -> dict[str, list]:
-        """Train for `epochs` epochs; returns (and stores in ``self.history``) per-step and per-epoch logs.
+    def fit(
+        self,
+        train_data,
+        *,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        valid_data=None,
+        valid_freq: int = 1,
+        valid_steps: int | None = None,
+        log_freq: int = 10,
+        save_dir: str | None = None,
+        save_freq: int = 1,
+        save_steps: int | None = None,
+        resume: "bool | str" = False,
+        log_dir: str | None = None,
+        tensorboard: bool = False,
+        collate_fn: Callable | None = None,
+        callbacks: Sequence | None = None,
+        verbose: int = 2,
+        shuffle: bool = False,
+    ) -> dict[str, list]:
+        """Train for `epochs` epochs; returns (and stores in ``self.history``) per-step and
+        per-epoch logs.
 
         Args:
             train_data: dataset of ``(inputs, labels)`` (e.g. `TokenFile`).
             batch_size: global batch per optimizer step (default: the strategy's).
             epochs, steps_per_epoch: length of training (steps_per_epoch caps each epoch).
-            valid_data, valid_freq, valid_steps: evaluate every `valid_freq` epochs (`valid_steps` batches).
+            valid_data, valid_freq, valid_steps: evaluate every `valid_freq` epochs (`valid_steps`
+            batches).
             log_freq: print a progress line every `log_freq` steps (rank 0, `verbose` >= 2, when
                 stdout is not a terminal; on a terminal a tqdm bar shows loss, tokens/s and MFU).
             save_dir: where checkpoints go: ``epoch<N>`` every `save_freq` epochs,
@@ -358,27 +437,58 @@ class Engine(StepMixin):
         """
         from autosearch.engine import _loop
 
-        return _loop.fit(self, train_data, batch_size=batch_size, epochs=epochs,
-                         steps_per_epoch=steps_per_epoch, valid_data=valid_data,
-                         valid_freq=valid_freq, valid_steps=valid_steps, log_freq=log_freq,
-                         save_dir=save_dir, save_freq=save_freq, save_steps=save_steps,
-                         resume=resume, log_dir=log_dir, tensorboard=tensorboard,
-                         collate_fn=collate_fn, callbacks=callbacks, verbose=verbose,
-                         shuffle=shuffle)
+        return _loop.fit(
+            self,
+            train_data,
+            batch_size=batch_size,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            valid_data=valid_data,
+            valid_freq=valid_freq,
+            valid_steps=valid_steps,
+            log_freq=log_freq,
+            save_dir=save_dir,
+            save_freq=save_freq,
+            save_steps=save_steps,
+            resume=resume,
+            log_dir=log_dir,
+            tensorboard=tensorboard,
+            collate_fn=collate_fn,
+            callbacks=callbacks,
+            verbose=verbose,
+            shuffle=shuffle,
+        )
 
-    def evaluate(self, valid_data, *, batch_size: int | None = None, steps: int | None = None, log_freq: int = 10,
-                 collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2
-                 ) -> dict[str, float]:
-        """Loss and metrics over `valid_data` (or its first `steps` batches), reduced over all ranks."""
-        loader = self.dataloader(valid_data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps,
-                                 mode="eval")
+    def evaluate(
+        self,
+        valid_data,
+        *,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        log_freq: int = 10,
+        collate_fn: Callable | None = None,
+        callbacks: Sequence | None = None,
+        verbose: int = 2,
+    ) -> dict[str, float]:
+        """Loss and metrics over `valid_data` (or its first `steps` batches), reduced over all
+        ranks."""
+        loader = self.dataloader(
+            valid_data,
+            batch_size=batch_size,
+            collate_fn=collate_fn,
+            steps_per_epoch=steps,
+            mode="eval",
+        )
         total = None
         for step, batch in enumerate(loader.epoch(0)):
             sums, _ = self._step(batch, "eval")
             total = sums if total is None else total + sums
             _call(callbacks, "on_batch_end", step, {})
         if total is None:
-            raise SpecError("evaluate got no batch: the dataset is smaller than one global batch; lower batch_size")
+            raise SpecError(
+                "evaluate got no batch: the dataset is smaller than one global batch; lower"
+                " batch_size"
+            )
         logs = self._reduce(total)
         from autosearch.engine.distributed import is_rank0
 
@@ -387,17 +497,29 @@ class Engine(StepMixin):
         _call(callbacks, "on_eval_end", logs)
         return logs
 
-    def predict(self, test_data, *, batch_size: int | None = None, steps: int | None = None,
-                collate_fn: Callable | None = None, callbacks: Sequence | None = None, verbose: int = 2
-                ) -> list:
+    def predict(
+        self,
+        test_data,
+        *,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        collate_fn: Callable | None = None,
+        callbacks: Sequence | None = None,
+        verbose: int = 2,
+    ) -> list:
         """Outputs for this rank's samples, one tensor per batch.
 
         Each dp rank returns the outputs of the samples the distributed sampler gave it (sample
         j of each batch goes to dp rank j % dp); ranks that do not hold the last pipeline stage
         return an empty list.
         """
-        loader = self.dataloader(test_data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps,
-                                 mode="predict")
+        loader = self.dataloader(
+            test_data,
+            batch_size=batch_size,
+            collate_fn=collate_fn,
+            steps_per_epoch=steps,
+            mode="predict",
+        )
         outputs = []
         for step, batch in enumerate(loader.epoch(0)):
             _, out = self._step(batch, "predict")
@@ -406,7 +528,8 @@ class Engine(StepMixin):
             _call(callbacks, "on_batch_end", step, {})
         return outputs
 
-    # ---- checkpoints -----------------------------------------------------------------------------
+    # ---- checkpoints
+    # -----------------------------------------------------------------------------
     def save(self, path: str, training: bool = True) -> None:
         """Save a DCP checkpoint directory (model, optimizer and the train state `fit` resumes
         from), or with ``training=False`` a plain inference state dict file (``torch.load``-able,
@@ -429,8 +552,13 @@ class Engine(StepMixin):
         from autosearch.engine import _loop, checkpoint
 
         self.prepare()
-        missing = checkpoint.load(path, self.model_parts_, self._checkpoint_optimizers(),
-                                  strict=strict, load_optimizer=load_optimizer)
+        missing = checkpoint.load(
+            path,
+            self.model_parts_,
+            self._checkpoint_optimizers(),
+            strict=strict,
+            load_optimizer=load_optimizer,
+        )
         state = None
         if load_optimizer and os.path.isdir(path):
             state = checkpoint.read_train_state(path)
@@ -459,8 +587,10 @@ class Engine(StepMixin):
         from autosearch.core.hardware import Cluster
 
         if self.cluster is None:
-            raise SpecError("this needs a cluster to model: pass Engine(..., cluster='h100-sxm:1x8') "
-                            "(a profile name from `autosearch hardware`, nodes x devices per node)")
+            raise SpecError(
+                "this needs a cluster to model: pass Engine(..., cluster='h100-sxm:1x8') "
+                "(a profile name from `autosearch hardware`, nodes x devices per node)"
+            )
         return Cluster.parse(self.cluster)
 
     def cost(self, mode: str = "train") -> tuple[float, float]:
@@ -469,19 +599,39 @@ class Engine(StepMixin):
         from cost_models.analytic import AnalyticCostModel
 
         if mode != "train":
-            raise SpecError(f"the analytic cost model predicts training steps; cost(mode={mode!r}) is not modelled")
-        report = AnalyticCostModel(self._model_spec(), self._cluster()).estimate(self._resolve_strategy())
+            raise SpecError(
+                f"the analytic cost model predicts training steps; cost(mode={mode!r}) is not"
+                " modelled"
+            )
+        report = AnalyticCostModel(self._model_spec(), self._cluster()).estimate(
+            self._resolve_strategy()
+        )
         self.cost_report_ = report
         return report.step_time_s, report.peak_memory_bytes
 
-    def tune(self, train_data=None, *, batch_size: int | None = None, cluster=None, n_trials: int = 200,
-             validate_top_k: int = 0, steps: int = 10, warmup: int = 3, timeout_s: float = 600.0,
-             factory: str | None = None, out: str | None = None, calibration_dir: str | None = None,
-             wait_timeout_s: float | None = None, verbose: int = 1, **tune_kwargs):
+    def tune(
+        self,
+        train_data=None,
+        *,
+        batch_size: int | None = None,
+        cluster=None,
+        n_trials: int = 200,
+        validate_top_k: int = 0,
+        steps: int = 10,
+        warmup: int = 3,
+        timeout_s: float = 600.0,
+        factory: str | None = None,
+        out: str | None = None,
+        calibration_dir: str | None = None,
+        wait_timeout_s: float | None = None,
+        verbose: int = 1,
+        **tune_kwargs,
+    ):
         """Find the fastest strategy for this model and train with it (sets ``strategy_``).
 
         Args:
-            train_data: the training dataset; its samples' length must match the ModelSpec's seq_len.
+            train_data: the training dataset; its samples' length must match the ModelSpec's
+            seq_len.
             batch_size: the global batch (sequences per optimizer step) to search for; default the
                 current strategy's.
             cluster: the cluster to search for; default the engine's, else this machine: its
@@ -494,7 +644,8 @@ class Engine(StepMixin):
                 ``"module:function"`` building it from its ModelSpec.
             out: folder of the study, best_strategy.yaml and validation (default results/<study>).
             wait_timeout_s: under torchrun, how long ranks > 0 wait for rank 0's search.
-            tune_kwargs: passed to `autosearch.tune` (objective, sampler, space, storage, seed, ...).
+            tune_kwargs: passed to `autosearch.tune` (objective, sampler, space, storage, seed,
+            ...).
 
         Returns:
             The TuneResult on rank 0 (None on other ranks). Every rank ends with the same learned
@@ -512,16 +663,31 @@ class Engine(StepMixin):
         from autosearch.engine._tune import tune_engine
 
         if self._prepared and _is_module(self.model):
-            raise SpecError("the engine was prepared with a model instance, which cannot be rebuilt for the tuned "
-                            "strategy; pass a zero-argument model factory to Engine")
+            raise SpecError(
+                "the engine was prepared with a model instance, which cannot be rebuilt for the"
+                " tuned strategy; pass a zero-argument model factory to Engine"
+            )
         log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
         outcome = tune_engine(
-            model_spec=self._model_spec(), model=self.model,
+            model_spec=self._model_spec(),
+            model=self.model,
             strategy=getattr(self, "best_strategy_", None) or self.strategy,
-            world_size=D.launched_world_size(), cluster=self.cluster if cluster is None else cluster,
-            train_data=train_data, batch_size=batch_size, n_trials=n_trials, validate_top_k=validate_top_k,
-            steps=steps, warmup=warmup, timeout_s=timeout_s, factory=factory, out=out,
-            calibration_dir=calibration_dir, wait_timeout_s=wait_timeout_s, log=log, **tune_kwargs)
+            world_size=D.launched_world_size(),
+            cluster=self.cluster if cluster is None else cluster,
+            train_data=train_data,
+            batch_size=batch_size,
+            n_trials=n_trials,
+            validate_top_k=validate_top_k,
+            steps=steps,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            factory=factory,
+            out=out,
+            calibration_dir=calibration_dir,
+            wait_timeout_s=wait_timeout_s,
+            log=log,
+            **tune_kwargs,
+        )
         self.strategy_ = self.best_strategy_ = outcome.strategy
         self.best_report_ = outcome.report
         self.tuned_cluster_ = outcome.cluster

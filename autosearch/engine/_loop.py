@@ -217,8 +217,9 @@ def fit(
                     if key in logs:
                         history.setdefault(key, []).append(logs[key])
                 engine.data_position_ = (epoch, step + 1)
-                log.step(engine.global_step_, epoch, logs, batch=step + 1, epochs=epochs,
-                         batches=steps)
+                log.step(
+                    engine.global_step_, epoch, logs, batch=step + 1, epochs=epochs, batches=steps
+                )
                 if save_steps and engine.global_step_ % save_steps == 0:
                     engine.save(step_dir(save_dir, engine.global_step_))
                 _call(callbacks, "on_batch_end", step, logs)

@@ -24,6 +24,7 @@ and DCP's pickled ``.metadata`` with an unpickler that accepts only the classes 
 made of (`_SafeReader`), so a crafted checkpoint cannot run code when loaded. It can still hold
 wrong or huge tensors: load checkpoints from sources you trust with your model's behaviour.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,13 +59,16 @@ def model_state(parts: list[nn.Module]) -> dict[str, Any]:
 def optimizer_states(parts: list[nn.Module], optimizers: list) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return [get_optimizer_state_dict(part, opt, options=_options(flatten_optimizer_state_dict=True))
-            for part, opt in zip(parts, optimizers)]
+    return [
+        get_optimizer_state_dict(part, opt, options=_options(flatten_optimizer_state_dict=True))
+        for part, opt in zip(parts, optimizers)
+    ]
 
 
 @contextlib.contextmanager
 def _quiet():
-    """Silence DCP's "assuming the intent is to save in a single process" when that is the intent."""
+    """Silence DCP's "assuming the intent is to save in a single process" when that is the
+    intent."""
     with warnings.catch_warnings():
         if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -112,8 +116,14 @@ def recover(path: str) -> None:
         os.remove(partial)
 
 
-def save(path: str, parts: list[nn.Module], optimizers: list | None, *, training: bool = True,
-         train_state: dict[str, Any] | None = None) -> None:
+def save(
+    path: str,
+    parts: list[nn.Module],
+    optimizers: list | None,
+    *,
+    training: bool = True,
+    train_state: dict[str, Any] | None = None,
+) -> None:
     """Save for training (a DCP directory: model, optimizer, this rank's `train_state`) or for
     inference (one torch.save file of full tensors), replacing what is at `path` crash-safely."""
     import torch.distributed.checkpoint as dcp
@@ -175,13 +185,22 @@ def _save_inference_file(path: str, parts: list[nn.Module]) -> None:
 # ---- safe loading ---------------------------------------------------------------------------
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
 }
 
 
-_PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path", "PurePath")
+_PATH_CLASSES = (
+    "PosixPath",
+    "PurePosixPath",
+    "WindowsPath",
+    "PureWindowsPath",
+    "Path",
+    "PurePath",
+)
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -201,7 +220,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(torch, name)
         if obj is None:
             raise pickle.UnpicklingError(
-                f"{module}.{name} is not part of a DCP checkpoint's metadata")
+                f"{module}.{name} is not part of a DCP checkpoint's metadata"
+            )
         return obj
 
 
@@ -218,11 +238,17 @@ def _safe_reader(path: str):
             with self.fs.create_stream(meta_path, "rb") as f:
                 try:
                     metadata = _MetadataUnpickler(f).load()
-                except (pickle.UnpicklingError, EOFError, AttributeError, ValueError,
-                        TypeError) as exc:
+                except (
+                    pickle.UnpicklingError,
+                    EOFError,
+                    AttributeError,
+                    ValueError,
+                    TypeError,
+                ) as exc:
                     raise SpecError(
                         f"refusing to load checkpoint {path!r}: its .metadata is not a DCP "
-                        f"checkpoint's ({exc}); was it written by Engine.save?") from None
+                        f"checkpoint's ({exc}); was it written by Engine.save?"
+                    ) from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -255,8 +281,11 @@ def read_train_state(path: str) -> dict[str, Any] | None:
     if not os.path.isdir(folder):
         return None
     mine = os.path.join(folder, f"rank{_rank()}.pt")
-    state = torch.load(mine if os.path.exists(mine) else os.path.join(folder, "rank0.pt"),
-                       map_location="cpu", weights_only=True)
+    state = torch.load(
+        mine if os.path.exists(mine) else os.path.join(folder, "rank0.pt"),
+        map_location="cpu",
+        weights_only=True,
+    )
     state["same_rank"] = os.path.exists(mine)
     return state
 
@@ -265,12 +294,20 @@ def saved_keys(path: str) -> set[str]:
     try:
         return set(_safe_reader(path).read_metadata().state_dict_metadata)
     except (FileNotFoundError, OSError) as exc:
-        raise SpecError(f"no checkpoint at {path!r} ({exc}); pass a directory written by Engine.save "
-                        "or a file written by Engine.save(path, training=False)") from None
+        raise SpecError(
+            f"no checkpoint at {path!r} ({exc}); pass a directory written by Engine.save "
+            "or a file written by Engine.save(path, training=False)"
+        ) from None
 
 
-def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: bool = True,
-         load_optimizer: bool = True) -> list[str]:
+def load(
+    path: str,
+    parts: list[nn.Module],
+    optimizers: list | None,
+    *,
+    strict: bool = True,
+    load_optimizer: bool = True,
+) -> list[str]:
     """Load a checkpoint saved under any strategy into these parts; returns what was not loaded."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -280,17 +317,24 @@ def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: 
     if _rank() == 0 and not os.path.exists(path):
         recover(path)  # a save killed between its renames left the previous one at path.old
     _barrier()
-    if os.path.isfile(path):  # an inference state dict: full tensors, resharded by set_model_state_dict
+    if os.path.isfile(
+        path
+    ):  # an inference state dict: full tensors, resharded by set_model_state_dict
         full = torch.load(path, map_location="cpu", weights_only=True)
         missing = []
         for part in parts:
             keys = model_state([part]).keys()
             missing += [k for k in keys if k not in full]
-            set_model_state_dict(part, {k: full[k] for k in keys if k in full},
-                                 options=_options(full_state_dict=True, strict=False))
+            set_model_state_dict(
+                part,
+                {k: full[k] for k in keys if k in full},
+                options=_options(full_state_dict=True, strict=False),
+            )
         if missing and strict:
-            raise SpecError(f"{path!r} lacks {len(missing)} entries of this model, e.g. {missing[:3]}; "
-                            "pass strict=False to load the rest")
+            raise SpecError(
+                f"{path!r} lacks {len(missing)} entries of this model, e.g. {missing[:3]}; "
+                "pass strict=False to load the rest"
+            )
         return missing
 
     import torch.distributed.checkpoint as dcp
@@ -299,25 +343,36 @@ def load(path: str, parts: list[nn.Module], optimizers: list | None, *, strict: 
     model = model_state(parts)
     missing = [k for k in model if f"model.{k}" not in saved]
     if missing and strict:
-        raise SpecError(f"checkpoint {path!r} lacks {len(missing)} entries of this model, e.g. {missing[:3]}; "
-                        "check that it is the same model, or pass strict=False to load the rest")
+        raise SpecError(
+            f"checkpoint {path!r} lacks {len(missing)} entries of this model, e.g. {missing[:3]}; "
+            "check that it is the same model, or pass strict=False to load the rest"
+        )
     state: dict[str, Any] = {"model": {k: v for k, v in model.items() if k not in missing}}
     osds = None
     has_optim = any(k.startswith("optim.") for k in saved)
     if load_optimizer and optimizers:
         if has_optim:
             osds = optimizer_states(parts, optimizers)
-            state["optim"] = {k: v for osd in osds for k, v in osd.items() if f"optim.{k}" in saved}
+            state["optim"] = {
+                k: v for osd in osds for k, v in osd.items() if f"optim.{k}" in saved
+            }
         else:
             missing.append("optimizer state (the checkpoint has none; the optimizer starts fresh)")
     with _quiet():
         dcp.load(state, storage_reader=_safe_reader(path), planner=_safe_planner())
     for part in parts:
         own = model_state([part]).keys()
-        set_model_state_dict(part, {k: state["model"][k] for k in own if k in state["model"]},
-                             options=_options(strict=False))
+        set_model_state_dict(
+            part,
+            {k: state["model"][k] for k in own if k in state["model"]},
+            options=_options(strict=False),
+        )
     if osds is not None:
         for part, opt, osd in zip(parts, optimizers, osds):
-            set_optimizer_state_dict(part, opt, {k: state["optim"].get(k, v) for k, v in osd.items()},
-                                     options=_options(flatten_optimizer_state_dict=True))
+            set_optimizer_state_dict(
+                part,
+                opt,
+                {k: state["optim"].get(k, v) for k, v in osd.items()},
+                options=_options(flatten_optimizer_state_dict=True),
+            )
     return missing

@@ -4,6 +4,7 @@ Every batch is ``(inputs, labels)``. The global batch of a step is split over th
 the ranks of one tp group and of one pipeline share the same dp rank, so they read the same
 samples (tp peers need identical inputs; pipeline stages other than the first ignore them).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,12 +21,16 @@ from autosearch.core.errors import SpecError
 
 class SyntheticTokens(Dataset):
     """Token sequences from a fixed random Markov chain: each token is followed by its successor
-    in a random table (the same for every sample) with probability 0.9, by a uniform token otherwise.
+    in a random table (the same for every sample) with probability 0.9, by a uniform token
+    otherwise.
 
-    Sample i is ``(tokens[:-1], tokens[1:])`` drawn from a generator seeded with (seed, i), so every
+    Sample i is ``(tokens[:-1], tokens[1:])`` drawn from a generator seeded with (seed, i), so
+    every
     rank and every process sees the same sample i. The loss starts near ln(vocab_size) and falls
-    towards the chain's entropy (about 0.33 + 0.1 ln(vocab_size) nats) as the model learns the table.
-    Datasets with different `seed` and the same `table_seed` (training and validation) share the chain.
+    towards the chain's entropy (about 0.33 + 0.1 ln(vocab_size) nats) as the model learns the
+    table.
+    Datasets with different `seed` and the same `table_seed` (training and validation) share the
+    chain.
 
     Args:
         n_samples: dataset length.
@@ -36,10 +41,26 @@ class SyntheticTokens(Dataset):
         noise: probability of a uniform random token instead of the successor.
     """
 
-    def __init__(self, n_samples: int, *, seq_len: int, vocab_size: int, seed: int = 0, table_seed: int = 0,
-                 noise: float = 0.1):
-        self.n_samples, self.seq_len, self.vocab_size, self.seed, self.noise = n_samples, seq_len, vocab_size, seed, noise
-        self.successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(table_seed))
+    def __init__(
+        self,
+        n_samples: int,
+        *,
+        seq_len: int,
+        vocab_size: int,
+        seed: int = 0,
+        table_seed: int = 0,
+        noise: float = 0.1,
+    ):
+        self.n_samples, self.seq_len, self.vocab_size, self.seed, self.noise = (
+            n_samples,
+            seq_len,
+            vocab_size,
+            seed,
+            noise,
+        )
+        self.successor = torch.randperm(
+            vocab_size, generator=torch.Generator().manual_seed(table_seed)
+        )
 
     def __len__(self) -> int:
         return self.n_samples
@@ -84,18 +105,27 @@ class TokenFile(Dataset):
         vocab_size: if given, the file's ids are checked to be below it (reads the file once).
     """
 
-    def __init__(self, path: "str | os.PathLike", *, seq_len: int, dtype="uint16",
-                 stride: int | None = None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        path: "str | os.PathLike",
+        *,
+        seq_len: int,
+        dtype="uint16",
+        stride: int | None = None,
+        vocab_size: int | None = None,
+    ):
         self.path, self.seq_len = os.fspath(path), seq_len
         self.stride = stride or seq_len
         if not all(isinstance(v, int) and v > 0 for v in (seq_len, self.stride)):
-            raise SpecError(f"seq_len and stride must be positive integers, got {seq_len!r} "
-                            f"and {stride!r}")
+            raise SpecError(
+                f"seq_len and stride must be positive integers, got {seq_len!r} and {stride!r}"
+            )
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
-            raise SpecError(f"dtype {dtype!r} is not a numpy dtype; use 'uint16' or "
-                            "'uint32'") from None
+            raise SpecError(
+                f"dtype {dtype!r} is not a numpy dtype; use 'uint16' or 'uint32'"
+            ) from None
         if self.dtype.kind not in "iu":
             raise SpecError(f"token ids must be integers; dtype {self.dtype} is not")
         try:
@@ -103,18 +133,24 @@ class TokenFile(Dataset):
         except OSError as exc:
             raise SpecError(f"token file {self.path!r} cannot be read: {exc.strerror}") from None
         if size % self.dtype.itemsize:
-            raise SpecError(f"token file {self.path!r} has {size} bytes, not a multiple of "
-                            f"{self.dtype.itemsize} ({self.dtype}); is the dtype right?")
+            raise SpecError(
+                f"token file {self.path!r} has {size} bytes, not a multiple of "
+                f"{self.dtype.itemsize} ({self.dtype}); is the dtype right?"
+            )
         self.n_tokens = size // self.dtype.itemsize
         if self.n_tokens < seq_len + 1:
-            raise SpecError(f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than "
-                            f"one sample (seq_len + 1 = {seq_len + 1})")
+            raise SpecError(
+                f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than "
+                f"one sample (seq_len + 1 = {seq_len + 1})"
+            )
         self._tokens = None
         if vocab_size is not None:
             top = int(self.tokens.max())
             if top >= vocab_size:
-                raise SpecError(f"token file {self.path!r} holds id {top}, not below "
-                                f"vocab_size={vocab_size}; was it tokenized for another model?")
+                raise SpecError(
+                    f"token file {self.path!r} holds id {top}, not below "
+                    f"vocab_size={vocab_size}; was it tokenized for another model?"
+                )
 
     @property
     def tokens(self) -> np.ndarray:
@@ -132,7 +168,7 @@ class TokenFile(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = index * self.stride
-        window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
 
 
@@ -158,8 +194,15 @@ class DistributedLoader:
         local_batch_size: samples per batch on this rank (global batch / dp).
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, *, epochs: int,
-                 steps_per_epoch: int | None, local_batch_size: int):
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: DistributedSampler | None,
+        *,
+        epochs: int,
+        steps_per_epoch: int | None,
+        local_batch_size: int,
+    ):
         self.loader, self.sampler, self.epochs = loader, sampler, epochs
         self.steps_per_epoch, self.local_batch_size = steps_per_epoch, local_batch_size
 
@@ -175,11 +218,16 @@ class DistributedLoader:
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
             if skip:
-                indices = list(self.sampler)[skip * self.local_batch_size:]
-                loader = DataLoader(loader.dataset, batch_size=self.local_batch_size,
-                                    sampler=indices, drop_last=loader.drop_last,
-                                    collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-                                    generator=loader.generator)
+                indices = list(self.sampler)[skip * self.local_batch_size :]
+                loader = DataLoader(
+                    loader.dataset,
+                    batch_size=self.local_batch_size,
+                    sampler=indices,
+                    drop_last=loader.drop_last,
+                    collate_fn=loader.collate_fn,
+                    num_workers=loader.num_workers,
+                    generator=loader.generator,
+                )
         elif skip:
             loader = itertools.islice(loader, skip, None)
         for step, batch in enumerate(loader, start=skip):
@@ -202,35 +250,60 @@ class DistributedLoader:
     def __len__(self) -> int:
         steps = self.steps()
         if steps is None:
-            raise TypeError("the length of a loader over an iterable dataset is unknown; pass steps_per_epoch")
+            raise TypeError(
+                "the length of a loader over an iterable dataset is unknown; pass steps_per_epoch"
+            )
         return steps * self.epochs
 
 
-def build_loader(dataset: Any, *, batch_size: int, dp: int, dp_rank: int, shuffle: bool = False,
-                 drop_last: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
-                 epochs: int = 1, steps_per_epoch: int | None = None, seed: int = 0) -> DistributedLoader:
+def build_loader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    dp: int,
+    dp_rank: int,
+    shuffle: bool = False,
+    drop_last: bool = True,
+    collate_fn: Callable | None = None,
+    num_workers: int = 0,
+    epochs: int = 1,
+    steps_per_epoch: int | None = None,
+    seed: int = 0,
+) -> DistributedLoader:
     """A loader of local batches (``batch_size / dp`` samples each) for this dp rank."""
     if batch_size % dp:
-        raise SpecError(f"batch_size={batch_size} does not split over dp={dp} ranks; use a multiple of {dp}")
+        raise SpecError(
+            f"batch_size={batch_size} does not split over dp={dp} ranks; use a multiple of {dp}"
+        )
     local = batch_size // dp
     sampler = None
     if isinstance(dataset, IterableDataset):
         if shuffle:
-            raise SpecError("shuffle=True needs a map-style dataset (with __len__ and __getitem__); "
-                            "shuffle an iterable dataset yourself")
+            raise SpecError(
+                "shuffle=True needs a map-style dataset (with __len__ and __getitem__); "
+                "shuffle an iterable dataset yourself"
+            )
         source = _DpShard(dataset, dp, dp_rank) if dp > 1 else dataset
     else:
         # drop_last on the sampler too, so every dp rank gets the same number of batches.
-        sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=shuffle, seed=seed,
-                                     drop_last=drop_last)
+        sampler = DistributedSampler(
+            dataset, num_replicas=dp, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         source = dataset
     # A generator of its own: creating an iterator draws a base seed from it, which must not
     # move the global RNG (dropout) by a different amount in a resumed run.
-    loader = DataLoader(source, batch_size=local, sampler=sampler, drop_last=drop_last,
-                        collate_fn=collate_fn, num_workers=num_workers,
-                        generator=torch.Generator().manual_seed(seed))
-    return DistributedLoader(loader, sampler, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                             local_batch_size=local)
+    loader = DataLoader(
+        source,
+        batch_size=local,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return DistributedLoader(
+        loader, sampler, epochs=epochs, steps_per_epoch=steps_per_epoch, local_batch_size=local
+    )
 
 
 def check_batch(strategy, batch_size: int, mode: str) -> None:
@@ -238,18 +311,24 @@ def check_batch(strategy, batch_size: int, mode: str) -> None:
     the pipeline's fixed micro-batch count)."""
     s = strategy
     if batch_size % s.dp:
-        raise SpecError(f"batch_size={batch_size} does not split over dp={s.dp} ranks; "
-                        f"use a multiple of {s.dp}")
+        raise SpecError(
+            f"batch_size={batch_size} does not split over dp={s.dp} ranks; "
+            f"use a multiple of {s.dp}"
+        )
     local = batch_size // s.dp
     if s.pp > 1 and batch_size != s.global_batch_size:
-        raise SpecError(f"with pp={s.pp} the batch must be the strategy's "
-                        f"global_batch_size={s.global_batch_size} (the pipeline schedule runs "
-                        f"{s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
-                        f"got batch_size={batch_size}")
+        raise SpecError(
+            f"with pp={s.pp} the batch must be the strategy's "
+            f"global_batch_size={s.global_batch_size} (the pipeline schedule runs "
+            f"{s.grad_accum_steps} micro-batches of {s.micro_batch_size}); "
+            f"got batch_size={batch_size}"
+        )
     if mode == "train" and local % s.micro_batch_size:
-        raise SpecError(f"batch_size={batch_size} gives {local} samples per dp rank, not a "
-                        f"multiple of micro_batch_size={s.micro_batch_size}; use a multiple of "
-                        f"{s.dp * s.micro_batch_size}")
+        raise SpecError(
+            f"batch_size={batch_size} gives {local} samples per dp rank, not a "
+            f"multiple of micro_batch_size={s.micro_batch_size}; use a multiple of "
+            f"{s.dp * s.micro_batch_size}"
+        )
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:

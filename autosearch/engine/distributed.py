@@ -7,6 +7,7 @@ workaround, not decoration: on CPU/gloo 5-14% of runs abort at interpreter exit 
 worker thread drops a tensor while Python finalizes (measured in shared/notes); exiting without
 finalization removed it in 50 of 50 runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,11 @@ def launched_world_size() -> int:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return (
+        dist.get_rank()
+        if dist.is_available() and dist.is_initialized()
+        else int(os.environ.get("RANK", "0"))
+    )
 
 
 def is_rank0() -> bool:
@@ -47,7 +52,8 @@ def device() -> torch.device:
 
 
 def init_distributed() -> None:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); no-op for one process."""
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); no-op for one
+    process."""
     if dist.is_initialized() or launched_world_size() == 1:
         return
     if torch.cuda.is_available():
@@ -59,7 +65,8 @@ def init_distributed() -> None:
 
 
 def shutdown(code: int = 0) -> NoReturn:
-    """Destroy the process group, flush, and exit without interpreter finalization (see module doc)."""
+    """Destroy the process group, flush, and exit without interpreter finalization (see module
+    doc)."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -4,13 +4,15 @@ A metric turns one batch into a vector of sums (`batch_sums`); the Engine adds t
 sums them over the dp ranks (and from the last pipeline stage) at the end, and calls `compute`.
 Sums, not per-rank averages, so the result is the same for any dp degree.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class Metric:
-    """Base class: subclasses define `name`, `width` (how many sums), `batch_sums` and `compute`."""
+    """Base class: subclasses define `name`, `width` (how many sums), `batch_sums` and
+    `compute`."""
 
     name = "metric"
     width = 1
@@ -25,7 +27,8 @@ class Metric:
 
 
 class Accuracy(Metric):
-    """Top-k accuracy of class (or next-token) predictions; outputs (..., classes), labels (...)."""
+    """Top-k accuracy of class (or next-token) predictions; outputs (..., classes), labels
+    (...)."""
 
     def __init__(self, topk: int = 1, *, ignore_index: int = -100):
         self.topk, self.ignore_index = topk, ignore_index

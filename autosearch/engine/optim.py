@@ -5,6 +5,7 @@ one from parameters). After parallelization the parameters are new objects (DTen
 pipeline copies), so the Engine builds one optimizer per model part with the same class, the
 same defaults, and the same per-group settings, matched by parameter name.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,18 +29,20 @@ _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_m
 def clean_name(name: str, *, ddp: bool = False) -> str:
     """A parameter name without checkpoint-wrapper / compile segments (and DDP's ``module.``)."""
     if ddp and name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 class OptimizerRecipe:
-    """How to rebuild an optimizer: its class, defaults, and per-group settings by parameter name."""
+    """How to rebuild an optimizer: its class, defaults, and per-group settings by parameter
+    name."""
 
     def __init__(self, optimizer: "torch.optim.Optimizer | Callable", names: dict[int, str]):
         if isinstance(optimizer, torch.optim.Optimizer):
             # An instance: rebuild with its class, constructor defaults and per-group settings.
             self.cls = type(optimizer)
-            # Only the defaults the constructor takes (AdamW.defaults holds more, e.g. decoupled_weight_decay).
+            # Only the defaults the constructor takes (AdamW.defaults holds more, e.g.
+            # decoupled_weight_decay).
             accepted = inspect.signature(self.cls.__init__).parameters
             self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             self.group_of: dict[str, dict[str, Any]] = {}
@@ -53,8 +56,8 @@ class OptimizerRecipe:
             self.factory = optimizer
         else:
             raise SpecError(
-                f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, got "
-                f"{type(optimizer).__name__}; e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)"
+                "optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, got"
+                f" {type(optimizer).__name__}; e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)"
             )
 
     def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
@@ -86,12 +89,18 @@ class OptimizerRecipe:
         if zero1_group is not None:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero1_group, **defaults)
+            return ZeroRedundancyOptimizer(
+                groups, optimizer_class=cls, process_group=zero1_group, **defaults
+            )
         return cls(groups, **defaults)
 
 
-def build_optimizers(parts: list[nn.Module], recipe: OptimizerRecipe, dims: "ParallelDims",
-                     mesh: "DeviceMesh | None") -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    parts: list[nn.Module],
+    recipe: OptimizerRecipe,
+    dims: "ParallelDims",
+    mesh: "DeviceMesh | None",
+) -> list[torch.optim.Optimizer]:
     """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP."""
     zero1_group = mesh.get_group("dp") if dims.mode.zero_redundancy_optimizer else None
     return [recipe.build(part, zero1_group=zero1_group) for part in parts]

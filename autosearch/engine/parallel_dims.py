@@ -3,6 +3,7 @@
 Rank layout (the one the cost model assumes): tp innermost, then dp, pp outermost, i.e.
 ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``; tp peers are neighbours (same node first).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ class ParallelDims:
     def from_strategy(cls, strategy: "Strategy", world_size: int) -> "ParallelDims":
         if strategy.world_size != world_size:
             raise SpecError(
-                f"strategy {strategy.short()} needs dp*tp*pp = {strategy.dp}*{strategy.tp}*{strategy.pp} = "
-                f"{strategy.world_size} processes but this run has {world_size}; launch it with "
-                f"`torchrun --nproc_per_node={strategy.world_size} ...` or choose degrees whose product is {world_size}"
+                f"strategy {strategy.short()} needs dp*tp*pp ="
+                f" {strategy.dp}*{strategy.tp}*{strategy.pp} = {strategy.world_size} processes but"
+                f" this run has {world_size}; launch it with `torchrun"
+                f" --nproc_per_node={strategy.world_size} ...` or choose degrees whose product is"
+                f" {world_size}"
             )
         return cls(strategy.dp, strategy.tp, strategy.pp, world_size, strategy.zero_stage)
 
@@ -44,7 +47,8 @@ class ParallelDims:
 
     @property
     def dp_mode(self) -> str:
-        """The name of `mode`: ``none`` (dp=1), ``ddp``, ``hsdp``, ``ddp_zero1``, ``fsdp_zero1-3``."""
+        """The name of `mode`: ``none`` (dp=1), ``ddp``, ``hsdp``, ``ddp_zero1``,
+        ``fsdp_zero1-3``."""
         return self.mode.name
 
     @property

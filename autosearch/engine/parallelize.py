@@ -11,6 +11,7 @@ reduce_dtype=float32)``. With dp = 1 there is nothing to shard and no wrapper is
 pipeline parallelism `torch.distributed.pipelining` decides when gradients are reduced: once per
 step, after the last micro-batch, for DDP and FSDP alike.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -52,17 +53,28 @@ def set_path(module: nn.Module, path: str, value) -> None:
     setattr(module.get_submodule(parent) if parent else module, leaf, value)
 
 
-def apply_tp(module: nn.Module, tp_mesh: "DeviceMesh", plan: ParallelPlan, *, sequence_parallel: bool,
-             loss_parallel: bool) -> None:
+def apply_tp(
+    module: nn.Module,
+    tp_mesh: "DeviceMesh",
+    plan: ParallelPlan,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
     """Megatron-style tensor parallel with DTensor `parallelize_module` and the model's own plan.
 
-    Entries naming modules this part does not hold (a pipeline stage without embeddings) are skipped.
+    Entries naming modules this part does not hold (a pipeline stage without embeddings) are
+    skipped.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = plan.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     names = [name for name, _ in module.named_modules()]
-    present = {key: style for key, style in styles.items() if any(fnmatch.fnmatchcase(n, key) for n in names)}
+    present = {
+        key: style
+        for key, style in styles.items()
+        if any(fnmatch.fnmatchcase(n, key) for n in names)
+    }
     parallelize_module(module, tp_mesh, present)
 
 
@@ -80,8 +92,11 @@ def apply_ac(module: nn.Module, plan: ParallelPlan, recompute: str) -> None:
     container = blocks_of(module, plan)
     if recompute == "full":
         if container is None:
-            targets = [(module, name, child) for name, child in module.named_children()
-                       if any(True for _ in child.parameters())]
+            targets = [
+                (module, name, child)
+                for name, child in module.named_children()
+                if any(True for _ in child.parameters())
+            ]
         else:
             targets = [(container, name, child) for name, child in container.named_children()]
         for parent, name, child in targets:
@@ -112,8 +127,14 @@ def apply_amp(module: nn.Module, amp: str, device_type: str) -> None:
     module.forward = autocast_forward
 
 
-def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh | None", plan: ParallelPlan,
-                        amp: str, device: torch.device) -> nn.Module:
+def apply_data_parallel(
+    module: nn.Module,
+    dims: ParallelDims,
+    mesh: "DeviceMesh | None",
+    plan: ParallelPlan,
+    amp: str,
+    device: torch.device,
+) -> nn.Module:
     """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring)."""
     mode = dims.mode
     if mode.wrapper == "none":
@@ -122,7 +143,9 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device] if device.type == "cuda" else None
-        return DistributedDataParallel(module, process_group=mesh.get_group("dp"), device_ids=device_ids)
+        return DistributedDataParallel(
+            module, process_group=mesh.get_group("dp"), device_ids=device_ids
+        )
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -140,9 +163,17 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh
     return module
 
 
-def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh: "DeviceMesh | None",
-                plan: ParallelPlan, *, device: torch.device, loss_parallel: bool = False,
-                materialize=None) -> list[tuple[int | None, nn.Module]]:
+def parallelize(
+    model: nn.Module,
+    strategy: "Strategy",
+    dims: ParallelDims,
+    mesh: "DeviceMesh | None",
+    plan: ParallelPlan,
+    *,
+    device: torch.device,
+    loss_parallel: bool = False,
+    materialize=None,
+) -> list[tuple[int | None, nn.Module]]:
     """The parts of `model` this rank runs, each parallelized: ``[(stage index or None, module)]``.
 
     Without pipeline parallelism there is one part (stage None); with it, `virtual_stages` parts.
@@ -159,8 +190,13 @@ def parallelize(model: nn.Module, strategy: "Strategy", dims: ParallelDims, mesh
     out = []
     for stage, part in parts:
         if dims.tp > 1:
-            apply_tp(part, mesh["tp"], plan, sequence_parallel=strategy.sequence_parallel,
-                     loss_parallel=loss_parallel)
+            apply_tp(
+                part,
+                mesh["tp"],
+                plan,
+                sequence_parallel=strategy.sequence_parallel,
+                loss_parallel=loss_parallel,
+            )
         apply_ac(part, plan, strategy.recompute)
         apply_amp(part, strategy.amp, device.type)
         early = materialize is not None and dims.mode.wrapper == "ddp"

@@ -6,6 +6,7 @@ contiguous run of blocks, the embeddings only on the first stage and the head on
 checkpoint saved under one pipeline layout loads under any other. Stages, micro-batching, the
 point-to-point sends and the schedules themselves are the library's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,9 @@ def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
-def pipeline_bounds(plan: ParallelPlan, strategy: "Strategy", n_blocks: int
-                    ) -> list[tuple[int, int]] | str:
+def pipeline_bounds(
+    plan: ParallelPlan, strategy: "Strategy", n_blocks: int
+) -> list[tuple[int, int]] | str:
     """(start, stop) block ranges of each pipeline chunk, or why the blocks cannot split so.
 
     The plan's `split_points` win; otherwise the strategy's layers per chunk (its
@@ -42,15 +44,18 @@ def pipeline_bounds(plan: ParallelPlan, strategy: "Strategy", n_blocks: int
         return plan.chunk_bounds(n_blocks, n_chunks)
     sizes = list(strategy.layers_per_chunk(n_blocks))
     if len(sizes) != n_chunks or min(sizes) < 1 or sum(sizes) != n_blocks:
-        return (f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} chunks of "
-                f"{sizes} blocks; every chunk needs at least one block and the sizes must add up "
-                f"to {n_blocks}")
+        return (
+            f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} chunks of "
+            f"{sizes} blocks; every chunk needs at least one block and the sizes must add up "
+            f"to {n_blocks}"
+        )
     edges = [sum(sizes[:i]) for i in range(n_chunks + 1)]
     return list(zip(edges, edges[1:]))
 
 
-def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *, pp_rank: int
-                   ) -> list[tuple[int, nn.Module]]:
+def split_pipeline(
+    model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *, pp_rank: int
+) -> list[tuple[int, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
     n_chunks = strategy.pp * strategy.virtual_stages
     from autosearch.engine.parallelize import get_path, set_path
@@ -65,7 +70,8 @@ def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *
         for key in keys[:start] + keys[stop:]:
             del blocks[key]
         dropped = (plan.first_stage if stage > 0 else ()) + (
-            plan.last_stage if stage < n_chunks - 1 else ())
+            plan.last_stage if stage < n_chunks - 1 else ()
+        )
         for name in dropped:
             if get_path(part, name) is not None:
                 set_path(part, name, None)
@@ -73,8 +79,13 @@ def split_pipeline(model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *
     return parts
 
 
-def build_schedule(parts: list[tuple[int, nn.Module]], strategy: "Strategy", mesh: "DeviceMesh",
-                   device: torch.device, loss_fn: Callable):
+def build_schedule(
+    parts: list[tuple[int, nn.Module]],
+    strategy: "Strategy",
+    mesh: "DeviceMesh",
+    device: torch.device,
+    loss_fn: Callable,
+):
     """PipelineStage per part and the schedule the strategy names, over the pp group.
 
     ``n_microbatches`` is the strategy's ``grad_accum_steps``; gradients are divided by it after
@@ -89,7 +100,9 @@ def build_schedule(parts: list[tuple[int, nn.Module]], strategy: "Strategy", mes
 
     n_chunks = strategy.pp * strategy.virtual_stages
     group = mesh.get_group("pp")
-    stages = [PipelineStage(module, stage, n_chunks, device, group=group) for stage, module in parts]
+    stages = [
+        PipelineStage(module, stage, n_chunks, device, group=group) for stage, module in parts
+    ]
     m = strategy.grad_accum_steps
     if strategy.pipeline_schedule == "gpipe":
         return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)

@@ -4,6 +4,7 @@ The reference transformer (`autosearch.transformer.Transformer.parallel_plan`) r
 model returns its own from a ``parallel_plan()`` method or passes it as ``Engine(..., plan=...)``.
 A model with no plan can still use dp, zero, full recompute (of the whole model) and amp.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,7 +24,8 @@ class ParallelPlan:
         first_stage: attributes (or dotted paths) only the first pipeline stage keeps
             (embeddings).
         last_stage: attributes (or dotted paths) only the last pipeline stage keeps (final
-            norm, head). A stage sets the others to ``None``, so the model's ``forward`` must skip ``None``
+            norm, head). A stage sets the others to ``None``, so the model's ``forward`` must skip
+            ``None``
             modules (as `autosearch.transformer.Transformer.forward` does, torchtitan style).
         split_points: block indices where pipeline chunks 1, 2, ... start (``pp * virtual_stages
             - 1`` of them, increasing); ``None`` splits the blocks evenly.
@@ -48,16 +50,23 @@ class ParallelPlan:
         """(start, stop) block ranges of each pipeline chunk, or a message saying why not."""
         if self.split_points is None:
             if n_blocks % n_chunks:
-                return (f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} equal chunks; "
-                        f"use pp*virtual_stages dividing {n_blocks}, or pass ParallelPlan(split_points=...)")
+                return (
+                    f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} equal"
+                    f" chunks; use pp*virtual_stages dividing {n_blocks}, or pass"
+                    " ParallelPlan(split_points=...)"
+                )
             size = n_blocks // n_chunks
             return [(i * size, (i + 1) * size) for i in range(n_chunks)]
         points = list(self.split_points)
         if len(points) != n_chunks - 1:
-            return (f"split_points {points} make {len(points) + 1} pipeline chunks but the strategy needs "
-                    f"pp*virtual_stages = {n_chunks}; give {n_chunks - 1} split points")
+            return (
+                f"split_points {points} make {len(points) + 1} pipeline chunks but the strategy"
+                f" needs pp*virtual_stages = {n_chunks}; give {n_chunks - 1} split points"
+            )
         edges = [0, *points, n_blocks]
         if any(b <= a for a, b in zip(edges, edges[1:])):
-            return (f"split_points {points} must be increasing block indices between 1 and {n_blocks - 1} "
-                    "(every chunk needs at least one block)")
+            return (
+                f"split_points {points} must be increasing block indices between 1 and"
+                f" {n_blocks - 1} (every chunk needs at least one block)"
+            )
         return list(zip(edges, edges[1:]))

@@ -90,8 +90,16 @@ class TrainLogger:
             return None
         return tokens_per_s * self.flops_per_token / self.peak_flops
 
-    def step(self, step: int, epoch: int, logs: dict[str, Any], *, batch: int, epochs: int,
-             batches: int | None) -> None:
+    def step(
+        self,
+        step: int,
+        epoch: int,
+        logs: dict[str, Any],
+        *,
+        batch: int,
+        epochs: int,
+        batches: int | None,
+    ) -> None:
         """Record one optimizer step: `step` counts from 1 over the whole run, `batch` from 1
         within `epoch` (of `epochs`, `batches` per epoch if known)."""
         if not self.enabled:
