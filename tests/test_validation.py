@@ -260,3 +260,21 @@ def test_a_validation_started_inside_a_torchrun_job_does_not_join_it(tmp_path, m
     row = result.table.iloc[0]
     assert row.status == "ok", row.reason
     assert list(tmp_path.glob("run000_*/rank*.json"))[0].name == "rank0.json"
+
+
+def test_validation_picks_distinct_kinds_not_near_duplicates():
+    """Of the study's best strategies, validation runs one per kind (axes, ZeRO-3 or not,
+    recompute, precision) before it runs a second of any kind."""
+    from autosearch.tuning import Candidate
+    from autosearch.validation import distinct_kinds
+
+    ranked = [
+        Candidate(Strategy(dp=8, micro_batch_size=1, global_batch_size=64, zero_stage=3)),
+        Candidate(Strategy(dp=8, micro_batch_size=2, global_batch_size=64, zero_stage=3)),
+        Candidate(Strategy(dp=8, micro_batch_size=4, global_batch_size=64, zero_stage=3)),
+        Candidate(Strategy(dp=4, tp=2, micro_batch_size=1, global_batch_size=64)),
+        Candidate(Strategy(dp=8, micro_batch_size=1, global_batch_size=64, recompute="full")),
+    ]
+    picked = distinct_kinds(ranked, 3)
+    assert picked == [ranked[0], ranked[3], ranked[4]]
+    assert distinct_kinds(ranked, 5) == [ranked[0], ranked[3], ranked[4], ranked[1], ranked[2]]

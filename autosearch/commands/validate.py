@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from autosearch.core.errors import SpecError
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
+    from autosearch.tuning import Candidate
     from autosearch.validation import validate
-    from autosearch.validation._validate import Candidate
 
     study = None
     if args.study:

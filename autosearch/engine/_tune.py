@@ -240,12 +240,10 @@ def _search(
     )
     validation = None
     if validate_top_k:
-        from autosearch.validation import Candidate, validate
+        from autosearch.validation import distinct_kinds, validate
 
         factory = factory or reference_factory(model)
-        candidates = [
-            Candidate(c.strategy, c.report, c.trial_number) for c in result.top_k[:validate_top_k]
-        ]
+        candidates = distinct_kinds(result.top_k, validate_top_k)
         validation = validate(
             spec,
             candidates,

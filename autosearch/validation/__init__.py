@@ -16,7 +16,14 @@ from autosearch.validation._validate import (
     Candidate,
     ValidationResult,
     candidates_from_study,
+    distinct_kinds,
     validate,
 )
 
-__all__ = ["Candidate", "ValidationResult", "candidates_from_study", "validate"]
+__all__ = [
+    "Candidate",
+    "ValidationResult",
+    "candidates_from_study",
+    "distinct_kinds",
+    "validate",
+]

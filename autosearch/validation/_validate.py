@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
 
@@ -19,19 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
-    from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
 
 VALIDATION_ATTR = "validation"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A strategy to run, with what the cost model predicted for it (if known)."""
-
-    strategy: "Strategy"
-    report: "CostReport | None" = None
-    trial_number: int | None = None
 
 
 @dataclass
@@ -407,19 +398,37 @@ def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, An
 
 
 def candidates_from_study(study: "optuna.Study", *, top_k: int = 3) -> list[Candidate]:
-    """The `top_k` fastest distinct feasible strategies of a tuner study, with their reports."""
+    """`top_k` feasible strategies of a tuner study to run, of distinct kinds where it can."""
     from optuna.trial import TrialState
 
-    from autosearch.core.report import CostReport
-    from autosearch.core.strategy import Strategy
+    from autosearch.tuning import read_candidates
 
-    seen: dict[Any, Candidate] = {}
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if "strategy" not in t.user_attrs or "report" not in t.user_attrs:
-            continue
-        s = Strategy.from_dict(t.user_attrs["strategy"])
-        report = CostReport.from_dict(t.user_attrs["report"])
-        if report.fits and s not in seen:
-            seen[s] = Candidate(s, report, t.number)
-    ranked = sorted(seen.values(), key=lambda c: -c.report.tokens_per_s)
-    return ranked[:top_k]
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return distinct_kinds(read_candidates(trials, top_k=None), top_k)
+
+
+def kind_key(strategy: "Strategy") -> tuple:
+    """What makes two strategies a different *kind* for validation: the parallel axes in use,
+    the ZeRO stage, the recompute kind and the precision (`autosearch.core.bands` groups the
+    model's errors by these)."""
+    s = strategy
+    axes = (s.dp > 1, s.tp > 1, s.pp > 1, s.cp > 1)
+    return axes, s.zero_stage == 3, s.recompute, s.fp8 if s.fp8 != "none" else s.amp
+
+
+def distinct_kinds(ranked: "Sequence[Candidate]", k: int) -> list[Candidate]:
+    """The best candidate of each kind, in rank order, up to `k`; then the best of the rest.
+
+    Validating near-duplicates of one strategy measures one error k times; one run per kind
+    measures where the model may be wrong (issue: trust the pick)."""
+    picked: list[Candidate] = []
+    seen: set[tuple] = set()
+    for c in ranked:
+        key = kind_key(c.strategy)
+        if key not in seen:
+            seen.add(key)
+            picked.append(c)
+        if len(picked) == k:
+            return picked
+    rest = [c for c in ranked if c not in picked]
+    return picked + rest[: k - len(picked)]
