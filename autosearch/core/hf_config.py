@@ -77,8 +77,9 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
     return data
 
 
-def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None = None):
-    """A ModelSpec with the shape of a Hugging Face causal LM config.
+def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """The ModelSpec fields of a Hugging Face causal LM config (`ModelSpec.from_hf_config`
+    builds the spec; this module never imports it, so the two do not import each other).
 
     Args:
         source: ``config.json`` path (or its folder), a dict, or a transformers PretrainedConfig.
@@ -91,14 +92,12 @@ def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None 
             config, a head size other than hidden_size / heads, or missing keys.
 
     Example:
-        >>> spec = spec_from_hf_config({"model_type": "llama", "num_hidden_layers": 2,
+        >>> fields = spec_fields({"model_type": "llama", "num_hidden_layers": 2,
         ...     "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
         ...     "vocab_size": 100, "max_position_embeddings": 32})
-        >>> spec.ffn_activation, spec.n_kv_heads
+        >>> fields["ffn_activation"], fields["n_kv_heads"]
         ('swiglu', 4)
     """
-    from autosearch.core.model_spec import ModelSpec
-
     cfg = read_config(source)
     model_type = cfg.get("model_type")
     label = name or cfg.get("_name_or_path") or model_type or "hf-model"
@@ -179,4 +178,4 @@ def spec_from_hf_config(source, *, name: str | None = None, seq_len: int | None 
             f"{label!r}: head_dim {head_dim} x {fields['n_heads']} heads != hidden_size "
             f"{fields['hidden_size']}; a ModelSpec assumes head size = hidden_size / heads"
         )
-    return ModelSpec(name=str(label), **fields)
+    return {"name": str(label), **fields}

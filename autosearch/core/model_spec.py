@@ -220,9 +220,9 @@ class ModelSpec:
     ) -> "ModelSpec":
         """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig
         (`autosearch.core.hf_config`)."""
-        from autosearch.core.hf_config import spec_from_hf_config
+        from autosearch.core.hf_config import spec_fields
 
-        return spec_from_hf_config(source, name=name, seq_len=seq_len)
+        return cls(**spec_fields(source, name=name, seq_len=seq_len))
 
     @classmethod
     def load(cls, name_or_path: "str | os.PathLike | ModelSpec") -> "ModelSpec":

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
-from autosearch.core.hf_config import LLAMA_LIKE, spec_from_hf_config
+from autosearch.core.hf_config import LLAMA_LIKE
+from autosearch.core.model_spec import ModelSpec
 from autosearch.engine.plan import ParallelPlan
 
 ATTN_IMPLEMENTATION = "autosearch_core"
@@ -141,7 +142,7 @@ class HFCausalLM(nn.Module):
             attn.config = self.config
             if not hasattr(attn, "core"):
                 attn.core = AttentionCore(attn.num_key_value_groups)
-        self.spec = spec_from_hf_config(self.config, seq_len=seq_len)
+        self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autosearch.engine.parallel_dims import ParallelDims
-from autosearch.engine.plan import ParallelPlan
+from autosearch.engine.plan import ParallelPlan, get_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -36,21 +36,6 @@ def blocks_of(module: nn.Module, plan: ParallelPlan) -> "nn.ModuleDict | nn.Modu
     """The container of repeated blocks the plan names, if the module has one."""
     container = get_path(module, plan.blocks)
     return container if isinstance(container, (nn.ModuleDict, nn.ModuleList)) else None
-
-
-def get_path(module: nn.Module, path: str):
-    """The attribute at a dotted path (``model.layers``), or None where any step is missing."""
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
-
-
-def set_path(module: nn.Module, path: str, value) -> None:
-    """Set the attribute at a dotted path (the parent must exist)."""
-    parent, _, leaf = path.rpartition(".")
-    setattr(module.get_submodule(parent) if parent else module, leaf, value)
 
 
 def apply_tp(

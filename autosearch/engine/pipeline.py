@@ -58,7 +58,7 @@ def split_pipeline(
 ) -> list[tuple[int, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
     n_chunks = strategy.pp * strategy.virtual_stages
-    from autosearch.engine.parallelize import get_path, set_path
+    from autosearch.engine.plan import get_path, set_path
 
     keys = list(get_path(model, plan.blocks).keys())
     bounds = pipeline_bounds(plan, strategy, len(keys))

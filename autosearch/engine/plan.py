@@ -70,3 +70,18 @@ class ParallelPlan:
                 f" {n_blocks - 1} (every chunk needs at least one block)"
             )
         return list(zip(edges, edges[1:]))
+
+
+def get_path(module: Any, path: str) -> Any:
+    """The attribute at a dotted path (``model.layers``), or None where any step is missing."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def set_path(module: Any, path: str, value: Any) -> None:
+    """Set the attribute at a dotted path of a module (the parent must exist)."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, leaf, value)
