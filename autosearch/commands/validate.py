@@ -86,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
 
     study = None
     if args.study:
-        study, meta = open_study(args.study, args.storage)
+        from autosearch.tuning import load_study
         from autosearch.validation import candidates_from_study
+
+        loaded = load_study(args.study, storage=args.storage)
+        study, meta = loaded.study, loaded.meta
 
         candidates = candidates_from_study(study, top_k=args.top_k)
         if not candidates:
@@ -95,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
                 f"study {study.study_name!r} has no completed trial that fits in memory; "
                 "nothing to validate"
             )
-        model = ModelSpec.load(args.model) if args.model else _model_from(meta)
-        cluster = args.cluster or _cluster_from(meta)
-        runtime = args.runtime or meta.get("runtime")
+        model = ModelSpec.load(args.model) if args.model else meta.load_model()
+        cluster = args.cluster or meta.load_cluster()
+        runtime = args.runtime or meta.runtime
         out = args.out or (
             os.path.join(args.study, "validation")
             if os.path.isdir(args.study)
@@ -133,70 +136,6 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {path}")
     return 0 if result.best is not None else 1
-
-
-def open_study(where: str, storage: str | None):
-    """(study, its autosearch metadata) from a tuner output folder or a study name + storage."""
-    import optuna
-
-    from autosearch.core.errors import SpecError
-    from autosearch.tuning import open_storage
-    from autosearch.tuning._storage import DEFAULT_FILENAME
-
-    name = None
-    if storage is None:
-        if not os.path.isdir(where):
-            raise SpecError(
-                f"--study {where!r} is not a folder; give the tuner's --out folder, or a study "
-                "name together with --storage"
-            )
-        candidates = [
-            os.path.join(where, f)
-            for f in (DEFAULT_FILENAME, "study.db")
-            if os.path.exists(os.path.join(where, f))
-        ]
-        if not candidates:
-            raise SpecError(
-                f"{where!r} holds no study ({DEFAULT_FILENAME}); was it written by "
-                "`autosearch tune --out`?"
-            )
-        storage = candidates[0]
-    else:
-        name = where
-    backend = open_storage(storage)
-    names = [
-        s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)
-    ]
-    if name is None:
-        if len(names) != 1:
-            raise SpecError(
-                f"{storage} holds {len(names)} studies ({', '.join(names)}); pass --storage "
-                "and the study name"
-            )
-        name = names[0]
-    elif name not in names:
-        raise SpecError(f"no study {name!r} in {storage}; it holds: {', '.join(names) or 'none'}")
-    study = optuna.load_study(study_name=name, storage=backend)
-    return study, dict(study.user_attrs.get("autosearch") or {})
-
-
-def _model_from(meta: dict):
-    from autosearch.core.errors import SpecError
-    from autosearch.core.model_spec import ModelSpec
-
-    if meta.get("model_spec"):
-        return ModelSpec.from_dict(meta["model_spec"])
-    if meta.get("model"):
-        return ModelSpec.load(meta["model"])
-    raise SpecError("the study does not record its model; pass --model")
-
-
-def _cluster_from(meta: dict):
-    from autosearch.core.hardware import Cluster
-
-    if meta.get("cluster_spec"):
-        return Cluster.from_dict(meta["cluster_spec"])
-    return meta.get("cluster")
 
 
 def summary(result, out: str) -> str:
