@@ -161,7 +161,7 @@ class AnalyticCostModel(CostModel):
                 prof.inter_node.latency_s,
                 min(intra_bw, per_node * prof.inter_node.achieved_bandwidth_bytes_per_s),
             )
-        self._link_cache[key] = link
+        _bounded(self._link_cache)[key] = link
         return link
 
     def _link_for(self, group: int, stride: int, op: str) -> tuple[float, float]:
@@ -211,7 +211,7 @@ class AnalyticCostModel(CostModel):
         )
         hit = self._layer_cache.get(key)
         if hit is None:
-            hit = self._layer_cache[key] = self._compute_layer_costs(*key)
+            hit = _bounded(self._layer_cache)[key] = self._compute_layer_costs(*key)
         return hit
 
     def _compute_layer_costs(
@@ -529,7 +529,7 @@ class AnalyticCostModel(CostModel):
         hit = self._band_cache.get(key)
         if hit is None:
             kind = kind_of(s, self.cluster, self.runtime.name)
-            hit = self._band_cache[key] = error_bands().band(kind)
+            hit = _bounded(self._band_cache)[key] = error_bands().band(kind)
         return hit
 
     def _attention_efficiency(self, precision: str) -> float:
@@ -572,7 +572,7 @@ class AnalyticCostModel(CostModel):
         key = (tp, mb, sp, precision, cp, fused, fp8, recompute)
         hit = self._act_cache.get(key)
         if hit is None:
-            hit = self._act_cache[key] = self._compute_activation_bytes(*key)
+            hit = _bounded(self._act_cache)[key] = self._compute_activation_bytes(*key)
         return hit
 
     def _compute_activation_bytes(
@@ -691,7 +691,7 @@ class AnalyticCostModel(CostModel):
             else:
                 chunks = strategy.layers_per_chunk(L)
                 hit = tuple(sum(chunks[r::p]) for r in range(p))
-            self._ranks_cache[key] = hit
+            _bounded(self._ranks_cache)[key] = hit
         return hit
 
     def _recomputed_layers(self, strategy: "Strategy", rank_layers: float) -> float:
@@ -876,6 +876,17 @@ class AnalyticCostModel(CostModel):
             memory=memory,
             notes=notes,
         )
+
+
+CACHE_ENTRIES = 65_536  # per cache: a search space has a few hundred layer shapes at most
+
+
+def _bounded(cache: dict) -> dict:
+    """`cache`, emptied first if it is full: a caller sweeping millions of distinct shapes
+    (micro-batch sizes, say) stays within a bounded memory (~10 MB per cache)."""
+    if len(cache) >= CACHE_ENTRIES:
+        cache.clear()
+    return cache
 
 
 @functools.lru_cache(maxsize=128)
