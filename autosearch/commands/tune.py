@@ -472,6 +472,8 @@ def summary(result) -> str:
             f"MFU {r.mfu:.1%}, "
             f"memory {fmt_bytes(r.peak_memory_bytes)} of {fmt_bytes(r.memory_capacity_bytes)}",
         ]
+        if r.band is not None:
+            lines.append(f"how sure  {r.band.describe(r.step_time_s)}")
         for i, c in enumerate(result.top_k[1:], 2):
             lines.append(
                 f"#{i:<8} {c.strategy.short()}  {c.report.tokens_per_s:,.0f} tokens/s "
