@@ -349,8 +349,8 @@ class AnalyticCostModel(CostModel):
         h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
         launch = self.profile.kernel_launch_s
         elementwise = self._elementwise_s(x)
-        gathered = T * h if x.sp else T * h / (t if x.sp else 1)
-        inputs = 2 * gathered + T * h / t + T * f / t  # qkv, fc1 (gathered), proj, fc2
+        # qkv and fc1 see the whole (gathered) sequence, proj and fc2 their tp shard
+        inputs = 2 * T * h + T * h / t + T * f / t
         grads = T * (h + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
         kernels = 2.0 if x.fp8 == "rowwise" else 1.0
         fp8_gathered = rt.fp8_all_gather and x.fp8 == "tensorwise"

@@ -112,22 +112,19 @@ class RuntimeOptions:
                 f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
             ) from None
 
+    def unsupported(self, strategy: "Strategy") -> dict[str, str]:
+        """{dimension: how the strategy uses it} for each dimension it uses that this runtime
+        cannot run."""
+        return {
+            dim: how for dim, how in dimensions_used(strategy).items() if dim not in self.supports
+        }
+
     def lacks(self, strategy: "Strategy") -> list[str]:
         """The dimensions of `strategy` this runtime cannot run, each as a message."""
-        wanted = {
-            "cp": strategy.cp > 1,
-            "fp8": strategy.fp8 != "none",
-            "compile": strategy.compile,
-            "async_tp": strategy.async_tp,
-            "selective_op": strategy.recompute == "selective_op",
-            "recompute_num_layers": strategy.recompute_num_layers is not None,
-            "uneven_pp": strategy.pipeline_split is not None,
-        }
+        supported = ", ".join(self.supports) or "none of cp, fp8, compile, async_tp"
         return [
-            f"runtime {self.name!r} cannot run {dim} (it supports "
-            f"{', '.join(self.supports) or 'none of cp, fp8, compile, async_tp'})"
-            for dim, used in wanted.items()
-            if used and dim not in self.supports
+            f"runtime {self.name!r} cannot run {how} (it supports {supported})"
+            for how in self.unsupported(strategy).values()
         ]
 
     @classmethod
@@ -137,6 +134,25 @@ class RuntimeOptions:
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key] or ())
         return cls(**kwargs)
+
+
+def dimensions_used(strategy: "Strategy") -> dict[str, str]:
+    """{dimension: how} for each dimension of today's stacks the strategy uses (the names of
+    `RuntimeOptions.supports`)."""
+    s = strategy
+    used = {
+        "cp": (s.cp > 1, f"cp={s.cp} (context parallel)"),
+        "fp8": (s.fp8 != "none", f"fp8={s.fp8}"),
+        "compile": (s.compile, "compile=true"),
+        "async_tp": (s.async_tp, "async_tp=true"),
+        "selective_op": (s.recompute == "selective_op", "recompute=selective_op"),
+        "recompute_num_layers": (
+            s.recompute_num_layers is not None,
+            f"recompute_num_layers={s.recompute_num_layers}",
+        ),
+        "uneven_pp": (s.pipeline_split is not None, "pipeline_split"),
+    }
+    return {dim: how for dim, (flag, how) in used.items() if flag}
 
 
 def _load_runtimes() -> dict[str, RuntimeOptions]:

@@ -119,24 +119,10 @@ def engine_lacks(strategy: "Strategy") -> list[str]:
     `supports` in cost_models/runtimes.yaml), each with what to do instead."""
     from autosearch.core import RUNTIMES
 
-    supported = set(RUNTIMES["torch"].supports)
-    wanted = {
-        "cp": (strategy.cp > 1, f"cp={strategy.cp} (context parallel)"),
-        "fp8": (strategy.fp8 != "none", f"fp8={strategy.fp8}"),
-        "compile": (strategy.compile, "compile=true"),
-        "async_tp": (strategy.async_tp, "async_tp=true"),
-        "selective_op": (strategy.recompute == "selective_op", "recompute=selective_op"),
-        "recompute_num_layers": (
-            strategy.recompute_num_layers is not None,
-            f"recompute_num_layers={strategy.recompute_num_layers}",
-        ),
-        "uneven_pp": (strategy.pipeline_split is not None, "pipeline_split"),
-    }
     return [
-        f"the Engine cannot run {what} on this machine's torch.distributed yet; leave it out, or "
+        f"the Engine cannot run {how} on this machine's torch.distributed yet; leave it out, or "
         f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
-        for dim, (used, what) in wanted.items()
-        if used and dim not in supported
+        for how in RUNTIMES["torch"].unsupported(strategy).values()
     ]
 
 
