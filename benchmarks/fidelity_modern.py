@@ -49,6 +49,10 @@ ASSUMED = {
     "torchtitan pipeline micro-batches": "as many micro-batches as pipeline stages (the late-2024"
     " default): 1F1B 8 of 4 sequences, interleaved 2 stages per rank, 16 of 2 sequences",
     "torchtitan async TP without compile (TT-2408)": "compile assumed on (async TP needs it)",
+    "torchtitan version": "rows by report date: TT-2408 and TT-2412 ran torchtitan's code of"
+    " late 2024 (runtime torchtitan-2412: fp32 logits from the model, loss not compiled), TT-2506"
+    " rows (the Jun 2025 reports) ran code as of torchtitan 0.1.0 (runtime torchtitan: compiled"
+    " loss on bf16 logits); neither report names its commit",
     "mosaicml model": "MPT: gelu 4h MLP, ALiBi (no position parameters), no biases, no dropout",
     "mosaicml fp8": "TransformerEngine delayed scaling -> tensorwise",
 }
@@ -68,7 +72,8 @@ def runtime_of(row: pd.Series) -> str:
         return "composer-fsdp"
     if "megatron" in framework:
         return "megatron-core"
-    return "torchtitan"
+    # torchtitan's code changed between the reports (ASSUMED["torchtitan version"])
+    return "torchtitan-2412" if row.id.startswith(("TT-2408", "TT-2412")) else "torchtitan"
 
 
 def model_of(row: pd.Series) -> ModelSpec:
@@ -98,7 +103,8 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
     v = 1 if str(row.virtual_stages) == "unknown" else int(row.virtual_stages)
     mb = int(row.micro_batch_size)
     schedule = "1f1b"
-    if runtime == "torchtitan" and pp > 1:
+    torchtitan = runtime.startswith("torchtitan")
+    if torchtitan and pp > 1:
         v = 2 if "Interleaved" in row.id else 1
         mb = gbs // dp // (pp * v)  # as many micro-batches as stages
     if v > 1:
@@ -106,9 +112,9 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
     fp8 = str(row.fp8).lower()
     fp8 = "rowwise" if "rowwise" in fp8 else ("none" if fp8 in ("none", "nan") else "tensorwise")
     async_tp = str(row.async_tp).lower() == "true"
-    compile_ = str(row.compile).lower() == "true" or (runtime == "torchtitan" and async_tp)
+    compile_ = str(row.compile).lower() == "true" or (torchtitan and async_tp)
     sp = tp > 1 and (
-        runtime in ("torchtitan", "megatron-core") or str(row.sequence_parallel).lower() == "true"
+        torchtitan or runtime == "megatron-core" or str(row.sequence_parallel).lower() == "true"
     )
     return Strategy(
         dp=dp,
@@ -213,13 +219,14 @@ def leave_one_group_out(rows: pd.DataFrame) -> dict:
         name="h100-sxm-96gb-500w",
         memory_capacity_bytes=HardwareProfile.load("h100-sxm-96gb-500w").memory_capacity_bytes,
     )
-    research = dataclasses.replace(RUNTIMES["torchtitan"], async_tp_overlap=0.875)
+    research = {
+        name: dataclasses.replace(RUNTIMES[name], async_tp_overlap=0.875)
+        for name in ("torchtitan", "torchtitan-2412")
+    }
     held_out = rows[rows.gpu == "h100-sxm-96gb-500w"]
     table = pd.DataFrame(
         [
-            predict(
-                r, profiles={"h100-sxm-96gb-500w": unfitted}, runtimes={"torchtitan": research}
-            )
+            predict(r, profiles={"h100-sxm-96gb-500w": unfitted}, runtimes=research)
             for _, r in held_out.iterrows()
         ]
     )

@@ -827,17 +827,29 @@ class AnalyticCostModel(CostModel):
             last_in_flight = in_flight
         else:
             last_in_flight = 1.0 + (in_flight - 1.0) * (v - 1) / v
-        # the logits and what the loss keeps: 16-bit logits, an fp32 copy and softmax (eager)
-        loss_bytes = (
-            rt.compiled_loss_bytes_per_logit if strategy.compile else rt.loss_bytes_per_logit
-        )
-        logits_bytes = tokens * model.vocab_size / t * (ab + loss_bytes - 2)
+        logits_bytes = tokens * model.vocab_size / t * self._loss_peak_bytes_per_logit(strategy)
         last_act = last_in_flight * held(ranks[-1]) + logits_bytes
         if rc != "none":  # the layer being recomputed holds its full activations once
             transient = act_none - (act_layer if rc == "full" else 0.0)
             first_act += transient
             last_act += transient
         return first_act + logits_bytes if p == 1 else max(first_act, last_act)
+
+    def _loss_peak_bytes_per_logit(self, strategy: "Strategy") -> float:
+        """Bytes per logit live at the loss's peak (its backward): the runtime's figure for an
+        eager or compiled loss, on the whole vocabulary or, with tp > 1 and a vocabulary-parallel
+        loss, on the shards (docs/runtimes.md [2.3], [2.8]); given for 16-bit logits, fp32
+        logits (amp fp32) add their 2 extra bytes."""
+        rt = self.runtime
+        if strategy.compile:
+            full, parallel = (
+                rt.compiled_loss_bytes_per_logit,
+                (rt.compiled_loss_parallel_bytes_per_logit),
+            )
+        else:
+            full, parallel = rt.loss_bytes_per_logit, rt.loss_parallel_bytes_per_logit
+        per_logit = parallel if strategy.tp > 1 and parallel > 0 else full
+        return per_logit + ACT_BYTES[strategy.amp] - 2
 
     def _report(
         self, strategy: "Strategy", step: float, time: TimeBreakdown, memory: MemoryBreakdown

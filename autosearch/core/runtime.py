@@ -61,6 +61,10 @@ class RuntimeOptions:
         loss_bytes_per_logit: bytes the loss keeps per logit (the logits, an fp32 copy and
             the saved softmax in eager mode; less when fused or compiled).
         compiled_loss_bytes_per_logit: the same with a compiled loss.
+        loss_parallel_bytes_per_logit: bytes per logit at the loss's peak when tensor
+            parallelism splits the vocabulary and the loss runs on the shards (DTensor
+            ``loss_parallel``); 0 means the same as `loss_bytes_per_logit`.
+        compiled_loss_parallel_bytes_per_logit: the same with a compiled loss.
         fp8_all_gather: FSDP gathers float8 weights when the strategy uses fp8.
         fp8_saves_fp8_inputs: float8 linears keep the float8 copy of their input for backward
             (TransformerEngine), not the 16-bit one (torchao).
@@ -91,6 +95,8 @@ class RuntimeOptions:
     compiled_elementwise_traffic: float = 1.0
     loss_bytes_per_logit: float = 10.0
     compiled_loss_bytes_per_logit: float = 10.0
+    loss_parallel_bytes_per_logit: float = 0.0
+    compiled_loss_parallel_bytes_per_logit: float = 0.0
     fp8_all_gather: bool = False
     fp8_saves_fp8_inputs: bool = False
     fused_swiglu: bool = False
