@@ -827,8 +827,14 @@ class AnalyticCostModel(CostModel):
             last_in_flight = in_flight
         else:
             last_in_flight = 1.0 + (in_flight - 1.0) * (v - 1) / v
-        logits_bytes = tokens * model.vocab_size / t * self._loss_peak_bytes_per_logit(strategy)
+        logits = tokens * model.vocab_size / t  # of one micro-batch, on this rank
+        logits_bytes = logits * self._loss_peak_bytes_per_logit(strategy)
         last_act = last_in_flight * held(ranks[-1]) + logits_bytes
+        if p > 1:
+            # torch.distributed.pipelining's last stage appends every micro-batch's output (the
+            # logits) to `output_chunks` and keeps them until the step returns them merged
+            # (pipelining/stage.py::forward_one_chunk, schedules.py::step); docs/runtimes.md [2.7]
+            last_act += strategy.grad_accum_steps * logits * rt.pp_kept_output_bytes_per_logit
         if rc != "none":  # the layer being recomputed holds its full activations once
             transient = act_none - (act_layer if rc == "full" else 0.0)
             first_act += transient
@@ -842,10 +848,8 @@ class AnalyticCostModel(CostModel):
         logits (amp fp32) add their 2 extra bytes."""
         rt = self.runtime
         if strategy.compile:
-            full, parallel = (
-                rt.compiled_loss_bytes_per_logit,
-                (rt.compiled_loss_parallel_bytes_per_logit),
-            )
+            full = rt.compiled_loss_bytes_per_logit
+            parallel = rt.compiled_loss_parallel_bytes_per_logit
         else:
             full, parallel = rt.loss_bytes_per_logit, rt.loss_parallel_bytes_per_logit
         per_logit = parallel if strategy.tp > 1 and parallel > 0 else full

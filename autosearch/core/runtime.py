@@ -65,6 +65,10 @@ class RuntimeOptions:
             parallelism splits the vocabulary and the loss runs on the shards (DTensor
             ``loss_parallel``); 0 means the same as `loss_bytes_per_logit`.
         compiled_loss_parallel_bytes_per_logit: the same with a compiled loss.
+        pp_kept_output_bytes_per_logit: bytes per logit the last pipeline stage keeps for
+            every micro-batch of the step (torch.distributed.pipelining returns the merged
+            outputs, the logits in the model's output dtype); 0 when the runtime does not keep
+            them.
         fp8_all_gather: FSDP gathers float8 weights when the strategy uses fp8.
         fp8_saves_fp8_inputs: float8 linears keep the float8 copy of their input for backward
             (TransformerEngine), not the 16-bit one (torchao).
@@ -97,6 +101,7 @@ class RuntimeOptions:
     compiled_loss_bytes_per_logit: float = 10.0
     loss_parallel_bytes_per_logit: float = 0.0
     compiled_loss_parallel_bytes_per_logit: float = 0.0
+    pp_kept_output_bytes_per_logit: float = 0.0
     fp8_all_gather: bool = False
     fp8_saves_fp8_inputs: bool = False
     fused_swiglu: bool = False
