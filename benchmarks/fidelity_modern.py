@@ -290,7 +290,7 @@ def main() -> None:
     logo = leave_one_group_out(rows)
     for name, g in logo.items():
         print(
-            f"{name} predicted without the constants chosen against its own table: throughput MAPE "
+            f"{name} without the constants chosen against its own table: throughput MAPE "
             f"{g['throughput_mape']:.1%}, worst {g['worst_error']:+.1%}"
         )
     sc21 = sc21_figures()
