@@ -128,7 +128,7 @@ class AnalyticCostModel(CostModel):
         self.model = model
         self.cluster = cluster
         self.runtime = RuntimeOptions.get(runtime)
-        self.profile = cluster.profile
+        self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._layer_cache: dict[tuple, LayerCosts] = {}
         self._act_cache: dict[tuple, float] = {}
@@ -844,7 +844,7 @@ class AnalyticCostModel(CostModel):
     def _loss_peak_bytes_per_logit(self, strategy: "Strategy") -> float:
         """Bytes per logit live at the loss's peak (its backward): the runtime's figure for an
         eager or compiled loss, on the whole vocabulary or, with tp > 1 and a vocabulary-parallel
-        loss, on the shards (docs/runtimes.md [2.3], [2.8]); given for 16-bit logits, fp32
+        loss, on the shards (docs/runtimes.md [2.3], [2.9]); given for 16-bit logits, fp32
         logits (amp fp32) add their 2 extra bytes."""
         rt = self.runtime
         if strategy.compile:
