@@ -566,10 +566,11 @@ class AnalyticCostModel(CostModel):
         cp: int,
         fused: bool,
         fp8: bool,
+        compiled: bool,
         recompute: str,
     ) -> float:
         """Bytes one layer keeps for backward, per micro-batch, on one rank."""
-        key = (tp, mb, sp, precision, cp, fused, fp8, recompute)
+        key = (tp, mb, sp, precision, cp, fused, fp8, compiled, recompute)
         hit = self._act_cache.get(key)
         if hit is None:
             hit = _bounded(self._act_cache)[key] = self._compute_activation_bytes(*key)
@@ -584,6 +585,7 @@ class AnalyticCostModel(CostModel):
         cp: int,
         fused: bool,
         fp8: bool,
+        compiled: bool,
         recompute: str,
     ) -> float:
         m, rt = self.model, self.runtime
@@ -597,6 +599,13 @@ class AnalyticCostModel(CostModel):
             # sequence-parallel all-gathers included, is recomputed (docs/runtimes.md [2.2]).
             h, kv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
             saved = (h + kv + f + h) / tp + h / sp_div + h / sp_div
+            if compiled:
+                # Eager SAC stores every MUST_SAVE output whether backward reads it or not
+                # (torch/utils/checkpoint.py::_CachingTorchDispatchMode); compiled, the policy
+                # only bans recomputing them and the partitioner saves what backward needs,
+                # which drops w2's output (it only feeds the residual add) (docs/runtimes.md
+                # [2.2])
+                saved -= h / tp
             return tokens * ab * saved + 4.0 * m.n_heads / tp * tokens
         out = layer_activation_bytes(
             seq_len=seq,
@@ -807,7 +816,7 @@ class AnalyticCostModel(CostModel):
         ab = ACT_BYTES[precision]
         fused = strategy.compile or rt.fused_swiglu
         fp8_inputs = strategy.fp8 != "none" and rt.fp8_saves_fp8_inputs
-        key = (t, mb, sp, precision, strategy.cp, fused, fp8_inputs)
+        key = (t, mb, sp, precision, strategy.cp, fused, fp8_inputs, strategy.compile)
         act_none = self._activation_bytes(*key, "none")
         act_layer = self._activation_bytes(*key, rc)
 
