@@ -844,11 +844,28 @@ class AnalyticCostModel(CostModel):
             # logits) to `output_chunks` and keeps them until the step returns them merged
             # (pipelining/stage.py::forward_one_chunk, schedules.py::step); docs/runtimes.md [2.7]
             last_act += strategy.grad_accum_steps * logits * rt.pp_kept_output_bytes_per_logit
+        transient = self._cp_attention_backward_bytes(strategy)
         if rc != "none":  # the layer being recomputed holds its full activations once
-            transient = act_none - (act_layer if rc == "full" else 0.0)
-            first_act += transient
-            last_act += transient
+            transient += act_none - (act_layer if rc == "full" else 0.0)
+        first_act += transient
+        last_act += transient
         return first_act + logits_bytes if p == 1 else max(first_act, last_act)
+
+    def _cp_attention_backward_bytes(self, strategy: "Strategy") -> float:
+        """What one layer's context-parallel attention backward holds beyond the layer's
+        activations (torch `_templated_ring_attention_backward` with the allgather rotater,
+        docs/runtimes.md [1.5]): K and V of the whole sequence gathered in the amp dtype, one
+        ring step's SDPA gradients, fp32 accumulators of dQ, dK, dV for the local shard, and the
+        fp32 dK, dV buffers sent and received round the ring."""
+        rt, m, cp, t = self.runtime, self.model, strategy.cp, strategy.tp
+        if cp <= 1 or not rt.cp_all_gather_kv:
+            return 0.0
+        ab = ACT_BYTES[strategy.amp]
+        kv = m.hidden_size if rt.attention_kv_expanded else m.kv_hidden_size
+        local = strategy.micro_batch_size * m.seq_len / cp  # tokens of the local shard
+        gathered = 2 * local * cp * kv / t * ab
+        qkv = local * (m.hidden_size + 2 * kv) / t
+        return gathered + qkv * ab + 4 * qkv + 2 * 4 * local * 2 * kv / t
 
     def _loss_peak_bytes_per_logit(self, strategy: "Strategy") -> float:
         """Bytes per logit live at the loss's peak (its backward): the runtime's figure for an

@@ -139,3 +139,23 @@ def test_engine_runtime_keeps_its_memory():
     more = dataclasses.replace(torch_rt, loss_bytes_per_logit=torch_rt.loss_bytes_per_logit + 4)
     delta = activations(more, s) - activations(torch_rt, s)
     assert delta == pytest.approx(4 * logits_of(s), rel=REL)
+
+
+def test_context_parallel_backward_holds_the_gathered_kv_and_fp32_gradients():
+    """Llama 3 8B at 262,144 tokens over cp = 8 (torchtitan Table 2): the gathered K, V of the
+    whole sequence at full head count (repeat_kv), one ring step's bf16 SDPA gradients, fp32
+    dQ/dK/dV accumulators and the fp32 dK, dV sent and received (docs/runtimes.md [1.5])."""
+    model = dataclasses.replace(LLAMA8B, name="llama3-8b-256k", seq_len=262_144)
+    cluster = Cluster.parse("h100-sxm:1x8")
+    s = Strategy(cp=8, micro_batch_size=1, global_batch_size=1, zero_stage=3, recompute="full")
+    without = dataclasses.replace(TITAN, cp_all_gather_kv=False)
+    delta = activations(TITAN, s, model, cluster) - activations(without, s, model, cluster)
+    local, h = 32_768, 4096  # tokens per rank; K, V at n_heads x head_dim = h
+    gathered = 2 * local * 8 * h * 2
+    qkv = local * 3 * h
+    expected = gathered + qkv * 2 + qkv * 4 + 2 * 4 * local * 2 * h
+    assert expected == pytest.approx(8.86e9, rel=1e-3)  # docs/runtimes.md [1.5]: 8.9 GB
+    assert delta == pytest.approx(expected, rel=REL)
+    # at n_kv_heads (8 of 32) the whole-sequence K, V would be a quarter as large
+    narrow = dataclasses.replace(TITAN, attention_kv_expanded=False)
+    assert activations(narrow, s, model, cluster) < activations(TITAN, s, model, cluster)

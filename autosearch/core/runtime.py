@@ -66,6 +66,11 @@ class RuntimeOptions:
             parallelism splits the vocabulary and the loss runs on the shards (DTensor
             ``loss_parallel``); 0 means the same as `loss_bytes_per_logit`.
         compiled_loss_parallel_bytes_per_logit: the same with a compiled loss.
+        attention_kv_expanded: keys and values reach the attention kernel at the full head
+            count (``repeat_kv`` before SDPA, torchtitan), not at ``n_kv_heads``.
+        cp_all_gather_kv: context parallel all-gathers the keys and values of the whole
+            sequence for each attention call and its backward holds them next to fp32 gradient
+            accumulators (torch's ring attention with the ``allgather`` rotater).
         pp_kept_output_bytes_per_logit: bytes per logit the last pipeline stage keeps for
             every micro-batch of the step (torch.distributed.pipelining returns the merged
             outputs, the logits in the model's output dtype); 0 when the runtime does not keep
@@ -105,6 +110,8 @@ class RuntimeOptions:
     compiled_loss_bytes_per_logit: float = 10.0
     loss_parallel_bytes_per_logit: float = 0.0
     compiled_loss_parallel_bytes_per_logit: float = 0.0
+    attention_kv_expanded: bool = False
+    cp_all_gather_kv: bool = False
     pp_kept_output_bytes_per_logit: float = 0.0
     fp8_all_gather: bool = False
     fp8_saves_fp8_inputs: bool = False
