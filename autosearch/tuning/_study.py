@@ -179,6 +179,15 @@ def tune(
         raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
+    if price_per_gpu_hour is not None and not (
+        isinstance(price_per_gpu_hour, (int, float))
+        and not isinstance(price_per_gpu_hour, bool)
+        and 0 < price_per_gpu_hour < float("inf")
+    ):
+        raise SpecError(
+            f"price_per_gpu_hour must be a positive number of dollars per device-hour, got "
+            f"{price_per_gpu_hour!r} (e.g. --price-per-gpu-hour 2.5)"
+        )
     cm = _resolve_cost_model(cost_model, model, cluster, runtime)
     opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
     plan = None
@@ -254,8 +263,10 @@ def tune(
         "n_units": n_units,
         "space": _describe(space),
         "plan": plan.reason if plan else None,
+        "price_per_gpu_hour": price_per_gpu_hour,
     }
     runner.plan = _coverage_line(sampler_name, target, plan, runner, unit, n_units)
+    runner.price_per_gpu_hour = price_per_gpu_hour
     if out_dir is None:
         result = _collect(runner, top_k=top_k, n_new=n_new, out=None, timings=timings)
     else:
@@ -314,6 +325,7 @@ class _Runner:
         )
         self._in_shadow = 0
         self.plan = ""
+        self.price_per_gpu_hour: float | None = None
         # the stored trials' parameters (plain names: `_params.py`) and what the trial in
         # flight scored: its group of strategies and the one it kept
         self.plain = PlainParams(space) if self.storage is not None else None
@@ -673,6 +685,7 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=No
         n_units=n_units,
         n_units_covered=covered,
         plan=runner.plan.format(covered=covered),
+        price_per_gpu_hour=runner.price_per_gpu_hour,
     )
 
 
