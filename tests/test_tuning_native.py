@@ -83,11 +83,13 @@ def test_plain_choices_of_the_tree_equal_those_of_the_enumeration():
     space = SearchSpace(
         "llama3-8b", "h100-sxm:1x8", global_batch_size=32, config="megatron", amp="bf16"
     )
-    seen: dict[str, set] = {}
+    choices = space.plain_choices()
+    seen: dict[str, set] = {name: set() for name in choices}
     for s in space.enumerate():
-        for name, values in space.plain_choices().items():
-            seen.setdefault(name, set()).add(plain_value(s, name))
-    assert {k: set(v) for k, v in space.plain_choices().items()} == seen
+        for name in choices:
+            seen[name].add(plain_value(s, name))
+    assert {k: set(v) for k, v in choices.items()} == seen
+    assert all(len(v) == len(set(v)) for v in choices.values())  # no value twice
 
 
 # ---- importances as optuna-dashboard computes them ---------------------------------------------
@@ -144,7 +146,7 @@ def test_report_importances_equal_optuna_dashboards_own_function(tmp_path):
     assert printed == pytest.approx(by_name, abs=5e-5 + 1e-12)
 
 
-# ---- ties and twins ------------------------------------------------------------------------------
+# ---- ties and twins ----------------------------------------------------------------------------
 def _trial(number_value: float, strategy: Strategy, report: dict) -> optuna.trial.FrozenTrial:
     return optuna.trial.create_trial(
         value=number_value,
