@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._ranking import same_value, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster
@@ -48,8 +49,6 @@ class Objective(abc.ABC):
         """Single-objective order used inside a trial group: feasible first, then the first
         objective value with the project's tie rule (`_ranking.py`: less memory, bf16, fewer
         parallel axes); among infeasible strategies the least hungry wins."""
-        from autosearch.tuning._ranking import same_value, tie_key
-
         if b is None:
             return True
         if a.fits != b.fits:

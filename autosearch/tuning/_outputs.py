@@ -604,7 +604,7 @@ def _plot_importances(
 
     first = importances[0]
     names = list(first)[::-1]
-    fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
+    fig, ax = plt.subplots(figsize=(7.5, 0.35 * len(names) + 1.2))
     ax.barh(names, [first[n] for n in names], color="tab:purple")
     ax.set_xlabel(
         f"importance for {objective.value_names[0]} (PED-ANOVA, as optuna-dashboard computes it)"
