@@ -128,7 +128,7 @@ class AnalyticCostModel(CostModel):
         self.model = model
         self.cluster = cluster
         self.runtime = RuntimeOptions.get(runtime)
-        self.profile = cluster.profile
+        self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._layer_cache: dict[tuple, LayerCosts] = {}
         self._act_cache: dict[tuple, float] = {}

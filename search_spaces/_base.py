@@ -42,6 +42,17 @@ class BaseSearchSpace(abc.ABC):
         the groups of a space partition it, and `params_of(s, group=True)` names the group of s."""
         return (self.suggest(trial),)
 
+    def group_params(self) -> Iterator[dict[str, Any]]:
+        """The trial parameters of every group once, in `enumerate` order (what an exhaustive
+        search over groups visits)."""
+        seen: set[tuple] = set()
+        for s in self.enumerate():
+            params = self.params_of(s, group=True)
+            key = tuple(sorted(params.items()))
+            if key not in seen:
+                seen.add(key)
+                yield params
+
     @abc.abstractmethod
     def params_of(self, strategy: "Strategy", *, group: bool = False) -> dict[str, Any]:
         """The trial parameters that make `suggest` (or, with `group`, `suggest_group`) produce

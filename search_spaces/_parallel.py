@@ -320,6 +320,13 @@ class SearchSpace(BaseSearchSpace):
             for schedule, v in options:
                 yield Layout(world // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
 
+    def group_params(self) -> Iterator[dict[str, Any]]:
+        """The trial parameters of every layout, in `layouts` order (one strategy of each is
+        built to name them: 1,740 instead of the 99,180 strategies of GPT-3 175B on 384
+        GPUs)."""
+        for layout in self.layouts():
+            yield self.params_of(next(self._group(layout)), group=True)
+
     def _group(self, layout: Layout) -> Iterator[Strategy]:
         """The strategies of one layout: every combination of the independent axes."""
         for rc in self.recomputes:

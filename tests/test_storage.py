@@ -248,3 +248,29 @@ def test_exhaustive_strategy_units_cover_the_space_once_across_shadow_renewals(
     )
     params = {tuple(sorted(t.params.items())) for t in result.study.get_trials()}
     assert result.n_trials == len(params) == space.size == result.n_units_covered
+
+
+def test_exhaustive_search_flushes_the_journal_once_per_batch_and_loses_nothing(
+    tmp_path, monkeypatch
+):
+    """One fsync per EXHAUSTIVE_BATCH trials (not per trial), and every unit stored whole."""
+    import autosearch.tuning._journal as journal_module
+    import autosearch.tuning._study as study_module
+    from search_spaces import SearchSpace
+
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(journal_module.os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(study_module, "EXHAUSTIVE_BATCH", 16)
+    space = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
+    storage = tmp_path / "s.journal"
+    result = tune(
+        space.model, space.cluster, global_batch_size=64, sampler="exhaustive", storage=storage
+    )
+    n = space.n_groups
+    assert result.n_trials == result.n_units_covered == n
+    study_writes = 2  # creating the study and its metadata (flushed one by one)
+    assert len(calls) <= study_writes + -(-n // 16)
+    # another reader sees every trial, whole, with its report
+    trials = load_study(result.study.study_name, storage=str(storage)).study.get_trials()
+    assert len(trials) == n and all("report" in t.user_attrs for t in trials)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
@@ -183,6 +184,11 @@ def check_keys(
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _int_limit(name: str) -> int:
+    return INT_LIMITS.get(name.rsplit(": ", 1)[-1], DEFAULT_INT_LIMIT)
+
+
 def positive_int(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
     """Check an integer field (bools and floats with a fraction are rejected).
 
@@ -190,7 +196,9 @@ def positive_int(value: Any, name: str, *, minimum: int = 1, maximum: int | None
     ": "), else `DEFAULT_INT_LIMIT`.
     """
     if maximum is None:
-        maximum = INT_LIMITS.get(name.rsplit(": ", 1)[-1], DEFAULT_INT_LIMIT)
+        maximum = _int_limit(name)
+    if type(value) is int and minimum <= value <= maximum:  # the common case, fast
+        return value
     if isinstance(value, float) and not math.isfinite(value):
         raise SpecError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:

@@ -98,6 +98,7 @@ class HardwareProfile:
     name: str
     description: str = ""
     device_type: str = "cuda"
+    architecture: str = ""  # GPU architecture (ampere, hopper): what kernels a runtime has for it
     gpus_per_node: int
     peak_flops: dict[str, float]
     memory_capacity_bytes: float
@@ -166,6 +167,20 @@ class HardwareProfile:
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s / factor,
             cache_bandwidth_bytes_per_s=self.cache_bandwidth_bytes_per_s / factor,
             description=f"{self.description} (oversubscribed x{factor:g})",
+        )
+
+    def scaled_compute(self, factor: float, *, why: str) -> "HardwareProfile":
+        """This profile with every compute efficiency (GEMM ceilings, fused attention) times
+        `factor`: what a runtime without this architecture's own kernels reaches on it."""
+        gemm = dataclasses.replace(
+            self.gemm, max_efficiency={k: v * factor for k, v in self.gemm.max_efficiency.items()}
+        )
+        return dataclasses.replace(
+            self,
+            gemm=gemm,
+            attention_efficiency={k: v * factor for k, v in self.attention_efficiency.items()},
+            attention_kernels={k: v * factor for k, v in self.attention_kernels.items()},
+            description=f"{self.description} (kernels of {why}: x{factor:g})",
         )
 
     # ---- YAML ---------------------------------------------------------------------------------
@@ -258,6 +273,7 @@ class HardwareProfile:
             name=str(data["name"]),
             description=str(data.get("description", "")),
             device_type=str(data.get("device_type", "cuda")),
+            architecture=str(data.get("architecture", "")),
             gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
             peak_flops=peak,
             memory_capacity_bytes=capacity,
@@ -307,6 +323,7 @@ class HardwareProfile:
             "name": self.name,
             "description": self.description,
             "device_type": self.device_type,
+            "architecture": self.architecture,
             "sources": list(self.sources),
             "gpus_per_node": self.gpus_per_node,
             "peak_flops": dict(self.peak_flops),

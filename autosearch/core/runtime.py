@@ -18,6 +18,7 @@ from autosearch.core._io import check_keys, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import HardwareProfile
     from autosearch.core.strategy import Strategy
 
 
@@ -68,6 +69,9 @@ class RuntimeOptions:
             (TransformerEngine); `compile` fuses it too.
         allocator_reserve_fraction: memory the caching allocator reserves beyond the live
             tensors at the peak (fragmentation), as a fraction of them.
+        kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
+            fused attention) of the hardware profile, for a runtime whose build predates that
+            architecture's kernels (e.g. CUDA 11.8 on Hopper); 1 where not listed.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``).
         sources: where each value comes from (docs/runtimes.md has the details).
@@ -96,6 +100,7 @@ class RuntimeOptions:
     fused_swiglu: bool = False
     allocator_reserve_fraction: float = 0.0
     step_overhead_s: float = 0.0
+    kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
 
@@ -133,7 +138,23 @@ class RuntimeOptions:
         for key in ("supports", "sources"):
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key] or ())
+        if "kernel_efficiency" in kwargs:
+            factors = kwargs["kernel_efficiency"] or {}
+            if not isinstance(factors, dict) or not all(
+                isinstance(v, (int, float)) and 0 < v <= 1 for v in factors.values()
+            ):
+                raise SpecError(
+                    f"{what}: kernel_efficiency must map architectures to factors in (0, 1], "
+                    f"got {factors!r}"
+                )
+            kwargs["kernel_efficiency"] = tuple((str(k), float(v)) for k, v in factors.items())
         return cls(**kwargs)
+
+    def on(self, profile: "HardwareProfile") -> "HardwareProfile":
+        """`profile` as this runtime's kernels run on it: GEMM and fused-attention efficiencies
+        times `kernel_efficiency[profile.architecture]` (the profile itself where 1)."""
+        factor = dict(self.kernel_efficiency).get(profile.architecture, 1.0)
+        return profile if factor == 1.0 else profile.scaled_compute(factor, why=self.name)
 
 
 def dimensions_used(strategy: "Strategy") -> dict[str, str]:

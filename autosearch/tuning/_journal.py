@@ -19,6 +19,7 @@ worker that keeps one storage object reads only what other workers appended sinc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -55,6 +56,8 @@ class JournalFile(BaseJournalBackend):
             raise SpecError(f"cannot open the journal {self.path!r}: {exc.strerror}") from None
         self._offsets: list[int] = [0]  # byte offset of record i (and one past the last read)
         self._warned_torn = False
+        self._defer_fsync = 0  # > 0 inside `deferred_fsync`
+        self._unsynced = False
 
     # ---- reading -------------------------------------------------------------------------------
     def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
@@ -115,9 +118,34 @@ class JournalFile(BaseJournalBackend):
                 data = memoryview(payload.encode("utf-8"))
                 while data:
                     data = data[os.write(fd, data) :]
-                os.fsync(fd)
+                if self._defer_fsync:
+                    self._unsynced = True
+                else:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
+
+    @contextlib.contextmanager
+    def deferred_fsync(self) -> Iterator[None]:
+        """Appends inside this block are written at once but flushed to the disk once, at its
+        end: one `fsync` per batch of trials instead of one per trial (it costs 2-5 ms).
+
+        A process killed inside the block loses nothing it wrote: the records are in the page
+        cache, and other processes read them. Only a power loss or an OS crash before the
+        final fsync can drop the batch's tail, which the torn-tail repair then cuts off.
+        """
+        self._defer_fsync += 1
+        try:
+            yield
+        finally:
+            self._defer_fsync -= 1
+            if not self._defer_fsync and self._unsynced:
+                self._unsynced = False
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def _cut_torn_tail(self, fd: int) -> None:
         """Truncate a last line without its newline (only ever a torn write: every record is

@@ -82,6 +82,14 @@ class OpenedStorage:
     description: str
     lock_path: str | None = None
     url: str | None = None
+    journal: Any = None  # the JournalFile backend of a journal storage
+
+    def batched_writes(self):
+        """A block whose trial writes may be flushed to the disk together (journal: one fsync
+        at the end, see `JournalFile.deferred_fsync`); a no-op for the other storages."""
+        if self.journal is not None:
+            return self.journal.deferred_fsync()
+        return contextlib.nullcontext()
 
     @property
     def exact(self) -> bool:
@@ -179,7 +187,7 @@ def _open_journal(path: str) -> OpenedStorage:
             f"{path!r} is not an Optuna journal ({type(exc).__name__}: {exc}); move it away or "
             "pass another --storage"
         ) from None
-    return OpenedStorage(storage, "journal", path, lock_path=lock_path)
+    return OpenedStorage(storage, "journal", path, lock_path=lock_path, journal=backend)
 
 
 def _open_sqlite(path: str) -> OpenedStorage:

@@ -439,28 +439,39 @@ class _Runner:
     def run(self, target: int, *, progress) -> int:
         """Run trials until the study holds `target` finished ones (exhaustive: until `target`
         units are covered, or every unit is). Returns how many this worker persisted."""
+        if self.exhaustive:
+            return self._run_exhaustive(target, progress=progress)
         new = 0
-        while True:
+        while self._finished < target:
             self._renew_shadow_if_due()
-            if self.exhaustive:
-                with self.lock():
-                    self.sync()
-                    params = self._next_unit() if self.n_covered < target else None
-                    if params is None:
-                        break
-                    self.shadow.enqueue_trial(params)
-                    persisted = self._one_trial(target)
-            else:
-                if self._finished >= target:
-                    break
-                persisted = self._one_trial(target)
-            if not persisted:
+            if not self._one_trial(target):
                 break
             new += 1
             if progress is not None:
-                done = self.n_covered if self.exhaustive else self._finished
-                progress(min(done, target), target, self._best)
+                progress(min(self._finished, target), target, self._best)
         return new
+
+    def _run_exhaustive(self, target: int, *, progress) -> int:
+        """Score the units no trial holds yet, in the space's fixed order, `EXHAUSTIVE_BATCH`
+        per turn of the study lock: sync, score a unit, persist it, next; the storage is
+        flushed to the disk once per turn. No sampler is asked: the unit's parameters are
+        known, so a trial is built whole (`optuna.trial.create_trial`) and stored."""
+        new = 0
+        while True:
+            self._renew_shadow_if_due()
+            batch = self.opened.batched_writes() if self.opened is not None else None
+            with self.lock(), batch or contextlib.nullcontext():
+                self.sync()
+                for _ in range(EXHAUSTIVE_BATCH):
+                    params = self._next_unit() if self.n_covered < target else None
+                    if params is None:
+                        return new
+                    self._in_shadow += 1
+                    if not self._persist(*self._score_unit(params), target):
+                        return new
+                    new += 1
+                    if progress is not None:
+                        progress(min(self.n_covered, target), target, self._best)
 
     def _renew_shadow_if_due(self) -> None:
         if self.history_free and self._in_shadow >= SHADOW_RENEW:
@@ -486,6 +497,31 @@ class _Runner:
                     trial.set_user_attr(k, v)
             frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
         return self._persist(frozen, attrs, target)
+
+    def _score_unit(self, params: dict[str, Any]):
+        """One unit of the space scored as a finished trial (in memory, it joins the study)."""
+        import optuna
+
+        fixed = optuna.trial.FixedTrial(params, number=self._finished)
+        try:
+            values, constraint, attrs = self._evaluate(fixed)
+        except ValueError as exc:  # e.g. a precision the hardware has no peak for: recorded
+            frozen = optuna.trial.create_trial(
+                state=TrialState.FAIL, params=fixed.params, distributions=fixed.distributions
+            )
+            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker}
+        else:
+            frozen = optuna.trial.create_trial(
+                values=values,
+                params=fixed.params,
+                distributions=fixed.distributions,
+                user_attrs=attrs if self.storage is None else None,
+                constraints={CONSTRAINT: constraint},
+            )
+        if self.storage is None:  # the shadow is the study
+            self.shadow.add_trial(frozen)
+            frozen = self.shadow.get_trials(deepcopy=False)[-1]
+        return frozen, attrs
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
         self._scored = ((), None)
@@ -547,11 +583,14 @@ class _Runner:
 
 # ---- the budget rule ----------------------------------------------------------------------------
 EXHAUSTIVE_BUDGET_S = 10.0
+EXHAUSTIVE_BATCH = 64  # units scored per turn of the study lock (one fsync each turn)
 DEFAULT_TRIALS = 200
 # Seconds Optuna and the storage add per finished trial, around the cost model (measured with
-# benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded).
-PERSIST_S = {"memory": 0.001, "journal": 0.006, "sqlite": 0.015, "rdb": 0.02}
-PLAN_PROBES = 6
+# benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded). The journal
+# figure is for the exhaustive path, which flushes to the disk once per EXHAUSTIVE_BATCH trials
+# (one fsync per trial, as sampled trials do, costs 2-5 ms); SQLite commits every trial.
+PERSIST_S = {"memory": 0.001, "journal": 0.002, "sqlite": 0.015, "rdb": 0.02}
+PLAN_PROBES = 12  # units timed, after one untimed unit that warms the cost model's caches
 
 
 @dataclass(frozen=True)
@@ -576,19 +615,26 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     import optuna
 
     n_units = space.n_groups if unit == "layout" else space.size
-    probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    t0 = time.perf_counter()
-    n_probes = min(PLAN_PROBES, n_units)
-    for _ in range(n_probes):
-        trial = probe.ask()
+    if unit == "layout":  # units spread evenly over the exhaustive order
+        units = list(space.group_params())
+        probes = units[:: max(1, len(units) // PLAN_PROBES)][: PLAN_PROBES + 1]
+        trials = [optuna.trial.FixedTrial(p) for p in probes]
+    else:  # too many strategies to list them just to plan: drawn at random
+        sampler = optuna.samplers.RandomSampler(seed=0)
+        probe = optuna.create_study(sampler=sampler)
+        trials = [probe.ask() for _ in range(min(PLAN_PROBES + 1, n_units))]
+    n_probes = len(trials) - 1
+    t0 = 0.0
+    for i, trial in enumerate(trials):
+        if i == 1:  # the first unit pays for imports and cold caches once: not counted
+            t0 = time.perf_counter()
         group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
         for s in group:
             try:
                 cost_model.estimate(s, validate=False)
             except ValueError:
                 pass
-        probe.tell(trial, 0.0)
-    per_unit = (time.perf_counter() - t0) / max(n_probes, 1)
+    per_unit = (time.perf_counter() - t0) / n_probes if n_probes > 0 else 0.0
     kind = _storage_kind_of(storage)
     estimate = n_units * (per_unit + PERSIST_S[kind])
     what = "layouts" if unit == "layout" else "strategies"
@@ -642,11 +688,9 @@ def _key(params: dict[str, Any]) -> tuple:
 
 def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     """Every trial unit of the space once, in the space's enumeration order."""
-    units: dict[tuple, dict[str, Any]] = {}
-    for s in space.enumerate():
-        params = space.params_of(s, group=group)
-        units.setdefault(_key(params), params)
-    return list(units.values())
+    if group:
+        return list(space.group_params())
+    return [space.params_of(s) for s in space.enumerate()]
 
 
 def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=None) -> TuneResult:
