@@ -119,7 +119,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--price-per-gpu-hour",
         type=finite_float_arg,
-        help="dollars per device-hour (for throughput-cost)",
+        help="dollars per device-hour: needed by throughput-cost; with any objective, adds "
+        "dollars per million tokens to the summary, report.md and top_k.csv",
     )
     p.add_argument(
         "--space", help="search space YAML, or a shipped space name (default, megatron)"
