@@ -93,6 +93,7 @@ def test_plain_choices_of_the_tree_equal_those_of_the_enumeration():
 
 
 # ---- importances as optuna-dashboard computes them ---------------------------------------------
+@pytest.mark.filterwarnings("ignore:PedAnovaImportanceEvaluator computes")
 @pytest.mark.parametrize("objective", ["throughput", "throughput-memory"])
 def test_report_importances_equal_get_param_importances_on_the_stored_study(tmp_path, objective):
     out = tmp_path / "run"
