@@ -477,6 +477,37 @@ class SearchSpace(BaseSearchSpace):
                 params[name] = value
         return params
 
+    def plain_choices(self) -> dict[str, tuple[Any, ...]]:
+        """Every value each Strategy dimension takes in the space, under its plain name (the
+        parameter names of a stored trial: `autosearch.tuning._params`), from the tree without
+        enumerating it: degrees and micro-batch sizes in increasing order, the other axes in the
+        space's own order (so ``tp`` and the axes keep the choices of the sampler's names)."""
+        layouts = list(self.layouts())
+        order = {s: i for i, s in enumerate(("gpipe", "1f1b", INTERLEAVED))}
+        pipelines = sorted(
+            {(lay.pipeline_schedule, lay.virtual_stages) for lay in layouts},
+            key=lambda o: (order.get(o[0], len(order)), o[1]),
+        )
+
+        def union(choices: dict[int, tuple]) -> tuple:
+            return tuple(dict.fromkeys(v for tp in self.tps for v in choices[tp]))
+
+        return {
+            "dp": tuple(sorted({lay.dp for lay in layouts})),
+            "tp": self.tps,
+            "pp": tuple(sorted({lay.pp for lay in layouts})),
+            "cp": tuple(sorted({lay.cp for lay in layouts})),
+            "micro_batch_size": tuple(sorted({lay.micro_batch_size for lay in layouts})),
+            "pipeline": tuple(pipeline_label(*o) for o in pipelines),
+            "recompute": self.recomputes,
+            "sequence_parallel": union(self._sp_choices),
+            "zero_stage": self.zero_stages,
+            "amp": self.amps,
+            "fp8": self.fp8s,
+            "compile": self.compiles,
+            "async_tp": union(self._async_choices),
+        }
+
     def signature(self) -> dict[str, Any]:
         out = super().signature()
         blob = json.dumps(

@@ -119,7 +119,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--price-per-gpu-hour",
         type=finite_float_arg,
-        help="dollars per device-hour (for throughput-cost)",
+        help="dollars per device-hour: needed by throughput-cost; with any objective, adds "
+        "dollars per million tokens to the summary, report.md and top_k.csv",
     )
     p.add_argument(
         "--space", help="search space YAML, or a shipped space name (default, megatron)"
@@ -208,6 +209,7 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
             "seed": data.get("seed"),
             "n_trials": data.get("n_trials_target"),
             "study_name": data.get("study_name"),
+            "price_per_gpu_hour": data.get("price_per_gpu_hour"),
         }
     return config_defaults(data, parser, what=what)
 
@@ -472,15 +474,24 @@ def summary(result) -> str:
             f"MFU {r.mfu:.1%}, "
             f"memory {fmt_bytes(r.peak_memory_bytes)} of {fmt_bytes(r.memory_capacity_bytes)}",
         ]
+        usd = result.usd_per_million_tokens(r)
+        if usd is not None:
+            lines.append(
+                f"cost      ${usd:,.3f} per million tokens at "
+                f"${result.price_per_gpu_hour:g} per device-hour"
+            )
         if r.band is not None:
             lines.append(f"how sure  {r.band.describe(r.step_time_s)}")
         for i, c in enumerate(result.top_k[1:], 2):
+            c_usd = result.usd_per_million_tokens(c.report)
             lines.append(
                 f"#{i:<8} {c.strategy.short()}  {c.report.tokens_per_s:,.0f} tokens/s "
                 f"({c.report.tokens_per_s / r.tokens_per_s - 1:+.1%})"
+                + (f", ${c_usd:,.3f}/M tokens" if c_usd is not None else "")
             )
     if result.pareto:
-        lines.append(f"Pareto front: {len(result.pareto)} strategies (pareto.csv)")
+        n = len(result.pareto)
+        lines.append(f"Pareto front: {n} strateg{'y' if n == 1 else 'ies'} (pareto.csv)")
     if result.out_dir:
         lines.append(
             f"wrote {result.out_dir}/: trials.csv top_k.csv best_strategy.yaml report.md, and "

@@ -12,6 +12,7 @@ from autosearch.tuning._objectives import (
     make_objective,
     usd_per_million_tokens,
 )
+from autosearch.tuning._outputs import dashboard_importances
 from autosearch.tuning._reader import (
     LoadedStudy,
     StudyMeta,
@@ -49,6 +50,7 @@ __all__ = [
     "TuneResult",
     "atomic_write",
     "check_study_name",
+    "dashboard_importances",
     "default_study_name",
     "load_study",
     "make_objective",

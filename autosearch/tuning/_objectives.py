@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._ranking import same_value, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster
     from autosearch.core.report import CostReport
+    from autosearch.core.strategy import Strategy
 
 GiB = float(1 << 30)
 CONSTRAINT = "memory_excess_gib"
@@ -37,16 +39,26 @@ class Objective(abc.ABC):
     def is_multi(self) -> bool:
         return len(self.directions) > 1
 
-    def better(self, a: "CostReport", b: "CostReport | None") -> bool:
-        """Single-objective order used inside a trial group: feasible first, then throughput,
-        then the less memory-hungry (so among infeasible strategies the least hungry wins)."""
+    def better(
+        self,
+        a: "CostReport",
+        b: "CostReport | None",
+        a_strategy: "Strategy | None" = None,
+        b_strategy: "Strategy | None" = None,
+    ) -> bool:
+        """Single-objective order used inside a trial group: feasible first, then the first
+        objective value with the project's tie rule (`_ranking.py`: less memory, bf16, fewer
+        parallel axes); among infeasible strategies the least hungry wins."""
         if b is None:
             return True
         if a.fits != b.fits:
             return a.fits
         if not a.fits:
             return a.peak_memory_bytes < b.peak_memory_bytes
-        return (a.tokens_per_s, -a.peak_memory_bytes) > (b.tokens_per_s, -b.peak_memory_bytes)
+        va, vb = self.values(a)[0], self.values(b)[0]
+        if not same_value(va, vb):
+            return va > vb
+        return tie_key(a_strategy, a) < tie_key(b_strategy, b)
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,6 @@ class ThroughputPessimistic(Objective):
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
         return (pessimistic_tokens_per_s(report),)
-
-    def better(self, a: "CostReport", b: "CostReport | None") -> bool:
-        if b is None or a.fits != b.fits or not a.fits:
-            return super().better(a, b)
-        return (pessimistic_tokens_per_s(a), -a.peak_memory_bytes) > (
-            pessimistic_tokens_per_s(b),
-            -b.peak_memory_bytes,
-        )
 
 
 def pessimistic_tokens_per_s(report: "CostReport") -> float:

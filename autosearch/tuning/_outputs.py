@@ -39,14 +39,6 @@ def _strategy_fields() -> tuple[str, ...]:
 
 
 STRATEGY_FIELDS = _strategy_fields()
-IMPORTANCE_MAX_TRIALS = 5000
-# The dimensions whose importance report.md plots: the Strategy fields, with the pipeline
-# schedule and its virtual stages as one ("pipeline"), and without what every strategy shares.
-IMPORTANCE_FIELDS = tuple(
-    "pipeline" if f == "pipeline_schedule" else f
-    for f in STRATEGY_FIELDS
-    if f not in ("global_batch_size", "virtual_stages")
-)
 
 
 def _report_columns() -> list[str]:
@@ -144,36 +136,15 @@ def write_outputs(
         columns(objective),
     )
     rows = [r for r in map(plot_row, trials) if r is not None]
-    top_rows = [
-        dict(
-            rank=i + 1,
-            trial=c.trial_number,
-            strategy=c.strategy.short(),
-            **c.strategy.to_dict(),
-            **c.report.to_dict(flat=True),
-        )
-        for i, c in enumerate(result.top_k)
-    ]
-    write_csv(
-        os.path.join(out_dir, "top_k.csv"),
-        top_rows,
-        ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns(),
-    )
+    cand_cols = ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns()
+    if result.price_per_gpu_hour is not None:
+        cand_cols.append("usd_per_million_tokens")
+    write_csv(os.path.join(out_dir, "top_k.csv"), _candidate_rows(result, result.top_k), cand_cols)
     if result.pareto:
-        pareto_rows = [
-            dict(
-                rank=i + 1,
-                trial=c.trial_number,
-                strategy=c.strategy.short(),
-                **c.strategy.to_dict(),
-                **c.report.to_dict(flat=True),
-            )
-            for i, c in enumerate(result.pareto)
-        ]
         write_csv(
             os.path.join(out_dir, "pareto.csv"),
-            pareto_rows,
-            ["rank", "trial", "strategy"] + list(STRATEGY_FIELDS) + _report_columns(),
+            _candidate_rows(result, result.pareto),
+            cand_cols,
         )
     best_path = os.path.join(out_dir, "best_strategy.yaml")
     if result.best_strategy is not None:
@@ -210,7 +181,23 @@ def write_outputs(
         "coverage": result.plan,
     }
     atomic_write(os.path.join(out_dir, "study.yaml"), yaml.safe_dump(study_doc, sort_keys=False))
-    _write_report(result, rows, out_dir=out_dir, meta=meta)
+    _write_report(result, rows, trials, out_dir=out_dir, meta=meta)
+
+
+def _candidate_rows(result: "TuneResult", cands) -> list[dict[str, Any]]:
+    """Rows of top_k.csv and pareto.csv: rank, trial, strategy, its fields, its full report
+    (and dollars per million tokens when a price was given)."""
+    return [
+        dict(
+            rank=i + 1,
+            trial=c.trial_number,
+            strategy=c.strategy.short(),
+            **c.strategy.to_dict(),
+            **c.report.to_dict(flat=True),
+            usd_per_million_tokens=result.usd_per_million_tokens(c.report),
+        )
+        for i, c in enumerate(cands)
+    ]
 
 
 def _objective_of(result: "TuneResult"):
@@ -223,23 +210,88 @@ def _objective_of(result: "TuneResult"):
 
 
 # ---- report.md and plots ------------------------------------------------------------------------
+def dashboard_importances(trials: list, directions: list) -> list[dict[str, float]]:
+    """Parameter importances of a stored study, one dict per objective, computed as
+    optuna-dashboard computes them (``optuna_dashboard/_importance.py``, version 0.21):
+    `optuna.importance.get_param_importances` with ``PedAnovaImportanceEvaluator()`` (PED-ANOVA,
+    Watanabe et al. 2023: deterministic, no random seed) over the completed trials, fitting or
+    not, with the target negated for an objective that is maximized, normalized to sum to 1.
+
+    Args:
+        trials: the study's trials (one snapshot; only the completed ones count).
+        directions: the study's directions (`optuna.study.StudyDirection`).
+
+    Returns:
+        One ``{parameter: importance}`` per objective, most important first; empty dicts when
+        fewer than two trials completed (the dashboard shows nothing then).
+    """
+    import warnings
+
+    import optuna
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState
+
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    if len(done) <= 1:
+        return [{} for _ in directions]
+    # The snapshot as a study (the parameters, distributions and values the evaluator reads),
+    # so the figures describe the same trials as trials.csv even while other workers add more.
+    study = optuna.create_study(directions=list(directions))
+    study.add_trials(
+        [
+            optuna.trial.create_trial(
+                params=t.params, distributions=t.distributions, values=t.values
+            )
+            for t in done
+        ]
+    )
+    out = []
+    for i, direction in enumerate(directions):
+        sign = -1.0 if direction == StudyDirection.MAXIMIZE else 1.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PED-ANOVA's notes on the target and few trials
+            out.append(
+                get_param_importances(
+                    study,
+                    target=lambda t, i=i, sign=sign: sign * t.values[i],
+                    evaluator=PedAnovaImportanceEvaluator(),
+                )
+            )
+    return out
+
+
+def _usd(result: "TuneResult", report) -> str:
+    usd = result.usd_per_million_tokens(report)
+    return f"${usd:,.3f}" if usd is not None else ""
+
+
 def _write_report(
-    result: "TuneResult", rows: list[dict[str, Any]], *, out_dir: str, meta: dict[str, Any]
+    result: "TuneResult",
+    rows: list[dict[str, Any]],
+    trials: list,
+    *,
+    out_dir: str,
+    meta: dict[str, Any],
 ) -> None:
-    plots = {}
+    plots: dict[str, str | None] = {}
     notes = []
+    objective = _objective_of(result)
+    importances: list[dict[str, float]] = []
+    try:
+        importances = dashboard_importances(trials, list(result.study.directions))
+    except (ValueError, RuntimeError) as exc:
+        notes.append(f"parameter importances failed: {exc}")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         plots["time_breakdown"] = _plot_time_breakdown(result.top_k, out_dir)
         plots["throughput_memory"] = _plot_throughput_memory(rows, result, out_dir)
-        imp_path, imp_note = _plot_importances(rows, out_dir)
-        plots["importances"] = imp_path
-        if imp_note:
-            notes.append(imp_note)
+        plots["importances"] = _plot_importances(importances, objective, out_dir)
     except ImportError as exc:  # matplotlib is a dependency; keep the report if it is broken
         notes.append(f"plots skipped: {exc}")
+    priced = result.price_per_gpu_hour is not None
     lines = [
         f"# Strategy search: {meta['model']} on {meta['cluster']}, "
         f"global batch {meta['global_batch_size']}",
@@ -253,6 +305,14 @@ def _write_report(
         f"- search: {result.plan}",
         f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
         f"`{meta['study_name']}` in {meta['storage']}",
+        *(
+            [f"- price: ${result.price_per_gpu_hour:g} per device-hour"]
+            if result.price_per_gpu_hour is not None
+            else []
+        ),
+        "- ties: equal predicted values (to 12 digits) go to less peak memory, then bf16 before "
+        "fp16 before fp32, then fewer parallel axes, then the earlier trial; a strategy scored "
+        "twice is listed once",
         "",
     ]
     if result.best_strategy is not None:
@@ -262,11 +322,13 @@ def _write_report(
             "",
             f"`{result.best_strategy.short()}`",
             "",
-            "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |",
-            "|---|---|---|---|---|",
+            "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |"
+            + (" $/M tokens |" if priced else ""),
+            "|---|---|---|---|---|" + ("---|" if priced else ""),
             f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
             f"{r.tflops_per_gpu:.1f} | "
-            f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |",
+            f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |"
+            + (f" {_usd(result, r)} |" if priced else ""),
             "",
             f"How sure: {r.band.describe(r.step_time_s) if r.band else 'no error band'}.",
             "",
@@ -297,11 +359,11 @@ def _write_report(
             ]
     if result.top_k:
         lines += [
-            f"## Top {len(result.top_k)}",
+            f"## Top {len(result.top_k)} (`top_k.csv`)",
             "",
             "| # | strategy | tokens/s | MFU | step s | memory GiB | bubble s | "
-            "dp comm s | tp comm s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "dp comm s | tp comm s |" + (" $/M tokens |" if priced else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if priced else ""),
         ]
         for i, c in enumerate(result.top_k, 1):
             r = c.report
@@ -309,29 +371,124 @@ def _write_report(
                 f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
                 f"{r.step_time_s:.3f} | {r.peak_memory_bytes / GiB:.1f} | "
                 f"{r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
-                f"{r.time.tp_comm_s:.3f} |"
+                f"{r.time.tp_comm_s:.3f} |" + (f" {_usd(result, r)} |" if priced else "")
             )
         lines.append("")
     if result.pareto:
-        lines += [f"## Pareto front ({len(result.pareto)} strategies, `pareto.csv`)", ""]
+        lines += _pareto_section(result, objective, has_plot=bool(plots.get("throughput_memory")))
     titles = {
         "time_breakdown": "Where the step time goes (top-k)",
         "throughput_memory": "Throughput vs memory",
-        "importances": (
-            "What matters (importance of each dimension for throughput, trials that fit)"
-        ),
     }
-    for key, path in plots.items():
+    for key in ("time_breakdown", "throughput_memory"):
+        path = plots.get(key)
         if path:
             lines += [f"## {titles[key]}", "", f"![{key}]({os.path.basename(path)})", ""]
+            if key == "throughput_memory":
+                lines += [_THROUGHPUT_MEMORY_LEGEND, ""]
+    lines += _importance_section(importances, objective, plots.get("importances"), trials, meta)
     lines += [f"_Note: {n}_" for n in notes]
     lines += [
         "",
         "Files: `trials.csv` (every trial: strategy, full cost report, feasibility), `top_k.csv`, "
-        "`best_strategy.yaml`, `study.yaml` (run metadata).",
+        + ("`pareto.csv`, " if result.pareto else "")
+        + "`best_strategy.yaml`, `study.yaml` (run metadata).",
         "",
     ]
     atomic_write(os.path.join(out_dir, "report.md"), "\n".join(lines))
+
+
+_THROUGHPUT_MEMORY_LEGEND = (
+    "Each trial's kept strategy: blue dots fit, grey crosses do not; the red dashed line is the "
+    "device memory and the shaded region beyond it does not fit. The axes show the strategies "
+    "that fit (with room around them); trials farther out are counted in the legend, not drawn."
+)
+
+
+def _pareto_section(result: "TuneResult", objective: "Objective", *, has_plot: bool) -> list:
+    priced = result.price_per_gpu_hour is not None
+    names = " and ".join(objective.value_names)
+    lines = [
+        f"## Pareto front ({len(result.pareto)} "
+        f"strateg{'y' if len(result.pareto) == 1 else 'ies'}, `pareto.csv`)",
+        "",
+        f"The strategies that fit and that no other strategy that fits beats on both {names}, "
+        "fastest first"
+        + (" (marked as orange diamonds in the throughput vs memory plot)." if has_plot else ".")
+        + (
+            " On one cluster dollars per token fall as tokens/s rise, so this front is the "
+            "fastest strategy (and its ties); compare cluster sizes with `autosearch sweep "
+            "--price-per-gpu-hour`."
+            if objective.name == "throughput-cost"
+            else ""
+        ),
+        "",
+        "| # | strategy | tokens/s | peak memory GiB | MFU |"
+        + (" $/M tokens |" if priced else ""),
+        "|---|---|---|---|---|" + ("---|" if priced else ""),
+    ]
+    for i, c in enumerate(result.pareto, 1):
+        r = c.report
+        lines.append(
+            f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | "
+            f"{r.peak_memory_bytes / GiB:.1f} | {r.mfu:.1%} |"
+            + (f" {_usd(result, r)} |" if priced else "")
+        )
+    return lines + [""]
+
+
+def _importance_section(
+    importances: list[dict[str, float]],
+    objective: "Objective",
+    plot: str | None,
+    trials: list,
+    meta: dict[str, Any],
+) -> list:
+    from optuna.trial import TrialState
+
+    if not any(importances):
+        return [
+            "## What matters (parameter importances)",
+            "",
+            "Not computed: parameter importances need at least two completed trials.",
+            "",
+        ]
+    n_done = sum(t.state == TrialState.COMPLETE for t in trials)
+    names = list(importances[0])
+    storage = meta.get("storage", "")
+    lines = [
+        "## What matters (parameter importances)",
+        "",
+        f"How much each parameter decides whether a trial is among the best 10% of the {n_done} "
+        "completed trials (fitting or not), as optuna-dashboard computes it: "
+        "`optuna.importance.get_param_importances(study, "
+        "evaluator=PedAnovaImportanceEvaluator(), target=...)` (PED-ANOVA, Watanabe et al. "
+        "2023; deterministic, no random seed), normalized to sum to 1 per objective. "
+        f"`optuna-dashboard {_dashboard_target(storage)}` shows the same figures.",
+        "",
+        "| parameter | " + " | ".join(objective.value_names) + " |",
+        "|---|" + "---|" * len(objective.value_names),
+    ]
+    for name in names:
+        lines.append(
+            f"| {name} | " + " | ".join(f"{imp.get(name, 0.0):.4f}" for imp in importances) + " |"
+        )
+    lines.append("")
+    if plot:
+        lines += [f"![importances]({os.path.basename(plot)})", ""]
+    return lines
+
+
+def _dashboard_target(storage_description: str) -> str:
+    """What optuna-dashboard takes for this study's storage, from its description (a journal
+    file by path, SQLite as ``sqlite:///PATH``, a database by its URL; the password is never
+    in the description)."""
+    text = storage_description.strip()
+    if "://" in text:
+        return text
+    if text.endswith((".db", ".sqlite", ".sqlite3")):
+        return f"sqlite:///{text}"
+    return text or "STORAGE"
 
 
 def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | None:
@@ -356,6 +513,22 @@ def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | 
     return _save(fig, out_dir, "time_breakdown.png")
 
 
+def plot_limits(
+    points: list[tuple[float, float, bool]], capacity_gib: float | None
+) -> tuple[float, float]:
+    """Upper limits (memory GiB, tokens/s) of the throughput vs memory plot: the points that
+    fit, the device memory, and room around them (x 1.5 in memory, x 1.15 in throughput), so a
+    few infeasible outliers (a strategy needing 10x the memory, or its throughput) cannot
+    squash what fits. With nothing that fits, every point."""
+    ok = [(m, t) for m, t, f in points if f]
+    ref = ok or [(m, t) for m, t, _ in points]
+    mem = max([m for m, _ in ref] + ([capacity_gib] if capacity_gib else []))
+    tps = max(t for _, t in ref)
+    if not ok:
+        return mem * 1.05, tps * 1.05
+    return mem * 1.5, tps * 1.15
+
+
 def _plot_throughput_memory(
     rows: list[dict[str, Any]], result: "TuneResult", out_dir: str
 ) -> str | None:
@@ -368,22 +541,40 @@ def _plot_throughput_memory(
         return None
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    cap_bytes = rows[0].get("memory_capacity_bytes") if rows else None
+    cap = cap_bytes / GiB if cap_bytes else None
+    x_hi, y_hi = plot_limits(pts, cap)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     ok = [(m, t) for m, t, f in pts if f]
-    bad = [(m, t) for m, t, f in pts if not f]
-    if bad:
-        ax.scatter(*zip(*bad), s=10, c="lightgray", label="does not fit")
+    bad = [(m, t) for m, t, f in pts if not f and m <= x_hi and t <= y_hi]
+    outside = sum(1 for m, t, f in pts if not f and (m > x_hi or t > y_hi))
+    if cap:
+        ax.axvspan(cap, max(x_hi, cap) * 1.01, color="0.92", zorder=0)
+        ax.axvline(cap, c="tab:red", ls="--", lw=1, label=f"device memory ({cap:.0f} GiB)")
+    if bad or outside:
+        label = "does not fit" + (f" ({outside} beyond the axes)" if outside else "")
+        ax.scatter(*(zip(*bad) if bad else ([], [])), s=14, c="grey", marker="x", label=label)
     if ok:
         ax.scatter(*zip(*ok), s=12, c="tab:blue", label="fits")
+    if result.pareto:
+        front = sorted(
+            (c.report.peak_memory_bytes / GiB, c.report.tokens_per_s) for c in result.pareto
+        )
+        ax.plot(
+            *zip(*front),
+            c="tab:orange",
+            marker="D",
+            ms=5,
+            label=f"Pareto front ({len(front)}, pareto.csv)",
+            zorder=4,
+        )
+    elif ok:
         front, best_t = [], -math.inf
         for m, t in sorted(ok, key=lambda p: (p[0], -p[1])):  # more throughput for more memory
             if t > best_t:
                 front.append((m, t))
                 best_t = t
-        ax.plot(*zip(*front), c="tab:orange", marker="o", ms=4, label="Pareto front")
-    cap = rows[0].get("memory_capacity_bytes") if rows else None
-    if cap:
-        ax.axvline(cap / GiB, c="tab:red", ls="--", lw=1, label="device memory")
+        ax.plot(*zip(*front), c="tab:orange", lw=1, label="fastest for its memory")
     if result.best_report is not None:
         ax.scatter(
             [result.best_report.peak_memory_bytes / GiB],
@@ -394,74 +585,32 @@ def _plot_throughput_memory(
             label="best",
             zorder=5,
         )
+    ax.set_xlim(0, x_hi)
+    ax.set_ylim(0, y_hi)
     ax.set_xlabel("peak memory per device (GiB)")
     ax.set_ylabel("tokens per second")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return _save(fig, out_dir, "throughput_memory.png")
 
 
-def _plot_importances(rows: list[dict[str, Any]], out_dir: str) -> tuple[str | None, str | None]:
-    """fANOVA importance of each Strategy dimension for throughput, over the trials that fit.
-
-    The sampler's own parameters are conditional (their names carry their choice lists), so the
-    importance is computed on a throw-away in-memory study whose parameters are the Strategy
-    fields themselves, each a categorical over the values seen."""
-    import optuna
-    from optuna.distributions import CategoricalDistribution
-
-    from search_spaces import pipeline_label
-
-    ok = [r for r in rows if r["feasible"] and r.get("tokens_per_s")]
-    if len(ok) < 4:
-        return None, "parameter importances need at least 4 trials that fit"
-    note = None
-    if len(ok) > IMPORTANCE_MAX_TRIALS:  # fANOVA's forest grows with the trials: subsample
-        stride = math.ceil(len(ok) / IMPORTANCE_MAX_TRIALS)
-        note = (
-            f"parameter importances from every {stride}th of the {len(ok):,} trials that fit "
-            f"({len(ok[::stride]):,} trials)"
-        )
-        ok = ok[::stride]
-    values = {f: [] for f in IMPORTANCE_FIELDS}
-    for r in ok:
-        for f in IMPORTANCE_FIELDS:
-            v = (
-                pipeline_label(r["pipeline_schedule"], r["virtual_stages"])
-                if f == "pipeline"
-                else r.get(f)
-            )
-            values[f].append(str(v))
-    fields = [f for f in IMPORTANCE_FIELDS if len(set(values[f])) > 1]
-    if not fields:
-        return None, "every trial that fits has the same strategy; no importance to show"
-    dists = {f: CategoricalDistribution(sorted(set(values[f]))) for f in fields}
-    study = optuna.create_study(direction="maximize")
-    study.add_trials(
-        [
-            optuna.trial.create_trial(
-                params={f: values[f][i] for f in fields},
-                distributions=dists,
-                value=r["tokens_per_s"],
-            )
-            for i, r in enumerate(ok)
-        ]
-    )
-    try:
-        importances = optuna.importance.get_param_importances(
-            study, evaluator=_importance_evaluator()
-        )
-    except (ValueError, RuntimeError, ImportError) as exc:
-        return None, f"parameter importances failed: {exc}"
+def _plot_importances(
+    importances: list[dict[str, float]], objective: "Objective", out_dir: str
+) -> str | None:
+    """The importances of the first objective (those of report.md and optuna-dashboard)."""
+    if not importances or not importances[0]:
+        return None
     import matplotlib.pyplot as plt
 
-    names = list(importances)[::-1]
-    fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
-    ax.barh(names, [importances[n] for n in names], color="tab:purple")
-    method = type(_importance_evaluator()).__name__.replace("ImportanceEvaluator", "")
-    ax.set_xlabel(f"importance for tokens/s ({method}, trials that fit)")
+    first = importances[0]
+    names = list(first)[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 0.35 * len(names) + 1.2))
+    ax.barh(names, [first[n] for n in names], color="tab:purple")
+    ax.set_xlabel(
+        f"importance for {objective.value_names[0]} (PED-ANOVA, as optuna-dashboard computes it)"
+    )
     fig.tight_layout()
-    return _save(fig, out_dir, "importances.png"), note
+    return _save(fig, out_dir, "importances.png")
 
 
 def _save(fig, out_dir: str, name: str) -> str:
@@ -534,15 +683,3 @@ def _cell(value: Any) -> Any:
     if value is None:
         return ""
     return value
-
-
-def _importance_evaluator():
-    """fANOVA (Hutter et al. 2014) when scikit-learn is installed, else PED-ANOVA (Watanabe et al.
-    2023), which Optuna implements with numpy and scipy alone."""
-    import optuna
-
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        return optuna.importance.PedAnovaImportanceEvaluator()
-    return optuna.importance.FanovaImportanceEvaluator(seed=0)

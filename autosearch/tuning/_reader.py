@@ -137,13 +137,18 @@ def _feasible(trial: "FrozenTrial") -> bool:
 
 
 def read_candidates(trials: "list[FrozenTrial]", *, top_k: int | None) -> list[Candidate]:
-    """The `top_k` (None: all) fastest distinct strategies that fit, best first.
+    """The `top_k` (None: all) best distinct strategies that fit, best first.
 
-    Order: tokens per second (the first objective value of every objective), then less peak
-    memory, then the earlier trial. Only the trials that can enter the list are parsed, so this
+    Order (`_ranking.py`, the one rule of the project): the first objective value (tokens per
+    second, or its pessimistic end), higher first; a tie (equal to 12 significant digits) goes to
+    less peak memory, then bf16 before fp16 before fp32, then fewer parallel axes, then the
+    earlier trial. A Strategy scored by several trials (two workers, a resumed run) is listed
+    once, under its earliest trial. Only the trials that can enter the list are parsed, so this
     stays fast on studies of 10^5 trials.
     """
     from optuna.trial import TrialState
+
+    from autosearch.tuning._ranking import same_value, tie_key
 
     done = [
         t
@@ -155,11 +160,11 @@ def read_candidates(trials: "list[FrozenTrial]", *, top_k: int | None) -> list[C
     picked: dict[Any, Candidate] = {}
     i = 0
     while i < len(done) and (top_k is None or len(picked) < top_k):
-        j = i
-        while j < len(done) and done[j].values[0] == done[i].values[0]:
+        j = i + 1
+        while j < len(done) and same_value(done[j].values[0], done[i].values[0]):
             j += 1
         tied = [c for c in (candidate_of(t) for t in done[i:j]) if c is not None]
-        tied.sort(key=lambda c: (c.report.peak_memory_bytes, c.trial_number))
+        tied.sort(key=lambda c: tie_key(c.strategy, c.report, c.trial_number))
         for c in tied:
             if c.report.fits and c.strategy not in picked:
                 picked[c.strategy] = c

@@ -54,6 +54,8 @@ class TuneResult:
             the space the study covers.
         out_dir: where the outputs were written (None when not asked).
         message: a one-line summary for people.
+        price_per_gpu_hour: dollars per device-hour when given (then every report also shows
+            dollars per million tokens, `usd_per_million_tokens`).
     """
 
     best_strategy: "Strategy | None"
@@ -72,6 +74,18 @@ class TuneResult:
     n_units: int = 0
     n_units_covered: int = 0
     plan: str = ""
+    price_per_gpu_hour: float | None = None
+
+    def usd_per_million_tokens(self, report: "CostReport") -> float | None:
+        """Dollars per million training tokens of `report` on this cluster (None without a
+        price): price x devices x hours per million tokens."""
+        from autosearch.tuning._objectives import usd_per_million_tokens
+
+        if self.price_per_gpu_hour is None or not report.tokens_per_s:
+            return None
+        return usd_per_million_tokens(
+            report, self.price_per_gpu_hour, self.space.cluster.world_size
+        )
 
 
 class NoFeasibleStrategyError(SpecError):

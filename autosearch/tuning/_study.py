@@ -46,6 +46,7 @@ from optuna.trial import TrialState
 from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
+from autosearch.tuning._params import PlainParams, for_sampler, sampler_params
 from autosearch.tuning._reader import (
     ATTR_ERROR,
     ATTR_GROUP,
@@ -178,6 +179,15 @@ def tune(
         raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
+    if price_per_gpu_hour is not None and not (
+        isinstance(price_per_gpu_hour, (int, float))
+        and not isinstance(price_per_gpu_hour, bool)
+        and 0 < price_per_gpu_hour < float("inf")
+    ):
+        raise SpecError(
+            f"price_per_gpu_hour must be a positive number of dollars per device-hour, got "
+            f"{price_per_gpu_hour!r} (e.g. --price-per-gpu-hour 2.5)"
+        )
     cm = _resolve_cost_model(cost_model, model, cluster, runtime)
     opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
     plan = None
@@ -253,8 +263,10 @@ def tune(
         "n_units": n_units,
         "space": _describe(space),
         "plan": plan.reason if plan else None,
+        "price_per_gpu_hour": price_per_gpu_hour,
     }
     runner.plan = _coverage_line(sampler_name, target, plan, runner, unit, n_units)
+    runner.price_per_gpu_hour = price_per_gpu_hour
     if out_dir is None:
         result = _collect(runner, top_k=top_k, n_new=n_new, out=None, timings=timings)
     else:
@@ -313,6 +325,11 @@ class _Runner:
         )
         self._in_shadow = 0
         self.plan = ""
+        self.price_per_gpu_hour: float | None = None
+        # the stored trials' parameters (plain names: `_params.py`) and what the trial in
+        # flight scored: its group of strategies and the one it kept
+        self.plain = PlainParams(space) if self.storage is not None else None
+        self._scored: tuple[tuple, Any] = ((), None)
 
     @property
     def n_finished(self) -> int:
@@ -397,11 +414,11 @@ class _Runner:
             return
         self._finished += 1
         if self.exhaustive:
-            self._covered.add(_key(t.params))
+            self._covered.add(_key(sampler_params(t)))
         if t.state == TrialState.COMPLETE and t.values and t.constraints.get(CONSTRAINT, 0) <= 0:
             self._best = t.values[0] if self._best is None else max(self._best, t.values[0])
         if t.user_attrs.get(ATTR_WORKER) != self.worker and not self.history_free:
-            self.shadow.add_trial(_for_sampler(t))
+            self.shadow.add_trial(for_sampler(t))
 
     def all_trials(self) -> list:
         """Every finished trial of the study, by number (one snapshot)."""
@@ -507,16 +524,19 @@ class _Runner:
         return frozen, attrs
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
+        self._scored = ((), None)
         group = (
             self.space.suggest_group(trial)
             if self.unit == "layout"
             else (self.space.suggest(trial),)
         )
+        self._scored = (group, None)
         best_s, best_r = None, None
         for s in group:
             r = self.cost_model.estimate(s, validate=False)
-            if self.objective.better(r, best_r):
+            if self.objective.better(r, best_r, s, best_s):
                 best_s, best_r = s, r
+        self._scored = (group, best_s)
         attrs = {
             ATTR_STRATEGY: best_s.to_dict(),
             ATTR_REPORT: best_r.to_dict(flat=False),
@@ -536,16 +556,10 @@ class _Runner:
                 v = frozen.values[0]
                 self._best = v if self._best is None else max(self._best, v)
             return True
-        import optuna
-
-        template = optuna.trial.create_trial(
-            state=frozen.state,
-            values=frozen.values,
-            params=frozen.params,
-            distributions=frozen.distributions,
-            user_attrs=attrs,
-            system_attrs=frozen.system_attrs,
-        )
+        assert self.plain is not None
+        group, kept = self._scored
+        plain = self.plain.of(kept) if kept is not None else self.plain.shared_by(group)
+        template = self.plain.stored_trial(frozen, plain, attrs)
         with self.lock():
             self.sync()
             done = self.n_covered if self.exhaustive else self._finished
@@ -672,20 +686,6 @@ def _key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def _for_sampler(t):
-    """A trial as the sampler needs it: parameters, values, state and the constraint, without
-    the cost report (which stays in the storage), so the shadow's memory stays small."""
-    import optuna
-
-    return optuna.trial.create_trial(
-        state=t.state,
-        values=t.values,
-        params=t.params,
-        distributions=t.distributions,
-        system_attrs={k: v for k, v in t.system_attrs.items() if k.startswith("constraints")},
-    )
-
-
 def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     """Every trial unit of the space once, in the space's enumeration order."""
     if group:
@@ -711,7 +711,7 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=No
         else "no strategy fits"
     )
     n_units = runner.space.n_groups if runner.unit == "layout" else runner.space.size
-    covered = len({_key(t.params) for t in trials})
+    covered = len({_key(sampler_params(t)) for t in trials})
     return TuneResult(
         best_strategy=best.strategy if best else None,
         best_report=best.report if best else None,
@@ -729,6 +729,7 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=No
         n_units=n_units,
         n_units_covered=covered,
         plan=runner.plan.format(covered=covered),
+        price_per_gpu_hour=runner.price_per_gpu_hour,
     )
 
 
