@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -102,7 +103,9 @@ def kind_of(strategy: Strategy, cluster: Cluster, runtime: str) -> dict[str, str
         else ">512"
     )
     return {
-        "runtime": runtime,
+        # a dated preset (torchtitan-2412) is an earlier version of the same framework: its runs
+        # are evidence for the framework's kind
+        "runtime": re.sub(r"-\d{4}$", "", runtime),
         "hardware": hardware,
         "axes": axes,
         "zero": "3" if strategy.zero_stage == 3 else "0-2",
