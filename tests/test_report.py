@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import csv
-
 import pytest
+from report_tables import read_csv, table
 
 from autosearch import tune
 from autosearch.commands.tune import summary
@@ -13,23 +12,6 @@ from autosearch.tuning._outputs import plot_limits
 SMALL = dict(model="llama3-8b", cluster="h100-sxm:2x8", global_batch_size=64)
 WORLD = 16  # devices of SMALL's cluster
 GiB = float(1 << 30)
-
-
-def _read_csv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _table(report: str, heading: str) -> list[list[str]]:
-    """The rows of the first markdown table after `heading` (cells stripped, no header)."""
-    lines = report[report.index(heading) :].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
-    return rows
 
 
 def _usd(tokens_per_s: float, price: float) -> float:
@@ -48,10 +30,10 @@ def test_multi_objective_report_fills_the_pareto_section_from_pareto_csv(tmp_pat
         price_per_gpu_hour=2.5,
     )
     report = (out / "report.md").read_text()
-    front = _read_csv(out / "pareto.csv")
+    front = read_csv(out / "pareto.csv")
     assert len(front) == len(result.pareto) >= 3
     assert f"## Pareto front ({len(front)} strategies, `pareto.csv`)" in report
-    rows = _table(report, "## Pareto front")
+    rows = table(report, "## Pareto front")
     assert len(rows) == len(front)
     for row, c in zip(rows, front):
         tps, mem = float(c["tokens_per_s"]), float(c["peak_memory_bytes"])
@@ -89,10 +71,10 @@ def test_cost_objective_shows_dollars_per_million_tokens_everywhere(tmp_path):
     usd = _usd(best.tokens_per_s, price)
     # the objective's own second value is the same figure
     assert result.top_k[0].values[1] == pytest.approx(usd, rel=1e-12)
-    best_row = _table(report, "## Best strategy")[0]
+    best_row = table(report, "## Best strategy")[0]
     assert best_row[-1] == f"${usd:,.3f}" and "- price: $3 per device-hour" in report
-    top = _read_csv(out / "top_k.csv")
-    rows = _table(report, "## Top 4")
+    top = read_csv(out / "top_k.csv")
+    rows = table(report, "## Top 4")
     assert [r[1] for r in rows] == [c["strategy"] for c in top]
     for row, c in zip(rows, top):
         assert row[2] == f"{float(c['tokens_per_s']):,.0f}"
@@ -138,10 +120,10 @@ def test_report_sections_are_present_and_filled(tmp_path):
     ):
         assert heading in report
     assert "## Pareto front" not in report  # one objective
-    best_row = _table(report, "## Best strategy")[0]
+    best_row = table(report, "## Best strategy")[0]
     r = result.best_report
     assert best_row[1] == f"{r.tokens_per_s:,.0f}" and best_row[2] == f"{r.mfu:.1%}"
-    top = _read_csv(out / "top_k.csv")
-    for row, c in zip(_table(report, "## Top 3"), top):
+    top = read_csv(out / "top_k.csv")
+    for row, c in zip(table(report, "## Top 3"), top):
         assert row[1] == c["strategy"] and row[5] == f"{float(c['peak_memory_bytes']) / GiB:.1f}"
     assert "- ties: equal predicted values" in report

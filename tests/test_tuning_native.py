@@ -3,11 +3,11 @@ optuna-dashboard, one tie rule, no twins among the picks."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 
 import optuna
 import pytest
+from report_tables import read_csv, table
 
 from autosearch import Strategy, tune
 from autosearch.core.hardware import Cluster
@@ -33,23 +33,6 @@ SMALL_DIMS = {
     "zero_stage",
     "amp",
 }
-
-
-def _read_csv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _table(report: str, heading: str) -> list[list[str]]:
-    """The rows of the first markdown table after `heading` (cells stripped, no header)."""
-    lines = report[report.index(heading) :].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
-    return rows
 
 
 # ---- plain parameter names ----------------------------------------------------------------------
@@ -111,7 +94,7 @@ def test_report_importances_equal_get_param_importances_on_the_stored_study(tmp_
         )
     assert set(expected[0]) == SMALL_DIMS
     report = (out / "report.md").read_text()
-    rows = _table(report, "## What matters")
+    rows = table(report, "## What matters")
     assert {r[0] for r in rows} == set(expected[0])
     for name, *printed in rows:
         for col, imp in zip(printed, expected):
@@ -143,7 +126,7 @@ def test_report_importances_equal_optuna_dashboards_own_function(tmp_path):
     by_name = {row["name"]: row["importance"] for row in shown}
     assert set(by_name) == SMALL_DIMS
     assert all(row["distribution"] == "CategoricalDistribution" for row in shown)
-    printed = {r[0]: float(r[1]) for r in _table((out / "report.md").read_text(), "## What matt")}
+    printed = {r[0]: float(r[1]) for r in table((out / "report.md").read_text(), "## What matt")}
     assert printed == pytest.approx(by_name, abs=5e-5 + 1e-12)
 
 
@@ -213,9 +196,9 @@ def test_top_k_csv_lists_each_strategy_once_in_the_rule_order(tmp_path):
         out=out,
         use_recipes=False,
     )
-    trials = _read_csv(out / "trials.csv")
+    trials = read_csv(out / "trials.csv")
     assert len({r["strategy"] for r in trials}) < len(trials)  # twins were scored
-    top = _read_csv(out / "top_k.csv")
+    top = read_csv(out / "top_k.csv")
     assert len(top) == 6 and len({r["strategy"] for r in top}) == 6
     # the rule, applied by hand to trials.csv: first trial of each strategy, value, then memory,
     # amp, axes, trial
@@ -239,5 +222,5 @@ def test_top_k_csv_lists_each_strategy_once_in_the_rule_order(tmp_path):
     ]
     assert result.best_strategy.short() == top[0]["strategy"]
     report = (out / "report.md").read_text()
-    assert [row[1] for row in _table(report, "## Top 6")] == [r["strategy"] for r in top]
+    assert [row[1] for row in table(report, "## Top 6")] == [r["strategy"] for r in top]
     assert f"`{top[0]['strategy']}`" in report[report.index("## Best") :]
