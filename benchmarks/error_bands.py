@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from autosearch.core import Cluster, Strategy
+from autosearch.core import Cluster, RuntimeOptions, Strategy
 from autosearch.core.bands import LEVELS, conformal_band, key_of, kind_of
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +57,10 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
             gpu=modern.GPUS[row.gpu], n_nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus)
         )
         ratio = pred["predicted_tokens_per_s_per_gpu"] / pred["published_tokens_per_s_per_gpu"]
-        out.append((kind_of(modern.strategy_of(row, runtime), cluster, runtime), ratio, "modern"))
+        framework = RuntimeOptions.get(runtime).framework
+        out.append(
+            (kind_of(modern.strategy_of(row, runtime), cluster, framework), ratio, "modern")
+        )
     local = pd.read_csv(ROOT / "results" / "fidelity_local.csv")
     profile = ROOT / "results" / "calibration" / "cpu-local.yaml"
     for _, run in local.iterrows():

@@ -528,7 +528,7 @@ class AnalyticCostModel(CostModel):
         )
         hit = self._band_cache.get(key)
         if hit is None:
-            kind = kind_of(s, self.cluster, self.runtime.name)
+            kind = kind_of(s, self.cluster, self.runtime.framework)
             hit = _bounded(self._band_cache)[key] = error_bands().band(kind)
         return hit
 

@@ -42,16 +42,17 @@ class BaseSearchSpace(abc.ABC):
         the groups of a space partition it, and `params_of(s, group=True)` names the group of s."""
         return (self.suggest(trial),)
 
-    def group_params(self) -> Iterator[dict[str, Any]]:
-        """The trial parameters of every group once, in `enumerate` order (what an exhaustive
-        search over groups visits)."""
+    def group_params(self, *, every: int = 1) -> Iterator[dict[str, Any]]:
+        """The trial parameters of every group once (of every `every`-th group), in `enumerate`
+        order: what an exhaustive search over groups visits."""
         seen: set[tuple] = set()
         for s in self.enumerate():
             params = self.params_of(s, group=True)
             key = tuple(sorted(params.items()))
             if key not in seen:
                 seen.add(key)
-                yield params
+                if (len(seen) - 1) % every == 0:
+                    yield params
 
     @abc.abstractmethod
     def params_of(self, strategy: "Strategy", *, group: bool = False) -> dict[str, Any]:

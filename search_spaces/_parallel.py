@@ -31,6 +31,7 @@ the canonical ``1f1b`` (or ``gpipe`` if only that is allowed) instead of two ide
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -320,11 +321,11 @@ class SearchSpace(BaseSearchSpace):
             for schedule, v in options:
                 yield Layout(world // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
 
-    def group_params(self) -> Iterator[dict[str, Any]]:
-        """The trial parameters of every layout, in `layouts` order (one strategy of each is
-        built to name them: 1,740 instead of the 99,180 strategies of GPT-3 175B on 384
-        GPUs)."""
-        for layout in self.layouts():
+    def group_params(self, *, every: int = 1) -> Iterator[dict[str, Any]]:
+        """The trial parameters of every layout (of every `every`-th), in `layouts` order. One
+        strategy of each is built to name them: 1,740 instead of the 99,180 strategies of GPT-3
+        175B on 384 GPUs, and none for the layouts skipped."""
+        for layout in itertools.islice(self.layouts(), 0, None, every):
             yield self.params_of(next(self._group(layout)), group=True)
 
     def _group(self, layout: Layout) -> Iterator[Strategy]:

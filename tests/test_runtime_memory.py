@@ -159,3 +159,20 @@ def test_context_parallel_backward_holds_the_gathered_kv_and_fp32_gradients():
     # at n_kv_heads (8 of 32) the whole-sequence K, V would be a quarter as large
     narrow = dataclasses.replace(TITAN, attention_kv_expanded=False)
     assert activations(narrow, s, model, cluster) < activations(TITAN, s, model, cluster)
+
+
+def test_the_dated_preset_is_torchtitan_but_for_the_fields_it_sets():
+    """torchtitan-2412 names `base: torchtitan` in runtimes.yaml: every field it does not set is
+    torchtitan's, and its runs count as torchtitan's in the error bands."""
+    import yaml
+
+    from autosearch.core.runtime import _runtimes_path
+
+    old = RUNTIMES["torchtitan-2412"]
+    own = set(yaml.safe_load(_runtimes_path().read_text())["runtimes"]["torchtitan-2412"])
+    assert own >= {"base", "compiled_loss_bytes_per_logit", "pp_kept_output_bytes_per_logit"}
+    for f in dataclasses.fields(old):
+        if f.name not in own | {"name"}:
+            assert getattr(old, f.name) == getattr(TITAN, f.name), f.name
+    assert old.compiled_loss_bytes_per_logit == 12 != TITAN.compiled_loss_bytes_per_logit
+    assert (old.framework, TITAN.framework) == ("torchtitan", "torchtitan")

@@ -225,13 +225,11 @@ def test_sqlite_resumes_and_counts_exactly(tmp_path):
     assert (again.n_new_trials, again.n_trials) == (2, 7)
 
 
-def test_exhaustive_strategy_units_cover_the_space_once_across_shadow_renewals(
-    tmp_path, monkeypatch
-):
+def test_exhaustive_strategy_units_cover_the_space_once_across_batches(tmp_path, monkeypatch):
     import autosearch.tuning._study as study_module
     from search_spaces import SearchSpace
 
-    monkeypatch.setattr(study_module, "SHADOW_RENEW", 50)  # renew many times in a small space
+    monkeypatch.setattr(study_module, "EXHAUSTIVE_BATCH", 50)  # many turns of the study lock
     space = SearchSpace(
         "llama3-8b", "h100-sxm:1x8", global_batch_size=32, config="megatron", amp="bf16"
     )
@@ -274,3 +272,16 @@ def test_exhaustive_search_flushes_the_journal_once_per_batch_and_loses_nothing(
     # another reader sees every trial, whole, with its report
     trials = load_study(result.study.study_name, storage=str(storage)).study.get_trials()
     assert len(trials) == n and all("report" in t.user_attrs for t in trials)
+
+
+def test_random_sampling_keeps_exact_counts_across_shadow_renewals(tmp_path, monkeypatch):
+    """The sampler's in-memory copy is renewed every SHADOW_RENEW trials (random sampling reads
+    no history): the study still ends with exactly the trials asked, each stored once."""
+    import autosearch.tuning._study as study_module
+
+    monkeypatch.setattr(study_module, "SHADOW_RENEW", 10)  # renewed 5 times in 60 trials
+    storage = tmp_path / "s.journal"
+    result = tune(**SMALL, n_trials=60, seed=0, storage=storage, **FAST)
+    trials = load_study(result.study.study_name, storage=str(storage)).study.get_trials()
+    assert result.n_trials == len(trials) == 60
+    assert sorted(t.number for t in trials) == list(range(60))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -72,7 +71,8 @@ NO_EVIDENCE = Band(math.nan, math.nan, 0, "")
 
 
 def kind_of(strategy: Strategy, cluster: Cluster, runtime: str) -> dict[str, str]:
-    """The fields that group runs whose prediction errors are alike."""
+    """The fields that group runs whose prediction errors are alike (`runtime`: the framework,
+    `RuntimeOptions.framework`, so that every dated version of it counts)."""
     profile = cluster.profile
     hardware = profile.name.split(":")[0]
     if profile.device_type == "cpu":
@@ -103,9 +103,7 @@ def kind_of(strategy: Strategy, cluster: Cluster, runtime: str) -> dict[str, str
         else ">512"
     )
     return {
-        # a dated preset (torchtitan-2412) is an earlier version of the same framework: its runs
-        # are evidence for the framework's kind
-        "runtime": re.sub(r"-\d{4}$", "", runtime),
+        "runtime": runtime,
         "hardware": hardware,
         "axes": axes,
         "zero": "3" if strategy.zero_stage == 3 else "0-2",

@@ -85,6 +85,8 @@ class RuntimeOptions:
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
             fused attention) of the hardware profile, for a runtime whose build predates that
             architecture's kernels (e.g. CUDA 11.8 on Hopper); 1 where not listed.
+        base: the preset this one is a dated version of: it inherits every field it does not
+            set (runtimes.yaml), and shares its `framework`.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``).
         sources: where each value comes from (docs/runtimes.md has the details).
@@ -121,6 +123,13 @@ class RuntimeOptions:
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
+    base: str | None = None
+
+    @property
+    def framework(self) -> str:
+        """The framework this preset is a version of (its `base`, else itself): runs of every
+        version are evidence for the framework's error band."""
+        return self.base or self.name
 
     @classmethod
     def get(cls, name_or_options: "str | RuntimeOptions | None") -> "RuntimeOptions":
@@ -159,7 +168,8 @@ class RuntimeOptions:
         if "kernel_efficiency" in kwargs:
             factors = kwargs["kernel_efficiency"] or {}
             if not isinstance(factors, dict) or not all(
-                isinstance(v, (int, float)) and 0 < v <= 1 for v in factors.values()
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+                for v in factors.values()
             ):
                 raise SpecError(
                     f"{what}: kernel_efficiency must map architectures to factors in (0, 1], "
@@ -194,16 +204,32 @@ def dimensions_used(strategy: "Strategy") -> dict[str, str]:
     return {dim: how for dim, (flag, how) in used.items() if flag}
 
 
-def _load_runtimes() -> dict[str, RuntimeOptions]:
-    """The presets of `cost_models/runtimes.yaml` (found without importing cost_models)."""
+def _runtimes_path() -> Path:
+    """cost_models/runtimes.yaml, found without importing cost_models."""
     spec = importlib.util.find_spec("cost_models")
     if spec is None or not spec.submodule_search_locations:
         raise SpecError("the cost_models package is not installed; reinstall autosearch")
-    path = Path(next(iter(spec.submodule_search_locations))) / "runtimes.yaml"
-    data = read_yaml_mapping(path, what="runtime presets")
+    return Path(next(iter(spec.submodule_search_locations))) / "runtimes.yaml"
+
+
+def _load_runtimes() -> dict[str, RuntimeOptions]:
+    """The presets of `cost_models/runtimes.yaml` (found without importing cost_models)."""
+    presets = read_yaml_mapping(_runtimes_path(), what="runtime presets")["runtimes"]
+
+    def fields_of(name: str) -> dict[str, Any]:
+        """A preset's fields: its `base` preset's (an earlier version of the same framework
+        names the later one), then its own."""
+        fields = dict(presets[name])
+        base = fields.get("base")
+        if base is None:
+            return fields
+        if base not in presets or presets[base].get("base") is not None:
+            raise SpecError(f"runtime {name!r}: base {base!r} must be a preset without a base")
+        return {**fields_of(base), **fields}
+
     return {
-        name: RuntimeOptions.from_dict({"name": name, **fields}, what=f"runtime {name!r}")
-        for name, fields in data["runtimes"].items()
+        name: RuntimeOptions.from_dict({"name": name, **fields_of(name)}, what=f"runtime {name!r}")
+        for name in presets
     }
 
 

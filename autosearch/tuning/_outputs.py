@@ -261,6 +261,15 @@ def dashboard_importances(trials: list, directions: list) -> list[dict[str, floa
     return out
 
 
+def _markdown_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
 def _usd(result: "TuneResult", report) -> str:
     usd = result.usd_per_million_tokens(report)
     return f"${usd:,.3f}" if usd is not None else ""
@@ -322,13 +331,21 @@ def _write_report(
             "",
             f"`{result.best_strategy.short()}`",
             "",
-            "| step time | tokens/s | MFU | TFLOP/s per GPU | peak memory |"
-            + (" $/M tokens |" if priced else ""),
-            "|---|---|---|---|---|" + ("---|" if priced else ""),
-            f"| {r.step_time_s:.3f} s | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
-            f"{r.tflops_per_gpu:.1f} | "
-            f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB |"
-            + (f" {_usd(result, r)} |" if priced else ""),
+            *_markdown_table(
+                ["step time", "tokens/s", "MFU", "TFLOP/s per GPU", "peak memory"]
+                + (["$/M tokens"] if priced else []),
+                [
+                    [
+                        f"{r.step_time_s:.3f} s",
+                        f"{r.tokens_per_s:,.0f}",
+                        f"{r.mfu:.1%}",
+                        f"{r.tflops_per_gpu:.1f}",
+                        f"{r.peak_memory_bytes / GiB:.1f} of "
+                        f"{r.memory_capacity_bytes / GiB:.1f} GiB",
+                    ]
+                    + ([_usd(result, r)] if priced else [])
+                ],
+            ),
             "",
             f"How sure: {r.band.describe(r.step_time_s) if r.band else 'no error band'}.",
             "",
@@ -358,22 +375,25 @@ def _write_report(
                 "",
             ]
     if result.top_k:
-        lines += [
-            f"## Top {len(result.top_k)} (`top_k.csv`)",
-            "",
-            "| # | strategy | tokens/s | MFU | step s | memory GiB | bubble s | "
-            "dp comm s | tp comm s |" + (" $/M tokens |" if priced else ""),
-            "|---|---|---|---|---|---|---|---|---|" + ("---|" if priced else ""),
+        lines += [f"## Top {len(result.top_k)} (`top_k.csv`)", ""]
+        header = ["#", "strategy", "tokens/s", "MFU", "step s", "memory GiB", "bubble s"]
+        header += ["dp comm s", "tp comm s"] + (["$/M tokens"] if priced else [])
+        rows = [
+            [
+                str(i),
+                f"`{c.strategy.short()}`",
+                f"{c.report.tokens_per_s:,.0f}",
+                f"{c.report.mfu:.1%}",
+                f"{c.report.step_time_s:.3f}",
+                f"{c.report.peak_memory_bytes / GiB:.1f}",
+                f"{c.report.time.bubble_s:.3f}",
+                f"{c.report.time.dp_comm_exposed_s:.3f}",
+                f"{c.report.time.tp_comm_s:.3f}",
+            ]
+            + ([_usd(result, c.report)] if priced else [])
+            for i, c in enumerate(result.top_k, 1)
         ]
-        for i, c in enumerate(result.top_k, 1):
-            r = c.report
-            lines.append(
-                f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
-                f"{r.step_time_s:.3f} | {r.peak_memory_bytes / GiB:.1f} | "
-                f"{r.time.bubble_s:.3f} | {r.time.dp_comm_exposed_s:.3f} | "
-                f"{r.time.tp_comm_s:.3f} |" + (f" {_usd(result, r)} |" if priced else "")
-            )
-        lines.append("")
+        lines += [*_markdown_table(header, rows), ""]
     if result.pareto:
         lines += _pareto_section(result, objective, has_plot=bool(plots.get("throughput_memory")))
     titles = {
@@ -423,17 +443,20 @@ def _pareto_section(result: "TuneResult", objective: "Objective", *, has_plot: b
             else ""
         ),
         "",
-        "| # | strategy | tokens/s | peak memory GiB | MFU |"
-        + (" $/M tokens |" if priced else ""),
-        "|---|---|---|---|---|" + ("---|" if priced else ""),
     ]
-    for i, c in enumerate(result.pareto, 1):
-        r = c.report
-        lines.append(
-            f"| {i} | `{c.strategy.short()}` | {r.tokens_per_s:,.0f} | "
-            f"{r.peak_memory_bytes / GiB:.1f} | {r.mfu:.1%} |"
-            + (f" {_usd(result, r)} |" if priced else "")
-        )
+    header = ["#", "strategy", "tokens/s", "peak memory GiB", "MFU"]
+    rows = [
+        [
+            str(i),
+            f"`{c.strategy.short()}`",
+            f"{c.report.tokens_per_s:,.0f}",
+            f"{c.report.peak_memory_bytes / GiB:.1f}",
+            f"{c.report.mfu:.1%}",
+        ]
+        + ([_usd(result, c.report)] if priced else [])
+        for i, c in enumerate(result.pareto, 1)
+    ]
+    lines += _markdown_table(header + (["$/M tokens"] if priced else []), rows)
     return lines + [""]
 
 
@@ -466,14 +489,12 @@ def _importance_section(
         "2023; deterministic, no random seed), normalized to sum to 1 per objective. "
         f"`optuna-dashboard {_dashboard_target(storage)}` shows the same figures.",
         "",
-        "| parameter | " + " | ".join(objective.value_names) + " |",
-        "|---|" + "---|" * len(objective.value_names),
+        *_markdown_table(
+            ["parameter", *objective.value_names],
+            [[name, *(f"{imp.get(name, 0.0):.4f}" for imp in importances)] for name in names],
+        ),
+        "",
     ]
-    for name in names:
-        lines.append(
-            f"| {name} | " + " | ".join(f"{imp.get(name, 0.0):.4f}" for imp in importances) + " |"
-        )
-    lines.append("")
     if plot:
         lines += [f"![importances]({os.path.basename(plot)})", ""]
     return lines

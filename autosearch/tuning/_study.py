@@ -31,6 +31,7 @@ strategy.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import sys
@@ -458,15 +459,17 @@ class _Runner:
         known, so a trial is built whole (`optuna.trial.create_trial`) and stored."""
         new = 0
         while True:
-            self._renew_shadow_if_due()
-            batch = self.opened.batched_writes() if self.opened is not None else None
-            with self.lock(), batch or contextlib.nullcontext():
+            batch = (
+                self.opened.batched_writes()
+                if self.opened is not None
+                else contextlib.nullcontext()
+            )
+            with self.lock(), batch:
                 self.sync()
                 for _ in range(EXHAUSTIVE_BATCH):
                     params = self._next_unit() if self.n_covered < target else None
                     if params is None:
                         return new
-                    self._in_shadow += 1
                     if not self._persist(*self._score_unit(params), target):
                         return new
                     new += 1
@@ -520,7 +523,6 @@ class _Runner:
             )
         if self.storage is None:  # the shadow is the study
             self.shadow.add_trial(frozen)
-            frozen = self.shadow.get_trials(deepcopy=False)[-1]
         return frozen, attrs
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
@@ -616,9 +618,8 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
 
     n_units = space.n_groups if unit == "layout" else space.size
     if unit == "layout":  # units spread evenly over the exhaustive order
-        units = list(space.group_params())
-        probes = units[:: max(1, len(units) // PLAN_PROBES)][: PLAN_PROBES + 1]
-        trials = [optuna.trial.FixedTrial(p) for p in probes]
+        spread = space.group_params(every=max(1, n_units // PLAN_PROBES))
+        trials = [optuna.trial.FixedTrial(p) for p in itertools.islice(spread, PLAN_PROBES + 1)]
     else:  # too many strategies to list them just to plan: drawn at random
         sampler = optuna.samplers.RandomSampler(seed=0)
         probe = optuna.create_study(sampler=sampler)
