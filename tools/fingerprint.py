@@ -1,0 +1,165 @@
+"""A fingerprint of the cost model: one hash over many estimates, to show a restructure changed
+no number.
+
+    python tools/fingerprint.py [--target N] [--json]
+
+Four spaces (the shipped ``default`` and ``megatron``, today's full space of
+`benchmarks/search_default.py --extended`, and a space with every recompute kind, N-layer
+recompute, cp and uneven pipelines open) over four (model, cluster, global batch) cases, each
+strategy scored under the ``torch`` and ``torchtitan`` runtimes (about `target` strategies
+spread over each space, so that the largest spaces stay a few seconds). Each estimate
+contributes its strategy's fields and every number of its CostReport (floats by ``repr``:
+bit-exact). Fields a later version
+adds to Strategy or CostReport are left out of the hash while they keep their defaults, so the
+fingerprint compares across versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autosearch.core.strategy import Strategy  # noqa: E402
+from cost_models import AnalyticCostModel  # noqa: E402
+from search_spaces import SearchSpace, SpaceConfig  # noqa: E402
+
+CASES = (
+    ("llama3-8b", "h100-sxm:1x8", 64),
+    ("gpt3-13b", "a100-sxm4-80gb:4x8", 256),
+    ("llama3-70b", "h100-sxm:8x8", 512),
+    ("llama3.1-405b", "h200-sxm:32x8", 1024),
+)
+SPACES = {
+    "default": lambda: SpaceConfig.default(),
+    "megatron": lambda: SpaceConfig.from_yaml("megatron"),
+    "extended": lambda: SpaceConfig(
+        cp=None,
+        fp8=("none", "tensorwise", "rowwise"),
+        compile=(False, True),
+        async_tp=(False, True),
+        uneven_pipeline=True,
+    ),
+    "recompute": lambda: SpaceConfig(
+        cp=None, recompute=("none", "selective", "selective_op", "full"), uneven_pipeline=True
+    ),
+}
+RUNTIMES = ("torch", "torchtitan")
+# The Strategy fields of the version that introduced this tool (Dec 2026); later fields are
+# hashed only when they differ from their default.
+BASE_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "global_batch_size",
+    "pipeline_schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "zero_stage",
+    "amp",
+    "cp",
+    "recompute_num_layers",
+    "pipeline_split",
+    "fp8",
+    "compile",
+    "async_tp",
+)
+REPORT_FIELDS = (
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "model_flops_per_step",
+    "tflops_per_gpu",
+    "mfu",
+    "peak_memory_bytes",
+    "memory_capacity_bytes",
+    "fits",
+    "time",
+    "memory",
+)
+
+
+def strategy_key(s: Strategy) -> str:
+    default = Strategy()
+    extra = sorted(
+        (name, getattr(s, name))
+        for name in s.to_dict()
+        if name not in BASE_FIELDS and getattr(s, name) != getattr(default, name)
+    )
+    return repr(tuple(getattr(s, name) for name in BASE_FIELDS) + tuple(extra))
+
+
+def report_key(r) -> str:
+    return repr(
+        tuple(
+            tuple(v) if isinstance(v, tuple) else v
+            for v in (getattr(r, name) for name in REPORT_FIELDS)
+        )
+    )
+
+
+def sampled(space: SearchSpace, target: int):
+    """About `target` strategies spread over the space: every k-th layout, every j-th strategy
+    of its group (enumerating 14 M strategies to keep a few thousand would take minutes); for
+    full recompute without a pipeline, its 1-layer variant too."""
+    layouts = list(space.layouts())
+    k = max(1, len(layouts) // 250)
+    chosen = layouts[::k]
+    group = getattr(space, "strategies_of", None) or space._group
+    per_group = max(1, space.size // len(layouts))
+    j = max(1, per_group * len(chosen) // target)
+    for layout in chosen:
+        for i, s in enumerate(group(layout)):
+            if i % j:
+                continue
+            yield s
+            if s.recompute == "full" and s.pp == 1:
+                yield s.replace(recompute_num_layers=1)
+
+
+def fingerprint(target: int) -> dict:
+    digest, per_part, n = hashlib.sha256(), {}, 0
+    t0 = time.perf_counter()
+    for model, cluster, gbs in CASES:
+        for space_name, config in SPACES.items():
+            space = SearchSpace(model, cluster, global_batch_size=gbs, config=config())
+            for runtime in RUNTIMES:
+                cm = AnalyticCostModel(space.model, space.cluster, runtime=runtime)
+                part = hashlib.sha256()
+                for s in sampled(space, target):
+                    line = f"{strategy_key(s)}|{report_key(cm.estimate(s, validate=False))}\n"
+                    part.update(line.encode())
+                    digest.update(line.encode())
+                    n += 1
+                per_part[f"{model}|{cluster}|{space_name}|{runtime}"] = part.hexdigest()[:16]
+    return {
+        "estimates": n,
+        "target": target,
+        "fingerprint": digest.hexdigest(),
+        "parts": per_part,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=int, default=4000, help="strategies per part")
+    parser.add_argument("--json", action="store_true", help="every part's hash too")
+    args = parser.parse_args()
+    out = fingerprint(args.target)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        n, digest = out["estimates"], out["fingerprint"]
+        print(f"{n:,} estimates, fingerprint {digest} ({out['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
