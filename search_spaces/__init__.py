@@ -13,10 +13,12 @@ Example:
 from search_spaces._base import BaseSearchSpace
 from search_spaces._config import SpaceConfig, shipped_spaces
 from search_spaces._listed import ListedSpace
-from search_spaces._parallel import SearchSpace, pipeline_label
+from search_spaces._parallel import LAYOUT_FIELDS, Layout, SearchSpace, pipeline_label
 
 __all__ = [
+    "LAYOUT_FIELDS",
     "BaseSearchSpace",
+    "Layout",
     "ListedSpace",
     "SearchSpace",
     "SpaceConfig",

@@ -14,120 +14,86 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from autosearch.core import dimensions
 from autosearch.core._io import parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
-from autosearch.core.strategy import ALIASES, AMP, FP8, PIPELINE_SCHEDULES, RECOMPUTE, ZERO_STAGES
+from autosearch.core.strategy import ALIASES
 
 _ALL_WORDS = ("all", "any", "auto", "*")
-_INT_DIMS = ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "cp")
-_CHOICE_DIMS = {
-    "pipeline_schedule": PIPELINE_SCHEDULES,
-    "recompute": RECOMPUTE,
-    "amp": AMP,
-    "zero_stage": ZERO_STAGES,
-    "sequence_parallel": (False, True),
-    "fp8": FP8,
-    "compile": (False, True),
-    "async_tp": (False, True),
+# The searched dimensions (`autosearch.core.dimensions`: those with a space default): integer
+# ones take a list of allowed values or None (every value the rules allow), the others a list of
+# their legal values.
+_DIMS = {d.name: d for d in dimensions.DIMENSIONS if d.searched}
+_INT_DIMS = tuple(n for n, d in _DIMS.items() if d.kind in (dimensions.DEGREE, dimensions.SIZE))
+_CHOICE_DIMS = {n: d.choices for n, d in _DIMS.items() if n not in _INT_DIMS}
+_FLAG_DIMS = tuple(n for n, d in _DIMS.items() if d.kind == dimensions.FLAG)
+# The bounds of the space that are not dimensions, with their defaults.
+_BOUNDS: dict[str, Any] = {
+    "tp_within_node": True,
+    "max_micro_batch_size": 32,
+    "max_virtual_stages": None,
+    "uneven_pipeline": False,
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 
 
-@dataclass(frozen=True, kw_only=True)
 class SpaceConfig:
     """Allowed values per dimension (``None`` = every value the model and cluster allow).
 
+    Its keys are the searched dimensions of `autosearch.core.dimensions` (each read as an
+    attribute: ``config.tp``), with these bounds:
+
     Args:
-        dp, tp, pp: allowed parallel degrees (their product must still equal the world size).
-        micro_batch_size: allowed micro-batch sizes (each must still split the global batch).
-        virtual_stages: allowed model chunks per pipeline rank for ``interleaved_1f1b``.
-        pipeline_schedule, recompute, sequence_parallel, zero_stage, amp: allowed values.
         tp_within_node: keep the tensor-parallel group inside one node (its all-reduces run on
             every layer and would cross the network otherwise).
         max_micro_batch_size: upper bound applied when ``micro_batch_size`` is ``None``.
         max_virtual_stages: upper bound applied when ``virtual_stages`` is ``None``.
-        cp: allowed context-parallel degrees (default 1: off).
-        fp8, compile, async_tp: allowed values (defaults: none, false, false), each kept only
-            where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
         uneven_pipeline: allow pipeline degrees that do not divide the layers (the middle
             stages take the extra layers; `autosearch.core.rules.split_layers`).
+        **dimensions: the allowed values of each dimension (defaults: the registry's, e.g. every
+            dp, tp, pp, micro-batch; cp 1, fp8 none, compile and async TP off), each kept only
+            where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
+
+    Immutable: `narrowed` returns a new one.
     """
 
-    dp: tuple[int, ...] | None = None
-    tp: tuple[int, ...] | None = None
-    pp: tuple[int, ...] | None = None
-    micro_batch_size: tuple[int, ...] | None = None
-    virtual_stages: tuple[int, ...] | None = None
-    pipeline_schedule: tuple[str, ...] = PIPELINE_SCHEDULES
-    recompute: tuple[str, ...] = RECOMPUTE
-    sequence_parallel: tuple[bool, ...] = (False, True)
-    zero_stage: tuple[int, ...] = ZERO_STAGES
-    amp: tuple[str, ...] = AMP
-    tp_within_node: bool = True
-    max_micro_batch_size: int | None = 32
-    max_virtual_stages: int | None = None
-    cp: tuple[int, ...] | None = (1,)
-    fp8: tuple[str, ...] = ("none",)
-    compile: tuple[bool, ...] = (False,)
-    async_tp: tuple[bool, ...] = (False,)
-    uneven_pipeline: bool = False
+    __slots__ = ("_values",)
+    KEYS = tuple(_DIMS) + tuple(_BOUNDS)
 
-    def __post_init__(self) -> None:
-        problems = []
-        for name in _INT_DIMS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            try:
-                values = tuple(sorted({positive_int(v, name) for v in _as_tuple(value)}))
-                if not values:
-                    raise SpecError(f"{name} is an empty list; give at least one value, or 'all'")
-                object.__setattr__(self, name, values)
-            except SpecError as exc:
-                problems.append(str(exc))
-        for name, legal in _CHOICE_DIMS.items():
-            value = getattr(self, name)
-            if value is None:
-                object.__setattr__(self, name, tuple(legal))
-                continue
-            chosen: list[Any] = []
-            for v in _as_tuple(value):
-                if name in ("sequence_parallel", "compile", "async_tp") and isinstance(v, str):
-                    v = _BOOL_WORDS.get(v.lower(), v)
-                if name == "recompute" and v is False:  # YAML reads `no` as false
-                    v = "none"
-                if isinstance(v, str):
-                    v = v.lower()
-                if name == "zero_stage" and isinstance(v, bool) or v not in legal:
-                    problems.append(
-                        f"{name} value {v!r} is not one of {', '.join(map(str, legal))}"
-                    )
-                elif v not in chosen:
-                    chosen.append(v)
-            if not chosen and not problems:
-                problems.append(
-                    f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
-                )
-            # Keep the canonical order of the legal values, so equal configs compare equal.
-            object.__setattr__(self, name, tuple(v for v in legal if v in chosen))
-        for name in ("tp_within_node", "uneven_pipeline"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("max_micro_batch_size", "max_virtual_stages"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    object.__setattr__(self, name, positive_int(value, name))
-                except SpecError as exc:
-                    problems.append(str(exc))
-        if problems:
-            raise SpecError(problems, context="search space")
+    def __init__(self, **values: Any) -> None:
+        unknown = [k for k in values if k not in self.KEYS]
+        if unknown:
+            raise SpecError(
+                f"search space: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are "
+                f"{', '.join(sorted(self.KEYS))}"
+            )
+        merged = {n: d.space for n, d in _DIMS.items()} | _BOUNDS | values
+        object.__setattr__(self, "_values", _checked(merged))
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "_values" and name in self._values:
+            return self._values[name]
+        raise AttributeError(f"SpaceConfig has no key {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("SpaceConfig is immutable; use narrowed()")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SpaceConfig) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"SpaceConfig({inner})"
+
+    def __reduce__(self):
+        return (_rebuild, (self._values,))
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -174,12 +140,11 @@ class SpaceConfig:
     def narrowed(self, *, what: str = "search space", **pins: Any) -> "SpaceConfig":
         """A copy with some dimensions pinned (a scalar) or narrowed (a list); ``"all"`` or None
         re-opens an integer dimension. Unknown keys are rejected with the list of valid ones."""
-        names = {f.name for f in dataclasses.fields(self)}
         changes: dict[str, Any] = {}
         unknown = []
         for key, value in pins.items():
             key = ALIASES.get(key, key)
-            if key not in names:
+            if key not in self.KEYS:
                 unknown.append(key)
                 continue
             if isinstance(value, str) and value.lower() in _ALL_WORDS:
@@ -192,16 +157,68 @@ class SpaceConfig:
         if unknown:
             raise SpecError(
                 f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are "
-                f"{', '.join(sorted(names))}"
+                f"{', '.join(sorted(self.KEYS))}"
             )
-        return dataclasses.replace(self, **changes)
+        return SpaceConfig(**(self._values | changes))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            f.name: list(v) if isinstance(v, tuple) else v
-            for f in dataclasses.fields(self)
-            for v in [getattr(self, f.name)]
-        }
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
+
+
+def _rebuild(values: dict[str, Any]) -> SpaceConfig:
+    return SpaceConfig(**values)
+
+
+def _checked(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` normalised: integer lists sorted and unique, choices in their canonical order;
+    SpecError naming every bad value."""
+    out, problems = dict(values), []
+    for name in _INT_DIMS:
+        value = out[name]
+        if value is None:
+            continue
+        try:
+            ints = tuple(sorted({positive_int(v, name) for v in _as_tuple(value)}))
+            if not ints:
+                raise SpecError(f"{name} is an empty list; give at least one value, or 'all'")
+            out[name] = ints
+        except SpecError as exc:
+            problems.append(str(exc))
+    for name, legal in _CHOICE_DIMS.items():
+        value = out[name]
+        if value is None:
+            out[name] = tuple(legal)
+            continue
+        chosen: list[Any] = []
+        for v in _as_tuple(value):
+            if name in _FLAG_DIMS and isinstance(v, str):
+                v = _BOOL_WORDS.get(v.lower(), v)
+            if name == "recompute" and v is False:  # YAML reads `no` as false
+                v = "none"
+            if isinstance(v, str):
+                v = v.lower()
+            if name not in _FLAG_DIMS and isinstance(v, bool) or v not in legal:
+                problems.append(f"{name} value {v!r} is not one of {', '.join(map(str, legal))}")
+            elif v not in chosen:
+                chosen.append(v)
+        if not chosen and not problems:
+            problems.append(
+                f"{name} is an empty list; give at least one of {', '.join(map(str, legal))}"
+            )
+        # Keep the canonical order of the legal values, so equal configs compare equal.
+        out[name] = tuple(v for v in legal if v in chosen)
+    for name in ("tp_within_node", "uneven_pipeline"):
+        if not isinstance(out[name], bool):
+            problems.append(f"{name} must be true or false, got {out[name]!r}")
+    for name in ("max_micro_batch_size", "max_virtual_stages"):
+        if out[name] is not None:
+            try:
+                out[name] = positive_int(out[name], name)
+            except SpecError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise SpecError(problems, context="search space")
+    return out
 
 
 def shipped_spaces() -> list[str]:

@@ -2,27 +2,30 @@
 
 The space is built once, as a tree whose every leaf is valid by construction:
 
-    tp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)      [the "layout"]
-    x recompute x sequence_parallel (tp > 1 only) x zero_stage x amp        [independent axes]
+    tp -> cp -> pp -> micro_batch_size -> pipeline (schedule, virtual stages)   [the "layout"]
+    x recompute x sequence_parallel x zero_stage x amp x fp8 x compile x async_tp   [axes]
 
-Layout rules: the functions of `autosearch.core.rules`, the same ones `Strategy.problems` composes,
-applied level by level: tp divides n_heads and n_kv_heads (and stays
-inside a node unless `tp_within_node` is off); pp divides n_layers and world/tp; dp =
-world/(tp*pp);
+The levels come from the dimension registry (`autosearch.core.dimensions`): the degree levels
+(`MESH_LEVELS`, tp, cp, pp; dp is what they leave of the world) are built by one loop, each
+value a divisor of the devices the levels above leave, kept when the space allows it and every
+rule of `autosearch.core.rules.RULES` that it completes holds (the rules `Strategy.problems`
+composes: tp divides n_heads and n_kv_heads, cp splits the sequence ...); tp also stays inside a
+node unless `tp_within_node` is off, and pp divides n_layers unless `uneven_pipeline`.
 micro_batch_size splits global_batch/dp into m micro-batches with m >= pp when pp > 1 (a pipeline
 needs one micro-batch per stage to fill); interleaved 1F1B needs pp*v to divide n_layers and m to
-be
-a multiple of pp (Narayanan et al. 2021, sec. 2.2). Branches with no valid leaf are pruned, so a
-sampler walking the tree can never reach an invalid strategy.
+be a multiple of pp (Narayanan et al. 2021, sec. 2.2). The axes (`AXES`) keep the space's values
+that their rules allow for the layout (sequence parallel and async TP need tp > 1, fp8 a GPU with
+fp8 units). Branches with no valid leaf are pruned, so a sampler walking the tree can never reach
+an invalid strategy.
 
 How Optuna samples it (`suggest`): one categorical parameter per tree level, in order. A level's
 choices depend on the choices above it (the micro-batch sizes that split the batch depend on dp),
 so the parameter *name carries its choice list*, e.g. ``micro_batch_size[1,2,4]``: the same name
 always has the same choices, in every trial and every process, as Optuna requires of a
 distribution; and layouts that share a choice list share a parameter, so TPE pools what it
-learns about, say, micro-batch sizes across all the meshes that admit the same sizes. The four
-independent axes are plain parameters (``recompute``, ``zero_stage``, ``amp``, and
-``sequence_parallel`` when tp > 1). A level with a single choice is not sampled at all.
+learns about, say, micro-batch sizes across all the meshes that admit the same sizes. The first
+level and the axes are plain parameters (``tp``, ``recompute``, ``zero_stage``, ``amp`` ...) while
+their choices are the same in every layout. A level with a single choice is not sampled at all.
 
 Pipeline schedules with pp = 1 are meaningless (there is no pipeline), so pp = 1 strategies carry
 the canonical ``1f1b`` (or ``gpipe`` if only that is allowed) instead of two identical copies.
@@ -36,9 +39,9 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from autosearch.core import rules
+from autosearch.core import dimensions, rules
 from autosearch.core._io import positive_int
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster
@@ -51,18 +54,50 @@ if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
 INTERLEAVED = rules.INTERLEAVED
+MESH_LEVELS = dimensions.MESH_LEVELS
+AXES = dimensions.AXES
+# What a layout holds: the degrees (dp and the mesh levels), the micro-batch and the pipeline.
+LAYOUT_FIELDS = tuple(
+    d.name
+    for d in dimensions.DIMENSIONS
+    if d.level in (dimensions.REST, dimensions.MESH, dimensions.LAYOUT)
+)
+# amp in preference order, so that among equally fast strategies bf16 comes first.
+AMP_PREFERENCE = ("bf16", "fp16", "fp32")
+_DEFAULTS = {d.name: d.default for d in dimensions.DIMENSIONS}
 
 
-class Layout(NamedTuple):
-    """What a trial of the layout kind samples; every other axis is scanned inside the trial."""
+class Layout:
+    """What a trial of the layout kind samples: the degrees, the micro-batch size and the
+    pipeline (`LAYOUT_FIELDS`, read as attributes: ``layout.tp``); every axis is scanned inside
+    the trial."""
 
-    dp: int
-    tp: int
-    pp: int
-    micro_batch_size: int
-    pipeline_schedule: str
-    virtual_stages: int
-    cp: int = 1
+    __slots__ = ("values",)
+
+    def __init__(self, **values: Any):
+        object.__setattr__(self, "values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "values" and name in self.values:
+            return self.values[name]
+        raise AttributeError(f"a layout has no {name!r}; it holds {', '.join(LAYOUT_FIELDS)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Layout is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.values.items()))
+
+    def __repr__(self) -> str:
+        return f"Layout({', '.join(f'{k}={v!r}' for k, v in self.values.items())})"
+
+    def label(self) -> str:
+        """``dp8-tp2-pp4-mb1-interleaved_1f1bv2``: the registry's labels of what it holds."""
+        dims = tuple(d for d in dimensions.LABEL_ORDER if d.name in LAYOUT_FIELDS)
+        return dimensions.join_labels(self, dims)
 
 
 def pipeline_label(schedule: str, virtual_stages: int) -> str:
@@ -78,6 +113,13 @@ def _divisors(n: int) -> list[int]:
 def _keyed(dim: str, labels: list[str]) -> str:
     """Parameter name that carries its choice list: ``micro_batch_size[1,2,4]``."""
     return f"{dim}[{','.join(labels)}]"
+
+
+def _completed_rules(known: tuple[str, ...], name: str) -> tuple[rules.Rule, ...]:
+    """The rules that `name` completes: every dimension they read is known once it is."""
+    before = set(known)
+    after = before | {name}
+    return tuple(r for r in rules.RULES if set(r.reads) <= after and not set(r.reads) <= before)
 
 
 class SearchSpace(BaseSearchSpace):
@@ -143,86 +185,88 @@ class SearchSpace(BaseSearchSpace):
 
     # ---- building the tree ---------------------------------------------------------------------
     def _build(self) -> None:
-        c, m, world = self.config, self.model, self.cluster.world_size
-        gpn = self.cluster.gpus_per_node
+        c, world = self.config, self.cluster.world_size
         peaks = self.cluster.profile.peak_flops
-        # Preference order, so that among equally fast strategies bf16 comes first.
-        self.amps = tuple(a for a in ("bf16", "fp16", "fp32") if a in c.amp and a in peaks)
+        self.amps = tuple(a for a in AMP_PREFERENCE if a in c.amp and a in peaks)
         if not self.amps:
             raise SpecError(
                 f"amp {', '.join(c.amp)} not supported by hardware profile"
                 f" {self.cluster.profile.name!r} (it has peaks for"
                 f" {', '.join(peaks)}); allow one of those"
             )
-        self.recomputes, self.zero_stages = c.recompute, c.zero_stage
-        # fp8 only on hardware with fp8 units; compile as allowed
-        self.fp8s = tuple(f for f in c.fp8 if rules.fp8_problem(f, peaks) is None) or ("none",)
-        self.compiles = c.compile
-        dropped: list[str] = []  # why candidate values were dropped, for the empty-space message
-
-        # The layout rules are those of Strategy.problems, applied level by level.
-        tps = [t for t in _divisors(world) if rules.tp_problem(t, m) is None]
-        if c.tp_within_node:
-            tps = [t for t in tps if t <= gpn]
-        if c.tp is not None:
-            tps = [t for t in tps if t in c.tp]
-        # `sequence_parallel: true` needs tp > 1
-        tps = [t for t in tps if self._sequence_parallel_choices(t)]
-        dropped.append(
-            f"tp in {tps} (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
-            + (f", <= {gpn} per node" if c.tp_within_node else "")
-            + ")"
-        )
-
-        schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
-        Tree = dict[int, dict[int, dict[int, dict[int, tuple[tuple[str, int], ...]]]]]
-        tree: Tree = {}
-        for tp in tps:
-            for cp in _divisors(world // tp):
-                if (c.cp is not None and cp not in c.cp) or rules.context_parallel_problem(
-                    cp, m.seq_len
-                ) is not None:
-                    continue
-                for pp in _divisors(world // (tp * cp)):
-                    dp = world // (tp * cp * pp)
-                    if (
-                        rules.layers_problem(pp, 1, m, uneven=c.uneven_pipeline) is not None
-                        or (c.pp is not None and pp not in c.pp)
-                        or (c.dp is not None and dp not in c.dp)
-                    ):
-                        continue
-                    if pp == 1 and not schedules_pp1:
-                        continue
-                    mbs = self._micro_batches(dp, pp, schedules_pp1)
-                    if mbs:
-                        tree.setdefault(tp, {}).setdefault(cp, {})[pp] = mbs
+        self._axis_values = {name: getattr(c, name) for name in AXES} | {"amp": self.amps}
+        self._axis_rules = {name: rules.rules_reading(name) for name in AXES}
+        self._axes_cache: dict[tuple[int, ...], tuple[tuple[Any, ...], ...] | None] = {}
+        self._schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
+        self._dropped: dict[str, list[int]] = {}  # the first level's candidates, for messages
+        self._axis_refusals: dict[str, str] = {}  # an axis left without values, and why
+        tree = self._subtree(0, {}, world)
         if not tree:
-            raise SpecError(self._empty_message(tps, dropped), context="search space is empty")
+            raise SpecError(self._empty_message(), context="search space is empty")
         self._tree = tree
-        self._sp_choices = {tp: self._sequence_parallel_choices(tp) for tp in tree}
-        self._async_choices = {
-            tp: tuple(a for a in c.async_tp if rules.async_tp_problem(a, tp) is None) or (False,)
-            for tp in tree
+        first = MESH_LEVELS[0]
+        self.tps = tuple(sorted(tree)) if first == "tp" else ()
+        leaves = list(self._leaves())
+        seen: list[set[Any]] = [set() for _ in AXES]
+        for degrees in {degrees for degrees, _, _ in leaves}:
+            for values, axis in zip(seen, self._axes(degrees) or ()):
+                values.update(axis)
+        self._unions = {
+            name: tuple(v for v in self._axis_values[name] if v in values)
+            for name, values in zip(AXES, seen)
         }
-        self.tps = tuple(sorted(tree))
-        # The size, counted per layout: leaves x independent axes.
-        other = (
-            len(self.recomputes)
-            * len(self.zero_stages)
-            * len(self.amps)
-            * len(self.fp8s)
-            * len(self.compiles)
-        )
-        self._n_layouts = sum(len(opts) for _, opts in self._leaves())
+        self._n_layouts = sum(len(options) for _, _, options in leaves)
         self._size = sum(
-            len(opts) * len(self._sp_choices[tp]) * len(self._async_choices[tp]) * other
-            for (tp, _, _, _), opts in self._leaves()
+            len(options) * math.prod(len(a) for a in self._axes(degrees) or ())
+            for degrees, _, options in leaves
         )
+        # Legacy names of the axis choices: recompute, zero stages, fp8s, compiles.
+        self.recomputes, self.zero_stages = c.recompute, c.zero_stage
+        self.fp8s, self.compiles = self._axis_union("fp8"), c.compile
 
-    def _micro_batches(
-        self, dp: int, pp: int, schedules_pp1: list[str]
-    ) -> dict[int, tuple[tuple[str, int], ...]]:
-        c, gbs = self.config, self.global_batch_size
+    def _subtree(self, depth: int, known: dict[str, int], left: int) -> dict:
+        """The levels from `MESH_LEVELS[depth]` down, for the degrees `known` leaving `left`
+        devices: {value: subtree}, with the micro-batch levels under the last degree."""
+        if depth == len(MESH_LEVELS):
+            return self._micro_level({**known, "dp": left})
+        name = MESH_LEVELS[depth]
+        completed = _completed_rules(tuple(known), name)
+        pins = getattr(self.config, name)
+        out = {}
+        for value in _divisors(left):
+            values = {**known, name: value}
+            if pins is not None and value not in pins:
+                continue
+            if any(r.check(values, self.model, self.cluster) for r in completed):
+                continue
+            if not self._space_allows(name, value):
+                continue
+            if depth == 0:
+                self._dropped.setdefault(name, []).append(value)
+            sub = self._subtree(depth + 1, values, left // value)
+            if sub:
+                out[value] = sub
+        return out
+
+    def _space_allows(self, name: str, value: int) -> bool:
+        """The space's own bounds on a degree (beyond the rules every strategy follows)."""
+        c, m = self.config, self.model
+        if name == "tp":
+            return not c.tp_within_node or value <= self.cluster.gpus_per_node
+        if name == "pp":
+            return rules.layers_problem(value, 1, m, uneven=c.uneven_pipeline) is None and (
+                value > 1 or bool(self._schedules_pp1)
+            )
+        return True
+
+    def _micro_level(self, degrees: dict[str, int]) -> dict[int, tuple[tuple[str, int], ...]]:
+        """{micro_batch_size: pipeline options} for one split of the devices (empty when the
+        split's dp is pinned out or an axis has no value left)."""
+        c, gbs, dp, pp = self.config, self.global_batch_size, degrees["dp"], degrees["pp"]
+        if c.dp is not None and dp not in c.dp:
+            return {}
+        if self._axes(tuple(degrees[n] for n in MESH_LEVELS)) is None:
+            return {}
         per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
         mbs = {}
         for mb in _divisors(per_rank) if per_rank else []:
@@ -234,25 +278,15 @@ class SearchSpace(BaseSearchSpace):
             n_micro = per_rank // mb
             if rules.microbatch_problem(pp, n_micro, "1f1b") is not None:
                 continue
-            options = self._pipeline_options(pp, n_micro, schedules_pp1)
+            options = self._pipeline_options(pp, n_micro)
             if options:
                 mbs[mb] = options
         return mbs
 
-    def _leaves(self) -> Iterator[tuple[tuple[int, int, int, int], tuple[tuple[str, int], ...]]]:
-        """((tp, cp, pp, micro_batch_size), pipeline options) of every branch of the tree."""
-        for tp, cps in self._tree.items():
-            for cp, pps in cps.items():
-                for pp, mbs in pps.items():
-                    for mb, options in mbs.items():
-                        yield (tp, cp, pp, mb), options
-
-    def _pipeline_options(
-        self, pp: int, n_micro: int, schedules_pp1: list[str]
-    ) -> tuple[tuple[str, int], ...]:
+    def _pipeline_options(self, pp: int, n_micro: int) -> tuple[tuple[str, int], ...]:
         c, layers = self.config, self.model.n_layers
         if pp == 1:
-            return ((schedules_pp1[0], 1),)
+            return ((self._schedules_pp1[0], 1),)
         out: list[tuple[str, int]] = [
             (s, 1) for s in ("gpipe", "1f1b") if s in c.pipeline_schedule
         ]
@@ -278,23 +312,78 @@ class SearchSpace(BaseSearchSpace):
                 out.append((INTERLEAVED, v))
         return tuple(out)
 
-    def _sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
-        allowed = self.config.sequence_parallel
-        if rules.sequence_parallel_problem(True, tp, self.model.seq_len) is not None:
-            return (False,) if False in allowed else ()
-        return allowed
+    def _axes(self, degrees: tuple[int, ...]) -> tuple[tuple[Any, ...], ...] | None:
+        """The values of every axis (`AXES` order) for the mesh `degrees` (`MESH_LEVELS` order),
+        or None when an axis has none left."""
+        if degrees not in self._axes_cache:
+            self._axes_cache[degrees] = self._axes_for(**dict(zip(MESH_LEVELS, degrees)))
+        return self._axes_cache[degrees]
 
-    def _empty_message(self, tps: list[int], dropped: list[str]) -> str:
+    def _axes_for(self, **degrees: int) -> tuple[tuple[Any, ...], ...] | None:
+        """Each axis's space values that its rules allow with these degrees (the others at
+        their defaults), or None when one has none left."""
+        values = {**_DEFAULTS, **degrees, "global_batch_size": self.global_batch_size}
+        out = []
+        for name in AXES:
+            checks = self._axis_rules[name]
+            allowed, refused = [], []
+            for v in self._axis_values[name]:
+                why = [r.check({**values, name: v}, self.model, self.cluster) for r in checks]
+                messages = [w for w in why if w is not None]
+                if messages:
+                    refused.append(messages[0])
+                else:
+                    allowed.append(v)
+            if not allowed:
+                self._axis_refusals.setdefault(name, refused[0])
+                return None
+            out.append(tuple(allowed))
+        return tuple(out)
+
+    def _axis_union(self, name: str) -> tuple[Any, ...]:
+        """Every value axis `name` takes somewhere in the space, in the space's order."""
+        return self._unions[name]
+
+    def _leaves(self) -> Iterator[tuple[tuple[int, ...], int, tuple[tuple[str, int], ...]]]:
+        """(degrees in `MESH_LEVELS` order, micro_batch_size, pipeline options) of every
+        branch of the tree."""
+
+        def walk(node: dict, prefix: tuple[int, ...]):
+            if len(prefix) == len(MESH_LEVELS):
+                for mb, options in node.items():
+                    yield prefix, mb, options
+                return
+            for value, sub in node.items():
+                yield from walk(sub, prefix + (value,))
+
+        yield from walk(self._tree, ())
+
+    def _empty_message(self) -> str:
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
-        if not tps:
+        first = MESH_LEVELS[0]
+        kept = self._dropped.get(first, [])
+        gpn = self.cluster.gpus_per_node
+        if self._axis_refusals:
+            name, why = next(iter(self._axis_refusals.items()))
+            return (
+                f"{name} {list(getattr(c, name))} is not allowed for {m.name} on"
+                f" {self.cluster.name} where the other pins leave a layout: {why}"
+            )
+        if not kept:
             return (
                 f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
-                f" {dropped[0]}; pins tp={list(c.tp) if c.tp else 'all'},"
+                f" tp must divide {world} devices, n_heads={m.n_heads}, n_kv_heads="
+                f"{m.n_kv_heads}"
+                + (f", <= {gpn} per node" if c.tp_within_node else "")
+                + f"; pins tp={list(c.tp) if c.tp else 'all'},"
                 f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
             )
         return (
             f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
-            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): {dropped[0]}; pp must"
+            f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): tp in {kept}"
+            f" (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
+            + (f", <= {gpn} per node" if c.tp_within_node else "")
+            + "); pp must"
             f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages"
             " needs >= pp micro-batches per step. Pins:"
             f" dp={_fmt(c.dp)}, pp={_fmt(c.pp)}, cp={_fmt(c.cp)},"
@@ -310,126 +399,113 @@ class SearchSpace(BaseSearchSpace):
 
     @property
     def n_groups(self) -> int:
-        """Number of layouts (dp, tp, pp, cp, micro-batch, schedule): the groups of
-        `suggest_group`."""
+        """Number of layouts (degrees, micro-batch, schedule): the groups of `suggest_group`."""
         return self._n_layouts
 
     def layouts(self) -> Iterator[Layout]:
-        """Every valid layout: (dp, tp, pp, micro_batch_size, schedule, virtual_stages, cp)."""
+        """Every valid layout: its degrees, micro-batch size, schedule and virtual stages."""
         world = self.cluster.world_size
-        for (tp, cp, pp, mb), options in self._leaves():
+        for degrees, mb, options in self._leaves():
+            mesh = dict(zip(MESH_LEVELS, degrees))
+            dp = world // math.prod(degrees)
             for schedule, v in options:
-                yield Layout(world // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
+                yield self._layout(dp, mesh, mb, schedule, v)
+
+    @staticmethod
+    def _layout(dp: int, mesh: dict[str, int], mb: int, schedule: str, v: int) -> Layout:
+        values = {
+            "dp": dp,
+            **mesh,
+            "micro_batch_size": mb,
+            "pipeline_schedule": schedule,
+            "virtual_stages": v,
+        }
+        return Layout(**{name: values[name] for name in LAYOUT_FIELDS})
 
     def group_params(self, *, every: int = 1) -> Iterator[dict[str, Any]]:
         """The trial parameters of every layout (of every `every`-th), in `layouts` order. One
         strategy of each is built to name them: 1,740 instead of the 99,180 strategies of GPT-3
         175B on 384 GPUs, and none for the layouts skipped."""
         for layout in itertools.islice(self.layouts(), 0, None, every):
-            yield self.params_of(next(self._group(layout)), group=True)
+            yield self.params_of(next(self.strategies_of(layout)), group=True)
 
-    def _group(self, layout: Layout) -> Iterator[Strategy]:
-        """The strategies of one layout: every combination of the independent axes."""
-        for rc in self.recomputes:
-            for sp in self._sp_choices[layout.tp]:
-                for zero in self.zero_stages:
-                    for amp in self.amps:
-                        for fp8 in self.fp8s:
-                            for compiled in self.compiles:
-                                for async_tp in self._async_choices[layout.tp]:
-                                    yield self._strategy(
-                                        layout,
-                                        recompute=rc,
-                                        sequence_parallel=sp,
-                                        zero_stage=zero,
-                                        amp=amp,
-                                        fp8=fp8,
-                                        compile=compiled,
-                                        async_tp=async_tp,
-                                    )
-
-    def _strategy(self, layout: Layout, **axes: Any) -> Strategy:
-        return Strategy(
-            dp=layout.dp,
-            tp=layout.tp,
-            pp=layout.pp,
-            cp=layout.cp,
-            micro_batch_size=layout.micro_batch_size,
-            global_batch_size=self.global_batch_size,
-            pipeline_schedule=layout.pipeline_schedule,
-            virtual_stages=layout.virtual_stages,
-            **axes,
-        )
+    def strategies_of(self, layout: Layout) -> Iterator[Strategy]:
+        """The strategies of one layout: every combination of the axes' values."""
+        axes = self._axes(tuple(getattr(layout, n) for n in MESH_LEVELS))
+        assert axes is not None  # the tree holds no layout without axis values
+        base = dict(layout.values, global_batch_size=self.global_batch_size)
+        for combo in itertools.product(*axes):
+            kwargs = base.copy()
+            kwargs.update(zip(AXES, combo))
+            yield Strategy(**kwargs)
 
     def enumerate(self) -> Iterator[Strategy]:
         for layout in self.layouts():
-            yield from self._group(layout)
+            yield from self.strategies_of(layout)
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> Strategy:
         layout = self._suggest_layout(trial)
+        axes = self._axes(tuple(getattr(layout, n) for n in MESH_LEVELS))
+        assert axes is not None
         pick = _picker(trial)
-        recompute = pick("recompute", self.recomputes)
-        sp_choices = self._sp_choices[layout.tp]
-        sp = (
-            pick("sequence_parallel", sp_choices) if sp_choices == (False, True) else sp_choices[0]
-        )
-        zero = pick("zero_stage", self.zero_stages)
-        amp = pick("amp", self.amps)
-        fp8 = pick("fp8", self.fp8s)
-        compiled = pick("compile", self.compiles)
-        async_choices = self._async_choices[layout.tp]
-        async_tp = pick("async_tp", async_choices) if len(async_choices) > 1 else async_choices[0]
-        return self._strategy(
-            layout,
-            recompute=recompute,
-            sequence_parallel=sp,
-            zero_stage=zero,
-            amp=amp,
-            fp8=fp8,
-            compile=compiled,
-            async_tp=async_tp,
-        )
+        chosen = {
+            name: pick(self._axis_param(name, values), values) for name, values in zip(AXES, axes)
+        }
+        return Strategy(**layout.values, global_batch_size=self.global_batch_size, **chosen)
+
+    def _axis_param(self, name: str, values: tuple[Any, ...]) -> str:
+        """An axis's parameter name: plain while its values are its values everywhere in the
+        space, else keyed by them (one distribution per name)."""
+        return name if values == self._axis_union(name) else _keyed(name, list(map(str, values)))
 
     def suggest_group(self, trial: "optuna.trial.BaseTrial") -> tuple[Strategy, ...]:
-        """Sample a layout (tp, cp, pp, micro-batch, schedule); return it with every
-        combination of recompute x sequence parallel x ZeRO stage x amp (x fp8, compile and
-        async TP where allowed)."""
-        return tuple(self._group(self._suggest_layout(trial)))
+        """Sample a layout (degrees, micro-batch, schedule); return it with every combination
+        of the axes (recompute x sequence parallel x ZeRO stage x amp, and fp8, compile and async
+        TP where allowed)."""
+        return tuple(self.strategies_of(self._suggest_layout(trial)))
 
     def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
         pick = _picker(trial)
-        tp = pick("tp", self.tps)
-        cps = self._tree[tp]
-        cp = pick(_keyed("cp", [str(c) for c in cps]), tuple(cps))
-        pps = cps[cp]
-        pp = pick(_keyed("pp", [str(p) for p in pps]), tuple(pps))
-        mbs = pps[pp]
+        node, mesh = self._tree, {}
+        for depth, name in enumerate(MESH_LEVELS):
+            choices = tuple(node)
+            param = name if depth == 0 else _keyed(name, [str(c) for c in choices])
+            mesh[name] = pick(param, choices)
+            node = node[mesh[name]]
+        mbs = node
         mb = pick(_keyed("micro_batch_size", [str(b) for b in mbs]), tuple(mbs))
         options = mbs[mb]
         labels = tuple(pipeline_label(s, v) for s, v in options)
         label = pick(_keyed("pipeline", list(labels)), labels)
         schedule, v = options[labels.index(label)]
-        return Layout(self.cluster.world_size // (tp * cp * pp), tp, pp, mb, schedule, v, cp)
+        dp = self.cluster.world_size // math.prod(mesh.values())
+        return self._layout(dp, mesh, mb, schedule, v)
 
     def params_of(self, strategy: Strategy, *, group: bool = False) -> dict[str, Any]:
         s = strategy
         where = f"strategy {s.short()} is not in this search space"
-        cps = self._tree.get(s.tp)
-        if cps is None:
-            raise SpecError(f"{where}: tp={s.tp} is not one of {list(self.tps)}")
-        pps = cps.get(s.cp)
-        if pps is None:
-            raise SpecError(f"{where}: cp={s.cp} is not one of {list(cps)} for tp={s.tp}")
-        mbs = pps.get(s.pp)
-        if mbs is None or s.world_size != self.cluster.world_size:
-            raise SpecError(
-                f"{where}: (dp, tp, pp, cp) = ({s.dp}, {s.tp}, {s.pp}, {s.cp}) is not a valid"
-                " split here"
-            )
+        params: dict[str, Any] = {}
+        node = self._tree
+        for depth, name in enumerate(MESH_LEVELS):
+            value = getattr(s, name)
+            if value not in node:
+                above = ", ".join(f"{n}={getattr(s, n)}" for n in MESH_LEVELS[:depth])
+                raise SpecError(
+                    f"{where}: {name}={value} is not one of {list(node)}"
+                    + (f" for {above}" if above else "")
+                )
+            if len(node) > 1:
+                param = name if depth == 0 else _keyed(name, [str(c) for c in node])
+                params[param] = value
+            node = node[value]
+        if s.world_size != self.cluster.world_size:
+            degrees = ", ".join(f"{n}={getattr(s, n)}" for n in dimensions.MESH_AXES)
+            raise SpecError(f"{where}: ({degrees}) is not a valid split here")
         if s.global_batch_size != self.global_batch_size:
             raise SpecError(
                 f"{where}: global_batch_size {s.global_batch_size} != {self.global_batch_size}"
             )
+        mbs = node
         options = mbs.get(s.micro_batch_size)
         if options is None:
             raise SpecError(
@@ -444,27 +520,20 @@ class SearchSpace(BaseSearchSpace):
             )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
-        if s.recompute_num_layers is not None or s.pipeline_split is not None:
-            raise SpecError(f"{where}: the space holds no recompute_num_layers or pipeline_split")
-        axes = (
-            ("recompute", s.recompute, self.recomputes),
-            ("sequence_parallel", s.sequence_parallel, self._sp_choices[s.tp]),
-            ("zero_stage", s.zero_stage, self.zero_stages),
-            ("amp", s.amp, self.amps),
-            ("fp8", s.fp8, self.fp8s),
-            ("compile", s.compile, self.compiles),
-            ("async_tp", s.async_tp, self._async_choices[s.tp]),
-        )
-        for name, value, choices in axes:
-            if value not in choices:
-                raise SpecError(f"{where}: {name}={value} is not one of {list(choices)}")
-        params: dict[str, Any] = {}
-        if len(self.tps) > 1:
-            params["tp"] = s.tp
-        if len(cps) > 1:
-            params[_keyed("cp", [str(c) for c in cps])] = s.cp
-        if len(pps) > 1:
-            params[_keyed("pp", [str(p) for p in pps])] = s.pp
+        unsearched = [
+            d.name
+            for d in dimensions.DIMENSIONS
+            if d.level is None and d.kind != dimensions.BATCH and getattr(s, d.name) != d.default
+        ]
+        if unsearched:
+            raise SpecError(f"{where}: the space holds no {' or '.join(unsearched)}")
+        axes = self._axes(tuple(getattr(s, n) for n in MESH_LEVELS))
+        assert axes is not None
+        for name, choices in zip(AXES, axes):
+            if getattr(s, name) not in choices:
+                raise SpecError(
+                    f"{where}: {name}={getattr(s, name)} is not one of {list(choices)}"
+                )
         if len(mbs) > 1:
             params[_keyed("micro_batch_size", [str(b) for b in mbs])] = s.micro_batch_size
         if len(options) > 1:
@@ -473,9 +542,9 @@ class SearchSpace(BaseSearchSpace):
             )
         if group:
             return params
-        for name, value, choices in axes:
+        for name, choices in zip(AXES, axes):
             if len(choices) > 1:
-                params[name] = value
+                params[self._axis_param(name, choices)] = getattr(s, name)
         return params
 
     def plain_choices(self) -> dict[str, tuple[Any, ...]]:
@@ -489,25 +558,15 @@ class SearchSpace(BaseSearchSpace):
             {(lay.pipeline_schedule, lay.virtual_stages) for lay in layouts},
             key=lambda o: (order.get(o[0], len(order)), o[1]),
         )
-
-        def union(choices: dict[int, tuple]) -> tuple:
-            return tuple(dict.fromkeys(v for tp in self.tps for v in choices[tp]))
-
-        return {
-            "dp": tuple(sorted({lay.dp for lay in layouts})),
-            "tp": self.tps,
-            "pp": tuple(sorted({lay.pp for lay in layouts})),
-            "cp": tuple(sorted({lay.cp for lay in layouts})),
-            "micro_batch_size": tuple(sorted({lay.micro_batch_size for lay in layouts})),
-            "pipeline": tuple(pipeline_label(*o) for o in pipelines),
-            "recompute": self.recomputes,
-            "sequence_parallel": union(self._sp_choices),
-            "zero_stage": self.zero_stages,
-            "amp": self.amps,
-            "fp8": self.fp8s,
-            "compile": self.compiles,
-            "async_tp": union(self._async_choices),
-        }
+        out: dict[str, tuple[Any, ...]] = {}
+        for d in dimensions.DIMENSIONS:
+            if d.level in (dimensions.REST, dimensions.MESH) or d.name == "micro_batch_size":
+                out[d.name] = tuple(sorted({getattr(lay, d.name) for lay in layouts}))
+            elif d.plain == "pipeline":
+                out["pipeline"] = tuple(pipeline_label(*o) for o in pipelines)
+            elif d.level == dimensions.AXIS:
+                out[d.name] = self._axis_union(d.name)
+        return out
 
     def signature(self) -> dict[str, Any]:
         out = super().signature()
@@ -525,18 +584,18 @@ class SearchSpace(BaseSearchSpace):
 
     def describe(self) -> str:
         """One paragraph: what the space contains, for logs and reports."""
-        splits = {(lay.dp, lay.tp, lay.pp, lay.cp) for lay in self.layouts()}
-        extra = "".join(
-            f" x {name} {list(values)}"
-            for name, values in (("fp8", self.fp8s), ("compile", self.compiles))
-            if len(values) > 1
+        splits = {tuple(getattr(lay, n) for n in dimensions.MESH_AXES) for lay in self.layouts()}
+        axes = " x ".join(
+            f"{_AXIS_WORDS.get(name, name)} {list(self._axis_union(name))}"
+            for name in AXES
+            if name != "sequence_parallel"
+            and (name not in ("fp8", "compile", "async_tp") or len(self._axis_union(name)) > 1)
         )
         return (
             f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
-            f" batch {self.global_batch_size}: {len(splits)} (dp, tp, pp, cp) splits,"
-            f" {self.n_groups} layouts with micro-batch and schedule, x recompute"
-            f" {list(self.recomputes)} x zero {list(self.zero_stages)} x amp {list(self.amps)}"
-            f"{extra} x sequence parallel where tp > 1"
+            f" batch {self.global_batch_size}: {len(splits)} ({', '.join(dimensions.MESH_AXES)})"
+            f" splits, {self.n_groups} layouts with micro-batch and schedule, x {axes}"
+            " x sequence parallel where tp > 1"
         )
 
     def __repr__(self) -> str:
@@ -544,6 +603,9 @@ class SearchSpace(BaseSearchSpace):
             f"SearchSpace({self.model.name!r}, {self.cluster.name!r},"
             f" global_batch_size={self.global_batch_size}, size={self.size})"
         )
+
+
+_AXIS_WORDS = {"zero_stage": "zero"}
 
 
 def _picker(trial: "optuna.trial.BaseTrial"):

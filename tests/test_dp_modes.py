@@ -75,7 +75,7 @@ def test_engine_applies_the_table(zero, dp, tp, pp, amp, monkeypatch):
 
     model = torch.nn.Sequential()
     model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
-    dims = ParallelDims(dp, tp, pp, dp * tp * pp, zero)
+    dims = ParallelDims.of(dp=dp, tp=tp, pp=pp, zero_stage=zero)
     mode = dp_mode(zero_stage=zero, dp=dp, tp=tp, pp=pp)
     apply_data_parallel(
         model, dims, Mesh(), ParallelPlan(blocks="layers"), amp, torch.device("cpu")

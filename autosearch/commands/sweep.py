@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import os
 import sys
@@ -24,6 +25,7 @@ from autosearch.commands._common import (
     positive_int_arg,
     quiet_interrupted_trials,
 )
+from autosearch.core.strategy import Strategy
 
 COLUMNS = [
     "model",
@@ -37,22 +39,8 @@ COLUMNS = [
     "tokens_per_step",
     "status",
     "strategy",
-    "dp",
-    "tp",
-    "pp",
-    "micro_batch_size",
-    "pipeline_schedule",
-    "virtual_stages",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
-    "cp",
-    "recompute_num_layers",
-    "pipeline_split",
-    "fp8",
-    "compile",
-    "async_tp",
+    # every dimension of a strategy (autosearch.core.dimensions), in a strategy file's order
+    *(f.name for f in dataclasses.fields(Strategy) if f.name != "global_batch_size"),
     "tokens_per_s",
     "step_time_s",
     "mfu",

@@ -413,6 +413,8 @@ def dry_run(args, model, cluster, space, objective: str, name: str, out: str) ->
     target = min(n_trials, n_units) if sampler == "exhaustive" else n_trials
     done = _finished_trials(out, name)
     todo = max(0, target - done)
+    from search_spaces import LAYOUT_FIELDS
+
     layouts = list(space.layouts()) if hasattr(space, "layouts") else []
     units = "layouts" if unit == "layout" else "strategies"
     lines = [
@@ -421,16 +423,11 @@ def dry_run(args, model, cluster, space, objective: str, name: str, out: str) ->
         f"study      {name} in {out}/ ({done} finished trials there)",
         f"trials     {target} {units} with the {sampler} sampler ({todo} to run; "
         f"{n_units:,} {units} in the space)",
-        f"layouts    {len(layouts)} (dp, tp, pp, cp, micro-batch, schedule, virtual stages):",
+        f"layouts    {len(layouts)} ({', '.join(LAYOUT_FIELDS)}):",
     ]
     shown = 12
     for layout in layouts[:shown]:
-        dp, tp, pp, mb, schedule, v = layout[:6]
-        cp = getattr(layout, "cp", 1)
-        sched = "" if pp == 1 else f" {schedule}" + (f" v{v}" if v > 1 else "")
-        lines.append(
-            f"           dp{dp}-tp{tp}-pp{pp}{f'-cp{cp}' if cp > 1 else ''} mb{mb}{sched}"
-        )
+        lines.append(f"           {layout.label()}")
     if len(layouts) > shown:
         lines.append(f"           ... and {len(layouts) - shown} more")
     lines.append(

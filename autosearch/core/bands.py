@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from autosearch.core import dimensions
 from autosearch.core._io import read_yaml_mapping
 from autosearch.core.errors import SpecError
 
@@ -79,19 +80,7 @@ def kind_of(strategy: Strategy, cluster: Cluster, runtime: str) -> dict[str, str
         hardware = "cpu"
     if profile.measured:
         hardware += " (measured)"
-    axes = (
-        "+".join(
-            name
-            for name, d in (
-                ("dp", strategy.dp),
-                ("tp", strategy.tp),
-                ("pp", strategy.pp),
-                ("cp", strategy.cp),
-            )
-            if d > 1
-        )
-        or "single"
-    )
+    axes = "+".join(dimensions.parallel_axes(strategy)) or "single"
     devices = cluster.world_size
     scale = (
         "<=8"

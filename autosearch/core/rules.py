@@ -14,9 +14,12 @@ splits the sequence over the tp group (Korthikanti et al. 2022, sec. 4.2.2).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
 
 INTERLEAVED = "interleaved_1f1b"
@@ -202,3 +205,122 @@ def microbatch_problem(pp: int, n_microbatches: int, schedule: str) -> str | Non
             f" pp={pp}"
         )
     return None
+
+
+# ---- the rules of a whole strategy ------------------------------------------------------------
+# Each rule of a strategy as `Strategy.problems` checks it, with the dimensions it reads, in the
+# order its messages are reported. `values` maps dimension names to values (a Strategy's fields);
+# `model` and `cluster` may be None (a user's own network; no cluster given): a rule that needs
+# one is then skipped.
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule of a strategy: the dimensions it reads and its check (None when it holds)."""
+
+    name: str
+    reads: tuple[str, ...]
+    check: Callable[[Mapping[str, Any], "ModelSpec | None", "Cluster | None"], str | None]
+
+
+def _chunks(v: Mapping[str, Any], model: "ModelSpec | None") -> tuple[int, ...] | None:
+    """Layers per pipeline chunk, when the split is valid (else None)."""
+    if _layers(v, model) is not None or model is None:
+        return None
+    if v["pipeline_split"] is not None:
+        return v["pipeline_split"]
+    return split_layers(model.n_layers, v["pp"] * v["virtual_stages"])
+
+
+def _layers(v: Mapping[str, Any], model: "ModelSpec | None") -> str | None:
+    if v["pipeline_split"] is not None:
+        n_layers = model.n_layers if model is not None else None
+        return pipeline_split_problem(v["pipeline_split"], v["pp"], v["virtual_stages"], n_layers)
+    if model is not None:
+        return layers_problem(v["pp"], v["virtual_stages"], model, uneven=True)
+    return None
+
+
+def _world(v: Mapping[str, Any], _model, cluster: "Cluster | None") -> str | None:
+    if cluster is None:
+        return None
+    where = f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})"
+    return world_size_problem(
+        v["dp"], v["tp"], v["pp"], cp=v["cp"], devices=cluster.world_size, where=where
+    )
+
+
+def _microbatches(v: Mapping[str, Any], _model, _cluster) -> str | None:
+    # the micro-batch count is defined only when the batch splits
+    if batch_problem(v["global_batch_size"], v["dp"], v["micro_batch_size"]) is not None:
+        return None
+    n_micro = v["global_batch_size"] // (v["dp"] * v["micro_batch_size"])
+    return microbatch_problem(v["pp"], n_micro, v["pipeline_schedule"])
+
+
+def _recompute_layers(v: Mapping[str, Any], model, _cluster) -> str | None:
+    chunks = _chunks(v, model)
+    return recompute_layers_problem(
+        v["recompute"], v["recompute_num_layers"], min(chunks) if chunks else None
+    )
+
+
+def _sequence_parallel(v: Mapping[str, Any], model, _cluster) -> str | None:
+    seq_len = model.seq_len // v["cp"] if model is not None else None
+    return sequence_parallel_problem(v["sequence_parallel"], v["tp"], seq_len)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("world_size", ("dp", "tp", "pp", "cp"), _world),
+    Rule("tp", ("tp",), lambda v, m, c: tp_problem(v["tp"], m) if m is not None else None),
+    Rule("layers", ("pp", "virtual_stages", "pipeline_split"), lambda v, m, c: _layers(v, m)),
+    Rule(
+        "batch",
+        ("global_batch_size", "dp", "micro_batch_size"),
+        lambda v, m, c: batch_problem(v["global_batch_size"], v["dp"], v["micro_batch_size"]),
+    ),
+    Rule("sequence_parallel", ("sequence_parallel", "tp", "cp"), _sequence_parallel),
+    Rule(
+        "context_parallel",
+        ("cp",),
+        lambda v, m, c: context_parallel_problem(v["cp"], m.seq_len if m is not None else None),
+    ),
+    Rule(
+        "schedule",
+        ("pipeline_schedule", "pp", "virtual_stages"),
+        lambda v, m, c: schedule_problem(v["pipeline_schedule"], v["pp"], v["virtual_stages"]),
+    ),
+    Rule(
+        "microbatches",
+        ("global_batch_size", "dp", "micro_batch_size", "pp", "pipeline_schedule"),
+        _microbatches,
+    ),
+    Rule(
+        "recompute_layers",
+        ("recompute", "recompute_num_layers", "pp", "virtual_stages", "pipeline_split"),
+        _recompute_layers,
+    ),
+    Rule(
+        "fp8",
+        ("fp8",),
+        lambda v, m, c: fp8_problem(v["fp8"], c.profile.peak_flops if c is not None else None),
+    ),
+    Rule("async_tp", ("async_tp", "tp"), lambda v, m, c: async_tp_problem(v["async_tp"], v["tp"])),
+)
+
+
+def problems(
+    values: Mapping[str, Any], model: "ModelSpec | None", cluster: "Cluster | None"
+) -> list[str]:
+    """Every rule `values` (a strategy's fields) breaks, in `RULES` order."""
+    out = []
+    for rule in RULES:
+        message = rule.check(values, model, cluster)
+        if message is not None:
+            out.append(message)
+    return out
+
+
+def rules_reading(name: str) -> tuple[Rule, ...]:
+    """The rules that read dimension `name`."""
+    return tuple(rule for rule in RULES if name in rule.reads)

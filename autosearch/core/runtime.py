@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autosearch.core import dimensions
 from autosearch.core._io import check_keys, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
@@ -153,7 +154,7 @@ class RuntimeOptions:
 
     def lacks(self, strategy: "Strategy") -> list[str]:
         """The dimensions of `strategy` this runtime cannot run, each as a message."""
-        supported = ", ".join(self.supports) or "none of cp, fp8, compile, async_tp"
+        supported = ", ".join(self.supports) or "none of " + ", ".join(dimensions.feature_names())
         return [
             f"runtime {self.name!r} cannot run {how} (it supports {supported})"
             for how in self.unsupported(strategy).values()
@@ -165,6 +166,12 @@ class RuntimeOptions:
         for key in ("supports", "sources"):
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key] or ())
+        unknown = [f for f in kwargs.get("supports", ()) if f not in dimensions.feature_names()]
+        if unknown:
+            raise SpecError(
+                f"{what}: supports lists {', '.join(map(repr, unknown))}, which no dimension "
+                f"declares; known: {', '.join(dimensions.feature_names())}"
+            )
         if "kernel_efficiency" in kwargs:
             factors = kwargs["kernel_efficiency"] or {}
             if not isinstance(factors, dict) or not all(
@@ -186,22 +193,9 @@ class RuntimeOptions:
 
 
 def dimensions_used(strategy: "Strategy") -> dict[str, str]:
-    """{dimension: how} for each dimension of today's stacks the strategy uses (the names of
-    `RuntimeOptions.supports`)."""
-    s = strategy
-    used = {
-        "cp": (s.cp > 1, f"cp={s.cp} (context parallel)"),
-        "fp8": (s.fp8 != "none", f"fp8={s.fp8}"),
-        "compile": (s.compile, "compile=true"),
-        "async_tp": (s.async_tp, "async_tp=true"),
-        "selective_op": (s.recompute == "selective_op", "recompute=selective_op"),
-        "recompute_num_layers": (
-            s.recompute_num_layers is not None,
-            f"recompute_num_layers={s.recompute_num_layers}",
-        ),
-        "uneven_pp": (s.pipeline_split is not None, "pipeline_split"),
-    }
-    return {dim: how for dim, (flag, how) in used.items() if flag}
+    """{feature: how} for each feature of today's stacks the strategy uses (the names of
+    `RuntimeOptions.supports`, declared with their dimensions in `autosearch.core.dimensions`)."""
+    return dimensions.features_used(strategy)
 
 
 def _runtimes_path() -> Path:

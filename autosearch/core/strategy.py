@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from autosearch.core import rules
+from autosearch.core import dimensions, rules
 from autosearch.core._io import check_keys, parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
@@ -26,16 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# none; selective = the attention core (Korthikanti et al. 2022, sec. 5); selective_op = save the
-# matmul outputs, recompute everything else (torchtitan's default "selective op" AC); full = each
-# layer's whole forward (Chen et al. 2016), on every layer or on `recompute_num_layers` per stage.
-RECOMPUTE = ("none", "selective", "selective_op", "full")
-AMP = ("fp32", "fp16", "bf16")
-# Float8 linears with a scale per tensor (torchao tensorwise; TransformerEngine delayed and
-# current scaling are per-tensor scales too) or per row (torchao rowwise).
-FP8 = ("none", "tensorwise", "rowwise")
-ZERO_STAGES = (0, 1, 2, 3)
+# The legal values of the choice dimensions (declared in `autosearch.core.dimensions`).
+PIPELINE_SCHEDULES = dimensions.BY_NAME["pipeline_schedule"].choices
+RECOMPUTE = dimensions.BY_NAME["recompute"].choices
+AMP = dimensions.BY_NAME["amp"].choices
+FP8 = dimensions.BY_NAME["fp8"].choices
+ZERO_STAGES = dimensions.BY_NAME["zero_stage"].choices
 # Paddle calls tensor parallel "mp"; accepted at the edges (YAML, CLI), never used inside.
 ALIASES = {
     "mp": "tp",
@@ -49,19 +45,7 @@ ALIASES = {
 MARKER = "# autosearch strategy"
 # The fields such a file always holds (those added later, cp, fp8 ..., keep their defaults when
 # an older file lacks them).
-FILE_FIELDS = (
-    "dp",
-    "tp",
-    "pp",
-    "micro_batch_size",
-    "global_batch_size",
-    "pipeline_schedule",
-    "virtual_stages",
-    "recompute",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
-)
+FILE_FIELDS = tuple(d.name for d in dimensions.DIMENSIONS if d.file)
 _BOOL_WORDS = {
     "true": True,
     "false": False,
@@ -107,27 +91,29 @@ class Strategy:
         async_tp: tensor-parallel collectives overlap the matmuls (micro-pipelined TP).
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    micro_batch_size: int = 1
-    global_batch_size: int = None  # type: ignore[assignment]  # None: dp * micro_batch_size
-    pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    amp: str = "bf16"
-    cp: int = 1
-    recompute_num_layers: int | None = None
-    pipeline_split: tuple[int, ...] | None = None
-    fp8: str = "none"
-    compile: bool = False
-    async_tp: bool = False
+    dp: int = dimensions.field("dp")
+    tp: int = dimensions.field("tp")
+    pp: int = dimensions.field("pp")
+    micro_batch_size: int = dimensions.field("micro_batch_size")
+    # None: dp * micro_batch_size
+    global_batch_size: int = dimensions.field("global_batch_size")
+    pipeline_schedule: str = dimensions.field("pipeline_schedule")
+    virtual_stages: int = dimensions.field("virtual_stages")
+    recompute: str = dimensions.field("recompute")
+    sequence_parallel: bool = dimensions.field("sequence_parallel")
+    zero_stage: int = dimensions.field("zero_stage")
+    amp: str = dimensions.field("amp")
+    cp: int = dimensions.field("cp")
+    recompute_num_layers: int | None = dimensions.field("recompute_num_layers")
+    pipeline_split: tuple[int, ...] | None = dimensions.field("pipeline_split")
+    fp8: str = dimensions.field("fp8")
+    compile: bool = dimensions.field("compile")
+    async_tp: bool = dimensions.field("async_tp")
 
     def __post_init__(self) -> None:
+        """Check every field by its kind (`autosearch.core.dimensions`)."""
         problems = []
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "cp"):
+        for name in _INTEGERS:
             try:
                 object.__setattr__(self, name, positive_int(getattr(self, name), name))
             except SpecError as exc:
@@ -144,38 +130,33 @@ class Strategy:
                 )
             except SpecError as exc:
                 problems.append(str(exc))
-        for name, choices in (
-            ("pipeline_schedule", PIPELINE_SCHEDULES),
-            ("recompute", RECOMPUTE),
-            ("amp", AMP),
-            ("fp8", FP8),
-        ):
+        for name, choices in _CHOICES:
             value = getattr(self, name)
-            if value not in choices:
-                problems.append(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
-            problems.append(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
-        for name in ("sequence_parallel", "compile", "async_tp"):
+            if value not in choices or isinstance(value, bool):
+                problems.append(f"{name} must be {_one_of(choices)}; got {value!r}")
+        for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false; got {getattr(self, name)!r}")
-        if self.recompute_num_layers is not None:
-            try:
-                n = positive_int(self.recompute_num_layers, "recompute_num_layers")
-                object.__setattr__(self, "recompute_num_layers", n)
-            except SpecError as exc:
-                problems.append(str(exc))
-        if self.pipeline_split is not None:
-            split = self.pipeline_split
+        for name in _COUNTS:
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, positive_int(getattr(self, name), name))
+                except SpecError as exc:
+                    problems.append(str(exc))
+        for name in _SPLITS:
+            split = getattr(self, name)
+            if split is None:
+                continue
             if isinstance(split, int) and not isinstance(split, bool):  # one chunk
                 split = (split,)
             if isinstance(split, str):  # "15/16/16/15" from the command line
                 parts = split.replace("/", ",").split(",")
                 split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())
             try:
-                split = tuple(positive_int(n, "pipeline_split entry") for n in split)
-                object.__setattr__(self, "pipeline_split", split)
+                split = tuple(positive_int(n, f"{name} entry") for n in split)
+                object.__setattr__(self, name, split)
             except (SpecError, TypeError) as exc:
-                problems.append(f"pipeline_split must be a list of layer counts: {exc}")
+                problems.append(f"{name} must be a list of layer counts: {exc}")
         if problems:
             raise SpecError(problems, context="invalid strategy")
 
@@ -209,51 +190,7 @@ class Strategy:
         Without a model (a user's own network), only the rules that hold for any model are checked;
         without a cluster, the world size is not.
         """
-        dp, tp, pp, v, cp = self.dp, self.tp, self.pp, self.virtual_stages, self.cp
-        seq_len = model.seq_len if model is not None else None
-        n_layers = model.n_layers if model is not None else None
-        batch = rules.batch_problem(self.global_batch_size, dp, self.micro_batch_size)
-        if self.pipeline_split is not None:
-            layers = rules.pipeline_split_problem(self.pipeline_split, pp, v, n_layers)
-        elif model is not None:
-            layers = rules.layers_problem(pp, v, model, uneven=True)
-        else:
-            layers = None
-        chunks = self.layers_per_chunk(n_layers) if layers is None and n_layers else None
-        checks = [
-            (
-                rules.world_size_problem(
-                    dp,
-                    tp,
-                    pp,
-                    cp=cp,
-                    devices=cluster.world_size,
-                    where=f" ({cluster.n_nodes} nodes x {cluster.gpus_per_node})",
-                )
-                if cluster is not None
-                else None
-            ),
-            rules.tp_problem(tp, model) if model is not None else None,
-            layers,
-            batch,
-            rules.sequence_parallel_problem(
-                self.sequence_parallel, tp, seq_len // cp if seq_len is not None else None
-            ),
-            rules.context_parallel_problem(cp, seq_len),
-            rules.schedule_problem(self.pipeline_schedule, pp, v),
-            # the micro-batch count is defined only when the batch splits
-            (
-                rules.microbatch_problem(pp, self.grad_accum_steps, self.pipeline_schedule)
-                if batch is None
-                else None
-            ),
-            rules.recompute_layers_problem(
-                self.recompute, self.recompute_num_layers, min(chunks) if chunks else None
-            ),
-            rules.fp8_problem(self.fp8, cluster.profile.peak_flops if cluster else None),
-            rules.async_tp_problem(self.async_tp, tp),
-        ]
-        return [problem for problem in checks if problem is not None]
+        return rules.problems(self.__dict__, model, cluster)
 
     def validate(self, model: "ModelSpec", cluster: "Cluster | None" = None) -> "Strategy":
         """Raise SpecError naming every violated rule and its fix; return self if valid."""
@@ -274,7 +211,7 @@ class Strategy:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "strategy") -> "Strategy":
         kwargs = check_keys(data, cls, what=what, aliases=ALIASES)
-        for key in ("recompute", "pipeline_schedule", "amp", "fp8"):
+        for key, _ in _CHOICES:
             if key in kwargs and isinstance(kwargs[key], str):
                 kwargs[key] = kwargs[key].lower()
         if kwargs.get("recompute") is False:  # YAML reads `recompute: no` as a bool
@@ -351,41 +288,27 @@ class Strategy:
         return cls.from_dict(data, what=f"strategy {text!r}")
 
     def short(self) -> str:
-        """A compact one-line label, e.g. ``dp8-tp8-pp4-mb2-gbs512-1f1b-rcfull-sp-z1-bf16``."""
-        parts = [
-            f"dp{self.dp}",
-            f"tp{self.tp}",
-            f"pp{self.pp}",
-            f"mb{self.micro_batch_size}",
-            f"gbs{self.global_batch_size}",
-        ]
-        if self.pp > 1:
-            parts.append(
-                self.pipeline_schedule
-                + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-            )
-        if self.recompute != "none":
-            layers = f"{self.recompute_num_layers}" if self.recompute_num_layers else ""
-            parts.append(f"rc-{self.recompute}{layers}")
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.zero_stage:
-            parts.append(f"z{self.zero_stage}")
-        if self.cp > 1:
-            parts.insert(3, f"cp{self.cp}")
-        if self.pipeline_split is not None:
-            parts.append("split" + "_".join(map(str, self.pipeline_split)))
-        parts.append(self.amp)
-        if self.fp8 != "none":
-            parts.append(f"fp8{self.fp8}")
-        if self.compile:
-            parts.append("compile")
-        if self.async_tp:
-            parts.append("asynctp")
-        return "-".join(parts)
+        """A compact one-line label, e.g. ``dp8-tp8-pp4-mb2-gbs512-1f1b-rc-full-sp-z1-bf16``."""
+        return dimensions.short_label(self)
 
     def replace(self, **changes: Any) -> "Strategy":
         return dataclasses.replace(self, **changes)
+
+
+dimensions.check_fields(Strategy)
+_KINDS = {d.name: d.kind for d in dimensions.DIMENSIONS}
+_INTEGERS = tuple(n for n, k in _KINDS.items() if k in (dimensions.DEGREE, dimensions.SIZE))
+_CHOICES = tuple((d.name, d.choices) for d in dimensions.DIMENSIONS if d.kind == dimensions.CHOICE)
+_FLAGS = tuple(n for n, k in _KINDS.items() if k == dimensions.FLAG)
+_COUNTS = tuple(n for n, k in _KINDS.items() if k == dimensions.COUNT)
+_SPLITS = tuple(n for n, k in _KINDS.items() if k == dimensions.SPLIT)
+
+
+def _one_of(choices: tuple[Any, ...]) -> str:
+    """``one of gpipe, 1f1b`` for names; ``0, 1, 2 or 3`` for numbers."""
+    if all(isinstance(c, int) for c in choices):
+        return ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+    return "one of " + ", ".join(map(str, choices))
 
 
 def _parse_scalar(value: str) -> Any:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from autosearch.core import dimensions
+
 if TYPE_CHECKING:  # pragma: no cover
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import FrozenTrial
@@ -35,24 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SAMPLER_ATTR = "autosearch:sampler_params"
 # The Strategy fields under their plain names, in the order the dashboard lists them (the pipeline
-# schedule and its virtual stages are one, `pipeline`; the global batch is the study's).
-PLAIN_DIMENSIONS = (
-    "dp",
-    "tp",
-    "pp",
-    "cp",
-    "micro_batch_size",
-    "pipeline",
-    "recompute",
-    "recompute_num_layers",
-    "pipeline_split",
-    "sequence_parallel",
-    "zero_stage",
-    "amp",
-    "fp8",
-    "compile",
-    "async_tp",
-)
+# schedule and its virtual stages are one, `pipeline`; the global batch is the study's): from the
+# dimension registry.
+PLAIN_DIMENSIONS = dimensions.PLAIN_NAMES
 
 
 def plain_value(strategy: "Strategy", name: str) -> Any:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autosearch.core import dimensions
+
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
@@ -34,8 +36,8 @@ def same_value(a: float, b: float) -> bool:
 
 
 def n_parallel_axes(strategy: "Strategy") -> int:
-    """How many of dp, tp, pp, cp are above 1."""
-    return sum(d > 1 for d in (strategy.dp, strategy.tp, strategy.pp, strategy.cp))
+    """How many of the mesh degrees (dp, tp, pp, cp: `dimensions.MESH_AXES`) are above 1."""
+    return len(dimensions.parallel_axes(strategy))
 
 
 def tie_key(

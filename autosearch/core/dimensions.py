@@ -1,0 +1,442 @@
+"""The dimensions of a parallel strategy, each declared once.
+
+A dimension is one field of `Strategy`: a parallel degree (dp, tp, pp, cp), a size (micro-batch,
+virtual stages), a choice among fixed values (pipeline schedule, recompute, ZeRO stage, amp,
+fp8) or a flag (sequence parallel, compile, async TP). Its declaration here says what it is
+(kind, legal values, default), where the search holds it (`level`), how a label shows it, what
+a runtime must support to run it (`features`), and whether it is a parallel axis of the device
+mesh. Everything that lists dimensions derives from `DIMENSIONS`:
+
+- `Strategy`'s field defaults, its type checks (by kind) and its short label (`label`);
+- the fields every strategy file holds (`FILE_FIELDS`);
+- `RuntimeOptions.unsupported` (`features_used`);
+- `SpaceConfig`'s keys and defaults (`space`) and the search tree's levels (`level`);
+- the plain parameter names of a stored trial (`PLAIN_NAMES`);
+- the parallel axes of the ranking's tie rule and of the error bands' kinds (`MESH_AXES`);
+- the sweep's strategy columns and the dry run's layout listing.
+
+The rules a strategy must follow are the functions of `autosearch.core.rules`; `rules.RULES`
+says which dimensions each reads. This is torchtitan's single list of mesh axis names
+(`ParallelDims`), widened to every dimension of a strategy.
+
+Adding a dimension: one `Dimension` here, its typed field in `Strategy` (one line), its rule in
+`rules.py`, the cost terms that read it, and its runtime mappings (exports, Engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+# Kinds: how a value is checked and searched.
+DEGREE = "degree"  # a parallel degree: an integer >= 1
+SIZE = "size"  # an integer >= 1 that is not a degree (micro-batch, virtual stages)
+BATCH = "batch"  # the global batch: an integer >= 1, or None for dp * micro_batch_size
+CHOICE = "choice"  # one of `choices`
+FLAG = "flag"  # true or false
+COUNT = "count"  # an integer >= 1, or None (unset)
+SPLIT = "split"  # a tuple of integers >= 1, or None
+
+# Levels: where the search tree holds a dimension.
+REST = "rest"  # a degree the others imply (dp = world / the product of the mesh levels)
+MESH = "mesh"  # a degree level of the tree, in `depth` order
+LAYOUT = "layout"  # micro-batch and pipeline levels, below the degrees
+AXIS = "axis"  # scanned inside a layout (a layout trial scores every combination)
+
+ALL = None  # a space default: every value the model and cluster allow
+NOT_SEARCHED = "not searched"  # a space default: not a key of the space
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A use of a dimension that a runtime must support to run it (the names of a runtime
+    preset's ``supports``: `cost_models/runtimes.yaml`).
+
+    Attributes:
+        name: the name in ``supports`` (``cp``, ``selective_op`` ...).
+        used: whether a value uses it.
+        how: the value's use, as the refusal names it (``cp=4 (context parallel)``).
+    """
+
+    name: str
+    used: Callable[[Any], bool]
+    how: Callable[[Any], str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dimension:
+    """One dimension of a strategy.
+
+    Attributes:
+        name: the Strategy field.
+        kind: `DEGREE`, `SIZE`, `BATCH`, `CHOICE`, `FLAG`, `COUNT` or `SPLIT`.
+        default: the value when a strategy does not name it.
+        doc: one line for help texts.
+        choices: the legal values of a `CHOICE` or `FLAG`, in their canonical order.
+        level: where the search tree holds it (`REST`, `MESH`, `LAYOUT`, `AXIS`), or None.
+        depth: the order of `MESH` levels from the root.
+        space: the search space's default (`ALL`, a tuple of values, or `NOT_SEARCHED`).
+        file: a strategy file written by autosearch always holds it (a file that lacks one is
+            cut short).
+        plain: the name it is stored under in a trial (None: not stored on its own; the
+            schedule and virtual stages are stored together as ``pipeline``).
+        label: its part of `Strategy.short`, or None when it shows nothing.
+        label_rank: the position of that part (smaller first).
+        features: the uses a runtime must support.
+        mesh_axis: a parallel axis of the device mesh (the ranking's and the bands' axes).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] = ()
+    level: str | None = None
+    depth: int = 0
+    space: Any = NOT_SEARCHED
+    file: bool = False
+    plain: str | None = None
+    label: Callable[[Any], str | None] | None = None  # of a Strategy, or a Layout
+    label_rank: int = 0
+    features: tuple[Feature, ...] = ()
+    mesh_axis: bool = False
+
+    @property
+    def searched(self) -> bool:
+        return self.space is not NOT_SEARCHED
+
+
+def _degree_label(name: str, *, always: bool = False) -> Callable[[Any], str | None]:
+    """``tp8``; a degree that is not `always` shown only when above 1."""
+    if always:
+        return lambda s: f"{name}{getattr(s, name)}"
+    return lambda s: f"{name}{getattr(s, name)}" if getattr(s, name) > 1 else None
+
+
+def _pipeline_label(s: "Strategy") -> str | None:
+    if s.pp == 1:
+        return None
+    return s.pipeline_schedule + (f"v{s.virtual_stages}" if s.virtual_stages > 1 else "")
+
+
+def _recompute_label(s: "Strategy") -> str | None:
+    if s.recompute == "none":
+        return None
+    return f"rc-{s.recompute}{s.recompute_num_layers or ''}"
+
+
+def _flag_label(name: str, text: str) -> Callable[["Strategy"], str | None]:
+    return lambda s: text if getattr(s, name) else None
+
+
+# The registry, in the order of a stored trial's parameters (dp, tp, pp, cp, micro-batch,
+# pipeline, recompute ...). Strategy declares its typed fields in file order; `_check` ties the
+# two at import.
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension(
+        name="dp",
+        kind=DEGREE,
+        default=1,
+        doc="data-parallel degree (replicas, or shards with ZeRO)",
+        level=REST,
+        space=ALL,
+        file=True,
+        plain="dp",
+        label=_degree_label("dp", always=True),
+        label_rank=0,
+        mesh_axis=True,
+    ),
+    Dimension(
+        name="tp",
+        kind=DEGREE,
+        default=1,
+        doc="tensor-parallel degree (Megatron-style column/row split of every block)",
+        level=MESH,
+        depth=0,
+        space=ALL,
+        file=True,
+        plain="tp",
+        label=_degree_label("tp", always=True),
+        label_rank=1,
+        mesh_axis=True,
+    ),
+    Dimension(
+        name="pp",
+        kind=DEGREE,
+        default=1,
+        doc="pipeline-parallel degree (stages)",
+        level=MESH,
+        depth=2,
+        space=ALL,
+        file=True,
+        plain="pp",
+        label=_degree_label("pp", always=True),
+        label_rank=2,
+        mesh_axis=True,
+    ),
+    Dimension(
+        name="cp",
+        kind=DEGREE,
+        default=1,
+        doc="context-parallel degree (the sequence split over cp ranks, ring attention)",
+        level=MESH,
+        depth=1,
+        space=(1,),
+        plain="cp",
+        label=_degree_label("cp"),
+        label_rank=3,
+        features=(Feature("cp", lambda v: v > 1, lambda v: f"cp={v} (context parallel)"),),
+        mesh_axis=True,
+    ),
+    Dimension(
+        name="micro_batch_size",
+        kind=SIZE,
+        default=1,
+        doc="sequences per micro-batch on one data-parallel rank",
+        level=LAYOUT,
+        space=ALL,
+        file=True,
+        plain="micro_batch_size",
+        label=lambda s: f"mb{s.micro_batch_size}",
+        label_rank=4,
+    ),
+    Dimension(
+        name="global_batch_size",
+        kind=BATCH,
+        default=None,
+        doc="sequences per optimizer step over the whole cluster (the study's, not searched)",
+        file=True,
+        label=lambda s: f"gbs{s.global_batch_size}",
+        label_rank=5,
+    ),
+    Dimension(
+        name="pipeline_schedule",
+        kind=CHOICE,
+        default="1f1b",
+        doc="pipeline schedule (Narayanan et al. 2021)",
+        choices=("gpipe", "1f1b", "interleaved_1f1b"),
+        level=LAYOUT,
+        space=("gpipe", "1f1b", "interleaved_1f1b"),
+        file=True,
+        plain="pipeline",
+        label=_pipeline_label,
+        label_rank=6,
+    ),
+    Dimension(
+        name="virtual_stages",
+        kind=SIZE,
+        default=1,
+        doc="model chunks per pipeline rank (> 1 only with interleaved_1f1b)",
+        level=LAYOUT,
+        space=ALL,
+        file=True,
+        plain="pipeline",
+    ),
+    Dimension(
+        name="recompute",
+        kind=CHOICE,
+        default="none",
+        # selective = the attention core (Korthikanti et al. 2022, sec. 5); selective_op = save
+        # the matmul outputs, recompute the rest (torchtitan's op-level AC); full = each layer's
+        # whole forward (Chen et al. 2016), on every layer or on `recompute_num_layers`.
+        doc="activation recompute: none, selective (attention core), selective_op, full",
+        choices=("none", "selective", "selective_op", "full"),
+        level=AXIS,
+        space=("none", "selective", "selective_op", "full"),
+        file=True,
+        plain="recompute",
+        label=_recompute_label,
+        label_rank=7,
+        features=(
+            Feature(
+                "selective_op", lambda v: v == "selective_op", lambda v: "recompute=selective_op"
+            ),
+        ),
+    ),
+    Dimension(
+        name="recompute_num_layers",
+        kind=COUNT,
+        default=None,
+        doc="with recompute=full, recompute this many layers of each pipeline chunk",
+        plain="recompute_num_layers",
+        features=(
+            Feature(
+                "recompute_num_layers",
+                lambda v: v is not None,
+                lambda v: f"recompute_num_layers={v}",
+            ),
+        ),
+    ),
+    Dimension(
+        name="pipeline_split",
+        kind=SPLIT,
+        default=None,
+        doc="layers of each pipeline chunk, in order (None: as even as possible)",
+        plain="pipeline_split",
+        label=lambda s: (
+            None if s.pipeline_split is None else "split" + "_".join(map(str, s.pipeline_split))
+        ),
+        label_rank=10,
+        features=(Feature("uneven_pp", lambda v: v is not None, lambda v: "pipeline_split"),),
+    ),
+    Dimension(
+        name="sequence_parallel",
+        kind=FLAG,
+        default=False,
+        doc="shard norm and dropout activations over tp (Korthikanti et al. 2022)",
+        choices=(False, True),
+        level=AXIS,
+        space=(False, True),
+        file=True,
+        plain="sequence_parallel",
+        label=_flag_label("sequence_parallel", "sp"),
+        label_rank=8,
+    ),
+    Dimension(
+        name="zero_stage",
+        kind=CHOICE,
+        default=0,
+        doc="ZeRO sharding over dp: 1 optimizer states, 2 + gradients, 3 + parameters",
+        choices=(0, 1, 2, 3),
+        level=AXIS,
+        space=(0, 1, 2, 3),
+        file=True,
+        plain="zero_stage",
+        label=lambda s: f"z{s.zero_stage}" if s.zero_stage else None,
+        label_rank=9,
+    ),
+    Dimension(
+        name="amp",
+        kind=CHOICE,
+        default="bf16",
+        doc="compute precision",
+        choices=("fp32", "fp16", "bf16"),
+        level=AXIS,
+        space=("fp32", "fp16", "bf16"),
+        file=True,
+        plain="amp",
+        label=lambda s: s.amp,
+        label_rank=11,
+    ),
+    Dimension(
+        name="fp8",
+        kind=CHOICE,
+        default="none",
+        # Float8 linears with a scale per tensor (torchao tensorwise; TransformerEngine delayed
+        # and current scaling are per-tensor scales too) or per row (torchao rowwise).
+        doc="float8 matmuls in the blocks (needs a GPU with fp8 units)",
+        choices=("none", "tensorwise", "rowwise"),
+        level=AXIS,
+        space=("none",),
+        plain="fp8",
+        label=lambda s: f"fp8{s.fp8}" if s.fp8 != "none" else None,
+        label_rank=12,
+        features=(Feature("fp8", lambda v: v != "none", lambda v: f"fp8={v}"),),
+    ),
+    Dimension(
+        name="compile",
+        kind=FLAG,
+        default=False,
+        doc="the runtime compiles each block (torch.compile): elementwise work fuses",
+        choices=(False, True),
+        level=AXIS,
+        space=(False,),
+        plain="compile",
+        label=_flag_label("compile", "compile"),
+        label_rank=13,
+        features=(Feature("compile", bool, lambda v: "compile=true"),),
+    ),
+    Dimension(
+        name="async_tp",
+        kind=FLAG,
+        default=False,
+        doc="tensor-parallel collectives overlap the matmuls (micro-pipelined TP)",
+        choices=(False, True),
+        level=AXIS,
+        space=(False,),
+        plain="async_tp",
+        label=_flag_label("async_tp", "asynctp"),
+        label_rank=14,
+        features=(Feature("async_tp", bool, lambda v: "async_tp=true"),),
+    ),
+)
+
+BY_NAME: dict[str, Dimension] = {d.name: d for d in DIMENSIONS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+# The degrees of the device mesh, in registry order (dp, tp, pp, cp): their product is the
+# world size, and those above 1 are a strategy's parallel axes.
+MESH_AXES: tuple[str, ...] = tuple(d.name for d in DIMENSIONS if d.mesh_axis)
+# The degree levels of the search tree from the root (tp, cp, pp); dp is what they leave.
+MESH_LEVELS: tuple[str, ...] = tuple(
+    d.name for d in sorted((d for d in DIMENSIONS if d.level == MESH), key=lambda d: d.depth)
+)
+# Scanned inside a layout, in scan (and sampling) order.
+AXES: tuple[str, ...] = tuple(d.name for d in DIMENSIONS if d.level == AXIS)
+# The plain parameter names of a stored trial, in order (the schedule and its virtual stages
+# are one, ``pipeline``).
+PLAIN_NAMES: tuple[str, ...] = tuple(dict.fromkeys(d.plain for d in DIMENSIONS if d.plain))
+LABEL_ORDER: tuple[Dimension, ...] = tuple(
+    sorted((d for d in DIMENSIONS if d.label is not None), key=lambda d: d.label_rank)
+)
+FEATURES: tuple[tuple[str, Feature], ...] = tuple(
+    (d.name, f) for d in DIMENSIONS for f in d.features
+)
+
+
+def field(name: str) -> Any:
+    """The dataclass field of dimension `name` in `Strategy` (its default from here)."""
+    return dataclasses.field(default=BY_NAME[name].default)
+
+
+def short_label(strategy: "Strategy") -> str:
+    """``dp8-tp8-pp4-mb2-gbs512-1f1b-rc-full-sp-z1-bf16``: every dimension's label part."""
+    return join_labels(strategy, LABEL_ORDER)
+
+
+def join_labels(obj: Any, dims: tuple[Dimension, ...]) -> str:
+    """The label parts of `dims` for `obj` (a Strategy, or anything with their attributes)."""
+    parts = []
+    for d in dims:
+        part = d.label(obj) if d.label is not None else None
+        if part:
+            parts.append(part)
+    return "-".join(parts)
+
+
+def features_used(strategy: "Strategy") -> dict[str, str]:
+    """{feature: how} for each runtime feature the strategy uses (`RuntimeOptions.supports`)."""
+    out = {}
+    for name, feature in FEATURES:
+        value = getattr(strategy, name)
+        if feature.used(value):
+            out[feature.name] = feature.how(value)
+    return out
+
+
+def feature_names() -> tuple[str, ...]:
+    """Every name a runtime's ``supports`` may list."""
+    return tuple(f.name for _, f in FEATURES)
+
+
+def parallel_axes(strategy: "Strategy") -> tuple[str, ...]:
+    """The mesh degrees of `strategy` above 1 (``("dp", "tp")``)."""
+    return tuple(name for name in MESH_AXES if getattr(strategy, name) > 1)
+
+
+def check_fields(cls: type) -> None:
+    """Raise if the dataclass `cls` (Strategy) does not declare exactly the registry's
+    dimensions with their defaults: a dimension added in one place only fails at import."""
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    missing = [n for n in NAMES if n not in fields]
+    extra = [n for n in fields if n not in BY_NAME]
+    wrong = [n for n in NAMES if n in fields and fields[n] != BY_NAME[n].default]
+    if missing or extra or wrong:
+        raise TypeError(
+            f"{cls.__name__} and autosearch/core/dimensions.py disagree: missing {missing}, "
+            f"undeclared {extra}, other defaults {wrong}"
+        )

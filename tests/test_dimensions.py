@@ -1,0 +1,149 @@
+"""The dimension registry: every list of strategy dimensions is derived from it, so a dimension
+declared there reaches Strategy, its files and labels, the space, the stored trial, the ranking,
+the bands, the sweep and the runtimes' checks, and one declared nowhere else fails at import."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autosearch import SpecError, Strategy
+from autosearch.commands.sweep import COLUMNS
+from autosearch.core import dimensions, rules
+from autosearch.core.bands import kind_of
+from autosearch.core.runtime import RUNTIMES, RuntimeOptions
+from autosearch.core.strategy import FILE_FIELDS
+from autosearch.tuning._params import PLAIN_DIMENSIONS
+from autosearch.tuning._ranking import n_parallel_axes
+from cost_models import Cluster
+from search_spaces import LAYOUT_FIELDS, SearchSpace, SpaceConfig
+
+EVERYTHING = Strategy(
+    dp=2,
+    tp=2,
+    pp=2,
+    cp=2,
+    micro_batch_size=2,
+    global_batch_size=64,
+    pipeline_schedule="interleaved_1f1b",
+    virtual_stages=2,
+    recompute="full",
+    recompute_num_layers=1,
+    sequence_parallel=True,
+    zero_stage=1,
+    amp="bf16",
+    fp8="rowwise",
+    compile=True,
+    async_tp=True,
+)
+
+
+def test_strategy_declares_exactly_the_registry():
+    fields = {f.name: f.default for f in dataclasses.fields(Strategy)}
+    assert list(fields) == sorted(fields, key=list(fields).index)  # (file order)
+    assert set(fields) == set(dimensions.NAMES)
+    assert all(fields[d.name] == d.default for d in dimensions.DIMENSIONS)
+
+
+def test_a_dimension_declared_in_one_place_only_fails_at_import():
+    @dataclasses.dataclass(frozen=True)
+    class Partial:
+        dp: int = 1
+
+    with pytest.raises(TypeError, match="missing .*'tp'"):
+        dimensions.check_fields(Partial)
+
+    @dataclasses.dataclass(frozen=True)
+    class Extra(Strategy):
+        ep: int = 1
+
+    with pytest.raises(TypeError, match="undeclared \\['ep'\\]"):
+        dimensions.check_fields(Extra)
+
+
+def test_rules_read_declared_dimensions_and_compose_problems():
+    for rule in rules.RULES:
+        assert set(rule.reads) <= set(dimensions.NAMES), rule.name
+    assert len({r.name for r in rules.RULES}) == len(rules.RULES)
+    bad = Strategy(dp=3, tp=2, micro_batch_size=2, global_batch_size=8, async_tp=True)
+    got = bad.problems(None, Cluster.parse("h100-sxm:1x8"))
+    assert got == rules.problems(bad.__dict__, None, Cluster.parse("h100-sxm:1x8"))
+    assert any("dp*tp*pp = 3*2*1 = 6" in p for p in got)
+    assert any("does not split into dp*micro_batch_size" in p for p in got)
+
+
+def test_every_consumer_lists_the_registry():
+    # files, plain names, sweep columns, space keys, layouts
+    assert FILE_FIELDS == tuple(d.name for d in dimensions.DIMENSIONS if d.file)
+    assert PLAIN_DIMENSIONS == dimensions.PLAIN_NAMES
+    assert {"pipeline"} | set(PLAIN_DIMENSIONS) >= {
+        d.plain for d in dimensions.DIMENSIONS if d.plain
+    }
+    assert set(COLUMNS) >= set(dimensions.NAMES)
+    assert set(SpaceConfig.KEYS) >= {d.name for d in dimensions.DIMENSIONS if d.searched}
+    assert set(LAYOUT_FIELDS) == {
+        d.name
+        for d in dimensions.DIMENSIONS
+        if d.level in (dimensions.REST, dimensions.MESH, dimensions.LAYOUT)
+    }
+    # every runtime's `supports` names a declared feature
+    for runtime in RUNTIMES.values():
+        assert set(runtime.supports) <= set(dimensions.feature_names()), runtime.name
+
+
+def test_labels_features_axes_and_bands_follow_the_registry():
+    s = EVERYTHING
+    assert s.short() == (
+        "dp2-tp2-pp2-cp2-mb2-gbs64-interleaved_1f1bv2-rc-full1-sp-z1-bf16-fp8rowwise-compile"
+        "-asynctp"
+    )
+    assert set(dimensions.features_used(s)) == {
+        "cp",
+        "fp8",
+        "compile",
+        "async_tp",
+        "recompute_num_layers",
+    }
+    assert n_parallel_axes(s) == 4
+    assert kind_of(s, Cluster.parse("h100-sxm:2x8"), "torch")["axes"] == "dp+tp+pp+cp"
+    assert kind_of(Strategy(dp=1), Cluster.parse("h100-sxm:1x1"), "torch")["axes"] == "single"
+    lacks = RuntimeOptions.get("torch").lacks(s)
+    assert any("cp=2 (context parallel)" in m for m in lacks)
+
+
+def test_a_runtime_that_supports_an_undeclared_feature_is_refused():
+    with pytest.raises(SpecError, match="which no dimension declares"):
+        RuntimeOptions.from_dict({"name": "x", "supports": ["warp_drive"]}, what="runtime 'x'")
+
+
+def test_the_tree_levels_are_the_registry_mesh_levels():
+    space = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64, cp=[1, 2])
+    assert dimensions.MESH_LEVELS == ("tp", "cp", "pp")
+    layouts = list(space.layouts())
+    assert {lay.cp for lay in layouts} == {1, 2}
+    assert all(lay.dp * lay.tp * lay.pp * lay.cp == space.cluster.world_size for lay in layouts)
+    assert layouts[0].label().startswith("dp")
+
+
+def test_an_axis_pinned_to_values_no_layout_can_take_empties_the_space_and_says_why():
+    # fp8 on a GPU without fp8 units used to fall back to none without a word
+    with pytest.raises(SpecError, match="fp8 \\['tensorwise'\\] is not allowed.*no fp8 peak"):
+        SearchSpace("llama3-8b", "a100-sxm4-80gb:1x8", global_batch_size=64, fp8="tensorwise")
+    # async TP pinned on: only the layouts with tp > 1 remain
+    space = SearchSpace("llama3-8b", "h100-sxm:1x8", global_batch_size=64, async_tp=True)
+    assert all(s.tp > 1 and s.async_tp for s in space.enumerate())
+
+
+def test_parallel_dims_take_every_mesh_degree():
+    pytest.importorskip("torch")
+    from autosearch.engine.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_strategy(Strategy(dp=2, cp=2, tp=2, global_batch_size=2), 8)
+    assert (dims.dp, dims.tp, dims.pp, dims.cp) == (2, 2, 1, 2)
+    # (dp with tp and no ZeRO replicates: HSDP's size-1 shard dim follows dp)
+    assert dims.mesh_shape == ((1, 2, 1, 2, 2), ("pp", "dp", "dp_shard", "cp", "tp"))
+    assert ParallelDims.of(dp=4, tp=2).mesh_shape == ((1, 4, 2), ("pp", "dp", "tp"))
+    # the product the message names is the one that is wrong: cp included
+    with pytest.raises(SpecError, match="dp\\*tp\\*pp\\*cp = 8\\*1\\*1\\*2 = 16 processes"):
+        ParallelDims.from_strategy(Strategy(dp=8, cp=2), 8)
