@@ -143,7 +143,7 @@ def test_parallel_dims_take_every_mesh_degree():
     assert (dims.dp, dims.tp, dims.pp, dims.cp) == (2, 2, 1, 2)
     # (dp with tp and no ZeRO replicates: HSDP's size-1 shard dim follows dp)
     assert dims.mesh_shape == ((1, 2, 1, 2, 2), ("pp", "dp", "dp_shard", "cp", "tp"))
-    assert ParallelDims.of(dp=4, tp=2).mesh_shape == ((1, 4, 2), ("pp", "dp", "tp"))
+    assert ParallelDims.of(dp=4, tp=2, zero_stage=3).mesh_shape == ((1, 4, 2), ("pp", "dp", "tp"))
     # the product the message names is the one that is wrong: cp included
     with pytest.raises(SpecError, match="dp\\*tp\\*pp\\*cp = 8\\*1\\*1\\*2 = 16 processes"):
         ParallelDims.from_strategy(Strategy(dp=8, cp=2), 8)
