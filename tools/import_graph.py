@@ -1,5 +1,6 @@
 """Measure the shape of the code from its imports: levels, module-to-module imports, cycles,
-imports that point up a layer, and the longest functions and classes (in statements).
+imports that point up a layer, the longest functions and classes (in statements) and the
+functions with the most parameters.
 
     python tools/import_graph.py [--json]
 
@@ -128,6 +129,25 @@ def longest_functions(top: int = 5) -> list[tuple[int, str]]:
     return functions + classes
 
 
+def widest_signatures(top: int = 5) -> list[tuple[int, int, str]]:
+    """(parameters, statements, where) of the functions that take the most parameters (self and
+    cls not counted)."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                    n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                    n -= bool(names) and names[0] in ("self", "cls")
+                    length = sum(isinstance(s, ast.stmt) for s in ast.walk(node)) - 1
+                    where = f"{path.relative_to(ROOT)}:{node.lineno} def {node.name}"
+                    found.append((n, length, where))
+    return sorted(found, reverse=True)[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -143,6 +163,7 @@ def main() -> None:
         "cycles": cycles,
         "upward_imports": [f"{a} -> {b}" for a, b in up],
         "longest": [f"{n} statements  {where}" for n, where in longest],
+        "widest": [f"{n} parameters, {s} statements  {w}" for n, s, w in widest_signatures()],
     }
     if args.json:
         print(json.dumps(figures, indent=1))
@@ -156,6 +177,8 @@ def main() -> None:
     for line in figures["upward_imports"]:
         print("  up:", line)
     for line in figures["longest"]:
+        print("  ", line)
+    for line in figures["widest"]:
         print("  ", line)
 
 
