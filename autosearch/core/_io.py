@@ -12,7 +12,7 @@ import yaml
 
 from autosearch.core.errors import SpecError
 
-# Limits on what a user's YAML may hold (issue 13, hostile input). The largest file autosearch
+# Limits on what a user's YAML may hold (hostile input). The largest file autosearch
 # ships or writes is ~10 KiB (a calibrated profile); these leave two orders of magnitude of room
 # and stop a file that would hang or exhaust memory before anything reads it.
 MAX_FILE_BYTES = 1 << 20  # 1 MiB

@@ -420,7 +420,7 @@ def distinct_kinds(ranked: "Sequence[Candidate]", k: int) -> list[Candidate]:
     """The best candidate of each kind, in rank order, up to `k`; then the best of the rest.
 
     Validating near-duplicates of one strategy measures one error k times; one run per kind
-    measures where the model may be wrong (issue: trust the pick)."""
+    measures where the model may be wrong."""
     picked: list[Candidate] = []
     seen: set[tuple] = set()
     for c in ranked:
