@@ -93,60 +93,52 @@ CASES = [
 RUNTIME_NAMES = tuple(RUNTIMES)
 
 
-def call(term, cm: AnalyticCostModel, s: Strategy, x):
-    """`term` run on the recorder `x` of `s`, its other inputs computed from `s` itself."""
-    ctx, layer, ranks = cm._context, cm._layer(s), cm._ranks(s)
-    if term is compute.layer:
-        return term(x, ctx)
-    if term is tensor_parallel.layer_comm:
-        return term(x, ctx)
-    if term is context_parallel.layer_comm:
-        c = compute.layer(s, ctx)
-        return term(x, ctx, c.attention_fwd_s, c.attention_bwd_s)
-    if term is context_parallel.attention_backward_bytes:
-        return term(x, ctx)
-    if term is compute.optimizer_step_s:
-        return term(x, ctx, memory.stage_params(s, ctx, ranks).total)
-    if term is compute.recompute_repeats:
-        return term(x, layer)
-    if term is compute.recomputed_layers:
-        return term(x, max(ranks))
-    if term is pipeline.rank_layers:
-        return term(x, ctx)
-    if term is pipeline.microbatch:
-        return term(x, ctx, layer, ranks)
-    if term is pipeline.bubble_s:
-        return term(x, 1.0)
-    if term is memory.stage_params:
-        return term(x, ctx, ranks)
-    if term is memory.layer_activations:
-        return term(x, ctx)
-    if term is memory.activation_peak_bytes:
-        return term(x, ctx, ranks, cm._activations(s))
-    if term is data_parallel.cost:
-        micro = pipeline.microbatch(s, ctx, layer, ranks)
-        return term(
-            x, ctx, memory.stage_params(s, ctx, ranks), ranks, layer, micro.recompute_layer_s
-        )
-    raise AssertionError(f"no inputs for {term.__qualname__}")
+def _ctx(cm, s):
+    return (cm._context,)
 
 
-TERMS = (
-    compute.layer,
-    compute.optimizer_step_s,
-    compute.recompute_repeats,
-    compute.recomputed_layers,
-    tensor_parallel.layer_comm,
-    context_parallel.layer_comm,
-    context_parallel.attention_backward_bytes,
-    pipeline.rank_layers,
-    pipeline.microbatch,
-    pipeline.bubble_s,
-    memory.stage_params,
-    memory.layer_activations,
-    memory.activation_peak_bytes,
-    data_parallel.cost,
-)
+def _micro(cm, s):
+    return pipeline.microbatch(s, cm._context, cm._layer(s), cm._ranks(s))
+
+
+def _attention(cm, s):
+    c = compute.layer(s, cm._context)
+    return c.attention_fwd_s, c.attention_bwd_s
+
+
+def _params(cm, s):
+    return memory.stage_params(s, cm._context, cm._ranks(s))
+
+
+# Every term, with its inputs besides the strategy (computed from the strategy itself).
+TERMS = {
+    compute.layer: _ctx,
+    compute.optimizer_step_s: lambda cm, s: (cm._context, _params(cm, s).total),
+    compute.recompute_repeats: lambda cm, s: (cm._layer(s),),
+    compute.recomputed_layers: lambda cm, s: (max(cm._ranks(s)),),
+    tensor_parallel.layer_comm: _ctx,
+    context_parallel.layer_comm: lambda cm, s: (cm._context, *_attention(cm, s)),
+    context_parallel.attention_backward_bytes: _ctx,
+    pipeline.rank_layers: _ctx,
+    pipeline.microbatch: lambda cm, s: (cm._context, cm._layer(s), cm._ranks(s)),
+    pipeline.bubble_s: lambda cm, s: (_micro(cm, s).total_s,),
+    memory.stage_params: lambda cm, s: (cm._context, cm._ranks(s)),
+    memory.layer_activations: _ctx,
+    memory.activation_peak_bytes: lambda cm, s: (cm._context, cm._ranks(s), cm._activations(s)),
+    data_parallel.cost: lambda cm, s: (
+        cm._context,
+        _params(cm, s),
+        cm._ranks(s),
+        cm._layer(s),
+        _micro(cm, s).recompute_layer_s,
+    ),
+}
+
+
+def test_every_term_is_checked():
+    modules = (compute, tensor_parallel, context_parallel, pipeline, memory, data_parallel)
+    declared = {f for m in modules for f in vars(m).values() if hasattr(f, "READS")}
+    assert declared == set(TERMS)
 
 
 def fields_each_reads(run, strategies) -> list[set[str]]:
@@ -169,10 +161,11 @@ def undeclared_and_unread(declared, read_sets) -> tuple[set[str], set[str]]:
     "term", TERMS, ids=lambda t: f"{t.__module__.split('.')[-1]}.{t.__name__}"
 )
 def test_each_term_reads_exactly_the_fields_it_declares(term):
+    """Every field a term reads, over strategies and runtimes that take each of its branches."""
     read_sets = []
     for runtime in RUNTIME_NAMES:
         cm = AnalyticCostModel(MODEL, CLUSTER, runtime=runtime)
-        read_sets += fields_each_reads(lambda s, x, cm=cm: call(term, cm, s, x), CASES)
+        read_sets += fields_each_reads(lambda s, x, cm=cm: term(x, *TERMS[term](cm, s)), CASES)
     undeclared, unread = undeclared_and_unread(term.READS, read_sets)
     assert not undeclared, (
         f"{term.__qualname__} reads {sorted(undeclared)} but does not declare them"
