@@ -77,6 +77,11 @@ class AnalyticCostModel(CostModel):
         self._ranks = _Cached(
             fields_read(pipeline.rank_layers), lambda s: pipeline.rank_layers(s, ctx)
         )
+        # the heaviest rank's parameters: what the pipeline split puts on it
+        self._params = _Cached(
+            fields_read(memory.stage_params, pipeline.rank_layers),
+            lambda s: memory.stage_params(s, ctx, self._ranks(s)),
+        )
         self._activations = _Cached(
             fields_read(memory.layer_activations), lambda s: memory.layer_activations(s, ctx)
         )
@@ -137,7 +142,7 @@ class AnalyticCostModel(CostModel):
         t_mb = micro.total_s
         m = s.grad_accum_steps
         bubble = pipeline.bubble_s(s, t_mb)
-        params = memory.stage_params(s, ctx, ranks)
+        params = self._params(s)
         dp = data_parallel.cost(s, ctx, params, ranks, layer, micro.recompute_layer_s)
         optimizer = compute.optimizer_step_s(s, ctx, params.total)
         other = rt.step_overhead_s + self.profile.step_overhead_s

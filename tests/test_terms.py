@@ -195,6 +195,7 @@ def test_cache_keys_are_the_fields_their_terms_read():
     assert set().union(*read) == set(LAYER_READS)
     assert cm._ranks.fields == pipeline.rank_layers.READS
     assert cm._activations.fields == memory.layer_activations.READS
+    assert cm._params.fields == fields_read(memory.stage_params, pipeline.rank_layers)
     read = fields_each_reads(lambda s, x: kind_of(x, CLUSTER, "torch"), CASES)
     assert set().union(*read) == set(BAND_READS)
 
