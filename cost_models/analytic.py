@@ -159,7 +159,7 @@ class AnalyticCostModel(CostModel):
         )
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         tensors = dp.params_bytes + dp.grads_bytes + dp.optimizer_bytes + activations
-        memory_ = MemoryBreakdown(
+        mem = MemoryBreakdown(
             params_bytes=dp.params_bytes,
             grads_bytes=dp.grads_bytes,
             optimizer_bytes=dp.optimizer_bytes,
@@ -168,7 +168,7 @@ class AnalyticCostModel(CostModel):
             other_bytes=self.profile.reserved_memory_bytes
             + rt.allocator_reserve_fraction * tensors,
         )
-        return self._report(s, step, time, memory_)
+        return self._report(s, step, time, mem)
 
     def _compose_layer(self, s: "Strategy") -> LayerCosts:
         """One layer and one micro-batch: its compute, and its tensor- and context-parallel
