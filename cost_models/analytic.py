@@ -14,7 +14,7 @@ import functools
 import operator
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-from autosearch.core.bands import error_bands, kind_of
+from autosearch.core.bands import KIND_READS, error_bands, kind_of
 from autosearch.core.errors import SpecError
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 from autosearch.core.runtime import RuntimeOptions
@@ -42,7 +42,7 @@ __all__ = ["AnalyticCostModel", "CAUSAL_FRACTION", "cache_key", "estimate"]
 # One layer's costs: what compute, tensor parallel and context parallel make of it.
 LAYER_READS = fields_read(compute.layer, tensor_parallel.layer_comm, context_parallel.layer_comm)
 # What `autosearch.core.bands.kind_of` reads of a strategy (its band axes).
-BAND_READS = ("dp", "tp", "pp", "cp", "zero_stage", "recompute", "fp8", "amp")
+BAND_READS = KIND_READS
 
 
 class AnalyticCostModel(CostModel):
