@@ -711,7 +711,9 @@ class Engine:
         from autosearch.engine.hf import save_pretrained
 
         self.prepare()
-        save_pretrained(self, folder)
+        save_pretrained(
+            self._built_model, folder, save_weights=functools.partial(self.save, training=False)
+        )
 
     # ---- cost model and search ---------------------------------------------------------------
     def _cluster(self) -> "Cluster":
@@ -727,12 +729,12 @@ class Engine:
     def _mfu_inputs(self) -> tuple[float | None, float | None]:
         """(flops per token, peak FLOP/s of the whole run) if the model spec and cluster are known
         (the engine's cluster, else the one `tune` searched for)."""
-        tuned = getattr(self, "tuned_cluster_", None)  # set by tune on every rank
-        if self.cluster is None and tuned is None:
-            return None, None
+        tuned: Cluster | None = getattr(self, "tuned_cluster_", None)  # tune sets it on every rank
         try:
-            spec = self._model_spec()
             cluster = self._cluster() if self.cluster is not None else tuned
+            if cluster is None:
+                return None, None
+            spec = self._model_spec()
         except SpecError:
             return None, None
         peak = cluster.profile.peak_flops.get(self.strategy_.amp)

@@ -368,14 +368,14 @@ class Trainer:
         """Load the checkpoint `config.resume` names (the newest of save_dir for True)."""
         if not config.resume:
             return None
-        path = config.resume
-        if path is True:
+        if isinstance(config.resume, str):
+            path: str | None = config.resume
+        else:
             assert config.save_dir is not None  # FitConfig refuses resume=True without it
             path = latest_checkpoint(config.save_dir)
-        if isinstance(path, str):
+        if path is not None:
             self.load(path)
-            return path
-        return None
+        return path
 
     def _train_epoch(
         self,
