@@ -466,21 +466,20 @@ class Engine:
 
     def _loader(
         self,
-        dataset,
+        dataset: Any,
         *,
-        batch_size,
-        epochs=1,
-        steps_per_epoch=None,
-        steps_name="steps_per_epoch",
-        num_workers=0,
-        shuffle=False,
-        drop_last=None,
-        collate_fn=None,
-        mode=None,
+        batch_size: int | None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        num_workers: int = 0,
+        shuffle: bool = False,
+        drop_last: bool | None = None,
+        collate_fn: Callable | None = None,
+        mode: str | None = None,
+        caller: str = "dataloader",
+        steps_name: str = "steps_per_epoch",
     ) -> "DistributedLoader":
-        """`dataloader`, with the name the caller gives `steps_per_epoch` for its messages."""
-        from autosearch.engine.data import build_loader, check_batch
-
+        """`dataloader`, with the method and the name of `steps_per_epoch` its messages give."""
         problems = loader_problems(
             batch_size=batch_size,
             epochs=epochs,
@@ -489,7 +488,9 @@ class Engine:
             steps_name=steps_name,
         )
         if problems:
-            raise SpecError(problems, context="dataloader")
+            raise SpecError(problems, context=caller)
+        from autosearch.engine.data import build_loader, check_batch
+
         if mode is not None:
             self.to_mode(mode)
         mode = self._mode or "train"
@@ -622,6 +623,7 @@ class Engine:
                 batch_size=config.batch_size,
                 collate_fn=config.collate_fn,
                 steps_per_epoch=config.valid_steps,
+                caller="fit",
                 steps_name="valid_steps",
                 mode="eval",
             )
@@ -651,8 +653,9 @@ class Engine:
             batch_size=batch_size,
             collate_fn=collate_fn,
             steps_per_epoch=steps,
-            steps_name="steps",
             mode="eval",
+            caller="evaluate",
+            steps_name="steps",
         )
         logs = self.trainer_.evaluate(loader, callbacks)
         if verbose and is_rank0():
@@ -681,8 +684,9 @@ class Engine:
             batch_size=batch_size,
             collate_fn=collate_fn,
             steps_per_epoch=steps,
-            steps_name="steps",
             mode="predict",
+            caller="predict",
+            steps_name="steps",
         )
         return self.trainer_.predict(loader, callbacks)
 
