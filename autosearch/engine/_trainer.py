@@ -389,9 +389,8 @@ class Trainer:
         steps = loader.steps()
         epoch_sums = None
         for step, batch in enumerate(loader.epoch(epoch, skip=first), start=first):
-            lr = (
-                self.optimizers[0].param_groups[0]["lr"] if self.optimizers else None
-            )  # this step's
+            # this step's learning rate (the schedulers step after it)
+            lr = self.optimizers[0].param_groups[0]["lr"] if self.optimizers else None
             start = time.perf_counter()
             sums, _ = self.run_batch(batch, "train")
             logs: dict[str, Any] = dict(self.reduce(sums.clone()))
