@@ -1056,7 +1056,7 @@ CASES = [
             ("metrics-list-of-str", "metrics=['accuracy']", ("metrics=['accuracy']", "Metric")),
             ("loss-string", "loss='mse'", ("loss='mse'", "callable")),
             ("optimizer-string", "optimizer='adamw'", ("optimizer='adamw'", "AdamW")),
-            ("scheduler-int", "lr_scheduler=100", ("lr_scheduler=100", "callable")),
+            ("scheduler-int", "lr_scheduler=100", ("lr_scheduler=100", "recipe optimizer")),
             ("seed-float", "seed=1.5", ("seed=1.5", "integer")),
             ("seed-huge", "seed=2**70", ("seed=", "2**64")),
             ("meta-init-string", "meta_init='yes'", ("meta_init='yes'", "True or False")),

@@ -208,7 +208,13 @@ def engine_argument_problems(
                 "name, width, batch_sums and compute), e.g. metrics=[Accuracy()]"
             )
             break
-    p += _callable_problem("lr_scheduler", lr_scheduler, "a recipe optimizer -> scheduler")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        p.append(
+            f"lr_scheduler={_short(lr_scheduler)}: lr_scheduler must be a recipe optimizer -> "
+            "scheduler, because the Engine rebuilds the optimizer over the parallelized "
+            "parameters; e.g. lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100),"
+            " or WarmupDecay(...)"
+        )
     if grad_clip_norm is not None and not (
         isinstance(grad_clip_norm, (int, float))
         and not isinstance(grad_clip_norm, bool)
