@@ -1042,14 +1042,85 @@ CASES = [
         api="SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, config='nope')",
         expect=("nope",),
     ),
+    # ---- issue 22: the Engine's numbers and types, refused before anything runs ----------------
+    # (ENGINE is a model factory no case reaches: each is refused before a model is built.)
+    *[
+        Case(f"api-engine-{name}", api=f"Engine(ENGINE, {arg}).prepare()", expect=words)
+        for name, arg, words in [
+            ("clip-negative", "grad_clip_norm=-1.0", ("grad_clip_norm=-1.0", "> 0", "None")),
+            ("clip-zero", "grad_clip_norm=0", ("grad_clip_norm=0", "> 0")),
+            ("clip-nan", "grad_clip_norm=float('nan')", ("grad_clip_norm=nan",)),
+            ("clip-string", "grad_clip_norm='1.0'", ("grad_clip_norm='1.0'",)),
+            ("clip-bool", "grad_clip_norm=True", ("grad_clip_norm=True",)),
+            ("metrics-int", "metrics=5", ("metrics=5", "Accuracy()")),
+            ("metrics-list-of-str", "metrics=['accuracy']", ("metrics=['accuracy']", "Metric")),
+            ("loss-string", "loss='mse'", ("loss='mse'", "callable")),
+            ("optimizer-string", "optimizer='adamw'", ("optimizer='adamw'", "AdamW")),
+            ("scheduler-int", "lr_scheduler=100", ("lr_scheduler=100", "recipe optimizer")),
+            ("seed-float", "seed=1.5", ("seed=1.5", "integer")),
+            ("seed-huge", "seed=2**70", ("seed=", "2**64")),
+            ("meta-init-string", "meta_init='yes'", ("meta_init='yes'", "True or False")),
+            ("loss-parallel-int", "loss_parallel=1", ("loss_parallel=1", "True or False")),
+        ]
+    ],
+    Case("api-engine-model-none", api="Engine(None).prepare()", expect=("model=None", "factory")),
+    *[
+        Case(f"api-fit-{name}", api=f"Engine(ENGINE).fit([], {arg})", expect=words)
+        for name, arg, words in [
+            ("epochs-negative", "epochs=-1", ("epochs=-1", "integer >= 1")),
+            ("epochs-zero", "epochs=0", ("epochs=0",)),
+            ("epochs-float", "epochs=2.0", ("epochs=2.0",)),
+            ("batch-size-zero", "batch_size=0", ("batch_size=0", "None for the strategy's")),
+            ("batch-size-negative", "batch_size=-8", ("batch_size=-8",)),
+            ("steps-per-epoch-zero", "steps_per_epoch=0", ("steps_per_epoch=0",)),
+            ("valid-steps-zero", "valid_steps=0", ("valid_steps=0",)),
+            ("valid-freq-zero", "valid_freq=0", ("valid_freq=0",)),
+            ("log-freq-zero", "log_freq=0", ("log_freq=0",)),
+            ("save-freq-negative", "save_freq=-1", ("save_freq=-1",)),
+            ("save-steps-zero", "save_steps=0, save_dir='ck'", ("save_steps=0",)),
+            ("verbose-string", "verbose='yes'", ("verbose='yes'",)),
+            ("shuffle-string", "shuffle='yes'", ("shuffle='yes'", "True or False")),
+            ("tensorboard-string", "tensorboard='no', log_dir='l'", ("tensorboard='no'",)),
+            ("callbacks-one-object", "callbacks=object()", ("callbacks=", "callbacks=[...]")),
+            ("collate-fn-string", "collate_fn='stack'", ("collate_fn='stack'",)),
+            ("resume-int", "resume=3", ("resume=3", "checkpoint path")),
+            ("save-dir-int", "save_dir=7", ("save_dir=7", "folder path")),
+            ("resume-without-save-dir", "resume=True", ("resume=True", "save_dir")),
+        ]
+    ],
+    Case(
+        "api-fit-two-problems",
+        api="Engine(ENGINE).fit([], epochs=-1, batch_size=0)",
+        expect=("2 problems", "epochs=-1", "batch_size=0"),
+    ),
+    Case(
+        "api-evaluate-steps-zero",
+        api="Engine(ENGINE).evaluate([], steps=0)",
+        expect=("steps=0", "batches per epoch"),
+    ),
+    Case(
+        "api-predict-batch-size-zero",
+        api="Engine(ENGINE).predict([], batch_size=0)",
+        expect=("batch_size=0",),
+    ),
+    Case(
+        "api-dataloader-num-workers-negative",
+        api="Engine(ENGINE).dataloader([], num_workers=-1)",
+        expect=("num_workers=-1",),
+    ),
 ]
 
 
 def _api_namespace() -> dict:
-    from autosearch import Cluster, ModelSpec, SpecError, Strategy, estimate, tune
+    from autosearch import Cluster, Engine, ModelSpec, SpecError, Strategy, estimate, tune
     from search_spaces import SearchSpace
 
+    def never_built():
+        raise AssertionError("the case reached the model; its input should have been refused")
+
     return dict(
+        Engine=Engine,
+        ENGINE=never_built,
         Cluster=Cluster,
         ModelSpec=ModelSpec,
         SpecError=SpecError,
