@@ -161,13 +161,13 @@ def atomic_write(
             pass
         if isinstance(exc, OSError):
             raise SpecError(
-                f"cannot write {path!r}: {exc.strerror}{_DISK_HINT.get(exc.errno or 0, '')}"
+                f"cannot write {path!r}: {exc.strerror}{DISK_HINTS.get(exc.errno or 0, '')}"
             ) from None
         raise
     _fsync_folder(folder)
 
 
-_DISK_HINT = {
+DISK_HINTS = {
     errno.ENOSPC: " (the disk is full: free space or give another output path, then run again)",
     errno.EDQUOT: " (over the disk quota: free space or give another output path)",
     errno.EROFS: " (a read-only file system: give an output path on a writable one)",

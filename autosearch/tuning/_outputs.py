@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from autosearch.core._files import FileLock, atomic_write, own_folder, remove_stale_temp_files
+from autosearch.core._files import (
+    MARKER,
+    FileLock,
+    atomic_write,
+    is_owned,
+    own_folder,
+    remove_stale_temp_files,
+)
 from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB
 from autosearch.tuning._reader import report_from_dict
@@ -689,16 +696,23 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
             f"results/{study_name}), or --study-name {theirs} to continue that study"
         )
     # A folder of the user's files is never written into (nor is anything there removed).
-    own_folder(out_dir, kind="study", what=f"--out {out_dir!r}", accept=(STUDY_FILE,))
+    # (checked now; a folder that does not exist yet is made and marked with the first outputs)
+    own_folder(
+        out_dir, kind="study", what=f"--out {out_dir!r}", accept=(STUDY_FILE,), create=False
+    )
 
 
 def _make_folder(out_dir: str) -> None:
+    """Create the output folder (claimed by `claim_out_folder` before the search) and mark it as
+    autosearch's."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except FileExistsError:
         raise SpecError(f"--out {out_dir!r}: a file is in the way of this folder") from None
     except OSError as exc:
         raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
+    if not is_owned(out_dir):
+        atomic_write(os.path.join(out_dir, MARKER), "written by autosearch: study\n")
 
 
 def _cell(value: Any) -> Any:
