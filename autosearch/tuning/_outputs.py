@@ -696,9 +696,14 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
             f"results/{study_name}), or --study-name {theirs} to continue that study"
         )
     # A folder of the user's files is never written into (nor is anything there removed).
-    # (checked now; a folder that does not exist yet is made and marked with the first outputs)
+    # (checked now; a folder that does not exist yet is made and marked with the first outputs;
+    # one holding only a journal is a study whose first run was killed before its outputs)
     own_folder(
-        out_dir, kind="study", what=f"--out {out_dir!r}", accept=(STUDY_FILE,), create=False
+        out_dir,
+        kind="study",
+        what=f"--out {out_dir!r}",
+        accept=(STUDY_FILE, "study.journal"),
+        create=False,
     )
 
 
