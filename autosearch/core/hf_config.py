@@ -30,6 +30,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from autosearch.core._io import name_from, read_regular_file
 from autosearch.core.errors import SpecError
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
@@ -55,16 +56,21 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         raise SpecError(
             f"Hugging Face config {path!r} does not exist; pass the model's config.json "
             "or the folder that holds it"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
+        )
+    raw = read_regular_file(path, what="Hugging Face config")
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as exc:
         raise SpecError(f"cannot read Hugging Face config {path!r}: {exc}") from None
+    except _DuplicateKey as exc:
+        raise SpecError(
+            f"Hugging Face config {path!r} gives the key {exc} twice in one object; JSON "
+            "readers disagree on which value wins: give it once"
+        ) from None
     except json.JSONDecodeError as exc:
         raise SpecError(
             f"Hugging Face config {path!r} is not valid JSON (line {exc.lineno}, column "
@@ -75,6 +81,45 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
             f"Hugging Face config {path!r} must hold a JSON object, got {type(data).__name__}"
         )
     return data
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(repr(key))
+        out[key] = value
+    return out
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool, label: str) -> bool:
+    """A boolean of the config: JSON true or false (the string "false" is not false)."""
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(
+            f"Hugging Face config of {label!r}: {key} must be true or false, got {value!r}"
+            + (" (a string; write it without quotes)" if isinstance(value, str) else "")
+        )
+    return value
+
+
+def _count(cfg: Mapping[str, Any], key: str, label: str) -> int | None:
+    """A count of the config (heads, head size): absent or null is None, else an integer >= 1
+    (0 is not "the default": transformers reads num_key_value_heads=0 as no key/value heads)."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(
+            f"Hugging Face config of {label!r}: {key} must be an integer >= 1, got {value!r}"
+        )
+    return value
 
 
 def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) -> dict[str, Any]:
@@ -100,7 +145,12 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
     """
     cfg = read_config(source)
     model_type = cfg.get("model_type")
-    label = name or cfg.get("_name_or_path") or model_type or "hf-model"
+    # The name: given, else the config's path or model_type made a plain name (a path may hold
+    # spaces or worse; ModelSpec refuses a name it cannot write into scripts safely).
+    path_name = cfg.get("_name_or_path")
+    label = name or (name_from(path_name, "") if isinstance(path_name, str) else "")
+    label = label or (name_from(model_type, "") if isinstance(model_type, str) else "")
+    label = label or "hf-model"
     experts = [k for k in MOE_KEYS if cfg.get(k)]
     if experts or "moe" in str(model_type) or model_type == "mixtral":
         detail = f" ({experts[0]}={cfg[experts[0]]})" if experts else ""
@@ -135,12 +185,12 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             n_layers=need("num_hidden_layers"),
             hidden_size=need("hidden_size"),
             n_heads=need("num_attention_heads"),
-            n_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
+            n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
             ffn_hidden_size=need("intermediate_size"),
             ffn_activation="swiglu",
             vocab_size=need("vocab_size"),
             seq_len=seq_len or need("max_position_embeddings"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
         )
     elif model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
@@ -153,7 +203,7 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             ffn_activation="gelu",
             vocab_size=need("vocab_size"),
             seq_len=seq_len or need("n_positions", "n_ctx"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            tied_embeddings=_flag(cfg, "tie_word_embeddings", True, label),
         )
     else:  # gpt_neox
         act = cfg.get("hidden_act", "gelu")
@@ -165,14 +215,14 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             ffn_activation="gelu",
             vocab_size=need("vocab_size"),
             seq_len=seq_len or need("max_position_embeddings"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
         )
     if model_type in GPT_LIKE and act not in GELU_NAMES:
         raise SpecError(
             f"{label!r}: activation {act!r} is not a GELU; only GELU MLPs are modelled for "
             f"{model_type}"
         )
-    head_dim = cfg.get("head_dim")
+    head_dim = _count(cfg, "head_dim", label)
     if head_dim is not None and head_dim * fields["n_heads"] != fields["hidden_size"]:
         raise SpecError(
             f"{label!r}: head_dim {head_dim} x {fields['n_heads']} heads != hidden_size "

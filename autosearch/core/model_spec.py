@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
 
 FFN_ACTIVATIONS = ("gelu", "swiglu")
@@ -41,7 +41,8 @@ class ModelSpec:
     """A decoder-only transformer, by the numbers that decide its cost.
 
     Args:
-        name: a label (catalog names are lowercase with hyphens: ``llama3-8b``).
+        name: a label (catalog names are lowercase with hyphens: ``llama3-8b``): letters, digits
+            and ``._+=-/``, as it is written into scripts and configs (`_io.check_name`).
         n_layers: transformer blocks.
         hidden_size: model width h.
         n_heads: attention heads a.
@@ -72,6 +73,7 @@ class ModelSpec:
     dropout: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
 
     def __post_init__(self) -> None:
+        check_name(self.name, "model name")
         problems = []
         gpt = self.ffn_activation == "gelu"
         for name, fallback in (
@@ -238,7 +240,7 @@ class ModelSpec:
             return cls.from_hf_config(key)
         if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
             data = read_yaml_mapping(key, what="model")
-            data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
+            data.setdefault("name", name_from(os.path.splitext(os.path.basename(key))[0]))
             return cls.from_dict(data, what=f"model file {key!r}")
         family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
