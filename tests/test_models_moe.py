@@ -105,8 +105,10 @@ _FAMILIES = {
             decoder_sparse_step=2,
         ),
         # q/k/v biases per layer, the shared-expert gate (h) per MoE layer
-        lambda m: m.n_layers * (m.attention_hidden_size + 2 * m.kv_hidden_size)
-        + m.n_moe_layers * m.hidden_size,
+        lambda m: (
+            m.n_layers * (m.attention_hidden_size + 2 * m.kv_hidden_size)
+            + m.n_moe_layers * m.hidden_size
+        ),
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -193,13 +195,15 @@ _FAMILIES = {
         "GptOssForCausalLM",
         dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
         # attention biases and sinks, router biases, expert biases (gate_up and down)
-        lambda m: m.n_layers
-        * (
-            m.attention_hidden_size
-            + 2 * m.kv_hidden_size
-            + m.hidden_size
-            + m.n_heads
-            + m.moe.n_experts * (1 + 2 * m.moe.ffn_hidden_size + m.hidden_size)
+        lambda m: (
+            m.n_layers
+            * (
+                m.attention_hidden_size
+                + 2 * m.kv_hidden_size
+                + m.hidden_size
+                + m.n_heads
+                + m.moe.n_experts * (1 + 2 * m.moe.ffn_hidden_size + m.hidden_size)
+            )
         ),
     ),
 }

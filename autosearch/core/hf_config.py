@@ -44,7 +44,9 @@ from typing import Any
 from autosearch.core._io import name_from, read_regular_file
 from autosearch.core.errors import SpecError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# The Llama-shaped families the Engine's Hugging Face plans know (`autosearch.engine.hf`).
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SWIGLU_DENSE = LLAMA_LIKE + ("qwen3", "phi3")
 GEMMA_LIKE = ("gemma", "gemma2", "gemma3_text")
 MOE_FAMILIES = (
     "mixtral",
@@ -56,7 +58,7 @@ MOE_FAMILIES = (
     "gpt_oss",
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
-SUPPORTED = LLAMA_LIKE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE
+SUPPORTED = SWIGLU_DENSE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE
 NESTED = {"llama4": "llama4_text", "gemma3": "gemma3_text"}  # multimodal: the text model
 # Keys by which a config announces experts (Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3, DBRX).
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -293,6 +295,7 @@ def _gpt_fields(cfg: Mapping[str, Any], model_type: str, need, label: str) -> di
 
 def _activation(cfg: Mapping[str, Any], model_type: str, label: str) -> str:
     """The MLP: gated SiLU (SwiGLU), gated tanh GELU (GeGLU, Gemma) or squared ReLU (Nemotron)."""
+    expected: tuple[str, ...]
     if model_type in GEMMA_LIKE:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         expected, style = GELU_NAMES, "geglu"
