@@ -266,7 +266,7 @@ def own_folder(
         names = os.listdir(folder)
     except OSError as exc:
         raise SpecError(f"cannot read {what}: {exc.strerror}") from None
-    marker = os.path.join(folder, MARKER)
+    names = [n for n in names if not _OURS.match(n)]  # another writer's temporary file
     if names and MARKER not in names and not any(n in names for n in accept):
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
         raise SpecError(
@@ -274,12 +274,29 @@ def own_folder(
             "into a new or empty folder, or one it made itself (with a .autosearch file), so "
             "it never overwrites or removes your files. Give another path"
         )
-    if MARKER in names:
-        if os.path.islink(marker) or not os.path.isfile(marker):
-            raise SpecError(f"{what}: {MARKER} is not a plain file; remove it and run again")
-        return folder
-    atomic_write(marker, f"written by autosearch: {kind}\n")
+    mark_folder(folder, kind=kind, what=what)
     return folder
+
+
+def mark_folder(folder: str, *, kind: str, what: str) -> None:
+    """Write the marker into `folder` unless it is there (created with ``O_EXCL``, never through
+    a link: workers that start together on a new folder write it once, and none waits)."""
+    marker = os.path.join(folder, MARKER)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(marker, flags, 0o644)
+    except FileExistsError:
+        if os.path.islink(marker) or not os.path.isfile(marker):
+            raise SpecError(
+                f"{what}: {MARKER} is not a plain file; remove it and run again"
+            ) from None
+        return
+    except OSError as exc:
+        raise SpecError(f"cannot write into {what}: {exc.strerror}") from None
+    try:
+        os.write(fd, f"written by autosearch: {kind}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def is_owned(path: str | os.PathLike) -> bool:

@@ -49,9 +49,9 @@ from torch import nn
 
 from autosearch.core._files import (
     DISK_HINTS,
-    MARKER,
     atomic_write,
     is_owned,
+    mark_folder,
     remove_stale_temp_files,
 )
 from autosearch.core.errors import SpecError
@@ -181,7 +181,7 @@ def recover(path: str) -> None:
 def _new_folder(path: str) -> None:
     """Make the folder `path` (it must not exist) and mark it as autosearch's."""
     os.mkdir(path)
-    atomic_write(os.path.join(path, MARKER), "written by autosearch: checkpoint\n")
+    mark_folder(path, kind="checkpoint", what=f"checkpoint folder {path!r}")
 
 
 def save(

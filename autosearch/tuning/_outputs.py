@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from autosearch.core._files import (
-    MARKER,
     FileLock,
     atomic_write,
     is_owned,
+    mark_folder,
     own_folder,
     remove_stale_temp_files,
 )
@@ -702,9 +702,18 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
         out_dir,
         kind="study",
         what=f"--out {out_dir!r}",
-        accept=(STUDY_FILE, "study.journal"),
+        accept=(STUDY_FILE, "study.journal", *_storage_names(out_dir, storage)),
         create=False,
     )
+
+
+def _storage_names(out_dir: str, storage: str) -> tuple[str, ...]:
+    """The names a study's storage file (journal or SQLite) and its lock have in `out_dir`, when
+    it is there (a folder holding them is the study's, whose first run ended before outputs)."""
+    if "://" in storage or os.path.dirname(os.path.abspath(storage)) != os.path.abspath(out_dir):
+        return ()
+    name = os.path.basename(storage)
+    return (name, f"{name}.lock", f"{name}.flock")
 
 
 def _make_folder(out_dir: str) -> None:
@@ -717,7 +726,7 @@ def _make_folder(out_dir: str) -> None:
     except OSError as exc:
         raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
     if not is_owned(out_dir):
-        atomic_write(os.path.join(out_dir, MARKER), "written by autosearch: study\n")
+        mark_folder(out_dir, kind="study", what=f"--out {out_dir!r}")
 
 
 def _cell(value: Any) -> Any:

@@ -347,7 +347,9 @@ def _check_url_names_a_database(url: str) -> None:
     try:
         from sqlalchemy.engine import make_url
 
-        database = make_url(url).database
+        parsed = make_url(url)
+        parsed.get_dialect()  # an unknown scheme: Optuna's opener names it
+        database = parsed.database
     except Exception:  # noqa: BLE001 - a malformed URL: Optuna's opener says what is wrong
         return
     if not database:
