@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosearch.core.errors import SpecError
-from autosearch.core.model_spec import ModelSpec
+from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
@@ -159,6 +159,10 @@ class Transformer(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, dropout: float = 0.0, init_std: float = 0.02):
         super().__init__()
+        if unbuilt(spec):  # features of the ModelSpec this reference model does not build
+            raise SpecError(
+                f"model {spec.name!r}: Transformer does not build {'; '.join(unbuilt(spec))}"
+            )
         if not spec.is_gpt_style:
             dropout = 0.0
         self.spec = spec

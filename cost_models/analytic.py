@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from autosearch.core.bands import KIND_READS, error_bands, kind_of
 from autosearch.core.errors import SpecError
+from autosearch.core.model_spec import check_priced
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 from autosearch.core.runtime import RuntimeOptions
 from cost_models._base import CostModel
@@ -65,6 +66,7 @@ class AnalyticCostModel(CostModel):
         *,
         runtime: "str | RuntimeOptions | None" = None,
     ):
+        check_priced(model)  # MoE, MLA, ... are refused until priced (model_spec.unpriced)
         self.model = model
         self.cluster = cluster
         self.runtime = RuntimeOptions.get(runtime)

@@ -60,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and the command exits with status 3)",
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="on CPU, run world sizes of more than 4 processes per core (refused by default)",
+    )
+    p.add_argument(
         "--out",
         required=True,
         help="profile YAML to write, e.g. results/calibration/cpu-local.yaml",
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             statistic=args.statistic,
             from_csv=args.from_csv,
             accept_untrusted=args.accept_untrusted,
+            force=args.force,
         )
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None

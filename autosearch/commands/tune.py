@@ -348,6 +348,7 @@ def record_config(out: str, record: dict) -> None:
     take), so that `autosearch tune --config OUT/study.yaml` runs this search again."""
     import yaml
 
+    from autosearch.core._files import atomic_write
     from autosearch.core._io import read_yaml_mapping
     from autosearch.tuning._outputs import outputs_lock
 
@@ -357,12 +358,7 @@ def record_config(out: str, record: dict) -> None:
             return
         doc = read_yaml_mapping(path, what="study record")
         doc["config"] = record
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(yaml.safe_dump(doc, sort_keys=False))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
 
 
 def dry_run(args, model, cluster, space, objective: str, name: str, out: str) -> str:

@@ -22,7 +22,13 @@ from typing import Any
 
 import yaml
 
-from autosearch.core._io import MAX_DEVICES, check_keys, positive_int, read_yaml_mapping
+from autosearch.core._io import (
+    MAX_DEVICES,
+    check_keys,
+    check_name,
+    positive_int,
+    read_yaml_mapping,
+)
 from autosearch.core.errors import SpecError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -270,7 +276,7 @@ class HardwareProfile:
             ).items()
         }
         return cls(
-            name=str(data["name"]),
+            name=check_name(str(data["name"]), f"{what}: name"),
             description=str(data.get("description", "")),
             device_type=str(data.get("device_type", "cuda")),
             architecture=str(data.get("architecture", "")),

@@ -32,7 +32,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.hf_config import LLAMA_LIKE
-from autosearch.core.model_spec import ModelSpec
+from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
 
 ATTN_IMPLEMENTATION = "autosearch_core"
@@ -328,10 +328,10 @@ def llama_from_spec(spec) -> HFCausalLM:
     validation runs use to time a Llama-style HF model in new processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec.ffn_activation != "swiglu":
+    if spec.ffn_activation != "swiglu" or unbuilt(spec):
         raise SpecError(
             f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
-            f"{spec.ffn_activation!r}"
+            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec))
         )
     config = LlamaConfig(
         num_hidden_layers=spec.n_layers,

@@ -19,8 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core._files import (
+    FileLock,
+    atomic_write,
+    is_owned,
+    mark_folder,
+    own_folder,
+    remove_stale_temp_files,
+)
 from autosearch.core.errors import SpecError
-from autosearch.tuning._files import FileLock, atomic_write, remove_stale_temp_files
 from autosearch.tuning._objectives import CONSTRAINT, GiB
 from autosearch.tuning._reader import report_from_dict
 
@@ -663,23 +670,24 @@ def outputs_lock(out_dir: str):
 
 def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
     """Refuse to write one study's outputs over another's (told apart by the study name; a
-    study's storage refuses a search it was not made for on its own).
+    study's storage refuses a search it was not made for on its own), or over the user's files:
+    the folder must be new, empty, or autosearch's (`own_folder`); it is created and marked.
 
     Raises:
-        SpecError: `out_dir` holds the outputs of a study with another name; the
-            message says how to continue that one or where to put this one.
+        SpecError: `out_dir` holds the outputs of a study with another name, or files that
+            autosearch did not write; the message says what to do.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SpecError(f"--out {out_dir!r} is a file; give a folder")
     path = os.path.join(out_dir, STUDY_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return  # no (readable) outputs yet
-    if not isinstance(doc, dict):
-        return
-    theirs = doc.get("study_name")
+    doc = None
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            doc = None  # unreadable outputs: rewritten by this study
+    theirs = doc.get("study_name") if isinstance(doc, dict) else None
     if theirs is not None and theirs != study_name:
         raise SpecError(
             f"{out_dir!r} holds the outputs of study {theirs!r} (storage "
@@ -687,15 +695,38 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
             f"studies never share a folder. Pass another --out (for example "
             f"results/{study_name}), or --study-name {theirs} to continue that study"
         )
+    # A folder of the user's files is never written into (nor is anything there removed).
+    # (checked now; a folder that does not exist yet is made and marked with the first outputs;
+    # one holding only a journal is a study whose first run was killed before its outputs)
+    own_folder(
+        out_dir,
+        kind="study",
+        what=f"--out {out_dir!r}",
+        accept=(STUDY_FILE, "study.journal", *_storage_names(out_dir, storage)),
+        create=False,
+    )
+
+
+def _storage_names(out_dir: str, storage: str) -> tuple[str, ...]:
+    """The names a study's storage file (journal or SQLite) and its lock have in `out_dir`, when
+    it is there (a folder holding them is the study's, whose first run ended before outputs)."""
+    if "://" in storage or os.path.dirname(os.path.abspath(storage)) != os.path.abspath(out_dir):
+        return ()
+    name = os.path.basename(storage)
+    return (name, f"{name}.lock", f"{name}.flock")
 
 
 def _make_folder(out_dir: str) -> None:
+    """Create the output folder (claimed by `claim_out_folder` before the search) and mark it as
+    autosearch's."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except FileExistsError:
         raise SpecError(f"--out {out_dir!r}: a file is in the way of this folder") from None
     except OSError as exc:
         raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
+    if not is_owned(out_dir):
+        mark_folder(out_dir, kind="study", what=f"--out {out_dir!r}")
 
 
 def _cell(value: Any) -> Any:

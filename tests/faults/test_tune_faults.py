@@ -35,6 +35,7 @@ EXPECTED = {
     "throughput_memory.png",
     "importances.png",
     ".lock",
+    ".autosearch",  # the marker of a folder autosearch made
 }
 
 
