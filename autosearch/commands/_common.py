@@ -13,17 +13,11 @@ import logging
 import math
 import os
 import re
-import sys
 from typing import Any
 
 from autosearch.core.errors import SpecError
 
 GiB = float(1 << 30)
-
-# Short GPU names people say, and the profile each stands for (the CLI prints a note when it
-# reads one). "a100" is not here: it names two profiles (40 and 80 GB), so it stays an error.
-GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
-_AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
 
 
 def add_model_cluster_args(
@@ -97,116 +91,19 @@ def load_cluster(
     gpus_per_node: int | None = None,
     flag: str = "--cluster",
 ):
-    """A Cluster from the CLI forms, stricter than `Cluster.parse` where it would guess.
-
-    Refused: ``GPU:N`` (is it N nodes or N GPUs?) and a bare GPU name without --nnodes and
-    --gpus-per-node (the devices per node would be the profile's, unsaid), a cluster YAML without
-    ``gpus_per_node``, a world size above `MAX_DEVICES`. Accepted with a note on stderr: a short
-    GPU name in `GPU_ALIASES` (``h100`` for ``h100-sxm``).
-    """
-    from autosearch.core._io import MAX_DEVICES, read_yaml_mapping
+    """A Cluster from the CLI forms: `Cluster.parse` in its strict mode (nothing guessed)."""
     from autosearch.core.hardware import Cluster
 
-    if isinstance(text, dict):  # from a config file: gpu, n_nodes, gpus_per_node
-        if "gpus_per_node" not in text:
-            raise SpecError(f"{flag} (a mapping) has no gpus_per_node; add it (e.g. 8)")
-        data = dict(text)
-        if isinstance(data.get("gpu"), str):
-            data["gpu"] = _gpu_name(data["gpu"], f"{flag}: gpu")
-        cluster = Cluster.from_dict(data, what=f"{flag} (a mapping)")
-        if cluster.world_size > MAX_DEVICES:
-            raise SpecError(
-                f"{flag} has {cluster.world_size:,} devices, above the limit of {MAX_DEVICES:,}"
-            )
-        return cluster
-    text = check_text(text, flag)
-    if (nnodes is None) != (gpus_per_node is None):
-        raise SpecError(
-            "--nnodes and --gpus-per-node go together (e.g. --cluster h100-sxm --nnodes 32 "
-            "--gpus-per-node 8), or give --cluster h100-sxm:32x8 alone"
-        )
-    full = re.fullmatch(r"(.+?):(\d+)x(\d+)", text)
-    nodes_only = re.fullmatch(r"(.+?):(\d+)", text)
-    if nnodes is not None and (full or nodes_only):
-        raise SpecError(
-            f"{flag} {text!r} already gives the nodes and devices; --nnodes and "
-            "--gpus-per-node go with a bare GPU name (--cluster GPU --nnodes N --gpus-per-node G)"
-        )
-    if nodes_only and not full:
-        gpu, n = nodes_only.groups()
-        raise SpecError(
-            f"{flag} {text!r} does not say how many devices a node has: write "
-            f"{gpu}:{n}x8 for {n} nodes of 8 devices, {gpu}:1x{n} for one node of {n}, or "
-            f"--cluster {gpu} --nnodes {n} --gpus-per-node G"
-        )
-    if full:
-        gpu, n_nodes, per_node = full.groups()
-        cluster = _cluster(_gpu_name(gpu, flag), int(n_nodes), int(per_node), flag)
-    elif text.endswith((".yaml", ".yml")) and os.path.exists(text):
-        data = read_yaml_mapping(text, what="cluster")
-        if "gpu" not in data and "peak_flops" in data:  # a bare hardware profile
-            cluster = _cluster(text, nnodes or 1, gpus_per_node, flag)
-        else:
-            if nnodes is not None:
-                raise SpecError(
-                    f"cluster file {text!r} already gives the nodes and devices; drop --nnodes "
-                    "and --gpus-per-node, or give a GPU name with them"
-                )
-            if "gpus_per_node" not in data:
-                raise SpecError(
-                    f"cluster file {text!r} has no gpus_per_node; add it (e.g. gpus_per_node: 8) "
-                    "so the devices per node are not guessed from the GPU profile"
-                )
-            if "gpu" in data and isinstance(data["gpu"], str):
-                data["gpu"] = _gpu_name(data["gpu"], f"cluster file {text!r}: gpu")
-            cluster = Cluster.from_dict(data, what=f"cluster file {text!r}")
-    elif ":" in text and not os.path.exists(text):
-        raise SpecError(
-            f"{flag} {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
-        )
-    elif nnodes is None and not os.path.exists(text):
-        gpu = _gpu_name(text, flag)
-        raise SpecError(
-            f"{flag} {text!r} does not say how many nodes and devices: write {gpu}:1x8 for one "
-            f"node of 8 devices, {gpu}:NODESx8 for more, or add --nnodes N --gpus-per-node G"
-        )
-    else:
-        cluster = _cluster(_gpu_name(text, flag), nnodes or 1, gpus_per_node, flag)
-    if cluster.world_size > MAX_DEVICES:
-        raise SpecError(
-            f"{flag} {text!r} has {cluster.world_size:,} devices, above the limit of "
-            f"{MAX_DEVICES:,}; check the node and device counts"
-        )
-    return cluster
-
-
-def _cluster(gpu: str, n_nodes: int, gpus_per_node: int | None, flag: str):
-    from autosearch.core._io import positive_int
-    from autosearch.core.hardware import Cluster
-
-    # Check the numbers before the profile is read, so the message names the flag.
-    positive_int(n_nodes, f"{flag}: n_nodes")
-    if gpus_per_node is None:  # a profile YAML: its own devices per node
-        return Cluster(gpu=gpu, n_nodes=n_nodes)
-    positive_int(gpus_per_node, f"{flag}: gpus_per_node")
-    return Cluster(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
+    if not isinstance(text, dict):
+        text = check_text(text, flag)
+    return Cluster.parse(text, strict=True, nnodes=nnodes, gpus_per_node=gpus_per_node, what=flag)
 
 
 def _gpu_name(name: str, flag: str) -> str:
-    low = name.lower()
-    if low in GPU_ALIASES:
-        print(
-            f"note: {flag}: {name!r} is read as the {GPU_ALIASES[low]!r} profile; write "
-            f"{GPU_ALIASES[low]} to silence this note (`autosearch hardware` lists the profiles)",
-            file=sys.stderr,
-        )
-        return GPU_ALIASES[low]
-    if low in _AMBIGUOUS_GPUS:
-        raise SpecError(
-            f"{flag}: {name!r} names more than one profile: "
-            f"{' or '.join(_AMBIGUOUS_GPUS[low])}; write one of them"
-        )
-    return name
+    """A GPU name as the strict cluster parser reads it (a short alias, with a note)."""
+    from autosearch.core.hardware import _gpu_name as gpu_name
+
+    return gpu_name(name, flag, strict=True)
 
 
 def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str = "--strategy"):
