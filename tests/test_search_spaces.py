@@ -229,8 +229,8 @@ def test_user_errors_say_what_and_how():
 
 def test_importing_the_search_and_cost_model_does_not_import_torch():
     code = (
-        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner,"
-        " autosearch.export\nfrom autosearch import tune, TuneResult\nfrom search_spaces import"
+        "import sys, autosearch, cost_models, search_spaces, autosearch.tuning,"
+        " autosearch.export\nfrom autosearch import tune, TuneConfig, TuneResult\nfrom search_spaces import"
         " SearchSpace\nSearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
         " autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\nassert"
         " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"

@@ -16,6 +16,8 @@ import re
 from typing import Any
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._checks import check_output_file as check_output_file
+from autosearch.tuning._checks import check_output_folder as check_output_folder
 
 GiB = float(1 << 30)
 
@@ -157,143 +159,11 @@ def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str 
     return strategy
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The defaults a config file gives to the flags of `parser`, checked as the flags are.
-
-    Keys are the flags' names (``global_batch_size`` or ``global-batch-size``); a flag that
-    takes KEY=VALUE items repeatedly (``pin``) also takes a mapping. A file with a ``config``
-    mapping (the study.yaml that `tune` writes) is read through that mapping.
-    """
-    from autosearch.core._io import read_yaml_mapping
-
-    data = read_yaml_mapping(check_text(path, "--config"), what="config")
-    if isinstance(data.get("config"), dict):
-        data = data["config"]
-    return config_defaults(data, parser, what=f"--config {path!r}")
-
-
-def config_defaults(
-    data: dict[str, Any], parser: argparse.ArgumentParser, *, what: str
-) -> dict[str, Any]:
-    """`read_config_file` on a mapping already read."""
-    actions = {
-        a.dest: a
-        for a in parser._actions
-        if a.option_strings and a.dest not in ("help", "config", "version")
-    }
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        action = actions.get(dest)
-        if action is None:
-            raise SpecError(
-                f"{what}: unknown key {key!r}; valid keys are the flags: "
-                + ", ".join(sorted(actions))
-            )
-        if value is None:
-            continue
-        out[dest] = _config_value(action, value, f"{what}: {key}")
-    return out
-
-
-def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
-    if action.nargs == 0:  # store_true
-        if not isinstance(value, bool):
-            raise SpecError(f"{where} must be true or false, got {value!r}")
-        return value
-    if isinstance(action, argparse._AppendAction):
-        if isinstance(value, dict):
-            items = [
-                f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in value.items()
-            ]
-        elif isinstance(value, list):
-            items = [str(v) for v in value]
-        else:
-            items = [str(value)]
-        return items
-    if isinstance(value, dict) and action.dest in ("model", "cluster"):
-        return value
-    if isinstance(value, (dict, list)):
-        raise SpecError(f"{where} must be a single value, got a {type(value).__name__}")
-    if isinstance(value, bool) and action.type is not None:
-        raise SpecError(f"{where} must be a number, got {value!r}")
-    convert = action.type
-    if callable(convert):
-        try:
-            value = convert(str(value))
-        except (argparse.ArgumentTypeError, ValueError) as exc:
-            raise SpecError(f"{where}: {exc}") from None
-    elif not isinstance(value, str):
-        value = str(value)
-    if action.choices is not None and value not in action.choices:
-        raise SpecError(
-            f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
-        )
-    return value
-
-
 def check_text(text: str | None, flag: str) -> str:
     """A non-empty argument (an empty string is a mistake, not a default)."""
     if text is None or not str(text).strip():
         raise SpecError(f"{flag} is empty; give a value (see --help)")
     return str(text).strip()
-
-
-def check_output_folder(out: str, *, files: tuple[str, ...] = (), flag: str = "--out") -> None:
-    """Refuse, before any work, an output folder that could not take every output file.
-
-    `out` must not be the root of the file system nor an existing file, its nearest existing
-    ancestor must be a writable folder, and none of `files` may exist there as a folder.
-    """
-    text = check_text(out, flag)
-    path = os.path.abspath(text)
-    if path == os.path.abspath(os.sep):
-        raise SpecError(
-            f"{flag} {text!r} is the root of the file system; give a folder of its own, "
-            "e.g. results/my-study"
-        )
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SpecError(f"{flag} {text!r} is a file, not a folder; give a folder path")
-    _check_writable_parent(path, flag, text, folder=True)
-    for name in files:
-        target = os.path.join(path, name)
-        if os.path.isdir(target):
-            raise SpecError(
-                f"{flag} {text!r} holds a folder named {name!r} where an output file goes; "
-                "move it away or give another --out"
-            )
-
-
-def check_output_file(out: str, *, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file path that could not be written."""
-    text = check_text(out, flag)
-    path = os.path.abspath(text)
-    if os.path.isdir(path):
-        raise SpecError(f"{flag} {text!r} is a folder; give a file path, e.g. {text}/out.csv")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise SpecError(f"{flag} {text!r} is not writable; give another path")
-    _check_writable_parent(os.path.dirname(path), flag, text, folder=True)
-
-
-def _check_writable_parent(path: str, flag: str, text: str, *, folder: bool) -> None:
-    """Walk up to the nearest existing ancestor of `path`: it must be a writable folder."""
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise SpecError(
-            f"{flag} {text!r} cannot be created: {probe!r} is a file, not a folder; "
-            "give a path under a folder"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise SpecError(
-            f"{flag} {text!r} cannot be written: the folder {probe!r} is read-only for this "
-            "user; give a path under a writable folder"
-        )
 
 
 def fmt_bytes(n: float) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._config import OBJECTIVE_ALIASES, OBJECTIVES
 from autosearch.tuning._ranking import same_value, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -134,9 +135,6 @@ class ThroughputCost(Objective):
         )
 
 
-OBJECTIVES = ("throughput", "throughput-pessimistic", "throughput-memory", "throughput-cost")
-
-
 def usd_per_million_tokens(
     report: "CostReport", price_per_gpu_hour: float, world_size: int
 ) -> float:
@@ -148,7 +146,7 @@ def make_objective(
     name: str, *, cluster: "Cluster", price_per_gpu_hour: float | None = None
 ) -> Objective:
     """The objective called `name` (one of OBJECTIVES; ``memory`` and ``cost`` are accepted)."""
-    key = {"memory": "throughput-memory", "cost": "throughput-cost"}.get(name, name)
+    key = OBJECTIVE_ALIASES.get(name, name)
     if key == "throughput":
         return Throughput()
     if key == "throughput-pessimistic":

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
+    from autosearch.tuning._config import TuneConfig
     from search_spaces import BaseSearchSpace
 
 
@@ -56,6 +57,8 @@ class TuneResult:
         message: a one-line summary for people.
         price_per_gpu_hour: dollars per device-hour when given (then every report also shows
             dollars per million tokens, `usd_per_million_tokens`).
+        config: the settings as run (names resolved, paths absolute: the ``config`` block of
+            study.yaml); the settings as given when objects without a file form were passed.
     """
 
     best_strategy: "Strategy | None"
@@ -75,6 +78,7 @@ class TuneResult:
     n_units_covered: int = 0
     plan: str = ""
     price_per_gpu_hour: float | None = None
+    config: "TuneConfig | None" = None
 
     def usd_per_million_tokens(self, report: "CostReport") -> float | None:
         """Dollars per million training tokens of `report` on this cluster (None without a
