@@ -237,7 +237,8 @@ def sweep_row(
 ) -> dict:
     """One CSV row: the best strategy for (model, cluster, gbs), or why there is none."""
     from autosearch.core.errors import SpecError
-    from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
+    from autosearch.tuning import NoFeasibleStrategyError, usd_per_million_tokens
+    from autosearch.tuning._study import tune
     from search_spaces import SearchSpace
 
     row: dict[str, Any] = {k: "" for k in COLUMNS}

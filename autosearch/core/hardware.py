@@ -2,7 +2,7 @@
 or a file written by `autosearch calibrate`), and a `Cluster` is a profile times a node count.
 
 Example:
-    >>> from cost_models import Cluster
+    >>> from autosearch import Cluster
     >>> c = Cluster.parse("h100-sxm:32x8")
     >>> c.world_size, c.profile.peak_flops["bf16"] / 1e12
     (256, 989.4)

@@ -63,7 +63,8 @@ def _integer(value: Any, where: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"{where} must be an integer, got {value!r}")
     if value < low:
-        raise SpecError(f"{where} must be >= {low}, got {value}")
+        kind = "a positive integer (>= 1)" if low == 1 else f"an integer >= {low}"
+        raise SpecError(f"{where} must be {kind}, got {value}")
     if value > high:
         raise SpecError(f"{where} = {value:,} is above the limit of {high:,}; check the number")
     return value
@@ -108,12 +109,14 @@ def _switch(value: Any, where: str) -> bool:
     return value
 
 
-def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] | None = None):
+def _choice(noun: str, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None):
     def read(value: Any, where: str) -> str:
         text = _text(value, where)
         text = (aliases or {}).get(text, text)
         if text not in choices:
-            raise SpecError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+            raise SpecError(
+                f"{where}: unknown {noun} {value!r}; choose one of {', '.join(choices)}"
+            )
         return text
 
     return read
@@ -255,14 +258,14 @@ class TuneConfig:
     )
     sampler: str | None = setting(
         None,
-        read=_choice(SAMPLERS),
+        read=_choice("sampler", SAMPLERS),
         choices=SAMPLERS,
         help="default: exhaustive when --n-trials covers the whole space, else tpe for one "
         "objective and nsga2 for two",
     )
     objective: str = setting(
         "throughput",
-        read=_choice(OBJECTIVES, OBJECTIVE_ALIASES),
+        read=_choice("objective", OBJECTIVES, OBJECTIVE_ALIASES),
         choices=OBJECTIVES,
         help="what to maximise: tokens/s (default); tokens/s at the slow end of each "
         "prediction's error band (pessimistic); or a Pareto front of tokens/s against peak "
@@ -287,7 +290,7 @@ class TuneConfig:
     )
     trial_unit: str | None = setting(
         None,
-        read=_choice(TRIAL_UNITS),
+        read=_choice("trial unit", TRIAL_UNITS),
         choices=TRIAL_UNITS,
         help="layout (default for throughput): score every recompute/sp/zero/amp of a sampled "
         "layout; strategy: one strategy per trial",

@@ -91,7 +91,7 @@ SHADOW_RENEW = 1000
 
 
 def tune(
-    config: "TuneConfig | ModelSpec | str",
+    config: "TuneConfig | ModelSpec | str | None" = None,
     cluster: "Cluster | str | None" = None,
     /,
     *,
@@ -109,8 +109,8 @@ def tune(
     keywords (its fields; see `TuneConfig` for each).
 
     Args:
-        config: a TuneConfig, or the model (a ModelSpec or catalog name / YAML path) followed
-            by `cluster` and the other fields as keywords.
+        config: a TuneConfig; or the model (a ModelSpec or catalog name / YAML path), with
+            `cluster` and the other fields as keywords (``model=`` and ``cluster=`` work too).
         cluster: a Cluster or ``GPU:NODESxGPUS`` (only with a model).
         cost_model: a `cost_models.CostModel` for this model and cluster, or a factory
             ``(model, cluster) -> CostModel``; None: the analytic model with the config's
@@ -177,8 +177,12 @@ def _config_of(config, cluster, options, settings: dict[str, Any]):
                 "change the config with config.replace(...)"
             )
         return config, objects
+    if config is not None:
+        settings["model"] = config
+    if cluster is not None:
+        settings["cluster"] = cluster
     try:
-        return TuneConfig(model=config, cluster=cluster, **settings), objects
+        return TuneConfig(**settings), objects
     except TypeError as exc:  # an unknown keyword: say which ones exist
         names = ", ".join(f.name for f in dataclasses.fields(TuneConfig))
         raise TypeError(f"{exc}; tune takes model, cluster and {names}") from None
