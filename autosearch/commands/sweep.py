@@ -276,6 +276,9 @@ def sweep_row(
         row.update(status="invalid", reason=str(exc))
         return row
     s, r = result.best_strategy, result.best_report
+    if s is None or r is None:  # tune raises NoFeasibleStrategyError first
+        row.update(status="infeasible", reason=result.message)
+        return row
     row.update(
         status="ok",
         strategy=s.short(),

@@ -179,7 +179,7 @@ def remove_stale_temp_files(
     is never disturbed. `extra`: a pattern for other writers' names, whose first group is the pid
     (e.g. ``name.tmp<pid>``). Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(folder)
     except OSError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from autosearch.core.errors import SpecError
 from autosearch.tuning._config import OBJECTIVE_ALIASES, OBJECTIVES
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
 
+Direction = Literal["maximize", "minimize"]
 GiB = float(1 << 30)
 CONSTRAINT = "memory_excess_gib"
 
@@ -29,7 +30,7 @@ class Objective(abc.ABC):
     """Turns a CostReport into the values of an Optuna trial."""
 
     name: str
-    directions: tuple[str, ...]
+    directions: tuple[Direction, ...]
     value_names: tuple[str, ...]
 
     @abc.abstractmethod
@@ -67,7 +68,7 @@ class Throughput(Objective):
     """Maximize training tokens per second under the memory limit (the default)."""
 
     name: str = "throughput"
-    directions: tuple[str, ...] = ("maximize",)
+    directions: tuple[Direction, ...] = ("maximize",)
     value_names: tuple[str, ...] = ("tokens_per_s",)
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -84,7 +85,7 @@ class ThroughputPessimistic(Objective):
     optimistic."""
 
     name: str = "throughput-pessimistic"
-    directions: tuple[str, ...] = ("maximize",)
+    directions: tuple[Direction, ...] = ("maximize",)
     value_names: tuple[str, ...] = ("pessimistic_tokens_per_s",)
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -106,7 +107,7 @@ class ThroughputMemory(Objective):
     """Maximize tokens per second and minimize peak memory per device (Pareto front)."""
 
     name: str = "throughput-memory"
-    directions: tuple[str, ...] = ("maximize", "minimize")
+    directions: tuple[Direction, ...] = ("maximize", "minimize")
     value_names: tuple[str, ...] = ("tokens_per_s", "peak_memory_gib")
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -125,7 +126,7 @@ class ThroughputCost(Objective):
     price_per_gpu_hour: float = 0.0
     world_size: int = 1
     name: str = "throughput-cost"
-    directions: tuple[str, ...] = ("maximize", "minimize")
+    directions: tuple[Direction, ...] = ("maximize", "minimize")
     value_names: tuple[str, ...] = ("tokens_per_s", "usd_per_million_tokens")
 
     def values(self, report: "CostReport") -> tuple[float, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,12 @@ class Candidate:
     def feasible(self) -> bool:
         """Whether the prediction fits in device memory (False when there is none)."""
         return self.report is not None and self.report.fits
+
+
+def scored(cands: "Iterable[Candidate]") -> "list[tuple[Candidate, CostReport]]":
+    """(candidate, its report) for each candidate that carries a report (every one of a
+    TuneResult's top-k and Pareto front does; a strategy read from a file does not)."""
+    return [(c, c.report) for c in cands if c.report is not None]
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,9 @@ def tune(
         return _run(job, progress=progress, setup_s=time.perf_counter() - t_start)
 
 
-def _config_of(config, cluster, options, settings: dict[str, Any]):
+def _config_of(
+    config: Any, cluster: Any, options: StudyOptions | None, settings: dict[str, Any]
+) -> tuple[TuneConfig, dict[str, Any]]:
     """(TuneConfig, the objects given for space / sampler / storage) from tune's arguments."""
     import optuna
 
@@ -440,7 +442,7 @@ class _Runner:
         self.exhaustive = exhaustive
         self.worker = uuid.uuid4().hex[:12]
         self.storage = opened.storage if opened is not None else None
-        self.study_id: int | None = None
+        self.study_id = -1  # the study's id in the storage, set by `start` (with a storage)
         self._next_number = 0  # trial numbers below this have been read
         self._finished = 0  # finished trials in the study, as of the last read
         self._covered: set[tuple] = set()  # units held by a trial (exhaustive mode)
@@ -484,7 +486,7 @@ class _Runner:
             return
         from optuna.exceptions import DuplicatedStudyError
 
-        storage = self.storage
+        storage, where = self.storage, self.opened.description if self.opened else ""
         with self.lock():
             try:
                 self.study_id = storage.get_study_id_from_name(self.study_name)
@@ -498,7 +500,7 @@ class _Runner:
             directions = storage.get_study_directions(self.study_id)
             if list(directions) != list(self.shadow.directions):
                 raise SpecError(
-                    f"study {self.study_name!r} in {self.opened.description} optimizes "
+                    f"study {self.study_name!r} in {where} optimizes "
                     f"{[d.name.lower() for d in directions]}, not {self.objective.name}; use "
                     "another --study-name or --out folder"
                 )
@@ -511,7 +513,7 @@ class _Runner:
                     raise SpecError(
                         diffs,
                         context=(
-                            f"study {self.study_name!r} in {self.opened.description} was created "
+                            f"study {self.study_name!r} in {where} was created "
                             "for a different search; use another --study-name or --out folder, "
                             "or the same arguments as the first run"
                         ),
@@ -600,7 +602,8 @@ class _Runner:
                     params = self._next_unit() if self.n_covered < target else None
                     if params is None:
                         return new
-                    if not self._persist(*self._score_unit(params), target):
+                    frozen, attrs = self._score_unit(params)
+                    if not self._persist(frozen, attrs, target):
                         return new
                     new += 1
                     if progress is not None:
@@ -631,7 +634,7 @@ class _Runner:
             frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
         return self._persist(frozen, attrs, target)
 
-    def _score_unit(self, params: dict[str, Any]):
+    def _score_unit(self, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """One unit of the space scored as a finished trial (in memory, it joins the study)."""
         import optuna
 
@@ -668,6 +671,8 @@ class _Runner:
             r = self.cost_model.estimate(s, validate=False)
             if self.objective.better(r, best_r, s, best_s):
                 best_s, best_r = s, r
+        if best_s is None or best_r is None:  # recorded as a failed trial
+            raise ValueError("the trial's group of strategies is empty")
         self._scored = (group, best_s)
         attrs = {
             ATTR_STRATEGY: best_s.to_dict(),
@@ -747,6 +752,7 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     import optuna
 
     n_units = space.n_groups if unit == "layout" else space.size
+    trials: list[Any]
     if unit == "layout":  # units spread evenly over the exhaustive order
         spread = space.group_params(every=max(1, n_units // PLAN_PROBES))
         trials = [optuna.trial.FixedTrial(p) for p in itertools.islice(spread, PLAN_PROBES + 1)]
@@ -904,7 +910,7 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
             f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} "
             "strategies of the space fit; run more trials (--n-trials) or the exhaustive sampler"
         )
-    if least_r is None:
+    if least_s is None or least_r is None:
         return "no trial finished; nothing to report"
     return (
         f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B "
