@@ -220,8 +220,10 @@ def setting(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
 class TuneConfig:
     """Every setting of one tuning job. A frozen record: change it with `replace`.
 
-    Each field says (in its `Setting`) how the CLI spells it and how a value is checked; the
-    docstrings of the fields are their help texts (``autosearch tune --help``).
+    Each field says in its `Setting` how the CLI spells it, its help text
+    (``autosearch tune --help``) and how a value is read and checked; the constructor checks
+    every value, so a TuneConfig that exists is valid as far as its fields go (the model,
+    cluster, space and storage they name are read by `autosearch.tune`).
     """
 
     model: "ModelSpec | dict | str" = setting(
@@ -326,6 +328,8 @@ class TuneConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.pin is None:
+            object.__setattr__(self, "pin", {})
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None and not (f.name == "pin" and not value):
