@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from autosearch import ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core.bands import kind_of
 from autosearch.core.runtime import RUNTIMES
-from cost_models import AnalyticCostModel, Cluster
+from cost_models import AnalyticCostModel
 from cost_models.analytic import BAND_READS, LAYER_READS
 from cost_models.terms import (
     compute,
