@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosearch.core.errors import SpecError
-from autosearch.core.model_spec import ModelSpec
+from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
@@ -115,7 +115,7 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
+        if self.w3 is not None:  # swiglu
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x)))
 
@@ -155,8 +155,14 @@ class Transformer(nn.Module):
             output projections are scaled by 1/sqrt(2 n_layers), Radford et al. 2019).
     """
 
+    rope: torch.Tensor | None  # a buffer (Llama style), or None (GPT style)
+
     def __init__(self, spec: ModelSpec, *, dropout: float = 0.0, init_std: float = 0.02):
         super().__init__()
+        if unbuilt(spec):  # features of the ModelSpec this reference model does not build
+            raise SpecError(
+                f"model {spec.name!r}: Transformer does not build {'; '.join(unbuilt(spec))}"
+            )
         if not spec.is_gpt_style:
             dropout = 0.0
         self.spec = spec
@@ -189,12 +195,14 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if bias is not None:
+                    nn.init.zeros_(bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
-        if getattr(self, "rope", None) is not None:
-            self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(self.rope.device)
+        rope = getattr(self, "rope", None)
+        if rope is not None:
+            self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(rope.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden to

@@ -68,11 +68,18 @@ def ring_all_reduce_bytes_per_rank(nbytes: float, group: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def bubble_fraction(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
-    """Pipeline bubble as a fraction of the ideal (bubble-free) time: (p-1) / (v m)."""
+def bubble_microbatches(pp: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble in micro-batch times (of one micro-batch through a rank's chunks): the
+    (p-1)/v micro-batch times a rank idles as the pipeline fills and drains."""
     if pp <= 1:
         return 0.0
-    return (pp - 1) / (virtual_stages * n_microbatches)
+    return (pp - 1) / virtual_stages
+
+
+def bubble_fraction(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble as a fraction of the ideal (bubble-free) time of m micro-batches:
+    (p-1) / (v m)."""
+    return bubble_microbatches(pp, virtual_stages) / n_microbatches
 
 
 def microbatches_in_flight(

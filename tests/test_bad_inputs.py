@@ -49,6 +49,42 @@ MODEL = "n_layers: 4\nhidden_size: 256\nn_heads: 4\nvocab_size: 1000\nseq_len: 1
 STUDY_YAML = "study_name: someone-elses-study\nmodel: gpt3-175b\n"
 
 
+HOSTILE_NAMES = (
+    "m\ntouch MARK",
+    "m'; touch MARK; '",
+    "m]\n[table]",
+    "$(touch MARK)",
+    "`touch MARK`",
+    "m\u2028touch MARK",
+)
+HF_TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 1000,
+    "max_position_embeddings": 128,
+}
+FIFO = object()  # a fixture "file" made as a named pipe (os.mkfifo)
+
+
+def _user_db() -> bytes:
+    """A SQLite database holding a table of the user's (not Optuna's)."""
+    import sqlite3
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO customers (name) VALUES ('Ada')")
+    conn.commit()
+    data = conn.serialize()
+    conn.close()
+    return bytes(data)
+
+
+USER_DB = _user_db()
+
+
 def billion_laughs(key: str, levels: int = 30) -> str:
     """A YAML bomb: 2**levels leaves once its aliases are expanded, a few hundred bytes on disk."""
     lines = ["a0: &a0 [x, x]"]
@@ -937,6 +973,191 @@ CASES = [
     ),
     Case("tune-without-model", cli=TUNE_B[:1] + TUNE_B[3:], expect=("--model",)),
     Case("tune-dry-run-bad-pin", cli=TUNE_B + ("--pin", "tp=3", "--dry-run"), expect=("tp",)),
+    # ---- issue 22: names that would become code -------------------------------------------------
+    *(
+        Case(
+            f"i22.1-model-name-{i}",
+            cli=EXPORT + ("dp=8,global_batch_size=64", "--model", "m.yaml", "--out", "e"),
+            files={"m.yaml": MODEL + f"name: {json.dumps(name)}\n"},
+            expect=("model name", "not allowed"),
+        )
+        for i, name in enumerate(HOSTILE_NAMES)
+    ),
+    Case(
+        "i22.1-profile-name",
+        cli=est(cluster="gpu.yaml:1x8"),
+        files={"gpu.yaml": PROFILE.replace("name: broken-gpu", 'name: "g\\ntouch MARK"')},
+        expect=("name", "not allowed"),
+    ),
+    Case(
+        "i22.1-api-model-name",
+        api="ModelSpec(name='m]\\n[table]', n_layers=2, hidden_size=64, n_heads=4, "
+        "vocab_size=10, seq_len=8)",
+        expect=("model name",),
+    ),
+    # ---- issue 22: folders that are not autosearch's --------------------------------------------
+    Case(
+        "i22.2-tune-out-folder-of-user-files",
+        cli=TUNE_B + ("--n-trials", "3", "--out", "mine"),
+        files={"mine/notes.txt": "precious", "mine/data/x.csv": "1,2\n"},
+        expect=("--out 'mine'", "autosearch did not write", "notes.txt"),
+    ),
+    Case(
+        "i22.2-tune-out-cwd-of-user-files",
+        cli=TUNE_B + ("--n-trials", "3", "--out", "."),
+        files={"notes.txt": "precious"},
+        expect=("autosearch did not write",),
+    ),
+    Case(
+        "i22.2-export-out-folder-of-user-files",
+        cli=("export", "--strategy", OK_STRATEGY, "--to", "all", "--out", "mine"),
+        files={"mine/megatron.sh": "#!/bin/sh\necho mine\n"},
+        expect=("--out 'mine'", "autosearch did not write"),
+    ),
+    # ---- issue 22: storage that is not the study's ----------------------------------------------
+    Case(
+        "i22.4-sqlite-with-user-tables",
+        cli=TUNE_B + ("--n-trials", "3", "--storage", "sqlite:///app.db", "--out", "o"),
+        files={"app.db": USER_DB},
+        expect=("customers", "--storage"),
+    ),
+    Case(
+        "i22.4-sqlite-path-with-user-tables",
+        cli=TUNE_B + ("--n-trials", "3", "--storage", "app.db", "--out", "o"),
+        files={"app.db": USER_DB},
+        expect=("customers", "not Optuna's"),
+    ),
+    Case(
+        "i22.4-sqlite-url-without-path",
+        cli=TUNE_B + ("--n-trials", "3", "--storage", "sqlite://", "--out", "o"),
+        expect=("--storage", "names no file"),
+    ),
+    Case(
+        "i22.4-database-url-without-database",
+        cli=TUNE_B + ("--n-trials", "3", "--storage", "postgresql+psycopg://me@127.0.0.1:1"),
+        expect=("--storage", "names no database"),
+    ),
+    # ---- issue 22: inputs that are not regular files --------------------------------------------
+    *(
+        Case(f"i22.5-fifo-{flag.strip('-')}", cli=cli, files={exp[0]: FIFO}, expect=exp)
+        for flag, cli, exp in (
+            ("--config", ("tune", "--config", "p.yaml"), ("p.yaml", "named pipe")),
+            ("--space", TUNE_B + ("--space", "p.yaml"), ("p.yaml", "named pipe")),
+            ("--cluster", est(cluster="p.yaml"), ("p.yaml", "named pipe")),
+            ("--model", est(model="p.yaml"), ("p.yaml", "named pipe")),
+            ("--strategy", est("p.yaml"), ("p.yaml", "named pipe")),
+            ("--storage", TUNE_B + ("--storage", "p.journal"), ("p.journal", "named pipe")),
+        )
+    ),
+    Case(
+        "i22.5-fifo-hf-config",
+        cli=est(model="config.json"),
+        files={"config.json": FIFO},
+        expect=("config.json", "named pipe"),
+    ),
+    Case("i22.5-device-as-config", cli=("tune", "--config", "/dev/zero"), expect=("device",)),
+    Case("i22.5-device-as-model", cli=est(model="/dev/zero"), expect=("device",)),
+    Case(
+        "i22.5-folder-as-strategy", cli=est("d.yaml"), files={"d.yaml/": 0o755}, expect=("folder",)
+    ),
+    *(
+        Case(
+            f"i22.5-sweep-out-{dev.rsplit('/', 1)[1]}",
+            cli=SWEEP + ("--clusters", "h100-sxm:1x8", "--out", dev),
+            expect=(dev, "character device"),
+        )
+        for dev in ("/dev/full", "/dev/null", "/dev/zero")
+    ),
+    Case(
+        "i22.5-sweep-out-fifo",
+        cli=SWEEP + ("--clusters", "h100-sxm:1x8", "--out", "s.csv"),
+        files={"s.csv": FIFO},
+        expect=("s.csv", "named pipe"),
+    ),
+    # ---- issue 22: processes bounded by the machine ---------------------------------------------
+    Case(
+        "i22.6-calibrate-world-sizes-typo",
+        cli=("calibrate", "--device", "cpu", "--world-sizes", "1,100000", "--out", "c.yaml"),
+        expect=("--world-sizes", "100,000 processes", "--force"),
+        timeout_s=120,  # refused before any process starts, after torch's import (slow if loaded)
+    ),
+    # ---- issue 22: what YAML and JSON would read otherwise than written -------------------------
+    Case(
+        "i22.8-strategy-file-duplicate-key",
+        cli=est("s.yaml"),
+        files={"s.yaml": "dp: 8\ntp: 1\npp: 1\ndp: 4\nglobal_batch_size: 64\n"},
+        expect=("s.yaml", "'dp' is given twice", "lines 1 and 4"),
+    ),
+    Case(
+        "i22.8-strategy-file-octal",
+        cli=est("s.yaml"),
+        files={"s.yaml": "dp: 010\ntp: 1\npp: 1\nglobal_batch_size: 64\n"},
+        expect=("s.yaml", "'010'", "octal"),
+    ),
+    Case(
+        "i22.8-strategy-file-base-60",
+        cli=est("s.yaml"),
+        files={"s.yaml": "dp: 8\ntp: 1\npp: 1\nglobal_batch_size: 1:04\n"},
+        expect=("s.yaml", "'1:04'", "base 60"),
+    ),
+    Case(
+        "i22.8-model-file-duplicate-key",
+        cli=est(model="m.yaml"),
+        files={"m.yaml": MODEL + "n_layers: 8\n"},
+        expect=("m.yaml", "'n_layers' is given twice"),
+    ),
+    Case(
+        "i22.8-space-duplicate-key",
+        cli=TUNE_B + ("--space", "s.yaml"),
+        files={"s.yaml": "tp: [1, 2]\ntp: [8]\n"},
+        expect=("s.yaml", "'tp' is given twice"),
+    ),
+    Case(
+        "i22.8-config-duplicate-key",
+        cli=("tune", "--config", "c.yaml"),
+        files={"c.yaml": "model: llama3-8b\nmodel: llama3-70b\n"},
+        expect=("c.yaml", "'model' is given twice"),
+    ),
+    Case(
+        "i22.8-cluster-duplicate-key",
+        cli=est(cluster="c.yaml"),
+        files={"c.yaml": "gpu: h100-sxm\nn_nodes: 1\ngpus_per_node: 8\nn_nodes: 2\n"},
+        expect=("c.yaml", "'n_nodes' is given twice"),
+    ),
+    Case(
+        "i22.8-key-value-duplicate",
+        cli=est("dp=8,global_batch_size=64,dp=4"),
+        expect=("'dp' twice",),
+    ),
+    Case(
+        "i22.8-hf-boolean-as-string",
+        cli=est(model="config.json"),
+        files={"config.json": json.dumps({**HF_TINY, "tie_word_embeddings": "false"})},
+        expect=("tie_word_embeddings", "true or false", "'false'"),
+    ),
+    Case(
+        "i22.8-hf-zero-kv-heads",
+        cli=est(model="config.json"),
+        files={"config.json": json.dumps({**HF_TINY, "num_key_value_heads": 0})},
+        expect=("num_key_value_heads", ">= 1"),
+    ),
+    Case(
+        "i22.8-hf-head-dim-mapping",
+        cli=est(model="config.json"),
+        files={"config.json": json.dumps({**HF_TINY, "head_dim": {}})},
+        expect=("head_dim", ">= 1"),
+    ),
+    Case(
+        "i22.8-hf-duplicate-key",
+        cli=est(model="config.json"),
+        files={"config.json": json.dumps(HF_TINY)[:-1] + ', "hidden_size": 128}'},
+        expect=("'hidden_size'", "twice"),
+    ),
+    Case(
+        "i22.8-api-key-value-duplicate",
+        api="Strategy.parse('dp=8,tp=2,tp=4')",
+        expect=("'tp' twice",),
+    ),
     # ---- the Python API -------------------------------------------------------------------------
     Case("api-strategy-string-degree", api="Strategy(dp='8')", expect=("dp", "'8'")),
     Case("api-strategy-bool-degree", api="Strategy(dp=True)", expect=("dp", "True")),
@@ -1042,14 +1263,85 @@ CASES = [
         api="SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, config='nope')",
         expect=("nope",),
     ),
+    # ---- issue 22: the Engine's numbers and types, refused before anything runs ----------------
+    # (ENGINE is a model factory no case reaches: each is refused before a model is built.)
+    *[
+        Case(f"api-engine-{name}", api=f"Engine(ENGINE, {arg}).prepare()", expect=words)
+        for name, arg, words in [
+            ("clip-negative", "grad_clip_norm=-1.0", ("grad_clip_norm=-1.0", "> 0", "None")),
+            ("clip-zero", "grad_clip_norm=0", ("grad_clip_norm=0", "> 0")),
+            ("clip-nan", "grad_clip_norm=float('nan')", ("grad_clip_norm=nan",)),
+            ("clip-string", "grad_clip_norm='1.0'", ("grad_clip_norm='1.0'",)),
+            ("clip-bool", "grad_clip_norm=True", ("grad_clip_norm=True",)),
+            ("metrics-int", "metrics=5", ("metrics=5", "Accuracy()")),
+            ("metrics-list-of-str", "metrics=['accuracy']", ("metrics=['accuracy']", "Metric")),
+            ("loss-string", "loss='mse'", ("loss='mse'", "callable")),
+            ("optimizer-string", "optimizer='adamw'", ("optimizer='adamw'", "AdamW")),
+            ("scheduler-int", "lr_scheduler=100", ("lr_scheduler=100", "recipe optimizer")),
+            ("seed-float", "seed=1.5", ("seed=1.5", "integer")),
+            ("seed-huge", "seed=2**70", ("seed=", "2**64")),
+            ("meta-init-string", "meta_init='yes'", ("meta_init='yes'", "True or False")),
+            ("loss-parallel-int", "loss_parallel=1", ("loss_parallel=1", "True or False")),
+        ]
+    ],
+    Case("api-engine-model-none", api="Engine(None).prepare()", expect=("model=None", "factory")),
+    *[
+        Case(f"api-fit-{name}", api=f"Engine(ENGINE).fit([], {arg})", expect=words)
+        for name, arg, words in [
+            ("epochs-negative", "epochs=-1", ("epochs=-1", "integer >= 1")),
+            ("epochs-zero", "epochs=0", ("epochs=0",)),
+            ("epochs-float", "epochs=2.0", ("epochs=2.0",)),
+            ("batch-size-zero", "batch_size=0", ("batch_size=0", "None for the strategy's")),
+            ("batch-size-negative", "batch_size=-8", ("batch_size=-8",)),
+            ("steps-per-epoch-zero", "steps_per_epoch=0", ("steps_per_epoch=0",)),
+            ("valid-steps-zero", "valid_steps=0", ("valid_steps=0",)),
+            ("valid-freq-zero", "valid_freq=0", ("valid_freq=0",)),
+            ("log-freq-zero", "log_freq=0", ("log_freq=0",)),
+            ("save-freq-negative", "save_freq=-1", ("save_freq=-1",)),
+            ("save-steps-zero", "save_steps=0, save_dir='ck'", ("save_steps=0",)),
+            ("verbose-string", "verbose='yes'", ("verbose='yes'",)),
+            ("shuffle-string", "shuffle='yes'", ("shuffle='yes'", "True or False")),
+            ("tensorboard-string", "tensorboard='no', log_dir='l'", ("tensorboard='no'",)),
+            ("callbacks-one-object", "callbacks=object()", ("callbacks=", "callbacks=[...]")),
+            ("collate-fn-string", "collate_fn='stack'", ("collate_fn='stack'",)),
+            ("resume-int", "resume=3", ("resume=3", "checkpoint path")),
+            ("save-dir-int", "save_dir=7", ("save_dir=7", "folder path")),
+            ("resume-without-save-dir", "resume=True", ("resume=True", "save_dir")),
+        ]
+    ],
+    Case(
+        "api-fit-two-problems",
+        api="Engine(ENGINE).fit([], epochs=-1, batch_size=0)",
+        expect=("2 problems", "epochs=-1", "batch_size=0"),
+    ),
+    Case(
+        "api-evaluate-steps-zero",
+        api="Engine(ENGINE).evaluate([], steps=0)",
+        expect=("steps=0", "batches per epoch"),
+    ),
+    Case(
+        "api-predict-batch-size-zero",
+        api="Engine(ENGINE).predict([], batch_size=0)",
+        expect=("batch_size=0",),
+    ),
+    Case(
+        "api-dataloader-num-workers-negative",
+        api="Engine(ENGINE).dataloader([], num_workers=-1)",
+        expect=("num_workers=-1",),
+    ),
 ]
 
 
 def _api_namespace() -> dict:
-    from autosearch import Cluster, ModelSpec, SpecError, Strategy, estimate, tune
+    from autosearch import Cluster, Engine, ModelSpec, SpecError, Strategy, estimate, tune
     from search_spaces import SearchSpace
 
+    def never_built():
+        raise AssertionError("the case reached the model; its input should have been refused")
+
     return dict(
+        Engine=Engine,
+        ENGINE=never_built,
         Cluster=Cluster,
         ModelSpec=ModelSpec,
         SpecError=SpecError,
@@ -1067,7 +1359,9 @@ def _write_files(folder: Path, files: dict) -> None:
             path.mkdir(parents=True, exist_ok=True)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
+        if content is FIFO:
+            os.mkfifo(path)
+        elif isinstance(content, bytes):
             path.write_bytes(content)
         else:
             path.write_text(content, encoding="utf-8")
@@ -1117,8 +1411,9 @@ def _child(case: Case, folder: Path, out_path: Path, err_path: Path, result_path
             import autosearch.tuning  # noqa: F401
             import cost_models.analytic  # noqa: F401
             import search_spaces  # noqa: F401
+            from autosearch import Cluster
             from autosearch.cli import build_parser
-            from autosearch.core import Cluster, model_catalog
+            from autosearch.core import model_catalog
 
             build_parser()
             model_catalog()
@@ -1211,8 +1506,9 @@ def _imported_once():
     import autosearch.tuning  # noqa: F401
     import cost_models.analytic  # noqa: F401
     import search_spaces  # noqa: F401
+    from autosearch import Cluster
     from autosearch.cli import build_parser
-    from autosearch.core import Cluster, model_catalog
+    from autosearch.core import model_catalog
 
     build_parser()
     model_catalog()

@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
-from autosearch import ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core.runtime import MEGATRON_SC21, TORCH
-from cost_models import AnalyticCostModel, Cluster, CostModel, estimate
+from cost_models import AnalyticCostModel, CostModel, estimate
+from cost_models.formulas import bubble_fraction
 
 GPT = ModelSpec.load("gpt3-13b")
 CLUSTER = Cluster.parse("a100-sxm4-80gb:4x8")  # 32 GPUs
@@ -63,6 +64,25 @@ def test_interleaving_shrinks_the_bubble():
     inter = cm().estimate(Strategy(**base, pipeline_schedule="interleaved_1f1b", virtual_stages=2))
     assert inter.time.bubble_s < plain.time.bubble_s * 0.6
     assert inter.time.pp_comm_s > plain.time.pp_comm_s  # v times more messages
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_bubble_is_the_closed_form_of_narayanan(schedule, v):
+    """Narayanan et al. 2021 sec. 2.2: the bubble is (p-1)/(v m) of the ideal time of the m
+    micro-batches (`formulas.bubble_fraction`); rel 1e-12: the same product in another order."""
+    s = Strategy(
+        dp=4,
+        tp=2,
+        pp=4,
+        micro_batch_size=1,
+        global_batch_size=64,
+        pipeline_schedule=schedule,
+        virtual_stages=v,
+    )
+    r = cm().estimate(s)
+    ideal = r.time.compute_s + r.time.recompute_s + r.time.tp_comm_s + r.time.pp_comm_s
+    fraction = bubble_fraction(4, s.grad_accum_steps, v)
+    assert r.time.bubble_s == pytest.approx(fraction * ideal, rel=1e-12)
 
 
 def test_gpipe_holds_more_activations_than_1f1b():

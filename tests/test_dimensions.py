@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from autosearch import ModelSpec, SpecError, Strategy
+from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.commands.sweep import COLUMNS
 from autosearch.core import dimensions, rules
 from autosearch.core.bands import kind_of
@@ -17,7 +17,6 @@ from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from autosearch.core.strategy import FILE_FIELDS
 from autosearch.tuning._params import PLAIN_DIMENSIONS
 from autosearch.tuning._ranking import n_parallel_axes
-from cost_models import Cluster
 from search_spaces import LAYOUT_FIELDS, SearchSpace, SpaceConfig
 
 EVERYTHING = Strategy(

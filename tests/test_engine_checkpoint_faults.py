@@ -119,3 +119,130 @@ def test_crafted_metadata_is_refused_without_running_code(tmp_path):
     ):
         Engine(W.make_model("gpt"), strategy=STRATEGY).load(str(tmp_path / "ckpt"))
     assert not marker.exists()
+
+
+# ---- folders: nothing of the user's is touched (issue 22, items 2, 3, 7) -----------------------
+def _engine():
+    return Engine(W.make_model("gpt"), strategy=STRATEGY)
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` with its content (None for folders and links)."""
+    out = {}
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            p = Path(root) / name
+            out[str(p.relative_to(folder))] = (
+                p.read_bytes() if p.is_file() and not p.is_symlink() else None
+            )
+    return out
+
+
+def _user_files(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "data").mkdir()
+    (folder / "data" / "x.csv").write_text("1,2\n")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["cwd", "folder-of-files", "old-beside", "partial-beside", "dcp-tmp-beside", "file-at-path"],
+)
+def test_save_never_touches_what_autosearch_did_not_write(tmp_path, monkeypatch, layout):
+    """`Engine.save` into a folder of the user's files, or beside a user's ``run.old/`` (or
+    ``.partial``, ``.dcp-tmp``), is refused before anything is written or removed."""
+    _user_files(tmp_path / "user")
+    target = {
+        "cwd": ".",
+        "folder-of-files": "user",
+        "old-beside": "run",
+        "partial-beside": "run",
+        "dcp-tmp-beside": "run",
+        "file-at-path": "user/notes.txt",
+    }[layout]
+    if layout.endswith("-beside"):
+        suffix = "." + layout[: -len("-beside")].replace("partial", "partial")
+        _user_files(tmp_path / f"run{suffix}")
+    monkeypatch.chdir(tmp_path / "user" if layout == "cwd" else tmp_path)
+    before = _tree(tmp_path)
+    with pytest.raises(SpecError, match="autosearch did not write"):
+        _engine().save(target)
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["ckpt.partial", "ckpt.old", "ckpt.dcp-tmp", "ckpt"])
+def test_a_planted_symlink_is_refused(tmp_path, name):
+    """A link planted at a name the save works under would send the checkpoint where it points."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / name).symlink_to(victim)
+    before = _tree(tmp_path)
+    for training in (True, False):
+        with pytest.raises(SpecError, match="symbolic link"):
+            _engine().save(str(tmp_path / "ckpt"), training=training)
+    assert _tree(tmp_path) == before and not os.listdir(victim)
+
+
+def test_saves_into_new_empty_or_own_folders_and_leaves_only_its_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for name in ("new/ckpt", "empty"):
+        e = _engine()
+        e.save(str(tmp_path / name))
+        e.save(str(tmp_path / name))  # over its own checkpoint
+        assert (tmp_path / name / ".autosearch").is_file()
+        assert e.load(str(tmp_path / name)) == []
+    e.save(str(tmp_path / "model.pt"), training=False)
+    e.save(str(tmp_path / "model.pt"), training=False)  # over its own inference file
+    assert sorted(os.listdir(tmp_path)) == ["empty", "model.pt", "new"]
+    assert sorted(os.listdir(tmp_path / "new")) == ["ckpt"]
+
+
+def test_a_disk_that_cannot_take_the_checkpoint_ends_in_one_message(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE, EFBIG: what a full disk looks like to the writer) in the
+    middle of a save: one SpecError, the previous checkpoint loads, no `.partial` is left."""
+    code = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import engine_workers as W
+from autosearch import Engine, SpecError
+e = Engine(W.make_model("gpt"), strategy={STRATEGY!r})
+e.save({str(tmp_path / "ckpt")!r})
+e.save({str(tmp_path / "model.pt")!r}, training=False)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+for path, training in (("ckpt", True), ("model.pt", False)):
+    try:
+        e.save({str(tmp_path)!r} + "/" + path, training=training)
+    except SpecError as exc:
+        print("refused:", exc)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("refused:")]
+    assert len(lines) == 2 and all("cannot save checkpoint" in ln for ln in lines), res.stdout
+    assert "Traceback" not in res.stdout + res.stderr
+    assert _leftovers(tmp_path) == [] and not [n for n in os.listdir(tmp_path) if "tmp" in n]
+    assert _engine().load(str(tmp_path / "ckpt")) == []
+    assert torch.load(tmp_path / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("what", ["train_state", "inference_file"])
+def test_crafted_pickles_are_refused_in_one_message(tmp_path, what):
+    """Pickles that would run a command, in the train state or an inference file: one SpecError
+    saying the checkpoint holds data autosearch will not unpickle; the command does not run."""
+    marker = tmp_path / "pwned"
+    e = _engine()
+    if what == "train_state":
+        path = tmp_path / "ckpt"
+        e.save(str(path))
+        target = path / "train_state" / "rank0.pt"
+    else:
+        path = target = tmp_path / "model.pt"
+        e.save(str(path), training=False)
+    state = torch.load(target, weights_only=True)
+    state["evil"] = _Marker(str(marker))
+    torch.save(state, target)
+    with pytest.raises(SpecError, match="will not unpickle"):
+        _engine().load(str(path))
+    assert not marker.exists()

@@ -456,6 +456,7 @@ def test_cli_export_writes_runnable_files_next_to_a_study(tmp_path):
     )
     assert code == 0
     assert sorted(os.listdir(out)) == [
+        ".autosearch",  # the marker of a folder autosearch made (it writes only into its own)
         "deepspeed_launch.sh",
         "ds_config.json",
         "megatron.sh",

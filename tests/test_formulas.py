@@ -7,6 +7,7 @@ import pytest
 from autosearch import ModelSpec
 from cost_models.formulas import (
     bubble_fraction,
+    bubble_microbatches,
     layer_activation_bytes,
     microbatches_in_flight,
     ring_all_gather_time_s,
@@ -133,6 +134,9 @@ def test_bubble_and_in_flight_formulas():
     assert bubble_fraction(8, 64) == pytest.approx(7 / 64)
     assert bubble_fraction(8, 64, 4) == pytest.approx(7 / 256)
     assert bubble_fraction(1, 64) == 0.0
+    # the same bubble in micro-batch times, which the cost model multiplies by one micro-batch's
+    assert bubble_microbatches(8) == 7.0 and bubble_microbatches(8, 4) == 1.75
+    assert bubble_microbatches(1, 4) == 0.0
     assert microbatches_in_flight("gpipe", 4, 32) == 32
     assert microbatches_in_flight("1f1b", 4, 32) == 4
     assert microbatches_in_flight("1f1b", 4, 2) == 2

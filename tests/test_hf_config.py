@@ -21,9 +21,19 @@ PUBLISHED = {  # file: (n_params, relative tolerance, style, n_kv_heads, tied)
     "qwen2-7b.json": (7.62e9, 0.005, "swiglu", 4, False),
     "gpt2.json": (124.44e6, 0.005, "gelu", 12, True),
     "pythia-1b.json": (1.01e9, 0.01, "gelu", 8, False),
+    # model cards, to the digits they give (the tolerance is one unit of the last digit)
+    "qwen2.5-7b-instruct.json": (7.61e9, 0.01 / 7.61, "swiglu", 4, False),
+    "qwen3-8b.json": (8.2e9, 0.1 / 8.2, "swiglu", 8, False),
+    "qwen3-32b.json": (32.8e9, 0.1 / 32.8, "swiglu", 8, False),
+    "phi-3-mini-4k-instruct.json": (3.8e9, 0.1 / 3.8, "swiglu", 32, False),
+    "phi-4.json": (14e9, 1 / 14, "swiglu", 10, False),
+    # Gemma 2 report, Table 1 (embedding + non-embedding): exact but for the post-norms (0.003%)
+    "gemma-2-9b.json": (9_241_705_984, 1e-4, "geglu", 8, True),
+    "gemma-2-27b.json": (27_227_128_320, 1e-4, "geglu", 16, True),
 }
 
 
+@pytest.mark.filterwarnings("ignore::autosearch.core.hf_config.LongSequenceWarning")
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_configs_read_with_their_size(name):
     n_params, tol, style, kv, tied = PUBLISHED[name]
@@ -51,30 +61,55 @@ def test_llama3_8b_fields_and_seq_len_override():
     )  # the catalog's hand-written entry
 
 
-def test_mixture_of_experts_is_refused_clearly():
-    with pytest.raises(SpecError, match="mixture-of-experts.*num_local_experts=8"):
-        ModelSpec.from_hf_config(DATA / "mixtral-8x7b-v0.1.json")
+@pytest.mark.parametrize(
+    "name, total, active, with_embedding",
+    [  # model cards: Qwen1.5-MoE-A2.7B 14.3B / 2.7B; DeepSeek-V2-Lite 15.7B / 2.4B (DeepSeek
+        # counts activated parameters without the input embedding); Mixtral 46.7B / 12.9B
+        ("qwen1.5-moe-a2.7b.json", 14.3, 2.7, True),
+        ("deepseek-v2-lite.json", 15.7, 2.4, False),
+        ("mixtral-8x7b-v0.1.json", 46.7, 12.9, True),
+    ],
+)
+def test_mixture_of_experts_configs_read_with_their_sizes(name, total, active, with_embedding):
+    """Within 0.1B, the unit of the published figures."""
+    spec = ModelSpec.from_hf_config(DATA / name, seq_len=4096)
+    assert spec.moe is not None
+    embedding = 0 if with_embedding else spec.vocab_size * spec.hidden_size
+    assert abs(spec.n_params / 1e9 - total) <= 0.1
+    assert abs((spec.n_active_params - embedding) / 1e9 - active) <= 0.1
 
 
 @pytest.mark.parametrize(
     "config, expect",
     [
-        ({"model_type": "t5"}, "model_type 't5' is not supported"),
+        ({"model_type": "t5"}, "model_type 't5' .*is not a supported family"),
         ({"model_type": "llama", "hidden_size": 64}, "lacks 'num_hidden_layers'"),
         (
             {
-                "model_type": "llama",
+                "model_type": "gpt2",
+                "n_layer": 2,
+                "n_embd": 64,
+                "n_head": 4,
+                "vocab_size": 10,
+                "n_positions": 8,
+                "head_dim": 32,
+            },
+            "head_dim 32 x 4 heads != hidden_size 64",
+        ),
+        ({"model_type": "qwen2_moe", "num_experts": 60}, "lacks 'num_hidden_layers'"),
+        (
+            {
+                "model_type": "gemma2",
                 "num_hidden_layers": 2,
                 "hidden_size": 64,
                 "num_attention_heads": 4,
                 "intermediate_size": 8,
                 "vocab_size": 10,
                 "max_position_embeddings": 8,
-                "head_dim": 32,
+                "hidden_activation": "relu",
             },
-            "head_dim 32 x 4 heads != hidden_size 64",
+            "hidden_act 'relu' is not the geglu MLP of gemma2",
         ),
-        ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
     ],
 )
 def test_bad_configs_say_what_is_wrong(config, expect):

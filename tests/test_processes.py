@@ -179,3 +179,49 @@ def test_open_then_start_with_files_written_first(tmp_path):
         group.start([["sh", "-c", f'test "$(cat {plan})" = 7']])
         (e,) = group.wait()
     assert e.returncode == 0 and not os.path.exists(plan)
+
+
+MANY = textwrap.dedent(
+    """
+    import os, signal, sys
+    from autosearch.core.processes import ProcessGroup
+    log = sys.argv[1]
+    g = ProcessGroup([["sh", "-c", f"echo x >> {log}; exec sleep 300"]] * 5000, timeout_s=600)
+    g.open()
+    print(g._proc.pid, flush=True)
+    g.start()
+    while not os.path.exists(log):  # the first workers are starting
+        pass
+    if sys.argv[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # the owner dies while its workers start
+    elif sys.argv[2] == "close":
+        g.stop()  # Ctrl-C in the owner: the block is left, the pipe closes
+    else:
+        g.wait()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["kill", "close", "signal"])
+def test_the_supervisor_stops_starting_workers_when_its_owner_goes(mark, tmp_path, how):
+    """5,000 workers asked for; the owner dies (SIGKILL), leaves (closes the pipe, as Ctrl-C
+    does), or the supervisor gets SIGTERM while it starts them: starting stops there (far fewer
+    than 5,000 ever started, each start being a fork), and every worker started ends."""
+    log = tmp_path / "started.log"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", MANY, str(log), "stay" if how == "signal" else how],
+        cwd=ROOT,
+        env={**os.environ, **mark},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    supervisor = int(owner.stdout.readline())
+    if how == "signal":
+        while not log.exists():
+            time.sleep(0.001)
+        os.kill(supervisor, signal.SIGTERM)
+    owner.wait(timeout=120)
+    assert wait_until_gone(mark, 60) == []
+    started = len(log.read_text().splitlines()) if log.exists() else 0
+    assert started < 5000, f"{started} of 5000 workers started after the owner went"
+    print(f"workers started before the stop ({how}): {started} of 5000")

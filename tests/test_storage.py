@@ -131,6 +131,9 @@ def test_locks_never_follow_a_symbolic_link(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     os.symlink(victim, out / ".lock")
+    with pytest.raises(SpecError, match="autosearch did not write"):  # not a folder of ours
+        tune(**SMALL, n_trials=3, seed=0, out=out, **FAST)
+    (out / ".autosearch").write_text("written by autosearch: study\n")  # ours: the lock's turn
     with pytest.raises(SpecError, match="is a symbolic link"):
         tune(**SMALL, n_trials=3, seed=0, out=out, **FAST)
     assert victim.read_text() == "precious"
@@ -159,9 +162,10 @@ def test_temporary_files_of_killed_writers_are_removed(tmp_path):
     dead.wait()
     out = tmp_path / "run"
     out.mkdir()
+    (out / ".autosearch").write_text("written by autosearch: study\n")  # a folder of tune's
     stale = [f".autosearch-{dead.pid}-trials.csv.abc123.tmp", f"report.md.tmp{dead.pid}"]
     stale.append(f"x.png.tmp{dead.pid}.png")
-    live = f"megatron.sh.tmp{os.getpid()}"
+    live = f"notes.sh.tmp{os.getpid()}"  # not a name tune writes itself (megatron.sh is one)
     for name in [*stale, live]:
         (out / name).write_text("torn")
     (out / "study.journal.lock0f3e.rename").write_text("")  # Optuna's lock, killed mid-release

@@ -60,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and the command exits with status 3)",
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="on CPU, run world sizes of more than 4 processes per core (refused by default)",
+    )
+    p.add_argument(
         "--out",
         required=True,
         help="profile YAML to write, e.g. results/calibration/cpu-local.yaml",
@@ -82,7 +87,7 @@ def _world_sizes(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 with a trusted profile, 3 when the quality checks failed (the profile is
     written as <out>.untrusted.yaml; 0 with --accept-untrusted), 2 for a user error."""
-    from cost_models.calibration import calibrate
+    from cost_models.calibration.calibrate import calibrate
 
     try:
         result = calibrate(
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             statistic=args.statistic,
             from_csv=args.from_csv,
             accept_untrusted=args.accept_untrusted,
+            force=args.force,
         )
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None

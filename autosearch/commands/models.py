@@ -14,13 +14,16 @@ def run(args: argparse.Namespace) -> int:
     from autosearch.core.model_spec import model_catalog
 
     print(
-        f"{'name':<16} {'params':>9} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>4} "
+        f"{'name':<16} {'params':>9} {'active':>8} {'layers':>6} {'hidden':>6} {'heads':>5} "
+        f"{'kv':>4} "
         f"{'ffn':>6} "
         f"{'act':>6} {'vocab':>7} {'seq':>5}"
     )
+    # active: the parameters one token uses (differs from params for mixture-of-experts models)
     for name, m in model_catalog().items():
         print(
-            f"{name:<16} {m.n_params / 1e9:8.2f}B {m.n_layers:>6} {m.hidden_size:>6} "
+            f"{name:<16} {m.n_params / 1e9:8.2f}B {m.n_active_params / 1e9:7.2f}B "
+            f"{m.n_layers:>6} {m.hidden_size:>6} "
             f"{m.n_heads:>5} {m.n_kv_heads:>4} {m.ffn_hidden_size:>6} {m.ffn_activation:>6} "
             f"{m.vocab_size:>7} {m.seq_len:>5}"
         )

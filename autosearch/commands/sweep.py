@@ -8,6 +8,7 @@ the combinations already in the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -111,12 +112,14 @@ def _split(text: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autosearch.core._files import DISK_HINTS
     from autosearch.core._io import INT_LIMITS
     from autosearch.core.errors import SpecError
     from autosearch.core.hardware import HardwareProfile
     from autosearch.core.model_spec import ModelSpec
 
     check_output_file(args.out)
+    _check_regular_output(args.out)
     models = [ModelSpec.load(m) for m in _split(check_text(args.models, "--models"))]
     if not models:
         raise SpecError(f"--models {args.models!r} names no model; e.g. --models llama3-8b")
@@ -176,12 +179,43 @@ def run(args: argparse.Namespace) -> int:
             f"{args.n_trials} trials each",
             file=sys.stderr,
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    new_file = not os.path.exists(args.out) or os.path.getsize(args.out) == 0
-    with open(args.out, "a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+    written = 0
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        new_file = not os.path.exists(args.out) or os.path.getsize(args.out) == 0
+        f = open(args.out, "a", newline="", encoding="utf-8")
+        try:
+            written = _write_rows(args, f, todo, new_file=new_file)
+        finally:
+            with contextlib.suppress(OSError):  # a flush that failed: said once, below
+                f.close()
+    except _WriteError as exc:
+        written, err = exc.args
+        raise SpecError(
+            f"cannot write --out {args.out!r}: {err.strerror}"
+            + DISK_HINTS.get(err.errno or 0, "")
+            + f"; the {len(done) + written} rows written before are kept there, and the same "
+            "command continues from them"
+        ) from None
+    except OSError as exc:
+        raise SpecError(f"cannot write --out {args.out!r}: {exc.strerror}") from None
+    print(f"wrote {args.out} ({len(combos)} rows)")
+    return 0
+
+
+class _WriteError(Exception):
+    """(rows written, the OSError) of a write that failed after some rows were kept."""
+
+
+def _write_rows(args: argparse.Namespace, f, todo: list, *, new_file: bool) -> int:
+    """Append one row per combination, each flushed to the disk before the next is computed;
+    the number of rows written."""
+    writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+    done = 0
+    try:
         if new_file:
             writer.writeheader()
+            f.flush()
         for i, (model, cluster, gbs) in enumerate(todo, 1):
             t0 = time.perf_counter()
             row = sweep_row(
@@ -198,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
             writer.writerow(row)
             f.flush()
             os.fsync(f.fileno())
+            done += 1
             if not args.quiet:
                 what = row["strategy"] or row["reason"]
                 tps = f"{row['tokens_per_s']:,.0f} tok/s " if row["tokens_per_s"] != "" else ""
@@ -207,8 +242,30 @@ def run(args: argparse.Namespace) -> int:
                     f"({time.perf_counter() - t0:.1f} s)",
                     file=sys.stderr,
                 )
-    print(f"wrote {args.out} ({len(combos)} rows)")
-    return 0
+    except OSError as exc:
+        raise _WriteError(done, exc) from None
+    return done
+
+
+def _check_regular_output(path: str) -> None:
+    """The CSV is appended to and read back (the rows done): it must be a regular file or not
+    exist yet. A device would be read forever (/dev/full, /dev/zero) or lose the rows
+    (/dev/null); a FIFO would block."""
+    from autosearch.core._io import file_kind
+    from autosearch.core.errors import SpecError
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SpecError(f"cannot use --out {path!r}: {exc.strerror}") from None
+    kind = file_kind(mode)
+    if kind is not None:
+        raise SpecError(
+            f"--out {path!r} is {kind}, not a regular file: the sweep appends its rows to the "
+            "CSV and reads them back to continue; give a file path, e.g. results/sweep.csv"
+        )
 
 
 def sweep_row(
@@ -225,7 +282,8 @@ def sweep_row(
 ) -> dict:
     """One CSV row: the best strategy for (model, cluster, gbs), or why there is none."""
     from autosearch.core.errors import SpecError
-    from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
+    from autosearch.tuning import NoFeasibleStrategyError, usd_per_million_tokens
+    from autosearch.tuning._study import tune
     from search_spaces import SearchSpace
 
     row: dict[str, Any] = {k: "" for k in COLUMNS}
@@ -263,6 +321,9 @@ def sweep_row(
         row.update(status="invalid", reason=str(exc))
         return row
     s, r = result.best_strategy, result.best_report
+    if s is None or r is None:  # tune raises NoFeasibleStrategyError first
+        row.update(status="infeasible", reason=result.message)
+        return row
     row.update(
         status="ok",
         strategy=s.short(),

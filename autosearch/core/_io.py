@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import math
 import os
+import re
+import stat
 from typing import Any
 
 import yaml
@@ -44,31 +46,88 @@ DEFAULT_INT_LIMIT = 1 << 40
 MAX_DEVICES = 1 << 20  # devices in one cluster: 1,048,576
 
 
+# A name autosearch writes into scripts and configs (a model's, a hardware profile's): letters,
+# digits and . _ + = - / (so no space, quote, newline or shell syntax), starting with a letter or
+# digit. Checked where a name enters, so that no file autosearch writes can carry it as code.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=/-]{0,199}")
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_name(value: Any, what: str) -> str:
+    """`value` if it is a plain name (`NAME_RE`), else a SpecError naming `what`."""
+    if isinstance(value, str) and NAME_RE.fullmatch(value):
+        return value
+    raise SpecError(
+        f"{what} {_short(value)} is not allowed: a name is 1-200 letters, digits and . _ + = - /, "
+        "starting with a letter or digit (it is written into scripts and configs); rename it"
+    )
+
+
+def name_from(text: str, fallback: str = "custom") -> str:
+    """A plain name made of `text` (a file name, a path): other characters become ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._+=/-]+", "-", text).lstrip("._+=/-")[:200]
+    return name or fallback
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file that is not a regular file is (``a named pipe (FIFO)``), or None."""
+    return next((kind for test, kind in _FILE_KINDS if test(mode)), None) or (
+        None if stat.S_ISREG(mode) else "not a regular file"
+    )
+
+
+def read_regular_file(path: str, *, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the user's file `path`, at most `limit` of them.
+
+    Only a regular file is read: a folder, a FIFO, a device or a socket is refused before it is
+    opened for reading (a FIFO would block until a writer comes, a device may never end), and
+    once more on the open descriptor, opened non-blocking, in case the path changed in between.
+
+    Raises:
+        SpecError: the file is missing, not a regular file, unreadable, or larger than `limit`.
+    """
+    if not path:
+        raise SpecError(f"the {what} file name is empty; give the path of a file")
+    try:
+        kind = file_kind(os.stat(path).st_mode)
+        if kind is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as f:
+                kind = file_kind(os.fstat(f.fileno()).st_mode)
+                if kind is None:
+                    os.set_blocking(f.fileno(), True)
+                    raw = f.read(limit + 1)
+    except FileNotFoundError:
+        raise SpecError(f"{what} file {path!r} does not exist") from None
+    except OSError as exc:
+        raise SpecError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
+    if kind is not None:
+        raise SpecError(f"{what} file {path!r} is {kind}; give the path of a regular file")
+    if len(raw) > limit:
+        raise SpecError(
+            f"{what} file {path!r} is larger than {limit >> 20} MiB; a {what} file is a "
+            "few lines of text: check that the path names the right file"
+        )
+    return raw
+
+
 def read_yaml_mapping(source: str | os.PathLike, *, what: str) -> dict[str, Any]:
     """Read a YAML mapping from a file path, raising SpecError with the path and the fix.
 
-    The file must be UTF-8 text of at most `MAX_FILE_BYTES`; see `parse_yaml_mapping` for the
-    limits on its content.
+    The file must be a regular file (`read_regular_file`) of UTF-8 text of at most
+    `MAX_FILE_BYTES`; see `parse_yaml_mapping` for the limits on its content.
     """
     path = os.fspath(source)
     if not path:
         raise SpecError(f"the {what} file name is empty; give the path of a YAML file")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise SpecError(f"{what} file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise SpecError(
-            f"{what} file {path!r} is a folder; give the path of a YAML file"
-        ) from None
-    except OSError as exc:
-        raise SpecError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise SpecError(
-            f"{what} file {path!r} is larger than {MAX_FILE_BYTES >> 20} MiB; a {what} file is a "
-            "few lines of YAML: check that the path names the right file"
-        )
+    raw = read_regular_file(path, what=what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -85,12 +144,14 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
     Raises SpecError (never a YAML traceback) for invalid YAML, a file over `MAX_NODES` nodes once
     aliases are expanded or nested deeper than `MAX_DEPTH`, NaN or infinite numbers, integers
     beyond 64 bits, and a document that is not a mapping. An empty document is an empty mapping.
+    The loader (`StrictLoader`) also refuses a key given twice in one mapping and integers that
+    YAML 1.1 reads in another base than they look (``010`` is 8, ``1:30`` is 90).
     """
     if len(text) > MAX_FILE_BYTES:
         raise SpecError(f"{what} is larger than {MAX_FILE_BYTES >> 20} MiB")
     loader = None
     try:
-        loader = yaml.SafeLoader(text)  # checks the characters first (ReaderError)
+        loader = StrictLoader(text)  # checks the characters first (ReaderError)
         node = loader.get_single_node()
         if node is not None:
             _check_node_size(node, what)
@@ -102,6 +163,8 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
         raise SpecError(f"{what} is not valid YAML{where}: {problem}") from None
     except RecursionError:
         raise SpecError(f"{what} is nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except _Ambiguous as exc:
+        raise SpecError(f"{what}: {exc}") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -113,6 +176,57 @@ def parse_yaml_mapping(text: str, *, what: str) -> dict[str, Any]:
         )
     _check_numbers(data, what, "")
     return data
+
+
+class _Ambiguous(Exception):
+    """A YAML document that PyYAML reads, but not as its author meant."""
+
+
+_PLAIN_INT = re.compile(r"[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)")
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what it would silently read otherwise than written: a key
+    given twice in one mapping (PyYAML keeps the last) and integers in YAML 1.1's other bases
+    (``010`` is octal 8, ``0b11`` binary, ``1:30`` base 60: 90). Merge keys (``<<: *base``)
+    may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # PyYAML refuses it below
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _Ambiguous(
+                    f"key {_short(key)} is given twice (lines {seen[key]} and {line}); "
+                    "YAML would keep only the last value: give it once"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = str(node.value)
+        if not _PLAIN_INT.fullmatch(text):
+            raise _Ambiguous(
+                f"{text!r} at line {node.start_mark.line + 1} is read by YAML as the integer "
+                f"{super().construct_yaml_int(node)} (YAML 1.1 reads a leading 0 as octal, "
+                "0b as binary, a:b as base 60); write the number in plain decimal digits, or "
+                "quote it if text is meant"
+            )
+        return super().construct_yaml_int(node)
+
+
+# (mappings reach construct_mapping through the inherited constructor; integers need this)
+StrictLoader.add_constructor(
+    "tag:yaml.org,2002:int",
+    StrictLoader.construct_yaml_int,  # type: ignore[type-var]
+)
 
 
 def _check_node_size(root: yaml.Node, what: str) -> None:

@@ -3,8 +3,8 @@
 `dp_mode(zero_stage=..., dp=..., tp=..., pp=...)` names the torch.distributed mechanism that runs
 over the data-parallel group and what it implies, as named properties. The Engine
 (`autosearch/engine/parallelize.py`) builds exactly this; the analytic cost model
-(`cost_models/analytic.py`) charges exactly this; `tests/test_dp_modes.py` checks both against the
-table, and `docs/engine.md` carries the table that `markdown_table()` prints.
+(`cost_models/terms/data_parallel.py`) charges exactly this; `tests/test_dp_modes.py` checks both
+against the table, and `docs/engine.md` carries the table that `markdown_table()` prints.
 
 Why these mechanisms (torch 2.13): DDP rejects DTensor parameters (tp > 1), and inside
 `torch.distributed.pipelining` (pp > 1) its reducer fails on the first 1F1B step, so with tp or

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -29,11 +30,14 @@ from typing import Any
 
 import yaml
 
-from autosearch.core._io import check_keys, positive_int, read_yaml_mapping
+from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
+from autosearch.core._moe import MLASpec, MoESpec
 from autosearch.core.errors import SpecError
 
-FFN_ACTIVATIONS = ("gelu", "swiglu")
+FFN_ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu2")
+GATED_ACTIVATIONS = ("swiglu", "geglu")  # three matrices: act(x W1) * (x W3), then W2
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
+_HEAD_DIM_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,13 +45,17 @@ class ModelSpec:
     """A decoder-only transformer, by the numbers that decide its cost.
 
     Args:
-        name: a label (catalog names are lowercase with hyphens: ``llama3-8b``).
+        name: a label (catalog names are lowercase with hyphens: ``llama3-8b``): letters, digits
+            and ``._+=-/``, as it is written into scripts and configs (`_io.check_name`).
         n_layers: transformer blocks.
         hidden_size: model width h.
         n_heads: attention heads a.
         n_kv_heads: key/value heads (grouped-query attention); defaults to ``n_heads``.
-        ffn_hidden_size: MLP width; defaults to ``4 * hidden_size``.
-        ffn_activation: ``gelu`` (GPT style) or ``swiglu`` (Llama style).
+        ffn_hidden_size: MLP width (of the dense layers of a MoE model); defaults to
+            ``4 * hidden_size``.
+        ffn_activation: ``gelu`` (GPT style, two matrices), ``swiglu`` (Llama style, gated, three
+            matrices), ``geglu`` (Gemma: gated like SwiGLU with a tanh GELU, three matrices) or
+            ``relu2`` (squared ReLU, Nemotron: two matrices, no gate).
         vocab_size: vocabulary V.
         seq_len: training sequence length s.
         tied_embeddings: the output projection shares the input embedding matrix.
@@ -55,6 +63,18 @@ class ModelSpec:
             parameters, a bias on the attention scores); defaults by `ffn_activation`.
         linear_bias: biases in the linear layers and norms; defaults to GPT style.
         dropout: dropout after attention and MLP (it stores masks); defaults to GPT style.
+        head_dim: channels per attention head; defaults to ``hidden_size / n_heads``. Give it
+            where heads x head_dim is not the width (Gemma, Mistral-Nemo, Qwen3).
+        sliding_window: keys a query attends to in the sliding-window layers (Mistral v0.1 4096,
+            Gemma 2 4096, Gemma 3 1024); None: full attention everywhere.
+        sliding_window_pattern: which layers slide: None, every layer (Mistral v0.1, Phi-3);
+            p >= 2, every p-th layer (layers p-1, 2p-1, ...) attends globally and the others
+            within the window (Gemma 2 and gpt-oss 2, Gemma 3 6).
+        attn_logit_softcapping: attention scores pass through c * tanh(scores / c) (Gemma 2: 50).
+        final_logit_softcapping: the same on the output logits (Gemma 2: 30).
+        moe: the mixture-of-experts MLP (`MoESpec`), or None for a dense model.
+        mla: DeepSeek's multi-head latent attention (`MLASpec`), or None for multi-head /
+            grouped-query attention.
     """
 
     name: str = "custom"
@@ -70,8 +90,16 @@ class ModelSpec:
     position_embedding: str = None  # type: ignore[assignment]  # None: by ffn_activation
     linear_bias: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
     dropout: bool = None  # type: ignore[assignment]  # None: GPT style (gelu)
+    head_dim: int = None  # type: ignore[assignment]  # None: hidden_size / n_heads
+    sliding_window: int | None = None
+    sliding_window_pattern: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
+        check_name(self.name, "model name")
         problems = []
         gpt = self.ffn_activation == "gelu"
         for name, fallback in (
@@ -116,19 +144,94 @@ class ModelSpec:
             )
         if not isinstance(self.tied_embeddings, bool):
             problems.append(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
+        problems += self._check_variants()
         if not problems:
-            if self.hidden_size % self.n_heads:
+            explicit_head = self.head_dim is not None
+            if not explicit_head and self.hidden_size % self.n_heads:
                 problems.append(
                     f"hidden_size {self.hidden_size} must be a multiple of n_heads {self.n_heads} "
-                    "(head size = hidden_size / n_heads)"
+                    "(head size = hidden_size / n_heads), or give head_dim"
                 )
+            elif not explicit_head:
+                object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
             if self.n_heads % self.n_kv_heads:
                 problems.append(
                     f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads} "
                     "(each key/value head serves a whole group of query heads)"
                 )
+            if self.moe is not None:
+                try:
+                    moe = self.moe.check(
+                        n_layers=self.n_layers, ffn_hidden_size=self.ffn_hidden_size
+                    )
+                    object.__setattr__(self, "moe", moe)
+                except SpecError as exc:
+                    problems += exc.problems
+            if self.mla is not None:
+                try:
+                    self.mla.check()
+                except SpecError as exc:
+                    problems += exc.problems
         if problems:
             raise SpecError(problems, context=f"model {self.name!r}")
+
+    def _check_variants(self) -> list[str]:
+        """The attention variants: head_dim, sliding windows, soft-capping, and the nested
+        specs' types (their own fields are checked by `MoESpec.check` / `MLASpec.check`)."""
+        problems = []
+        if self.head_dim is not None:
+            try:
+                value = positive_int(self.head_dim, "head_dim", maximum=_HEAD_DIM_LIMIT)
+                object.__setattr__(self, "head_dim", value)
+            except SpecError as exc:
+                problems.append(str(exc))
+        if self.sliding_window is not None:
+            try:
+                positive_int(self.sliding_window, "sliding_window", maximum=1 << 24)
+            except SpecError as exc:
+                problems.append(str(exc) + " (tokens a query attends to; null: full attention)")
+        pattern = self.sliding_window_pattern
+        if pattern is not None:
+            if self.sliding_window is None:
+                problems.append(
+                    f"sliding_window_pattern = {pattern!r} needs a sliding_window (the window "
+                    "size in tokens); give one, or drop the pattern"
+                )
+            elif pattern == 1:
+                problems.append(
+                    "sliding_window_pattern = 1 would make every layer global (no window); drop "
+                    "sliding_window instead, or give a pattern >= 2 (every p-th layer global)"
+                )
+            else:
+                try:
+                    positive_int(pattern, "sliding_window_pattern", minimum=2, maximum=1 << 16)
+                except SpecError as exc:
+                    problems.append(
+                        str(exc) + " (every p-th layer attends globally; null: every layer slides)"
+                    )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and (
+                isinstance(cap, bool)
+                or not isinstance(cap, (int, float))
+                or not math.isfinite(cap)
+                or cap <= 0
+            ):
+                problems.append(
+                    f"{name} must be a number > 0 (scores become c * tanh(scores / c)), or null "
+                    f"for none; got {cap!r}"
+                )
+            elif cap is not None:
+                object.__setattr__(self, name, float(cap))
+        what = f"model {self.name!r}"
+        for name, kind in (("moe", MoESpec), ("mla", MLASpec)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind.from_value(value, what=what))
+                except SpecError as exc:
+                    problems.append(str(exc).removeprefix(f"{what}: "))
+        return problems
 
     # ---- derived shape -------------------------------------------------------------------------
     @property
@@ -137,8 +240,15 @@ class ModelSpec:
         return self.ffn_activation == "gelu"
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+    def ffn_gated(self) -> bool:
+        """A gated MLP (SwiGLU, GeGLU): act(x W1) * (x W3) W2, three matrices."""
+        return self.ffn_activation in GATED_ACTIVATIONS
+
+    @property
+    def attention_hidden_size(self) -> int:
+        """Width of the queries and of the attention output, n_heads * head_dim (= hidden_size
+        unless head_dim is given)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_hidden_size(self) -> int:
@@ -146,17 +256,35 @@ class ModelSpec:
 
     @property
     def n_ffn_matrices(self) -> int:
-        return 2 if self.ffn_activation == "gelu" else 3
+        return 3 if self.ffn_gated else 2
+
+    @property
+    def attention_matmul_params(self) -> int:
+        """Weights of the attention's projections: QKV and output (or MLA's, `MLASpec`)."""
+        h, q = self.hidden_size, self.attention_hidden_size
+        if self.mla is not None:
+            return self.mla.matmul_params(h, self.n_heads)
+        return h * (q + 2 * self.kv_hidden_size) + q * h
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of the matrix multiplies of one block (QKV, output projection, MLP)."""
+        """Weights of the matrix multiplies of one dense block (QKV, output projection, MLP)."""
         h, f = self.hidden_size, self.ffn_hidden_size
-        return h * (h + 2 * self.kv_hidden_size) + h * h + self.n_ffn_matrices * h * f
+        return self.attention_matmul_params + self.n_ffn_matrices * h * f
+
+    @property
+    def _norm_and_bias_params(self) -> int:
+        """Norms (and GPT-style biases) of one block besides the MLP's biases."""
+        h = self.hidden_size
+        mla_norms = self.mla.norm_params if self.mla is not None else 0
+        if self.linear_bias:
+            # QKV and output biases, two LayerNorms with weight and bias
+            return (self.attention_hidden_size + 2 * self.kv_hidden_size) + h + 4 * h + mla_norms
+        return 2 * h + mla_norms  # two norm weights (RMSNorm, or LayerNorm without bias)
 
     @property
     def layer_params(self) -> int:
-        """All parameters of one block, biases and norms included.
+        """All parameters of one dense block, biases and norms included.
 
         GPT style: 12h^2 + 13h for ffn = 4h (Narayanan et al. 2021, sec. 3: P = 12lh^2(1 + 13/(12h)
         + ...)).
@@ -164,11 +292,76 @@ class ModelSpec:
         h, f = self.hidden_size, self.ffn_hidden_size
         n = self.layer_matmul_params
         if self.linear_bias:
-            biases = (h + 2 * self.kv_hidden_size) + h + (self.n_ffn_matrices - 1) * f + h
-            norms = 2 * 2 * h  # two LayerNorms, weight and bias
-            return n + biases + norms
-        return n + 2 * h  # two norm weights (RMSNorm, or LayerNorm without bias), no biases
+            return n + self._norm_and_bias_params + (self.n_ffn_matrices - 1) * f + h
+        return n + self._norm_and_bias_params
 
+    # ---- mixture of experts --------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether its MLP is a mixture of experts (`MoESpec`, Hugging Face's
+        layer convention)."""
+        moe = self.moe
+        if moe is None:
+            return (False,) * self.n_layers
+        return tuple(
+            i >= moe.first_dense_layers and (i + 1) % moe.layer_step == 0
+            for i in range(self.n_layers)
+        )
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    def _expert_params(self, n_routed: int) -> int:
+        """Router, `n_routed` routed experts and the shared experts of one MoE layer (matrices;
+        the MLP biases of a GPT-style expert are not counted)."""
+        moe, h, m = self.moe, self.hidden_size, self.n_ffn_matrices
+        assert moe is not None  # callers check
+        routed = n_routed * m * h * moe.ffn_hidden_size
+        shared = moe.n_shared_experts * m * h * moe.shared_ffn_hidden_size
+        return h * moe.n_experts + routed + shared  # the router: h x n_experts
+
+    @property
+    def moe_layer_params(self) -> int:
+        """All parameters of one MoE block: attention, norms, router, every routed and shared
+        expert (Megatron-Core MoELayer; Hugging Face MixtralSparseMoeBlock and
+        DeepseekV3MoE)."""
+        if self.moe is None:
+            return 0
+        return (
+            self.attention_matmul_params
+            + self._norm_and_bias_params
+            + self._expert_params(self.moe.n_experts)
+        )
+
+    @property
+    def moe_layer_active_params(self) -> int:
+        """Parameters one token goes through in a MoE block: attention, norms, router, its
+        top-k routed experts and the shared ones."""
+        if self.moe is None:
+            return 0
+        return (
+            self.attention_matmul_params
+            + self._norm_and_bias_params
+            + self._expert_params(self.moe.top_k)
+        )
+
+    # ---- sliding windows -----------------------------------------------------------------------
+    @property
+    def attention_keys(self) -> tuple[int, ...]:
+        """For each layer, the keys a query attends to at most: ``seq_len``, or
+        ``min(sliding_window, seq_len)`` in a sliding-window layer."""
+        s, w, p = self.seq_len, self.sliding_window, self.sliding_window_pattern
+        if w is None or w >= s:
+            return (s,) * self.n_layers
+        return tuple(s if p is not None and (i + 1) % p == 0 else w for i in range(self.n_layers))
+
+    @property
+    def sliding_layers(self) -> int:
+        """Layers whose window is shorter than the sequence."""
+        return sum(k < self.seq_len for k in self.attention_keys)
+
+    # ---- totals --------------------------------------------------------------------------------
     @property
     def embedding_params(self) -> int:
         """Token embedding (+ learned positions)."""
@@ -184,26 +377,58 @@ class ModelSpec:
 
     @property
     def n_params(self) -> int:
-        return self.n_layers * self.layer_params + self.embedding_params + self.head_params
+        """All parameters: every block (each expert of a MoE block), embeddings and head.
+
+        DeepSeek-V3's multi-token prediction module (14B) is not part of the model here.
+        """
+        n_moe = self.n_moe_layers
+        blocks = (self.n_layers - n_moe) * self.layer_params + n_moe * self.moe_layer_params
+        return blocks + self.embedding_params + self.head_params
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters one token uses: `n_params` less the routed experts a token does not go
+        to (embeddings and head included, as in Mixtral's "13B active" and DeepSeek-V3's "37B
+        activated"). Equal to `n_params` for a dense model."""
+        n_moe = self.n_moe_layers
+        blocks = (self.n_layers - n_moe) * self.layer_params + n_moe * self.moe_layer_active_params
+        return blocks + self.embedding_params + self.head_params
 
     def flops_per_token(self, *, training: bool = True) -> float:
         """Model FLOPs per token, counting matrix multiplies only (the usual MFU convention).
 
-        Forward: 2 FLOPs per weight of every block matmul and of the logits, plus the attention
-        scores and weighted sum, 2 * 2 * s * h per layer (full, not causal-halved). Training is
-        3x forward. For GPT shapes this is Narayanan et al. 2021 eq. (3) without recompute:
-        72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per batch of B sequences; PaLM's 6N + 12 l h s.
+        Forward: 2 FLOPs per weight of every block matmul a token goes through and of the
+        logits, plus the attention scores and weighted sum, 2 * s_k * (d_qk + d_v) * n_heads per
+        layer where s_k is the keys a query attends to (`attention_keys`: full, not
+        causal-halved; a sliding window caps it). Training is 3x forward. For GPT shapes this is
+        Narayanan et al. 2021 eq. (3) without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
+        per batch of B sequences; PaLM's 6N + 12 l h s. A MoE layer counts its router and the
+        top-k routed and shared experts, not all experts (Megatron-LM
+        ``num_floating_point_operations``; DeepSeek-V3 tech report, sec. 3.1: 37B activated
+        parameters per token); MLA counts its five projections (DeepSeek-V2 eqs. 9-19) and
+        scores over qk_nope + qk_rope channels, values over v_head_dim.
         """
+        if self.mla is not None:
+            per_key = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
+        else:
+            per_key = 2 * self.attention_hidden_size
+        n_moe = self.n_moe_layers
+        matmuls = (self.n_layers - n_moe) * self.layer_matmul_params
+        if n_moe:
+            matmuls += n_moe * (
+                self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
+            )
         forward = (
-            2 * self.n_layers * self.layer_matmul_params
+            2 * matmuls
             + 2 * self.vocab_size * self.hidden_size
-            + 4 * self.n_layers * self.seq_len * self.hidden_size
+            + 2 * per_key * sum(self.attention_keys)
         )
         return 3.0 * forward if training else float(forward)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "model") -> "ModelSpec":
+        """A ModelSpec from a mapping of its fields (``moe`` and ``mla`` as nested mappings)."""
         kwargs = check_keys(data, cls, what=what)
         missing = [
             f.name
@@ -212,6 +437,10 @@ class ModelSpec:
         ]
         if missing:
             raise SpecError(f"{what}: missing required key(s) {', '.join(missing)}")
+        if kwargs.get("moe") is not None:
+            kwargs["moe"] = MoESpec.from_value(kwargs["moe"], what=what)
+        if kwargs.get("mla") is not None:
+            kwargs["mla"] = MLASpec.from_value(kwargs["mla"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -219,15 +448,37 @@ class ModelSpec:
         cls, source, *, name: str | None = None, seq_len: int | None = None
     ) -> "ModelSpec":
         """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig
-        (`autosearch.core.hf_config`)."""
+        (`autosearch.core.hf_config`). Without `seq_len`, the config's maximum positions are the
+        training length, with a `LongSequenceWarning` above 32,768 tokens."""
         from autosearch.core.hf_config import spec_fields
 
-        return cls(**spec_fields(source, name=name, seq_len=seq_len))
+        fields = spec_fields(source, name=name, seq_len=seq_len)
+        for key, kind in (("moe", MoESpec), ("mla", MLASpec)):
+            if fields.get(key) is not None:
+                fields[key] = kind(**fields[key])
+        return cls(**fields)
 
     @classmethod
-    def load(cls, name_or_path: "str | os.PathLike | ModelSpec") -> "ModelSpec":
+    def load(
+        cls, name_or_path: "str | os.PathLike | ModelSpec", *, seq_len: int | None = None
+    ) -> "ModelSpec":
         """A catalog model by name (``llama3-70b``), a YAML file with the fields above, or a
-        Hugging Face ``config.json`` (`from_hf_config`)."""
+        Hugging Face ``config.json`` (`from_hf_config`).
+
+        Args:
+            name_or_path: the model.
+            seq_len: the training sequence length, replacing the catalog's, the file's or the
+                Hugging Face config's maximum positions (the CLI's ``--seq-len``).
+        """
+        spec = cls._load(name_or_path, seq_len=seq_len)
+        if seq_len is not None and spec.seq_len != seq_len:
+            spec = spec.scaled(seq_len=seq_len)
+        return spec
+
+    @classmethod
+    def _load(
+        cls, name_or_path: "str | os.PathLike | ModelSpec", *, seq_len: int | None
+    ) -> "ModelSpec":
         if isinstance(name_or_path, ModelSpec):
             return name_or_path
         key = os.fspath(name_or_path)
@@ -235,10 +486,10 @@ class ModelSpec:
         if key.lower() in catalog:
             return catalog[key.lower()]
         if key.endswith(".json"):  # a Hugging Face config.json
-            return cls.from_hf_config(key)
+            return cls.from_hf_config(key, seq_len=seq_len)
         if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
             data = read_yaml_mapping(key, what="model")
-            data.setdefault("name", os.path.splitext(os.path.basename(key))[0])
+            data.setdefault("name", name_from(os.path.splitext(os.path.basename(key))[0]))
             return cls.from_dict(data, what=f"model file {key!r}")
         family = re.sub(r"[^a-z].*", "", key.lower())  # the leading letters
         close = difflib.get_close_matches(key.lower(), catalog, n=4, cutoff=0.6)
@@ -259,7 +510,8 @@ class ModelSpec:
         """A copy with some fields changed (e.g. fewer layers to run a catalog model on a CPU).
 
         Derived defaults follow the change: a model whose kv heads were its heads keeps them equal
-        when n_heads changes, and an ffn of 4 * hidden stays 4 * hidden when hidden_size changes.
+        when n_heads changes, an ffn of 4 * hidden stays 4 * hidden when hidden_size changes, and
+        a head size of hidden / heads stays so when either changes.
         """
         if (
             "n_heads" in changes
@@ -273,7 +525,72 @@ class ModelSpec:
             and self.ffn_hidden_size == 4 * self.hidden_size
         ):
             changes["ffn_hidden_size"] = None
+        if (
+            ("hidden_size" in changes or "n_heads" in changes)
+            and "head_dim" not in changes
+            and self.head_dim * self.n_heads == self.hidden_size
+        ):
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
+
+
+def unpriced(model: ModelSpec) -> list[str]:
+    """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
+    it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
+    model gains its term. The term each needs is listed in docs/models.md."""
+    out = []
+    if model.moe is not None:
+        m = model.moe
+        out.append(
+            f"mixture-of-experts layers (moe: {m.n_experts} experts, top-{m.top_k}, on "
+            f"{model.n_moe_layers} of {model.n_layers} layers)"
+        )
+    if model.mla is not None:
+        out.append("multi-head latent attention (mla)")
+    if model.mla is None and model.attention_hidden_size != model.hidden_size:
+        out.append(
+            f"a head_dim other than hidden_size / n_heads (head_dim {model.head_dim} x "
+            f"{model.n_heads} heads = {model.attention_hidden_size} != hidden_size "
+            f"{model.hidden_size})"
+        )
+    if model.ffn_activation == "relu2":
+        out.append("a squared-ReLU MLP (ffn_activation relu2: two matrices, no gate)")
+    if model.sliding_layers:
+        out.append(
+            f"sliding-window attention (sliding_window {model.sliding_window} on "
+            f"{model.sliding_layers} of {model.n_layers} layers)"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model, name) is not None:
+            out.append(f"{name.replace('_', ' ').replace('attn', 'attention')} ({name})")
+    return out
+
+
+def check_priced(model: ModelSpec) -> None:
+    """Raise a SpecError naming what `unpriced` finds in `model`, with what to do instead."""
+    missing = unpriced(model)
+    if missing:
+        raise SpecError(
+            f"model {model.name!r}: the cost model does not price {'; '.join(missing)} yet, so "
+            "estimate, tune and sweep cannot score this model. Parameter counts and FLOPs are "
+            "known (autosearch models, ModelSpec.n_params / n_active_params / flops_per_token); "
+            "to plan anyway, describe a dense model without these features in a YAML file"
+        )
+
+
+def unbuilt(model: ModelSpec) -> list[str]:
+    """What `autosearch.transformer.Transformer` (the reference model the Engine trains) does
+    not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
+    blocks of multi-head / grouped-query attention with head size hidden / heads."""
+    out = [u for u in unpriced(model) if not u.startswith(("sliding", "attention", "final"))]
+    if model.ffn_activation == "geglu":
+        out.append("a GeGLU MLP (ffn_activation geglu)")
+    if model.sliding_layers:
+        out.append(f"sliding_window {model.sliding_window} on {model.sliding_layers} layers")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model, name) is not None:
+            out.append(f"{name} {getattr(model, name)}")
+    return out
 
 
 @functools.cache

@@ -492,8 +492,24 @@ class _Supervisor:
                 os.read(wake_r, 4096)
 
     def _start_all(self) -> None:
+        """Start the commands, checking before each that the owner is still there and wants
+        them: a signal, the owner's death (it is no longer our parent) or its closed pipe
+        (Ctrl-C in the owner) stops the loop at once; what started is then ended by `_end_all`.
+        (Polling, not PR_SET_PDEATHSIG: that follows the owner's *thread*, and an owner may
+        open a group from a thread that ends before the group does.)"""
         for command in self.spec["commands"]:
+            if self.signalled or os.getppid() != self.owner or self._owner_closed():
+                self.stop_requested = self.released = True
+                return
             self.pids.append(_spawn(command))
+
+    def _owner_closed(self) -> bool:
+        """Whether the owner closed its end of the pipe (it sends nothing after the commands)."""
+        import select
+
+        stdin = sys.stdin.fileno()
+        readable, _, _ = select.select([stdin], [], [], 0)
+        return bool(readable) and not os.read(stdin, 4096)
 
     def _reap(self) -> None:
         """Collect every child that ended; remember how the commands ended."""

@@ -286,6 +286,11 @@ class Strategy:
                     f'strategy item {item!r} is not key=value (example: "dp=8,tp=8,pp=4")'
                 )
             key, value = (s.strip() for s in item.split("=", 1))
+            if key in data:
+                raise SpecError(
+                    f"strategy {text!r} gives {key!r} twice ({key}={data[key]} and {item}); "
+                    "give each key once"
+                )
             data[key] = _parse_scalar(value)
         return cls.from_dict(data, what=f"strategy {text!r}")
 

@@ -1,30 +1,69 @@
 """The Engine: train, evaluate and predict a PyTorch model under any Strategy.
 
 Modelled on PaddlePaddle's auto-parallel ``Engine`` (fit / evaluate / predict / save / load /
-cost, and the fine-grained dataloader + prepare + run), built on torch.distributed. Importing this
-module does not import torch; the first method that needs it does.
+cost, and the fine-grained dataloader + prepare + run), built on torch.distributed. The Engine
+checks its inputs and builds; the `Trainer` it holds after `prepare` owns the parallelized model,
+the optimizers and the counters, and runs the loops (`autosearch.engine._trainer`). Importing
+this module does not import torch; the first method that needs it does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
-from autosearch.engine._loop import _call
-from autosearch.engine._step import StepMixin, _PipelineLoss
+from autosearch.engine._options import (
+    FitConfig,
+    call,
+    engine_argument_problems,
+    loader_problems,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
+    from autosearch.engine._trainer import Trainer
     from autosearch.engine.data import DistributedLoader
+    from autosearch.engine.parallel_dims import ParallelDims
+    from autosearch.engine.plan import ParallelPlan
 
 MODES = ("train", "eval", "predict")
+
+# sklearn's convention: a learned attribute (name ending in "_") exists only once the method that
+# learns it has run; before, reading it raises AttributeError naming that method.
+LEARNED_BY = {
+    **dict.fromkeys(
+        (
+            "strategy_",
+            "trainer_",
+            "plan_",
+            "model_parts_",
+            "stages_",
+            "optimizers_",
+            "schedulers_",
+            "device_",
+            "dims_",
+            "mesh_",
+            "global_step_",
+        ),
+        "prepare",
+    ),
+    "history_": "fit",
+    "cost_report_": "cost",
+    **dict.fromkeys(
+        ("best_strategy_", "best_report_", "tuned_cluster_", "tune_result_", "validation_"),
+        "tune",
+    ),
+}
 
 
 def token_cross_entropy(outputs: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
@@ -35,7 +74,12 @@ def token_cross_entropy(outputs: "torch.Tensor", labels: "torch.Tensor") -> "tor
     return F.cross_entropy(outputs.flatten(0, -2).float(), labels.flatten())
 
 
-class Engine(StepMixin):
+def _from_trainer(name: str, doc: str) -> Any:
+    """A read-only learned attribute of the Engine that its Trainer owns."""
+    return property(lambda engine: getattr(engine.trainer_, name), doc=doc)
+
+
+class Engine:
     """Train, evaluate and predict a model under a parallel Strategy.
 
     Args:
@@ -70,6 +114,18 @@ class Engine(StepMixin):
             model factory. (On CPU, DTensor has no distributed RNG: every shard of a parameter is
             drawn from the same seed, so random init differs from a single-process run.)
 
+    Attributes (learned: each exists only after the method named, as in scikit-learn):
+        strategy_: the Strategy this engine runs (`prepare`, or `tune`'s choice).
+        model_parts_, stages_: this rank's parallelized modules and their pipeline stages
+            (`prepare`).
+        optimizers_, schedulers_: one per model part (`prepare`).
+        device_, dims_, mesh_, plan_: this rank's device, the degrees, the DeviceMesh over
+            (pp, dp, tp) or None in one process, the ParallelPlan used (`prepare`).
+        global_step_: optimizer steps taken, counted over `fit` calls and resumes (`prepare`).
+        history_: per-step and per-epoch logs of the last `fit` (also ``history``).
+        cost_report_: the CostReport of the last `cost`.
+        best_strategy_, best_report_, tuned_cluster_, tune_result_, validation_: see `tune`.
+
     Example (under ``torchrun --nproc_per_node=2``; see examples/train_gpt.py)::
 
         import torch
@@ -78,11 +134,31 @@ class Engine(StepMixin):
         from autosearch.transformer import Transformer
 
         spec = ModelSpec.load("tiny-gpt")
-        engine = Engine(lambda: Transformer(spec), optimizer=lambda p: torch.optim.AdamW(p,
-        lr=1e-3),
+        engine = Engine(lambda: Transformer(spec),
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
                         strategy="dp=2,micro_batch_size=4,global_batch_size=8,amp=fp32")
         history = engine.fit(SyntheticTokens.for_model(spec, 64), epochs=1)
     """
+
+    # Private state has class defaults, so that __init__ only stores its arguments.
+    _mode: str | None = None
+    _instance_used = False
+    _built_model: "nn.Module"
+    # Learned attributes (see LEARNED_BY); declared here for type checkers.
+    strategy_: "Strategy"
+    trainer_: "Trainer"
+    plan_: "ParallelPlan"
+    cost_report_: "CostReport"
+    best_strategy_: "Strategy"
+    model_parts_: "list[nn.Module]" = _from_trainer("model_parts", "this rank's modules")
+    stages_: "list[int | None]" = _from_trainer("stages", "the pipeline stage of each part")
+    optimizers_: "list[torch.optim.Optimizer]" = _from_trainer("optimizers", "one per part")
+    schedulers_: list = _from_trainer("schedulers", "one per optimizer")
+    device_: "torch.device" = _from_trainer("device", "this rank's device")
+    dims_: "ParallelDims" = _from_trainer("dims", "the parallel degrees")
+    mesh_: "DeviceMesh | None" = _from_trainer("mesh", "the DeviceMesh, None in one process")
+    global_step_: int = _from_trainer("global_step", "optimizer steps taken")
+    history_: dict[str, list] = _from_trainer("history", "the logs of the last fit")
 
     def __init__(
         self,
@@ -114,15 +190,28 @@ class Engine(StepMixin):
         self.model_spec = model_spec
         self.loss_parallel = loss_parallel
         self.seed = seed
-        self.history: dict[str, list] | None = None
-        self._mode: str | None = None
-        self._prepared = False
-        self.strategy_: Strategy | None = None
+
+    if not TYPE_CHECKING:  # type checkers see the declared attributes only
+
+        def __getattr__(self, name: str):
+            """Only reached when `name` is not set: say which method learns it."""
+            method = LEARNED_BY.get(name)
+            if method is None:
+                raise AttributeError(f"'Engine' object has no attribute {name!r}")
+            raise AttributeError(
+                f"Engine.{name} does not exist yet: it is learned by {method}(); "
+                f"call {method}() first"
+            )
 
     # ---- introspection (Paddle: main_program, dist_context) ---------------------------------
     @property
     def mode(self) -> str | None:
         return self._mode
+
+    @property
+    def history(self) -> dict[str, list] | None:
+        """The logs of the last `fit` (Paddle's ``engine.history``), None before `fit`."""
+        return getattr(self, "history_", None)
 
     @property
     def main_program(self) -> "nn.Module | list[nn.Module]":
@@ -131,10 +220,20 @@ class Engine(StepMixin):
         return self.model_parts_[0] if len(self.model_parts_) == 1 else list(self.model_parts_)
 
     @property
-    def mesh(self):
+    def mesh(self) -> "DeviceMesh | None":
         """The DeviceMesh over (pp, dp, tp), or None in a single process."""
         self._require_prepared()
         return self.mesh_
+
+    @property
+    def _prepared(self) -> bool:
+        return "trainer_" in vars(self)
+
+    @_prepared.setter
+    def _prepared(self, value: bool) -> None:
+        """False drops the trainer (`tune` does): the next method builds it for `strategy_`."""
+        if not value:
+            vars(self).pop("trainer_", None)
 
     def _require_prepared(self) -> None:
         if not self._prepared:
@@ -145,7 +244,9 @@ class Engine(StepMixin):
 
     # ---- strategy, model, plan ------------------------------------------------------------
     def _resolve_strategy(self, batch_size: int | None = None) -> "Strategy":
-        if self.strategy_ is not None:
+        """`strategy_` once learned, else the constructor's strategy (not stored: `prepare`
+        and `tune` learn `strategy_`)."""
+        if "strategy_" in vars(self):
             return self.strategy_
         from autosearch.core.strategy import Strategy
         from autosearch.engine.distributed import launched_world_size
@@ -154,22 +255,21 @@ class Engine(StepMixin):
         if s is None:
             world = launched_world_size()
             gbs = batch_size or world
-            s = Strategy(
+            return Strategy(
                 dp=world, micro_batch_size=max(1, gbs // world), global_batch_size=gbs, amp="fp32"
             )
-        elif isinstance(s, (str, os.PathLike)):
-            s = Strategy.parse(os.fspath(s))
-        elif isinstance(s, dict):
-            s = Strategy.from_dict(s)
-        elif not isinstance(s, Strategy):
+        if isinstance(s, (str, os.PathLike)):
+            return Strategy.parse(os.fspath(s))
+        if isinstance(s, dict):
+            return Strategy.from_dict(s)
+        if not isinstance(s, Strategy):
             raise SpecError(
                 "strategy must be a Strategy, a YAML path, a 'dp=2,tp=2' string or a dict; "
                 f"got {type(s).__name__}"
             )
-        self.strategy_ = s
         return s
 
-    def _model_spec(self):
+    def _model_spec(self) -> "ModelSpec":
         from autosearch.core.model_spec import ModelSpec
         from autosearch.engine.build import wrap_known
 
@@ -194,18 +294,17 @@ class Engine(StepMixin):
         return spec
 
     def _build_model(self) -> "nn.Module":
-        from autosearch.engine.build import build_model
+        from autosearch.engine.build import build_model, is_module
 
         model = build_model(
-            self.model,
-            meta_init=self.meta_init,
-            seed=self.seed,
-            instance_used=getattr(self, "_instance_used", False),
+            self.model, meta_init=self.meta_init, seed=self.seed, instance_used=self._instance_used
         )
-        self._instance_used = not callable(self.model) or _is_module(self.model)
+        self._instance_used = not callable(self.model) or is_module(self.model)
         return model
 
-    def _problems(self, strategy: "Strategy", plan, model) -> list[str]:
+    def _problems(
+        self, strategy: "Strategy", plan: "ParallelPlan", model: "nn.Module"
+    ) -> list[str]:
         from autosearch.engine.build import strategy_problems
 
         return strategy_problems(strategy, plan, model)
@@ -217,8 +316,7 @@ class Engine(StepMixin):
             raise SpecError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         self._mode = mode
         if self._prepared:
-            for part in self.model_parts_:
-                part.train(mode == "train")
+            self.trainer_.set_mode(mode)
         return self
 
     def prepare(self, *, mode: str | None = None) -> "Engine":
@@ -228,15 +326,33 @@ class Engine(StepMixin):
         Every rank runs the same checks before its first collective, so an invalid strategy
         raises one SpecError on every rank and nothing hangs. Called by the other methods.
         """
+        return self._prepare(mode=mode)
+
+    def _prepare(self, *, mode: str | None = None, batch_size: int | None = None) -> "Engine":
+        """`prepare`; `batch_size` sizes the default strategy (no strategy given)."""
         if mode is not None:
             self.to_mode(mode)
         if self._prepared:
             return self
+        problems = engine_argument_problems(
+            model=self.model,
+            loss=self.loss,
+            optimizer=self.optimizer,
+            metrics=self.metrics,
+            lr_scheduler=self.lr_scheduler,
+            grad_clip_norm=self.grad_clip_norm,
+            seed=self.seed,
+            loss_parallel=self.loss_parallel,
+            meta_init=self.meta_init,
+        )
+        if problems:
+            raise SpecError(problems, context="Engine")
         import torch
         import torch.distributed as dist
 
         from autosearch.engine import build
         from autosearch.engine import distributed as D
+        from autosearch.engine._trainer import Trainer, _PipelineLoss
         from autosearch.engine.build import plan_for
         from autosearch.engine.lr_schedule import build_schedulers
         from autosearch.engine.optim import OptimizerRecipe, build_optimizers, make_grad_scaler
@@ -244,7 +360,7 @@ class Engine(StepMixin):
         from autosearch.engine.parallelize import parallelize
         from autosearch.engine.pipeline import build_schedule
 
-        strategy = self._resolve_strategy()
+        strategy = self._resolve_strategy(batch_size)
         world = D.launched_world_size()
         dims = ParallelDims.from_strategy(strategy, world)
         model = self._build_model()
@@ -265,6 +381,7 @@ class Engine(StepMixin):
                     for tensor in [*model.parameters(), *model.buffers()]:
                         dist.broadcast(tensor.data, src=0)
         names = {id(p): n for n, p in model.named_parameters()}
+        loss_parallel = bool(self.loss_parallel and dims.tp > 1)
         parts = parallelize(
             model,
             strategy,
@@ -272,41 +389,40 @@ class Engine(StepMixin):
             mesh,
             plan,
             device=device,
-            loss_parallel=self._loss_parallel(dims),
+            loss_parallel=loss_parallel,
             materialize=materialize,
         )
-        self._built_model = model
-        self.dims_, self.mesh_, self.plan_, self.device_ = dims, mesh, plan, device
-        self.stages_ = [stage for stage, _ in parts]
-        self.model_parts_ = [module for _, module in parts]
-        self.loss_fn_ = self.loss or token_cross_entropy
-        self.scaler_ = make_grad_scaler(strategy.amp, device.type, distributed=world > 1)
-        self.schedule_ = None
+        loss_fn = self.loss or token_cross_entropy
+        scaler = make_grad_scaler(strategy.amp, device.type, distributed=world > 1)
+        schedule = pipeline_loss = None
         if dims.pp > 1:
-            self._pipeline_loss = _PipelineLoss(self.loss_fn_, self.scaler_)
-            self.schedule_ = build_schedule(parts, strategy, mesh, device, self._pipeline_loss)
-        self.optimizers_ = []
+            assert mesh is not None  # ParallelDims builds one for more than one process
+            pipeline_loss = _PipelineLoss(loss_fn, scaler)
+            schedule = build_schedule(parts, strategy, mesh, device, pipeline_loss)
+        optimizers = []
         if self.optimizer is not None:
-            self.optimizers_ = build_optimizers(
-                self.model_parts_, OptimizerRecipe(self.optimizer, names), dims, mesh
+            optimizers = build_optimizers(
+                [module for _, module in parts], OptimizerRecipe(self.optimizer, names), dims, mesh
             )
-        self.schedulers_ = build_schedulers(self.lr_scheduler, self.optimizers_)
-        self.global_step_ = 0
-        self._last_grad_norm = None
-        self._metrics = _as_list(self.metrics)
-        self._prepared = True
+        self._built_model, self.plan_, self.strategy_ = model, plan, strategy
+        self.trainer_ = Trainer(
+            strategy=strategy,
+            dims=dims,
+            mesh=mesh,
+            device=device,
+            parts=parts,
+            loss_fn=loss_fn,
+            optimizers=optimizers,
+            schedulers=build_schedulers(self.lr_scheduler, optimizers),
+            scaler=scaler,
+            schedule=schedule,
+            pipeline_loss=pipeline_loss,
+            metrics=_as_list(self.metrics),
+            grad_clip_norm=self.grad_clip_norm,
+            loss_parallel=loss_parallel,
+        )
         self.to_mode(self._mode or "train")
         return self
-
-    def _loss_parallel(self, dims) -> bool:
-        return bool(self.loss_parallel and dims.tp > 1)
-
-    def _loss_context(self):
-        if self._loss_parallel(self.dims_):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
 
     # ---- data --------------------------------------------------------------------------------
     def dataloader(
@@ -336,6 +452,43 @@ class Engine(StepMixin):
             epochs, steps_per_epoch: how long iterating the returned loader lasts.
             mode: ``train``, ``eval`` or ``predict`` (switches the engine's mode).
         """
+        return self._loader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            mode=mode,
+        )
+
+    def _loader(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int | None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        num_workers: int = 0,
+        shuffle: bool = False,
+        drop_last: bool | None = None,
+        collate_fn: Callable | None = None,
+        mode: str | None = None,
+        caller: str = "dataloader",
+        steps_name: str = "steps_per_epoch",
+    ) -> "DistributedLoader":
+        """`dataloader`, with the method and the name of `steps_per_epoch` its messages give."""
+        problems = loader_problems(
+            batch_size=batch_size,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            num_workers=num_workers,
+            steps_name=steps_name,
+        )
+        if problems:
+            raise SpecError(problems, context=caller)
         from autosearch.engine.data import build_loader, check_batch
 
         if mode is not None:
@@ -344,7 +497,8 @@ class Engine(StepMixin):
         strategy = self._resolve_strategy(batch_size)
         batch_size = batch_size or strategy.global_batch_size
         # validates the strategy first, so its own message comes before batch messages
-        self.prepare()
+        self._prepare(batch_size=batch_size)
+        strategy = self.strategy_
         check_batch(strategy, batch_size, mode)
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
@@ -374,15 +528,15 @@ class Engine(StepMixin):
         if mode is not None:
             self.to_mode(mode)
         self.prepare()
-        sums, outputs = self._step(data, self._mode)
-        if self._mode == "predict":
+        mode = self._mode or "train"
+        sums, outputs = self.trainer_.run_batch(data, mode)
+        if mode == "predict":
             return {"outputs": outputs}
-        logs = self._reduce(sums)
-        if self._mode == "train" and self._last_grad_norm is not None:
-            logs["grad_norm"] = self._last_grad_norm
+        logs: dict[str, Any] = dict(self.trainer_.reduce(sums))
+        if mode == "train" and self.trainer_.last_grad_norm is not None:
+            logs["grad_norm"] = self.trainer_.last_grad_norm
         return logs
 
-    # ---- high level ----------------------------------------------------------------------------
     def fit(
         self,
         train_data,
@@ -435,15 +589,10 @@ class Engine(StepMixin):
             per epoch,
             "val_loss" and "val_<metric>": one per evaluation, <metric>: one per epoch}``.
         """
-        from autosearch.engine import _loop
-
-        return _loop.fit(
-            self,
-            train_data,
+        config = FitConfig(
             batch_size=batch_size,
             epochs=epochs,
             steps_per_epoch=steps_per_epoch,
-            valid_data=valid_data,
             valid_freq=valid_freq,
             valid_steps=valid_steps,
             log_freq=log_freq,
@@ -457,6 +606,31 @@ class Engine(StepMixin):
             callbacks=callbacks,
             verbose=verbose,
             shuffle=shuffle,
+        )
+        loader = self.dataloader(
+            train_data,
+            batch_size=config.batch_size,
+            shuffle=config.shuffle,
+            collate_fn=config.collate_fn,
+            epochs=config.epochs,
+            steps_per_epoch=config.steps_per_epoch,
+            mode="train",
+        )
+        valid = None
+        if valid_data is not None:
+            valid = self._loader(
+                valid_data,
+                batch_size=config.batch_size,
+                collate_fn=config.collate_fn,
+                steps_per_epoch=config.valid_steps,
+                caller="fit",
+                steps_name="valid_steps",
+                mode="eval",
+            )
+            self.to_mode("train")
+        flops_per_token, peak_flops = self._mfu_inputs()
+        return self.trainer_.fit(
+            loader, config, valid=valid, flops_per_token=flops_per_token, peak_flops=peak_flops
         )
 
     def evaluate(
@@ -472,29 +646,21 @@ class Engine(StepMixin):
     ) -> dict[str, float]:
         """Loss and metrics over `valid_data` (or its first `steps` batches), reduced over all
         ranks."""
-        loader = self.dataloader(
+        from autosearch.engine.distributed import is_rank0
+
+        loader = self._loader(
             valid_data,
             batch_size=batch_size,
             collate_fn=collate_fn,
             steps_per_epoch=steps,
             mode="eval",
+            caller="evaluate",
+            steps_name="steps",
         )
-        total = None
-        for step, batch in enumerate(loader.epoch(0)):
-            sums, _ = self._step(batch, "eval")
-            total = sums if total is None else total + sums
-            _call(callbacks, "on_batch_end", step, {})
-        if total is None:
-            raise SpecError(
-                "evaluate got no batch: the dataset is smaller than one global batch; lower"
-                " batch_size"
-            )
-        logs = self._reduce(total)
-        from autosearch.engine.distributed import is_rank0
-
+        logs = self.trainer_.evaluate(loader, callbacks)
         if verbose and is_rank0():
             print("eval: " + " ".join(f"{k} {v:.4f}" for k, v in logs.items()), flush=True)
-        _call(callbacks, "on_eval_end", logs)
+        call(callbacks, "on_eval_end", logs)
         return logs
 
     def predict(
@@ -513,34 +679,25 @@ class Engine(StepMixin):
         j of each batch goes to dp rank j % dp); ranks that do not hold the last pipeline stage
         return an empty list.
         """
-        loader = self.dataloader(
+        loader = self._loader(
             test_data,
             batch_size=batch_size,
             collate_fn=collate_fn,
             steps_per_epoch=steps,
             mode="predict",
+            caller="predict",
+            steps_name="steps",
         )
-        outputs = []
-        for step, batch in enumerate(loader.epoch(0)):
-            _, out = self._step(batch, "predict")
-            if out is not None:
-                outputs.append(out.cpu())
-            _call(callbacks, "on_batch_end", step, {})
-        return outputs
+        return self.trainer_.predict(loader, callbacks)
 
-    # ---- checkpoints
-    # -----------------------------------------------------------------------------
+    # ---- checkpoints -------------------------------------------------------------------------
     def save(self, path: str, training: bool = True) -> None:
         """Save a DCP checkpoint directory (model, optimizer and the train state `fit` resumes
         from), or with ``training=False`` a plain inference state dict file (``torch.load``-able,
         full tensors, original parameter names). Replacing an existing checkpoint is crash-safe:
         a kill leaves the previous one or the new one complete (`autosearch.engine.checkpoint`)."""
-        from autosearch.engine import _loop, checkpoint
-
         self.prepare()
-        optimizers = self._checkpoint_optimizers() if training else None
-        state = _loop.train_state(self) if training else None
-        checkpoint.save(path, self.model_parts_, optimizers, training=training, train_state=state)
+        self.trainer_.save(path, training=training)
 
     def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> list[str]:
         """Load a checkpoint saved by `save` under any strategy; returns what was not loaded.
@@ -549,22 +706,8 @@ class Engine(StepMixin):
         RNG). Only tensors and plain values are read (no code runs from a checkpoint; see
         `autosearch.engine.checkpoint` for what must still be trusted).
         """
-        from autosearch.engine import _loop, checkpoint
-
         self.prepare()
-        missing = checkpoint.load(
-            path,
-            self.model_parts_,
-            self._checkpoint_optimizers(),
-            strict=strict,
-            load_optimizer=load_optimizer,
-        )
-        state = None
-        if load_optimizer and os.path.isdir(path):
-            state = checkpoint.read_train_state(path)
-        if state is not None:
-            _loop.restore_train_state(self, state)
-        return missing
+        return self.trainer_.load(path, strict=strict, load_optimizer=load_optimizer)
 
     def save_pretrained(self, folder: str) -> None:
         """Save a Hugging Face model (Llama / Mistral / Qwen2) in transformers' format, loadable by
@@ -572,18 +715,12 @@ class Engine(StepMixin):
         from autosearch.engine.hf import save_pretrained
 
         self.prepare()
-        save_pretrained(self, folder)
-
-    def _checkpoint_optimizers(self) -> list:
-        """The optimizers whose state goes into checkpoints. Under ZeRO-1 each rank's
-        ZeroRedundancyOptimizer holds a plain optimizer over its own share of the parameters
-        (``.optim``): its state, named by parameter, is that rank's part of the full state."""
-        if self.dims_.mode.zero_redundancy_optimizer:
-            return [opt.optim for opt in self.optimizers_]
-        return self.optimizers_
+        save_pretrained(
+            self._built_model, folder, save_weights=functools.partial(self.save, training=False)
+        )
 
     # ---- cost model and search ---------------------------------------------------------------
-    def _cluster(self):
+    def _cluster(self) -> "Cluster":
         from autosearch.core.hardware import Cluster
 
         if self.cluster is None:
@@ -592,6 +729,22 @@ class Engine(StepMixin):
                 "(a profile name from `autosearch hardware`, nodes x devices per node)"
             )
         return Cluster.parse(self.cluster)
+
+    def _mfu_inputs(self) -> tuple[float | None, float | None]:
+        """(flops per token, peak FLOP/s of the whole run) if the model spec and cluster are known
+        (the engine's cluster, else the one `tune` searched for)."""
+        tuned: Cluster | None = getattr(self, "tuned_cluster_", None)  # tune sets it on every rank
+        try:
+            cluster = self._cluster() if self.cluster is not None else tuned
+            if cluster is None:
+                return None, None
+            spec = self._model_spec()
+        except SpecError:
+            return None, None
+        peak = cluster.profile.peak_flops.get(self.strategy_.amp)
+        if not peak:
+            return None, None
+        return spec.flops_per_token(training=True), peak * self.dims_.world_size
 
     def cost(self, mode: str = "train") -> tuple[float, float]:
         """Predicted (step_time_s, peak_memory_bytes) of the current strategy on `cluster`,
@@ -660,7 +813,7 @@ class Engine(StepMixin):
             >>> engine.fit(data)                                                   # doctest: +SKIP
         """
         from autosearch.engine import distributed as D
-        from autosearch.engine._tune import tune_engine
+        from autosearch.engine._tune import TuneRequest, tune_engine
 
         if self._prepared and _is_module(self.model):
             raise SpecError(
@@ -668,25 +821,26 @@ class Engine(StepMixin):
                 " tuned strategy; pass a zero-argument model factory to Engine"
             )
         log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
-        outcome = tune_engine(
-            model_spec=self._model_spec(),
-            model=self.model,
-            strategy=getattr(self, "best_strategy_", None) or self.strategy,
-            world_size=D.launched_world_size(),
+        request = TuneRequest(
             cluster=self.cluster if cluster is None else cluster,
-            train_data=train_data,
             batch_size=batch_size,
-            n_trials=n_trials,
+            settings=dict(tune_kwargs, n_trials=n_trials, out=out),
             validate_top_k=validate_top_k,
             steps=steps,
             warmup=warmup,
             timeout_s=timeout_s,
             factory=factory,
-            out=out,
             calibration_dir=calibration_dir,
             wait_timeout_s=wait_timeout_s,
+        )
+        outcome = tune_engine(
+            request,
+            model_spec=self._model_spec(),
+            model=self.model,
+            strategy=getattr(self, "best_strategy_", None) or self.strategy,
+            world_size=D.launched_world_size(),
+            train_data=train_data,
             log=log,
-            **tune_kwargs,
         )
         self.strategy_ = self.best_strategy_ = outcome.strategy
         self.best_report_ = outcome.report
@@ -697,13 +851,13 @@ class Engine(StepMixin):
         return outcome.result
 
 
-def _is_module(obj) -> bool:
+def _is_module(obj: object) -> bool:
     from torch import nn
 
     return isinstance(obj, nn.Module)
 
 
-def _as_list(metrics) -> list:
+def _as_list(metrics: Any) -> list:
     if metrics is None:
         return []
     return list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]

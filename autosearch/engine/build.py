@@ -70,8 +70,9 @@ def plan_for(model: nn.Module, plan: ParallelPlan | None) -> ParallelPlan:
     """The plan given to the Engine, else the model's ``parallel_plan()``, else an empty plan."""
     if plan is not None:
         return plan
-    if callable(getattr(model, "parallel_plan", None)):
-        return model.parallel_plan()
+    make_plan = getattr(model, "parallel_plan", None)
+    if callable(make_plan):
+        return make_plan()
     return ParallelPlan()
 
 
@@ -137,5 +138,6 @@ def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
         return
     with torch.no_grad():
         for module in part.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()

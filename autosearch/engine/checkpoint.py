@@ -16,8 +16,15 @@ has written its part (DCP writes its ``.metadata`` last, atomically). Replacing 
 checkpoint takes two renames (``path -> path.old``, ``path.partial -> path``), then removes
 ``path.old``; a kill at any point leaves either the previous checkpoint (at ``path`` or, between
 the renames, at ``path.old``) or the new one complete, and the next `save` or `load` of that path
-repairs the names and removes what is left over. An inference file is written to
-``<path>.partial`` and renamed over ``path`` (atomic on POSIX).
+repairs the names and removes what is left over. An inference file is merged into an
+unpredictable temporary name in the same folder (`tempfile.mkstemp`) and renamed over ``path``.
+
+Ownership: a save writes only into a new or empty folder or over a checkpoint of its own (a
+folder holding the marker file ``.autosearch``; for an inference file, a ``torch.save``
+archive), and renames or removes only folders holding that marker. A symbolic link at ``path``,
+``.partial``, ``.old`` or ``.dcp-tmp``, or something of the user's under those names, is refused
+before anything is written. A disk that cannot take the checkpoint (full, read-only) ends in one
+SpecError, with the previous checkpoint kept.
 
 Trust: loading reads tensors with ``torch.load(weights_only=True)`` (torch's restricted unpickler)
 and DCP's pickled ``.metadata`` with an unpickler that accepts only the classes DCP metadata is
@@ -28,16 +35,25 @@ wrong or huge tensors: load checkpoints from sources you trust with your model's
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import shutil
 import warnings
+import zipfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autosearch.core._files import (
+    DISK_HINTS,
+    atomic_write,
+    is_owned,
+    mark_folder,
+    remove_stale_temp_files,
+)
 from autosearch.core.errors import SpecError
 
 
@@ -101,19 +117,71 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _refuse(message: str) -> None:
+    raise SpecError(message)
+
+
+def _check_targets(path: str, *, training: bool) -> None:
+    """Refuse, before anything is written or removed, a save that would touch what autosearch
+    did not write: `path` must be new, or a checkpoint of autosearch's (a folder holding its
+    marker, `_files.MARKER`; for an inference file, a ``torch.save`` archive), and the names
+    it works under (``.partial``, ``.old``, ``.dcp-tmp``) must be free or its own. A symbolic
+    link at any of them is refused: a write through it would land where it points."""
+    for name in (path, *(f"{path}{s}" for s in _SCRATCH)):
+        if os.path.islink(name):
+            _refuse(
+                f"cannot save checkpoint {path!r}: {name!r} is a symbolic link, and autosearch "
+                "never writes through one it did not make. Remove the link, or save elsewhere"
+            )
+    for name in (f"{path}{s}" for s in _SCRATCH):
+        if os.path.lexists(name) and not is_owned(name):
+            _refuse(
+                f"cannot save checkpoint {path!r}: {name!r} exists and autosearch did not write "
+                "it (a checkpoint uses that name while it saves). Move it away, or save elsewhere"
+            )
+    if not os.path.lexists(path):
+        return
+    if training and os.path.isdir(path):
+        if is_owned(path) or not os.listdir(path):
+            return
+        _refuse(
+            f"cannot save checkpoint {path!r}: the folder holds files autosearch did not write; "
+            "a checkpoint replaces its whole folder, so it is saved only into a new or empty "
+            "folder, or over an earlier checkpoint of autosearch's. Give another path"
+        )
+    if not training and os.path.isfile(path) and zipfile.is_zipfile(path):
+        return  # an earlier torch.save file: replaced, as torch.save itself would
+    kind = "folder" if os.path.isdir(path) else "file"
+    want = "an inference file (training=False)" if not training else "a checkpoint folder"
+    _refuse(
+        f"cannot save checkpoint {path!r}: a {kind} autosearch did not write is there, and "
+        f"{want} would replace it. Give another path"
+    )
+
+
+_SCRATCH = (".partial", ".old", ".dcp-tmp")
+
+
 def recover(path: str) -> None:
-    """Repair what a killed `save` left at `path` (rank 0 only; see the module doc)."""
+    """Repair what a killed `save` left at `path` (rank 0 only; see the module doc). Only what
+    autosearch wrote (its marker inside) is renamed or removed; anything else stays."""
     path = os.path.abspath(path)
     old, partial = f"{path}.old", f"{path}.partial"
-    if os.path.isdir(old):
-        if os.path.exists(path):  # killed after the swap: the new checkpoint is in place
+    if is_owned(old):
+        if os.path.lexists(path):  # killed after the swap: the new checkpoint is in place
             shutil.rmtree(old, ignore_errors=True)
         else:  # killed between the two renames: the previous checkpoint comes back
             os.rename(old, path)
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.rmtree(f"{path}.dcp-tmp", ignore_errors=True)
-    if os.path.isfile(partial):
-        os.remove(partial)
+    for name in (partial, f"{path}.dcp-tmp"):
+        if is_owned(name):
+            shutil.rmtree(name, ignore_errors=True)
+    remove_stale_temp_files(os.path.dirname(path))  # an inference file's, of a killed save
+
+
+def _new_folder(path: str) -> None:
+    """Make the folder `path` (it must not exist) and mark it as autosearch's."""
+    os.mkdir(path)
+    mark_folder(path, kind="checkpoint", what=f"checkpoint folder {path!r}")
 
 
 def save(
@@ -125,38 +193,97 @@ def save(
     train_state: dict[str, Any] | None = None,
 ) -> None:
     """Save for training (a DCP directory: model, optimizer, this rank's `train_state`) or for
-    inference (one torch.save file of full tensors), replacing what is at `path` crash-safely."""
-    import torch.distributed.checkpoint as dcp
+    inference (one torch.save file of full tensors), replacing what is at `path` crash-safely.
 
+    Raises:
+        SpecError: `path` or a name the save works under holds what autosearch did not write
+            (nothing is touched then), or the disk cannot take the checkpoint (full, read-only:
+            the previous checkpoint stays, and nothing of the new one is left behind).
+    """
     path = os.path.abspath(path)
-    partial = f"{path}.partial"
+    _check_targets(path, training=training)
     if _rank() == 0:
         recover(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _writing(os.makedirs, os.path.dirname(path), path=path, exist_ok=True)
     _barrier()
     if not training:
-        _save_inference_file(path, parts)
+        _writing(_save_inference_file, path, parts, path=path)
         return
+    partial = f"{path}.partial"
+    try:
+        _save_folder(path, partial, parts, optimizers, train_state)
+    except BaseException:
+        if _rank() == 0 and is_owned(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _save_folder(path, partial, parts, optimizers, train_state) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if _rank() == 0:
+        _writing(_new_folder, partial, path=path)
+    _barrier()
     state: dict[str, Any] = {"model": model_state(parts)}
     if optimizers:
         osds = optimizer_states(parts, optimizers)
         state["optim"] = {k: v for osd in osds for k, v in osd.items()}
     with _quiet():
-        dcp.save(state, checkpoint_id=partial)
+        _writing(dcp.save, state, path=path, checkpoint_id=partial)
     if train_state is not None:
         folder = os.path.join(partial, "train_state")
         os.makedirs(folder, exist_ok=True)
-        torch.save(train_state, os.path.join(folder, f"rank{_rank()}.pt"))
+        _writing(torch.save, train_state, os.path.join(folder, f"rank{_rank()}.pt"), path=path)
     _barrier()
     if _rank() == 0:
         _fsync_tree(partial)
         old = f"{path}.old"
-        if os.path.exists(path):
+        if is_owned(path):
             os.rename(path, old)
+        elif os.path.isdir(path):
+            os.rmdir(path)  # the empty folder it was given (rmdir removes nothing else)
         os.rename(partial, path)
         _fsync_dir(os.path.dirname(path))
-        shutil.rmtree(old, ignore_errors=True)
+        if is_owned(old):
+            shutil.rmtree(old, ignore_errors=True)
     _barrier()
+
+
+def _writing(fn, *args: Any, path: str, **kwargs: Any):
+    """`fn(*args, **kwargs)`, with a disk that cannot take the checkpoint (full, read-only, no
+    permission: an OSError, bare or inside DCP's CheckpointException) said in one message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn(*args, **kwargs)
+    except (OSError, CheckpointException, RuntimeError) as exc:
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        raise SpecError(
+            f"cannot save checkpoint {path!r}: {cause.strerror or cause}"
+            f"{DISK_HINTS.get(cause.errno or 0, '')}; the previous checkpoint (if any) is kept"
+        ) from None
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` (itself, its cause or context, or one of DCP's failures)."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        if isinstance(e, RuntimeError) and "PytorchStreamWriter failed" in str(e):
+            return OSError(errno.EIO, str(e).splitlines()[0])
+    return None
 
 
 def _save_inference_file(path: str, parts: list[nn.Module]) -> None:
@@ -165,21 +292,24 @@ def _save_inference_file(path: str, parts: list[nn.Module]) -> None:
 
     tmp = f"{path}.dcp-tmp"  # DCP writes the shards; rank 0 merges them into one file
     try:
+        if _rank() == 0:
+            _new_folder(tmp)
+        _barrier()
         with _quiet():
             dcp.save(model_state(parts), checkpoint_id=tmp)
         _barrier()
         if _rank() == 0:
-            partial = f"{path}.partial"
-            with _quiet():
-                dcp_to_torch_save(tmp, partial)
-            with open(partial, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(partial, path)
-            _fsync_dir(os.path.dirname(path))
+            # merged into an unpredictable name in the same folder (mkstemp), then renamed
+            atomic_write(path, lambda partial: _merge(dcp_to_torch_save, tmp, partial))
     finally:
-        if _rank() == 0:
+        if _rank() == 0 and is_owned(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+
+
+def _merge(dcp_to_torch_save, tmp: str, partial: str) -> None:
+    with _quiet():
+        dcp_to_torch_save(tmp, partial)
 
 
 # ---- safe loading ---------------------------------------------------------------------------
@@ -275,14 +405,56 @@ def _safe_planner():
     return _SafePlanner(allow_partial_load=True)
 
 
+def _trusted(fn, *args: Any, path: str, **kwargs: Any):
+    """`fn(*args, **kwargs)` reading checkpoint `path`, with a refusal of torch's restricted
+    unpickler (``weights_only=True``: a pickle that names code) said in one message, whether it
+    comes bare or inside DCP's CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn(*args, **kwargs)
+    except (pickle.UnpicklingError, CheckpointException, RuntimeError, SpecError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        refused = _unpickling_error(exc)
+        if refused is None:
+            raise
+        raise SpecError(
+            f"refusing to load checkpoint {path!r}: this checkpoint holds data autosearch will "
+            f"not unpickle ({refused}); load only checkpoints written by Engine.save, from a "
+            "source you trust"
+        ) from None
+
+
+def _unpickling_error(exc: BaseException) -> str | None:
+    """What torch's restricted unpickler refused behind `exc` (one line), or None."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
+            return (why or (lines[0] if lines else type(e).__name__))[:300]
+        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
 def read_train_state(path: str) -> dict[str, Any] | None:
     """This rank's saved train state (rank 0's if the checkpoint had fewer ranks), or None."""
     folder = os.path.join(path, "train_state")
     if not os.path.isdir(folder):
         return None
     mine = os.path.join(folder, f"rank{_rank()}.pt")
-    state = torch.load(
+    state = _trusted(
+        torch.load,
         mine if os.path.exists(mine) else os.path.join(folder, "rank0.pt"),
+        path=path,
         map_location="cpu",
         weights_only=True,
     )
@@ -320,7 +492,7 @@ def load(
     if os.path.isfile(
         path
     ):  # an inference state dict: full tensors, resharded by set_model_state_dict
-        full = torch.load(path, map_location="cpu", weights_only=True)
+        full = _trusted(torch.load, path, path=path, map_location="cpu", weights_only=True)
         missing = []
         for part in parts:
             keys = model_state([part]).keys()
@@ -359,7 +531,9 @@ def load(
         else:
             missing.append("optimizer state (the checkpoint has none; the optimizer starts fresh)")
     with _quiet():
-        dcp.load(state, storage_reader=_safe_reader(path), planner=_safe_planner())
+        _trusted(
+            dcp.load, state, path=path, storage_reader=_safe_reader(path), planner=_safe_planner()
+        )
     for part in parts:
         own = model_state([part]).keys()
         set_model_state_dict(

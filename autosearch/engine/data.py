@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -143,7 +143,7 @@ class TokenFile(Dataset):
                 f"token file {self.path!r} holds {self.n_tokens} tokens, fewer than "
                 f"one sample (seq_len + 1 = {seq_len + 1})"
             )
-        self._tokens = None
+        self._tokens: np.ndarray | None = None
         if vocab_size is not None:
             top = int(self.tokens.max())
             if top >= vocab_size:
@@ -214,19 +214,20 @@ class DistributedLoader:
         each rank drops its first ``skip * B / dp`` indices without reading them. An iterable
         dataset is read through the skipped batches.
         """
-        loader = self.loader
+        loader: Iterable[Any] = self.loader
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
             if skip:
                 indices = list(self.sampler)[skip * self.local_batch_size :]
+                whole = self.loader
                 loader = DataLoader(
-                    loader.dataset,
+                    whole.dataset,
                     batch_size=self.local_batch_size,
                     sampler=indices,
-                    drop_last=loader.drop_last,
-                    collate_fn=loader.collate_fn,
-                    num_workers=loader.num_workers,
-                    generator=loader.generator,
+                    drop_last=whole.drop_last,
+                    collate_fn=whole.collate_fn,
+                    num_workers=whole.num_workers,
+                    generator=whole.generator,
                 )
         elif skip:
             loader = itertools.islice(loader, skip, None)
@@ -276,7 +277,7 @@ def build_loader(
             f"batch_size={batch_size} does not split over dp={dp} ranks; use a multiple of {dp}"
         )
     local = batch_size // dp
-    sampler = None
+    sampler: DistributedSampler | None = None
     if isinstance(dataset, IterableDataset):
         if shuffle:
             raise SpecError(

@@ -24,13 +24,15 @@ LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.hf_config import LLAMA_LIKE
-from autosearch.core.model_spec import ModelSpec
+from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
 
 ATTN_IMPLEMENTATION = "autosearch_core"
@@ -115,6 +117,13 @@ class HFCausalLM(nn.Module):
         torch.Size([2, 32, 128])
     """
 
+    # transformers' config and module tree: which attributes exist depends on the model_type
+    # (and a pipeline stage sets some modules to None), so they are typed Any here.
+    config: Any
+    model: Any
+    lm_head: Any
+    hf_class: Any
+
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
         if not has_llama_layout(hf_model):
@@ -125,13 +134,14 @@ class HFCausalLM(nn.Module):
                 f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
             )
         _register_attention()
-        self.hf_class = type(hf_model)
+        hf: Any = hf_model
+        self.hf_class = type(hf)
         # A config of our own (the attention modules read the kernel's name from it), so the
         # caller's config object keeps its attention implementation.
-        self.config = copy.deepcopy(hf_model.config)
+        self.config = copy.deepcopy(hf.config)
         self.config._attn_implementation = ATTN_IMPLEMENTATION
-        self.model = hf_model.model
-        self.lm_head = hf_model.lm_head
+        self.model = hf.model
+        self.lm_head = hf.lm_head
         if isinstance(self.model.layers, nn.ModuleList):
             self.model.layers = nn.ModuleDict(
                 {str(i): layer for i, layer in enumerate(self.model.layers)}
@@ -181,7 +191,8 @@ class HFCausalLM(nn.Module):
         rotary tables; the Engine calls it after building on the meta device (``meta_init``)."""
         for p in self.parameters():
             if getattr(p, "_is_hf_initialized", False):
-                p._is_hf_initialized = False  # else transformers' init functions skip it
+                # transformers' own flag on its parameters; else its init functions skip them
+                p._is_hf_initialized = False  # type: ignore[attr-defined]
         for module in self.modules():
             if module is not self:
                 self.model._init_weights(module)
@@ -271,7 +282,7 @@ class HFCausalLM(nn.Module):
         return plan
 
     # ---- back to transformers ------------------------------------------------------------------
-    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
         """A plain transformers model of the same class and config (SDPA attention), holding
         `state_dict` (full tensors with this module's names, as ``Engine.save(path,
         training=False)`` writes them)
@@ -298,6 +309,7 @@ class HFCausalLM(nn.Module):
 def _rebuild_rotary(model: nn.Module) -> None:
     """Recompute the rotary embeddings' inverse frequencies (non-persistent buffers, so neither
     checkpoints nor ``to_empty`` after a meta-device build carry them)."""
+    module: Any  # a transformers rotary embedding (its attributes vary by version)
     for module in model.modules():
         if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(
             module, "config"
@@ -316,10 +328,10 @@ def llama_from_spec(spec) -> HFCausalLM:
     validation runs use to time a Llama-style HF model in new processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec.ffn_activation != "swiglu":
+    if spec.ffn_activation != "swiglu" or unbuilt(spec):
         raise SpecError(
             f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
-            f"{spec.ffn_activation!r}"
+            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec))
         )
     config = LlamaConfig(
         num_hidden_layers=spec.n_layers,
@@ -334,9 +346,22 @@ def llama_from_spec(spec) -> HFCausalLM:
     return HFCausalLM(LlamaForCausalLM(config))
 
 
-def save_pretrained(engine, folder: str, *, safe_serialization: bool = True) -> None:
-    """Write the engine's HF model in transformers' `save_pretrained` format (config.json and
-    safetensors weights), gathered from every rank's shards; rank 0 writes it."""
+def save_pretrained(
+    model: nn.Module,
+    folder: str,
+    *,
+    save_weights: Callable[[str], None],
+    safe_serialization: bool = True,
+) -> None:
+    """Write an engine's HF model in transformers' `save_pretrained` format (config.json and
+    safetensors weights), gathered from every rank's shards; rank 0 writes it.
+
+    Args:
+        model: the module the engine built (an `HFCausalLM`).
+        folder: where the transformers model goes.
+        save_weights: ``save_weights(path)`` writes the full state dict file (every rank calls
+            it: ``Engine.save(path, training=False)``).
+    """
     import os
     import shutil
     import tempfile
@@ -345,24 +370,24 @@ def save_pretrained(engine, folder: str, *, safe_serialization: bool = True) -> 
 
     from autosearch.engine.distributed import is_rank0
 
-    model = engine._built_model
     if not isinstance(model, HFCausalLM):
         raise SpecError(
             "save_pretrained needs a transformers model (Llama, Mistral or Qwen2 family); this "
             f"engine runs {type(model).__name__}: use Engine.save for a DCP checkpoint or a "
             "state dict file"
         )
-    tmp = [tempfile.mkdtemp(prefix="autosearch-hf-") if is_rank0() else None]
+    tmp: list[Any] = [tempfile.mkdtemp(prefix="autosearch-hf-") if is_rank0() else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(tmp, src=0)
-    weights = os.path.join(tmp[0], "model.pt")
+    folder_tmp: str = tmp[0]  # rank 0's folder, on every rank
+    weights = os.path.join(folder_tmp, "model.pt")
     try:
-        engine.save(weights, training=False)  # every rank writes its shards; rank 0 merges them
+        save_weights(weights)  # every rank writes its shards; rank 0 merges them
         if is_rank0():
             state = torch.load(weights, map_location="cpu", weights_only=True)
             model.hf_model(state).save_pretrained(folder, safe_serialization=safe_serialization)
     finally:
         if is_rank0():
-            shutil.rmtree(tmp[0], ignore_errors=True)
+            shutil.rmtree(folder_tmp, ignore_errors=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

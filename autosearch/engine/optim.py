@@ -102,7 +102,11 @@ def build_optimizers(
     mesh: "DeviceMesh | None",
 ) -> list[torch.optim.Optimizer]:
     """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP."""
-    zero1_group = mesh.get_group("dp") if dims.mode.zero_redundancy_optimizer else None
+    zero1_group = None
+    if dims.mode.zero_redundancy_optimizer:
+        if mesh is None:
+            raise ValueError("ZeRO-1 runs over dp > 1 processes, which have a DeviceMesh")
+        zero1_group = mesh.get_group("dp")
     return [recipe.build(part, zero1_group=zero1_group) for part in parts]
 
 
@@ -149,7 +153,9 @@ def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        total_sq += norm.full_tensor().double() ** 2
+        if isinstance(norm, DTensor):  # always, for DTensor gradients
+            norm = norm.full_tensor()
+        total_sq += norm.double() ** 2
     if plain:
         total_sq += torch.nn.utils.get_total_norm(plain, norm_type=2.0).double() ** 2
     if pp_group is not None:

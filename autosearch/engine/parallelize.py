@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from autosearch.core.errors import SpecError
 from autosearch.engine.parallel_dims import ParallelDims
 from autosearch.engine.plan import ParallelPlan, get_path
 
@@ -38,6 +39,14 @@ def blocks_of(module: nn.Module, plan: ParallelPlan) -> "nn.ModuleDict | nn.Modu
     return container if isinstance(container, (nn.ModuleDict, nn.ModuleList)) else None
 
 
+def world_mesh(mesh: "DeviceMesh | None") -> "DeviceMesh":
+    """The world mesh, which every run of more than one process has (`ParallelDims.build_mesh`);
+    a degree above 1 implies one."""
+    if mesh is None:
+        raise ValueError("a degree above 1 needs the DeviceMesh of ParallelDims.build_mesh")
+    return mesh
+
+
 def apply_tp(
     module: nn.Module,
     tp_mesh: "DeviceMesh",
@@ -53,6 +62,8 @@ def apply_tp(
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if plan.tp_plan is None:  # strategy_problems refuses tp > 1 without a plan before this
+        raise SpecError("tp > 1 needs ParallelPlan(tp_plan=...)")
     styles = plan.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     names = [name for name, _ in module.named_modules()]
     present = {
@@ -87,8 +98,10 @@ def apply_ac(module: nn.Module, plan: ParallelPlan, recompute: str) -> None:
         for parent, name, child in targets:
             parent.register_module(name, checkpoint_wrapper(child))
         return
+    if container is None or plan.attention_core is None:  # strategy_problems refuses it before
+        raise SpecError("recompute=selective needs ParallelPlan(blocks=..., attention_core=...)")
+    parent_path, _, leaf = plan.attention_core.rpartition(".")
     for block in container.values() if isinstance(container, nn.ModuleDict) else container:
-        parent_path, _, leaf = plan.attention_core.rpartition(".")
         parent = block.get_submodule(parent_path) if parent_path else block
         parent.register_module(leaf, checkpoint_wrapper(getattr(parent, leaf)))
 
@@ -129,12 +142,13 @@ def apply_data_parallel(
 
         device_ids = [device] if device.type == "cuda" else None
         return DistributedDataParallel(
-            module, process_group=mesh.get_group("dp"), device_ids=device_ids
+            module, process_group=world_mesh(mesh).get_group("dp"), device_ids=device_ids
         )
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp", "dp_shard"] if mode.hsdp_replicate else mesh["dp"]
+    world = world_mesh(mesh)
+    dp_mesh = world["dp", "dp_shard"] if mode.hsdp_replicate else world["dp"]
     reshard = mode.reshard_after_forward
     dtype = AMP_DTYPES[amp]
     mp_policy = MixedPrecisionPolicy()
@@ -168,16 +182,16 @@ def parallelize(
     """
     from autosearch.engine.pipeline import split_pipeline
 
+    parts: list[tuple[int | None, nn.Module]] = [(None, model)]
     if dims.pp > 1:
-        parts = split_pipeline(model, plan, strategy, pp_rank=mesh.get_local_rank("pp"))
-    else:
-        parts = [(None, model)]
-    out = []
+        pp_rank = world_mesh(mesh).get_local_rank("pp")
+        parts = split_pipeline(model, plan, strategy, pp_rank=pp_rank)
+    out: list[tuple[int | None, nn.Module]] = []
     for stage, part in parts:
         if dims.tp > 1:
             apply_tp(
                 part,
-                mesh["tp"],
+                world_mesh(mesh)["tp"],
                 plan,
                 sequence_parallel=strategy.sequence_parallel,
                 loss_parallel=loss_parallel,

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from autosearch.core.errors import SpecError
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from autosearch.core.strategy import Strategy
 
@@ -55,14 +57,16 @@ def pipeline_bounds(
 
 def split_pipeline(
     model: nn.Module, plan: ParallelPlan, strategy: "Strategy", *, pp_rank: int
-) -> list[tuple[int, nn.Module]]:
+) -> list[tuple[int | None, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
     n_chunks = strategy.pp * strategy.virtual_stages
     from autosearch.engine.plan import get_path, set_path
 
     keys = list(get_path(model, plan.blocks).keys())
     bounds = pipeline_bounds(plan, strategy, len(keys))
-    parts = []
+    if isinstance(bounds, str):  # strategy_problems refuses such a strategy before this
+        raise SpecError(f"the pipeline split is impossible: {bounds}")
+    parts: list[tuple[int | None, nn.Module]] = []
     for stage in stage_indices(pp_rank, strategy.pp, strategy.virtual_stages):
         part = copy.deepcopy(model)
         blocks = get_path(part, plan.blocks)
@@ -80,7 +84,7 @@ def split_pipeline(
 
 
 def build_schedule(
-    parts: list[tuple[int, nn.Module]],
+    parts: list[tuple[int | None, nn.Module]],
     strategy: "Strategy",
     mesh: "DeviceMesh",
     device: torch.device,
@@ -100,9 +104,11 @@ def build_schedule(
 
     n_chunks = strategy.pp * strategy.virtual_stages
     group = mesh.get_group("pp")
-    stages = [
-        PipelineStage(module, stage, n_chunks, device, group=group) for stage, module in parts
-    ]
+    stages: list[_PipelineStageBase] = []
+    for stage, module in parts:
+        if stage is None:
+            raise ValueError("a pipeline part needs its stage index (split_pipeline gives it)")
+        stages.append(PipelineStage(module, stage, n_chunks, device, group=group))
     m = strategy.grad_accum_steps
     if strategy.pipeline_schedule == "gpipe":
         return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)

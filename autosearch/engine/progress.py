@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from autosearch.core.errors import SpecError
 
@@ -57,7 +57,10 @@ class TrainLogger:
     ):
         self.enabled, self.verbose, self.log_freq = enabled, verbose, max(1, log_freq)
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.bar = self._csv_file = self._csv = self._tb = None
+        self.bar: Any = None  # a tqdm bar
+        self._tb: Any = None  # a TensorBoard SummaryWriter
+        self._csv_file: TextIO | None = None
+        self._csv: csv.DictWriter | None = None
         if tensorboard and log_dir is None:
             raise SpecError("tensorboard=True needs log_dir=... (the folder TensorBoard reads)")
         if not enabled:
@@ -105,7 +108,7 @@ class TrainLogger:
         if not self.enabled:
             return
         row = {"step": step, "epoch": epoch, **logs}
-        if self._csv is not None:
+        if self._csv is not None and self._csv_file is not None:
             self._csv.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
             self._csv_file.flush()
         if self._tb is not None:

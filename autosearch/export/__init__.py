@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from autosearch.core._files import atomic_write, own_folder
 from autosearch.core.errors import SpecError
 from autosearch.export._base import Exported, Exporter
 from autosearch.export._deepspeed import DeepSpeedExporter
@@ -86,13 +87,15 @@ def write_exports(
 ) -> list[str]:
     """Write what each runtime takes, next to best_strategy.yaml: `megatron.sh`,
     `ds_config.json` with `deepspeed_launch.sh`, `torchtitan.toml`. Shell and TOML files carry
-    the caveats as comments; each file is written whole (a temporary file, then renamed).
+    the caveats as comments, one line each; the configs are written by serializers (JSON, TOML)
+    and the commands quoted for the shell, so no name becomes code. Each file is written whole
+    (`atomic_write`: an unpredictable temporary name, then renamed), into a folder that is new,
+    empty, or autosearch's own (`own_folder`).
 
     Returns:
         the paths written.
     """
-    folder = os.fspath(out_dir)
-    os.makedirs(folder, exist_ok=True)
+    folder = own_folder(out_dir, kind="export", what=f"--out {os.fspath(out_dir)!r}", accept=OWN)
     written = []
     for name in to or tuple(EXPORTERS):
         out = export(strategy, to=name, model=model, cluster=cluster)
@@ -101,7 +104,7 @@ def write_exports(
             files["megatron.sh"] = "#!/usr/bin/env bash\n" + out.render()
         elif name == "deepspeed":
             files["ds_config.json"] = out.text.rstrip() + "\n"
-            caveats = out.render()[len(out.text.rstrip()) :].strip("\n").replace("//", "#")
+            caveats = "\n".join(out.caveats(comment="#")).strip("\n")
             files["deepspeed_launch.sh"] = (
                 "#!/usr/bin/env bash\n" + caveats + "\n" + out.command + "\n"
             )
@@ -109,14 +112,13 @@ def write_exports(
             files[out.filename] = out.render()
         for filename, text in files.items():
             path = os.path.join(folder, filename)
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            if filename.endswith(".sh"):
-                os.chmod(tmp, 0o755)
-            os.replace(tmp, path)
+            atomic_write(path, text, mode=0o755 if filename.endswith(".sh") else 0o644)
             written.append(path)
     return written
+
+
+# Files that mark a folder written by autosearch before it wrote a marker: a study's outputs.
+OWN = ("study.yaml", "best_strategy.yaml")
 
 
 __all__ = [

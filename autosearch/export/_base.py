@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,23 +40,29 @@ class Exported:
     command: str = ""
     filename: str = ""
 
-    def render(self) -> str:
-        """The text followed by the caveats, as comment lines."""
+    def render(self, *, comment: str | None = None) -> str:
+        """The text followed by the caveats, as comment lines (``#``, or ``//`` after JSON)."""
         lines = [self.text.rstrip()]
-        comment = "//" if self.text.lstrip().startswith("{") else "#"
+        if comment is None:
+            comment = "//" if self.text.lstrip().startswith("{") else "#"
+        return "\n".join(lines + self.caveats(comment=comment)) + "\n"
+
+    def caveats(self, *, comment: str = "#") -> list[str]:
+        """What `text` cannot say, as comment lines: each note is made one line
+        (`one_line`), so no text can end a comment and start a line of code."""
+        lines = []
         if self.unsupported:
-            lines.append("")
-            lines.append(f"{comment} no equivalent in {self.runtime}:")
-            lines += [f"{comment}   {field}: {why}" for field, why in self.unsupported]
-        if self.command:
-            lines.append("")
-            lines += [f"{comment} launch:"] + [
-                f"{comment}   {x}" for x in self.command.splitlines()
+            lines += ["", f"{comment} no equivalent in {self.runtime}:"]
+            lines += [
+                f"{comment}   {one_line(f'{field}: {why}')}" for field, why in self.unsupported
             ]
+        if self.command:
+            lines += ["", f"{comment} launch:"]
+            lines += [f"{comment}   {one_line(x)}" for x in self.command.splitlines()]
         if self.notes:
             lines.append("")
-            lines += [f"{comment} note: {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
+            lines += [f"{comment} note: {one_line(n)}" for n in self.notes]
+        return lines
 
 
 class Exporter(abc.ABC):
@@ -72,6 +80,19 @@ class Exporter(abc.ABC):
     ) -> Exported:
         """The runtime's configuration for `strategy`; `model` adds the model's shape, `cluster`
         the launch command (nodes and devices per node)."""
+
+
+def one_line(text: object) -> str:
+    """`text` on one line of printable characters: every line break (``\\n``, ``\\r``, and the
+    Unicode ones ``str.splitlines`` knows, U+2028 included) and control character becomes a space,
+    so that a comment stays a comment in any file."""
+    printable = "".join(c if c.isprintable() else " " for c in str(text))
+    return " ".join(printable.split())
+
+
+def shell_words(words: Iterable[object]) -> str:
+    """One shell command line of `words`, each quoted for POSIX sh (`shlex.quote`) when needed."""
+    return " ".join(shlex.quote(str(w)) for w in words)
 
 
 def strategy_fields() -> tuple[str, ...]:

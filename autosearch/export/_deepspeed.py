@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from autosearch.export._base import Exported, Exporter
+from autosearch.export._base import Exported, Exporter, shell_words
 
 # Config key path -> where DeepSpeed defines it. tests/test_export.py checks that every key an
 # export writes is here.
@@ -181,8 +181,8 @@ def launch_command(strategy, cluster=None) -> str:
         nodes, per_node = cluster.n_nodes, cluster.gpus_per_node
     else:
         nodes, per_node = 1, strategy.world_size
-    hostfile = " --hostfile hostfile" if nodes > 1 else ""
-    return (
-        f"deepspeed --num_nodes {nodes} --num_gpus {per_node}{hostfile} TRAIN_SCRIPT.py "
-        "--deepspeed --deepspeed_config ds_config.json"
+    hostfile = ["--hostfile", "hostfile"] if nodes > 1 else []
+    return shell_words(
+        ["deepspeed", "--num_nodes", nodes, "--num_gpus", per_node, *hostfile, "TRAIN_SCRIPT.py"]
+        + ["--deepspeed", "--deepspeed_config", "ds_config.json"]
     )

@@ -22,7 +22,7 @@ installed with `pip install --no-deps` and read, not imported):
 
 from __future__ import annotations
 
-from autosearch.export._base import Exported, Exporter
+from autosearch.export._base import Exported, Exporter, shell_words
 
 # flag -> (value kind, where the name comes from). tests/test_export.py builds an argparse parser
 # from this table and parses every exported argument list with it.
@@ -260,7 +260,8 @@ class MegatronExporter(Exporter):
                 notes.append(
                     f"the cluster has {cluster.world_size} devices but dp*tp*pp = {s.world_size}"
                 )
-        text = " \\\n  ".join([" ".join(launcher)] + flags)
+        # Every word quoted for the shell (they are numbers and fixed names; quoting keeps it so).
+        text = " \\\n  ".join(shell_words(x.split()) for x in [" ".join(launcher)] + flags)
         return Exported(self.name, text, frozenset(mapped), tuple(unsupported), tuple(notes))
 
 

@@ -17,7 +17,11 @@ checkpointing is chosen by config class instead of `mode`.
 
 from __future__ import annotations
 
-from autosearch.export._base import Exported, Exporter
+from typing import Any
+
+import tomli_w
+
+from autosearch.export._base import Exported, Exporter, shell_words
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -83,14 +87,13 @@ class TorchTitanExporter(Exporter):
             "pipeline_schedule",
             "virtual_stages",
         }
-        lines = []
+        doc: dict[str, Any] = {}  # section -> keys, written by tomli_w (no TOML by hand)
         if model is not None:
             flavor = llama3_flavor(model)
             if flavor is not None:
-                lines += ["[model]", 'name = "llama3"', f'flavor = "{flavor}"']
+                doc["model"] = {"name": "llama3", "flavor": flavor}
                 if s.fp8 != "none":
-                    lines.append('converters = ["quantize.linear.float8"]')
-                lines.append("")
+                    doc["model"]["converters"] = ["quantize.linear.float8"]
             else:
                 notes.append(
                     f"no torchtitan model flavor has the shape of {model.name}: add one to "
@@ -106,29 +109,29 @@ class TorchTitanExporter(Exporter):
                 )
             notes.append("the vocabulary comes from the tokenizer ([model] hf_assets_path)")
         shard, replicate = (s.dp, 1) if s.zero_stage >= 2 else (1, s.dp)
-        lines += [
-            "[parallelism]",
-            f"data_parallel_replicate_degree = {replicate}",
-            f"data_parallel_shard_degree = {shard}",
-            f"tensor_parallel_degree = {s.tp}",
-        ]
+        par: dict[str, Any] = {
+            "data_parallel_replicate_degree": replicate,
+            "data_parallel_shard_degree": shard,
+            "tensor_parallel_degree": s.tp,
+        }
+        doc["parallelism"] = par
         if s.async_tp:
-            lines.append("enable_async_tensor_parallel = true")
+            par["enable_async_tensor_parallel"] = True
             if not s.compile:
                 notes.append("torchtitan's async tensor parallel needs [compile] enable = true")
         mapped.add("async_tp")
         if s.cp > 1:
-            lines.append(f"context_parallel_degree = {s.cp}")
+            par["context_parallel_degree"] = s.cp
         mapped.add("cp")
-        lines.append(f"pipeline_parallel_degree = {s.pp}")
+        par["pipeline_parallel_degree"] = s.pp
         if s.pp > 1:
-            lines.append(f'pipeline_parallel_schedule = "{_SCHEDULES[s.pipeline_schedule]}"')
-            lines.append(f"pipeline_parallel_microbatch_size = {s.micro_batch_size}")
+            par["pipeline_parallel_schedule"] = _SCHEDULES[s.pipeline_schedule]
+            par["pipeline_parallel_microbatch_size"] = s.micro_batch_size
             chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
             if chunks is not None and len(set(chunks)) > 1:
-                lines.append(f"module_fqns_per_model_part = {module_fqns(chunks)}")
+                par["module_fqns_per_model_part"] = module_fqns(chunks)
             elif chunks is not None and s.virtual_stages > 1:
-                lines.append(f"pipeline_parallel_layers_per_stage = {chunks[0]}")
+                par["pipeline_parallel_layers_per_stage"] = chunks[0]
             elif s.virtual_stages > 1:
                 notes.append(
                     "set pipeline_parallel_layers_per_stage = n_layers / "
@@ -141,9 +144,9 @@ class TorchTitanExporter(Exporter):
         else:
             mapped.add("pipeline_split")
         if s.zero_stage == 2:
-            lines.append('fsdp_reshard_after_forward = "never"')
+            par["fsdp_reshard_after_forward"] = "never"
         elif s.zero_stage == 3:
-            lines.append('fsdp_reshard_after_forward = "always"')
+            par["fsdp_reshard_after_forward"] = "always"
         if s.zero_stage == 1:
             unsupported.append(
                 (
@@ -168,19 +171,18 @@ class TorchTitanExporter(Exporter):
         # gradients global / (local * dp) times; with one, it is what each data-parallel rank
         # feeds the pipeline per step, split into micro-batches.
         local = s.micro_batch_size if s.pp == 1 else s.global_batch_size // s.dp
-        lines += [
-            "",
-            "[training]",
-            f"local_batch_size = {local}",
-            f"global_batch_size = {s.global_batch_size}",
-        ]
+        training: dict[str, Any] = {
+            "local_batch_size": local,
+            "global_batch_size": s.global_batch_size,
+        }
+        doc["training"] = training
         if model is not None:
-            lines.append(f"seq_len = {model.seq_len}")
+            training["seq_len"] = model.seq_len
         if s.amp in _DTYPES:
-            lines.append(f'mixed_precision_param = "{_DTYPES[s.amp]}"')
+            training["mixed_precision_param"] = _DTYPES[s.amp]
             mapped.add("amp")
         else:
-            lines.append('mixed_precision_param = "bfloat16"')
+            training["mixed_precision_param"] = "bfloat16"
             unsupported.append(
                 (
                     "amp",
@@ -189,9 +191,9 @@ class TorchTitanExporter(Exporter):
                 )
             )
         mode = {"selective_op": "selective"}.get(s.recompute, s.recompute)
-        lines += ["", "[activation_checkpoint]", f'mode = "{mode}"']
+        doc["activation_checkpoint"] = {"mode": mode}
         if mode == "selective":
-            lines.append('selective_ac_option = "op"')
+            doc["activation_checkpoint"]["selective_ac_option"] = "op"
         if s.recompute == "selective":
             unsupported.append(
                 (
@@ -213,10 +215,10 @@ class TorchTitanExporter(Exporter):
         else:
             mapped.add("recompute_num_layers")
         if s.compile:
-            lines += ["", "[compile]", "enable = true", 'components = ["model", "loss"]']
+            doc["compile"] = {"enable": True, "components": ["model", "loss"]}
         mapped.add("compile")
         if s.fp8 != "none":
-            lines += ["", "[quantize.linear.float8]", f'recipe_name = "{s.fp8}"']
+            doc["quantize"] = {"linear": {"float8": {"recipe_name": s.fp8}}}
             if model is None or llama3_flavor(model) is None:
                 notes.append('fp8: add "quantize.linear.float8" to [model] converters')
         mapped.add("fp8")
@@ -226,13 +228,14 @@ class TorchTitanExporter(Exporter):
         )
         command = ""
         if cluster is not None:
-            command = (
-                f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.gpus_per_node} "
-                "-m torchtitan.train --job.config_file torchtitan.toml"
+            command = shell_words(
+                ["torchrun", "--nnodes", cluster.n_nodes, "--nproc-per-node"]
+                + [cluster.gpus_per_node, "-m", "torchtitan.train"]
+                + ["--job.config_file", "torchtitan.toml"]
             )
         return Exported(
             self.name,
-            "\n".join(lines),
+            tomli_w.dumps(doc).rstrip(),
             frozenset(mapped),
             tuple(unsupported),
             tuple(notes),
@@ -241,7 +244,7 @@ class TorchTitanExporter(Exporter):
         )
 
 
-def module_fqns(chunks) -> str:
+def module_fqns(chunks) -> list[list[str]]:
     """torchtitan's `module_fqns_per_model_part` for layer counts per pipeline chunk: the
     embedding goes with the first chunk, the final norm and the output with the last."""
     parts, start = [], 0
@@ -251,9 +254,9 @@ def module_fqns(chunks) -> str:
             names.insert(0, "tok_embeddings")
         if i == len(chunks) - 1:
             names += ["norm", "output"]
-        parts.append("[" + ", ".join(f'"{x}"' for x in names) + "]")
+        parts.append(names)
         start += n
-    return "[" + ", ".join(parts) + "]"
+    return parts
 
 
 def llama3_flavor(model) -> str | None:

@@ -28,8 +28,8 @@ from typing import Any
 
 from optuna.storages.journal import BaseJournalBackend
 
+from autosearch.core._files import DISK_HINTS, FileLock
 from autosearch.core.errors import SpecError
-from autosearch.tuning._files import FileLock
 
 LOCK_SUFFIX = ".flock"
 
@@ -112,9 +112,14 @@ class JournalFile(BaseJournalBackend):
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         payload = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
         with self.lock:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+            except OSError as exc:
+                raise SpecError(f"cannot write the study journal {self.path!r}: {exc}") from None
+            size = 0
             try:
                 self._cut_torn_tail(fd)
+                size = os.fstat(fd).st_size
                 data = memoryview(payload.encode("utf-8"))
                 while data:
                     data = data[os.write(fd, data) :]
@@ -122,6 +127,14 @@ class JournalFile(BaseJournalBackend):
                     self._unsynced = True
                 else:
                     os.fsync(fd)
+            except OSError as exc:
+                with contextlib.suppress(OSError):  # no torn record left behind
+                    os.ftruncate(fd, size)
+                raise SpecError(
+                    f"cannot write the study journal {self.path!r}: {exc.strerror}"
+                    f"{DISK_HINTS.get(exc.errno or 0, '')}; the trials stored before are kept, "
+                    "and the same command continues the study"
+                ) from None
             finally:
                 os.close(fd)
 

@@ -14,15 +14,23 @@ import csv
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autosearch.core._files import (
+    FileLock,
+    atomic_write,
+    is_owned,
+    mark_folder,
+    own_folder,
+    remove_stale_temp_files,
+)
 from autosearch.core.errors import SpecError
-from autosearch.tuning._files import FileLock, atomic_write, remove_stale_temp_files
 from autosearch.tuning._objectives import CONSTRAINT, GiB
 from autosearch.tuning._reader import report_from_dict
+from autosearch.tuning._result import scored
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
@@ -147,8 +155,8 @@ def write_outputs(
             cand_cols,
         )
     best_path = os.path.join(out_dir, "best_strategy.yaml")
-    if result.best_strategy is not None:
-        r = result.best_report
+    r = result.best_report
+    if result.best_strategy is not None and r is not None:
         doc = {
             "strategy": result.best_strategy.to_dict(),
             "model": meta["model"],
@@ -254,11 +262,16 @@ def dashboard_importances(trials: list, directions: list) -> list[dict[str, floa
             out.append(
                 get_param_importances(
                     study,
-                    target=lambda t, i=i, sign=sign: sign * t.values[i],
+                    target=_signed_value(i, sign),
                     evaluator=PedAnovaImportanceEvaluator(),
                 )
             )
     return out
+
+
+def _signed_value(i: int, sign: float) -> "Callable[[Any], float]":
+    """The importance target of objective `i`, negated when it is maximized."""
+    return lambda t: sign * t.values[i]
 
 
 def _markdown_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
@@ -324,8 +337,8 @@ def _write_report(
         "twice is listed once",
         "",
     ]
-    if result.best_strategy is not None:
-        r = result.best_report
+    r = result.best_report
+    if result.best_strategy is not None and r is not None:
         lines += [
             "## Best strategy",
             "",
@@ -367,33 +380,33 @@ def _write_report(
         ]
     else:
         lines += ["## No strategy fits", "", result.message, ""]
-        if result.least_hungry is not None:
-            c = result.least_hungry
+        least = scored([result.least_hungry] if result.least_hungry else [])
+        for c, r in least:
             lines += [
                 f"Least memory-hungry strategy tried: `{c.strategy.short()}`, "
-                f"{c.report.infeasible_reason}.",
+                f"{r.infeasible_reason}.",
                 "",
             ]
     if result.top_k:
         lines += [f"## Top {len(result.top_k)} (`top_k.csv`)", ""]
         header = ["#", "strategy", "tokens/s", "MFU", "step s", "memory GiB", "bubble s"]
         header += ["dp comm s", "tp comm s"] + (["$/M tokens"] if priced else [])
-        rows = [
+        table = [
             [
                 str(i),
                 f"`{c.strategy.short()}`",
-                f"{c.report.tokens_per_s:,.0f}",
-                f"{c.report.mfu:.1%}",
-                f"{c.report.step_time_s:.3f}",
-                f"{c.report.peak_memory_bytes / GiB:.1f}",
-                f"{c.report.time.bubble_s:.3f}",
-                f"{c.report.time.dp_comm_exposed_s:.3f}",
-                f"{c.report.time.tp_comm_s:.3f}",
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.mfu:.1%}",
+                f"{r.step_time_s:.3f}",
+                f"{r.peak_memory_bytes / GiB:.1f}",
+                f"{r.time.bubble_s:.3f}",
+                f"{r.time.dp_comm_exposed_s:.3f}",
+                f"{r.time.tp_comm_s:.3f}",
             ]
-            + ([_usd(result, c.report)] if priced else [])
-            for i, c in enumerate(result.top_k, 1)
+            + ([_usd(result, r)] if priced else [])
+            for i, (c, r) in enumerate(scored(result.top_k), 1)
         ]
-        lines += [*_markdown_table(header, rows), ""]
+        lines += [*_markdown_table(header, table), ""]
     if result.pareto:
         lines += _pareto_section(result, objective, has_plot=bool(plots.get("throughput_memory")))
     titles = {
@@ -449,12 +462,12 @@ def _pareto_section(result: "TuneResult", objective: "Objective", *, has_plot: b
         [
             str(i),
             f"`{c.strategy.short()}`",
-            f"{c.report.tokens_per_s:,.0f}",
-            f"{c.report.peak_memory_bytes / GiB:.1f}",
-            f"{c.report.mfu:.1%}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.peak_memory_bytes / GiB:.1f}",
+            f"{r.mfu:.1%}",
         ]
-        + ([_usd(result, c.report)] if priced else [])
-        for i, c in enumerate(result.pareto, 1)
+        + ([_usd(result, r)] if priced else [])
+        for i, (c, r) in enumerate(scored(result.pareto), 1)
     ]
     lines += _markdown_table(header + (["$/M tokens"] if priced else []), rows)
     return lines + [""]
@@ -517,12 +530,13 @@ def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | 
         return None
     import matplotlib.pyplot as plt
 
-    terms = list(top_k[0].report.time._fields)
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(top_k) + 1.8))
-    labels = [c.strategy.short() for c in top_k][::-1]
-    left = [0.0] * len(top_k)
+    pairs = scored(top_k)
+    terms = list(pairs[0][1].time._fields)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(pairs) + 1.8))
+    labels = [c.strategy.short() for c, _ in pairs][::-1]
+    left = [0.0] * len(pairs)
     for term in terms:
-        widths = [getattr(c.report.time, term) for c in top_k][::-1]
+        widths = [getattr(r.time, term) for _, r in pairs][::-1]
         if not any(widths):
             continue
         ax.barh(labels, widths, left=left, label=term[:-2])
@@ -574,12 +588,14 @@ def _plot_throughput_memory(
         ax.axvline(cap, c="tab:red", ls="--", lw=1, label=f"device memory ({cap:.0f} GiB)")
     if bad or outside:
         label = "does not fit" + (f" ({outside} beyond the axes)" if outside else "")
-        ax.scatter(*(zip(*bad) if bad else ([], [])), s=14, c="grey", marker="x", label=label)
+        xs, ys = zip(*bad) if bad else ((), ())
+        ax.scatter(xs, ys, s=14, c="grey", marker="x", label=label)
     if ok:
-        ax.scatter(*zip(*ok), s=12, c="tab:blue", label="fits")
+        xs, ys = zip(*ok)
+        ax.scatter(xs, ys, s=12, c="tab:blue", label="fits")
     if result.pareto:
         front = sorted(
-            (c.report.peak_memory_bytes / GiB, c.report.tokens_per_s) for c in result.pareto
+            (r.peak_memory_bytes / GiB, r.tokens_per_s) for _, r in scored(result.pareto)
         )
         ax.plot(
             *zip(*front),
@@ -663,39 +679,63 @@ def outputs_lock(out_dir: str):
 
 def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
     """Refuse to write one study's outputs over another's (told apart by the study name; a
-    study's storage refuses a search it was not made for on its own).
+    study's storage refuses a search it was not made for on its own), or over the user's files:
+    the folder must be new, empty, or autosearch's (`own_folder`); it is created and marked.
 
     Raises:
-        SpecError: `out_dir` holds the outputs of a study with another name; the
-            message says how to continue that one or where to put this one.
+        SpecError: `out_dir` holds the outputs of a study with another name, or files that
+            autosearch did not write; the message says what to do.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SpecError(f"--out {out_dir!r} is a file; give a folder")
     path = os.path.join(out_dir, STUDY_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return  # no (readable) outputs yet
-    if not isinstance(doc, dict):
-        return
-    theirs = doc.get("study_name")
-    if theirs is not None and theirs != study_name:
+    doc = None
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            doc = None  # unreadable outputs: rewritten by this study
+    theirs = doc.get("study_name") if isinstance(doc, dict) else None
+    if isinstance(doc, dict) and theirs is not None and theirs != study_name:
         raise SpecError(
             f"{out_dir!r} holds the outputs of study {theirs!r} (storage "
             f"{doc.get('storage')}), not of {study_name!r} ({storage}); outputs of different "
             f"studies never share a folder. Pass another --out (for example "
             f"results/{study_name}), or --study-name {theirs} to continue that study"
         )
+    # A folder of the user's files is never written into (nor is anything there removed).
+    # (checked now; a folder that does not exist yet is made and marked with the first outputs;
+    # one holding only a journal is a study whose first run was killed before its outputs)
+    own_folder(
+        out_dir,
+        kind="study",
+        what=f"--out {out_dir!r}",
+        accept=(STUDY_FILE, "study.journal", *_storage_names(out_dir, storage)),
+        create=False,
+    )
+
+
+def _storage_names(out_dir: str, storage: str) -> tuple[str, ...]:
+    """The names a study's storage file (journal or SQLite) and its lock have in `out_dir`, when
+    it is there (a folder holding them is the study's, whose first run ended before outputs)."""
+    if "://" in storage or os.path.dirname(os.path.abspath(storage)) != os.path.abspath(out_dir):
+        return ()
+    name = os.path.basename(storage)
+    return (name, f"{name}.lock", f"{name}.flock")
 
 
 def _make_folder(out_dir: str) -> None:
+    """Create the output folder (claimed by `claim_out_folder` before the search) and mark it as
+    autosearch's."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except FileExistsError:
         raise SpecError(f"--out {out_dir!r}: a file is in the way of this folder") from None
     except OSError as exc:
         raise SpecError(f"cannot create the output folder {out_dir!r}: {exc.strerror}") from None
+    if not is_owned(out_dir):
+        mark_folder(out_dir, kind="study", what=f"--out {out_dir!r}")
 
 
 def _cell(value: Any) -> Any:

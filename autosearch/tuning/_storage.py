@@ -99,7 +99,7 @@ class OpenedStorage:
         """The study lock (see the module docstring); a no-op where the storage has none."""
         if self.lock_path is not None:
             return _file_lock(self.lock_path)
-        if _is_postgres(self.url):
+        if self.url is not None and _is_postgres(self.url):
             return _advisory_lock(self.url, study_name)
         return contextlib.nullcontext()
 
@@ -129,8 +129,16 @@ def open_storage(storage: "str | os.PathLike | BaseStorage | None") -> "BaseStor
     return None if opened is None else opened.storage
 
 
-def open_study_storage(storage: "str | os.PathLike | BaseStorage | None") -> OpenedStorage | None:
-    """Like `open_storage`, with the study lock and a description (None: in memory)."""
+def open_study_storage(
+    storage: "str | os.PathLike | BaseStorage | None", *, shared_ok: bool = False
+) -> OpenedStorage | None:
+    """Like `open_storage`, with the study lock and a description (None: in memory).
+
+    Args:
+        storage: as `open_storage` takes it.
+        shared_ok: open a SQLite file or a database that holds tables of its own besides
+            Optuna's (by default refused: Optuna would add its 13 tables to the user's database).
+    """
     import optuna
 
     if storage is None:
@@ -141,13 +149,14 @@ def open_study_storage(storage: "str | os.PathLike | BaseStorage | None") -> Ope
         return OpenedStorage(storage, _kind_of(storage), type(storage).__name__)
     text = os.fspath(storage)
     if "://" in text:
+        _check_url_names_a_database(text)
         if text.startswith("sqlite:///"):
-            return _open_sqlite(text[len("sqlite:///") :])
-        return _open_rdb(text)
+            return _open_sqlite(text[len("sqlite:///") :], shared_ok=shared_ok)
+        return _open_rdb(text, shared_ok=shared_ok)
     if text.endswith(JOURNAL_SUFFIXES):
         return _open_journal(text)
     if text.endswith(SQLITE_SUFFIXES):
-        return _open_sqlite(text)
+        return _open_sqlite(text, shared_ok=shared_ok)
     raise SpecError(
         f"storage {text!r} is not an RDB URL nor a file with a known suffix; use a journal file "
         f"(path ending in {', '.join(JOURNAL_SUFFIXES)}), a SQLite file (ending in "
@@ -173,8 +182,7 @@ def _open_journal(path: str) -> OpenedStorage:
     from autosearch.tuning._journal import LOCK_SUFFIX, JournalFile
 
     _make_parent(path)
-    if os.path.isdir(path):
-        raise SpecError(f"the journal {path!r} is a folder; give a file path")
+    _check_regular(path, "the journal")
     lock_path = path + LOCK_SUFFIX
     backend = JournalFile(path, lock=_file_lock(lock_path))
     _remove_optuna_lock_leftovers(path)
@@ -190,11 +198,12 @@ def _open_journal(path: str) -> OpenedStorage:
     return OpenedStorage(storage, "journal", path, lock_path=lock_path, journal=backend)
 
 
-def _open_sqlite(path: str) -> OpenedStorage:
+def _open_sqlite(path: str, *, shared_ok: bool = False) -> OpenedStorage:
     _make_parent(path)
-    if os.path.isdir(path):
-        raise SpecError(f"the SQLite file {path!r} is a folder; give a file path")
+    _check_regular(path, "the SQLite file")
     path = os.path.abspath(path)
+    if not shared_ok:
+        _refuse_foreign_tables(_sqlite_tables(path), f"SQLite file {path!r}")
     lock_path = path + ".lock"
     # Several workers started at once on a new file would race to create the tables ("table
     # already exists", "UNIQUE constraint failed: alembic_version"): create them under the lock.
@@ -214,7 +223,7 @@ def _open_sqlite(path: str) -> OpenedStorage:
     return OpenedStorage(storage, "sqlite", path, lock_path=lock_path, url=f"sqlite:///{path}")
 
 
-def _open_rdb(url: str) -> OpenedStorage:
+def _open_rdb(url: str, *, shared_ok: bool = False) -> OpenedStorage:
     shown = _hide_password(url)
     if _is_postgres(url):
         # Workers started together on an empty database race to create Optuna's tables
@@ -222,10 +231,14 @@ def _open_rdb(url: str) -> OpenedStorage:
         schema_lock = _AdvisoryLock(url, "\0schema")
         try:
             with schema_lock:
+                if not shared_ok:
+                    _refuse_foreign_tables(_rdb_tables(url, shown), f"database {shown}")
                 storage = _rdb(url, what=f"database {shown}")
         finally:
             schema_lock.close()
     else:
+        if not shared_ok:
+            _refuse_foreign_tables(_rdb_tables(url, shown), f"database {shown}")
         storage = _rdb(url, what=f"database {shown}")
     if not _is_postgres(url):
         warnings.warn(
@@ -262,6 +275,106 @@ def _rdb(url: str, *, what: str, engine_kwargs: dict | None = None) -> "BaseStor
         ) from None
 
 
+# ---- what a storage may hold --------------------------------------------------------------------
+def _optuna_tables() -> frozenset[str]:
+    """The tables Optuna's RDB storage creates (its SQLAlchemy models, and Alembic's version)."""
+    from optuna.storages._rdb import models
+
+    return frozenset(models.BaseModel.metadata.tables) | {"alembic_version"}
+
+
+def _refuse_foreign_tables(tables: set[str], what: str) -> None:
+    foreign = sorted(tables - _optuna_tables())
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise SpecError(
+            f"--storage: the {what} holds tables that are not Optuna's ({shown}); a study "
+            "would add Optuna's 13 tables to it. Give a database or file of its own (e.g. "
+            "results/<study>/study.db), or pass --storage-shared-ok to share this one"
+        )
+
+
+def _sqlite_tables(path: str) -> set[str]:
+    """The tables of an existing SQLite file, read without writing to it (none for a new or
+    empty file; a file that is not SQLite is left to Optuna's own message)."""
+    import sqlite3
+
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return set()
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=SQLITE_TIMEOUT_S)
+    except sqlite3.Error:
+        return set()
+    try:
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+        return {name for (name,) in rows if not name.startswith("sqlite_")}
+    except sqlite3.Error:
+        return set()
+    finally:
+        conn.close()
+
+
+def _rdb_tables(url: str, shown: str) -> set[str]:
+    """The tables and views of the database's default schema (an unreachable server is left to
+    Optuna's own message)."""
+    import sqlalchemy
+    import sqlalchemy.exc
+
+    try:
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError):
+        return set()
+    try:
+        inspector = sqlalchemy.inspect(engine)
+        return set(inspector.get_table_names()) | set(inspector.get_view_names())
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError):
+        return set()
+    finally:
+        engine.dispose()
+
+
+def _check_url_names_a_database(url: str) -> None:
+    """A URL must name its database: ``sqlite://`` is an in-memory database (the study would
+    be lost), ``postgresql://host`` a server's default one."""
+    scheme = url.split("://", 1)[0]
+    if scheme.split("+", 1)[0] == "sqlite":
+        if not url.startswith("sqlite:///") or not url[len("sqlite:///") :].split("?", 1)[0]:
+            raise SpecError(
+                f"--storage {url!r} names no file (SQLite would keep the study in memory and "
+                "lose it); give sqlite:///path/study.db (three slashes, then the path)"
+            )
+        return
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        parsed.get_dialect()  # an unknown scheme: Optuna's opener names it
+        database = parsed.database
+    except Exception:  # noqa: BLE001 - a malformed URL: Optuna's opener says what is wrong
+        return
+    if not database:
+        raise SpecError(
+            f"--storage {_hide_password(url)!r} names no database (the part after the host, "
+            f"e.g. {scheme}://user@host/autosearch); create one (createdb autosearch) and name it"
+        )
+
+
+def _check_regular(path: str, what: str) -> None:
+    """A storage file is a regular file or does not exist yet (a FIFO or a device would hang
+    the opener or never end)."""
+    from autosearch.core._io import file_kind
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SpecError(f"--storage: cannot read {what} {path!r}: {exc.strerror}") from None
+    kind = file_kind(mode)
+    if kind is not None:
+        raise SpecError(f"--storage: {what} {path!r} is {kind}; give the path of a regular file")
+
+
 def _kind_of(storage) -> str:
     import optuna
 
@@ -273,7 +386,10 @@ def _kind_of(storage) -> str:
 
 
 def _is_postgres(url: str | None) -> bool:
-    return bool(url) and url.split("://", 1)[0].split("+", 1)[0] in ("postgresql", "postgres")
+    return url is not None and url.split("://", 1)[0].split("+", 1)[0] in (
+        "postgresql",
+        "postgres",
+    )
 
 
 def _hide_password(url: str) -> str:

@@ -4,7 +4,7 @@ Example:
     >>> from cost_models.calibration import calibrate
     >>> result = calibrate(device="cpu", world_sizes=[1, 2], quick=True,
     ...                    out="results/calibration/cpu-quick.yaml")       # doctest: +SKIP
-    >>> from cost_models import Cluster
+    >>> from autosearch import Cluster
     >>> Cluster(gpu=result.profile_path, gpus_per_node=2).world_size       # doctest: +SKIP
     2
 """
@@ -79,6 +79,7 @@ def calibrate(
     timeout_s: float | None = None,
     from_csv: str | None = None,
     accept_untrusted: bool = False,
+    force: bool = False,
     log: Callable[[str], None] = print,
 ) -> CalibrationResult:
     """Run the microbenchmarks, fit them, check them, and write `out` (YAML) and the raw CSV
@@ -104,6 +105,7 @@ def calibrate(
         from_csv: fit the measurements of an earlier calibration (its CSV; the machine description
             is read from the profile YAML next to it) instead of measuring again.
         accept_untrusted: write a profile that failed its checks under the trusted name.
+        force: run world sizes above `MAX_PROCESSES_PER_CORE` processes per CPU core.
     """
     if statistic not in ("median", "min"):
         raise SpecError(f"statistic must be median or min, got {statistic!r}")
@@ -123,7 +125,7 @@ def calibrate(
     else:
         device = resolve_device(device)
         world_sizes = sorted(set(world_sizes or default_world_sizes(device)))
-        _check_world_sizes(device, world_sizes, log)
+        _check_world_sizes(device, world_sizes, log, force=force)
         machine = describe_machine(device)
         log(
             f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
@@ -262,7 +264,14 @@ def _earlier_measurements(csv_path: str) -> tuple[pd.DataFrame, dict]:
     return df, machine
 
 
-def _check_world_sizes(device: str, world_sizes: list[int], log: Callable[[str], None]) -> None:
+# On CPU, more processes than this many per core are refused unless forced (as `validate` does):
+# a typo such as --world-sizes 100000 would start a burst of processes that swamps the machine.
+MAX_PROCESSES_PER_CORE = 4
+
+
+def _check_world_sizes(
+    device: str, world_sizes: list[int], log: Callable[[str], None], *, force: bool = False
+) -> None:
     if not world_sizes or any(w < 1 for w in world_sizes):
         raise SpecError(f"world sizes must be integers >= 1, got {world_sizes}")
     if device == "cuda":
@@ -274,6 +283,12 @@ def _check_world_sizes(device: str, world_sizes: list[int], log: Callable[[str],
                 f"world size {max(world_sizes)} needs {max(world_sizes)} GPUs, this machine has "
                 f"{n}; pass --world-sizes with values <= {n}"
             )
+    elif max(world_sizes) > MAX_PROCESSES_PER_CORE * cpu_cores() and not force:
+        raise SpecError(
+            f"--world-sizes {max(world_sizes)}: {max(world_sizes):,} processes on "
+            f"{cpu_cores()} cores is more than {MAX_PROCESSES_PER_CORE} per core; give world "
+            f"sizes <= {MAX_PROCESSES_PER_CORE * cpu_cores()}, or pass --force to run them anyway"
+        )
     elif max(world_sizes) > cpu_cores():
         log(
             f"calibrate: warning: {max(world_sizes)} processes on {cpu_cores()} cores "

@@ -1,0 +1,90 @@
+"""What every term shares: the context it reads, how it declares the strategy fields it reads, the
+per-layer record the pipeline multiplies out, and the collectives over a group of ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
+
+from cost_models.formulas import (
+    ring_all_gather_time_s,
+    ring_all_reduce_time_s,
+    ring_reduce_scatter_time_s,
+    tree_all_reduce_time_s,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import HardwareProfile
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.runtime import RuntimeOptions
+
+ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "tf32": 4}
+
+Term = TypeVar("Term", bound=Callable)
+
+
+def reads(*fields: str) -> Callable[[Term], Term]:
+    """Declare the Strategy fields a term reads (its ``READS``): the cost model caches a term's
+    results keyed by exactly these, and tests/test_terms.py fails if the term reads another."""
+
+    def declare(term: Term) -> Term:
+        term.READS = fields  # type: ignore[attr-defined]  # a function attribute
+        return term
+
+    return declare
+
+
+def fields_read(*terms: Callable) -> tuple[str, ...]:
+    """The Strategy fields the `terms` read together, in order of first declaration."""
+    declared = [term.READS for term in terms]  # type: ignore[attr-defined]
+    return tuple(dict.fromkeys(name for names in declared for name in names))
+
+
+class Context(NamedTuple):
+    """What a term reads besides the strategy; fixed for one (model, cluster, runtime)."""
+
+    model: "ModelSpec"
+    profile: "HardwareProfile"  # with the runtime's changes (`RuntimeOptions.on`)
+    runtime: "RuntimeOptions"
+    # (group, stride, op) -> (latency_s, bandwidth_bytes_per_s) of a collective over `group`
+    # ranks `stride` apart (`AnalyticCostModel.group_link` with the op's measured factor)
+    link: Callable[[int, int, str], tuple[float, float]]
+
+
+class LayerCosts(NamedTuple):
+    """One transformer layer and one micro-batch on one device (seconds), plus the embedding and
+    logits work of the first and last pipeline stage: compute, tensor and context parallel
+    composed (`AnalyticCostModel` caches it)."""
+
+    fwd_s: float
+    bwd_s: float
+    attention_recompute_s: float  # what selective recompute repeats: the attention core
+    tp_comm_fwd_s: float  # exposed tensor- and context-parallel collectives of one forward
+    embedding_s: float  # forward + backward
+    logits_s: float  # forward + backward, with the loss
+    embedding_comm_s: float
+    logits_comm_s: float
+    op_recompute_s: float  # what selective op recompute repeats: every other matmul, elementwise
+
+
+# ---- collectives over `group` ranks `stride` apart (formulas.py's alpha-beta model) ------------
+def all_reduce_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
+    if group <= 1:
+        return 0.0
+    link = ctx.link(group, stride, "all_reduce")
+    # NCCL runs the faster of ring and tree all-reduce (tree: log n latency)
+    return min(
+        ring_all_reduce_time_s(nbytes, group, *link),
+        tree_all_reduce_time_s(nbytes, group, *link),
+    )
+
+
+def all_gather_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
+    if group <= 1:
+        return 0.0
+    return ring_all_gather_time_s(nbytes, group, *ctx.link(group, stride, "all_gather"))
+
+
+def reduce_scatter_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
+    if group <= 1:
+        return 0.0
+    return ring_reduce_scatter_time_s(nbytes, group, *ctx.link(group, stride, "reduce_scatter"))

@@ -1,0 +1,280 @@
+"""Compute: one layer's GEMMs, attention core, memory-bound work and float8 scaling, the embedding
+and logits, the optimizer step, and what activation recompute repeats.
+
+Conventions: T = micro_batch_size * seq_len / cp tokens per micro-batch on this rank; t = tp.
+Time = FLOPs / (peak x the calibrated efficiency of the shape), or bytes / the bandwidth of where
+they fit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from autosearch.core.errors import SpecError
+from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, reads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+# A causal mask lets fused attention skip half of the tiles (Dao 2023, sec. 3.1). Its backward
+# costs `attention_backward_over_forward` times its forward: 2.5 by default, FlashAttention-2
+# doing 5 GEMMs per tile backward vs 2 forward (Dao 2023, sec. 3.2); calibration measures it.
+CAUSAL_FRACTION = 0.5
+# Adam step, fused: read param, grad, m, v (fp32) and write param, m, v = 28 bytes per parameter
+# (Kingma & Ba 2015 update; bytes as in the ZeRO paper's 16-bytes-per-parameter accounting).
+ADAM_BYTES_PER_PARAM = 28
+
+
+class LayerCompute(NamedTuple):
+    """One transformer layer and one micro-batch on one device (seconds), plus the embedding and
+    logits work of the first and last pipeline stage."""
+
+    fwd_s: float
+    bwd_s: float
+    attention_fwd_s: float  # the attention core, which context-parallel traffic hides behind
+    attention_bwd_s: float
+    attention_recompute_s: float  # what selective recompute repeats: the attention core
+    op_recompute_s: float  # what selective op recompute repeats: every other matmul, elementwise
+    embedding_s: float  # forward + backward
+    logits_s: float  # forward + backward, with the loss
+
+
+class _Layer(NamedTuple):
+    """What shapes one layer's costs: tokens on this rank and the strategy's layer options."""
+
+    T: float  # tokens of one micro-batch on this rank
+    mb: int
+    t: int
+    cp: int
+    sp: bool
+    ab: int  # bytes of an activation element
+    precision: str
+    peak: float
+    fp8: str
+    compiled: bool
+    n_up: int  # matrices of the MLP's first projection (2 for SwiGLU)
+    traffic: float  # elementwise traffic multiplier of the runtime (eager, fused, compiled)
+
+
+@reads("tp", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
+def layer(s: "Strategy", ctx: Context) -> LayerCompute:
+    """One layer and one micro-batch: forward, backward (dgrad + wgrad per GEMM) and what each
+    recompute kind repeats."""
+    m, prof, rt = ctx.model, ctx.profile, ctx.runtime
+    precision, mb, cp = s.amp, s.micro_batch_size, s.cp
+    try:
+        peak = prof.peak_flops[precision]
+    except KeyError:
+        raise SpecError(
+            f"hardware profile {prof.name!r} has no peak for {precision}; "
+            f"use amp one of {', '.join(prof.peak_flops)}"
+        ) from None
+    x = _Layer(
+        T=mb * m.seq_len / cp,  # tokens of one micro-batch here (context parallel splits s)
+        mb=mb,
+        t=s.tp,
+        cp=cp,
+        sp=s.sequence_parallel,
+        ab=ACT_BYTES[precision],
+        precision=precision,
+        peak=peak,
+        fp8=s.fp8,
+        compiled=s.compile,
+        n_up=2 if not m.is_gpt_style else 1,
+        traffic=rt.compiled_elementwise_traffic if s.compile else rt.elementwise_traffic,
+    )
+    gemm_fwd, op_recompute_gemm = _block_gemms(ctx, x)
+    attn_fwd, attn_bwd, softmax_bytes = _attention_core(ctx, x)
+    elem_fwd, softmax_s = _elementwise(ctx, x, softmax_bytes)
+    fp8_fwd, fp8_bwd = _fp8_scaling(ctx, x)
+    backward_over_forward = prof.gemm.backward_over_forward  # dgrad + wgrad per GEMM
+    fwd = gemm_fwd + attn_fwd + elem_fwd + fp8_fwd
+    bwd = backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd + fp8_bwd
+    attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
+    op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
+    emb, logits = _embedding_and_logits(ctx, x)
+    return LayerCompute(fwd, bwd, attn_fwd, attn_bwd, attn_recompute, op_recompute, emb, logits)
+
+
+def _block_gemms(ctx: Context, x: _Layer) -> tuple[float, float]:
+    """The block's GEMMs forward, and what selective op recompute repeats of them.
+
+    Megatron-LM partitioning (Shoeybi et al. 2019, sec. 3): QKV and the first MLP matrix
+    split by columns, the output projection and second MLP matrix by rows. Float8 linears
+    (torchao Float8Linear, TransformerEngine) run forward, dgrad and wgrad at the fp8 rate;
+    the embedding, attention core and logits stay in `amp`.
+    """
+    m, gemm = ctx.model, ctx.profile.gemm
+    h, f, kv, t, T = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size, x.t, x.T
+    peak, key = x.peak, x.precision
+    if x.fp8 != "none":
+        peak = ctx.profile.peak_flops["fp8"]
+        rowwise = x.fp8 == "rowwise" and "fp8_rowwise" in gemm.max_efficiency
+        key = "fp8_rowwise" if rowwise else "fp8"
+    qkv = gemm.time_s(T, (h + 2 * kv) / t, h, peak, key)
+    proj = gemm.time_s(T, h, h / t, peak, key)
+    fc1 = gemm.time_s(T, x.n_up * f / t, h, peak, key)
+    fc2 = gemm.time_s(T, h, f / t, peak, key)
+    # Selective op recompute (torchtitan) recomputes every other matmul of the block:
+    # wk, wo and (SwiGLU) w3 (docs/runtimes.md [2.2]).
+    op_recompute = qkv * kv / (h + 2 * kv) + proj + (fc1 / 2 if x.n_up == 2 else 0.0)
+    return qkv + proj + fc1 + fc2, op_recompute
+
+
+def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
+    """(forward s, backward s, softmax bytes) of QK^T and softmax(.)V: 2 * 2 * s^2 * d FLOPs
+    per head and sequence; with context parallel each rank holds s/cp queries against all s
+    keys, load-balanced so that the causal work is even (torch's context parallel)."""
+    m, prof = ctx.model, ctx.profile
+    s, h, t, launch = m.seq_len, m.hidden_size, x.t, prof.kernel_launch_s
+    if ctx.runtime.flash_attention:
+        flops = 4.0 * x.mb * s * s * h / t * CAUSAL_FRACTION / x.cp
+        fwd = launch + flops / (x.peak * attention_efficiency(ctx, x.precision))
+        return fwd, prof.attention_backward_over_forward * fwd, 0.0
+    rows = x.mb * m.n_heads / t * s / x.cp  # batched over sequences and local heads
+    gemm = prof.gemm
+    fwd = gemm.time_s(rows, s, m.head_dim, x.peak, x.precision) + gemm.time_s(
+        rows, m.head_dim, s, x.peak, x.precision
+    )
+    # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask).
+    mask = 1.0 if m.dropout else 0.0
+    softmax_bytes = rows * s * (2 * x.ab + mask * (2 * x.ab + 1))
+    return fwd, gemm.backward_over_forward * fwd, softmax_bytes
+
+
+def attention_efficiency(ctx: Context, precision: str) -> float:
+    """Fraction of peak the fused attention kernel reaches (forward and backward): the
+    runtime's kernel on this hardware if the profile knows it (16-bit), else the profile's
+    flash efficiency (calibrated, or a datasheet-era default)."""
+    prof, kernel = ctx.profile, ctx.runtime.attention_kernel
+    if kernel and precision in ("bf16", "fp16") and kernel in prof.attention_kernels:
+        return prof.attention_kernels[kernel]
+    return prof.attention_efficiency.get(precision, 0.5)
+
+
+def _elementwise(ctx: Context, x: _Layer, softmax_bytes: float) -> tuple[float, float]:
+    """(forward s, softmax s) of the memory-bound work of a layer, backward taken as 2x.
+
+    Bytes moved: two norms (read + write), two residual adds with bias-dropout (read 2,
+    write 1, mask), the MLP activation (gelu: read + write sbf; SwiGLU: read 2 sbf, write
+    1), rotary on q, k. Each kernel streams at the bandwidth of where its bytes fit (cache or
+    memory); fused kernels (compile, TransformerEngine) move a fraction of eager traffic.
+    """
+    m, T, t, ab = ctx.model, x.T, x.t, x.ab
+    h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
+    sbh = T * h
+    dropout_mask = sbh if m.dropout else 0.0
+    rep = 1.0 / (t if x.sp else 1)
+    elementwise = _elementwise_s(ctx, x)
+    softmax_s = elementwise(softmax_bytes / t)
+    rotary = elementwise(2 * T * (h + kv) * ab / t) if m.position_embedding == "rotary" else 0.0
+    fwd = 8 * ctx.profile.kernel_launch_s + (
+        2 * elementwise(2 * sbh * ab * rep)  # the two norms
+        + 2 * elementwise((3 * sbh * ab + dropout_mask) * rep)  # the two residual adds
+        + elementwise((2 if m.is_gpt_style else 3) * T * f * ab / t)  # the MLP activation
+        + rotary
+        + softmax_s
+    )
+    return fwd, softmax_s
+
+
+def _elementwise_s(ctx: Context, x: _Layer) -> Callable[[float], float]:
+    """Seconds of one elementwise kernel moving `nbytes` of eager traffic under this runtime."""
+    traffic = x.traffic
+    return lambda nbytes: stream_s(ctx, nbytes * traffic)
+
+
+def stream_s(ctx: Context, nbytes: float) -> float:
+    """Seconds to stream `nbytes` through one memory-bound kernel (also its working set)."""
+    return nbytes / ctx.profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
+
+
+def _fp8_scaling(ctx: Context, x: _Layer) -> tuple[float, float]:
+    """(forward s, backward s) of float8 scaling: amax and cast of each linear's input
+    (forward) and output gradient (backward, two layouts), and of the weights unless FSDP
+    gathers them in fp8 (torchao tensorwise); rowwise scaling needs twice the cast kernels
+    (docs/runtimes.md [2.4])."""
+    if x.fp8 == "none":
+        return 0.0, 0.0
+    m, rt, T, t, ab = ctx.model, ctx.runtime, x.T, x.t, x.ab
+    h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
+    launch = ctx.profile.kernel_launch_s
+    elementwise = _elementwise_s(ctx, x)
+    # qkv and fc1 see the whole (gathered) sequence, proj and fc2 their tp shard
+    inputs = 2 * T * h + T * h / t + T * f / t
+    grads = T * (h + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
+    kernels = 2.0 if x.fp8 == "rowwise" else 1.0
+    fp8_gathered = rt.fp8_all_gather and x.fp8 == "tensorwise"
+    weight_cast = 0.0 if fp8_gathered else m.layer_matmul_params / t * 5
+    fwd = 4 * launch + kernels * elementwise(inputs * (ab + ab + 1)) + elementwise(weight_cast)
+    bwd = (
+        8 * launch
+        + kernels * elementwise(grads * (ab + 2 * (ab + 1)) + inputs * (ab + 1))
+        + elementwise(weight_cast)
+    )
+    return fwd, bwd
+
+
+def _embedding_and_logits(ctx: Context, x: _Layer) -> tuple[float, float]:
+    """(embedding s, logits s), forward + backward.
+
+    Embedding lookup: gather + scatter-add backward (learned positions too). Logits
+    (vocabulary split over tp), final norm, and the cross-entropy: read the 16-bit logits,
+    write the fp32 softmax, read it back and write the gradient (eager); a fused or compiled
+    loss moves less (the runtime's bytes per logit).
+    """
+    m, prof, rt, T, t, ab = ctx.model, ctx.profile, ctx.runtime, x.T, x.t, x.ab
+    launch = prof.kernel_launch_s
+    sbh = T * m.hidden_size
+    learned = m.position_embedding == "learned"
+    emb = 3 * stream_s(ctx, (2 + (2 if learned else 0)) * sbh * ab) + 3 * launch
+    loss_bytes = rt.compiled_loss_bytes_per_logit if x.compiled else rt.loss_bytes_per_logit
+    gemm = prof.gemm
+    logits = (
+        (1.0 + gemm.backward_over_forward)
+        * gemm.time_s(T, m.vocab_size / t, m.hidden_size, x.peak, x.precision)
+        + stream_s(ctx, T * m.vocab_size / t * (ab + loss_bytes + 2))
+        + 3 * stream_s(ctx, 2 * sbh * ab)
+        + 4 * launch
+    )
+    return emb, logits
+
+
+@reads("zero_stage", "dp", "amp")
+def optimizer_step_s(s: "Strategy", ctx: Context, psi: float) -> float:
+    """The optimizer step over `psi` local parameters: memory bound over the (sharded) states."""
+    prof, rt = ctx.profile, ctx.runtime
+    psi_opt = psi / s.dp if s.zero_stage >= 1 else psi
+    ab = ACT_BYTES[s.amp]
+    opt_bytes = ADAM_BYTES_PER_PARAM + (ab if rt.low_precision_params else 0)
+    return (
+        psi_opt * opt_bytes / prof.achieved_memory_bandwidth_bytes_per_s
+        + 10 * prof.kernel_launch_s
+    )
+
+
+# ---- activation recompute: what it repeats, on how many layers ---------------------------------
+@reads("recompute")
+def recompute_repeats(s: "Strategy", layer: LayerCosts) -> tuple[float, float]:
+    """(seconds, tensor-parallel traffic in forwards' worth) one recomputed layer repeats.
+
+    full: the whole forward, collectives included (Chen et al. 2016); selective: the attention
+    core (Korthikanti et al. 2022, sec. 5); selective_op: every other matmul and the elementwise
+    work, with the sequence-parallel all-gathers again (torchtitan).
+    """
+    return {
+        "full": (layer.fwd_s, 1.0),
+        "selective": (layer.attention_recompute_s, 0.0),
+        "selective_op": (layer.op_recompute_s, 0.5),
+        "none": (0.0, 0.0),
+    }[s.recompute]
+
+
+@reads("recompute", "recompute_num_layers", "virtual_stages")
+def recomputed_layers(s: "Strategy", rank_layers: float) -> float:
+    """Layers of one pipeline rank whose forward is recomputed (all of them, or
+    `recompute_num_layers` per chunk)."""
+    n = s.recompute_num_layers
+    if n is None or s.recompute == "none":
+        return rank_layers if s.recompute != "none" else 0.0
+    return min(float(n) * s.virtual_stages, rank_layers)

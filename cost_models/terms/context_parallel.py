@@ -1,0 +1,47 @@
+"""Context parallel: the sequence split over cp ranks (stride tp: mesh pp, dp, cp, tp), attention
+by exchange of keys and values (torch's context parallel; Liu et al. 2023)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cost_models.terms._base import ACT_BYTES, Context, all_gather_s, reads, reduce_scatter_s
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+
+@reads("cp", "tp", "micro_batch_size", "amp")
+def layer_comm(
+    s: "Strategy", ctx: Context, attention_fwd_s: float, attention_bwd_s: float
+) -> float:
+    """Exposed seconds of one layer's context-parallel traffic: keys and values of the whole
+    sequence all-gathered for forward, their gradients (fp32) reduced in backward, over the cp
+    ranks; each hides behind the attention core of the same layer (`attention_fwd_s`,
+    `attention_bwd_s`), all but one ring step of it."""
+    cp = s.cp
+    if cp <= 1:
+        return 0.0
+    m, t, ab = ctx.model, s.tp, ACT_BYTES[s.amp]
+    kv_bytes = 2 * s.micro_batch_size * m.seq_len * m.kv_hidden_size / t * ab
+    gather = all_gather_s(ctx, kv_bytes, cp, t)
+    reduce = reduce_scatter_s(ctx, kv_bytes * 4 / ab, cp, t)
+    return max(gather - attention_fwd_s, gather / cp) + max(reduce - attention_bwd_s, reduce / cp)
+
+
+@reads("cp", "tp", "micro_batch_size", "amp")
+def attention_backward_bytes(s: "Strategy", ctx: Context) -> float:
+    """What one layer's context-parallel attention backward holds beyond the layer's
+    activations (torch `_templated_ring_attention_backward` with the allgather rotater,
+    docs/runtimes.md [1.5]): K and V of the whole sequence gathered in the amp dtype, one
+    ring step's SDPA gradients, fp32 accumulators of dQ, dK, dV for the local shard, and the
+    fp32 dK, dV buffers sent and received round the ring."""
+    rt, m, cp, t = ctx.runtime, ctx.model, s.cp, s.tp
+    if cp <= 1 or not rt.cp_all_gather_kv:
+        return 0.0
+    ab = ACT_BYTES[s.amp]
+    kv = m.hidden_size if rt.attention_kv_expanded else m.kv_hidden_size
+    local = s.micro_batch_size * m.seq_len / cp  # tokens of the local shard
+    gathered = 2 * local * cp * kv / t * ab
+    qkv = local * (m.hidden_size + 2 * kv) / t
+    return gathered + qkv * ab + 4 * qkv + 2 * 4 * local * 2 * kv / t

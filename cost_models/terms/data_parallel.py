@@ -1,0 +1,142 @@
+"""Data parallel and ZeRO / FSDP: the exposed gradient and parameter collectives over the dp x cp
+ranks (stride tp), and the model states each device keeps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from autosearch.core.dp_modes import dp_mode
+from cost_models.terms._base import (
+    ACT_BYTES,
+    Context,
+    LayerCosts,
+    all_gather_s,
+    all_reduce_s,
+    reads,
+    reduce_scatter_s,
+)
+from cost_models.terms.memory import StageParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+
+class DataParallelCost(NamedTuple):
+    """Exposed data-parallel time and the model states' memory on one device."""
+
+    exposed_s: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+
+@reads(
+    "zero_stage",
+    "dp",
+    "cp",
+    "tp",
+    "pp",
+    "global_batch_size",
+    "micro_batch_size",
+    "amp",
+    "fp8",
+)
+def cost(
+    s: "Strategy",
+    ctx: Context,
+    params: StageParams,
+    ranks: tuple[int | float, ...],
+    layer: LayerCosts,
+    recompute_layer_s: float,
+) -> DataParallelCost:
+    """Exposed communication and model-state memory of data parallelism / ZeRO.
+
+    `params.total` parameters live on this device before any dp sharding; FSDP and the optimizer
+    shard over dp x cp. A collective hides behind compute up to its window, the forward or
+    backward (with recompute) of the rank's layers (bucketed overlap, Li et al. 2020, PyTorch
+    DDP; FSDP prefetch, Zhao et al. 2023), except the last bucket (`tail` of it).
+    """
+    rt = ctx.runtime
+    zero, d, t, p, m = s.zero_stage, s.dp * s.cp, s.tp, s.pp, s.grad_accum_steps
+    psi, layer_params, ab = params.total, params.per_layer, ACT_BYTES[s.amp]
+    Ls = max(ranks)
+    fwd_window = Ls * layer.fwd_s * rt.dp_overlap
+    bwd_window = Ls * (layer.bwd_s + recompute_layer_s) * rt.dp_overlap
+    tail = 1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0
+
+    def exposed(comm: float, window: float) -> float:
+        return max(comm - window, comm * tail)
+
+    def per_unit(collective: Callable[..., float], nbytes: float) -> float:
+        """FSDP gathers and reduces one unit at a time (each block, then the root: FSDP2
+        `fully_shard` per block, FSDP1 auto-wrap, Megatron-FSDP), so every unit pays the ring's
+        latency, (n-1) alpha: at hundreds of ranks that latency, not bandwidth, bounds small
+        models (Thakur et al. 2005 alpha-beta model, applied per collective)."""
+        units = Ls + 1
+        return units * collective(ctx, nbytes / units, d, t)
+
+    grads = psi * rt.grad_reduce_bytes
+    # What FSDP / ZeRO-3 gathers: the runtime's gather dtype (the amp dtype by default);
+    # float8 block weights when the runtime gathers them in fp8 (torchao tensorwise).
+    gather_bytes = rt.param_gather_bytes or ab
+    gathered_param_bytes = psi * gather_bytes
+    if s.fp8 == "tensorwise" and rt.fp8_all_gather:
+        blocks = min(psi, Ls * ctx.model.layer_params / t)  # the heaviest rank's blocks
+        gathered_param_bytes = blocks * 1 + (psi - blocks) * gather_bytes
+    if rt.low_precision_params:
+        # ZeRO as Rajbhandari et al. 2020 define it (Megatron-LM, DeepSpeed): 16-bit params and
+        # grads, fp32 master weights + Adam moments (12 bytes) in the optimizer; stage 1 shards
+        # the optimizer, 2 also the gradients, 3 also the parameters.
+        grad_bytes = 4 if rt.main_grad_fp32 else ab  # Megatron-Core's fp32 main_grad
+        if d == 1:
+            return DataParallelCost(0.0, psi * ab, psi * grad_bytes, psi * 12)
+        params_mem = psi * ab / (d if zero >= 3 else 1) + (
+            2 * layer_params * ab if zero >= 3 else 0.0
+        )
+        grads_mem = psi * grad_bytes / (d if zero >= 2 else 1)
+        opt_mem = psi * 12 / (d if zero >= 1 else 1)
+        if zero == 0:  # one all-reduce per step
+            comm = exposed(all_reduce_s(ctx, grads, d, t), bwd_window)
+        elif zero <= 2:
+            # reduce-scatter grads, all-gather updated 16-bit params: one all-reduce's volume
+            comm = exposed(reduce_scatter_s(ctx, grads, d, t), bwd_window) + all_gather_s(
+                ctx, gathered_param_bytes, d, t
+            )
+        else:  # parameters gathered for forward and again for backward, every micro-batch
+            ag = per_unit(all_gather_s, gathered_param_bytes)
+            comm = m * (
+                exposed(ag, fwd_window)
+                + exposed(ag + per_unit(reduce_scatter_s, grads), bwd_window)
+            )
+        return DataParallelCost(comm, params_mem, grads_mem, opt_mem)
+
+    # PyTorch as the Engine applies a strategy (the table in autosearch/core/dp_modes.py):
+    # fp32 parameters, gradients and Adam moments (4 + 4 + 8 bytes); 16-bit copies of the
+    # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
+    # the compute dtype and reduces in fp32.
+    copies = psi * ab if ab < 4 else 0.0
+    mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
+    optimizer_bytes = psi * 8 / d if mode.shards_optimizer else psi * 8
+    if mode.wrapper == "none":
+        return DataParallelCost(0.0, psi * 4 + copies, psi * 4, psi * 8)
+    if not mode.shards_params:  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
+        comm = exposed(all_reduce_s(ctx, grads, d, t), bwd_window)
+        if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
+            comm += all_gather_s(ctx, psi * 4, d, t)
+        return DataParallelCost(comm, psi * 4 + copies, psi * 4, optimizer_bytes)
+    # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
+    # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
+    # unsharded in fp32 and reduced once per step.
+    ag = per_unit(all_gather_s, gathered_param_bytes)
+    rs = per_unit(reduce_scatter_s, grads)
+    two_layers_live = mode.reshard_after_forward and p == 1
+    per_param = gathered_param_bytes / psi if psi else gather_bytes
+    gathered = 2 * layer_params * per_param if two_layers_live else gathered_param_bytes
+    params_mem = psi * 4 / d + gathered
+    grads_mem = psi * 4 if (m > 1 and mode.grads_accumulate_unsharded) else psi * 4 / d
+    n_gathers = m if mode.gathers_every_microbatch else 1
+    comm = n_gathers * exposed(ag, fwd_window)
+    if mode.reshard_after_forward:  # FSDP1 BACKWARD_POST: the backward gather is not hidden
+        comm += m * (ag if rt.fsdp_backward_gather_exposed else exposed(ag, bwd_window))
+    comm += (m if mode.reduce_every_microbatch else 1) * exposed(rs, bwd_window)
+    return DataParallelCost(comm, params_mem, grads_mem, optimizer_bytes)

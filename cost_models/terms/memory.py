@@ -1,0 +1,175 @@
+"""Memory per device: the parameters of the heaviest pipeline rank before data-parallel sharding,
+and the activations it holds at its peak (Korthikanti et al. 2022, `formulas.py`), by schedule.
+The model states under data parallelism / ZeRO are in data_parallel.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from cost_models.formulas import layer_activation_bytes, microbatches_in_flight
+from cost_models.terms import context_parallel
+from cost_models.terms._base import ACT_BYTES, Context, reads
+from cost_models.terms.compute import recomputed_layers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+
+class StageParams(NamedTuple):
+    """Parameters one device holds before data-parallel sharding."""
+
+    total: float  # the heaviest pipeline stage
+    per_layer: float
+
+
+class LayerActivations(NamedTuple):
+    """Bytes one layer keeps for backward, per micro-batch, on one rank."""
+
+    none_bytes: float  # without recompute
+    kept_bytes: float  # under the strategy's recompute
+
+
+@reads("tp", "pp")
+def stage_params(s: "Strategy", ctx: Context, ranks: tuple[int | float, ...]) -> StageParams:
+    """Parameters of the heaviest pipeline rank, split over tp."""
+    model, t, p = ctx.model, s.tp, s.pp
+    layer_params = model.layer_params / t
+    emb_params = model.embedding_params / t
+    # the last stage keeps its own copy of tied embeddings for the logits (Megatron-LM,
+    # torchtitan)
+    tied_copy = model.vocab_size * model.hidden_size if model.tied_embeddings and p > 1 else 0
+    head_params = (model.head_params + tied_copy) / t
+    if p == 1:
+        return StageParams(model.n_layers * layer_params + emb_params + head_params, layer_params)
+    if len(set(ranks)) == 1:
+        return StageParams(ranks[0] * layer_params + max(emb_params, head_params), layer_params)
+    heaviest = max(
+        Lr * layer_params + (emb_params if r == 0 else 0.0) + (head_params if r == p - 1 else 0.0)
+        for r, Lr in enumerate(ranks)
+    )
+    return StageParams(heaviest, layer_params)
+
+
+@reads("tp", "micro_batch_size", "sequence_parallel", "amp", "cp", "fp8", "compile", "recompute")
+def layer_activations(s: "Strategy", ctx: Context) -> LayerActivations:
+    """One layer's activations per micro-batch, without recompute and under the strategy's."""
+    none = _layer_bytes(s, ctx, "none")
+    return LayerActivations(
+        none, none if s.recompute == "none" else _layer_bytes(s, ctx, s.recompute)
+    )
+
+
+def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
+    m, rt, tp, sp = ctx.model, ctx.runtime, s.tp, s.sequence_parallel
+    ab = ACT_BYTES[s.amp]
+    seq = m.seq_len // s.cp  # context parallel keeps 1/cp of every sequence
+    tokens = s.micro_batch_size * seq
+    sp_div = tp if sp else 1
+    if recompute == "selective_op":
+        # torchtitan's op-level policy saves the outputs of every other matmul (wq, wv, w1,
+        # w2), the attention output and log-sum-exp, and the layer input; the rest,
+        # sequence-parallel all-gathers included, is recomputed (docs/runtimes.md [2.2]).
+        h, kv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
+        saved = (h + kv + f + h) / tp + h / sp_div + h / sp_div
+        if s.compile:
+            # Eager SAC stores every MUST_SAVE output whether backward reads it or not
+            # (torch/utils/checkpoint.py::_CachingTorchDispatchMode); compiled, the policy
+            # only bans recomputing them and the partitioner saves what backward needs,
+            # which drops w2's output (it only feeds the residual add) (docs/runtimes.md
+            # [2.2])
+            saved -= h / tp
+        return tokens * ab * saved + 4.0 * m.n_heads / tp * tokens
+    out = layer_activation_bytes(
+        seq_len=seq,
+        micro_batch=s.micro_batch_size,
+        hidden=m.hidden_size,
+        heads=m.n_heads,
+        kv_hidden=m.kv_hidden_size,
+        ffn_hidden=m.ffn_hidden_size,
+        swiglu=not m.is_gpt_style,
+        dropout=m.dropout,
+        tp=tp,
+        sequence_parallel=sp,
+        recompute=recompute,
+        flash_attention=rt.flash_attention,
+        act_bytes=ab,
+        fused_swiglu=s.compile or rt.fused_swiglu,
+        fp8_linear_inputs=s.fp8 != "none" and rt.fp8_saves_fp8_inputs,
+    )
+    if sp and tp > 1 and rt.sp_saves_gathered_input and recompute != "full":
+        # DTensor keeps the all-gathered (whole-sequence) input of the QKV and first MLP
+        # matmuls for their weight gradients, not the shard (docs/runtimes.md [2.5]).
+        out += 2 * tokens * m.hidden_size * ab * (1 - 1 / tp)
+    return out
+
+
+@reads(
+    "tp",
+    "pp",
+    "virtual_stages",
+    "micro_batch_size",
+    "sequence_parallel",
+    "recompute",
+    "recompute_num_layers",
+    "amp",
+    "pipeline_schedule",
+    "cp",
+    "compile",
+    "global_batch_size",
+    "dp",
+)
+def activation_peak_bytes(
+    s: "Strategy", ctx: Context, ranks: tuple[int | float, ...], layer: LayerActivations
+) -> float:
+    """Activations held at the peak of the most loaded pipeline rank: every micro-batch in
+    flight, the stage input, the logits, and the layer being recomputed."""
+    model, rt = ctx.model, ctx.runtime
+    t, p, v = s.tp, s.pp, s.virtual_stages
+    rc, schedule, ab = s.recompute, s.pipeline_schedule, ACT_BYTES[s.amp]
+    act_none, act_layer = layer
+
+    def held(layers: float) -> float:
+        """Bytes a rank keeps for `layers` layers of one micro-batch."""
+        n_rc = recomputed_layers(s, layers)
+        if n_rc == layers:
+            return layers * act_layer
+        return n_rc * act_layer + (layers - n_rc) * act_none
+
+    tokens = s.micro_batch_size * model.seq_len / s.cp
+    in_flight = microbatches_in_flight(schedule, p, s.grad_accum_steps, v)
+    first_act = in_flight * (
+        held(ranks[0]) + tokens * model.hidden_size * ab / (t if s.sequence_parallel else 1)
+    )
+    if schedule == "gpipe" or p == 1:
+        last_in_flight = in_flight
+    else:
+        last_in_flight = 1.0 + (in_flight - 1.0) * (v - 1) / v
+    logits = tokens * model.vocab_size / t  # of one micro-batch, on this rank
+    logits_bytes = logits * _loss_peak_bytes_per_logit(s, ctx)
+    last_act = last_in_flight * held(ranks[-1]) + logits_bytes
+    if p > 1:
+        # torch.distributed.pipelining's last stage appends every micro-batch's output (the
+        # logits) to `output_chunks` and keeps them until the step returns them merged
+        # (pipelining/stage.py::forward_one_chunk, schedules.py::step); docs/runtimes.md [2.7]
+        last_act += s.grad_accum_steps * logits * rt.pp_kept_output_bytes_per_logit
+    transient = context_parallel.attention_backward_bytes(s, ctx)
+    if rc != "none":  # the layer being recomputed holds its full activations once
+        transient += act_none - (act_layer if rc == "full" else 0.0)
+    first_act += transient
+    last_act += transient
+    return first_act + logits_bytes if p == 1 else max(first_act, last_act)
+
+
+def _loss_peak_bytes_per_logit(s: "Strategy", ctx: Context) -> float:
+    """Bytes per logit live at the loss's peak (its backward): the runtime's figure for an
+    eager or compiled loss, on the whole vocabulary or, with tp > 1 and a vocabulary-parallel
+    loss, on the shards (docs/runtimes.md [2.3], [2.9]); given for 16-bit logits, fp32
+    logits (amp fp32) add their 2 extra bytes."""
+    rt = ctx.runtime
+    if s.compile:
+        full = rt.compiled_loss_bytes_per_logit
+        parallel = rt.compiled_loss_parallel_bytes_per_logit
+    else:
+        full, parallel = rt.loss_bytes_per_logit, rt.loss_parallel_bytes_per_logit
+    per_logit = parallel if s.tp > 1 and parallel > 0 else full
+    return per_logit + ACT_BYTES[s.amp] - 2
