@@ -149,15 +149,14 @@ def test_parallel_dims_take_every_mesh_degree():
         ParallelDims.from_strategy(Strategy(dp=8, cp=2), 8)
 
 
-def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices(monkeypatch):
-    """ep (Megatron-Core's parallel folding) is a tree level below the mesh degrees: with a model
-    of 8 routed experts it takes every divisor of dp * cp that divides 8, and the world stays
+def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
+    """ep (Megatron-Core's parallel folding) is a tree level below the mesh degrees: for Mixtral
+    8x7B (8 routed experts) it takes every divisor of dp * cp that divides 8, and the world stays
     dp * tp * pp * cp; a dense model keeps ep = 1 and its space is unchanged."""
     dense = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
     assert {s.ep for s in dense.enumerate()} == {1}
-    monkeypatch.setattr(rules, "n_experts", lambda model: None if model is None else 8)
-    moe = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
-    assert moe.size > dense.size
+    moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64)
+    assert moe.model.moe.n_experts == 8
     for lay in moe.layouts():
         assert (lay.dp * lay.cp) % lay.ep == 0 and 8 % lay.ep == 0
         assert lay.dp * lay.tp * lay.pp * lay.cp == 16
@@ -166,6 +165,22 @@ def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices(monkeypat
     for s in itertools.islice(moe.enumerate(), 0, None, 97):
         assert s.validate(moe.model, moe.cluster) is s
         assert moe.params_of(s) is not None
+
+
+def test_a_declared_export_reaches_every_exporter():
+    """ep's Megatron flag and torchtitan key are data in the registry (`Dimension.exports`), and
+    DeepSpeed says why it has none: no exporter names ep."""
+    from autosearch.export import export
+
+    s = Strategy(dp=8, ep=4, global_batch_size=64)
+    model = ModelSpec.load("mixtral-8x7b")
+    assert "--expert-model-parallel-size 4" in export(s, to="megatron", model=model).text
+    assert "expert_parallel_degree = 4" in export(s, to="torchtitan", model=model).text
+    deepspeed = export(s, to="deepspeed", model=model)
+    assert [field for field, _ in deepspeed.unsupported] == ["ep"]
+    for to in ("megatron", "torchtitan", "deepspeed"):  # ep=1 says nothing and maps
+        plain = export(Strategy(dp=8, global_batch_size=64), to=to, model=model)
+        assert "ep" in plain.mapped and "expert_parallel" not in plain.text
 
 
 def test_expert_parallel_rules_say_what_to_do():

@@ -26,7 +26,7 @@ Adding a dimension: one `Dimension` here, its typed field in `Strategy` (one lin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +93,10 @@ class Dimension:
         label_rank: the position of that part (smaller first).
         features: the uses a runtime must support.
         mesh_axis: a degree of the device mesh: the mesh degrees multiply to the world size.
+        exports: {runtime: its key} where another runtime takes the value as it is (a Megatron-LM
+            flag, a torchtitan ``section.key``): the exporters write it when it is not the
+            default (`autosearch.export`).
+        no_export: {runtime: why} where a runtime cannot express a value other than the default.
     """
 
     name: str
@@ -110,6 +114,8 @@ class Dimension:
     label_rank: int = 0
     features: tuple[Feature, ...] = ()
     mesh_axis: bool = False
+    exports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    no_export: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def searched(self) -> bool:
@@ -215,6 +221,14 @@ DIMENSIONS: tuple[Dimension, ...] = (
         label=_degree_label("ep"),
         label_rank=35,
         features=(Feature("ep", lambda v: v > 1, lambda v: f"ep={v} (expert parallel)"),),
+        exports={
+            "megatron": "--expert-model-parallel-size",
+            "torchtitan": "parallelism.expert_parallel_degree",
+        },
+        no_export={
+            "deepspeed": "expert parallelism is set in the model "
+            "(deepspeed.moe.layer.MoE(ep_size=...)), not in the config",
+        },
     ),
     Dimension(
         name="micro_batch_size",

@@ -337,8 +337,7 @@ def n_experts(model: "ModelSpec | None") -> int | None:
     """Routed experts of `model` (0 for a dense model; None without a model)."""
     if model is None:
         return None
-    moe = getattr(model, "moe", None)
-    return moe.n_experts if moe is not None else 0
+    return model.moe.n_experts if model.moe is not None else 0
 
 
 def problems(
