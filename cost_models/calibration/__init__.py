@@ -20,7 +20,7 @@ from __future__ import annotations
 from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
-    "cost_models.calibration.calibrate": (
+    "cost_models.calibration._calibrate": (
         "CalibrationResult",
         "calibrate",
         "default_world_sizes",
