@@ -20,9 +20,8 @@ from autosearch.core.errors import SpecError
 
 GiB = float(1 << 30)
 
-# Short GPU names people say, and the profile each stands for (the CLI prints a note when it
-# reads one). "a100" is not here: it names two profiles (40 and 80 GB), so it stays an error.
-GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
+# Short GPU names people say are profile data (each profile's `aliases`; the CLI prints a note
+# when it reads one). "a100" is not one: it names two profiles (40 and 80 GB), so it is an error.
 _AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
 
 
@@ -102,7 +101,7 @@ def load_cluster(
     Refused: ``GPU:N`` (is it N nodes or N GPUs?) and a bare GPU name without --nnodes and
     --gpus-per-node (the devices per node would be the profile's, unsaid), a cluster YAML without
     ``gpus_per_node``, a world size above `MAX_DEVICES`. Accepted with a note on stderr: a short
-    GPU name in `GPU_ALIASES` (``h100`` for ``h100-sxm``).
+    GPU name a profile lists in its `aliases` (``h100`` for ``h100-sxm``).
     """
     from autosearch.core._io import MAX_DEVICES, read_yaml_mapping
     from autosearch.core.hardware import Cluster
@@ -193,14 +192,16 @@ def _cluster(gpu: str, n_nodes: int, gpus_per_node: int | None, flag: str):
 
 
 def _gpu_name(name: str, flag: str) -> str:
-    low = name.lower()
-    if low in GPU_ALIASES:
+    from autosearch.core.hardware import profile_aliases
+
+    low, aliases = name.lower(), profile_aliases()
+    if low in aliases:
         print(
-            f"note: {flag}: {name!r} is read as the {GPU_ALIASES[low]!r} profile; write "
-            f"{GPU_ALIASES[low]} to silence this note (`autosearch hardware` lists the profiles)",
+            f"note: {flag}: {name!r} is read as the {aliases[low]!r} profile; write "
+            f"{aliases[low]} to silence this note (`autosearch hardware` lists the profiles)",
             file=sys.stderr,
         )
-        return GPU_ALIASES[low]
+        return aliases[low]
     if low in _AMBIGUOUS_GPUS:
         raise SpecError(
             f"{flag}: {name!r} names more than one profile: "

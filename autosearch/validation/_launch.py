@@ -28,12 +28,13 @@ STOPPED = "stopped"  # a rank record: ended by the launcher after another rank f
 class RunOutcome:
     """How one real run ended, and what each rank measured."""
 
-    status: str  # ok | oom | crashed | timeout
+    status: str  # ok | oom | crashed | timeout | pending (SLURM: never started)
     reason: str = ""
     exit_code: int | None = None
     wall_s: float = 0.0
     ranks: list[dict[str, Any]] = field(default_factory=list)
     log_path: str = ""
+    slurm: dict[str, Any] = field(default_factory=dict)  # job id, state, pending and running s
 
 
 def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: float) -> RunOutcome:

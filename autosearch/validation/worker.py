@@ -96,18 +96,23 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = int(config["steps"]), int(config["warmup"])
     baseline_rss = measure.read_status_bytes("VmRSS")
     measure.reset_peak_rss()
+    # On the meta device, then only this rank's shards are allocated: a model larger than one
+    # device runs when its strategy shards it (built whole, it would be an "oom").
     engine = Engine(
         factory,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
         strategy=strategy,
         seed=int(config.get("seed", 0)),
+        meta_init=bool(config.get("meta_init", True)),
     )
     engine.prepare(mode="train")
     device = engine.device_
     limit_memory(config.get("memory_limit_bytes"), device.type)
     gbs = strategy.global_batch_size
     data = SyntheticTokens.for_model(spec, n_samples=gbs * (steps + warmup + 1), seed=0)
-    batches = iter(engine.dataloader(data, batch_size=gbs, mode="train"))
+    # Every batch is built before the first timed step: SyntheticTokens loops over tokens in
+    # Python (~50-100 ms a batch of 8 x 2048, the order of a GPU step), not part of a step.
+    batches = iter(list(engine.dataloader(data, batch_size=gbs, mode="train")))
     losses: list[float] = []
 
     def step() -> None:
@@ -126,6 +131,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         "baseline_rss_bytes": baseline_rss,
         "final_loss": losses[-1],
         "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "meta_init": engine.meta_init,
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "world_size": D.launched_world_size(),
