@@ -897,10 +897,10 @@ class AnalyticCostModel(CostModel):
         world = strategy.world_size
         flops = self._flops_per_sample * strategy.global_batch_size
         notes: tuple[str, ...] = ()
-        if strategy.tp > self.cluster.gpus_per_node:
+        if strategy.tp > self.cluster.nvlink_domain:
             notes = (
                 (
-                    f"tp={strategy.tp} spans nodes ({self.cluster.gpus_per_node} devices per"
+                    f"tp={strategy.tp} spans nodes ({self.cluster.nvlink_domain} devices per"
                     " node): tensor-parallel traffic goes over the network"
                 ),
             )

@@ -144,7 +144,7 @@ class SearchSpace(BaseSearchSpace):
     # ---- building the tree ---------------------------------------------------------------------
     def _build(self) -> None:
         c, m, world = self.config, self.model, self.cluster.world_size
-        gpn = self.cluster.gpus_per_node
+        gpn = self.cluster.nvlink_domain  # tp stays on NVLink: a node, or a rack (GB200 NVL72)
         peaks = self.cluster.profile.peak_flops
         # Preference order, so that among equally fast strategies bf16 comes first.
         self.amps = tuple(a for a in ("bf16", "fp16", "fp32") if a in c.amp and a in peaks)
