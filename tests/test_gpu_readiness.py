@@ -200,3 +200,44 @@ def test_calibrate_on_gpus_always_measures_compute_on_one():
     assert "world size 1 added" in logged[0]
     assert with_compute_world_size("cuda", [1, 8], logged.append) == [1, 8]
     assert with_compute_world_size("cpu", [2], logged.append) == [2] and len(logged) == 1
+
+
+@pytest.mark.parametrize(
+    "message, oom",
+    [
+        ("CUDA error: out of memory", True),
+        ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+        ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True),
+        (
+            "NCCL error: unhandled cuda error, Cuda failure 'out of memory'",
+            True,
+        ),
+        ("NCCL error in: ProcessGroupNCCL.cpp, remote process exited", False),
+        ("CUDA error: an illegal memory access was encountered", False),
+    ],
+)
+def test_cuda_allocation_failures_outside_the_allocator_are_oom(message, oom):
+    from autosearch.validation.worker import is_out_of_memory
+
+    assert is_out_of_memory(RuntimeError(message)) is oom
+
+
+def test_an_oom_that_leaves_peers_waiting_until_the_timeout_is_an_oom():
+    from autosearch.validation._launch import classify
+
+    ranks = [
+        {"rank": 0, "status": "oom", "error_type": "OutOfMemoryError", "message": "CUDA"},
+        {"rank": 1, "status": "stopped"},
+    ]
+    outcome = classify(None, ranks, nproc=2, timed_out=True, timeout_s=600)
+    assert outcome.status == "oom" and "rank 0: out of memory" in outcome.reason
+    assert classify(None, ranks[1:], nproc=2, timed_out=True, timeout_s=600).status == "timeout"
+
+
+def test_strategies_the_engine_cannot_run_are_rows_not_launches(tmp_path):
+    from autosearch.validation import validate
+
+    s = Strategy(micro_batch_size=2, global_batch_size=4, amp="bf16", compile=True)
+    row = validate(SPEC, [s], steps=1, out=tmp_path, verbose=False).table.iloc[0]
+    assert row.status == "invalid" and "the Engine does not run compile" in row.reason
+    assert not list(tmp_path.glob("run*"))  # nothing was started

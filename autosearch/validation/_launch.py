@@ -107,7 +107,9 @@ def classify(
 ) -> RunOutcome:
     """Decide how a run ended from its exit status, the timeout and the per-rank result records."""
     failed = [r for r in ranks if r.get("status") not in (OK, STOPPED)]
-    if timed_out:
+    # A rank that ran out of memory can leave its peers waiting in a collective (NCCL) until
+    # the timeout: the OOM is the cause, the timeout its consequence.
+    if timed_out and not any(r.get("status") == OOM for r in failed):
         done = sum(1 for r in ranks if r.get("status") == OK)
         return RunOutcome(
             TIMEOUT,

@@ -27,6 +27,14 @@ OOM_TYPES = ("OutOfMemoryError", "MemoryError")
 # reports a kernel whose code or scratchpad cannot be mapped as "could not create a primitive".
 CAPPED_ALLOCATION_FAILURES = ("could not create a primitive", "std::bad_alloc")
 _address_space_cap: list[int] = []
+# CUDA allocations that fail outside torch's caching allocator surface as a RuntimeError: cuBLAS
+# and cuDNN workspaces, NCCL buffers, the CUDA runtime itself.
+CUDA_ALLOCATION_FAILURES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -38,6 +46,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return False
     message = str(exc)
     if "DefaultCPUAllocator: can't allocate memory" in message:
+        return True
+    if any(m in message for m in CUDA_ALLOCATION_FAILURES):
+        return True
+    if "NCCL" in message and "out of memory" in message.lower():  # its buffers, in its words
         return True
     return bool(_address_space_cap) and any(m in message for m in CAPPED_ALLOCATION_FAILURES)
 
