@@ -43,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds per stage on a GPU: 8 minutes in all, with room for the process starts.
-TIMEOUTS = {"env": 30, "cuda_tests": 120, "calibrate": 90, "train": 210, "engine_tests": 60}
+TIMEOUTS = {"env": 20, "cuda_tests": 100, "calibrate": 70, "train": 240, "engine_tests": 45}
 DRY_TIMEOUTS = {"env": 60, "cuda_tests": 120, "calibrate": 300, "train": 600, "engine_tests": 300}
 
 
