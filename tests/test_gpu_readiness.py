@@ -176,7 +176,7 @@ def test_more_processes_than_gpus_is_one_message(monkeypatch):
     assert D.device() == torch.device("cuda", 0)
 
 
-def test_a_cpu_only_torch_on_a_gpu_machine_is_said(monkeypatch, capsys):
+def test_a_cpu_only_torch_on_a_gpu_machine_is_said(monkeypatch, capsys, tmp_path):
     from autosearch.engine import distributed as D
 
     monkeypatch.setattr(D, "nvidia_gpus", lambda: 8)
@@ -184,14 +184,27 @@ def test_a_cpu_only_torch_on_a_gpu_machine_is_said(monkeypatch, capsys):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert D.device().type == "cpu"
     assert "CPU-only build and this machine has 8 NVIDIA GPU(s)" in capsys.readouterr().err
-    # validation (torch-free: a fresh process) reads the build from torch/version.py
+    # validation (torch-free: a fresh process) reads the build from torch/version.py; the GPUs
+    # come from the driver: /proc/driver/nvidia, else `nvidia-smi -L` (a stand-in here, where
+    # this machine has neither)
+    import os
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: a)"; echo "GPU 1: NVIDIA H200"\n')
+    smi.chmod(0o755)
     code = (
-        "import sys; from autosearch.validation import _validate as V; V.nvidia_gpus = lambda: 8;"
-        " print(V.torch_build(), V.available_devices()[0], 'torch' in sys.modules)"
+        "import sys; from autosearch.validation import _validate as V; print(V.nvidia_gpus(),"
+        " V.torch_build(), V.available_devices()[0], 'torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["cpu", "cpu", "False"]
-    assert "CPU-only build: the runs go on CPU" in out.stderr
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    if Path("/proc/driver/nvidia/gpus").exists():
+        pytest.skip("this machine has NVIDIA GPUs: the stand-in nvidia-smi is not read")
+    assert out.stdout.split() == ["2", "cpu", "cpu", "False"]
+    assert "has 2 NVIDIA GPU(s) but the installed torch is a CPU-only build" in out.stderr
 
 
 def test_calibrate_on_gpus_always_measures_compute_on_one():

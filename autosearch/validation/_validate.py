@@ -76,11 +76,22 @@ def available_devices() -> tuple[str, int]:
 
 
 def nvidia_gpus() -> int:
-    """NVIDIA GPUs the driver lists (/proc/driver/nvidia/gpus), whatever torch was built for."""
+    """NVIDIA GPUs the driver lists (/proc/driver/nvidia/gpus, else `nvidia-smi -L` where a
+    container or VM hides /proc/driver), whatever torch was built for."""
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
+        pass
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
         return 0
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines())
 
 
 def torch_build() -> str | None:
