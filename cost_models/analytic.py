@@ -97,7 +97,8 @@ class AnalyticCostModel(CostModel):
 
         Ranks are laid out pp-major, then dp, then tp (tp neighbours are adjacent, as in
         Megatron-LM
-        and torchtitan), so a group stays inside a node iff group * stride <= gpus_per_node.
+        and torchtitan), so a group stays on NVLink iff group * stride <= the cluster's NVLink
+        domain (one node, or a rack of them: GB200 NVL72).
         Across nodes, NCCL runs one ring per NIC: a group with k members per node moves data at
         min(intra-node bandwidth, k x per-GPU network bandwidth) (rail-optimized fabrics, one NIC
         per GPU; NCCL docs, "rings and trees").
@@ -106,7 +107,7 @@ class AnalyticCostModel(CostModel):
         hit = self._link_cache.get(key)
         if hit is not None:
             return hit
-        prof, gpn = self.profile, self.cluster.gpus_per_node
+        prof, gpn = self.profile, self.cluster.nvlink_domain
         intra_bw = prof.intra_node.achieved_bandwidth_bytes_per_s
         if group * stride <= gpn:
             link = (prof.intra_node.latency_s, intra_bw)
@@ -123,7 +124,7 @@ class AnalyticCostModel(CostModel):
         latency, bandwidth = self.group_link(group, stride)
         link = (
             self.profile.intra_node
-            if group * stride <= self.cluster.gpus_per_node
+            if group * stride <= self.cluster.nvlink_domain
             else self.profile.inter_node
         )
         return latency, bandwidth * link.op_factor(op)
@@ -206,10 +207,10 @@ class AnalyticCostModel(CostModel):
         world = strategy.world_size
         flops = self._flops_per_sample * strategy.global_batch_size
         notes: tuple[str, ...] = ()
-        if strategy.tp > self.cluster.gpus_per_node:
+        if strategy.tp > self.cluster.nvlink_domain:
             notes = (
                 (
-                    f"tp={strategy.tp} spans nodes ({self.cluster.gpus_per_node} devices per"
+                    f"tp={strategy.tp} spans nodes ({self.cluster.nvlink_domain} devices per"
                     " node): tensor-parallel traffic goes over the network"
                 ),
             )

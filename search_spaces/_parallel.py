@@ -261,7 +261,8 @@ class SearchSpace(BaseSearchSpace):
         """The space's own bounds on a degree (beyond the rules every strategy follows)."""
         c, m = self.config, self.model
         if name == "tp":
-            return not c.tp_within_node or value <= self.cluster.gpus_per_node
+            # tp stays on NVLink: a node, or a rack (GB200 NVL72)
+            return not c.tp_within_node or value <= self.cluster.nvlink_domain
         if name == "pp":
             return rules.layers_problem(value, 1, m, uneven=c.uneven_pipeline) is None and (
                 value > 1 or bool(self._schedules_pp1)
@@ -369,7 +370,7 @@ class SearchSpace(BaseSearchSpace):
         c, m, world, gbs = self.config, self.model, self.cluster.world_size, self.global_batch_size
         first = MESH_LEVELS[0]
         kept = self._dropped.get(first, [])
-        gpn = self.cluster.gpus_per_node
+        gpn = self.cluster.nvlink_domain
         if self._axis_refusals:
             name, why = next(iter(self._axis_refusals.items()))
             return (
@@ -381,7 +382,7 @@ class SearchSpace(BaseSearchSpace):
                 f"no tensor-parallel degree is allowed for {m.name} on {self.cluster.name}:"
                 f" tp must divide {world} devices, n_heads={m.n_heads}, n_kv_heads="
                 f"{m.n_kv_heads}"
-                + (f", <= {gpn} per node" if c.tp_within_node else "")
+                + (f", <= {gpn} per NVLink domain" if c.tp_within_node else "")
                 + f"; pins tp={list(c.tp) if c.tp else 'all'},"
                 f" tp_within_node={c.tp_within_node}. Widen tp or set tp_within_node: false"
             )
@@ -389,7 +390,7 @@ class SearchSpace(BaseSearchSpace):
             f"no (dp, tp, pp, micro_batch_size, schedule) of {world} devices splits"
             f" global_batch_size={gbs} for {m.name} ({m.n_layers} layers): tp in {kept}"
             f" (divides {world} devices, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}"
-            + (f", <= {gpn} per node" if c.tp_within_node else "")
+            + (f", <= {gpn} per NVLink domain" if c.tp_within_node else "")
             + "); pp must"
             f" divide {m.n_layers} layers, dp must divide {gbs}, and a pipeline of pp stages"
             " needs >= pp micro-batches per step. Pins:"

@@ -624,8 +624,8 @@ CASES = [
     ),
     Case(
         "cli-unknown-gpu",
-        cli=est(cluster="b300:1x8"),
-        expect=("b300",),
+        cli=est(cluster="l40s:1x8"),
+        expect=("l40s",),
     ),
     Case(
         "cli-empty-cluster",
@@ -1195,7 +1195,7 @@ CASES = [
         api="ModelSpec(n_layers=2, hidden_size=256, n_heads=4, vocab_size=2**40, seq_len=8)",
         expect=("vocab_size", "limit"),
     ),
-    Case("api-cluster-unknown-gpu", api="Cluster(gpu='b300')", expect=("b300",)),
+    Case("api-cluster-unknown-gpu", api="Cluster(gpu='l40s')", expect=("l40s",)),
     Case("api-cluster-zero-nodes", api="Cluster(gpu='h100-sxm', n_nodes=0)", expect=("n_nodes",)),
     Case(
         "api-cluster-huge-gpus-per-node",

@@ -109,8 +109,8 @@ def test_models_and_hardware_list(capsys):
             "unknown model 'gpt-99'",
         ),
         (
-            ["--model", "llama3-8b", "--cluster", "b300:1x8", "--strategy", "dp=8"],
-            "unknown GPU 'b300'",
+            ["--model", "llama3-8b", "--cluster", "l40s:1x8", "--strategy", "dp=8"],
+            "unknown GPU 'l40s'",
         ),
         (
             [

@@ -51,3 +51,14 @@ def fault_point(spec):
     with open(ready, "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
+
+
+def meta_only(spec):
+    """The reference model, refused unless it is being built on the meta device (validation
+    workers build with meta_init and allocate only each rank's shards)."""
+    import torch
+
+    model = build(spec)
+    if next(model.parameters()).device != torch.device("meta"):
+        raise RuntimeError("the model was built on the host, not on the meta device")
+    return model

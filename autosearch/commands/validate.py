@@ -21,6 +21,15 @@ A run that runs out of memory, crashes (a signal such as SIGSEGV is named) or ou
 rewritten after every run. On CPU, candidates with more than 4 processes per core, or needing
 more memory than the machine has (by the cost model's estimate), are refused unless --force.
 Stopping validate (Ctrl-C, SIGTERM, even SIGKILL) stops torchrun and every worker it started.
+
+On a SLURM cluster (--launcher slurm), each candidate is a batch job at its real scale: as many
+nodes as its dp*tp*pp fills at the cluster's GPUs per node, one torchrun per node through srun
+(c10d rendezvous on the first node), a time limit of --timeout-s plus 2 minutes. The output
+folder must be on a file system every node sees. A job still pending after
+--slurm-pending-timeout-s is cancelled and recorded as "pending"; Ctrl-C cancels the job in
+flight (squeue no longer lists it when validate exits):
+  autosearch validate --study results/llama70b --launcher slurm --slurm-partition gpu \
+      --slurm-account my-project --timeout-s 900
 """
 
 
@@ -74,6 +83,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", help="output folder (default: <study folder>/validation or results/validation)"
     )
+    g = p.add_argument_group("SLURM (--launcher slurm)")
+    g.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: torchrun on this machine (default); slurm: one sbatch job per candidate "
+        "at the cluster's nodes x GPUs per node",
+    )
+    g.add_argument("--slurm-partition", help="sbatch --partition")
+    g.add_argument("--slurm-account", help="sbatch --account")
+    g.add_argument("--slurm-qos", help="sbatch --qos")
+    g.add_argument(
+        "--slurm-pending-timeout-s",
+        type=float,
+        default=1800.0,
+        help="cancel a job still pending after this long and record it as pending (default 1800)",
+    )
+    g.add_argument(
+        "--slurm-cpus-per-task", type=positive_int_arg, help="sbatch --cpus-per-task (per node)"
+    )
+    g.add_argument(
+        "--slurm-cpu",
+        action="store_true",
+        help="run the jobs on CPU (gloo) without asking for GPUs, whatever the cluster's profile",
+    )
+    g.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more sbatch argument, e.g. --sbatch-arg=--constraint=h100 (repeatable)",
+    )
     p.set_defaults(func=run)
 
 
@@ -114,6 +155,19 @@ def run(args: argparse.Namespace) -> int:
         cluster, runtime = args.cluster, args.runtime
         out = args.out or "results/validation"
     limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else None
+    slurm = None
+    if args.launcher == "slurm":
+        from autosearch.validation._slurm import SlurmOptions
+
+        slurm = SlurmOptions(
+            partition=args.slurm_partition,
+            account=args.slurm_account,
+            qos=args.slurm_qos,
+            pending_timeout_s=args.slurm_pending_timeout_s,
+            cpus_per_task=args.slurm_cpus_per_task,
+            gpus=False if args.slurm_cpu else None,
+            sbatch_args=tuple(args.sbatch_arg),
+        )
     result = validate(
         model,
         candidates,
@@ -127,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         study=study,
         runtime=runtime,
         force=args.force,
+        launcher=args.launcher,
+        slurm=slurm,
     )
     print(summary(result, out))
     if result.best is not None:

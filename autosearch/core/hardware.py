@@ -123,6 +123,9 @@ class HardwareProfile:
     attention_kernels: dict[str, float] = field(default_factory=dict)
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
+    nvlink_domain: int = 0  # GPUs in one NVLink (scale-up) domain; 0: one node (gpus_per_node)
+    aliases: tuple[str, ...] = ()  # short names the CLI reads as this profile, with a note
+    device_names: tuple[str, ...] = ()  # what the driver calls exactly this part
     sources: tuple[str, ...] = ()
     measured: tuple[str, ...] = ()
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -320,6 +323,9 @@ class HardwareProfile:
             step_overhead_s=num(
                 data.get("step_overhead_s", 0.0), "step_overhead_s", zero=True, high=3600.0
             ),
+            nvlink_domain=_nvlink_domain(data.get("nvlink_domain", 0), what),
+            aliases=_names(data.get("aliases"), what, "aliases"),
+            device_names=_names(data.get("device_names"), what, "device_names"),
             sources=tuple(data.get("sources", ()) or ()),
             measured=tuple(data.get("measured", ()) or ()),
             calibration=dict(data.get("calibration", {}) or {}),
@@ -364,6 +370,9 @@ class HardwareProfile:
             },
             "kernel_launch_s": self.kernel_launch_s,
             "step_overhead_s": self.step_overhead_s,
+            **({"nvlink_domain": self.nvlink_domain} if self.nvlink_domain else {}),
+            **({"aliases": list(self.aliases)} if self.aliases else {}),
+            **({"device_names": list(self.device_names)} if self.device_names else {}),
             "measured": list(self.measured),
             "calibration": dict(self.calibration),
         }
@@ -389,6 +398,32 @@ class HardwareProfile:
 def profile_names() -> list[str]:
     """Names of the profiles shipped in `cost_models/profiles/`."""
     return sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def profile_aliases() -> dict[str, str]:
+    """{short name: profile name} from every shipped profile's `aliases` (``h100`` -> h100-sxm)."""
+    return {a.lower(): p.name for p in _catalog() for a in p.aliases}
+
+
+def profile_for_device(device_name: str) -> HardwareProfile | None:
+    """The shipped profile of exactly the GPU the driver names (``NVIDIA H100 80GB HBM3`` ->
+    h100-sxm), from each profile's `device_names`; None for a part no profile lists (an H100
+    PCIe or NVL, a GH200: other clocks, memory and links than the SXM board)."""
+    key = _device_key(device_name)
+    for profile in _catalog():
+        if key in {_device_key(n) for n in profile.device_names}:
+            return profile
+    return None
+
+
+def _device_key(name: str) -> str:
+    """A device name compared without case, spacing or the vendor's prefix."""
+    words = name.upper().replace("_", " ").split()
+    return " ".join(words[1:] if words[:1] in (["NVIDIA"], ["AMD"]) else words)
+
+
+def _catalog() -> list[HardwareProfile]:
+    return [HardwareProfile.load(name) for name in profile_names()]
 
 
 def _profiles_dir() -> Path:
@@ -443,12 +478,16 @@ class Cluster:
     Args:
         gpu: a profile name (``a100-sxm4-80gb``), a profile YAML path, or a HardwareProfile.
         n_nodes: number of nodes.
-        gpus_per_node: devices per node; defaults to the profile's.
+        gpus_per_node: devices per node (per host: what torchrun and SLURM call a node);
+            defaults to the profile's.
+        nvlink_domain: devices in one NVLink domain, whole nodes of them (GB200 NVL72: 72 GPUs
+            on 18 hosts of 4); defaults to the profile's, else one node.
     """
 
     gpu: str
     n_nodes: int = 1
     gpus_per_node: int = None  # type: ignore[assignment]  # None: the profile's, set in __post_init__
+    nvlink_domain: int = None  # type: ignore[assignment]  # None: the profile's, else one node
     profile: HardwareProfile = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -465,6 +504,7 @@ class Cluster:
             else positive_int(self.gpus_per_node, "gpus_per_node")
         )
         object.__setattr__(self, "gpus_per_node", gpn)
+        object.__setattr__(self, "nvlink_domain", self._domain(profile, gpn))
         if self.n_nodes * gpn > MAX_DEVICES:
             raise SpecError(
                 f"cluster {self.gpu}:{self.n_nodes}x{gpn} has {self.n_nodes * gpn:,} devices, "
@@ -479,6 +519,25 @@ class Cluster:
             elif gpn > profile.gpus_per_node:
                 profile = profile.oversubscribed(gpn / profile.gpus_per_node)
             object.__setattr__(self, "profile", profile)
+
+    def _domain(self, profile: HardwareProfile, gpn: int) -> int:
+        """The NVLink domain size: whole nodes, at least one node."""
+        given = self.nvlink_domain is not None
+        domain = (
+            positive_int(self.nvlink_domain, "nvlink_domain")
+            if given
+            else (profile.nvlink_domain or gpn)
+        )
+        if domain <= gpn:
+            return gpn
+        if domain % gpn:
+            where = "nvlink_domain" if given else f"profile {profile.name!r}'s nvlink_domain"
+            raise SpecError(
+                f"{where} = {domain} is not a whole number of nodes of {gpn} devices; give "
+                f"gpus_per_node that divides it (e.g. {profile.name}:NODESx"
+                f"{profile.gpus_per_node}) or nvlink_domain as a multiple of {gpn}"
+            )
+        return domain
 
     @property
     def world_size(self) -> int:
@@ -508,8 +567,8 @@ class Cluster:
         Both modes refuse ``GPU:N`` (N nodes, or N GPUs?) and a cluster file or mapping without
         ``gpus_per_node``. The lenient mode (the default) reads a bare GPU name as one node of the
         profile's devices. The strict mode (the CLI and `autosearch.tune`) guesses nothing: a
-        bare GPU name needs `nnodes` and `gpus_per_node`, and it reads the short names of
-        `GPU_ALIASES` (``h100``) with a note on stderr.
+        bare GPU name needs `nnodes` and `gpus_per_node`, and it reads the short names in
+        each profile's `aliases` (``h100``) with a note on stderr.
 
         Args:
             value: the text, a mapping or a Cluster (returned as it is).
@@ -608,27 +667,45 @@ class Cluster:
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}
+        out = {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}
+        if self.nvlink_domain != self.gpus_per_node:
+            out["nvlink_domain"] = self.nvlink_domain
+        return out
+
+
+def _names(value: Any, what: str, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise SpecError(f"{what}: {key} must be a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _nvlink_domain(value: Any, what: str) -> int:
+    if value in (0, None):
+        return 0
+    return positive_int(value, f"{what}: nvlink_domain")
 
 
 # Short GPU names people say, and the profile each stands for (the strict parser prints a note
 # when it reads one). "a100" is not here: it names two profiles (40 and 80 GB), so it stays an
 # error.
-GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
+# Short GPU names are profile data (each profile's `aliases`, `profile_aliases`). "a100" is not
+# one: it names two profiles (40 and 80 GB), so it is an error.
 _AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
 
 
 def _gpu_name(name: str, what: str, strict: bool) -> str:
-    """The profile a GPU name stands for: a short name of `GPU_ALIASES` (strict mode, with a
-    note), refused where it names two profiles; any other name as it is."""
-    low = name.lower()
-    if strict and low in GPU_ALIASES:
+    """The profile a GPU name stands for: a short name a profile lists in its `aliases` (strict
+    mode, with a note), refused where it names two profiles; any other name as it is."""
+    low, aliases = name.lower(), profile_aliases()
+    if strict and low in aliases:
         print(
-            f"note: {what}: {name!r} is read as the {GPU_ALIASES[low]!r} profile; write "
-            f"{GPU_ALIASES[low]} to silence this note (`autosearch hardware` lists the profiles)",
+            f"note: {what}: {name!r} is read as the {aliases[low]!r} profile; write "
+            f"{aliases[low]} to silence this note (`autosearch hardware` lists the profiles)",
             file=sys.stderr,
         )
-        return GPU_ALIASES[low]
+        return aliases[low]
     if low in _AMBIGUOUS_GPUS:
         raise SpecError(
             f"{what}: {name!r} names more than one profile: "

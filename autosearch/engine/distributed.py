@@ -45,10 +45,60 @@ def is_rank0() -> bool:
 
 
 def device() -> torch.device:
-    """The device of this process: its GPU under torchrun when CUDA is present, else the CPU."""
+    """The device of this process: its GPU (``cuda:LOCAL_RANK``) when CUDA is present, else the
+    CPU; also the CPU when the caller started a gloo process group itself (gloo carries CPU
+    tensors: the tests run on CPU on a GPU machine this way)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_gpu())
+    warn_cpu_only_torch()
     return torch.device("cpu")
+
+
+def local_gpu() -> int:
+    """LOCAL_RANK, checked against the GPUs this process sees: one GPU per process."""
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    # Every process of the node checks its node's count, so all raise the same error (and rank
+    # 0 prints it: run_main), not only the ones without a GPU.
+    per_node = max(local + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+    if per_node > count:
+        raise SpecError(
+            f"{per_node} processes on this node (LOCAL_WORLD_SIZE) and {count} GPU(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): every "
+            f"process needs its own GPU; start at most {count} per node (torchrun "
+            f"--nproc_per_node={count}) with a strategy of dp*tp*pp = nodes x {count}, or run "
+            "on CPU with CUDA_VISIBLE_DEVICES= (gloo)"
+        )
+    return local
+
+
+def nvidia_gpus() -> int:
+    """NVIDIA GPUs the driver lists (/proc/driver/nvidia/gpus), whatever torch was built for."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+_warned: list[bool] = []
+
+
+def warn_cpu_only_torch() -> None:
+    """Say once that this torch cannot use the NVIDIA GPUs the machine has (a CPU-only build)."""
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    if _warned or gpu_build or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return
+    gpus = nvidia_gpus()
+    if gpus:
+        _warned.append(True)
+        print(
+            f"warning: torch {torch.__version__} is a CPU-only build and this machine has {gpus} "
+            "NVIDIA GPU(s): running on CPU. Install the CUDA build of the same torch from "
+            "PyTorch's CUDA wheel index (pip install torch==<version> --index-url "
+            "https://download.pytorch.org/whl/cu130) to use them",
+            file=sys.stderr,
+        )
 
 
 def init_distributed() -> None:
@@ -60,6 +110,7 @@ def init_distributed() -> None:
         torch.cuda.set_device(device())
         backend = "nccl"
     else:
+        warn_cpu_only_torch()
         backend = "gloo"
     dist.init_process_group(backend)
 

@@ -28,12 +28,13 @@ STOPPED = "stopped"  # a rank record: ended by the launcher after another rank f
 class RunOutcome:
     """How one real run ended, and what each rank measured."""
 
-    status: str  # ok | oom | crashed | timeout
+    status: str  # ok | oom | crashed | timeout | pending (SLURM: never started)
     reason: str = ""
     exit_code: int | None = None
     wall_s: float = 0.0
     ranks: list[dict[str, Any]] = field(default_factory=list)
     log_path: str = ""
+    slurm: dict[str, Any] = field(default_factory=dict)  # job id, state, pending and running s
 
 
 def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: float) -> RunOutcome:
@@ -106,7 +107,9 @@ def classify(
 ) -> RunOutcome:
     """Decide how a run ended from its exit status, the timeout and the per-rank result records."""
     failed = [r for r in ranks if r.get("status") not in (OK, STOPPED)]
-    if timed_out:
+    # A rank that ran out of memory can leave its peers waiting in a collective (NCCL) until
+    # the timeout: the OOM is the cause, the timeout its consequence.
+    if timed_out and not any(r.get("status") == OOM for r in failed):
         done = sum(1 for r in ranks if r.get("status") == OK)
         return RunOutcome(
             TIMEOUT,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,7 @@ from autosearch.core.errors import SpecError
 from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
+from autosearch.validation._slurm import launch_slurm
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -21,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
+    from autosearch.validation._slurm import SlurmOptions
 
 VALIDATION_ATTR = "validation"
 
@@ -51,21 +55,64 @@ def available_devices() -> tuple[str, int]:
     Torch-free: torch's own answer when the caller imported torch already (Engine.tune), else the
     NVIDIA driver's list of GPUs (/proc/driver/nvidia/gpus) filtered by CUDA_VISIBLE_DEVICES.
     """
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "cuda"):
         if torch.cuda.is_available():
             return "cuda", torch.cuda.device_count()
         return "cpu", _cores()
-    try:
-        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        gpus = 0
+    gpus = nvidia_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpus and visible is not None:
         gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    if gpus and torch_build() == "cpu":
+        print(
+            f"warning: this machine has {gpus} NVIDIA GPU(s) but the installed torch is a "
+            "CPU-only build: the runs go on CPU (with gloo). Install the CUDA build of the same "
+            "torch from PyTorch's CUDA wheel index to validate on the GPUs",
+            file=sys.stderr,
+        )
+        return "cpu", _cores()
     return ("cuda", gpus) if gpus else ("cpu", _cores())
+
+
+def nvidia_gpus() -> int:
+    """NVIDIA GPUs the driver lists (/proc/driver/nvidia/gpus, else `nvidia-smi -L` where a
+    container or VM hides /proc/driver), whatever torch was built for."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        pass
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines())
+
+
+def torch_build() -> str | None:
+    """'cuda', 'rocm' or 'cpu': what the installed torch was built for, read from its
+    `torch/version.py` without importing torch; None when torch is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # `cuda: Optional[str] = '13.0'` in a CUDA build, `= None` in a CPU or ROCm one
+    built = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, flags=re.M))
+    if built.get("cuda", "None") != "None":
+        return "cuda"
+    return "rocm" if built.get("hip", "None") != "None" else "cpu"
 
 
 def _cores() -> int:
@@ -146,6 +193,8 @@ def validate(
     runtime: str | None = None,
     verbose: bool = True,
     force: bool = False,
+    launcher: str = "local",
+    slurm: "SlurmOptions | None" = None,
 ) -> ValidationResult:
     """Run each candidate for `warmup + steps` optimizer steps and measure it.
 
@@ -167,6 +216,10 @@ def validate(
         runtime: the cost model's runtime options for candidates scored here.
         force: on CPU, run candidates even with more than 4 processes per core or more memory
             (by the cost model's estimate) than this machine has available.
+        launcher: "local" (torchrun on this machine) or "slurm": each candidate is a SLURM job
+            at its real scale (nodes x GPUs per node of `cluster`, which is then required),
+            submitted with `slurm` options; a job pending too long is cancelled and recorded
+            as "pending".
 
     Returns:
         A ValidationResult; failures (OOM, crash, timeout) are rows, not exceptions.
@@ -184,7 +237,25 @@ def validate(
     model = ModelSpec.load(model)
     if steps < 1 or warmup < 0:
         raise SpecError(f"steps must be >= 1 and warmup >= 0; got steps={steps}, warmup={warmup}")
-    device_type, n_devices = available_devices()
+    if launcher not in ("local", "slurm"):
+        raise SpecError(f"launcher must be local or slurm, got {launcher!r}")
+    target: Cluster | None = None
+    if launcher == "slurm":
+        from autosearch.validation._slurm import SlurmOptions, check_slurm
+
+        if cluster is None:
+            raise SpecError(
+                "--launcher slurm needs --cluster (its nodes x GPUs per node are the jobs' "
+                "layout), or a study that records one"
+            )
+        check_slurm()
+        slurm = slurm or SlurmOptions()
+        target = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
+        on_gpus = target.profile.device_type == "cuda" if slurm.gpus is None else slurm.gpus
+        device_type, n_devices = ("cuda" if on_gpus else "cpu"), target.world_size
+        force = True  # nothing runs on this machine
+    else:
+        device_type, n_devices = available_devices()
     cands = [c if isinstance(c, Candidate) else Candidate(c) for c in candidates]
     if not cands:
         raise SpecError(
@@ -219,11 +290,9 @@ def validate(
         report = cand.report
         if report is None and cluster is not None:
             c = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
-            c = (
-                Cluster(gpu=c.profile, n_nodes=1, gpus_per_node=world)
-                if c.world_size != world
-                else c
-            )
+            if c.world_size != world:
+                nodes, per_node = (1, world) if target is None else _layout(world, c)
+                c = Cluster(gpu=c.profile, n_nodes=nodes, gpus_per_node=per_node)
             try:
                 report = AnalyticCostModel(model, c, runtime=runtime).estimate(s)
             except SpecError:
@@ -236,17 +305,22 @@ def validate(
             "world_size": world,
             "model": model.name,
         }
-        problems = s.problems(model)
+        problems = s.problems(model) + engine_lacks(s)
         if device_type == "cuda" and world > n_devices:
             problems.append(
                 f"needs {world} GPUs, this machine has {n_devices}; run validation on the "
                 "target cluster"
+                if target is None
+                else f"needs {world} GPUs, the cluster {target} has {n_devices}"
             )
+        if target is not None and not problems and isinstance(_layout(world, target), str):
+            problems.append(str(_layout(world, target)))
         if problems:
             row.update(status="invalid", reason="; ".join(problems))
             outcome = RunOutcome("invalid", "; ".join(problems))
         else:
-            n_threads = threads or max(1, (n_devices if device_type == "cpu" else 1) // world)
+            cores = n_devices if target is None else (slurm.cpus_per_task if slurm else 0) or 1
+            n_threads = threads or max(1, (cores if device_type == "cpu" else 1) // world)
             config = {
                 "model": model.to_dict(),
                 "strategy": s.to_dict(),
@@ -259,12 +333,21 @@ def validate(
             }
             if verbose:
                 print(f"[{i + 1}/{len(cands)}] {s.short()} on {world} process(es) ...", flush=True)
-            outcome = launch(
-                config,
-                nproc=world,
-                run_dir=out_dir / f"run{i:03d}_{s.short()}",
-                timeout_s=timeout_s,
-            )
+            run_dir = out_dir / f"run{i:03d}_{s.short()}"
+            if target is not None and slurm is not None:
+                outcome = launch_slurm(
+                    config,
+                    nproc=world,
+                    gpus_per_node=target.gpus_per_node,
+                    gpus=device_type == "cuda",
+                    run_dir=run_dir,
+                    timeout_s=timeout_s,
+                    options=slurm,
+                    name=f"autosearch-validate-{i:03d}",
+                )
+                row.update({f"slurm_{k}": v for k, v in outcome.slurm.items()})
+            else:
+                outcome = launch(config, nproc=world, run_dir=run_dir, timeout_s=timeout_s)
             row.update(
                 status=outcome.status,
                 reason=outcome.reason,
@@ -295,8 +378,8 @@ def validate(
                 report.step_time_s / row["measured_step_time_s"] - 1
             )
             if not math.isnan(row["measured_peak_memory_bytes"]):
-                row["memory_error_pct"] = 100 * (
-                    report.peak_memory_bytes / row["measured_peak_memory_bytes"] - 1
+                row["memory_error_pct"] = memory_error_pct(
+                    report, row["measured_peak_memory_bytes"]
                 )
         if verbose:
             print("    " + _one_line(row), flush=True)
@@ -312,6 +395,36 @@ def validate(
         idx = ok.measured_tokens_per_s.idxmax()
         best, best_row = cands[int(table.loc[idx, "candidate"])], table.loc[idx].to_dict()
     return ValidationResult(table, best, best_row, outcomes)
+
+
+def engine_lacks(strategy: "Strategy") -> list[str]:
+    """What the Engine cannot run (the `torch` runtime's `supports`): a row, not a launch."""
+    from autosearch.core import RUNTIMES
+
+    return [
+        f"the Engine does not run {how} yet (the cost model prices it for other runtimes: "
+        "autosearch export --to torchtitan)"
+        for how in RUNTIMES["torch"].unsupported(strategy).values()
+    ]
+
+
+def _layout(world: int, cluster: "Cluster") -> "tuple[int, int] | str":
+    """(nodes, processes per node) of a run of `world` on `cluster`'s nodes, or why not."""
+    from autosearch.validation._slurm import layout
+
+    try:
+        return layout(world, cluster.gpus_per_node)
+    except SpecError as exc:
+        return str(exc)
+
+
+def memory_error_pct(report: Any, measured_tensor_bytes: float) -> float:
+    """Predicted against measured peak tensor memory, in percent. Both without the runtime's
+    reserve (CUDA context, torch itself: the profile's `reserved_bytes`, which the prediction
+    lists as `memory.other_bytes`): dividing the total by a tensor peak reported +301% for a
+    +12% error on an H200 profile (shared/notes/cuda-review.md, finding 3)."""
+    predicted = report.peak_memory_bytes - report.memory.other_bytes
+    return 100 * (predicted / measured_tensor_bytes - 1)
 
 
 def _write_csv(table: "pd.DataFrame", path: Path) -> None:

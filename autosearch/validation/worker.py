@@ -27,6 +27,14 @@ OOM_TYPES = ("OutOfMemoryError", "MemoryError")
 # reports a kernel whose code or scratchpad cannot be mapped as "could not create a primitive".
 CAPPED_ALLOCATION_FAILURES = ("could not create a primitive", "std::bad_alloc")
 _address_space_cap: list[int] = []
+# CUDA allocations that fail outside torch's caching allocator surface as a RuntimeError: cuBLAS
+# and cuDNN workspaces, NCCL buffers, the CUDA runtime itself.
+CUDA_ALLOCATION_FAILURES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -38,6 +46,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return False
     message = str(exc)
     if "DefaultCPUAllocator: can't allocate memory" in message:
+        return True
+    if any(m in message for m in CUDA_ALLOCATION_FAILURES):
+        return True
+    if "NCCL" in message and "out of memory" in message.lower():  # its buffers, in its words
         return True
     return bool(_address_space_cap) and any(m in message for m in CAPPED_ALLOCATION_FAILURES)
 
@@ -96,18 +108,23 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = int(config["steps"]), int(config["warmup"])
     baseline_rss = measure.read_status_bytes("VmRSS")
     measure.reset_peak_rss()
+    # On the meta device, then only this rank's shards are allocated: a model larger than one
+    # device runs when its strategy shards it (built whole, it would be an "oom").
     engine = Engine(
         factory,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
         strategy=strategy,
         seed=int(config.get("seed", 0)),
+        meta_init=bool(config.get("meta_init", True)),
     )
     engine.prepare(mode="train")
     device = engine.device_
     limit_memory(config.get("memory_limit_bytes"), device.type)
     gbs = strategy.global_batch_size
     data = SyntheticTokens.for_model(spec, n_samples=gbs * (steps + warmup + 1), seed=0)
-    batches = iter(engine.dataloader(data, batch_size=gbs, mode="train"))
+    # Every batch is built before the first timed step: SyntheticTokens loops over tokens in
+    # Python (~50-100 ms a batch of 8 x 2048, the order of a GPU step), not part of a step.
+    batches = iter(list(engine.dataloader(data, batch_size=gbs, mode="train")))
     losses: list[float] = []
 
     def step() -> None:
@@ -126,6 +143,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         "baseline_rss_bytes": baseline_rss,
         "final_loss": losses[-1],
         "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "meta_init": engine.meta_init,
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "world_size": D.launched_world_size(),

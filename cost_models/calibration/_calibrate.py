@@ -28,6 +28,7 @@ from cost_models.calibration.runner import (
     make_plan,
     resolve_device,
     run_microbenchmarks,
+    with_compute_world_size,
 )
 
 
@@ -124,7 +125,9 @@ def calibrate(
         )
     else:
         device = resolve_device(device)
-        world_sizes = sorted(set(world_sizes or default_world_sizes(device)))
+        world_sizes = with_compute_world_size(
+            device, sorted(set(world_sizes or default_world_sizes(device))), log
+        )
         _check_world_sizes(device, world_sizes, log, force=force)
         machine = describe_machine(device)
         log(
@@ -152,8 +155,14 @@ def calibrate(
             )[0]
             for ws, (pname, compute_ws, gpn) in targets.items()
         }
-    except Exception:
-        _write_csv(df, from_csv, stem + UNTRUSTED_SUFFIX + ".csv", log)  # lose nothing measured
+    except Exception as exc:
+        kept = stem + UNTRUSTED_SUFFIX + ".csv"
+        _write_csv(df, from_csv, kept, log)  # lose nothing measured
+        if isinstance(exc, ValueError):  # too few points of a kind: say so, not a traceback
+            raise SpecError(
+                f"the measurements cannot be fitted into a profile: {exc}; they are kept in "
+                f"{from_csv or kept} (world sizes measured: {world_sizes})"
+            ) from exc
         raise
     problems, warnings = _verdict(profiles)
     trusted = not problems

@@ -52,6 +52,10 @@ def main(plan_path: str, out_path: str) -> int:
             shapes=[tuple(s) for s in plan["gemm_shapes"]],
             max_call_s=plan["max_call_s"],
         )
+    if "fp8_gemm" in suites:
+        rows += mb.fp8_gemm(
+            timer, shapes=[tuple(s) for s in plan["gemm_shapes"]], max_call_s=plan["max_call_s"]
+        )
     if "memory" in suites:
         rows += mb.memory(timer, array_bytes=plan["memory_array_bytes"])
     if "attention" in suites:

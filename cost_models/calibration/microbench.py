@@ -203,6 +203,51 @@ def gemm(
     return rows
 
 
+def fp8_supported(device: torch.device) -> str | None:
+    """Why float8 GEMMs cannot be measured here, or None: `torch._scaled_mm` needs a CUDA GPU of
+    compute capability 8.9 or later (Ada, Hopper, Blackwell)."""
+    if device.type != "cuda":
+        return "float8 GEMMs need a CUDA GPU (torch._scaled_mm)"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "float8 GEMMs need compute capability >= 8.9 (Ada, Hopper, Blackwell)"
+    return None
+
+
+def fp8_gemm(
+    timer: Timer, *, shapes: Iterable[tuple[int, int, int]], max_call_s: float
+) -> list[dict[str, Any]]:
+    """y[m, n] = a[m, k] @ b[k, n] in float8 e4m3 with bf16 output through `torch._scaled_mm`, as
+    torchao's Float8Linear runs it: one scale per tensor (`fp8`) and one per row of a and column
+    of b (`fp8_rowwise`). Forward only: dgrad and wgrad are GEMMs of the same kind and size."""
+    dev = timer.device
+    why = fp8_supported(dev)
+    shapes = sorted(shapes, key=lambda s: s[0] * s[1] * s[2])
+    rows: list[dict[str, Any]] = []
+    for precision in ("fp8", "fp8_rowwise"):
+        rate = None
+        for m, n, k in shapes:
+            flops = 2.0 * m * n * k
+            base: dict[str, Any] = {"kind": "gemm_fp8", "op": "scaled_mm"}
+            base.update(precision=precision, m=m, n=n, k=k, flops=flops)
+            if why or (rate is not None and flops / rate > max_call_s):
+                rows.append({**base, "skipped": why or "slower than max_call_s"})
+                continue
+            a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+            b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()  # column-major
+            if precision == "fp8":
+                sa = sb = torch.ones((), device=dev)
+            else:
+                sa, sb = torch.ones(m, 1, device=dev), torch.ones(1, n, device=dev)
+            fn = functools.partial(
+                torch._scaled_mm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
+            )
+            r = timer.measure(fn)
+            rows.append({**base, **r})
+            rate = flops / r["time_s"]
+            del a, b
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming memory bandwidth (STREAM's copy / add / triad; McCalpin 1995)
 # ---------------------------------------------------------------------------------------------

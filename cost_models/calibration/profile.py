@@ -35,11 +35,10 @@ import pandas as pd
 from autosearch.core.hardware import (
     ATTENTION_BACKWARD_OVER_FORWARD,
     GEMM_BACKWARD_OVER_FORWARD,
-    PRECISIONS,
     GemmEfficiency,
     HardwareProfile,
     Link,
-    profile_names,
+    profile_for_device,
 )
 from cost_models.calibration import fit as F
 from cost_models.calibration.quality import assess_quality
@@ -65,21 +64,18 @@ SCHEMA_LIMITS = {
     "bandwidth_bytes_per_s": 1e14,
     "cache_bandwidth_bytes_per_s": 1e15,
 }
-CATALOG_MATCH = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm4-{mem}gb"))
 
 
 def catalog_profile_for(
     device_name: str, memory_bytes: float | None = None
 ) -> HardwareProfile | None:
-    """The shipped profile of a GPU by its name (`NVIDIA H100 80GB HBM3` -> h100-sxm), or None."""
-    upper = device_name.upper()
-    for key, name in CATALOG_MATCH:
-        if key in upper:
-            if "{mem}" in name:
-                name = name.format(mem=80 if (memory_bytes or 0) > 50e9 else 40)
-            if name in profile_names():
-                return HardwareProfile.load(name)
-    return None
+    """The shipped profile of exactly this GPU (`NVIDIA H100 80GB HBM3` -> h100-sxm), or None.
+
+    Matched against each profile's `device_names`, never by a substring: an H100 PCIe, H100 NVL
+    or GH200 is not the SXM board (other clocks, memory and links). `memory_bytes` is not needed
+    (the driver's name says 40 or 80 GB) and kept for callers that pass it.
+    """
+    return profile_for_device(device_name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +172,7 @@ def build_profile(
     )
     links = fit_links(df, statistic=statistic, machine=machine, base=base)
     capacity = fit_capacity(cdf, machine=machine, base=base, gpus_per_node=gpus_per_node)
+    gemm = fit_fp8_term(cdf, statistic=statistic, base=base, gemm=gemm)
     gemm, attention, catalog = _catalog_precisions(gemm, attention, base)
     terms = Terms(launch, gemm, memory, attention, links, capacity, catalog)
     threads = cdf["threads"].dropna()
@@ -187,6 +184,7 @@ def build_profile(
         device=device,
         gpus_per_node=gpus_per_node,
         sources=_sources(machine, base),
+        base=base,
     ).to_dict()
     clamped = _within_schema(data)
     quality = assess_quality(
@@ -248,12 +246,18 @@ def _assemble(
     device: str,
     gpus_per_node: int,
     sources: tuple[str, ...],
+    base: HardwareProfile | None = None,
 ) -> HardwareProfile:
-    """The profile of the fitted terms (its `to_dict` is the one schema writer)."""
+    """The profile of the fitted terms (its `to_dict` is the one schema writer). What no
+    microbenchmark measures comes from the catalog profile of the same GPU: its architecture
+    (which kernels a runtime has for it), its attention-kernel table and its NVLink domain."""
     return HardwareProfile(
         name=name,
         description=description,
         device_type=device,
+        architecture=base.architecture if base else "",
+        attention_kernels=dict(base.attention_kernels) if base else {},
+        nvlink_domain=base.nvlink_domain if base else 0,
         sources=sources,
         gpus_per_node=int(gpus_per_node),
         peak_flops=terms.gemm.peak_flops,
@@ -683,17 +687,62 @@ def fit_capacity(
     )
 
 
+def fit_fp8_term(
+    cdf: pd.DataFrame, *, statistic: str, base: HardwareProfile | None, gemm: GemmTerm
+) -> GemmTerm:
+    """Float8 GEMM ceilings (``torch._scaled_mm``, tensorwise `fp8` and rowwise `fp8_rowwise`
+    scales) relative to the fp8 peak: the catalog's datasheet peak, else the fastest measured.
+    The shape terms (half_dim, launch) stay those of the bf16/fp32 fit."""
+    rows = _measured(cdf, "gemm_fp8", statistic)
+    if len(rows) < 3:
+        return gemm
+    fit = F.fit_gemm(rows["m"], rows["n"], rows["k"], rows["precision"].tolist(), rows["t"])
+    rates = fit.rate_flops
+    peak = base.peak_flops["fp8"] if base and "fp8" in base.peak_flops else max(rates.values())
+    definition = "datasheet fp8 peak of " + base.name if base else "fastest measured fp8 rate"
+    return dataclasses.replace(
+        gemm,
+        peak_flops={**gemm.peak_flops, "fp8": float(peak)},
+        gemm=dataclasses.replace(
+            gemm.gemm,
+            max_efficiency={
+                **gemm.gemm.max_efficiency,
+                **{p: float(r / peak) for p, r in rates.items()},
+            },
+        ),
+        measured=gemm.measured + tuple(f"gemm.max_efficiency.{p}" for p in sorted(rates)),
+        fits={
+            **gemm.fits,
+            "gemm_fp8": {
+                "form": "torch._scaled_mm forward, t = launch + 2mnk / rate * (1 + half_dim "
+                "(1/m + 1/n + 1/k)), one rate per scaling; max_efficiency = rate / peak",
+                "rate_flops": rates,
+                "half_dim": fit.half_dim,
+                "peak": float(peak),
+                "peak_definition": definition,
+                "quality": fit.quality.to_dict(),
+            },
+        },
+    )
+
+
 def _catalog_precisions(
     gemm: GemmTerm, attention: AttentionTerm, base: HardwareProfile | None
 ) -> tuple[GemmTerm, AttentionTerm, Term]:
-    """Keep the catalog's other precisions (e.g. tf32) when a GPU did not measure them."""
-    extra = [p for p in PRECISIONS if base is not None and p in base.peak_flops]
-    extra = [p for p in extra if p not in gemm.peak_flops]
-    if base is None or not extra:
+    """Keep the catalog's precisions and GEMM ceilings a GPU did not measure (tf32, fp8 and
+    fp8_rowwise when no fp8 GEMM was benchmarked): a calibrated H100 still prices fp8."""
+    extra = [p for p in (base.peak_flops if base else ()) if p not in gemm.peak_flops]
+    extra_eff = [
+        p for p in (base.gemm.max_efficiency if base else ()) if p not in gemm.gemm.max_efficiency
+    ]
+    if base is None or not (extra or extra_eff):
         return gemm, attention, Term()
     peak = {**gemm.peak_flops, **{p: base.peak_flops[p] for p in extra}}
-    max_eff = {**gemm.gemm.max_efficiency, **{p: base.gemm.max_efficiency[p] for p in extra}}
-    att = {**attention.efficiency, **{p: base.attention_efficiency.get(p, 0.4) for p in extra}}
+    max_eff = {**gemm.gemm.max_efficiency, **{p: base.gemm.max_efficiency[p] for p in extra_eff}}
+    att = {
+        **attention.efficiency,
+        **{p: base.attention_efficiency[p] for p in extra if p in base.attention_efficiency},
+    }
     return (
         dataclasses.replace(
             gemm,
@@ -703,7 +752,8 @@ def _catalog_precisions(
         dataclasses.replace(attention, efficiency=att),
         Term(
             defaults={
-                f"precision.{p}": f"not measured: catalog profile {base.name}" for p in extra
+                f"precision.{p}": f"not measured: catalog profile {base.name}"
+                for p in dict.fromkeys(extra + extra_eff)
             }
         ),
     )

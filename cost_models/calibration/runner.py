@@ -148,6 +148,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def with_compute_world_size(
+    device: str, world_sizes: list[int], log: Callable[[str], None]
+) -> list[int]:
+    """On a GPU, compute (GEMM, memory, attention) is measured on one GPU: world size 1 is
+    always run, also when only collective sizes were asked (``--world-sizes 8``)."""
+    if device != "cuda" or 1 in world_sizes:
+        return world_sizes
+    log("calibrate: world size 1 added: compute is measured on one GPU")
+    return [1, *world_sizes]
+
+
 def cpu_cores() -> int:
     return (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -369,7 +380,9 @@ def run_microbenchmarks(
         else:
             threads = None
             suites = (
-                ["process_memory", "launch", "gemm", "memory", "attention"] if ws == 1 else []
+                ["process_memory", "launch", "gemm", "fp8_gemm", "memory", "attention"]
+                if ws == 1
+                else []
             ) + (["process_memory", "collectives"] if ws > 1 else [])
         log(
             f"calibrate: world size {ws}: {', '.join(suites)}"

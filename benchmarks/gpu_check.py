@@ -1,0 +1,420 @@
+"""One GPU check: everything a first GPU run should show, in one script, within 8 minutes.
+
+Stages (each in its own process with its own timeout; a stage that fails or times out is
+recorded and the next one runs):
+
+1. env          torch, CUDA, the GPUs, the profile the catalog gives them (by exact name).
+2. cuda_tests   `pytest -m cuda` (tests/test_cuda.py): the Engine on cuda:0, gloo on CPU, more
+                processes than GPUs, calibration without world size 1, validation on CUDA.
+3. calibrate    `autosearch calibrate --quick` over every GPU (fp8 GEMMs included where the GPU
+                has them), written as a profile.
+4. train        a small Llama-style model (~0.5 B parameters; GQA, SwiGLU, RMSNorm) trained by
+                the Engine through `autosearch validate` under 10 strategies on one GPU (amp,
+                micro-batch sizes, recompute kinds, fp16, fp32; compile and fp8, which the
+                Engine refuses, are recorded as such), and dp / tp / pp / ZeRO-3 over 2 and 4
+                GPUs when present.
+5. engine_tests the single-process Engine tests (tests/test_engine.py) on cuda:0.
+6. summary      measured against predicted step time and peak tensor memory, for the catalog
+                profile of this GPU and for the one calibrated in stage 3: MAPE, Spearman of the
+                ranking, the regret of the predicted pick, memory error.
+
+`--dry-run` runs every stage on CPU with tiny shapes (gloo, a 2-layer model) and writes the same
+files; it is how the script is tested without a GPU.
+
+Run: python benchmarks/gpu_check.py [--dry-run] [--out results/gpu]
+Writes OUT/stages.json, OUT/env.json, OUT/logs/<stage>.log, OUT/calibration/, OUT/train/
+(validation.csv and each run's log), OUT/measured_vs_predicted.csv, OUT/summary.json and
+OUT/summary.md. Needs nothing beyond the README's GPU install (torch's CUDA build and the
+project's extras); run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# Seconds per stage on a GPU: 8 minutes in all, with room for the process starts.
+TIMEOUTS = {"env": 20, "cuda_tests": 100, "calibrate": 70, "train": 240, "engine_tests": 45}
+DRY_TIMEOUTS = {"env": 60, "cuda_tests": 120, "calibrate": 300, "train": 600, "engine_tests": 300}
+
+
+def gpu_model():
+    """A small Llama-style model: 8 layers, hidden 2048, 16 heads (8 kv), SwiGLU 5632, 32k vocab,
+    2048 tokens: ~0.49 B parameters, ~0.1 s a step of 16 sequences on an H100-class GPU."""
+    from autosearch import ModelSpec
+
+    return ModelSpec.load("llama3-8b").scaled(
+        name="llama-0.5b-check",
+        n_layers=8,
+        hidden_size=2048,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_hidden_size=5632,
+        vocab_size=32000,
+        seq_len=2048,
+    )
+
+
+def dry_model():
+    from autosearch import ModelSpec
+
+    return ModelSpec.load("tiny-gpt").scaled(name="tiny-check", n_layers=2, seq_len=64)
+
+
+def strategies(n_devices: int, *, dry: bool) -> list:
+    """At least 8 strategies on one device, and parallel ones over 2 and 4 when present."""
+    from autosearch import Strategy
+
+    gbs = 8 if dry else 16
+    one = lambda **kw: Strategy(global_batch_size=gbs, **kw)  # noqa: E731
+    amp = "fp32" if dry else "bf16"  # 16-bit matmuls are emulated (slow) on many CPUs
+    out = [
+        one(micro_batch_size=4, amp=amp),
+        one(micro_batch_size=2, amp=amp),
+        one(micro_batch_size=8, amp=amp),
+        one(micro_batch_size=1, amp=amp),
+        one(micro_batch_size=4, amp=amp, recompute="full"),
+        one(micro_batch_size=4, amp=amp, recompute="selective"),
+        one(micro_batch_size=4, amp="fp16" if not dry else "bf16"),
+        one(micro_batch_size=4, amp="fp32" if not dry else "bf16", recompute="full"),
+        one(micro_batch_size=4, amp=amp, compile=True),  # the Engine refuses: recorded
+        one(micro_batch_size=4, amp=amp, fp8="tensorwise"),  # idem (and needs fp8 units)
+    ]
+    if n_devices >= 2:
+        out += [
+            one(dp=2, micro_batch_size=4, amp=amp),
+            one(dp=2, micro_batch_size=4, amp=amp, zero_stage=3),
+            one(tp=2, micro_batch_size=4, amp=amp, sequence_parallel=True),
+            one(pp=2, micro_batch_size=2, amp=amp, pipeline_schedule="1f1b"),
+        ]
+    if n_devices >= 4 and not dry:
+        out += [one(dp=2, tp=2, micro_batch_size=4, amp=amp, zero_stage=3)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+
+def run_stage(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
+    """One stage in its own process group (all its children end with it), with a timeout."""
+    from autosearch.core.processes import ProcessGroup, ProcessTimeout
+
+    log = out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    start = time.monotonic()
+    status, code = "ok", None
+    print(f"[gpu_check] {name} (at most {timeout_s:.0f} s): {' '.join(cmd[:6])} ...", flush=True)
+    try:
+        with ProcessGroup([cmd], envs=env, cwd=ROOT, logs=[log], timeout_s=timeout_s) as group:
+            (ended,) = group.wait()
+            code = ended.returncode
+            status = "ok" if code == 0 else "failed"
+    except ProcessTimeout:
+        status = "timeout"
+    seconds = round(time.monotonic() - start, 1)
+    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    print(f"[gpu_check] {name}: {status} in {seconds} s {tail[0][:120] if tail else ''}")
+    return {"stage": name, "status": status, "exit_code": code, "seconds": seconds,
+            "log": str(log.relative_to(out)), "command": [_rel(c) for c in cmd]}  # fmt: skip
+
+
+def env_stage(out: Path) -> None:
+    """Stage 1, in its own process: what this machine is (env.json)."""
+    import torch
+
+    from autosearch.core.hardware import profile_for_device
+    from autosearch.validation._validate import available_devices, torch_build
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_build": torch_build(),
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "available_devices": available_devices(),
+        "cpu": platform.processor() or _cpu_model(),
+    }
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        catalog = profile_for_device(names[0])
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpus=names,
+            capability=list(torch.cuda.get_device_capability(0)),
+            memory_bytes=props.total_memory,
+            catalog_profile=catalog.name if catalog else None,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False)
+        info["nvidia_smi"] = smi.stdout.splitlines()[:20]
+    (out / "env.json").write_text(json.dumps(info, indent=1, default=str))
+    print(json.dumps(info, indent=1, default=str))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def train_stage(out: Path, *, dry: bool, profile: str) -> None:
+    """Stage 4, in its own process: the strategies through `autosearch validate`."""
+    import torch
+
+    from autosearch.validation import validate
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() and not dry else (2 if dry else 1)
+    model = dry_model() if dry else gpu_model()
+    cands = strategies(n, dry=dry)
+    result = validate(
+        model,
+        cands,
+        cluster=f"{profile}:1x{max(1, n)}",
+        steps=3 if dry else 5,
+        warmup=1 if dry else 2,
+        timeout_s=120 if dry else 60,
+        out=out / "train",
+        force=dry,
+    )
+    (out / "train" / "model.json").write_text(json.dumps(model.to_dict(), indent=1))
+    print(result.table[["strategy", "status"]].to_string())
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------
+
+
+def summarize(out: Path, profiles: dict[str, str]) -> dict[str, Any]:
+    """Measured against predicted for each profile (name -> profile name or path)."""
+    import pandas as pd
+    from scipy.stats import spearmanr
+
+    from autosearch import ModelSpec, Strategy
+    from cost_models import AnalyticCostModel, Cluster
+
+    csv = out / "train" / "validation.csv"
+    if not csv.exists():
+        return {"error": f"{csv} missing: the train stage wrote nothing"}
+    table = pd.read_csv(csv)
+    model = ModelSpec.from_dict(json.loads((out / "train" / "model.json").read_text()))
+    rows = []
+    for _, r in table.iterrows():
+        row = {k: r.get(k) for k in ("strategy", "world_size", "status", "reason")}
+        row.update(
+            {
+                k: r.get(k)
+                for k in (
+                    "measured_step_time_s",
+                    "measured_peak_memory_bytes",
+                    "peak_memory_method",
+                )
+            }
+        )
+        fields = [k for k in Strategy.__dataclass_fields__ if k in r and not _missing(r[k])]
+        s = Strategy.from_dict({k: r[k] for k in fields})
+        for label, prof in profiles.items():
+            try:
+                cluster = Cluster(gpu=prof, n_nodes=1, gpus_per_node=s.world_size)
+                rep = AnalyticCostModel(model, cluster).estimate(s)
+            except Exception as exc:  # noqa: BLE001 - a profile that cannot price it: say why
+                row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                continue
+            tensor = rep.peak_memory_bytes - rep.memory.other_bytes
+            row[f"{label}_step_time_s"] = rep.step_time_s
+            row[f"{label}_tensor_memory_bytes"] = tensor
+            if r.get("status") == "ok":
+                row[f"{label}_step_error_pct"] = 100 * (
+                    rep.step_time_s / r.measured_step_time_s - 1
+                )
+                row[f"{label}_memory_error_pct"] = 100 * (
+                    tensor / r.measured_peak_memory_bytes - 1
+                )
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "measured_vs_predicted.csv", index=False)
+    ok = df[df.status == "ok"]
+    summary: dict[str, Any] = {
+        "runs": len(df),
+        "ok": len(ok),
+        "statuses": df.status.value_counts().to_dict(),
+        "by_profile": {},
+    }
+    for label, prof in profiles.items():
+        col = f"{label}_step_time_s"
+        if col not in ok or ok[col].isna().all():
+            continue
+        sub = ok[ok[col].notna()]
+        step_err = sub[f"{label}_step_error_pct"].abs()
+        mem_err = sub[f"{label}_memory_error_pct"]
+        rho = spearmanr(sub[col], sub.measured_step_time_s).statistic if len(sub) > 2 else None
+        fastest = sub.measured_step_time_s.min()
+        pick = sub.loc[sub[col].idxmin()]
+        summary["by_profile"][label] = {
+            "profile": _rel(prof),
+            "trusted": _trusted(prof),
+            "runs": int(len(sub)),
+            "step_time_mape_pct": round(float(step_err.mean()), 1),
+            "step_time_worst_pct": round(float(step_err.max()), 1),
+            "spearman": None if rho is None or math.isnan(rho) else round(float(rho), 3),
+            "pick": pick.strategy,
+            "pick_regret_pct": round(float(100 * (pick.measured_step_time_s / fastest - 1)), 1),
+            "memory_error_mean_abs_pct": round(float(mem_err.abs().mean()), 1),
+            "memory_error_mean_pct": round(float(mem_err.mean()), 1),
+        }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(_markdown(summary, df, profiles))
+    return summary
+
+
+def _rel(path: str) -> str:
+    """A path inside the repository as a relative one (committed results name no machine)."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, ROOT) if full.startswith(str(ROOT) + os.sep) else path
+
+
+def _trusted(profile: str) -> bool | None:
+    """A calibrated profile's verdict (`calibration.quality.ok`); None for a datasheet one."""
+    from autosearch.core.hardware import HardwareProfile
+
+    quality = (HardwareProfile.load(profile).calibration or {}).get("quality")
+    return None if quality is None else bool(quality.get("ok"))
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _markdown(summary: dict[str, Any], df, profiles: dict[str, str]) -> str:
+    lines = [
+        "# GPU check: measured against predicted",
+        "",
+        f"{summary['ok']} of {summary['runs']} runs ok ({summary['statuses']}).",
+        "",
+        "| profile | trusted | runs | step MAPE | worst | Spearman | pick | regret | memory error "
+        "(mean, mean of abs) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, s in summary["by_profile"].items():
+        lines.append(
+            f"| {label} ({Path(s['profile']).name}) | {s['trusted']} | {s['runs']} | "
+            f"{s['step_time_mape_pct']}% | "
+            f"{s['step_time_worst_pct']}% | {s['spearman']} | {s['pick']} | "
+            f"{s['pick_regret_pct']}% | {s['memory_error_mean_pct']}%, "
+            f"{s['memory_error_mean_abs_pct']}% |"
+        )
+    lines += ["", "| strategy | status | measured step | measured tensor peak | " + " | ".join(
+        f"{p} step / memory error" for p in profiles) + " |"]  # fmt: skip
+    lines.append("|---|---|---|---|" + "---|" * len(profiles))
+    for _, r in df.iterrows():
+        cells = [str(r.strategy), str(r.status)]
+        if r.status == "ok":
+            cells += [f"{r.measured_step_time_s * 1e3:.1f} ms",
+                      f"{r.measured_peak_memory_bytes / 2**20:,.0f} MiB"]  # fmt: skip
+            for p in profiles:
+                se, me = r.get(f"{p}_step_error_pct"), r.get(f"{p}_memory_error_pct")
+                cells.append("-" if _missing(se) else f"{se:+.0f}% / {me:+.0f}%")
+        else:
+            cells += [str(r.reason)[:90].replace("|", "/"), ""] + [""] * len(profiles)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="every stage on CPU, tiny shapes")
+    p.add_argument("--out", help="output folder (default results/gpu, or results/gpu/dry-run)")
+    p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    p.add_argument("--_stage", help=argparse.SUPPRESS)  # run one stage in this process
+    p.add_argument("--_profile", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out = Path(args.out or ("results/gpu/dry-run" if args.dry_run else "results/gpu")).resolve()
+    if args._stage == "env":
+        env_stage(out)
+        return 0
+    if args._stage == "train":
+        train_stage(out, dry=args.dry_run, profile=args._profile)
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    dry, skip = args.dry_run, set(filter(None, args.skip.split(",")))
+    timeouts = DRY_TIMEOUTS if dry else TIMEOUTS
+    py, me = sys.executable, [sys.executable, str(Path(__file__).resolve())]
+    flags = ["--out", str(out)] + (["--dry-run"] if dry else [])
+    stages: list[dict[str, Any]] = []
+
+    def stage(name: str, cmd: list[str]) -> dict[str, Any]:
+        if name in skip:
+            result = {"stage": name, "status": "skipped"}
+        else:
+            result = run_stage(name, cmd, out, timeouts[name])
+        stages.append(result)
+        (out / "stages.json").write_text(json.dumps(stages, indent=1))
+        return result
+
+    stage("env", me + flags + ["--_stage", "env"])
+    env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
+    n_gpus = 0 if dry else len(env.get("gpus") or [])
+    if not dry and not n_gpus:
+        print("[gpu_check] no CUDA GPU visible: run with --dry-run on CPU", file=sys.stderr)
+    cuda_tests = [py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"]
+    if dry:  # the CPU side of the same findings, and the cuda tests collected and skipped
+        cuda_tests += ["tests/test_gpu_readiness.py"]
+    stage("cuda_tests", cuda_tests + ([] if dry else ["-m", "cuda"]))
+    calibrated = out / "calibration" / ("cpu.yaml" if dry else "gpu.yaml")
+    calibrated.parent.mkdir(parents=True, exist_ok=True)
+    world_sizes = "1" if dry else ",".join(str(w) for w in sorted({1, max(1, n_gpus)}))
+    stage(
+        "calibrate",
+        [py, "-m", "autosearch", "calibrate", "--device", "cpu" if dry else "cuda", "--quick"]
+        + ["--world-sizes", world_sizes, "--accept-untrusted", "--out", str(calibrated)],
+    )
+    catalog = env.get("catalog_profile") or ("h100-sxm" if not dry else None)
+    fallback = str(ROOT / "results/calibration/cpu-local.yaml")
+    base = str(calibrated) if calibrated.exists() else (catalog or fallback)
+    stage("train", me + flags + ["--_stage", "train", "--_profile", base])
+    engine_tests = [py, "-m", "pytest", "-q", "-x", "tests/test_engine.py"]
+    stage("engine_tests", engine_tests + (["-k", "single_process"] if dry else []))
+
+    profiles = {"calibrated": str(calibrated)} if calibrated.exists() else {}
+    if catalog:
+        profiles = {"catalog": catalog, **profiles}
+    if dry:
+        profiles = {"cpu_local": fallback, **profiles}
+    start = time.monotonic()
+    try:
+        summary = summarize(out, profiles)
+        status = "ok" if "error" not in summary else "failed"
+    except Exception as exc:  # noqa: BLE001 - the stages' files stay; say what went wrong
+        summary, status = {"error": f"{type(exc).__name__}: {exc}"}, "failed"
+    stages.append(
+        {"stage": "summary", "status": status, "seconds": round(time.monotonic() - start, 1)}
+    )
+    (out / "stages.json").write_text(json.dumps(stages, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(f"[gpu_check] wrote {out}")
+    return 0 if all(s["status"] in ("ok", "skipped") for s in stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
