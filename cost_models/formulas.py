@@ -126,7 +126,7 @@ def layer_activation_bytes(
     micro_batch: int,
     hidden: int,
     heads: int,
-    kv_hidden: int,
+    kv_hidden: float,
     ffn_hidden: int,
     swiglu: bool,
     dropout: bool,
@@ -137,13 +137,17 @@ def layer_activation_bytes(
     act_bytes: int = 2,
     fused_swiglu: bool = False,
     fp8_linear_inputs: bool = False,
+    query_hidden: int | None = None,
+    out_hidden: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward, per micro-batch, on one tensor-parallel rank.
 
     `fused_swiglu`: a fused SwiGLU (TransformerEngine, torch.compile) keeps its input (gate and
     up) and its product, 3 x sbf instead of eager autograd's 4. `fp8_linear_inputs`: float8
     linears keep the float8 copy of their input for the weight gradient (TransformerEngine), 1
-    byte instead of `act_bytes`.
+    byte instead of `act_bytes`. `query_hidden`: the width of Q (heads x head_dim, or MLA's
+    heads x d_qk), `out_hidden` the attention output's (MLA: heads x d_v); both default to
+    `hidden`.
     """
     sb = seq_len * micro_batch
     a = act_bytes
@@ -163,7 +167,9 @@ def layer_activation_bytes(
         mlp = ((2 if fused_swiglu else 3) * a + li) * ffn_hidden
     else:  # gelu's input, and its output: fc2's input
         mlp = (a + li) * ffn_hidden
-    sharded = sb * (a * (hidden + 2 * kv_hidden) + li * hidden + mlp)
+    q = hidden if query_hidden is None else query_hidden
+    o = hidden if out_hidden is None else out_hidden
+    sharded = sb * (a * (q + 2 * kv_hidden) + li * o + mlp)
     # The attention core: softmax output (2as^2b), and with dropout its mask and output (+3as^2b):
     # the "5as/h" of Table 2. Fused attention keeps only the log-sum-exp (fp32, a s b).
     if flash_attention:

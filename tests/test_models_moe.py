@@ -432,14 +432,8 @@ def test_the_cost_model_refuses_what_it_cannot_price():
     with pytest.raises(SpecError, match="does not price mixture-of-experts layers"):
         AnalyticCostModel(ModelSpec.load("mixtral-8x7b"), cluster)
     gemma = ModelSpec.load("gemma2-9b")
-    assert [u.split(" (")[0] for u in unpriced(gemma)] == [
-        "a head_dim other than hidden_size / n_heads",
-        "sliding-window attention",
-        "attention logit softcapping",
-        "final logit softcapping",
-    ]
-    with pytest.raises(SpecError, match="sliding-window attention.*21 of 42 layers"):
-        AnalyticCostModel(gemma, cluster)
+    assert unpriced(gemma) == []  # head_dim, windows and soft-capping are priced
+    AnalyticCostModel(gemma, cluster)
     # priced: dense models of today, and a window at least as long as the sequence
     for name in ("qwen2.5-72b", "qwen3-8b", "phi4", "llama3-8b"):
         AnalyticCostModel(ModelSpec.load(name), cluster)

@@ -545,24 +545,6 @@ def unpriced(model: ModelSpec) -> list[str]:
             f"mixture-of-experts layers (moe: {m.n_experts} experts, top-{m.top_k}, on "
             f"{model.n_moe_layers} of {model.n_layers} layers)"
         )
-    if model.mla is not None:
-        out.append("multi-head latent attention (mla)")
-    if model.mla is None and model.attention_hidden_size != model.hidden_size:
-        out.append(
-            f"a head_dim other than hidden_size / n_heads (head_dim {model.head_dim} x "
-            f"{model.n_heads} heads = {model.attention_hidden_size} != hidden_size "
-            f"{model.hidden_size})"
-        )
-    if model.ffn_activation == "relu2":
-        out.append("a squared-ReLU MLP (ffn_activation relu2: two matrices, no gate)")
-    if model.sliding_layers:
-        out.append(
-            f"sliding-window attention (sliding_window {model.sliding_window} on "
-            f"{model.sliding_layers} of {model.n_layers} layers)"
-        )
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(model, name) is not None:
-            out.append(f"{name.replace('_', ' ').replace('attn', 'attention')} ({name})")
     return out
 
 
@@ -582,7 +564,23 @@ def unbuilt(model: ModelSpec) -> list[str]:
     """What `autosearch.transformer.Transformer` (the reference model the Engine trains) does
     not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
     blocks of multi-head / grouped-query attention with head size hidden / heads."""
-    out = [u for u in unpriced(model) if not u.startswith(("sliding", "attention", "final"))]
+    out = []
+    if model.moe is not None:
+        m = model.moe
+        out.append(
+            f"mixture-of-experts layers (moe: {m.n_experts} experts, top-{m.top_k}, on "
+            f"{model.n_moe_layers} of {model.n_layers} layers)"
+        )
+    if model.mla is not None:
+        out.append("multi-head latent attention (mla)")
+    if model.mla is None and model.attention_hidden_size != model.hidden_size:
+        out.append(
+            f"a head_dim other than hidden_size / n_heads (head_dim {model.head_dim} x "
+            f"{model.n_heads} heads = {model.attention_hidden_size} != hidden_size "
+            f"{model.hidden_size})"
+        )
+    if model.ffn_activation == "relu2":
+        out.append("a squared-ReLU MLP (ffn_activation relu2: two matrices, no gate)")
     if model.ffn_activation == "geglu":
         out.append("a GeGLU MLP (ffn_activation geglu)")
     if model.sliding_layers:

@@ -8,18 +8,24 @@ they fit.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from autosearch.core.errors import SpecError
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, reads
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
 # A causal mask lets fused attention skip half of the tiles (Dao 2023, sec. 3.1). Its backward
 # costs `attention_backward_over_forward` times its forward: 2.5 by default, FlashAttention-2
 # doing 5 GEMMs per tile backward vs 2 forward (Dao 2023, sec. 3.2); calibration measures it.
 CAUSAL_FRACTION = 0.5
+# Elementwise traffic of the MLP activation, in T x f tensors read or written (eager): gelu
+# reads its input and writes its output (2); a gated MLP reads gate and up and writes the
+# product (3); squared ReLU runs relu then the square, each a read and a write (4).
+MLP_ACTIVATION_PASSES = {"gelu": 2, "swiglu": 3, "geglu": 3, "relu2": 4}
 # Adam step, fused: read param, grad, m, v (fp32) and write param, m, v = 28 bytes per parameter
 # (Kingma & Ba 2015 update; bytes as in the ZeRO paper's 16-bytes-per-parameter accounting).
 ADAM_BYTES_PER_PARAM = 28
@@ -80,7 +86,7 @@ def layer(s: "Strategy", ctx: Context) -> LayerCompute:
         peak=peak,
         fp8=s.fp8,
         compiled=s.compile,
-        n_up=2 if not m.is_gpt_style else 1,
+        n_up=2 if m.ffn_gated else 1,  # a gated MLP's first projection: gate and up
         traffic=rt.compiled_elementwise_traffic if s.compile else rt.elementwise_traffic,
     )
     gemm_fwd, op_recompute_gemm = _block_gemms(ctx, x)
@@ -106,19 +112,53 @@ def _block_gemms(ctx: Context, x: _Layer) -> tuple[float, float]:
     """
     m, gemm = ctx.model, ctx.profile.gemm
     h, f, kv, t, T = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size, x.t, x.T
-    peak, key = x.peak, x.precision
-    if x.fp8 != "none":
-        peak = ctx.profile.peak_flops["fp8"]
-        rowwise = x.fp8 == "rowwise" and "fp8_rowwise" in gemm.max_efficiency
-        key = "fp8_rowwise" if rowwise else "fp8"
-    qkv = gemm.time_s(T, (h + 2 * kv) / t, h, peak, key)
-    proj = gemm.time_s(T, h, h / t, peak, key)
+    q = m.attention_hidden_size  # heads x head_dim (= h unless head_dim is given)
+    peak, key = gemm_rate(ctx, x)
+    if m.mla is None:
+        qkv = gemm.time_s(T, (q + 2 * kv) / t, h, peak, key)
+        proj = gemm.time_s(T, h, q / t, peak, key)
+        kv_recompute = qkv * kv / (q + 2 * kv)
+    else:
+        qkv, proj, kv_recompute = _mla_gemms(ctx, x, peak, key)
     fc1 = gemm.time_s(T, x.n_up * f / t, h, peak, key)
     fc2 = gemm.time_s(T, h, f / t, peak, key)
     # Selective op recompute (torchtitan) recomputes every other matmul of the block:
     # wk, wo and (SwiGLU) w3 (docs/runtimes.md [2.2]).
-    op_recompute = qkv * kv / (h + 2 * kv) + proj + (fc1 / 2 if x.n_up == 2 else 0.0)
+    op_recompute = kv_recompute + proj + (fc1 / 2 if x.n_up == 2 else 0.0)
     return qkv + proj + fc1 + fc2, op_recompute
+
+
+def gemm_rate(ctx: Context, x: _Layer) -> tuple[float, str]:
+    """(peak FLOP/s, efficiency key) of the block's linear layers: float8 linears (torchao
+    Float8Linear, TransformerEngine) run at the fp8 rate, the rest in `amp`."""
+    gemm = ctx.profile.gemm
+    if x.fp8 == "none":
+        return x.peak, x.precision
+    rowwise = x.fp8 == "rowwise" and "fp8_rowwise" in gemm.max_efficiency
+    return ctx.profile.peak_flops["fp8"], "fp8_rowwise" if rowwise else "fp8"
+
+
+def _mla_gemms(ctx: Context, x: _Layer, peak: float, key: str) -> tuple[float, float, float]:
+    """(QKV-side s, output projection s, what op recompute repeats of the first) of multi-head
+    latent attention's five projections (DeepSeek-V2 eqs. 9-19): the down projections q_a
+    (h -> r_q) and kv_a (h -> r_kv + d_rope) are duplicated on every tp rank, the up
+    projections q_b and kv_b split by heads (columns), the output projection by rows
+    (Megatron-Core MultiLatentAttention: linear_q_down_proj / linear_kv_down_proj
+    "duplicated", linear_q_up_proj / linear_kv_up_proj column-parallel)."""
+    m, gemm, T, t = ctx.model, ctx.profile.gemm, x.T, x.t
+    mla, h, a = m.mla, m.hidden_size, m.n_heads
+    assert mla is not None  # the caller checks
+    r_q, qk = mla.q_lora_rank, a * mla.qk_head_dim
+    if r_q is None:
+        q = gemm.time_s(T, qk / t, h, peak, key)
+    else:
+        q = gemm.time_s(T, r_q, h, peak, key) + gemm.time_s(T, qk / t, r_q, peak, key)
+    kv_a = gemm.time_s(T, mla.kv_lora_rank + mla.qk_rope_head_dim, h, peak, key)
+    kv_b = gemm.time_s(
+        T, a * (mla.qk_nope_head_dim + mla.v_head_dim) / t, mla.kv_lora_rank, peak, key
+    )
+    proj = gemm.time_s(T, h, a * mla.v_head_dim / t, peak, key)
+    return q + kv_a + kv_b, proj, kv_b
 
 
 def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
@@ -126,20 +166,59 @@ def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
     per head and sequence; with context parallel each rank holds s/cp queries against all s
     keys, load-balanced so that the causal work is even (torch's context parallel)."""
     m, prof = ctx.model, ctx.profile
-    s, h, t, launch = m.seq_len, m.hidden_size, x.t, prof.kernel_launch_s
+    s, q, t, launch = m.seq_len, m.attention_hidden_size, x.t, prof.kernel_launch_s
+    cap = m.attn_logit_softcapping
     if ctx.runtime.flash_attention:
-        flops = 4.0 * x.mb * s * s * h / t * CAUSAL_FRACTION / x.cp
+        if m.mla is None:
+            flops = 4.0 * x.mb * s * s * q / t * CAUSAL_FRACTION / x.cp
+        else:  # scores over d_qk = d_nope + d_rope channels, values over d_v
+            per_key = m.n_heads * (m.mla.qk_head_dim + m.mla.v_head_dim)
+            flops = 2.0 * x.mb * s * s * per_key / t * CAUSAL_FRACTION / x.cp
+        if cap is not None:  # tanh and two multiplies per score (FlashAttention-2 `softcap`)
+            flops += 3.0 * x.mb * s * s * m.n_heads / t * CAUSAL_FRACTION / x.cp
+        # a sliding window skips the tiles outside it (FlashAttention-2 `window_size`)
+        flops *= window_fraction(m)
         fwd = launch + flops / (x.peak * attention_efficiency(ctx, x.precision))
         return fwd, prof.attention_backward_over_forward * fwd, 0.0
     rows = x.mb * m.n_heads / t * s / x.cp  # batched over sequences and local heads
     gemm = prof.gemm
-    fwd = gemm.time_s(rows, s, m.head_dim, x.peak, x.precision) + gemm.time_s(
-        rows, m.head_dim, s, x.peak, x.precision
+    d_qk = m.head_dim if m.mla is None else m.mla.qk_head_dim
+    d_v = m.head_dim if m.mla is None else m.mla.v_head_dim
+    fwd = gemm.time_s(rows, s, d_qk, x.peak, x.precision) + gemm.time_s(
+        rows, d_v, s, x.peak, x.precision
     )
-    # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask).
+    # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask); a
+    # window is a mask here: the unfused kernels compute every score.
     mask = 1.0 if m.dropout else 0.0
     softmax_bytes = rows * s * (2 * x.ab + mask * (2 * x.ab + 1))
+    if cap is not None:  # soft-capping reads and writes the scores once more
+        softmax_bytes += rows * s * 2 * x.ab
     return fwd, gemm.backward_over_forward * fwd, softmax_bytes
+
+
+def attention_widths(model: "ModelSpec") -> tuple[int, float, int]:
+    """(q, kv, o): per token, the width of the queries, of the keys and of the values (their
+    mean), and of the attention output. Multi-head / grouped-query attention: heads x head_dim,
+    kv heads x head_dim, heads x head_dim; MLA rebuilds keys and values per head from the
+    latent: heads x d_qk, heads x (d_qk + d_v) / 2, heads x d_v (DeepSeek-V2 eqs. 9-19)."""
+    mla = model.mla
+    if mla is None:
+        return model.attention_hidden_size, model.kv_hidden_size, model.attention_hidden_size
+    a = model.n_heads
+    return a * mla.qk_head_dim, a * (mla.qk_head_dim + mla.v_head_dim) / 2, a * mla.v_head_dim
+
+
+@functools.cache
+def window_fraction(model: "ModelSpec") -> float:
+    """Causal query-key pairs per layer, averaged over the layers, relative to full causal
+    attention: a query at position i attends to min(i + 1, w) keys on a sliding layer, so a
+    sequence has w s - w (w - 1) / 2 pairs instead of s (s + 1) / 2 (`ModelSpec.
+    attention_keys`); 1.0 without windows."""
+    if not model.sliding_layers:
+        return 1.0
+    s = model.seq_len
+    pairs = sum(w * s - w * (w - 1) / 2 for w in model.attention_keys)
+    return pairs / (model.n_layers * s * (s + 1) / 2)
 
 
 def attention_efficiency(ctx: Context, precision: str) -> float:
@@ -162,16 +241,25 @@ def _elementwise(ctx: Context, x: _Layer, softmax_bytes: float) -> tuple[float, 
     """
     m, T, t, ab = ctx.model, x.T, x.t, x.ab
     h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
+    q = m.attention_hidden_size
     sbh = T * h
     dropout_mask = sbh if m.dropout else 0.0
     rep = 1.0 / (t if x.sp else 1)
     elementwise = _elementwise_s(ctx, x)
     softmax_s = elementwise(softmax_bytes / t)
-    rotary = elementwise(2 * T * (h + kv) * ab / t) if m.position_embedding == "rotary" else 0.0
+    if m.mla is not None:  # rotary on the d_rope channels of each query and the shared key
+        rope = m.mla.qk_rope_head_dim
+        rotary = elementwise(2 * T * (m.n_heads + 1) * rope * ab / t)
+        # RMSNorm on the two latents (q_a_layernorm, kv_a_layernorm), duplicated over tp
+        rotary += elementwise(2 * T * ((m.mla.q_lora_rank or 0) + m.mla.kv_lora_rank) * ab)
+    elif m.position_embedding == "rotary":
+        rotary = elementwise(2 * T * (q + kv) * ab / t)
+    else:
+        rotary = 0.0
     fwd = 8 * ctx.profile.kernel_launch_s + (
         2 * elementwise(2 * sbh * ab * rep)  # the two norms
         + 2 * elementwise((3 * sbh * ab + dropout_mask) * rep)  # the two residual adds
-        + elementwise((2 if m.is_gpt_style else 3) * T * f * ab / t)  # the MLP activation
+        + elementwise(MLP_ACTIVATION_PASSES[m.ffn_activation] * T * f * ab / t)
         + rotary
         + softmax_s
     )
@@ -198,11 +286,12 @@ def _fp8_scaling(ctx: Context, x: _Layer) -> tuple[float, float]:
         return 0.0, 0.0
     m, rt, T, t, ab = ctx.model, ctx.runtime, x.T, x.t, x.ab
     h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
+    q = m.attention_hidden_size
     launch = ctx.profile.kernel_launch_s
     elementwise = _elementwise_s(ctx, x)
     # qkv and fc1 see the whole (gathered) sequence, proj and fc2 their tp shard
-    inputs = 2 * T * h + T * h / t + T * f / t
-    grads = T * (h + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
+    inputs = 2 * T * h + T * q / t + T * f / t
+    grads = T * (q + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
     kernels = 2.0 if x.fp8 == "rowwise" else 1.0
     fp8_gathered = rt.fp8_all_gather and x.fp8 == "tensorwise"
     weight_cast = 0.0 if fp8_gathered else m.layer_matmul_params / t * 5
@@ -237,6 +326,8 @@ def _embedding_and_logits(ctx: Context, x: _Layer) -> tuple[float, float]:
         + 3 * stream_s(ctx, 2 * sbh * ab)
         + 4 * launch
     )
+    if m.final_logit_softcapping is not None:  # one more read and write, forward and backward
+        logits += 2 * stream_s(ctx, 2 * T * m.vocab_size / t * ab)
     return emb, logits
 
 

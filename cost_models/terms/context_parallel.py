@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cost_models.terms._base import ACT_BYTES, Context, all_gather_s, reads, reduce_scatter_s
+from cost_models.terms.compute import attention_widths
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
@@ -23,7 +24,7 @@ def layer_comm(
     if cp <= 1:
         return 0.0
     m, t, ab = ctx.model, s.tp, ACT_BYTES[s.amp]
-    kv_bytes = 2 * s.micro_batch_size * m.seq_len * m.kv_hidden_size / t * ab
+    kv_bytes = 2 * s.micro_batch_size * m.seq_len * attention_widths(m)[1] / t * ab
     gather = all_gather_s(ctx, kv_bytes, cp, t)
     reduce = reduce_scatter_s(ctx, kv_bytes * 4 / ab, cp, t)
     return max(gather - attention_fwd_s, gather / cp) + max(reduce - attention_bwd_s, reduce / cp)
@@ -40,8 +41,9 @@ def attention_backward_bytes(s: "Strategy", ctx: Context) -> float:
     if cp <= 1 or not rt.cp_all_gather_kv:
         return 0.0
     ab = ACT_BYTES[s.amp]
-    kv = m.hidden_size if rt.attention_kv_expanded else m.kv_hidden_size
+    q, kv_width, _ = attention_widths(m)
+    kv = q if rt.attention_kv_expanded and m.mla is None else kv_width
     local = s.micro_batch_size * m.seq_len / cp  # tokens of the local shard
     gathered = 2 * local * cp * kv / t * ab
-    qkv = local * (m.hidden_size + 2 * kv) / t
+    qkv = local * (q + 2 * kv) / t
     return gathered + qkv * ab + 4 * qkv + 2 * 4 * local * 2 * kv / t

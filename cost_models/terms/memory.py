@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from cost_models.formulas import layer_activation_bytes, microbatches_in_flight
 from cost_models.terms import context_parallel
 from cost_models.terms._base import ACT_BYTES, Context, reads
-from cost_models.terms.compute import recomputed_layers
+from cost_models.terms.compute import attention_widths, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
@@ -69,8 +69,9 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         # torchtitan's op-level policy saves the outputs of every other matmul (wq, wv, w1,
         # w2), the attention output and log-sum-exp, and the layer input; the rest,
         # sequence-parallel all-gathers included, is recomputed (docs/runtimes.md [2.2]).
-        h, kv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
-        saved = (h + kv + f + h) / tp + h / sp_div + h / sp_div
+        h, f = m.hidden_size, m.ffn_hidden_size
+        q, kv, _ = attention_widths(m)
+        saved = (q + kv + f + h) / tp + h / sp_div + h / sp_div
         if s.compile:
             # Eager SAC stores every MUST_SAVE output whether backward reads it or not
             # (torch/utils/checkpoint.py::_CachingTorchDispatchMode); compiled, the policy
@@ -79,14 +80,15 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
             # [2.2])
             saved -= h / tp
         return tokens * ab * saved + 4.0 * m.n_heads / tp * tokens
+    q, kv, o = attention_widths(m)
     out = layer_activation_bytes(
         seq_len=seq,
         micro_batch=s.micro_batch_size,
         hidden=m.hidden_size,
         heads=m.n_heads,
-        kv_hidden=m.kv_hidden_size,
+        kv_hidden=kv,
         ffn_hidden=m.ffn_hidden_size,
-        swiglu=not m.is_gpt_style,
+        swiglu=m.ffn_gated,
         dropout=m.dropout,
         tp=tp,
         sequence_parallel=sp,
@@ -95,7 +97,15 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         act_bytes=ab,
         fused_swiglu=s.compile or rt.fused_swiglu,
         fp8_linear_inputs=s.fp8 != "none" and rt.fp8_saves_fp8_inputs,
+        query_hidden=q,
+        out_hidden=o,
     )
+    if m.mla is not None and recompute != "full":
+        # the two latents, normed and not (inputs of q_b and kv_b), and the shared rotary key,
+        # duplicated over tp: r_q + r_kv + d_rope per token, twice
+        mla = m.mla
+        latent = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+        out += 2 * tokens * latent * ab / sp_div
     if sp and tp > 1 and rt.sp_saves_gathered_input and recompute != "full":
         # DTensor keeps the all-gathered (whole-sequence) input of the QKV and first MLP
         # matmuls for their weight gradients, not the shard (docs/runtimes.md [2.5]).
