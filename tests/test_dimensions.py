@@ -151,17 +151,30 @@ def test_parallel_dims_take_every_mesh_degree():
 
 def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
     """ep (Megatron-Core's parallel folding) is a tree level below the mesh degrees: for Mixtral
-    8x7B (8 routed experts) it takes every divisor of dp * cp that divides 8, and the world stays
-    dp * tp * pp * cp; a dense model keeps ep = 1 and its space is unchanged."""
+    8x7B (8 routed experts) it takes every divisor of tp * dp * cp / etp that divides 8, and the
+    world stays dp * tp * pp * cp; a dense model keeps ep = etp = 1 and its space is unchanged."""
     dense = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
     assert {s.ep for s in dense.enumerate()} == {1}
     moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64)
     assert moe.model.moe.n_experts == 8
     for lay in moe.layouts():
-        assert (lay.dp * lay.cp) % lay.ep == 0 and 8 % lay.ep == 0
+        assert (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp) == 0 and 8 % lay.ep == 0
+        assert lay.tp % lay.etp == 0
         assert lay.dp * lay.tp * lay.pp * lay.cp == 16
     assert {lay.ep for lay in moe.layouts() if lay.dp == 16} == {1, 2, 4, 8}
-    assert "ep" in moe.plain_choices() and "(dp, tp, pp, cp, ep) splits" in moe.describe()
+    # etp < tp lets an ep group take ranks attention splits by tp (tp2 x dp4: ep up to 8)
+    assert {lay.ep for lay in moe.layouts() if lay.dp == 4 and lay.tp == 2 and lay.etp == 1} == {
+        1,
+        2,
+        4,
+        8,
+    }
+    assert {lay.ep for lay in moe.layouts() if lay.dp == 4 and lay.tp == 2 and lay.etp == 2} == {
+        1,
+        2,
+        4,
+    }
+    assert "ep" in moe.plain_choices() and "(dp, tp, pp, cp, ep, etp) splits" in moe.describe()
     for s in itertools.islice(moe.enumerate(), 0, None, 97):
         assert s.validate(moe.model, moe.cluster) is s
         assert moe.params_of(s) is not None
@@ -189,7 +202,9 @@ def test_expert_parallel_rules_say_what_to_do():
         "needs a mixture-of-experts model" in p
         for p in dense.problems(ModelSpec.load("llama3-8b"))
     )
-    assert any("must divide dp*cp = 2*1" in p for p in Strategy(dp=2, ep=4).problems())
+    assert any("must divide tp*dp*cp = 1*2*1" in p for p in Strategy(dp=2, ep=4).problems())
+    assert not Strategy(dp=2, tp=2, ep=4).problems()  # etp 1: ep takes the tp ranks too
+    assert any("must divide tp=2" in p for p in Strategy(dp=2, tp=2, etp=4).problems())
     assert Strategy(dp=8, ep=2, global_batch_size=8).short().startswith("dp8-tp1-pp1-ep2-")
     assert "ep" in dimensions.parallel_axes(Strategy(dp=8, ep=2))
     assert Strategy(dp=8, ep=2).world_size == 8

@@ -212,10 +212,11 @@ DIMENSIONS: tuple[Dimension, ...] = (
         # ep groups that each hold n_experts / ep experts (Megatron-Core's parallel folding:
         # attention uses tp x cp x dp, experts etp x ep x edp over the same ranks; torchtitan
         # borrows its EP ranks from dp_shard x cp the same way). It adds no devices.
-        doc="expert-parallel degree (the routed experts split over ep of the dp x cp ranks)",
+        doc="expert-parallel degree (the routed experts split over ep groups of the "
+        "tp x dp x cp ranks, each etp wide)",
         level=FOLDED,
         depth=0,
-        folds=("dp", "cp"),
+        folds=("dp", "cp", "tp"),
         space=ALL,
         plain="ep",
         label=_degree_label("ep"),
@@ -228,6 +229,32 @@ DIMENSIONS: tuple[Dimension, ...] = (
         no_export={
             "deepspeed": "expert parallelism is set in the model "
             "(deepspeed.moe.layer.MoE(ep_size=...)), not in the config",
+        },
+    ),
+    Dimension(
+        name="etp",
+        kind=DEGREE,
+        default=1,
+        # Expert tensor parallel: each expert's matrices split over etp of the tp ranks
+        # (Megatron-Core --expert-tensor-parallel-size; torchtitan expert_tensor_parallel_degree,
+        # 1 or tp). etp x ep x edp = tp x dp x cp: with etp < tp an ep group takes ranks that
+        # attention splits by tp (parallel folding, Liu et al. 2025, "MoE Parallel Folding").
+        doc="expert-tensor-parallel degree (each expert's matrices split over etp of the tp "
+        "ranks)",
+        level=FOLDED,
+        depth=1,
+        folds=("tp",),
+        space=ALL,
+        plain="etp",
+        label=_degree_label("etp"),
+        label_rank=36,
+        features=(Feature("etp", lambda v: v > 1, lambda v: f"etp={v} (expert tensor parallel)"),),
+        exports={
+            "megatron": "--expert-tensor-parallel-size",
+            "torchtitan": "parallelism.expert_tensor_parallel_degree",
+        },
+        no_export={
+            "deepspeed": "expert tensor parallelism is not a DeepSpeed config setting",
         },
     ),
     Dimension(

@@ -140,19 +140,28 @@ def fp8_problem(fp8: str, peak_flops: dict[str, float] | None) -> str | None:
     )
 
 
-def expert_parallel_problem(ep: int, dp: int, cp: int, n_experts: int | None) -> str | None:
-    """Expert parallelism splits the routed experts over ep groups of the data- and
-    context-parallel ranks (Megatron-Core's parallel folding: expert layers run etp x ep x edp
-    over the ranks attention runs tp x cp x dp on): ep divides dp * cp and the experts.
+def expert_parallel_problem(
+    ep: int, etp: int, dp: int, cp: int, tp: int, n_experts: int | None
+) -> str | None:
+    """Expert parallelism splits the routed experts over ep groups of etp ranks each, over the
+    ranks attention runs tp x cp x dp on (Megatron-Core's parallel folding: expert layers run
+    etp x ep x edp): etp divides tp, etp x ep divides tp x dp x cp, ep divides the experts.
     `n_experts` is None without a model, 0 for a dense model."""
-    if ep == 1:
+    if ep == 1 and etp == 1:
         return None
     if n_experts == 0:
-        return "ep > 1 needs a mixture-of-experts model (this one is dense); set ep=1"
-    if (dp * cp) % ep:
         return (
-            f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (expert parallelism splits the "
-            "data- and context-parallel ranks); use an ep that divides it"
+            f"ep={ep}, etp={etp} needs a mixture-of-experts model (this one is dense); set "
+            "ep=1 and etp=1"
+        )
+    if tp % etp:
+        return f"etp={etp} must divide tp={tp} (experts split over some of the tp ranks)"
+    ranks = tp * dp * cp
+    if ranks % (etp * ep):
+        return (
+            f"ep*etp = {ep}*{etp} must divide tp*dp*cp = {tp}*{dp}*{cp} = {ranks} (expert "
+            "layers run etp x ep x edp over the ranks attention runs tp x dp x cp on); use an "
+            "ep that divides it"
         )
     if n_experts is not None and n_experts % ep:
         return f"ep={ep} does not divide the {n_experts} routed experts; use an ep that does"
@@ -327,8 +336,10 @@ RULES: tuple[Rule, ...] = (
     Rule("async_tp", ("async_tp", "tp"), lambda v, m, c: async_tp_problem(v["async_tp"], v["tp"])),
     Rule(
         "expert_parallel",
-        ("ep", "dp", "cp"),
-        lambda v, m, c: expert_parallel_problem(v["ep"], v["dp"], v["cp"], n_experts(m)),
+        ("ep", "etp", "dp", "cp", "tp"),
+        lambda v, m, c: expert_parallel_problem(
+            v["ep"], v["etp"], v["dp"], v["cp"], v["tp"], n_experts(m)
+        ),
     ),
 )
 

@@ -110,6 +110,7 @@ class Strategy:
     compile: bool = dimensions.field("compile")
     async_tp: bool = dimensions.field("async_tp")
     ep: int = dimensions.field("ep")
+    etp: int = dimensions.field("etp")
 
     def __post_init__(self) -> None:
         """Check every field by its kind (`autosearch.core.dimensions`)."""
