@@ -26,6 +26,7 @@ from cost_models.terms import (
     compute,
     context_parallel,
     data_parallel,
+    experts,
     fields_read,
     memory,
     pipeline,
@@ -73,7 +74,9 @@ class AnalyticCostModel(CostModel):
         self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._link_cache: dict[tuple, tuple[float, float]] = {}
-        ctx = self._context = Context(model, self.profile, self.runtime, self._link_for)
+        ctx = self._context = Context(
+            model, self.profile, self.runtime, self._link_for, cluster.nvlink_domain
+        )
         framework = self.runtime.framework
         self._layer = _Cached(LAYER_READS, self._compose_layer)
         self._ranks = _Cached(
@@ -90,6 +93,17 @@ class AnalyticCostModel(CostModel):
         self._band = _Cached(
             BAND_READS, lambda s: error_bands().band(kind_of(s, cluster, framework))
         )
+        if model.moe is not None:  # MoE layers: what they add, where, and the experts' states
+            self._moe_ranks = _Cached(
+                fields_read(experts.rank_moe_layers), lambda s: experts.rank_moe_layers(s, ctx)
+            )
+            self._expert_layer = _Cached(
+                fields_read(experts.layer), lambda s: experts.layer(s, ctx)
+            )
+            self._params = _Cached(  # type: ignore[assignment]  # (rest, routed experts)
+                fields_read(experts.stage_params, pipeline.rank_layers),
+                lambda s: experts.stage_params(s, ctx, self._ranks(s), self._moe_ranks(s)),
+            )
 
     # ---- interconnect ------------------------------------------------------------------------
     def group_link(self, group: int, stride: int) -> tuple[float, float]:
@@ -141,6 +155,8 @@ class AnalyticCostModel(CostModel):
         s, ctx, rt = strategy, self._context, self.runtime
         layer = self._layer(s)
         ranks = self._ranks(s)
+        if ctx.model.moe is not None:
+            return self._estimate_moe(s, layer, ranks)
         micro = pipeline.microbatch(s, ctx, layer, ranks)
         t_mb = micro.total_s
         m = s.grad_accum_steps
@@ -161,6 +177,17 @@ class AnalyticCostModel(CostModel):
             other_s=other,
         )
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
+        return self._compose(s, step, time, dp, activations)
+
+    def _compose(
+        self,
+        s: "Strategy",
+        step: float,
+        time: TimeBreakdown,
+        dp: data_parallel.DataParallelCost,
+        activations: float,
+    ) -> CostReport:
+        rt = self.runtime
         tensors = dp.params_bytes + dp.grads_bytes + dp.optimizer_bytes + activations
         mem = MemoryBreakdown(
             params_bytes=dp.params_bytes,
@@ -172,6 +199,46 @@ class AnalyticCostModel(CostModel):
             + rt.allocator_reserve_fraction * tensors,
         )
         return self._report(s, step, time, mem)
+
+    def _estimate_moe(
+        self, s: "Strategy", layer: LayerCosts, ranks: tuple[int | float, ...]
+    ) -> CostReport:
+        """`estimate` for a model with MoE layers: the dense terms, with what each rank's MoE
+        layers add (`experts.layer`) and the routed experts' states over their own
+        data-parallel group (`experts.expert_data_parallel`)."""
+        ctx, rt = self._context, self.runtime
+        moe_ranks = self._moe_ranks(s)
+        e = self._expert_layer(s)
+        micro = pipeline.microbatch(s, ctx, layer, ranks, moe=(e, moe_ranks))
+        t_mb = micro.total_s
+        m = s.grad_accum_steps
+        bubble = pipeline.bubble_s(s, t_mb)
+        rest, routed = self._params(s)  # type: ignore[misc]
+        rc = micro.recompute_layer_s
+        dense = data_parallel.cost(s, ctx, rest, ranks, layer, rc)
+        edp = experts.expert_data_parallel(s)
+        expert = data_parallel.cost(s, ctx, routed, ranks, layer, rc, group=edp)
+        dp = data_parallel.DataParallelCost(*(a + b for a, b in zip(dense, expert)))
+        # the optimizer steps over the routed experts' shard of edp (ZeRO >= 1)
+        sharded = routed.total * s.dp / edp[0] if s.zero_stage >= 1 else routed.total
+        optimizer = compute.optimizer_step_s(s, ctx, rest.total) + compute.optimizer_step_s(
+            s, ctx, sharded
+        )
+        other = rt.step_overhead_s + self.profile.step_overhead_s
+        step = m * t_mb + bubble + dp.exposed_s + optimizer + other
+        time = TimeBreakdown(
+            compute_s=m * micro.compute_s,
+            recompute_s=m * micro.recompute_s,
+            tp_comm_s=m * micro.tp_comm_s,
+            pp_comm_s=m * micro.pp_comm_s,
+            dp_comm_exposed_s=dp.exposed_s,
+            bubble_s=bubble,
+            optimizer_s=optimizer,
+            other_s=other,
+        )
+        activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
+        activations += experts.activation_bytes(s, ctx, e, moe_ranks)
+        return self._compose(s, step, time, dp, activations)
 
     def _compose_layer(self, s: "Strategy") -> LayerCosts:
         """One layer and one micro-batch: its compute, and its tensor- and context-parallel

@@ -537,15 +537,9 @@ class ModelSpec:
 def unpriced(model: ModelSpec) -> list[str]:
     """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
     it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
-    model gains its term. The term each needs is listed in docs/models.md."""
-    out = []
-    if model.moe is not None:
-        m = model.moe
-        out.append(
-            f"mixture-of-experts layers (moe: {m.n_experts} experts, top-{m.top_k}, on "
-            f"{model.n_moe_layers} of {model.n_layers} layers)"
-        )
-    return out
+    model gains its term. The term each needs is listed in docs/models.md. Every field of a
+    ModelSpec is priced today (MoE layers by cost_models/terms/experts.py)."""
+    return []
 
 
 def check_priced(model: ModelSpec) -> None:

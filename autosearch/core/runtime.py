@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
 
 
+MOE_DISPATCHERS = ("alltoall", "deepep")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RuntimeOptions:
     """Runtime behaviour that the analytic model needs to know.
@@ -81,6 +84,19 @@ class RuntimeOptions:
             (TransformerEngine), not the 16-bit one (torchao).
         fused_swiglu: the runtime's SwiGLU is one fused kernel that keeps 3 x sbf, not 4
             (TransformerEngine); `compile` fuses it too.
+        moe_load_imbalance: under dropless routing with real (not forced-balanced) routing, the
+            tokens of the busiest expert-parallel rank over the mean: the expert GEMMs and the
+            all-to-all of every MoE layer wait for that rank (1: balanced).
+        moe_dispatcher: how tokens reach their experts: ``alltoall`` (NCCL all-to-all of every
+            routed copy: Megatron-Core's alltoall dispatcher, torchtitan) or ``deepep`` (DeepEP's
+            normal kernels: a token crosses the network once per destination node and is
+            forwarded over NVLink; Megatron-Core's flex dispatcher, NeMo Automodel).
+        moe_a2a_overlap: fraction of the dispatch and combine hidden behind another
+            micro-batch's compute (Megatron-Core ``--overlap-moe-expert-parallel-comm``, the
+            "1F1B A2A overlap"); 0 without it.
+        moe_shared_expert_overlap: the shared experts' forward and backward run while the
+            all-to-all dispatch and combine are in flight (Megatron-Core
+            ``--moe-shared-expert-overlap``).
         allocator_reserve_fraction: memory the caching allocator reserves beyond the live
             tensors at the peak (fragmentation), as a fraction of them.
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
@@ -89,7 +105,8 @@ class RuntimeOptions:
         base: the preset this one is a dated version of: it inherits every field it does not
             set (runtimes.yaml), and shares its `framework`.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
-            ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``).
+            ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``, ``ep``,
+            ``etp``).
         sources: where each value comes from (docs/runtimes.md has the details).
     """
 
@@ -120,6 +137,10 @@ class RuntimeOptions:
     fp8_saves_fp8_inputs: bool = False
     fused_swiglu: bool = False
     allocator_reserve_fraction: float = 0.0
+    moe_load_imbalance: float = 1.0
+    moe_dispatcher: str = "alltoall"
+    moe_a2a_overlap: float = 0.0
+    moe_shared_expert_overlap: bool = False
     step_overhead_s: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
@@ -171,6 +192,11 @@ class RuntimeOptions:
             raise SpecError(
                 f"{what}: supports lists {', '.join(map(repr, unknown))}, which no dimension "
                 f"declares; known: {', '.join(dimensions.feature_names())}"
+            )
+        if kwargs.get("moe_dispatcher", "alltoall") not in MOE_DISPATCHERS:
+            raise SpecError(
+                f"{what}: moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got "
+                f"{kwargs['moe_dispatcher']!r}"
             )
         if "kernel_efficiency" in kwargs:
             factors = kwargs["kernel_efficiency"] or {}

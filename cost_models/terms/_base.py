@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from cost_models.formulas import (
+    all_to_all_time_s,
     ring_all_gather_time_s,
     ring_all_reduce_time_s,
     ring_reduce_scatter_time_s,
@@ -48,6 +49,7 @@ class Context(NamedTuple):
     # (group, stride, op) -> (latency_s, bandwidth_bytes_per_s) of a collective over `group`
     # ranks `stride` apart (`AnalyticCostModel.group_link` with the op's measured factor)
     link: Callable[[int, int, str], tuple[float, float]]
+    nvlink_domain: int = 8  # devices on one NVLink domain (a node, or a rack: GB200 NVL72)
 
 
 class LayerCosts(NamedTuple):
@@ -88,3 +90,24 @@ def reduce_scatter_s(ctx: Context, nbytes: float, group: int, stride: int) -> fl
     if group <= 1:
         return 0.0
     return ring_reduce_scatter_time_s(nbytes, group, *ctx.link(group, stride, "reduce_scatter"))
+
+
+def all_to_all_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
+    """An all-to-all in which each of `group` ranks (`stride` apart) sends `nbytes` in all,
+    1/group of it to each rank. Within one NVLink domain, pairwise exchange over NVLink
+    (`formulas.all_to_all_time_s`). Across domains, the k members of a domain exchange their
+    (k-1)/n share over NVLink while the (n-k)/n share leaves through the NICs, k members of a
+    domain sharing what the dense collectives get across nodes (`AnalyticCostModel.group_link`:
+    min(NVLink, k x NIC)); the two run concurrently (NCCL issues every send at once)."""
+    if group <= 1:
+        return 0.0
+    domain = ctx.nvlink_domain
+    if group * stride <= domain:
+        return all_to_all_time_s(nbytes, group, *ctx.link(group, stride, "all_to_all"))
+    k = max(1, min(group, domain // stride)) if stride < domain else 1
+    latency, bandwidth = ctx.link(group, stride, "all_to_all")
+    inter = (group - k) * latency + (group - k) / group * nbytes * k / bandwidth
+    if k == 1:
+        return inter
+    intra = all_to_all_time_s(nbytes * k / group, k, *ctx.link(k, stride, "all_to_all"))
+    return max(intra, inter)

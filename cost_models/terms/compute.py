@@ -66,6 +66,23 @@ class _Layer(NamedTuple):
 def layer(s: "Strategy", ctx: Context) -> LayerCompute:
     """One layer and one micro-batch: forward, backward (dgrad + wgrad per GEMM) and what each
     recompute kind repeats."""
+    prof = ctx.profile
+    x = layer_shape(s, ctx)
+    gemm_fwd, op_recompute_gemm = _block_gemms(ctx, x)
+    attn_fwd, attn_bwd, softmax_bytes = _attention_core(ctx, x)
+    elem_fwd, softmax_s = _elementwise(ctx, x, softmax_bytes)
+    fp8_fwd, fp8_bwd = _fp8_scaling(ctx, x)
+    backward_over_forward = prof.gemm.backward_over_forward  # dgrad + wgrad per GEMM
+    fwd = gemm_fwd + attn_fwd + elem_fwd + fp8_fwd
+    bwd = backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd + fp8_bwd
+    attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
+    op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
+    emb, logits = _embedding_and_logits(ctx, x)
+    return LayerCompute(fwd, bwd, attn_fwd, attn_bwd, attn_recompute, op_recompute, emb, logits)
+
+
+def layer_shape(s: "Strategy", ctx: Context) -> _Layer:
+    """What shapes one layer's costs under `s` (the fields `layer` reads)."""
     m, prof, rt = ctx.model, ctx.profile, ctx.runtime
     precision, mb, cp = s.amp, s.micro_batch_size, s.cp
     try:
@@ -75,7 +92,7 @@ def layer(s: "Strategy", ctx: Context) -> LayerCompute:
             f"hardware profile {prof.name!r} has no peak for {precision}; "
             f"use amp one of {', '.join(prof.peak_flops)}"
         ) from None
-    x = _Layer(
+    return _Layer(
         T=mb * m.seq_len / cp,  # tokens of one micro-batch here (context parallel splits s)
         mb=mb,
         t=s.tp,
@@ -89,17 +106,6 @@ def layer(s: "Strategy", ctx: Context) -> LayerCompute:
         n_up=2 if m.ffn_gated else 1,  # a gated MLP's first projection: gate and up
         traffic=rt.compiled_elementwise_traffic if s.compile else rt.elementwise_traffic,
     )
-    gemm_fwd, op_recompute_gemm = _block_gemms(ctx, x)
-    attn_fwd, attn_bwd, softmax_bytes = _attention_core(ctx, x)
-    elem_fwd, softmax_s = _elementwise(ctx, x, softmax_bytes)
-    fp8_fwd, fp8_bwd = _fp8_scaling(ctx, x)
-    backward_over_forward = prof.gemm.backward_over_forward  # dgrad + wgrad per GEMM
-    fwd = gemm_fwd + attn_fwd + elem_fwd + fp8_fwd
-    bwd = backward_over_forward * gemm_fwd + attn_bwd + 2.0 * elem_fwd + fp8_bwd
-    attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
-    op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
-    emb, logits = _embedding_and_logits(ctx, x)
-    return LayerCompute(fwd, bwd, attn_fwd, attn_bwd, attn_recompute, op_recompute, emb, logits)
 
 
 def _block_gemms(ctx: Context, x: _Layer) -> tuple[float, float]:
@@ -245,7 +251,7 @@ def _elementwise(ctx: Context, x: _Layer, softmax_bytes: float) -> tuple[float, 
     sbh = T * h
     dropout_mask = sbh if m.dropout else 0.0
     rep = 1.0 / (t if x.sp else 1)
-    elementwise = _elementwise_s(ctx, x)
+    elementwise = elementwise_s(ctx, x)
     softmax_s = elementwise(softmax_bytes / t)
     if m.mla is not None:  # rotary on the d_rope channels of each query and the shared key
         rope = m.mla.qk_rope_head_dim
@@ -266,7 +272,7 @@ def _elementwise(ctx: Context, x: _Layer, softmax_bytes: float) -> tuple[float, 
     return fwd, softmax_s
 
 
-def _elementwise_s(ctx: Context, x: _Layer) -> Callable[[float], float]:
+def elementwise_s(ctx: Context, x: _Layer) -> Callable[[float], float]:
     """Seconds of one elementwise kernel moving `nbytes` of eager traffic under this runtime."""
     traffic = x.traffic
     return lambda nbytes: stream_s(ctx, nbytes * traffic)
@@ -288,7 +294,7 @@ def _fp8_scaling(ctx: Context, x: _Layer) -> tuple[float, float]:
     h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_hidden_size
     q = m.attention_hidden_size
     launch = ctx.profile.kernel_launch_s
-    elementwise = _elementwise_s(ctx, x)
+    elementwise = elementwise_s(ctx, x)
     # qkv and fc1 see the whole (gathered) sequence, proj and fc2 their tp shard
     inputs = 2 * T * h + T * q / t + T * f / t
     grads = T * (q + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h

@@ -48,17 +48,24 @@ def cost(
     ranks: tuple[int | float, ...],
     layer: LayerCosts,
     recompute_layer_s: float,
+    *,
+    group: tuple[int, int] | None = None,
 ) -> DataParallelCost:
     """Exposed communication and model-state memory of data parallelism / ZeRO.
 
     `params.total` parameters live on this device before any dp sharding; FSDP and the optimizer
     shard over dp x cp. A collective hides behind compute up to its window, the forward or
     backward (with recompute) of the rank's layers (bucketed overlap, Li et al. 2020, PyTorch
-    DDP; FSDP prefetch, Zhao et al. 2023), except the last bucket (`tail` of it).
+    DDP; FSDP prefetch, Zhao et al. 2023), except the last bucket (`tail` of it). `group`:
+    (ranks, stride) of another data-parallel group than dp x cp ranks tp apart (the routed
+    experts' expert-data-parallel group, experts.expert_data_parallel).
     """
     rt = ctx.runtime
     zero, d, t, p, m = s.zero_stage, s.dp * s.cp, s.tp, s.pp, s.grad_accum_steps
     psi, layer_params, ab = params.total, params.per_layer, ACT_BYTES[s.amp]
+    stride = t
+    if group is not None:
+        d, stride = group
     Ls = max(ranks)
     fwd_window = Ls * layer.fwd_s * rt.dp_overlap
     bwd_window = Ls * (layer.bwd_s + recompute_layer_s) * rt.dp_overlap
@@ -73,7 +80,7 @@ def cost(
         latency, (n-1) alpha: at hundreds of ranks that latency, not bandwidth, bounds small
         models (Thakur et al. 2005 alpha-beta model, applied per collective)."""
         units = Ls + 1
-        return units * collective(ctx, nbytes / units, d, t)
+        return units * collective(ctx, nbytes / units, d, stride)
 
     grads = psi * rt.grad_reduce_bytes
     # What FSDP / ZeRO-3 gathers: the runtime's gather dtype (the amp dtype by default);
@@ -96,11 +103,11 @@ def cost(
         grads_mem = psi * grad_bytes / (d if zero >= 2 else 1)
         opt_mem = psi * 12 / (d if zero >= 1 else 1)
         if zero == 0:  # one all-reduce per step
-            comm = exposed(all_reduce_s(ctx, grads, d, t), bwd_window)
+            comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         elif zero <= 2:
             # reduce-scatter grads, all-gather updated 16-bit params: one all-reduce's volume
-            comm = exposed(reduce_scatter_s(ctx, grads, d, t), bwd_window) + all_gather_s(
-                ctx, gathered_param_bytes, d, t
+            comm = exposed(reduce_scatter_s(ctx, grads, d, stride), bwd_window) + all_gather_s(
+                ctx, gathered_param_bytes, d, stride
             )
         else:  # parameters gathered for forward and again for backward, every micro-batch
             ag = per_unit(all_gather_s, gathered_param_bytes)
@@ -120,9 +127,9 @@ def cost(
     if mode.wrapper == "none":
         return DataParallelCost(0.0, psi * 4 + copies, psi * 4, psi * 8)
     if not mode.shards_params:  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
-        comm = exposed(all_reduce_s(ctx, grads, d, t), bwd_window)
+        comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
-            comm += all_gather_s(ctx, psi * 4, d, t)
+            comm += all_gather_s(ctx, psi * 4, d, stride)
         return DataParallelCost(comm, psi * 4 + copies, psi * 4, optimizer_bytes)
     # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
     # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated

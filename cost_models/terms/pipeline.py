@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from cost_models.formulas import bubble_microbatches, p2p_time_s
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, all_gather_s, reads
+from cost_models.terms import experts
 from cost_models.terms.compute import recompute_repeats, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
+    from cost_models.terms.experts import ExpertLayer
 
 
 class MicrobatchTime(NamedTuple):
@@ -50,15 +52,23 @@ def rank_layers(s: "Strategy", ctx: Context) -> tuple[int | float, ...]:
     "amp",
 )
 def microbatch(
-    s: "Strategy", ctx: Context, layer: LayerCosts, ranks: tuple[int | float, ...]
+    s: "Strategy",
+    ctx: Context,
+    layer: LayerCosts,
+    ranks: tuple[int | float, ...],
+    *,
+    moe: "tuple[ExpertLayer, tuple[int, ...]] | None" = None,
 ) -> MicrobatchTime:
     """One micro-batch on the slowest pipeline rank: its layers, embedding or logits,
-    recompute, tensor-parallel collectives and pipeline sends."""
+    recompute, tensor-parallel collectives and pipeline sends. `moe`: what a MoE layer adds
+    to a dense one (`experts.layer`) and the MoE layers of each rank."""
     p = s.pp
     tp_fwd = layer.tp_comm_fwd_s
     rc_layer, rc_tp = recompute_repeats(s, layer)
     best = None
     for r, Lr in enumerate(ranks):
+        if moe is not None:
+            extra = _moe_rank_s(s, moe[0], moe[1][r], Lr)
         first, last = r == 0, r == p - 1
         n_rc = recomputed_layers(s, Lr)
         compute = (
@@ -75,12 +85,30 @@ def microbatch(
         if last:
             tp += layer.logits_comm_s
         recompute = n_rc * rc_layer
+        if moe is not None:
+            compute, recompute, tp = compute + extra[0], recompute + extra[1], tp + extra[2]
         total = compute + recompute + tp
         if best is None or total > best[0]:
             best = (total, compute, recompute, tp)
     assert best is not None
     _, stage_compute, stage_rc, stage_tp = best
     return MicrobatchTime(stage_compute, stage_rc, stage_tp, _p2p_s(s, ctx), rc_layer)
+
+
+def _moe_rank_s(
+    s: "Strategy", e: "ExpertLayer", n_moe: int, rank_layers: float
+) -> tuple[float, float, float]:
+    """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its dense
+    layers; recomputed layers are MoE layers in the rank's proportion."""
+    if not n_moe:
+        return 0.0, 0.0, 0.0
+    rc_s, rc_comm = experts.recompute_repeats(s, e)
+    n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
+    return (
+        n_moe * (e.fwd_s + e.bwd_s),
+        n_rc * rc_s,
+        n_moe * 2.0 * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
+    )
 
 
 def _p2p_s(s: "Strategy", ctx: Context) -> float:

@@ -1,0 +1,291 @@
+"""Mixture-of-experts layers: what a MoE layer costs beyond a dense one, and where the experts'
+parameters live.
+
+A MoE layer is the dense layer with its MLP replaced by: the router (a T x h x E GEMM and the
+top-k), the permutation of the routed tokens and its inverse, the all-to-all dispatch and
+combine over the ep ranks (and an all-gather / reduce-scatter over the etp ranks), the routed
+experts as grouped GEMMs at the per-expert token count, and the shared experts as a dense MLP
+(Megatron-Core MoELayer with the alltoall token dispatcher and grouped GEMM; torchtitan's MoE).
+Expert layers run etp x ep x edp over the ranks attention runs tp x dp x cp on (Megatron-Core's
+parallel folding): ep groups take ranks `etp` apart, the expert data-parallel group ranks
+`etp * ep` apart.
+
+Conventions as compute.py: T tokens of one micro-batch on the tp group, t = tp; each rank routes
+T_r = T / t tokens under sequence parallelism (T without it), sends T_r k of them (top-k) and
+computes T_r k etp rows over its E / ep local experts at width f_e / etp.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from cost_models.formulas import microbatches_in_flight
+from cost_models.terms._base import (
+    ACT_BYTES,
+    Context,
+    all_gather_s,
+    all_to_all_s,
+    reads,
+    reduce_scatter_s,
+)
+from cost_models.terms.compute import (
+    MLP_ACTIVATION_PASSES,
+    elementwise_s,
+    gemm_rate,
+    layer_shape,
+    stream_s,
+)
+from cost_models.terms.memory import StageParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+
+class ExpertLayer(NamedTuple):
+    """What one MoE layer adds to a dense layer, one micro-batch on one device (seconds)."""
+
+    fwd_s: float  # compute forward: router, permutation, experts, shared experts - dense MLP
+    bwd_s: float
+    comm_fwd_s: float  # exposed all-to-all (and etp) traffic of one forward, less the MLP's tp
+    op_recompute_s: float  # what selective op recompute repeats beyond the dense layer's
+    rows: float  # routed rows this rank computes (for memory)
+
+
+def routed_share(s: "Strategy", ctx: Context) -> float:
+    """Routed rows the busiest rank computes, over its even share: `moe_load_imbalance` for
+    dropless routing, capped by the capacity factor when experts drop tokens (Fedus et al.
+    2022: an expert takes at most capacity_factor x its even share)."""
+    moe = ctx.model.moe
+    assert moe is not None  # only MoE models reach here
+    share = ctx.runtime.moe_load_imbalance
+    cap = moe.capacity_factor
+    return share if cap is None else min(share, cap)
+
+
+@reads("tp", "etp", "ep", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
+def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
+    """One MoE layer's MLP against the dense MLP it replaces."""
+    m, prof, rt = ctx.model, ctx.profile, ctx.runtime
+    moe = m.moe
+    assert moe is not None
+    x = layer_shape(s, ctx)
+    gemm, launch = prof.gemm, prof.gemm.launch_s
+    peak, key = gemm_rate(ctx, x)
+    elementwise = elementwise_s(ctx, x)
+    h, t, ab, T, n_up = m.hidden_size, s.tp, x.ab, x.T, x.n_up
+    passes = MLP_ACTIVATION_PASSES[m.ffn_activation]
+    E, k, etp, ep = moe.n_experts, moe.top_k, s.etp, s.ep
+    sp = s.sequence_parallel and t > 1
+    T_r = T / t if sp else T  # tokens this rank routes
+    rows = T_r * k * (etp if sp else 1)  # routed rows it computes, gathered over etp
+    local = E / ep  # experts on this rank
+    per_expert = rows / local  # tokens of one expert's GEMM (balanced)
+    f_e = moe.ffn_hidden_size / etp
+
+    def grouped(n: float, kk: float) -> float:
+        """The local experts' GEMMs as one grouped GEMM: one launch, each expert's shape at the
+        profile's efficiency for it (small per-expert token counts run far below the
+        ceiling)."""
+        return launch + local * (gemm.time_s(per_expert, n, kk, peak, key) - launch)
+
+    imbalance = routed_share(s, ctx)
+    expert_gemm = imbalance * (grouped(n_up * f_e, h) + grouped(h, f_e))
+    expert_elem = imbalance * elementwise(passes * rows * f_e * ab)
+    # the router in the amp dtype, softmax / sigmoid and top-k over fp32 scores (read, write
+    # and the top-k read), the probabilities applied at the combine
+    router = gemm.time_s(T_r, E, h, x.peak, x.precision)
+    router_elem = stream_s(ctx, 3 * T_r * E * 4) + elementwise(2 * rows * h * ab)
+    # permute (gather T_r tokens into rows) and un-permute (scatter-add back): read and write
+    permute = stream_s(ctx, (T_r + rows) * h * ab) * 2
+    shared_width = moe.n_shared_experts * moe.shared_ffn_hidden_size / t
+    shared_gemm = shared_elem = 0.0
+    if shared_width:
+        shared_gemm = gemm.time_s(T, n_up * shared_width, h, peak, key) + gemm.time_s(
+            T, h, shared_width, peak, key
+        )
+        shared_elem = elementwise(passes * T * shared_width * ab)
+    f = m.ffn_hidden_size / t
+    dense_gemm = gemm.time_s(T, n_up * f, h, peak, key) + gemm.time_s(T, h, f, peak, key)
+    dense_elem = elementwise(passes * T * f * ab)
+    gemms = router + expert_gemm + shared_gemm - dense_gemm
+    elem = router_elem + permute + expert_elem + shared_elem - dense_elem
+    bof = gemm.backward_over_forward
+    fwd = gemms + elem
+    bwd = bof * gemms + 2.0 * elem
+    # selective op recompute repeats the gate projection of a gated MLP (w3: half of fc1, a
+    # third of the MLP's GEMMs), as the dense one
+    op_recompute = elem + ((expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0)
+    comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
+    return ExpertLayer(fwd, bwd, comm, op_recompute, rows)
+
+
+def _comm_fwd_s(
+    s: "Strategy", ctx: Context, T: float, T_r: float, rows: float, shared_s: float
+) -> float:
+    """Exposed seconds of one MoE layer's forward traffic: all-to-all dispatch and combine of
+    T_r k tokens over the ep ranks (`etp` apart), the all-gather and reduce-scatter of the rows
+    over the etp ranks, less the MLP's sequence-parallel pair, which the MoE layer does not run
+    (the router reads the sequence shard). The busiest rank receives `moe_load_imbalance` times
+    its share. The shared experts hide the all-to-all when the runtime overlaps them."""
+    m, rt, ab = ctx.model, ctx.runtime, ACT_BYTES[s.amp]
+    moe = m.moe
+    assert moe is not None
+    h, t, etp, ep = m.hidden_size, s.tp, s.etp, s.ep
+    tokens = T_r * h * ab
+    if rt.moe_dispatcher == "deepep":
+        a2a = 2.0 * routed_share(s, ctx) * _deepep_s(ctx, tokens, ep, etp)
+    else:
+        a2a = 2.0 * routed_share(s, ctx) * all_to_all_s(ctx, tokens * moe.top_k, ep, etp)
+    a2a *= 1.0 - rt.moe_a2a_overlap
+    if etp > 1:
+        a2a += all_gather_s(ctx, rows * h * ab, etp, 1) + reduce_scatter_s(ctx, rows * h * ab, etp, 1)
+    if rt.moe_shared_expert_overlap and moe.n_shared_experts:
+        a2a = max(a2a - shared_s, 0.0)
+    if s.sequence_parallel and t > 1:  # the dense MLP's all-gather + reduce-scatter, not run
+        pair = all_gather_s(ctx, T * h * ab, t, 1) + reduce_scatter_s(ctx, T * h * ab, t, 1)
+        overlap = rt.async_tp_overlap if s.async_tp else rt.tp_overlap
+        a2a -= pair * (1.0 - overlap)
+    return a2a
+
+
+def _deepep_s(ctx: Context, tokens_bytes: float, ep: int, stride: int) -> float:
+    """DeepEP's dispatch (or combine) of `tokens_bytes` of tokens from each of `ep` ranks: each
+    token crosses the network once per other node holding one of its top-k experts, then is
+    forwarded over NVLink to each expert's rank (DeepEP README, "normal kernels": RDMA to the
+    node, NVLink within it). With experts spread evenly over N nodes and routed uniformly
+    (balanced routing), a token reaches (N-1) (1 - C(E - E/N, k) / C(E, k)) other nodes; the
+    NVLink side moves every routed copy, as an all-to-all within the node would."""
+    moe = ctx.model.moe
+    assert moe is not None
+    domain, E, k = ctx.nvlink_domain, moe.n_experts, moe.top_k
+    per_domain = max(1, min(ep, domain // stride)) if stride < domain else 1
+    nodes = ep // per_domain
+    intra = all_to_all_s(ctx, tokens_bytes * k, per_domain, stride)
+    if nodes <= 1:
+        return intra
+    away = 1.0  # probability that none of a token's k experts is on a given node
+    for i in range(k):
+        away *= max(0.0, (E - E / nodes - i) / (E - i))
+    remote = (nodes - 1) * (1.0 - away)
+    latency, bandwidth = ctx.link(ep, stride, "all_to_all")
+    inter = (nodes - 1) * latency + tokens_bytes * remote * per_domain / bandwidth
+    return max(intra, inter)
+
+
+@reads("recompute")
+def recompute_repeats(s: "Strategy", e: ExpertLayer) -> tuple[float, float]:
+    """(seconds, forwards' worth of MoE traffic) a recomputed MoE layer repeats beyond a dense
+    one: full recompute runs the MoE forward again, all-to-all included; selective recompute
+    the attention core only (nothing more); selective op recompute the op share."""
+    return {
+        "full": (e.fwd_s, 1.0),
+        "selective": (0.0, 0.0),
+        "selective_op": (e.op_recompute_s, 0.0),
+        "none": (0.0, 0.0),
+    }[s.recompute]
+
+
+@reads("pp", "virtual_stages", "pipeline_split")
+def rank_moe_layers(s: "Strategy", ctx: Context) -> tuple[int, ...]:
+    """MoE layers of each pipeline rank (`ModelSpec.moe_layers`; chunk c of consecutive layers
+    runs on rank c mod pp)."""
+    flags, p = ctx.model.moe_layers, s.pp
+    counts = [0] * p
+    start = 0
+    for c, size in enumerate(s.layers_per_chunk(ctx.model.n_layers)):
+        counts[c % p] += sum(flags[start : start + size])
+        start += size
+    return tuple(counts)
+
+
+def routed_params(ctx: Context) -> int:
+    """Weights of one MoE layer's routed experts (E x matrices x h x f_e)."""
+    m = ctx.model
+    moe = m.moe
+    assert moe is not None
+    return moe.n_experts * m.n_ffn_matrices * m.hidden_size * moe.ffn_hidden_size
+
+
+@reads("tp", "pp", "ep", "etp")
+def stage_params(
+    s: "Strategy", ctx: Context, ranks: tuple[int | float, ...], moe_ranks: tuple[int, ...]
+) -> tuple[StageParams, StageParams]:
+    """(the rest, the routed experts) of the heaviest pipeline rank before data-parallel
+    sharding: the rest split over tp (a MoE layer's attention, norms, router and shared
+    experts, its dense layers, embeddings), the routed experts over etp x ep."""
+    m, t, p = ctx.model, s.tp, s.pp
+    dense = m.layer_params / t
+    moe_rest = (m.moe_layer_params - routed_params(ctx)) / t
+    expert = routed_params(ctx) / (s.etp * s.ep)
+    emb = m.embedding_params / t
+    tied = m.vocab_size * m.hidden_size if m.tied_embeddings and p > 1 else 0
+    head = (m.head_params + tied) / t
+    best = None
+    for r, (Lr, n) in enumerate(zip(ranks, moe_ranks)):
+        rest = (Lr - n) * dense + n * moe_rest
+        rest += (emb if r == 0 else 0.0) + (head if r == p - 1 else 0.0)
+        if p == 1:
+            rest = (Lr - n) * dense + n * moe_rest + emb + head
+        if best is None or rest + n * expert > best[0] + best[1]:
+            best = (rest, n * expert)
+    assert best is not None
+    return StageParams(best[0], dense), StageParams(best[1], expert)
+
+
+@reads(
+    "tp",
+    "etp",
+    "ep",
+    "micro_batch_size",
+    "sequence_parallel",
+    "amp",
+    "cp",
+    "recompute",
+    "pp",
+    "virtual_stages",
+    "pipeline_schedule",
+    "global_batch_size",
+    "dp",
+)
+def activation_bytes(
+    s: "Strategy", ctx: Context, e: ExpertLayer, moe_ranks: tuple[int, ...]
+) -> float:
+    """Activations the MoE layers of the most loaded rank keep beyond dense layers, at the
+    peak: per layer and micro-batch the router's fp32 scores and probabilities, the routed
+    rows into and out of the experts and the experts' intermediates (the dense MLP's
+    accounting at the rows and width f_e / etp), the shared experts', less the dense MLP's;
+    plus the dispatch buffers of the layer in flight (send and receive, Megatron-Core's
+    alltoall dispatcher). Full recompute keeps only the layer input, as a dense layer."""
+    m, rt = ctx.model, ctx.runtime
+    moe = m.moe
+    assert moe is not None
+    ab, t, T = ACT_BYTES[s.amp], s.tp, s.micro_batch_size * m.seq_len / s.cp
+    li = 1 if s.fp8 != "none" and rt.fp8_saves_fp8_inputs else ab
+    buffers = 2 * e.rows * m.hidden_size * ab * routed_share(s, ctx)
+    if s.recompute == "full":
+        return buffers
+    fused = s.compile or rt.fused_swiglu
+
+    def mlp(width: float) -> float:  # bytes per token-row of an MLP of `width` (formulas.py)
+        if m.ffn_gated:
+            return ((2 if fused else 3) * ab + li) * width
+        return (ab + li) * width
+
+    sp = s.sequence_parallel and t > 1
+    T_r = T / t if sp else T
+    router = T_r * moe.n_experts * 4 * 2
+    routed = e.rows * routed_share(s, ctx) * (
+        m.hidden_size * (li + ab) + mlp(moe.ffn_hidden_size / s.etp)
+    )
+    shared = T * mlp(moe.n_shared_experts * moe.shared_ffn_hidden_size / t)
+    per_layer = router + routed + shared - T * mlp(m.ffn_hidden_size / t)
+    in_flight = microbatches_in_flight(
+        s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
+    )
+    return in_flight * max(moe_ranks) * per_layer + buffers
+
+
+def expert_data_parallel(s: "Strategy") -> tuple[int, int]:
+    """(edp, stride) of the group the routed experts' gradients and states are reduced and
+    sharded over: tp x dp x cp / (etp x ep) ranks, `etp * ep` apart."""
+    return s.tp * s.dp * s.cp // (s.etp * s.ep), s.etp * s.ep
