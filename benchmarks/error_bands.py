@@ -1,8 +1,9 @@
 """Error bands by kind of run, from every run the fidelity benchmarks check.
 
 Evidence: SC'21 Table 1 (10 published runs, Megatron-LM 2021 on A100), the second development set
-(181 published runs: torchtitan, Megatron-Core, MosaicML Composer on H100, H200, A100) and the
-local runs on this machine (results/fidelity_local.csv, measured with the Engine). Each run gives
+(181 published runs: torchtitan, Megatron-Core, MosaicML Composer on H100, H200, A100), the
+published MoE runs (benchmarks/fidelity_moe.py, `moe_evidence`) and the local runs on this
+machine (results/fidelity_local.csv, measured with the Engine). Each run gives
 q = actual step time / predicted step time; runs are grouped by kind at every level of
 `autosearch.core.bands.LEVELS` and each group's split-conformal 90% interval is written to
 cost_models/error_bands.yaml, which `AnalyticCostModel.estimate` reads.
@@ -76,6 +77,26 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
         cluster = Cluster(gpu=str(profile), n_nodes=1, gpus_per_node=s.world_size)
         ratio = run.measured_step_time_s / run.predicted_step_time_s
         out.append((kind_of(s, cluster, "torch"), ratio, "local"))
+    return out + moe_evidence()
+
+
+def moe_evidence() -> list[tuple[dict[str, str], float, str]]:
+    """(kind, actual / predicted step time, "moe") of every published MoE run the MoE fidelity
+    benchmark can express (benchmarks/fidelity_moe.py): their kinds carry ep (and etp) among
+    the parallel axes."""
+    moe = _load("fidelity_moe")
+    out = []
+    for _, row in pd.read_csv(moe.TABLE).iterrows():
+        pred = moe.predict(row)
+        if not pred["expressible"]:
+            continue
+        gpus = int(row.n_gpus)
+        cluster = Cluster(
+            gpu=moe.GPUS[row.gpu], n_nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus)
+        )
+        ratio = pred["predicted_tokens_per_s_per_gpu"] / pred["published_tokens_per_s_per_gpu"]
+        framework = RuntimeOptions.get(pred["runtime"].removesuffix("-row")).framework
+        out.append((kind_of(moe.strategy_of(row), cluster, framework), ratio, "moe"))
     return out
 
 

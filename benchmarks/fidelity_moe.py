@@ -61,10 +61,10 @@ ASSUMED = {
     "megatron optimizer": "DDP + distributed optimizer -> zero_stage 1; Megatron-FSDP and"
     " Automodel's FSDP2 -> zero_stage 3",
     "fp8": "any FP8 recipe (delayed, current, blockwise, MXFP8) -> tensorwise fp8 linears",
-    "recompute": "none / not stated -> none; 'norm, act' and Megatron's selective module lists"
-    " (layernorm, moe_act, moe) -> selective (Megatron-Core's selective is the attention core"
-    " under flash attention: nearly free); 'full' and Automodel's activation_checkpointing ->"
-    " full",
+    "recompute": "none / not stated -> none; Megatron's recompute module lists (layernorm,"
+    " moe_act, moe) -> none (no Strategy value recomputes modules: their time is left out and"
+    " their memory saving too); 'selective' with no module list -> selective; 'full' and"
+    " Automodel's activation_checkpointing -> full",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
     " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
     " and not stated -> the runtime's moe_load_imbalance",
@@ -85,7 +85,7 @@ ASSUMED = {
 # the dispatch and combine hidden behind the other micro-batch's compute when a row turns it on
 # (Megatron-Core MoE report: "1F1B A2A overlap" hides the EP communication in the steady
 # state); chosen against the two H100 rows that turn it on (leave_one_group_out).
-A2A_OVERLAP_WHEN_ON = 0.7
+A2A_OVERLAP_WHEN_ON = 0.3
 
 
 def group_of(row: pd.Series) -> str:
@@ -127,7 +127,7 @@ def _int(value, default: int) -> int:
 def strategy_of(row: pd.Series) -> Strategy:
     n, tp, pp, cp = int(row.n_gpus), _int(row.tp, 1), _int(row.pp, 1), _int(row.cp, 1)
     dp = n // (tp * pp * cp)
-    v = _int(row.vp, 1)
+    v = _int(row.vp, 1) if pp > 1 else 1  # a vp given with pp 1 (DGX Cloud Llama 4) is moot
     fsdp = str(row.fsdp).lower()
     zero = 3 if ("fsdp" in fsdp and "ddp" not in fsdp) or str(row.id).startswith("AUTO") else 1
     if "sharding degree" in fsdp:
@@ -136,7 +136,7 @@ def strategy_of(row: pd.Series) -> Strategy:
     rc = str(row.recompute).lower()
     if "full" in rc or "activation_checkpointing: true" in rc:
         recompute = "full"
-    elif rc.startswith(("selective", "norm")):
+    elif rc.startswith("selective (recipe"):
         recompute = "selective"
     else:
         recompute = "none"

@@ -100,7 +100,7 @@ class AnalyticCostModel(CostModel):
             self._expert_layer = _Cached(
                 fields_read(experts.layer), lambda s: experts.layer(s, ctx)
             )
-            self._params = _Cached(  # type: ignore[assignment]  # (rest, routed experts)
+            self._moe_params = _Cached(  # (the rest, the routed experts)
                 fields_read(experts.stage_params, pipeline.rank_layers),
                 lambda s: experts.stage_params(s, ctx, self._ranks(s), self._moe_ranks(s)),
             )
@@ -213,7 +213,7 @@ class AnalyticCostModel(CostModel):
         t_mb = micro.total_s
         m = s.grad_accum_steps
         bubble = pipeline.bubble_s(s, t_mb)
-        rest, routed = self._params(s)  # type: ignore[misc]
+        rest, routed = self._moe_params(s)
         rc = micro.recompute_layer_s
         dense = data_parallel.cost(s, ctx, rest, ranks, layer, rc)
         edp = experts.expert_data_parallel(s)

@@ -55,9 +55,9 @@ def all_to_all_time_s(
     nbytes: float, group: int, latency_s: float, bandwidth_bytes_per_s: float
 ) -> float:
     """All-to-all by pairwise exchange, each rank sending `nbytes` in all (nbytes / n to each
-    rank, its own share staying): (n-1) alpha + (n-1)/n * S / beta (Thakur, Rabenseifner & Gropp
-    2005: pairwise exchange, their long-message all-to-all; NCCL's alltoall is n-1 concurrent send/recv
-    pairs, nccl-tests alltoall busbw = algbw * (n-1)/n)."""
+    rank, its own share staying): (n-1) alpha + (n-1)/n * S / beta (Thakur, Rabenseifner &
+    Gropp 2005: pairwise exchange, their long-message all-to-all; NCCL's alltoall is n-1
+    concurrent send/recv pairs, nccl-tests alltoall busbw = algbw * (n-1)/n)."""
     if group <= 1:
         return 0.0
     return (group - 1) * latency_s + (group - 1) / group * nbytes / bandwidth_bytes_per_s

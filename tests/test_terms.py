@@ -258,7 +258,8 @@ def test_a_warm_model_gives_what_a_fresh_one_gives():
     assert set(VALUES) == set(FIELDS)
     varied = set()
     # 126 layers: the interleaved pipeline moves a layer between ranks (31/32/32/31 or 32/31/31/32)
-    models = (MODEL, ModelSpec.load("llama3.1-405b"))
+    # Mixtral 8x7B: the expert terms' caches (ep, etp) are checked as the others
+    models = (MODEL, ModelSpec.load("llama3.1-405b"), ModelSpec.load("mixtral-8x7b"))
     for model, runtime in itertools.product(models, RUNTIME_NAMES):
         warm = AnalyticCostModel(model, CLUSTER, runtime=runtime)
         for base in CASES:

@@ -94,6 +94,9 @@ class RuntimeOptions:
         moe_a2a_overlap: fraction of the dispatch and combine hidden behind another
             micro-batch's compute (Megatron-Core ``--overlap-moe-expert-parallel-comm``, the
             "1F1B A2A overlap"); 0 without it.
+        moe_layer_host_s: the host's time for one MoE layer, forward and backward (Python,
+            kernel launches, the dispatcher's device-to-host sync of the tokens per expert):
+            a MoE layer whose GPU work is shorter takes this long (the GPU waits).
         moe_shared_expert_overlap: the shared experts' forward and backward run while the
             all-to-all dispatch and combine are in flight (Megatron-Core
             ``--moe-shared-expert-overlap``).
@@ -140,6 +143,7 @@ class RuntimeOptions:
     moe_load_imbalance: float = 1.0
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: float = 0.0
+    moe_layer_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
     step_overhead_s: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs

@@ -49,6 +49,7 @@ class ExpertLayer(NamedTuple):
     comm_fwd_s: float  # exposed all-to-all (and etp) traffic of one forward, less the MLP's tp
     op_recompute_s: float  # what selective op recompute repeats beyond the dense layer's
     rows: float  # routed rows this rank computes (for memory)
+    host_s: float  # the runtime's host time of one MoE layer, forward and backward
 
 
 def routed_share(s: "Strategy", ctx: Context) -> float:
@@ -62,7 +63,18 @@ def routed_share(s: "Strategy", ctx: Context) -> float:
     return share if cap is None else min(share, cap)
 
 
-@reads("tp", "etp", "ep", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
+@reads(
+    "tp",
+    "etp",
+    "ep",
+    "micro_batch_size",
+    "amp",
+    "sequence_parallel",
+    "cp",
+    "fp8",
+    "compile",
+    "async_tp",
+)
 def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     """One MoE layer's MLP against the dense MLP it replaces."""
     m, prof, rt = ctx.model, ctx.profile, ctx.runtime
@@ -116,7 +128,7 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     # third of the MLP's GEMMs), as the dense one
     op_recompute = elem + ((expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0)
     comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
-    return ExpertLayer(fwd, bwd, comm, op_recompute, rows)
+    return ExpertLayer(fwd, bwd, comm, op_recompute, rows, rt.moe_layer_host_s)
 
 
 def _comm_fwd_s(
@@ -138,7 +150,9 @@ def _comm_fwd_s(
         a2a = 2.0 * routed_share(s, ctx) * all_to_all_s(ctx, tokens * moe.top_k, ep, etp)
     a2a *= 1.0 - rt.moe_a2a_overlap
     if etp > 1:
-        a2a += all_gather_s(ctx, rows * h * ab, etp, 1) + reduce_scatter_s(ctx, rows * h * ab, etp, 1)
+        a2a += all_gather_s(ctx, rows * h * ab, etp, 1) + reduce_scatter_s(
+            ctx, rows * h * ab, etp, 1
+        )
     if rt.moe_shared_expert_overlap and moe.n_shared_experts:
         a2a = max(a2a - shared_s, 0.0)
     if s.sequence_parallel and t > 1:  # the dense MLP's all-gather + reduce-scatter, not run
@@ -254,14 +268,15 @@ def activation_bytes(
     peak: per layer and micro-batch the router's fp32 scores and probabilities, the routed
     rows into and out of the experts and the experts' intermediates (the dense MLP's
     accounting at the rows and width f_e / etp), the shared experts', less the dense MLP's;
-    plus the dispatch buffers of the layer in flight (send and receive, Megatron-Core's
-    alltoall dispatcher). Full recompute keeps only the layer input, as a dense layer."""
+    plus the dispatch send buffer of the layer in flight (the receive buffer is the experts'
+    input, counted above; Megatron-Core's alltoall dispatcher). Full recompute keeps only the
+    layer input, as a dense layer."""
     m, rt = ctx.model, ctx.runtime
     moe = m.moe
     assert moe is not None
     ab, t, T = ACT_BYTES[s.amp], s.tp, s.micro_batch_size * m.seq_len / s.cp
     li = 1 if s.fp8 != "none" and rt.fp8_saves_fp8_inputs else ab
-    buffers = 2 * e.rows * m.hidden_size * ab * routed_share(s, ctx)
+    buffers = e.rows * m.hidden_size * ab * routed_share(s, ctx)
     if s.recompute == "full":
         return buffers
     fused = s.compile or rt.fused_swiglu
@@ -274,8 +289,10 @@ def activation_bytes(
     sp = s.sequence_parallel and t > 1
     T_r = T / t if sp else T
     router = T_r * moe.n_experts * 4 * 2
-    routed = e.rows * routed_share(s, ctx) * (
-        m.hidden_size * (li + ab) + mlp(moe.ffn_hidden_size / s.etp)
+    routed = (
+        e.rows
+        * routed_share(s, ctx)
+        * (m.hidden_size * (li + ab) + mlp(moe.ffn_hidden_size / s.etp))
     )
     shared = T * mlp(moe.n_shared_experts * moe.shared_ffn_hidden_size / t)
     per_layer = router + routed + shared - T * mlp(m.ffn_hidden_size / t)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from cost_models.formulas import bubble_microbatches, p2p_time_s
-from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, all_gather_s, reads
 from cost_models.terms import experts
+from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, all_gather_s, reads
 from cost_models.terms.compute import recompute_repeats, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,7 +68,7 @@ def microbatch(
     best = None
     for r, Lr in enumerate(ranks):
         if moe is not None:
-            extra = _moe_rank_s(s, moe[0], moe[1][r], Lr)
+            extra = _moe_rank_s(s, layer, moe[0], moe[1][r], Lr)
         first, last = r == 0, r == p - 1
         n_rc = recomputed_layers(s, Lr)
         compute = (
@@ -96,16 +96,21 @@ def microbatch(
 
 
 def _moe_rank_s(
-    s: "Strategy", e: "ExpertLayer", n_moe: int, rank_layers: float
+    s: "Strategy", layer: LayerCosts, e: "ExpertLayer", n_moe: int, rank_layers: float
 ) -> tuple[float, float, float]:
     """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its dense
-    layers; recomputed layers are MoE layers in the rank's proportion."""
+    layers; recomputed layers are MoE layers in the rank's proportion. A MoE layer takes at
+    least the runtime's host time (`moe_layer_host_s`): when its GPU work is shorter, the GPU
+    waits for the host's launches."""
     if not n_moe:
         return 0.0, 0.0, 0.0
     rc_s, rc_comm = experts.recompute_repeats(s, e)
     n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
+    compute = e.fwd_s + e.bwd_s
+    gpu = layer.fwd_s + layer.bwd_s + 2.0 * (layer.tp_comm_fwd_s + e.comm_fwd_s) + compute
+    compute += max(0.0, e.host_s - gpu)
     return (
-        n_moe * (e.fwd_s + e.bwd_s),
+        n_moe * compute,
         n_rc * rc_s,
         n_moe * 2.0 * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
     )

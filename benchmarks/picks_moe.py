@@ -1,0 +1,100 @@
+"""What `tune` picks for mixture-of-experts models (issue 19 item 8): DeepSeek-V3 (671B) and
+Qwen3-235B-A22B on 256 and 1,024 H100s at sequence 4,096, under megatron-core and torchtitan,
+next to the published configurations of the same model on the same GPUs
+(benchmarks/reference/moe_runs.csv) scored by the same cost model.
+
+Run: python benchmarks/picks_moe.py   (writes results/picks_moe.json)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from autosearch import Cluster, ModelSpec, Strategy, tune
+from cost_models import AnalyticCostModel
+
+# (model, cluster, global batch, the published configuration on H100 with its source row)
+CASES = [
+    (
+        "deepseek-v3",
+        "h100-sxm:32x8",
+        512,
+        # NeMo Automodel DeepSeek-V3 on 256 H100s (AUTOMODEL-DEEPSEEKV3671B-H100-256): FSDP2
+        # over 64, pp4 interleaved x8, ep64, activation checkpointing
+        "dp=64,tp=1,pp=4,ep=64,micro_batch_size=1,global_batch_size=512,recompute=full,"
+        "pipeline_schedule=interleaved_1f1b,virtual_stages=8,zero_stage=3",
+    ),
+    (
+        "deepseek-v3",
+        "h100-sxm:128x8",
+        8192,
+        # Megatron-Bridge 25.09 DeepSeek-V3 on 1,024 H100s (MB2509-DEEPSEEKV3DROPLESS-H100-1024)
+        "dp=64,tp=2,pp=8,ep=64,micro_batch_size=1,global_batch_size=8192,sequence_parallel=true,"
+        "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1",
+    ),
+    (
+        "qwen3-235b-a22b",
+        "h100-sxm:32x8",
+        2048,
+        # Megatron-Bridge Qwen3-235B-A22B on 256 H100s (MB2511-QWEN3235BA22B-H100-256-FP8CS,
+        # in bf16 here)
+        "dp=16,tp=2,pp=8,ep=32,micro_batch_size=1,global_batch_size=2048,sequence_parallel=true,"
+        "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1",
+    ),
+    (
+        "qwen3-235b-a22b",
+        "h100-sxm:128x8",
+        8192,
+        # no published 1,024-GPU H100 run: the 256-GPU layout with dp64
+        "dp=64,tp=2,pp=8,ep=32,micro_batch_size=1,global_batch_size=8192,sequence_parallel=true,"
+        "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1",
+    ),
+]
+RUNTIMES = ("megatron-core", "torchtitan")
+
+
+def main() -> None:
+    out = []
+    for name, cluster, gbs, published in CASES:
+        model = ModelSpec.load(name, seq_len=4096)
+        for runtime in RUNTIMES:
+            result = tune(model, cluster, global_batch_size=gbs, runtime=runtime, seed=0)
+            best = result.best_report
+            pub = Strategy.parse(published)
+            try:
+                ref = AnalyticCostModel(model, Cluster.parse(cluster), runtime=runtime)
+                pub_report = ref.estimate(pub)
+                pub_tokens, pub_fits = round(pub_report.tokens_per_s), pub_report.fits
+                pub_memory = round(pub_report.peak_memory_bytes / 2**30, 1)
+            except ValueError as exc:
+                pub_tokens, pub_fits, pub_memory = None, str(exc)[:200], None
+            out.append(
+                {
+                    "case": f"{name} {cluster} gbs{gbs} seq4096",
+                    "runtime": runtime,
+                    "pick": result.best_strategy.short(),
+                    "tokens_per_s_per_gpu": round(best.tokens_per_s / best_world(cluster)),
+                    "mfu": round(best.mfu, 3),
+                    "memory_gib": round(best.peak_memory_bytes / 2**30, 1),
+                    "published": pub.short(),
+                    "published_predicted_tokens_per_s_per_gpu": None
+                    if pub_tokens is None
+                    else round(pub_tokens / best_world(cluster)),
+                    "published_predicted_fits": pub_fits,
+                    "published_predicted_memory_gib": pub_memory,
+                    **{k: round(v, 2) for k, v in best.time._asdict().items()},
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results/picks_moe.json")
+    path.write_text(json.dumps(out, indent=1))
+
+
+def best_world(cluster: str) -> int:
+    return Cluster.parse(cluster).world_size
+
+
+if __name__ == "__main__":
+    main()
