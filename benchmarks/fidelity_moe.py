@@ -263,12 +263,15 @@ def summarize(table: pd.DataFrame) -> dict:
 
 def leave_one_group_out(rows: pd.DataFrame) -> dict:
     """Each group predicted without the constants chosen against it: megatron-core's
-    moe_load_imbalance (the Model Zoo's forced / dropless pairs) falls back to 1 (balanced),
-    and the EP A2A overlap (the Bridge's and the Model Zoo's overlap rows) to 0."""
-    mc = dataclasses.replace(RUNTIMES["megatron-core"], moe_load_imbalance=1.0)
+    moe_load_imbalance (the Model Zoo's forced / dropless pairs, DGX Cloud) falls back to 1
+    (balanced), its moe_layer_host_s (the Bridge's Qwen3-30B rows) to 0, and the EP A2A
+    overlap (the Bridge's and the Model Zoo's overlap rows) to 0."""
+    mc = dataclasses.replace(
+        RUNTIMES["megatron-core"], moe_load_imbalance=1.0, moe_layer_host_s=0.0
+    )
     without = {"megatron-core": mc, "a2a_overlap": 0.0}
     out = {}
-    for name in ("MoE Model Zoo H100", "Megatron-Bridge H100"):
+    for name in ("MoE Model Zoo H100", "Megatron-Bridge H100", "DGX Cloud H100"):
         subset = rows[rows.apply(group_of, axis=1) == name]
         table = pd.DataFrame([predict(r, runtimes=without) for _, r in subset.iterrows()])
         g = summarize(table).get(name)
