@@ -541,7 +541,7 @@ def load(
             {k: state["model"][k] for k in own if k in state["model"]},
             options=_options(strict=False),
         )
-    if osds is not None:
+    if osds is not None and optimizers:
         for part, opt, osd in zip(parts, optimizers, osds):
             set_optimizer_state_dict(
                 part,

@@ -290,10 +290,12 @@ def validate(
         report = cand.report
         if report is None and cluster is not None:
             c = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
-            if c.world_size != world:
-                nodes, per_node = (1, world) if target is None else _layout(world, c)
-                c = Cluster(gpu=c.profile, n_nodes=nodes, gpus_per_node=per_node)
+            shape = (1, world) if target is None else _layout(world, c)
             try:
+                if isinstance(shape, str):  # no whole-node layout: nothing to predict
+                    raise SpecError(shape)
+                if c.world_size != world:
+                    c = Cluster(gpu=c.gpu, n_nodes=shape[0], gpus_per_node=shape[1])
                 report = AnalyticCostModel(model, c, runtime=runtime).estimate(s)
             except SpecError:
                 report = None
