@@ -10,6 +10,10 @@
   atomic on POSIX), so a reader sees the old file or the new one, never a torn one.
 * `remove_stale_temp_files`: what a kill between `mkstemp` and `os.replace` leaves behind (a
   temporary name carries its writer's pid; only files of dead processes are removed).
+* `own_folder` / `mark_folder` / `is_owned`: autosearch writes only into a folder that is new,
+  empty, or its own (a ``.autosearch`` marker file inside, created with ``O_EXCL``), and renames
+  or removes only folders that hold that marker; a folder of the user's files is refused before
+  anything is written there (study outputs, exports, checkpoints).
 
 Written by hand because the standard library has the primitives but no such helper, and the
 `filelock` package follows symbolic links when it opens its lock file.
