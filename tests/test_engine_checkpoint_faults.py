@@ -259,7 +259,7 @@ def test_a_pickle_in_the_shards_is_refused_in_one_message(tmp_path):
     marker = tmp_path / "pwned"
     e = Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     e.prepare()
-    parts, opts = e.model_parts_, e._checkpoint_optimizers()
+    parts, opts = e.model_parts_, e.trainer_.checkpoint_optimizers()
     state = {"model": ck.model_state(parts), "optim": {}}
     for osd in ck.optimizer_states(parts, opts):
         state["optim"].update(osd)

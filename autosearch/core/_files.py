@@ -21,9 +21,11 @@ Written by hand because the standard library has the primitives but no such help
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -301,6 +303,27 @@ def mark_folder(folder: str, *, kind: str, what: str) -> None:
         os.write(fd, f"written by autosearch: {kind}\n".encode())
     finally:
         os.close(fd)
+
+
+def remove_owned(path: str | os.PathLike) -> None:
+    """Remove a folder autosearch owns (`is_owned`) with its marker last: a process killed while
+    removing it leaves a folder that is still marked, which the next run removes, never one
+    that autosearch would refuse as the user's. A folder without the marker is left alone."""
+    folder = os.fspath(path)
+    if not is_owned(folder):
+        return
+    for entry in os.scandir(folder):
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(folder, MARKER))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def is_owned(path: str | os.PathLike) -> bool:
