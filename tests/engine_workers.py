@@ -69,17 +69,24 @@ HF_FAMILIES = {
 
 
 def hf_model(kind: str):
-    """A transformers model of family `kind` with random weights (seeded by the caller)."""
+    """A transformers model of family `kind` with random weights (seeded by the caller);
+    ``<family>_tied`` ties lm_head to the embedding."""
     import transformers
 
-    config_name, model_name, extra = HF_FAMILIES[kind]
-    config = getattr(transformers, config_name)(**HF_SHAPE, **extra)
+    family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
+    config_name, model_name, extra = HF_FAMILIES[family]
+    shape = {**HF_SHAPE, "tie_word_embeddings": tied}
+    config = getattr(transformers, config_name)(**shape, **extra)
     return getattr(transformers, model_name)(config)
+
+
+def is_hf(kind: str) -> bool:
+    return kind.removesuffix("_tied") in HF_FAMILIES
 
 
 def make_model(kind: str):
     torch.manual_seed(1234)
-    if kind in HF_FAMILIES:
+    if is_hf(kind):
         return hf_model(kind)
     from autosearch.transformer import Transformer
 
@@ -89,7 +96,7 @@ def make_model(kind: str):
 def dataset(kind: str, n: int = 64, seed: int = 0):
     from autosearch.engine import SyntheticTokens
 
-    spec = MODELS["llama"] if kind in HF_FAMILIES else MODELS[kind]
+    spec = MODELS["llama"] if is_hf(kind) else MODELS[kind]
     return SyntheticTokens.for_model(spec, n, seed=seed)
 
 

@@ -373,7 +373,13 @@ def parallelize(
                 sequence_parallel=strategy.sequence_parallel,
                 loss_parallel=loss_parallel,
             )
-        apply_ac(part, plan, strategy.recompute, strategy.recompute_num_layers)
+        # Checkpointing runs inside the compiled blocks (torchtitan's order), except full
+        # recompute, which checkpoints each compiled block: torch 2.13's AOT autograd fails on a
+        # whole checkpointed block of DTensor parameters ("expected all
+        # tensors_saved_with_vc_check to be Tensors ... DeviceMesh").
+        compile_first = strategy.compile and strategy.recompute == "full"
+        if not compile_first:
+            apply_ac(part, plan, strategy.recompute, strategy.recompute_num_layers)
         if strategy.compile:
             apply_compile(
                 part,
@@ -383,6 +389,8 @@ def parallelize(
                 fullgraph=plan.compile_fullgraph and (dims.cp == 1 or device.type == "cuda"),
                 tp_mesh=world_mesh(mesh)["tp"] if strategy.async_tp else None,
             )
+        if compile_first:
+            apply_ac(part, plan, strategy.recompute, strategy.recompute_num_layers)
         apply_amp(part, strategy.amp, device.type)
         early = materialize is not None and dims.mode.wrapper == "ddp"
         if early:
