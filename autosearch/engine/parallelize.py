@@ -217,11 +217,12 @@ def _op_sac_save_list() -> frozenset:
     return frozenset(ops)
 
 
-def op_sac_context():
-    """The forward and recompute contexts of op-level selective recompute: save what
-    `_op_sac_save_list` names, except every second matmul (mm, addmm: a linear with a bias,
-    linear), recompute everything else (torchtitan's ``SelectiveAC`` policy)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+def op_sac_policy():
+    """The op-level selective recompute policy of one checkpointed call (torchtitan's
+    ``SelectiveAC``): save the outputs of what `_op_sac_save_list` names except every second
+    matmul (mm, addmm: a linear with a bias, linear), recompute everything else. The forward and
+    its recompute count matmuls separately, so both make the same choices."""
+    from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
     save, matmuls = _op_sac_save_list(), (aten.mm.default, aten.addmm.default, aten.linear.default)
@@ -235,7 +236,14 @@ def op_sac_context():
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def op_sac_context():
+    """The forward and recompute contexts of op-level selective recompute (`op_sac_policy`)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(op_sac_policy())
 
 
 def apply_compile(
