@@ -105,6 +105,7 @@ def train_losses(
     """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
     from autosearch import Engine
 
+    torch._dynamo.reset()  # each run compiles afresh, as in its own process
     model = make_model(kind)
     engine = Engine(
         model,

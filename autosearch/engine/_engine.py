@@ -510,7 +510,9 @@ class Engine:
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
         dp_rank = self.mesh_.get_local_rank("dp") if self.mesh_ is not None else 0
-        cp_rank = self.mesh_.get_local_rank("cp") if self.dims_.cp > 1 else 0
+        cp_rank = (
+            self.mesh_.get_local_rank("cp") if self.mesh_ is not None and self.dims_.cp > 1 else 0
+        )
         return build_loader(
             dataset,
             batch_size=batch_size,

@@ -24,6 +24,7 @@ LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -242,7 +243,21 @@ class HFCausalLM(nn.Module):
         return window
 
     def _check_strategy(self, strategy) -> list[str]:
-        return strategy.problems(self.spec)
+        problems = strategy.problems(self.spec)
+        hub_kernels = importlib.util.find_spec("kernels") is not None
+        if (
+            strategy.compile
+            and strategy.recompute in ("selective", "selective_op")
+            and hub_kernels
+        ):
+            problems.append(
+                f"compile=true with recompute={strategy.recompute} checkpoints inside the compiled"
+                " layers, and transformers' hub-kernel wrapper (the `kernels` package, installed"
+                " here) sets a context variable in each layer's forward, which torch.compile "
+                "cannot trace there; use recompute=none or full with compile, or uninstall "
+                "`kernels`"
+            )
+        return problems
 
     @staticmethod
     def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:

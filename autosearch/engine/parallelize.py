@@ -114,7 +114,7 @@ def apply_cp(module: nn.Module, cp_mesh: "DeviceMesh") -> None:
     cp = ContextParallel.of(cp_mesh)
     for sub in module.modules():
         if hasattr(type(sub), "context_parallel"):
-            sub.context_parallel = cp
+            setattr(sub, "context_parallel", cp)  # noqa: B010 - a plain attribute, not a module
 
 
 def fp8_filter(module: nn.Module, fqn: str) -> bool:
@@ -205,7 +205,7 @@ def _op_sac_save_list() -> frozenset:
     from torch._functorch.partitioners import get_default_op_list
 
     aten = torch.ops.aten
-    ops = {op.default for op in get_default_op_list().compute_intensive_ops}
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops}  # type: ignore[attr-defined]
     ops |= {
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_attention_math.default,
