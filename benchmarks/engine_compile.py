@@ -1,7 +1,7 @@
 """Step time of the Engine with per-block ``torch.compile`` (Inductor) against eager, on this
 machine's CPU.
 
-    python benchmarks/engine_compile.py [--steps 20] [--threads 2]   # -> results/engine_compile.csv
+    python benchmarks/engine_compile.py [--steps 20] [--threads 2]  # -> results/engine_compile.csv
 
 One process, the catalog's tiny models as they are (tiny-gpt: GELU, LayerNorm, learned
 positions; tiny-llama: SwiGLU, RMSNorm, rotary, GQA), micro-batch 8 x 128 tokens, fp32 and bf16
