@@ -90,6 +90,10 @@ class RuntimeOptions:
             set (runtimes.yaml), and shares its `framework`.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``).
+        devices: {feature: the devices that can run it} for the supported features that not
+            every device runs: ``cpu``, ``cuda``, or ``cuda>=8.9`` (a minimum compute
+            capability). The cost model prices the hardware it is given and ignores this; the
+            Engine refuses a strategy on a device that cannot run it (`cannot_run_on`).
         sources: where each value comes from (docs/runtimes.md has the details).
     """
 
@@ -123,6 +127,7 @@ class RuntimeOptions:
     step_overhead_s: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
+    devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
     sources: tuple[str, ...] = ()
     base: str | None = None
 
@@ -152,6 +157,17 @@ class RuntimeOptions:
             dim: how for dim, how in dimensions_used(strategy).items() if dim not in self.supports
         }
 
+    def cannot_run_on(self, strategy: "Strategy", device: str) -> dict[str, tuple[str, ...]]:
+        """{feature: the devices that can run it} for each feature of `strategy` that this
+        runtime supports but not on `device` (``cpu``, or ``cuda:9.0``: type and compute
+        capability)."""
+        runs_on = dict(self.devices)
+        return {
+            name: runs_on[name]
+            for name in dimensions_used(strategy)
+            if name in runs_on and not any(device_meets(device, req) for req in runs_on[name])
+        }
+
     def lacks(self, strategy: "Strategy") -> list[str]:
         """The dimensions of `strategy` this runtime cannot run, each as a message."""
         supported = ", ".join(self.supports) or "none of " + ", ".join(dimensions.feature_names())
@@ -166,11 +182,23 @@ class RuntimeOptions:
         for key in ("supports", "sources"):
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key] or ())
-        unknown = [f for f in kwargs.get("supports", ()) if f not in dimensions.feature_names()]
+        if "devices" in kwargs:
+            devices = kwargs["devices"] or {}
+            if not isinstance(devices, dict) or not all(
+                isinstance(v, list) and all(isinstance(d, str) for d in v)
+                for v in devices.values()
+            ):
+                raise SpecError(
+                    f"{what}: devices must map features to lists of devices (cpu, cuda, "
+                    f"cuda>=8.9), got {devices!r}"
+                )
+            kwargs["devices"] = tuple((str(k), tuple(v)) for k, v in devices.items())
+        named = [*kwargs.get("supports", ()), *(f for f, _ in kwargs.get("devices", ()))]
+        unknown = [f for f in named if f not in dimensions.feature_names()]
         if unknown:
             raise SpecError(
-                f"{what}: supports lists {', '.join(map(repr, unknown))}, which no dimension "
-                f"declares; known: {', '.join(dimensions.feature_names())}"
+                f"{what}: supports or devices list {', '.join(map(repr, unknown))}, which no "
+                f"dimension declares; known: {', '.join(dimensions.feature_names())}"
             )
         if "kernel_efficiency" in kwargs:
             factors = kwargs["kernel_efficiency"] or {}
@@ -190,6 +218,19 @@ class RuntimeOptions:
         times `kernel_efficiency[profile.architecture]` (the profile itself where 1)."""
         factor = dict(self.kernel_efficiency).get(profile.architecture, 1.0)
         return profile if factor == 1.0 else profile.scaled_compute(factor, why=self.name)
+
+
+def device_meets(device: str, requirement: str) -> bool:
+    """Whether `device` (``cpu``, ``cuda:9.0``) is one `requirement` names (``cpu``, ``cuda``,
+    ``cuda>=8.9``: CUDA with at least that compute capability)."""
+    kind, _, capability = device.partition(":")
+    want, _, minimum = requirement.partition(">=")
+    if kind != want:
+        return False
+    if not minimum:
+        return True
+    have = tuple(int(x) for x in capability.split(".")) if capability else (0,)
+    return have >= tuple(int(x) for x in minimum.split("."))
 
 
 def dimensions_used(strategy: "Strategy") -> dict[str, str]:
