@@ -237,7 +237,7 @@ def test_the_engine_runs_the_dimensions_of_todays_stacks_on_cpu(extra):
     """What the `torch` preset supports runs here; only a dimension this device cannot run is
     refused, with why and what to do (tests/test_engine_parity.py has the rest)."""
     from autosearch.core import Strategy
-    from autosearch.engine.build import engine_lacks
+    from autosearch.core.runtime import engine_lacks
 
     assert engine_lacks(Strategy.parse(f"dp=2,{extra}"), "cpu") == []
     (problem,) = engine_lacks(Strategy.parse(f"dp=2,{extra},tp=2,async_tp=true"), "cpu")

@@ -220,6 +220,37 @@ class RuntimeOptions:
         return profile if factor == 1.0 else profile.scaled_compute(factor, why=self.name)
 
 
+# Why a feature needs the devices the `torch` preset's `devices` names (the Engine's refusals).
+DEVICE_NEEDS = {
+    "async_tp": (
+        "async TP needs CUDA symmetric memory and Inductor's micro-pipelined TP pass, which "
+        "exist only on CUDA; run it on GPUs or set async_tp=false"
+    ),
+    "fp8": (
+        "float8 matmuls (torch._scaled_mm) need float8 units: CUDA compute capability 8.9 or "
+        "newer (L4, H100, H200), or the CPU; run it there or set fp8=none"
+    ),
+}
+
+
+def engine_lacks(strategy: "Strategy", device: str | None = "cpu") -> list[str]:
+    """The dimensions the Engine does not run (the `torch` runtime preset's `supports` in
+    cost_models/runtimes.yaml) or not on `device` (its `devices`; None: not checked, the device
+    is not known here), each with what to do instead."""
+    runtime = RUNTIMES["torch"]
+    problems = [
+        f"the Engine cannot run {how} on this machine's torch.distributed yet; leave it out, or "
+        f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
+        for how in runtime.unsupported(strategy).values()
+    ]
+    for name, devices in runtime.cannot_run_on(strategy, device).items() if device else ():
+        why = DEVICE_NEEDS.get(name, f"run it on {' or '.join(devices)}")
+        problems.append(
+            f"{name} cannot run on this device ({device}; it runs on {', '.join(devices)}): {why}"
+        )
+    return problems
+
+
 def device_meets(device: str, requirement: str) -> bool:
     """Whether `device` (``cpu``, ``cuda:9.0``) is one `requirement` names (``cpu``, ``cuda``,
     ``cuda>=8.9``: CUDA with at least that compute capability)."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
+from autosearch.core.runtime import engine_lacks
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -149,45 +150,12 @@ def strategy_problems(
 
 
 # Why a device cannot run a dimension the Engine runs elsewhere (the `torch` preset's `devices`).
-DEVICE_NEEDS = {
-    "async_tp": (
-        "async TP needs CUDA symmetric memory and Inductor's micro-pipelined TP pass, which "
-        "exist only on CUDA; run it on GPUs or set async_tp=false"
-    ),
-    "fp8": (
-        "float8 matmuls (torch._scaled_mm) need float8 units: CUDA compute capability 8.9 or "
-        "newer (L4, H100, H200), or the CPU; run it there or set fp8=none"
-    ),
-}
-
-
 def device_label(device: torch.device) -> str:
     """``cpu``, or ``cuda:9.0`` (the device type and its compute capability)."""
     if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"cuda:{major}.{minor}"
-
-
-def engine_lacks(strategy: "Strategy", device: str = "cpu") -> list[str]:
-    """The dimensions the Engine does not run (the `torch` runtime preset's `supports` in
-    cost_models/runtimes.yaml) or not on `device` (its `devices`), each with what to do
-    instead."""
-    from autosearch.core import RUNTIMES
-
-    runtime = RUNTIMES["torch"]
-    used = runtime.unsupported(strategy)
-    problems = [
-        f"the Engine cannot run {how} on this machine's torch.distributed yet; leave it out, or "
-        f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
-        for how in used.values()
-    ]
-    for name, devices in runtime.cannot_run_on(strategy, device).items():
-        why = DEVICE_NEEDS.get(name, f"run it on {' or '.join(devices)}")
-        problems.append(
-            f"{name} cannot run on this device ({device}; it runs on {', '.join(devices)}): {why}"
-        )
-    return problems
 
 
 def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
