@@ -323,17 +323,21 @@ def summarize(table: pd.DataFrame) -> dict:
 
 
 def leave_one_group_out(rows: pd.DataFrame) -> dict:
-    """Each group predicted with the constants it did not help choose. Four constants were
-    chosen against a table:
+    """Each group predicted with the constants it did not help choose. Five constants were
+    chosen against a table of this benchmark:
     - against torchtitan's H100 rows, the 500 W part's sustained clock (0.85 of the 700 W
-      part's) and torchtitan's async-TP overlap (0.4); without that table they fall back to the
-      700 W profile's efficiencies and the research value 1 - 1/tp = 0.875 (docs/runtimes.md
-      [1.6]);
+      part's), torchtitan's async-TP overlap (0.4) and its caching-allocator reserve (0.11,
+      against the rows' published memory); without that table they fall back to the 700 W
+      profile's efficiencies, the research value 1 - 1/tp = 0.875 (docs/runtimes.md [1.6]) and
+      the reserve assumed before (0.07);
     - against torchtitan's H200 rows, torchtitan's kernel efficiency on Hopper (0.88,
       docs/runtimes.md [2.8]); without it, 1;
     - against MosaicML's H100 rows, composer-fsdp's kernel efficiency on Hopper (0.80: the 2023
       torch 2.0.1 / CUDA 11.8 build without Hopper kernels, [4.5]); without it, 1.
-    Every other group uses none of them, so its figure is its own."""
+    The H200 rows use torchtitan's allocator reserve, chosen without them. The NeMo groups use
+    none (the nemo preset is read from NeMo's recipes, not chosen against its runs); the
+    deepspeed preset's per-collective overhead was chosen against sharded_dp_runs.csv, which no
+    group here scores. Every other group uses none of them, so its figure is its own."""
     import dataclasses
 
     from autosearch.core import RUNTIMES, HardwareProfile
@@ -346,7 +350,9 @@ def leave_one_group_out(rows: pd.DataFrame) -> dict:
     )
     # the H100 rows run the dated preset torchtitan-2412 (ASSUMED["torchtitan version"])
     research = {
-        name: dataclasses.replace(RUNTIMES[name], async_tp_overlap=0.875)
+        name: dataclasses.replace(
+            RUNTIMES[name], async_tp_overlap=0.875, allocator_reserve_fraction=0.07
+        )
         for name in ("torchtitan", "torchtitan-2412")
     }
     composer = dataclasses.replace(RUNTIMES["composer-fsdp"], kernel_efficiency=())
