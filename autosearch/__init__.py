@@ -21,8 +21,9 @@ _EXPORTS = {
     "AnalyticCostModel": "cost_models.analytic",
     "estimate": "cost_models.analytic",
     "RuntimeOptions": "autosearch.core.runtime",
-    "tune": "autosearch.tuner",
-    "TuneResult": "autosearch.tuner",
+    "tune": "autosearch.tuning._study",
+    "TuneConfig": "autosearch.tuning._config",
+    "TuneResult": "autosearch.tuning._result",
     "Engine": "autosearch.engine",
 }
 

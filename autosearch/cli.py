@@ -42,13 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]
-    raise KeyError(name)
-
-
 def main(argv: list[str] | None = None) -> int:
     command = "autosearch"
     interrupts = _count_interrupts()
@@ -56,11 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
         command = f"autosearch {args.command}"
-        if getattr(args, "config", None) is not None:
-            # A config file gives the subcommand's defaults; the flags given override them.
-            sub = _subparser(parser, args.command)
-            sub.set_defaults(**args.read_config(args.config, sub))
-            args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return _interrupted(command)

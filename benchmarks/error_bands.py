@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from autosearch.core import Cluster, RuntimeOptions, Strategy
+from autosearch import Cluster
+from autosearch.core import RuntimeOptions, Strategy
 from autosearch.core.bands import LEVELS, conformal_band, key_of, kind_of
 
 HERE = Path(__file__).resolve().parent

@@ -27,8 +27,8 @@ from pathlib import Path
 import pandas as pd
 from scipy.stats import spearmanr
 
-from autosearch import ModelSpec, Strategy
-from cost_models import AnalyticCostModel, Cluster
+from autosearch import Cluster, ModelSpec, Strategy
+from cost_models import AnalyticCostModel
 
 MODEL = ModelSpec.load("tiny-gpt")  # 4 layers, hidden 256, 4 heads, seq 128, vocab 1000
 GBS = 16

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from autosearch.core import Cluster, ModelSpec, SpecError, Strategy
+from autosearch import Cluster
+from autosearch.core import ModelSpec, SpecError, Strategy
 from cost_models import AnalyticCostModel
 
 HERE = Path(__file__).resolve().parent

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from autosearch import ModelSpec, Strategy
-from cost_models import AnalyticCostModel, Cluster, GemmEfficiency, HardwareProfile
+from autosearch import Cluster, ModelSpec, Strategy
+from cost_models import AnalyticCostModel, GemmEfficiency, HardwareProfile
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "reference" / "sc21_table1.csv"

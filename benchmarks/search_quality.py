@@ -37,10 +37,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autosearch import Cluster, tune  # noqa: E402
 from autosearch.core.model_spec import ModelSpec, model_catalog  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
-from autosearch.tuning import tune  # noqa: E402
-from cost_models import AnalyticCostModel, Cluster  # noqa: E402
+from cost_models import AnalyticCostModel  # noqa: E402
 from search_spaces import SearchSpace  # noqa: E402
 
 CASES = [  # (model, cluster, global batch, why this batch)

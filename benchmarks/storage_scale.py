@@ -59,7 +59,7 @@ def child(kind: str, n: int, folder: str) -> dict:
     sys.path.insert(0, ROOT)
     import matplotlib.pyplot  # noqa: F401  (imported by the outputs: not part of the growth)
 
-    from autosearch.tuning import tune
+    from autosearch import tune
 
     tune(**CASE, n_trials=5, sampler="random", trial_unit="strategy", seed=0)  # warm-up, in memory
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

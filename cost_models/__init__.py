@@ -3,7 +3,7 @@
 Pure Python: importing this package never imports torch.
 """
 
-from autosearch.core.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
+from autosearch.core.hardware import GemmEfficiency, HardwareProfile, Link, profile_names
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 from autosearch.core.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptions
 from cost_models._base import CostModel
@@ -11,7 +11,6 @@ from cost_models.analytic import AnalyticCostModel, estimate
 
 __all__ = [
     "AnalyticCostModel",
-    "Cluster",
     "CostModel",
     "CostReport",
     "GemmEfficiency",

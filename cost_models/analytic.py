@@ -50,8 +50,8 @@ class AnalyticCostModel(CostModel):
     """Analytic step time and memory of a decoder-only transformer on a cluster.
 
     Example:
-        >>> from autosearch import ModelSpec, Strategy
-        >>> from cost_models import AnalyticCostModel, Cluster
+        >>> from autosearch import Cluster, ModelSpec, Strategy
+        >>> from cost_models import AnalyticCostModel
         >>> cm = AnalyticCostModel(ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:8x8"))
         >>> s = Strategy(dp=64, micro_batch_size=1, global_batch_size=512, zero_stage=3)
         >>> r = cm.estimate(s)

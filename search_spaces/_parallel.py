@@ -6,8 +6,9 @@ The space is built once, as a tree whose every leaf is valid by construction:
     x recompute x sequence_parallel x zero_stage x amp x fp8 x compile x async_tp   [axes]
 
 The levels come from the dimension registry (`autosearch.core.dimensions`): the degree levels
-(`MESH_LEVELS`, tp, cp, pp; dp is what they leave of the world) are built by one loop, each
-value a divisor of the devices the levels above leave, kept when the space allows it and every
+(`MESH_LEVELS`, tp, cp, pp; dp is what they leave of the world; then the folded degrees, ep,
+each a divisor of the ranks it splits) are built by one loop, each value a divisor of the
+devices the levels above leave, kept when the space allows it and every
 rule of `autosearch.core.rules.RULES` that it completes holds (the rules `Strategy.problems`
 composes: tp divides n_heads and n_kv_heads, cp splits the sequence ...); tp also stays inside a
 node unless `tp_within_node` is off, and pp divides n_layers unless `uneven_pipeline`.
@@ -55,12 +56,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 INTERLEAVED = rules.INTERLEAVED
 MESH_LEVELS = dimensions.MESH_LEVELS
+# The degree levels from the root: the mesh degrees (they use up the devices; dp takes the
+# rest), then the folded ones (ep: they split ranks the mesh already counts).
+TREE_LEVELS = dimensions.MESH_LEVELS + dimensions.FOLDED_LEVELS
 AXES = dimensions.AXES
 # What a layout holds: the degrees (dp and the mesh levels), the micro-batch and the pipeline.
 LAYOUT_FIELDS = tuple(
     d.name
     for d in dimensions.DIMENSIONS
-    if d.level in (dimensions.REST, dimensions.MESH, dimensions.LAYOUT)
+    if d.level in (dimensions.REST, dimensions.MESH, dimensions.FOLDED, dimensions.LAYOUT)
 )
 # amp in preference order, so that among equally fast strategies bf16 comes first.
 AMP_PREFERENCE = ("bf16", "fp16", "fp32")
@@ -225,15 +229,20 @@ class SearchSpace(BaseSearchSpace):
         self.fp8s, self.compiles = self._axis_union("fp8"), c.compile
 
     def _subtree(self, depth: int, known: dict[str, int], left: int) -> dict:
-        """The levels from `MESH_LEVELS[depth]` down, for the degrees `known` leaving `left`
+        """The levels from `TREE_LEVELS[depth]` down, for the degrees `known` leaving `left`
         devices: {value: subtree}, with the micro-batch levels under the last degree."""
-        if depth == len(MESH_LEVELS):
-            return self._micro_level({**known, "dp": left})
-        name = MESH_LEVELS[depth]
+        if depth == len(MESH_LEVELS) and "dp" not in known:  # dp: the devices left
+            if self.config.dp is not None and left not in self.config.dp:
+                return {}
+            known = {**known, "dp": left}
+        if depth == len(TREE_LEVELS):
+            return self._micro_level(known)
+        name = TREE_LEVELS[depth]
+        folds = dimensions.BY_NAME[name].folds
         completed = _completed_rules(tuple(known), name)
         pins = getattr(self.config, name)
         out = {}
-        for value in _divisors(left):
+        for value in _divisors(math.prod(known[f] for f in folds) if folds else left):
             values = {**known, name: value}
             if pins is not None and value not in pins:
                 continue
@@ -243,7 +252,7 @@ class SearchSpace(BaseSearchSpace):
                 continue
             if depth == 0:
                 self._dropped.setdefault(name, []).append(value)
-            sub = self._subtree(depth + 1, values, left // value)
+            sub = self._subtree(depth + 1, values, left if folds else left // value)
             if sub:
                 out[value] = sub
         return out
@@ -263,9 +272,7 @@ class SearchSpace(BaseSearchSpace):
         """{micro_batch_size: pipeline options} for one split of the devices (empty when the
         split's dp is pinned out or an axis has no value left)."""
         c, gbs, dp, pp = self.config, self.global_batch_size, degrees["dp"], degrees["pp"]
-        if c.dp is not None and dp not in c.dp:
-            return {}
-        if self._axes(tuple(degrees[n] for n in MESH_LEVELS)) is None:
+        if self._axes(tuple(degrees[n] for n in TREE_LEVELS)) is None:
             return {}
         per_rank = gbs // dp if rules.batch_problem(gbs, dp, 1) is None else 0
         mbs = {}
@@ -313,10 +320,10 @@ class SearchSpace(BaseSearchSpace):
         return tuple(out)
 
     def _axes(self, degrees: tuple[int, ...]) -> tuple[tuple[Any, ...], ...] | None:
-        """The values of every axis (`AXES` order) for the mesh `degrees` (`MESH_LEVELS` order),
-        or None when an axis has none left."""
+        """The values of every axis (`AXES` order) for the `degrees` (`TREE_LEVELS` order), or
+        None when an axis has none left."""
         if degrees not in self._axes_cache:
-            self._axes_cache[degrees] = self._axes_for(**dict(zip(MESH_LEVELS, degrees)))
+            self._axes_cache[degrees] = self._axes_for(**dict(zip(TREE_LEVELS, degrees)))
         return self._axes_cache[degrees]
 
     def _axes_for(self, **degrees: int) -> tuple[tuple[Any, ...], ...] | None:
@@ -345,11 +352,11 @@ class SearchSpace(BaseSearchSpace):
         return self._unions[name]
 
     def _leaves(self) -> Iterator[tuple[tuple[int, ...], int, tuple[tuple[str, int], ...]]]:
-        """(degrees in `MESH_LEVELS` order, micro_batch_size, pipeline options) of every
+        """(degrees in `TREE_LEVELS` order, micro_batch_size, pipeline options) of every
         branch of the tree."""
 
         def walk(node: dict, prefix: tuple[int, ...]):
-            if len(prefix) == len(MESH_LEVELS):
+            if len(prefix) == len(TREE_LEVELS):
                 for mb, options in node.items():
                     yield prefix, mb, options
                 return
@@ -406,8 +413,8 @@ class SearchSpace(BaseSearchSpace):
         """Every valid layout: its degrees, micro-batch size, schedule and virtual stages."""
         world = self.cluster.world_size
         for degrees, mb, options in self._leaves():
-            mesh = dict(zip(MESH_LEVELS, degrees))
-            dp = world // math.prod(degrees)
+            mesh = dict(zip(TREE_LEVELS, degrees))
+            dp = world // math.prod(mesh[n] for n in MESH_LEVELS)
             for schedule, v in options:
                 yield self._layout(dp, mesh, mb, schedule, v)
 
@@ -431,7 +438,7 @@ class SearchSpace(BaseSearchSpace):
 
     def strategies_of(self, layout: Layout) -> Iterator[Strategy]:
         """The strategies of one layout: every combination of the axes' values."""
-        axes = self._axes(tuple(getattr(layout, n) for n in MESH_LEVELS))
+        axes = self._axes(tuple(getattr(layout, n) for n in TREE_LEVELS))
         assert axes is not None  # the tree holds no layout without axis values
         base = dict(layout.values, global_batch_size=self.global_batch_size)
         for combo in itertools.product(*axes):
@@ -445,7 +452,7 @@ class SearchSpace(BaseSearchSpace):
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> Strategy:
         layout = self._suggest_layout(trial)
-        axes = self._axes(tuple(getattr(layout, n) for n in MESH_LEVELS))
+        axes = self._axes(tuple(getattr(layout, n) for n in TREE_LEVELS))
         assert axes is not None
         pick = _picker(trial)
         chosen = {
@@ -467,7 +474,7 @@ class SearchSpace(BaseSearchSpace):
     def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
         pick = _picker(trial)
         node, mesh = self._tree, {}
-        for depth, name in enumerate(MESH_LEVELS):
+        for depth, name in enumerate(TREE_LEVELS):
             choices = tuple(node)
             param = name if depth == 0 else _keyed(name, [str(c) for c in choices])
             mesh[name] = pick(param, choices)
@@ -478,7 +485,7 @@ class SearchSpace(BaseSearchSpace):
         labels = tuple(pipeline_label(s, v) for s, v in options)
         label = pick(_keyed("pipeline", list(labels)), labels)
         schedule, v = options[labels.index(label)]
-        dp = self.cluster.world_size // math.prod(mesh.values())
+        dp = self.cluster.world_size // math.prod(mesh[n] for n in MESH_LEVELS)
         return self._layout(dp, mesh, mb, schedule, v)
 
     def params_of(self, strategy: Strategy, *, group: bool = False) -> dict[str, Any]:
@@ -486,10 +493,10 @@ class SearchSpace(BaseSearchSpace):
         where = f"strategy {s.short()} is not in this search space"
         params: dict[str, Any] = {}
         node = self._tree
-        for depth, name in enumerate(MESH_LEVELS):
+        for depth, name in enumerate(TREE_LEVELS):
             value = getattr(s, name)
             if value not in node:
-                above = ", ".join(f"{n}={getattr(s, n)}" for n in MESH_LEVELS[:depth])
+                above = ", ".join(f"{n}={getattr(s, n)}" for n in TREE_LEVELS[:depth])
                 raise SpecError(
                     f"{where}: {name}={value} is not one of {list(node)}"
                     + (f" for {above}" if above else "")
@@ -527,7 +534,7 @@ class SearchSpace(BaseSearchSpace):
         ]
         if unsearched:
             raise SpecError(f"{where}: the space holds no {' or '.join(unsearched)}")
-        axes = self._axes(tuple(getattr(s, n) for n in MESH_LEVELS))
+        axes = self._axes(tuple(getattr(s, n) for n in TREE_LEVELS))
         assert axes is not None
         for name, choices in zip(AXES, axes):
             if getattr(s, name) not in choices:
@@ -560,7 +567,9 @@ class SearchSpace(BaseSearchSpace):
         )
         out: dict[str, tuple[Any, ...]] = {}
         for d in dimensions.DIMENSIONS:
-            if d.level in (dimensions.REST, dimensions.MESH) or d.name == "micro_batch_size":
+            if d.level in (dimensions.REST, dimensions.MESH, dimensions.FOLDED) or (
+                d.name == "micro_batch_size"
+            ):
                 out[d.name] = tuple(sorted({getattr(lay, d.name) for lay in layouts}))
             elif d.plain == "pipeline":
                 out["pipeline"] = tuple(pipeline_label(*o) for o in pipelines)
@@ -584,7 +593,7 @@ class SearchSpace(BaseSearchSpace):
 
     def describe(self) -> str:
         """One paragraph: what the space contains, for logs and reports."""
-        splits = {tuple(getattr(lay, n) for n in dimensions.MESH_AXES) for lay in self.layouts()}
+        splits = {tuple(getattr(lay, n) for n in dimensions.DEGREES) for lay in self.layouts()}
         axes = " x ".join(
             f"{_AXIS_WORDS.get(name, name)} {list(self._axis_union(name))}"
             for name in AXES
@@ -593,7 +602,7 @@ class SearchSpace(BaseSearchSpace):
         )
         return (
             f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"
-            f" batch {self.global_batch_size}: {len(splits)} ({', '.join(dimensions.MESH_AXES)})"
+            f" batch {self.global_batch_size}: {len(splits)} ({', '.join(dimensions.DEGREES)})"
             f" splits, {self.n_groups} layouts with micro-batch and schedule, x {axes}"
             " x sequence parallel where tp > 1"
         )

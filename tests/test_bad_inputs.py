@@ -1411,8 +1411,9 @@ def _child(case: Case, folder: Path, out_path: Path, err_path: Path, result_path
             import autosearch.tuning  # noqa: F401
             import cost_models.analytic  # noqa: F401
             import search_spaces  # noqa: F401
+            from autosearch import Cluster
             from autosearch.cli import build_parser
-            from autosearch.core import Cluster, model_catalog
+            from autosearch.core import model_catalog
 
             build_parser()
             model_catalog()
@@ -1505,8 +1506,9 @@ def _imported_once():
     import autosearch.tuning  # noqa: F401
     import cost_models.analytic  # noqa: F401
     import search_spaces  # noqa: F401
+    from autosearch import Cluster
     from autosearch.cli import build_parser
-    from autosearch.core import Cluster, model_catalog
+    from autosearch.core import model_catalog
 
     build_parser()
     model_catalog()

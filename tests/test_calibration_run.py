@@ -13,10 +13,11 @@ import sys
 import pandas as pd
 import pytest
 
+from autosearch import Cluster
 from autosearch.cli import main
 from autosearch.core.model_spec import ModelSpec
 from autosearch.core.strategy import Strategy
-from cost_models import AnalyticCostModel, Cluster, HardwareProfile
+from cost_models import AnalyticCostModel, HardwareProfile
 from cost_models.calibration import quality_problems
 
 

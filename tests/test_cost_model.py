@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from autosearch import ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core.runtime import MEGATRON_SC21, TORCH
-from cost_models import AnalyticCostModel, Cluster, CostModel, estimate
+from cost_models import AnalyticCostModel, CostModel, estimate
 from cost_models.formulas import NCCL_BASE_LATENCY_S, bubble_fraction
 
 GPT = ModelSpec.load("gpt3-13b")

@@ -5,10 +5,11 @@ the bands, the sweep and the runtimes' checks, and one declared nowhere else fai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
-from autosearch import SpecError, Strategy
+from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.commands.sweep import COLUMNS
 from autosearch.core import dimensions, rules
 from autosearch.core.bands import kind_of
@@ -16,7 +17,6 @@ from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from autosearch.core.strategy import FILE_FIELDS
 from autosearch.tuning._params import PLAIN_DIMENSIONS
 from autosearch.tuning._ranking import n_parallel_axes
-from cost_models import Cluster
 from search_spaces import LAYOUT_FIELDS, SearchSpace, SpaceConfig
 
 EVERYTHING = Strategy(
@@ -56,9 +56,9 @@ def test_a_dimension_declared_in_one_place_only_fails_at_import():
 
     @dataclasses.dataclass(frozen=True)
     class Extra(Strategy):
-        ep: int = 1
+        warp_drive: int = 1
 
-    with pytest.raises(TypeError, match="undeclared \\['ep'\\]"):
+    with pytest.raises(TypeError, match="undeclared \\[.warp_drive.\\]"):
         dimensions.check_fields(Extra)
 
 
@@ -85,7 +85,7 @@ def test_every_consumer_lists_the_registry():
     assert set(LAYOUT_FIELDS) == {
         d.name
         for d in dimensions.DIMENSIONS
-        if d.level in (dimensions.REST, dimensions.MESH, dimensions.LAYOUT)
+        if d.level in (dimensions.REST, dimensions.MESH, dimensions.FOLDED, dimensions.LAYOUT)
     }
     # every runtime's `supports` names a declared feature
     for runtime in RUNTIMES.values():
@@ -147,3 +147,50 @@ def test_parallel_dims_take_every_mesh_degree():
     # the product the message names is the one that is wrong: cp included
     with pytest.raises(SpecError, match="dp\\*tp\\*pp\\*cp = 8\\*1\\*1\\*2 = 16 processes"):
         ParallelDims.from_strategy(Strategy(dp=8, cp=2), 8)
+
+
+def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
+    """ep (Megatron-Core's parallel folding) is a tree level below the mesh degrees: for Mixtral
+    8x7B (8 routed experts) it takes every divisor of dp * cp that divides 8, and the world stays
+    dp * tp * pp * cp; a dense model keeps ep = 1 and its space is unchanged."""
+    dense = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
+    assert {s.ep for s in dense.enumerate()} == {1}
+    moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64)
+    assert moe.model.moe.n_experts == 8
+    for lay in moe.layouts():
+        assert (lay.dp * lay.cp) % lay.ep == 0 and 8 % lay.ep == 0
+        assert lay.dp * lay.tp * lay.pp * lay.cp == 16
+    assert {lay.ep for lay in moe.layouts() if lay.dp == 16} == {1, 2, 4, 8}
+    assert "ep" in moe.plain_choices() and "(dp, tp, pp, cp, ep) splits" in moe.describe()
+    for s in itertools.islice(moe.enumerate(), 0, None, 97):
+        assert s.validate(moe.model, moe.cluster) is s
+        assert moe.params_of(s) is not None
+
+
+def test_a_declared_export_reaches_every_exporter():
+    """ep's Megatron flag and torchtitan key are data in the registry (`Dimension.exports`), and
+    DeepSpeed says why it has none: no exporter names ep."""
+    from autosearch.export import export
+
+    s = Strategy(dp=8, ep=4, global_batch_size=64)
+    model = ModelSpec.load("mixtral-8x7b")
+    assert "--expert-model-parallel-size 4" in export(s, to="megatron", model=model).text
+    assert "expert_parallel_degree = 4" in export(s, to="torchtitan", model=model).text
+    deepspeed = export(s, to="deepspeed", model=model)
+    assert [field for field, _ in deepspeed.unsupported] == ["ep"]
+    for to in ("megatron", "torchtitan", "deepspeed"):  # ep=1 says nothing and maps
+        plain = export(Strategy(dp=8, global_batch_size=64), to=to, model=model)
+        assert "ep" in plain.mapped and "expert_parallel" not in plain.text
+
+
+def test_expert_parallel_rules_say_what_to_do():
+    dense = Strategy(dp=8, ep=2, global_batch_size=8)
+    assert any(
+        "needs a mixture-of-experts model" in p
+        for p in dense.problems(ModelSpec.load("llama3-8b"))
+    )
+    assert any("must divide dp*cp = 2*1" in p for p in Strategy(dp=2, ep=4).problems())
+    assert Strategy(dp=8, ep=2, global_batch_size=8).short().startswith("dp8-tp1-pp1-ep2-")
+    assert "ep" in dimensions.parallel_axes(Strategy(dp=8, ep=2))
+    assert Strategy(dp=8, ep=2).world_size == 8
+    assert any("ep=2 (expert parallel)" in m for m in RuntimeOptions.get("torch").lacks(dense))

@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from autosearch.core import Cluster, ModelSpec, RuntimeOptions, SpecError, Strategy, dp_mode
+from autosearch import Cluster
+from autosearch.core import ModelSpec, RuntimeOptions, SpecError, Strategy, dp_mode
 from autosearch.core.dp_modes import markdown_table
 from cost_models import AnalyticCostModel
 

@@ -165,7 +165,8 @@ def test_invalid_mode_and_training_without_optimizer():
 
 
 def test_cost_uses_the_analytic_model():
-    from cost_models import AnalyticCostModel, Cluster
+    from autosearch import Cluster
+    from cost_models import AnalyticCostModel
 
     strategy = Strategy(dp=8, micro_batch_size=1, global_batch_size=64, zero_stage=1)
     engine = Engine(

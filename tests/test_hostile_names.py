@@ -134,7 +134,7 @@ def test_every_exporter_writes_hostile_names_as_data(name, tmp_path):
 def test_names_derived_from_a_path_are_made_plain_and_tune_writes_them_as_data(tmp_path):
     """A Hugging Face config's `_name_or_path` is a path (spaces, anything): the spec's name is
     made plain from it; the study's files written with it parse back and run nothing."""
-    from autosearch.tuning import tune
+    from autosearch import tune
 
     hf = {
         "_name_or_path": "/models/my model\ntouch MARK $(touch MARK)",

@@ -425,7 +425,8 @@ def test_mla_and_sliding_window_flops():
 
 
 def test_the_cost_model_refuses_what_it_cannot_price():
-    from cost_models import AnalyticCostModel, Cluster
+    from autosearch import Cluster
+    from cost_models import AnalyticCostModel
 
     cluster = Cluster.parse("h100-sxm:1x8")
     with pytest.raises(SpecError, match="does not price mixture-of-experts layers"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import autosearch.core.bands as bands_module
-from autosearch import Strategy, tune
-from autosearch.core import Cluster, ModelSpec
+from autosearch import Cluster, Strategy, tune
+from autosearch.core import ModelSpec
 from autosearch.core.bands import LEVELS, ErrorBands, key_of, kind_of
 from cost_models import AnalyticCostModel
 from search_spaces import ListedSpace

@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 
-from autosearch import ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core import RUNTIMES
-from cost_models import AnalyticCostModel, Cluster
+from cost_models import AnalyticCostModel
 
 LLAMA8B = ModelSpec.load("llama3-8b")
 CLUSTER = Cluster.parse("h100-sxm:2x8")

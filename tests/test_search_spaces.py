@@ -11,8 +11,7 @@ import sys
 import optuna
 import pytest
 
-from autosearch import ModelSpec, SpecError, Strategy
-from cost_models import Cluster
+from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from search_spaces import BaseSearchSpace, ListedSpace, SearchSpace, SpaceConfig, shipped_spaces
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -229,9 +228,10 @@ def test_user_errors_say_what_and_how():
 
 def test_importing_the_search_and_cost_model_does_not_import_torch():
     code = (
-        "import sys, autosearch, cost_models, search_spaces, autosearch.tuner,"
-        " autosearch.export\nfrom autosearch import tune, TuneResult\nfrom search_spaces import"
-        " SearchSpace\nSearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
+        "import sys, autosearch, cost_models, search_spaces, autosearch.tuning,"
+        " autosearch.export\nfrom autosearch import tune, TuneConfig, TuneResult\n"
+        "from search_spaces import SearchSpace\n"
+        "SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64)\nimport"
         " autosearch.commands.tune, autosearch.commands.sweep, autosearch.commands.export\nassert"
         " 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )

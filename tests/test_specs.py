@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from autosearch import ModelSpec, SpecError, Strategy
-from cost_models import Cluster, HardwareProfile, profile_names
+from autosearch import Cluster, ModelSpec, SpecError, Strategy
+from cost_models import HardwareProfile, profile_names
 
 
 def test_importing_the_packages_does_not_import_torch():

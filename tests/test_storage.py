@@ -165,7 +165,7 @@ def test_temporary_files_of_killed_writers_are_removed(tmp_path):
     (out / ".autosearch").write_text("written by autosearch: study\n")  # a folder of tune's
     stale = [f".autosearch-{dead.pid}-trials.csv.abc123.tmp", f"report.md.tmp{dead.pid}"]
     stale.append(f"x.png.tmp{dead.pid}.png")
-    live = f"megatron.sh.tmp{os.getpid()}"
+    live = f"notes.sh.tmp{os.getpid()}"  # not a name tune writes itself (megatron.sh is one)
     for name in [*stale, live]:
         (out / name).write_text("torn")
     (out / "study.journal.lock0f3e.rename").write_text("")  # Optuna's lock, killed mid-release

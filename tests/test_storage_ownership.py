@@ -47,7 +47,7 @@ def test_a_sqlite_file_with_other_tables_is_refused_unless_shared(tmp_path, form
 
 def test_a_study_database_opens_again(tmp_path):
     """Optuna's own tables are not foreign: a study's SQLite file reopens (and resumes)."""
-    from autosearch.tuning import tune
+    from autosearch import tune
 
     db = str(tmp_path / "study.db")
     tune(**SMALL, n_trials=3, seed=0, storage=db, study_name="s")

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from autosearch import ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core.bands import kind_of
 from autosearch.core.runtime import RUNTIMES
-from cost_models import AnalyticCostModel, Cluster
+from cost_models import AnalyticCostModel
 from cost_models.analytic import BAND_READS, LAYER_READS
 from cost_models.terms import (
     compute,
@@ -219,6 +219,8 @@ VALUES = {
     "fp8": ("none", "tensorwise", "rowwise"),
     "compile": (False, True),
     "async_tp": (False, True),
+    # no term reads ep yet (experts are not priced): a dense model's numbers must not move
+    "ep": (1, 2),
 }
 DEGREES = ("dp", "tp", "pp", "cp")
 
@@ -260,10 +262,13 @@ def test_a_warm_model_gives_what_a_fresh_one_gives():
         warm = AnalyticCostModel(model, CLUSTER, runtime=runtime)
         for base in CASES:
             for name, variant in variants(base):
+                fresh = AnalyticCostModel(model, CLUSTER, runtime=runtime)
                 try:  # valid for this model, cluster and runtime?
-                    expected = AnalyticCostModel(model, CLUSTER, runtime=runtime).estimate(variant)
+                    expected = fresh.estimate(variant)
                 except ValueError:
-                    continue
+                    if name != "ep":  # (ep > 1 needs experts: priced unvalidated, as the base)
+                        continue
+                    expected = fresh.estimate(variant, validate=False)
                 warm.estimate(base, validate=False)  # the caches hold the base
                 assert warm.estimate(variant, validate=False) == expected, (runtime, variant)
                 varied.add(name)

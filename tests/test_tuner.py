@@ -316,8 +316,7 @@ def test_two_processes_share_one_study_without_duplicate_or_lost_trials(tmp_path
 
 # ---- what tune takes: a cost model, a sampler object -------------------------------------------
 def test_tune_takes_a_cost_model_instance_or_factory_and_a_sampler_object():
-    from autosearch import ModelSpec
-    from cost_models import Cluster
+    from autosearch import Cluster, ModelSpec
 
     model, cluster = ModelSpec.load(SMALL["model"]), Cluster.parse(SMALL["cluster"])
     kw = dict(global_batch_size=64, n_trials=15, trial_unit="strategy", use_recipes=False)

@@ -41,7 +41,18 @@ LAYERS = (
     ),
     ("model", ("cost_models", "search_spaces")),
     ("search", ("autosearch.tuning", "autosearch.tuner", "autosearch.export")),
-    ("runtime", ("autosearch.validation", "autosearch.engine", "autosearch.transformer")),
+    # validation's torch-free side (launch runs, record them) sits below the Engine, which
+    # composes the search and the runs; its torch side (the worker) runs the Engine, above it
+    ("launch", ("autosearch.validation",)),
+    ("runtime", ("autosearch.engine", "autosearch.transformer")),
+    (
+        "run",
+        (
+            "autosearch.validation.worker",
+            "autosearch.validation.measure",
+            "autosearch.validation.memtrack",
+        ),
+    ),
     ("interface", ("autosearch.commands", "autosearch.cli", "autosearch.__main__")),
 )
 

@@ -13,17 +13,13 @@ import logging
 import math
 import os
 import re
-import sys
 from typing import Any
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._checks import check_output_file as check_output_file
+from autosearch.tuning._checks import check_output_folder as check_output_folder
 
 GiB = float(1 << 30)
-
-# Short GPU names people say, and the profile each stands for (the CLI prints a note when it
-# reads one). "a100" is not here: it names two profiles (40 and 80 GB), so it stays an error.
-GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
-_AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
 
 
 def add_model_cluster_args(
@@ -97,116 +93,19 @@ def load_cluster(
     gpus_per_node: int | None = None,
     flag: str = "--cluster",
 ):
-    """A Cluster from the CLI forms, stricter than `Cluster.parse` where it would guess.
-
-    Refused: ``GPU:N`` (is it N nodes or N GPUs?) and a bare GPU name without --nnodes and
-    --gpus-per-node (the devices per node would be the profile's, unsaid), a cluster YAML without
-    ``gpus_per_node``, a world size above `MAX_DEVICES`. Accepted with a note on stderr: a short
-    GPU name in `GPU_ALIASES` (``h100`` for ``h100-sxm``).
-    """
-    from autosearch.core._io import MAX_DEVICES, read_yaml_mapping
+    """A Cluster from the CLI forms: `Cluster.parse` in its strict mode (nothing guessed)."""
     from autosearch.core.hardware import Cluster
 
-    if isinstance(text, dict):  # from a config file: gpu, n_nodes, gpus_per_node
-        if "gpus_per_node" not in text:
-            raise SpecError(f"{flag} (a mapping) has no gpus_per_node; add it (e.g. 8)")
-        data = dict(text)
-        if isinstance(data.get("gpu"), str):
-            data["gpu"] = _gpu_name(data["gpu"], f"{flag}: gpu")
-        cluster = Cluster.from_dict(data, what=f"{flag} (a mapping)")
-        if cluster.world_size > MAX_DEVICES:
-            raise SpecError(
-                f"{flag} has {cluster.world_size:,} devices, above the limit of {MAX_DEVICES:,}"
-            )
-        return cluster
-    text = check_text(text, flag)
-    if (nnodes is None) != (gpus_per_node is None):
-        raise SpecError(
-            "--nnodes and --gpus-per-node go together (e.g. --cluster h100-sxm --nnodes 32 "
-            "--gpus-per-node 8), or give --cluster h100-sxm:32x8 alone"
-        )
-    full = re.fullmatch(r"(.+?):(\d+)x(\d+)", text)
-    nodes_only = re.fullmatch(r"(.+?):(\d+)", text)
-    if nnodes is not None and (full or nodes_only):
-        raise SpecError(
-            f"{flag} {text!r} already gives the nodes and devices; --nnodes and "
-            "--gpus-per-node go with a bare GPU name (--cluster GPU --nnodes N --gpus-per-node G)"
-        )
-    if nodes_only and not full:
-        gpu, n = nodes_only.groups()
-        raise SpecError(
-            f"{flag} {text!r} does not say how many devices a node has: write "
-            f"{gpu}:{n}x8 for {n} nodes of 8 devices, {gpu}:1x{n} for one node of {n}, or "
-            f"--cluster {gpu} --nnodes {n} --gpus-per-node G"
-        )
-    if full:
-        gpu, n_nodes, per_node = full.groups()
-        cluster = _cluster(_gpu_name(gpu, flag), int(n_nodes), int(per_node), flag)
-    elif text.endswith((".yaml", ".yml")) and os.path.exists(text):
-        data = read_yaml_mapping(text, what="cluster")
-        if "gpu" not in data and "peak_flops" in data:  # a bare hardware profile
-            cluster = _cluster(text, nnodes or 1, gpus_per_node, flag)
-        else:
-            if nnodes is not None:
-                raise SpecError(
-                    f"cluster file {text!r} already gives the nodes and devices; drop --nnodes "
-                    "and --gpus-per-node, or give a GPU name with them"
-                )
-            if "gpus_per_node" not in data:
-                raise SpecError(
-                    f"cluster file {text!r} has no gpus_per_node; add it (e.g. gpus_per_node: 8) "
-                    "so the devices per node are not guessed from the GPU profile"
-                )
-            if "gpu" in data and isinstance(data["gpu"], str):
-                data["gpu"] = _gpu_name(data["gpu"], f"cluster file {text!r}: gpu")
-            cluster = Cluster.from_dict(data, what=f"cluster file {text!r}")
-    elif ":" in text and not os.path.exists(text):
-        raise SpecError(
-            f"{flag} {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
-        )
-    elif nnodes is None and not os.path.exists(text):
-        gpu = _gpu_name(text, flag)
-        raise SpecError(
-            f"{flag} {text!r} does not say how many nodes and devices: write {gpu}:1x8 for one "
-            f"node of 8 devices, {gpu}:NODESx8 for more, or add --nnodes N --gpus-per-node G"
-        )
-    else:
-        cluster = _cluster(_gpu_name(text, flag), nnodes or 1, gpus_per_node, flag)
-    if cluster.world_size > MAX_DEVICES:
-        raise SpecError(
-            f"{flag} {text!r} has {cluster.world_size:,} devices, above the limit of "
-            f"{MAX_DEVICES:,}; check the node and device counts"
-        )
-    return cluster
-
-
-def _cluster(gpu: str, n_nodes: int, gpus_per_node: int | None, flag: str):
-    from autosearch.core._io import positive_int
-    from autosearch.core.hardware import Cluster
-
-    # Check the numbers before the profile is read, so the message names the flag.
-    positive_int(n_nodes, f"{flag}: n_nodes")
-    if gpus_per_node is None:  # a profile YAML: its own devices per node
-        return Cluster(gpu=gpu, n_nodes=n_nodes)
-    positive_int(gpus_per_node, f"{flag}: gpus_per_node")
-    return Cluster(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
+    if not isinstance(text, dict):
+        text = check_text(text, flag)
+    return Cluster.parse(text, strict=True, nnodes=nnodes, gpus_per_node=gpus_per_node, what=flag)
 
 
 def _gpu_name(name: str, flag: str) -> str:
-    low = name.lower()
-    if low in GPU_ALIASES:
-        print(
-            f"note: {flag}: {name!r} is read as the {GPU_ALIASES[low]!r} profile; write "
-            f"{GPU_ALIASES[low]} to silence this note (`autosearch hardware` lists the profiles)",
-            file=sys.stderr,
-        )
-        return GPU_ALIASES[low]
-    if low in _AMBIGUOUS_GPUS:
-        raise SpecError(
-            f"{flag}: {name!r} names more than one profile: "
-            f"{' or '.join(_AMBIGUOUS_GPUS[low])}; write one of them"
-        )
-    return name
+    """A GPU name as the strict cluster parser reads it (a short alias, with a note)."""
+    from autosearch.core.hardware import _gpu_name as gpu_name
+
+    return gpu_name(name, flag, strict=True)
 
 
 def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str = "--strategy"):
@@ -260,143 +159,11 @@ def load_strategy(text: str | None, *, global_batch_size: int | None, flag: str 
     return strategy
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The defaults a config file gives to the flags of `parser`, checked as the flags are.
-
-    Keys are the flags' names (``global_batch_size`` or ``global-batch-size``); a flag that
-    takes KEY=VALUE items repeatedly (``pin``) also takes a mapping. A file with a ``config``
-    mapping (the study.yaml that `tune` writes) is read through that mapping.
-    """
-    from autosearch.core._io import read_yaml_mapping
-
-    data = read_yaml_mapping(check_text(path, "--config"), what="config")
-    if isinstance(data.get("config"), dict):
-        data = data["config"]
-    return config_defaults(data, parser, what=f"--config {path!r}")
-
-
-def config_defaults(
-    data: dict[str, Any], parser: argparse.ArgumentParser, *, what: str
-) -> dict[str, Any]:
-    """`read_config_file` on a mapping already read."""
-    actions = {
-        a.dest: a
-        for a in parser._actions
-        if a.option_strings and a.dest not in ("help", "config", "version")
-    }
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        action = actions.get(dest)
-        if action is None:
-            raise SpecError(
-                f"{what}: unknown key {key!r}; valid keys are the flags: "
-                + ", ".join(sorted(actions))
-            )
-        if value is None:
-            continue
-        out[dest] = _config_value(action, value, f"{what}: {key}")
-    return out
-
-
-def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
-    if action.nargs == 0:  # store_true
-        if not isinstance(value, bool):
-            raise SpecError(f"{where} must be true or false, got {value!r}")
-        return value
-    if isinstance(action, argparse._AppendAction):
-        if isinstance(value, dict):
-            items = [
-                f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in value.items()
-            ]
-        elif isinstance(value, list):
-            items = [str(v) for v in value]
-        else:
-            items = [str(value)]
-        return items
-    if isinstance(value, dict) and action.dest in ("model", "cluster"):
-        return value
-    if isinstance(value, (dict, list)):
-        raise SpecError(f"{where} must be a single value, got a {type(value).__name__}")
-    if isinstance(value, bool) and action.type is not None:
-        raise SpecError(f"{where} must be a number, got {value!r}")
-    convert = action.type
-    if callable(convert):
-        try:
-            value = convert(str(value))
-        except (argparse.ArgumentTypeError, ValueError) as exc:
-            raise SpecError(f"{where}: {exc}") from None
-    elif not isinstance(value, str):
-        value = str(value)
-    if action.choices is not None and value not in action.choices:
-        raise SpecError(
-            f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
-        )
-    return value
-
-
 def check_text(text: str | None, flag: str) -> str:
     """A non-empty argument (an empty string is a mistake, not a default)."""
     if text is None or not str(text).strip():
         raise SpecError(f"{flag} is empty; give a value (see --help)")
     return str(text).strip()
-
-
-def check_output_folder(out: str, *, files: tuple[str, ...] = (), flag: str = "--out") -> None:
-    """Refuse, before any work, an output folder that could not take every output file.
-
-    `out` must not be the root of the file system nor an existing file, its nearest existing
-    ancestor must be a writable folder, and none of `files` may exist there as a folder.
-    """
-    text = check_text(out, flag)
-    path = os.path.abspath(text)
-    if path == os.path.abspath(os.sep):
-        raise SpecError(
-            f"{flag} {text!r} is the root of the file system; give a folder of its own, "
-            "e.g. results/my-study"
-        )
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SpecError(f"{flag} {text!r} is a file, not a folder; give a folder path")
-    _check_writable_parent(path, flag, text, folder=True)
-    for name in files:
-        target = os.path.join(path, name)
-        if os.path.isdir(target):
-            raise SpecError(
-                f"{flag} {text!r} holds a folder named {name!r} where an output file goes; "
-                "move it away or give another --out"
-            )
-
-
-def check_output_file(out: str, *, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file path that could not be written."""
-    text = check_text(out, flag)
-    path = os.path.abspath(text)
-    if os.path.isdir(path):
-        raise SpecError(f"{flag} {text!r} is a folder; give a file path, e.g. {text}/out.csv")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise SpecError(f"{flag} {text!r} is not writable; give another path")
-    _check_writable_parent(os.path.dirname(path), flag, text, folder=True)
-
-
-def _check_writable_parent(path: str, flag: str, text: str, *, folder: bool) -> None:
-    """Walk up to the nearest existing ancestor of `path`: it must be a writable folder."""
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise SpecError(
-            f"{flag} {text!r} cannot be created: {probe!r} is a file, not a folder; "
-            "give a path under a folder"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise SpecError(
-            f"{flag} {text!r} cannot be written: the folder {probe!r} is read-only for this "
-            "user; give a path under a writable folder"
-        )
 
 
 def fmt_bytes(n: float) -> str:

@@ -87,7 +87,7 @@ def _world_sizes(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 with a trusted profile, 3 when the quality checks failed (the profile is
     written as <out>.untrusted.yaml; 0 with --accept-untrusted), 2 for a user error."""
-    from cost_models.calibration import calibrate
+    from cost_models.calibration.calibrate import calibrate
 
     try:
         result = calibrate(

@@ -282,7 +282,8 @@ def sweep_row(
 ) -> dict:
     """One CSV row: the best strategy for (model, cluster, gbs), or why there is none."""
     from autosearch.core.errors import SpecError
-    from autosearch.tuning import NoFeasibleStrategyError, tune, usd_per_million_tokens
+    from autosearch.tuning import NoFeasibleStrategyError, usd_per_million_tokens
+    from autosearch.tuning._study import tune
     from search_spaces import SearchSpace
 
     row: dict[str, Any] = {k: "" for k in COLUMNS}
@@ -320,6 +321,9 @@ def sweep_row(
         row.update(status="invalid", reason=str(exc))
         return row
     s, r = result.best_strategy, result.best_report
+    if s is None or r is None:  # tune raises NoFeasibleStrategyError first
+        row.update(status="infeasible", reason=result.message)
+        return row
     row.update(
         status="ok",
         strategy=s.short(),

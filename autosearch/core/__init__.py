@@ -9,14 +9,13 @@ the Engine and the CLI sit above and import from here, never the other way round
 
 from autosearch.core.dp_modes import DP_MODE_NAMES, DPMode, dp_mode
 from autosearch.core.errors import SpecError
-from autosearch.core.hardware import Cluster, GemmEfficiency, HardwareProfile, Link, profile_names
+from autosearch.core.hardware import GemmEfficiency, HardwareProfile, Link, profile_names
 from autosearch.core.model_spec import ModelSpec, model_catalog
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
 from autosearch.core.runtime import MEGATRON_SC21, RUNTIMES, TORCH, RuntimeOptions
 from autosearch.core.strategy import Strategy
 
 __all__ = [
-    "Cluster",
     "CostReport",
     "DPMode",
     "DP_MODE_NAMES",

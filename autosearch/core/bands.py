@@ -73,7 +73,7 @@ NO_EVIDENCE = Band(math.nan, math.nan, 0, "")
 
 # The strategy fields a kind reads: the parallel degrees (its axes), the ZeRO stage, the
 # recompute kind and the precision (the cost model keys its band cache by them).
-KIND_READS: tuple[str, ...] = dimensions.MESH_AXES + ("zero_stage", "recompute", "fp8", "amp")
+KIND_READS: tuple[str, ...] = dimensions.DEGREES + ("zero_stage", "recompute", "fp8", "amp")
 
 
 def kind_of(strategy: Strategy, cluster: Cluster, runtime: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ Adding a dimension: one `Dimension` here, its typed field in `Strategy` (one lin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ SPLIT = "split"  # a tuple of integers >= 1, or None
 # Levels: where the search tree holds a dimension.
 REST = "rest"  # a degree the others imply (dp = world / the product of the mesh levels)
 MESH = "mesh"  # a degree level of the tree, in `depth` order
+FOLDED = "folded"  # a degree over ranks the mesh degrees already count (`folds`), below them
 LAYOUT = "layout"  # micro-batch and pipeline levels, below the degrees
 AXIS = "axis"  # scanned inside a layout (a layout trial scores every combination)
 
@@ -78,8 +79,11 @@ class Dimension:
         default: the value when a strategy does not name it.
         doc: one line for help texts.
         choices: the legal values of a `CHOICE` or `FLAG`, in their canonical order.
-        level: where the search tree holds it (`REST`, `MESH`, `LAYOUT`, `AXIS`), or None.
-        depth: the order of `MESH` levels from the root.
+        level: where the search tree holds it (`REST`, `MESH`, `FOLDED`, `LAYOUT`, `AXIS`), or
+            None.
+        depth: the order of `MESH` and `FOLDED` levels from the root (the folded ones below).
+        folds: for a `FOLDED` degree, the mesh degrees whose ranks it splits (it divides their
+            product and adds no devices: Megatron-Core's parallel folding).
         space: the search space's default (`ALL`, a tuple of values, or `NOT_SEARCHED`).
         file: a strategy file written by autosearch always holds it (a file that lacks one is
             cut short).
@@ -88,7 +92,11 @@ class Dimension:
         label: its part of `Strategy.short`, or None when it shows nothing.
         label_rank: the position of that part (smaller first).
         features: the uses a runtime must support.
-        mesh_axis: a parallel axis of the device mesh (the ranking's and the bands' axes).
+        mesh_axis: a degree of the device mesh: the mesh degrees multiply to the world size.
+        exports: {runtime: its key} where another runtime takes the value as it is (a Megatron-LM
+            flag, a torchtitan ``section.key``): the exporters write it when it is not the
+            default (`autosearch.export`).
+        no_export: {runtime: why} where a runtime cannot express a value other than the default.
     """
 
     name: str
@@ -98,6 +106,7 @@ class Dimension:
     choices: tuple[Any, ...] = ()
     level: str | None = None
     depth: int = 0
+    folds: tuple[str, ...] = ()
     space: Any = NOT_SEARCHED
     file: bool = False
     plain: str | None = None
@@ -105,6 +114,8 @@ class Dimension:
     label_rank: int = 0
     features: tuple[Feature, ...] = ()
     mesh_axis: bool = False
+    exports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    no_export: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def searched(self) -> bool:
@@ -162,7 +173,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="tp",
         label=_degree_label("tp", always=True),
-        label_rank=1,
+        label_rank=10,
         mesh_axis=True,
     ),
     Dimension(
@@ -176,7 +187,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="pp",
         label=_degree_label("pp", always=True),
-        label_rank=2,
+        label_rank=20,
         mesh_axis=True,
     ),
     Dimension(
@@ -189,9 +200,35 @@ DIMENSIONS: tuple[Dimension, ...] = (
         space=(1,),
         plain="cp",
         label=_degree_label("cp"),
-        label_rank=3,
+        label_rank=30,
         features=(Feature("cp", lambda v: v > 1, lambda v: f"cp={v} (context parallel)"),),
         mesh_axis=True,
+    ),
+    Dimension(
+        name="ep",
+        kind=DEGREE,
+        default=1,
+        # Expert layers run over the data- and context-parallel ranks of attention, split into
+        # ep groups that each hold n_experts / ep experts (Megatron-Core's parallel folding:
+        # attention uses tp x cp x dp, experts etp x ep x edp over the same ranks; torchtitan
+        # borrows its EP ranks from dp_shard x cp the same way). It adds no devices.
+        doc="expert-parallel degree (the routed experts split over ep of the dp x cp ranks)",
+        level=FOLDED,
+        depth=0,
+        folds=("dp", "cp"),
+        space=ALL,
+        plain="ep",
+        label=_degree_label("ep"),
+        label_rank=35,
+        features=(Feature("ep", lambda v: v > 1, lambda v: f"ep={v} (expert parallel)"),),
+        exports={
+            "megatron": "--expert-model-parallel-size",
+            "torchtitan": "parallelism.expert_parallel_degree",
+        },
+        no_export={
+            "deepspeed": "expert parallelism is set in the model "
+            "(deepspeed.moe.layer.MoE(ep_size=...)), not in the config",
+        },
     ),
     Dimension(
         name="micro_batch_size",
@@ -203,7 +240,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="micro_batch_size",
         label=lambda s: f"mb{s.micro_batch_size}",
-        label_rank=4,
+        label_rank=40,
     ),
     Dimension(
         name="global_batch_size",
@@ -212,7 +249,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         doc="sequences per optimizer step over the whole cluster (the study's, not searched)",
         file=True,
         label=lambda s: f"gbs{s.global_batch_size}",
-        label_rank=5,
+        label_rank=50,
     ),
     Dimension(
         name="pipeline_schedule",
@@ -225,7 +262,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="pipeline",
         label=_pipeline_label,
-        label_rank=6,
+        label_rank=60,
     ),
     Dimension(
         name="virtual_stages",
@@ -251,7 +288,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="recompute",
         label=_recompute_label,
-        label_rank=7,
+        label_rank=70,
         features=(
             Feature(
                 "selective_op", lambda v: v == "selective_op", lambda v: "recompute=selective_op"
@@ -281,7 +318,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         label=lambda s: (
             None if s.pipeline_split is None else "split" + "_".join(map(str, s.pipeline_split))
         ),
-        label_rank=10,
+        label_rank=100,
         features=(Feature("uneven_pp", lambda v: v is not None, lambda v: "pipeline_split"),),
     ),
     Dimension(
@@ -295,7 +332,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="sequence_parallel",
         label=_flag_label("sequence_parallel", "sp"),
-        label_rank=8,
+        label_rank=80,
     ),
     Dimension(
         name="zero_stage",
@@ -308,7 +345,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="zero_stage",
         label=lambda s: f"z{s.zero_stage}" if s.zero_stage else None,
-        label_rank=9,
+        label_rank=90,
     ),
     Dimension(
         name="amp",
@@ -321,7 +358,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         file=True,
         plain="amp",
         label=lambda s: s.amp,
-        label_rank=11,
+        label_rank=110,
     ),
     Dimension(
         name="fp8",
@@ -335,7 +372,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         space=("none",),
         plain="fp8",
         label=lambda s: f"fp8{s.fp8}" if s.fp8 != "none" else None,
-        label_rank=12,
+        label_rank=120,
         features=(Feature("fp8", lambda v: v != "none", lambda v: f"fp8={v}"),),
     ),
     Dimension(
@@ -348,7 +385,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         space=(False,),
         plain="compile",
         label=_flag_label("compile", "compile"),
-        label_rank=13,
+        label_rank=130,
         features=(Feature("compile", bool, lambda v: "compile=true"),),
     ),
     Dimension(
@@ -361,7 +398,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         space=(False,),
         plain="async_tp",
         label=_flag_label("async_tp", "asynctp"),
-        label_rank=14,
+        label_rank=140,
         features=(Feature("async_tp", bool, lambda v: "async_tp=true"),),
     ),
 )
@@ -369,8 +406,14 @@ DIMENSIONS: tuple[Dimension, ...] = (
 BY_NAME: dict[str, Dimension] = {d.name: d for d in DIMENSIONS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 # The degrees of the device mesh, in registry order (dp, tp, pp, cp): their product is the
-# world size, and those above 1 are a strategy's parallel axes.
+# world size.
 MESH_AXES: tuple[str, ...] = tuple(d.name for d in DIMENSIONS if d.mesh_axis)
+# Every parallel degree, folded ones included: those above 1 are a strategy's parallel axes.
+DEGREES: tuple[str, ...] = tuple(d.name for d in DIMENSIONS if d.kind == DEGREE)
+# The folded degree levels of the search tree, below the mesh levels.
+FOLDED_LEVELS: tuple[str, ...] = tuple(
+    d.name for d in sorted((d for d in DIMENSIONS if d.level == FOLDED), key=lambda d: d.depth)
+)
 # The degree levels of the search tree from the root (tp, cp, pp); dp is what they leave.
 MESH_LEVELS: tuple[str, ...] = tuple(
     d.name for d in sorted((d for d in DIMENSIONS if d.level == MESH), key=lambda d: d.depth)
@@ -424,8 +467,8 @@ def feature_names() -> tuple[str, ...]:
 
 
 def parallel_axes(strategy: "Strategy") -> tuple[str, ...]:
-    """The mesh degrees of `strategy` above 1 (``("dp", "tp")``)."""
-    return tuple(name for name in MESH_AXES if getattr(strategy, name) > 1)
+    """The parallel degrees of `strategy` above 1, folded ones included (``("dp", "tp")``)."""
+    return tuple(name for name in DEGREES if getattr(strategy, name) > 1)
 
 
 def check_fields(cls: type) -> None:

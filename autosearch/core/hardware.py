@@ -2,7 +2,7 @@
 or a file written by `autosearch calibrate`), and a `Cluster` is a profile times a node count.
 
 Example:
-    >>> from cost_models import Cluster
+    >>> from autosearch import Cluster
     >>> c = Cluster.parse("h100-sxm:32x8")
     >>> c.world_size, c.profile.peak_flops["bf16"] / 1e12
     (256, 989.4)
@@ -16,6 +16,8 @@ import importlib.util
 import math
 import os
 import re
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -490,32 +492,105 @@ class Cluster:
         return self.name
 
     @classmethod
-    def parse(cls, text: "str | os.PathLike | Cluster") -> "Cluster":
-        """``GPU:NODESxGPUS`` (``h100-sxm:32x8``), ``GPU`` (one node), or a cluster YAML."""
-        if isinstance(text, Cluster):
-            return text
-        text = os.fspath(text)
-        match = re.fullmatch(r"(.+?):(\d+)(?:x(\d+))?", text)
-        if match:
-            gpu, nodes, per_node = match.groups()
-            if not per_node:
-                raise SpecError(
-                    f"cluster {text!r} is ambiguous ({nodes} nodes or {nodes} GPUs?); write "
-                    f"NODESxGPUS: {gpu}:{nodes}x8 for {nodes} nodes of 8, or {gpu}:1x{nodes}"
-                )
-            return cls(gpu=gpu, n_nodes=int(nodes), gpus_per_node=int(per_node))
+    def parse(
+        cls,
+        value: "str | os.PathLike | Mapping[str, Any] | Cluster",
+        *,
+        strict: bool = False,
+        nnodes: int | None = None,
+        gpus_per_node: int | None = None,
+        what: str = "cluster",
+    ) -> "Cluster":
+        """The one cluster parser: ``GPU:NODESxGPUS`` (``h100-sxm:32x8``), a GPU name, a cluster
+        YAML (``gpu``, ``n_nodes``, ``gpus_per_node``), a profile YAML (``path[:NODESxGPUS]``),
+        or a mapping of a cluster's fields.
+
+        Both modes refuse ``GPU:N`` (N nodes, or N GPUs?) and a cluster file or mapping without
+        ``gpus_per_node``. The lenient mode (the default) reads a bare GPU name as one node of the
+        profile's devices. The strict mode (the CLI and `autosearch.tune`) guesses nothing: a
+        bare GPU name needs `nnodes` and `gpus_per_node`, and it reads the short names of
+        `GPU_ALIASES` (``h100``) with a note on stderr.
+
+        Args:
+            value: the text, a mapping or a Cluster (returned as it is).
+            strict: refuse what the lenient mode would guess.
+            nnodes, gpus_per_node: with a bare GPU name or profile YAML (both or neither).
+            what: how messages name the input (``--cluster``).
+
+        Example:
+            >>> Cluster.parse("h100-sxm", strict=True, nnodes=2, gpus_per_node=8).name
+            'h100-sxm:2x8'
+        """
+        if isinstance(value, Cluster):
+            return value
+        if (nnodes is None) != (gpus_per_node is None):
+            raise SpecError(
+                "--nnodes and --gpus-per-node go together (e.g. --cluster h100-sxm --nnodes 32 "
+                "--gpus-per-node 8), or give --cluster h100-sxm:32x8 alone"
+            )
+        if isinstance(value, Mapping):
+            return cls._from_fields(dict(value), f"{what} (a mapping)", strict, nnodes)
+        text = value if isinstance(value, str) else os.fspath(value)
+        if not text.strip():
+            raise SpecError(f"{what} is empty; give a cluster such as h100-sxm:1x8")
+        text = text.strip()
+        full = re.fullmatch(r"(.+?):(\d+)x(\d+)", text)
+        nodes_only = re.fullmatch(r"(.+?):(\d+)", text)
+        if nnodes is not None and (full or nodes_only):
+            raise SpecError(
+                f"{what} {text!r} already gives the nodes and devices; --nnodes and "
+                "--gpus-per-node go with a bare GPU name (--cluster GPU --nnodes N "
+                "--gpus-per-node G)"
+            )
+        if nodes_only:
+            gpu, n = nodes_only.groups()
+            raise SpecError(
+                f"{what} {text!r} is ambiguous ({n} nodes or {n} devices?); write NODESxGPUS: "
+                f"{gpu}:{n}x8 for {n} nodes of 8 devices, {gpu}:1x{n} for one node of {n}, or "
+                f"--cluster {gpu} --nnodes {n} --gpus-per-node G"
+            )
+        if full:
+            gpu, n_nodes, per_node = full.groups()
+            return cls._of(_gpu_name(gpu, what, strict), int(n_nodes), int(per_node), what)
         if text.endswith((".yaml", ".yml")) and os.path.exists(text):
             data = read_yaml_mapping(text, what="cluster")
-            if (
-                "gpu" not in data and "peak_flops" in data
-            ):  # a bare hardware profile: one node of it
-                return cls(gpu=text)
-            return cls.from_dict(data, what=f"cluster file {text!r}")
-        if ":" in text:
+            if "gpu" not in data and "peak_flops" in data:  # a bare hardware profile
+                return cls._of(text, nnodes or 1, gpus_per_node, what)
+            return cls._from_fields(data, f"cluster file {text!r}", strict, nnodes)
+        if ":" in text and not os.path.exists(text):
             raise SpecError(
-                f"cluster {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
+                f"{what} {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
             )
-        return cls(gpu=text)
+        gpu = _gpu_name(text, what, strict)
+        if strict and nnodes is None and not os.path.exists(text):
+            raise SpecError(
+                f"{what} {text!r} does not say how many nodes and devices: write {gpu}:1x8 for "
+                f"one node of 8 devices, {gpu}:NODESx8 for more, or add --nnodes N "
+                "--gpus-per-node G"
+            )
+        return cls._of(gpu, nnodes or 1, gpus_per_node, what)
+
+    @classmethod
+    def _of(cls, gpu: str, n_nodes: int, gpus_per_node: int | None, what: str) -> "Cluster":
+        # The numbers are checked before the profile is read, so the message names the input.
+        positive_int(n_nodes, f"{what}: n_nodes")
+        if gpus_per_node is None:  # the profile's own devices per node
+            return cls(gpu=gpu, n_nodes=n_nodes)
+        positive_int(gpus_per_node, f"{what}: gpus_per_node")
+        return cls(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
+
+    @classmethod
+    def _from_fields(
+        cls, data: dict[str, Any], what: str, strict: bool, nnodes: int | None
+    ) -> "Cluster":
+        if nnodes is not None:
+            raise SpecError(
+                f"{what} already gives the nodes and devices; drop --nnodes and "
+                "--gpus-per-node, or give a GPU name with them"
+            )
+        if isinstance(data.get("gpu"), str):
+            data["gpu"] = _gpu_name(data["gpu"], f"{what}: gpu", strict)
+        return cls.from_dict(data, what=what)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
@@ -534,6 +609,32 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "n_nodes": self.n_nodes, "gpus_per_node": self.gpus_per_node}
+
+
+# Short GPU names people say, and the profile each stands for (the strict parser prints a note
+# when it reads one). "a100" is not here: it names two profiles (40 and 80 GB), so it stays an
+# error.
+GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200-sxm"}
+_AMBIGUOUS_GPUS = {"a100": ("a100-sxm4-40gb", "a100-sxm4-80gb")}
+
+
+def _gpu_name(name: str, what: str, strict: bool) -> str:
+    """The profile a GPU name stands for: a short name of `GPU_ALIASES` (strict mode, with a
+    note), refused where it names two profiles; any other name as it is."""
+    low = name.lower()
+    if strict and low in GPU_ALIASES:
+        print(
+            f"note: {what}: {name!r} is read as the {GPU_ALIASES[low]!r} profile; write "
+            f"{GPU_ALIASES[low]} to silence this note (`autosearch hardware` lists the profiles)",
+            file=sys.stderr,
+        )
+        return GPU_ALIASES[low]
+    if low in _AMBIGUOUS_GPUS:
+        raise SpecError(
+            f"{what}: {name!r} names more than one profile: "
+            f"{' or '.join(_AMBIGUOUS_GPUS[low])}; write one of them"
+        )
+    return name
 
 
 class _NumberReader:

@@ -140,6 +140,25 @@ def fp8_problem(fp8: str, peak_flops: dict[str, float] | None) -> str | None:
     )
 
 
+def expert_parallel_problem(ep: int, dp: int, cp: int, n_experts: int | None) -> str | None:
+    """Expert parallelism splits the routed experts over ep groups of the data- and
+    context-parallel ranks (Megatron-Core's parallel folding: expert layers run etp x ep x edp
+    over the ranks attention runs tp x cp x dp on): ep divides dp * cp and the experts.
+    `n_experts` is None without a model, 0 for a dense model."""
+    if ep == 1:
+        return None
+    if n_experts == 0:
+        return "ep > 1 needs a mixture-of-experts model (this one is dense); set ep=1"
+    if (dp * cp) % ep:
+        return (
+            f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (expert parallelism splits the "
+            "data- and context-parallel ranks); use an ep that divides it"
+        )
+    if n_experts is not None and n_experts % ep:
+        return f"ep={ep} does not divide the {n_experts} routed experts; use an ep that does"
+    return None
+
+
 def async_tp_problem(async_tp: bool, tp: int) -> str | None:
     if async_tp and tp == 1:
         return "async_tp overlaps tensor-parallel collectives: it needs tp > 1; turn it off"
@@ -306,7 +325,19 @@ RULES: tuple[Rule, ...] = (
         lambda v, m, c: fp8_problem(v["fp8"], c.profile.peak_flops if c is not None else None),
     ),
     Rule("async_tp", ("async_tp", "tp"), lambda v, m, c: async_tp_problem(v["async_tp"], v["tp"])),
+    Rule(
+        "expert_parallel",
+        ("ep", "dp", "cp"),
+        lambda v, m, c: expert_parallel_problem(v["ep"], v["dp"], v["cp"], n_experts(m)),
+    ),
 )
+
+
+def n_experts(model: "ModelSpec | None") -> int | None:
+    """Routed experts of `model` (0 for a dense model; None without a model)."""
+    if model is None:
+        return None
+    return model.moe.n_experts if model.moe is not None else 0
 
 
 def problems(

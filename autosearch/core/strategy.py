@@ -109,6 +109,7 @@ class Strategy:
     fp8: str = dimensions.field("fp8")
     compile: bool = dimensions.field("compile")
     async_tp: bool = dimensions.field("async_tp")
+    ep: int = dimensions.field("ep")
 
     def __post_init__(self) -> None:
         """Check every field by its kind (`autosearch.core.dimensions`)."""
@@ -163,6 +164,7 @@ class Strategy:
     # ---- derived --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """The devices: the product of the mesh degrees (dp, tp, pp, cp; folded ones add none)."""
         return self.dp * self.tp * self.pp * self.cp
 
     @property

@@ -813,7 +813,7 @@ class Engine:
             >>> engine.fit(data)                                                   # doctest: +SKIP
         """
         from autosearch.engine import distributed as D
-        from autosearch.engine._tune import tune_engine
+        from autosearch.engine._tune import TuneRequest, tune_engine
 
         if self._prepared and _is_module(self.model):
             raise SpecError(
@@ -821,25 +821,26 @@ class Engine:
                 " tuned strategy; pass a zero-argument model factory to Engine"
             )
         log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
-        outcome = tune_engine(
-            model_spec=self._model_spec(),
-            model=self.model,
-            strategy=getattr(self, "best_strategy_", None) or self.strategy,
-            world_size=D.launched_world_size(),
+        request = TuneRequest(
             cluster=self.cluster if cluster is None else cluster,
-            train_data=train_data,
             batch_size=batch_size,
-            n_trials=n_trials,
+            settings=dict(tune_kwargs, n_trials=n_trials, out=out),
             validate_top_k=validate_top_k,
             steps=steps,
             warmup=warmup,
             timeout_s=timeout_s,
             factory=factory,
-            out=out,
             calibration_dir=calibration_dir,
             wait_timeout_s=wait_timeout_s,
+        )
+        outcome = tune_engine(
+            request,
+            model_spec=self._model_spec(),
+            model=self.model,
+            strategy=getattr(self, "best_strategy_", None) or self.strategy,
+            world_size=D.launched_world_size(),
+            train_data=train_data,
             log=log,
-            **tune_kwargs,
         )
         self.strategy_ = self.best_strategy_ = outcome.strategy
         self.best_report_ = outcome.report

@@ -1,9 +1,11 @@
 """`Engine.tune`: search the strategy for the machine the engine runs on, optionally check the best
 candidates in real runs, and hand the winner back.
 
-It takes plain values (the ModelSpec, the current strategy, the model factory, the world size, the
-cluster), never the Engine itself, and it uses validation only through its public API
-(`autosearch.validation.validate`), which starts the torch worker as a module in new processes.
+It takes plain values (a `TuneRequest`, the ModelSpec, the current strategy, the model factory,
+the world size), never the Engine itself, and composes from above the two layers below it: the
+search (`autosearch.tune`, the same job and output folder as ``autosearch tune``) and the real
+runs (`autosearch.validation.validate`, torch-free: it starts the worker, which runs the Engine,
+as a module by name in new processes).
 
 Under torchrun, rank 0 describes the machine, calibrates it if needed, searches and validates; the
 other ranks wait, at most ``wait_timeout_s``, for the chosen strategy, so every rank ends with
@@ -15,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
-    from autosearch.tuning import TuneResult
+    from autosearch.tuning._result import TuneResult
     from autosearch.validation import ValidationResult
 
 CALIBRATION_DIR_ENV = "AUTOSEARCH_CALIBRATION_DIR"
@@ -52,66 +54,74 @@ class TuneOutcome:
     validation: "ValidationResult | None" = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class TuneRequest:
+    """What `Engine.tune` asks for, besides the engine's own model and strategy.
+
+    Attributes:
+        cluster: the cluster to search for (a Cluster or its text); None: this machine.
+        batch_size: the global batch to search for; None: the current strategy's.
+        settings: `autosearch.TuneConfig` fields (n_trials, out, objective, space, seed, ...;
+            `tune`'s keyword form, so `space` and `sampler` may also be objects).
+        validate_top_k, steps, warmup, timeout_s, factory: the real runs of the best
+            candidates (`autosearch.validation.validate`); none when `validate_top_k` is 0.
+        calibration_dir: where this machine's calibrated profile is kept.
+        wait_timeout_s: how long ranks > 0 wait for rank 0 (default: enough for a quick
+            calibration, the search and every validation run at its timeout).
+    """
+
+    cluster: Any = None
+    batch_size: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    validate_top_k: int = 0
+    steps: int = 10
+    warmup: int = 3
+    timeout_s: float = 600.0
+    factory: str | None = None
+    calibration_dir: str | None = None
+    wait_timeout_s: float | None = None
+
+
 def tune_engine(
+    request: TuneRequest,
     *,
     model_spec: "ModelSpec",
     model: Any,
     strategy: Any,
     world_size: int,
-    cluster: "Cluster | str | None" = None,
     train_data: Any = None,
-    batch_size: int | None = None,
-    n_trials: int = 200,
-    validate_top_k: int = 0,
-    steps: int = 10,
-    warmup: int = 3,
-    timeout_s: float = 600.0,
-    factory: str | None = None,
-    out: str | None = None,
-    calibration_dir: str | None = None,
-    wait_timeout_s: float | None = None,
     log: Callable[[str], None] = print,
-    **tune_kwargs: Any,
 ) -> TuneOutcome:
     """What `Engine.tune` does, from plain values.
 
     Args:
+        request: the search and the real runs asked for.
         model_spec: the model's shape, which the search prices.
         model: the Engine's model argument (an nn.Module or a zero-argument factory): validation
-            rebuilds the reference transformer without a factory; anything else needs `factory`.
+            rebuilds the reference transformer without a factory; anything else needs a factory.
         strategy: the current strategy (a Strategy, YAML path, ``"dp=2"`` string, dict, or None):
-            its global batch is the default `batch_size`.
+            its global batch is the default batch size.
         world_size: processes of this run (torchrun's WORLD_SIZE, 1 without torchrun).
-        wait_timeout_s: how long ranks > 0 wait for rank 0 (default: enough for a quick
-            calibration, the search and every validation run at its timeout).
-        Other arguments: as `Engine.tune`.
+        train_data: the training data (its sequence length is checked against the ModelSpec).
+        log: where progress lines go.
     """
     from autosearch.engine import distributed as D
 
     D.init_distributed()
     search = dict(
+        request=request,
         model_spec=model_spec,
         model=model,
         strategy=strategy,
         world_size=world_size,
-        cluster=cluster,
         train_data=train_data,
-        batch_size=batch_size,
-        n_trials=n_trials,
-        validate_top_k=validate_top_k,
-        steps=steps,
-        warmup=warmup,
-        timeout_s=timeout_s,
-        factory=factory,
-        out=out,
-        calibration_dir=calibration_dir,
         log=log,
-        **tune_kwargs,
     )
     if world_size == 1:
         return _search(**search)
+    wait_timeout_s = request.wait_timeout_s
     if wait_timeout_s is None:
-        wait_timeout_s = 900.0 + validate_top_k * (timeout_s + 60.0)
+        wait_timeout_s = 900.0 + request.validate_top_k * (request.timeout_s + 60.0)
     return _search_on_rank0(search, rank=D.rank(), wait_timeout_s=wait_timeout_s, log=log)
 
 
@@ -162,30 +172,17 @@ def _search_on_rank0(
 # ---- the search (rank 0) -------------------------------------------------------------------
 def _search(
     *,
+    request: TuneRequest,
     model_spec: "ModelSpec",
     model: Any,
     strategy: Any,
     world_size: int,
-    cluster: "Cluster | str | None",
     train_data: Any,
-    batch_size: int | None,
-    n_trials: int,
-    validate_top_k: int,
-    steps: int,
-    warmup: int,
-    timeout_s: float,
-    factory: str | None,
-    out: str | None,
-    calibration_dir: str | None,
     log: Callable[[str], None],
-    **tune_kwargs: Any,
 ) -> TuneOutcome:
-    from autosearch.core.hardware import Cluster
-    from autosearch.tuner import tune
-    from autosearch.tuning import default_study_name
-
-    spec, world = model_spec, world_size
+    spec = model_spec
     check_sequence_length(train_data, spec.seq_len)
+    batch_size = request.batch_size
     if batch_size is None:
         current = as_strategy(strategy)
         if current is None:
@@ -194,10 +191,28 @@ def _search(
                 "engine.tune(train_data, batch_size=512)"
             )
         batch_size = current.global_batch_size
-    if cluster is None:
-        cluster = local_cluster(world, calibration_dir=calibration_dir, log=log)
+    cluster = _cluster_to_search(request, world_size, log)
+    result = _run_search(spec, cluster, batch_size, request.settings, log)
+    best, report = result.best_strategy, result.best_report
+    validation = None
+    if request.validate_top_k:
+        validation = _validate(request, spec, model, cluster, result, log)
+        if validation.best is not None:
+            best, report = validation.best.strategy, validation.best.report
+    assert best is not None  # tune raises NoFeasibleStrategyError when nothing fits
+    return TuneOutcome(
+        strategy=best, report=report, cluster=cluster, result=result, validation=validation
+    )
+
+
+def _cluster_to_search(request: TuneRequest, world: int, log: Callable[[str], None]) -> "Cluster":
+    """The cluster asked for (its profile trusted), else this machine's, calibrated if need be."""
+    from autosearch.core.hardware import Cluster
+
+    if request.cluster is None:
+        cluster = local_cluster(world, calibration_dir=request.calibration_dir, log=log)
     else:
-        cluster = Cluster.parse(cluster)
+        cluster = Cluster.parse(request.cluster)
         problems = profile_problems(cluster.profile)
         if problems:
             raise SpecError(
@@ -205,7 +220,7 @@ def _search(
                 context=f"tune will not search with the profile {_where(cluster.profile)}",
             )
     log(f"tune: hardware profile {_where(cluster.profile)}")
-    if cluster.world_size != world and validate_top_k:
+    if cluster.world_size != world and request.validate_top_k:
         raise SpecError(
             f"validate_top_k runs candidates on this machine, but the cluster has "
             f"{cluster.world_size} devices and this run {world} process(es); validate on the "
@@ -217,19 +232,30 @@ def _search(
             f"{world} process(es), so the engine cannot train with the result here: save "
             "best_strategy_ and launch on that cluster"
         )
-    name = tune_kwargs.pop("study_name", None) or default_study_name(
-        spec.name, cluster.name, batch_size, "throughput"
+    return cluster
+
+
+def _run_search(spec, cluster, batch_size: int, settings: dict[str, Any], log) -> "TuneResult":
+    """`autosearch.tune` with the engine's settings: the same job, checks and output folder as
+    ``autosearch tune`` (default folder results/<study name>)."""
+    from autosearch.tuning import default_study_name
+    from autosearch.tuning._config import OBJECTIVE_ALIASES
+    from autosearch.tuning._study import tune
+
+    settings = dict(settings)
+    objective = settings.get("objective") or "throughput"
+    name = settings.pop("study_name", None) or default_study_name(
+        spec.name, cluster.name, batch_size, OBJECTIVE_ALIASES.get(objective, objective)
     )
-    out = out or os.path.join("results", name)
+    out = settings.pop("out", None) or os.path.join("results", name)
     result = tune(
         spec,
         cluster,
         global_batch_size=batch_size,
-        n_trials=n_trials,
-        out=out,
         study_name=name,
+        out=out,
         progress=False,
-        **tune_kwargs,
+        **settings,
     )
     best, report = result.best_strategy, result.best_report
     if best is None or report is None:  # tune raises NoFeasibleStrategyError first; say it anyway
@@ -238,39 +264,41 @@ def _search(
         f"tune: best predicted {best.short()} ({report.tokens_per_s:,.0f} tokens/s); "
         f"study and best_strategy.yaml in {out}"
     )
-    validation = None
-    if validate_top_k:
-        from autosearch.validation import distinct_kinds, validate
+    return result
 
-        factory = factory or reference_factory(model)
-        candidates = distinct_kinds(result.top_k, validate_top_k)
-        validation = validate(
-            spec,
-            candidates,
-            cluster=cluster,
-            steps=steps,
-            warmup=warmup,
-            timeout_s=timeout_s,
-            out=os.path.join(out, "validation"),
-            factory=factory,
-            study=result.study,
-        )
-        if validation.best is not None:
-            best, report = validation.best.strategy, validation.best.report
-            best.to_yaml(
-                os.path.join(out, "best_measured_strategy.yaml"),
-                comment="fastest measured of the top candidates (Engine.tune)",
-            )
-            measured = (validation.best_row or {}).get("measured_tokens_per_s", float("nan"))
-            log(f"tune: best measured {best.short()} ({measured:,.0f} tokens/s)")
-        else:
-            log(
-                "tune: no candidate ran successfully; keeping the best predicted strategy "
-                f"(see {os.path.join(out, 'validation', 'validation.csv')})"
-            )
-    return TuneOutcome(
-        strategy=best, report=report, cluster=cluster, result=result, validation=validation
+
+def _validate(request: TuneRequest, spec, model, cluster, result, log) -> "ValidationResult":
+    """The best candidates run for a few real steps on this machine (a measured best is
+    written beside the study as best_measured_strategy.yaml)."""
+    from autosearch.validation import distinct_kinds, validate
+
+    assert result.out_dir is not None
+    out = result.out_dir
+    validation = validate(
+        spec,
+        distinct_kinds(result.top_k, request.validate_top_k),
+        cluster=cluster,
+        steps=request.steps,
+        warmup=request.warmup,
+        timeout_s=request.timeout_s,
+        out=os.path.join(out, "validation"),
+        factory=request.factory or reference_factory(model),
+        study=result.study,
     )
+    if validation.best is not None:
+        best = validation.best.strategy
+        best.to_yaml(
+            os.path.join(out, "best_measured_strategy.yaml"),
+            comment="fastest measured of the top candidates (Engine.tune)",
+        )
+        measured = (validation.best_row or {}).get("measured_tokens_per_s", float("nan"))
+        log(f"tune: best measured {best.short()} ({measured:,.0f} tokens/s)")
+    else:
+        log(
+            "tune: no candidate ran successfully; keeping the best predicted strategy "
+            f"(see {os.path.join(out, 'validation', 'validation.csv')})"
+        )
+    return validation
 
 
 def as_strategy(value: Any) -> "Strategy | None":

@@ -95,6 +95,31 @@ def shell_words(words: Iterable[object]) -> str:
     return " ".join(shlex.quote(str(w)) for w in words)
 
 
+def declared_mappings(
+    runtime: str, strategy: "Strategy"
+) -> tuple[dict[str, object], set[str], list[tuple[str, str]]]:
+    """What the dimension registry declares for `runtime` (`Dimension.exports` and `no_export`):
+    {key: value} for each declared dimension whose value is not its default, the dimensions it
+    so maps, and (field, why) for those the runtime cannot express as chosen."""
+    from autosearch.core import dimensions
+
+    keys: dict[str, object] = {}
+    mapped: set[str] = set()
+    unsupported: list[tuple[str, str]] = []
+    for d in dimensions.DIMENSIONS:
+        if runtime not in d.exports and runtime not in d.no_export:
+            continue
+        value = getattr(strategy, d.name)
+        if value == d.default:
+            mapped.add(d.name)
+        elif runtime in d.exports:
+            keys[d.exports[runtime]] = value
+            mapped.add(d.name)
+        else:
+            unsupported.append((d.name, d.no_export[runtime]))
+    return keys, mapped, unsupported
+
+
 def strategy_fields() -> tuple[str, ...]:
     from autosearch.core.strategy import Strategy
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from autosearch.export._base import Exported, Exporter, shell_words
+from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
 
 # Config key path -> where DeepSpeed defines it. tests/test_export.py checks that every key an
 # export writes is here.
@@ -158,6 +158,9 @@ class DeepSpeedExporter(Exporter):
                 unsupported.append((field, why))
             else:
                 mapped.add(field)
+        _, declared, cannot = declared_mappings(self.name, s)
+        mapped |= declared
+        unsupported += cannot
         if model is not None:
             notes.append(
                 f"the model ({model.name}: {model.n_layers} layers, hidden {model.hidden_size}, "

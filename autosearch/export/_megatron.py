@@ -22,7 +22,7 @@ installed with `pip install --no-deps` and read, not imported):
 
 from __future__ import annotations
 
-from autosearch.export._base import Exported, Exporter, shell_words
+from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
 
 # flag -> (value kind, where the name comes from). tests/test_export.py builds an argparse parser
 # from this table and parses every exported argument list with it.
@@ -221,6 +221,10 @@ class MegatronExporter(Exporter):
         if s.amp in ("bf16", "fp16"):
             flags.append(f"--{s.amp}")
         mapped.add("amp")
+        keys, declared, cannot = declared_mappings(self.name, s)
+        flags += [f"{flag} {value}" for flag, value in keys.items()]
+        mapped |= declared
+        unsupported += cannot
         if s.fp8 != "none":
             flags += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
             notes.append(

@@ -21,7 +21,7 @@ from typing import Any
 
 import tomli_w
 
-from autosearch.export._base import Exported, Exporter, shell_words
+from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -233,6 +233,12 @@ class TorchTitanExporter(Exporter):
                 + [cluster.gpus_per_node, "-m", "torchtitan.train"]
                 + ["--job.config_file", "torchtitan.toml"]
             )
+        keys, declared, cannot = declared_mappings(self.name, s)
+        for dotted, value in keys.items():
+            section, key = dotted.split(".", 1)
+            doc.setdefault(section, {})[key] = value
+        mapped |= declared
+        unsupported += cannot
         return Exported(
             self.name,
             tomli_w.dumps(doc).rstrip(),

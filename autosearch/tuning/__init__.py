@@ -1,10 +1,12 @@
 """The search: an Optuna study over a search space, scored by the cost model, persisted and shared.
 
-`autosearch.tuner` is the public face (``from autosearch import tune``); this package holds one
-module per concern: objectives, recipes, files (locks, atomic writes), the journal file, storage,
-the study reader, the study loop, outputs.
+The public names live at the package root (``from autosearch import TuneConfig, tune``); this
+package holds one module per concern: the job's schema (`_config.py`), the checks before any
+work, objectives, recipes, files (locks, atomic writes), the journal file, storage, the study
+reader, the study loop, outputs.
 """
 
+from autosearch.tuning._config import SAMPLERS, TRIAL_UNITS
 from autosearch.tuning._files import FileLock, atomic_write
 from autosearch.tuning._objectives import (
     OBJECTIVES,
@@ -20,20 +22,14 @@ from autosearch.tuning._reader import (
     read_candidates,
     report_from_dict,
 )
-from autosearch.tuning._result import Candidate, NoFeasibleStrategyError, TuneResult
+from autosearch.tuning._result import Candidate, NoFeasibleStrategyError
 from autosearch.tuning._storage import (
     OpenedStorage,
     StudyOptions,
     open_storage,
     open_study_storage,
 )
-from autosearch.tuning._study import (
-    SAMPLERS,
-    TRIAL_UNITS,
-    check_study_name,
-    default_study_name,
-    tune,
-)
+from autosearch.tuning._study import check_study_name, default_study_name
 
 __all__ = [
     "Candidate",
@@ -47,7 +43,6 @@ __all__ = [
     "StudyMeta",
     "StudyOptions",
     "TRIAL_UNITS",
-    "TuneResult",
     "atomic_write",
     "check_study_name",
     "dashboard_importances",
@@ -58,6 +53,5 @@ __all__ = [
     "open_study_storage",
     "read_candidates",
     "report_from_dict",
-    "tune",
     "usd_per_million_tokens",
 ]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._config import OBJECTIVE_ALIASES, OBJECTIVES
 from autosearch.tuning._ranking import same_value, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
 
+Direction = Literal["maximize", "minimize"]
 GiB = float(1 << 30)
 CONSTRAINT = "memory_excess_gib"
 
@@ -28,7 +30,7 @@ class Objective(abc.ABC):
     """Turns a CostReport into the values of an Optuna trial."""
 
     name: str
-    directions: tuple[str, ...]
+    directions: tuple[Direction, ...]
     value_names: tuple[str, ...]
 
     @abc.abstractmethod
@@ -66,7 +68,7 @@ class Throughput(Objective):
     """Maximize training tokens per second under the memory limit (the default)."""
 
     name: str = "throughput"
-    directions: tuple[str, ...] = ("maximize",)
+    directions: tuple[Direction, ...] = ("maximize",)
     value_names: tuple[str, ...] = ("tokens_per_s",)
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -83,7 +85,7 @@ class ThroughputPessimistic(Objective):
     optimistic."""
 
     name: str = "throughput-pessimistic"
-    directions: tuple[str, ...] = ("maximize",)
+    directions: tuple[Direction, ...] = ("maximize",)
     value_names: tuple[str, ...] = ("pessimistic_tokens_per_s",)
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -105,7 +107,7 @@ class ThroughputMemory(Objective):
     """Maximize tokens per second and minimize peak memory per device (Pareto front)."""
 
     name: str = "throughput-memory"
-    directions: tuple[str, ...] = ("maximize", "minimize")
+    directions: tuple[Direction, ...] = ("maximize", "minimize")
     value_names: tuple[str, ...] = ("tokens_per_s", "peak_memory_gib")
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -124,7 +126,7 @@ class ThroughputCost(Objective):
     price_per_gpu_hour: float = 0.0
     world_size: int = 1
     name: str = "throughput-cost"
-    directions: tuple[str, ...] = ("maximize", "minimize")
+    directions: tuple[Direction, ...] = ("maximize", "minimize")
     value_names: tuple[str, ...] = ("tokens_per_s", "usd_per_million_tokens")
 
     def values(self, report: "CostReport") -> tuple[float, ...]:
@@ -132,9 +134,6 @@ class ThroughputCost(Objective):
             report.tokens_per_s,
             usd_per_million_tokens(report, self.price_per_gpu_hour, self.world_size),
         )
-
-
-OBJECTIVES = ("throughput", "throughput-pessimistic", "throughput-memory", "throughput-cost")
 
 
 def usd_per_million_tokens(
@@ -148,7 +147,7 @@ def make_objective(
     name: str, *, cluster: "Cluster", price_per_gpu_hour: float | None = None
 ) -> Objective:
     """The objective called `name` (one of OBJECTIVES; ``memory`` and ``cost`` are accepted)."""
-    key = {"memory": "throughput-memory", "cost": "throughput-cost"}.get(name, name)
+    key = OBJECTIVE_ALIASES.get(name, name)
     if key == "throughput":
         return Throughput()
     if key == "throughput-pessimistic":

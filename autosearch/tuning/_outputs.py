@@ -14,7 +14,7 @@ import csv
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -30,6 +30,7 @@ from autosearch.core._files import (
 from autosearch.core.errors import SpecError
 from autosearch.tuning._objectives import CONSTRAINT, GiB
 from autosearch.tuning._reader import report_from_dict
+from autosearch.tuning._result import scored
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.tuning._objectives import Objective
@@ -154,8 +155,8 @@ def write_outputs(
             cand_cols,
         )
     best_path = os.path.join(out_dir, "best_strategy.yaml")
-    if result.best_strategy is not None:
-        r = result.best_report
+    r = result.best_report
+    if result.best_strategy is not None and r is not None:
         doc = {
             "strategy": result.best_strategy.to_dict(),
             "model": meta["model"],
@@ -261,11 +262,16 @@ def dashboard_importances(trials: list, directions: list) -> list[dict[str, floa
             out.append(
                 get_param_importances(
                     study,
-                    target=lambda t, i=i, sign=sign: sign * t.values[i],
+                    target=_signed_value(i, sign),
                     evaluator=PedAnovaImportanceEvaluator(),
                 )
             )
     return out
+
+
+def _signed_value(i: int, sign: float) -> "Callable[[Any], float]":
+    """The importance target of objective `i`, negated when it is maximized."""
+    return lambda t: sign * t.values[i]
 
 
 def _markdown_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
@@ -331,8 +337,8 @@ def _write_report(
         "twice is listed once",
         "",
     ]
-    if result.best_strategy is not None:
-        r = result.best_report
+    r = result.best_report
+    if result.best_strategy is not None and r is not None:
         lines += [
             "## Best strategy",
             "",
@@ -374,33 +380,33 @@ def _write_report(
         ]
     else:
         lines += ["## No strategy fits", "", result.message, ""]
-        if result.least_hungry is not None:
-            c = result.least_hungry
+        least = scored([result.least_hungry] if result.least_hungry else [])
+        for c, r in least:
             lines += [
                 f"Least memory-hungry strategy tried: `{c.strategy.short()}`, "
-                f"{c.report.infeasible_reason}.",
+                f"{r.infeasible_reason}.",
                 "",
             ]
     if result.top_k:
         lines += [f"## Top {len(result.top_k)} (`top_k.csv`)", ""]
         header = ["#", "strategy", "tokens/s", "MFU", "step s", "memory GiB", "bubble s"]
         header += ["dp comm s", "tp comm s"] + (["$/M tokens"] if priced else [])
-        rows = [
+        table = [
             [
                 str(i),
                 f"`{c.strategy.short()}`",
-                f"{c.report.tokens_per_s:,.0f}",
-                f"{c.report.mfu:.1%}",
-                f"{c.report.step_time_s:.3f}",
-                f"{c.report.peak_memory_bytes / GiB:.1f}",
-                f"{c.report.time.bubble_s:.3f}",
-                f"{c.report.time.dp_comm_exposed_s:.3f}",
-                f"{c.report.time.tp_comm_s:.3f}",
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.mfu:.1%}",
+                f"{r.step_time_s:.3f}",
+                f"{r.peak_memory_bytes / GiB:.1f}",
+                f"{r.time.bubble_s:.3f}",
+                f"{r.time.dp_comm_exposed_s:.3f}",
+                f"{r.time.tp_comm_s:.3f}",
             ]
-            + ([_usd(result, c.report)] if priced else [])
-            for i, c in enumerate(result.top_k, 1)
+            + ([_usd(result, r)] if priced else [])
+            for i, (c, r) in enumerate(scored(result.top_k), 1)
         ]
-        lines += [*_markdown_table(header, rows), ""]
+        lines += [*_markdown_table(header, table), ""]
     if result.pareto:
         lines += _pareto_section(result, objective, has_plot=bool(plots.get("throughput_memory")))
     titles = {
@@ -456,12 +462,12 @@ def _pareto_section(result: "TuneResult", objective: "Objective", *, has_plot: b
         [
             str(i),
             f"`{c.strategy.short()}`",
-            f"{c.report.tokens_per_s:,.0f}",
-            f"{c.report.peak_memory_bytes / GiB:.1f}",
-            f"{c.report.mfu:.1%}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.peak_memory_bytes / GiB:.1f}",
+            f"{r.mfu:.1%}",
         ]
-        + ([_usd(result, c.report)] if priced else [])
-        for i, c in enumerate(result.pareto, 1)
+        + ([_usd(result, r)] if priced else [])
+        for i, (c, r) in enumerate(scored(result.pareto), 1)
     ]
     lines += _markdown_table(header + (["$/M tokens"] if priced else []), rows)
     return lines + [""]
@@ -524,12 +530,13 @@ def _plot_time_breakdown(top_k: tuple["Candidate", ...], out_dir: str) -> str | 
         return None
     import matplotlib.pyplot as plt
 
-    terms = list(top_k[0].report.time._fields)
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(top_k) + 1.8))
-    labels = [c.strategy.short() for c in top_k][::-1]
-    left = [0.0] * len(top_k)
+    pairs = scored(top_k)
+    terms = list(pairs[0][1].time._fields)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(pairs) + 1.8))
+    labels = [c.strategy.short() for c, _ in pairs][::-1]
+    left = [0.0] * len(pairs)
     for term in terms:
-        widths = [getattr(c.report.time, term) for c in top_k][::-1]
+        widths = [getattr(r.time, term) for _, r in pairs][::-1]
         if not any(widths):
             continue
         ax.barh(labels, widths, left=left, label=term[:-2])
@@ -581,12 +588,14 @@ def _plot_throughput_memory(
         ax.axvline(cap, c="tab:red", ls="--", lw=1, label=f"device memory ({cap:.0f} GiB)")
     if bad or outside:
         label = "does not fit" + (f" ({outside} beyond the axes)" if outside else "")
-        ax.scatter(*(zip(*bad) if bad else ([], [])), s=14, c="grey", marker="x", label=label)
+        xs, ys = zip(*bad) if bad else ((), ())
+        ax.scatter(xs, ys, s=14, c="grey", marker="x", label=label)
     if ok:
-        ax.scatter(*zip(*ok), s=12, c="tab:blue", label="fits")
+        xs, ys = zip(*ok)
+        ax.scatter(xs, ys, s=12, c="tab:blue", label="fits")
     if result.pareto:
         front = sorted(
-            (c.report.peak_memory_bytes / GiB, c.report.tokens_per_s) for c in result.pareto
+            (r.peak_memory_bytes / GiB, r.tokens_per_s) for _, r in scored(result.pareto)
         )
         ax.plot(
             *zip(*front),
@@ -688,7 +697,7 @@ def claim_out_folder(out_dir: str, *, study_name: str, storage: str) -> None:
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
             doc = None  # unreadable outputs: rewritten by this study
     theirs = doc.get("study_name") if isinstance(doc, dict) else None
-    if theirs is not None and theirs != study_name:
+    if isinstance(doc, dict) and theirs is not None and theirs != study_name:
         raise SpecError(
             f"{out_dir!r} holds the outputs of study {theirs!r} (storage "
             f"{doc.get('storage')}), not of {study_name!r} ({storage}); outputs of different "

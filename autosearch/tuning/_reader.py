@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
-from autosearch.tuning._result import Candidate
+from autosearch.tuning._result import Candidate, scored
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -163,10 +163,10 @@ def read_candidates(trials: "list[FrozenTrial]", *, top_k: int | None) -> list[C
         j = i + 1
         while j < len(done) and same_value(done[j].values[0], done[i].values[0]):
             j += 1
-        tied = [c for c in (candidate_of(t) for t in done[i:j]) if c is not None]
-        tied.sort(key=lambda c: tie_key(c.strategy, c.report, c.trial_number))
-        for c in tied:
-            if c.report.fits and c.strategy not in picked:
+        tied = scored(c for c in (candidate_of(t) for t in done[i:j]) if c is not None)
+        tied.sort(key=lambda cr: tie_key(cr[0].strategy, cr[1], cr[0].trial_number))
+        for c, r in tied:
+            if r.fits and c.strategy not in picked:
                 picked[c.strategy] = c
         i = j
     ranked = list(picked.values())
@@ -221,6 +221,8 @@ def load_study(where: str | os.PathLike, storage: str | None = None) -> LoadedSt
     else:
         name = where
     opened = open_study_storage(storage)
+    if opened is None:  # only a storage of None opens as none, and `where` named one
+        raise SpecError(f"{where!r} names no storage; give a study folder or a storage URL")
     names = [s.study_name for s in opened.storage.get_all_studies()]
     if name is None:
         if len(names) != 1:

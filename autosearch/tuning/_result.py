@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
+    from autosearch.tuning._config import TuneConfig
     from search_spaces import BaseSearchSpace
 
 
@@ -32,6 +34,12 @@ class Candidate:
     def feasible(self) -> bool:
         """Whether the prediction fits in device memory (False when there is none)."""
         return self.report is not None and self.report.fits
+
+
+def scored(cands: "Iterable[Candidate]") -> "list[tuple[Candidate, CostReport]]":
+    """(candidate, its report) for each candidate that carries a report (every one of a
+    TuneResult's top-k and Pareto front does; a strategy read from a file does not)."""
+    return [(c, c.report) for c in cands if c.report is not None]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,8 @@ class TuneResult:
         message: a one-line summary for people.
         price_per_gpu_hour: dollars per device-hour when given (then every report also shows
             dollars per million tokens, `usd_per_million_tokens`).
+        config: the settings as run (names resolved, paths absolute: the ``config`` block of
+            study.yaml); the settings as given when objects without a file form were passed.
     """
 
     best_strategy: "Strategy | None"
@@ -75,6 +85,7 @@ class TuneResult:
     n_units_covered: int = 0
     plan: str = ""
     price_per_gpu_hour: float | None = None
+    config: "TuneConfig | None" = None
 
     def usd_per_million_tokens(self, report: "CostReport") -> float | None:
         """Dollars per million training tokens of `report` on this cluster (None without a

@@ -99,7 +99,7 @@ class OpenedStorage:
         """The study lock (see the module docstring); a no-op where the storage has none."""
         if self.lock_path is not None:
             return _file_lock(self.lock_path)
-        if _is_postgres(self.url):
+        if self.url is not None and _is_postgres(self.url):
             return _advisory_lock(self.url, study_name)
         return contextlib.nullcontext()
 
@@ -386,7 +386,10 @@ def _kind_of(storage) -> str:
 
 
 def _is_postgres(url: str | None) -> bool:
-    return bool(url) and url.split("://", 1)[0].split("+", 1)[0] in ("postgresql", "postgres")
+    return url is not None and url.split("://", 1)[0].split("+", 1)[0] in (
+        "postgresql",
+        "postgres",
+    )
 
 
 def _hide_password(url: str) -> str:

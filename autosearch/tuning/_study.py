@@ -31,6 +31,7 @@ strategy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import re
@@ -45,6 +46,14 @@ from typing import TYPE_CHECKING, Any
 from optuna.trial import TrialState
 
 from autosearch.core.errors import SpecError
+from autosearch.tuning._checks import (
+    OUTPUT_FILES,
+    check_other_study,
+    check_output_folder,
+    check_storage_url,
+    storage_errors,
+)
+from autosearch.tuning._config import SAMPLERS, TuneConfig, _study_name
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
 from autosearch.tuning._params import PlainParams, for_sampler, sampler_params
@@ -77,214 +86,337 @@ if TYPE_CHECKING:  # pragma: no cover
     from cost_models import CostModel
     from search_spaces import BaseSearchSpace
 
-SAMPLERS = ("tpe", "nsga2", "random", "exhaustive")
-TRIAL_UNITS = ("layout", "strategy")
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 SHADOW_RENEW = 1000
-STUDY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 
 
 def tune(
-    model: "ModelSpec | str",
-    cluster: "Cluster | str",
+    config: "TuneConfig | ModelSpec | str | None" = None,
+    cluster: "Cluster | str | None" = None,
+    /,
     *,
-    global_batch_size: int,
-    space: "BaseSearchSpace | str | os.PathLike | dict | None" = None,
-    objective: str = "throughput",
-    n_trials: int | None = None,
-    sampler: "str | optuna.samplers.BaseSampler | None" = None,
     cost_model: "CostModel | Callable[[ModelSpec, Cluster], CostModel] | None" = None,
-    seed: int | None = None,
-    top_k: int = 5,
-    price_per_gpu_hour: float | None = None,
-    trial_unit: str | None = None,
-    use_recipes: bool = True,
-    options: StudyOptions | None = None,
     progress: "bool | Callable[[int, int, float | None], None]" = False,
-    runtime: str | None = None,
-    storage: Any = None,
-    study_name: str | None = None,
-    out: "str | os.PathLike | None" = None,
+    options: StudyOptions | None = None,
+    **settings: Any,
 ) -> TuneResult:
     """Search the fastest strategy that fits, with Optuna and a cost model.
 
+    ``tune(config)`` runs the job a `TuneConfig` describes, as ``autosearch tune`` does: it
+    checks every input before any work, and with `TuneConfig.out` it writes the same folder
+    (trials.csv, top_k.csv, best_strategy.yaml, report.md, study.yaml with the config, the files
+    for other runtimes). ``tune(model, cluster, **settings)`` builds the TuneConfig from
+    keywords (its fields; see `TuneConfig` for each).
+
     Args:
-        model: a ModelSpec or catalog name / YAML path.
-        cluster: a Cluster or ``GPU:NODESxGPUS``.
-        global_batch_size: sequences per optimizer step.
-        space: a search space object, a space YAML (path or shipped name such as ``megatron``), a
-            dict of pins (``{"tp": 8}``), or None for ``search_spaces/default.yaml``.
-        objective: ``throughput`` (default), ``throughput-memory`` or ``throughput-cost``
-            (needs `price_per_gpu_hour`).
-        n_trials: finished trials the study should hold in the end (a resumed study runs only the
-            rest). None: the budget rule (`plan_search`): every layout (or strategy) when scoring
-            them all is estimated under `EXHAUSTIVE_BUDGET_S`, measured on this cost model;
-            else `DEFAULT_TRIALS` trials of TPE (NSGA-II for two objectives). With the
-            exhaustive sampler, None means every unit.
-        sampler: a name (``tpe``: constrained TPE, ``nsga2``, ``random``, ``exhaustive``: every
-            unit once, in a fixed order) or an Optuna sampler object (a `BruteForceSampler` means
-            exhaustive). None: exhaustive when `n_trials` covers every layout (or strategy) of
-            the space, else tpe for one objective and nsga2 for two.
+        config: a TuneConfig; or the model (a ModelSpec or catalog name / YAML path), with
+            `cluster` and the other fields as keywords (``model=`` and ``cluster=`` work too).
+        cluster: a Cluster or ``GPU:NODESxGPUS`` (only with a model).
         cost_model: a `cost_models.CostModel` for this model and cluster, or a factory
-            ``(model, cluster) -> CostModel``; None: the analytic model with `runtime`.
-        seed: sampler seed (give parallel workers different seeds, or none).
-        top_k: how many distinct strategies to keep in `top_k` and ``top_k.csv``.
-        price_per_gpu_hour: dollars per device-hour, for cost per token.
-        trial_unit: ``layout`` or ``strategy`` (see the module docstring); default ``layout`` for
-            the throughput objective, ``strategy`` otherwise.
-        use_recipes: enqueue the usual recipes (tp in a node, pp as memory needs, FSDP) first.
-        options: where the study lives (`StudyOptions`: storage, study_name, out).
-        progress: True for a progress bar on stderr, or a callable(done, total, best_tokens_per_s).
-        runtime: the analytic model's runtime (``torch``, ``megatron-sc21``) when `cost_model` is
-            None.
-        storage, study_name, out: the fields of `options`, accepted as keywords too.
+            ``(model, cluster) -> CostModel``; None: the analytic model with the config's
+            `runtime`.
+        progress: True for the space on stdout and a progress bar on stderr, or a
+            ``callable(done, total, best_tokens_per_s)``.
+        options: where the study lives (`StudyOptions`: storage, study_name, out), instead of
+            those keywords.
+        settings: with a model, the TuneConfig fields as keywords. Three also take objects
+            that have no file form (the study.yaml of such a run records no ``config``):
+            ``space`` a search space (or a dict of pins), ``sampler`` an Optuna sampler (a
+            `BruteForceSampler` means exhaustive), ``storage`` an Optuna storage.
 
     Returns:
-        TuneResult with `best_strategy`, `best_report`, `top_k` and `study`.
+        TuneResult with `best_strategy`, `best_report`, `top_k`, `study` and `config`.
 
     Raises:
-        SpecError: bad arguments, or a stored study that belongs to another space or objective.
+        SpecError: a bad setting, an output folder that cannot take the outputs or holds
+            another study's, or a stored study made for another search.
         NoFeasibleStrategyError: nothing in the space fits in memory (after writing the outputs);
             the message says how far the least hungry strategy is from fitting.
 
     Example:
-        >>> from autosearch import tune
-        >>> result = tune("llama3-8b", "h100-sxm:8x8", global_batch_size=512, n_trials=30, seed=0)
-        >>> result.best_report.fits
+        >>> from autosearch import TuneConfig, tune
+        >>> config = TuneConfig(model="llama3-8b", cluster="h100-sxm:8x8", global_batch_size=512,
+        ...                     n_trials=30, seed=0)
+        >>> tune(config).best_report.fits
         True
     """
     import optuna
 
-    from autosearch.core.hardware import Cluster
-    from autosearch.core.model_spec import ModelSpec
-
-    timings: dict[str, float] = {}
     t_start = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    model, cluster = ModelSpec.load(model), Cluster.parse(cluster)
-    space = _resolve_space(space, model, cluster, global_batch_size)
-    obj = make_objective(objective, cluster=cluster, price_per_gpu_hour=price_per_gpu_hour)
-    unit = trial_unit or ("strategy" if obj.is_multi else "layout")
-    if unit not in TRIAL_UNITS:
-        raise SpecError(f"unknown trial_unit {trial_unit!r}; choose layout or strategy")
+    config, objects = _config_of(config, cluster, options, settings)
+    job = prepare(config, cost_model=cost_model, **objects)
+    with storage_errors(describe_storage(job.storage)):
+        return _run(job, progress=progress, setup_s=time.perf_counter() - t_start)
+
+
+def _config_of(
+    config: Any, cluster: Any, options: StudyOptions | None, settings: dict[str, Any]
+) -> tuple[TuneConfig, dict[str, Any]]:
+    """(TuneConfig, the objects given for space / sampler / storage) from tune's arguments."""
+    import optuna
+
+    from search_spaces import BaseSearchSpace
+
+    kinds = {
+        "space": BaseSearchSpace,
+        "sampler": optuna.samplers.BaseSampler,
+        "storage": optuna.storages.BaseStorage,
+    }
+    if options is not None:
+        settings = _with_options(options, settings)
+    objects = {
+        k: settings.pop(k) for k, kind in kinds.items() if isinstance(settings.get(k), kind)
+    }
+    if isinstance(settings.get("space"), dict):  # pins, as `space={"tp": 8}`
+        settings["pin"] = settings.pop("space")
+    if isinstance(config, TuneConfig):
+        if cluster is not None or settings:
+            given = ", ".join(["cluster"] * (cluster is not None) + sorted(settings))
+            raise SpecError(
+                f"tune(config) takes its settings from the TuneConfig, not also {given}; "
+                "change the config with config.replace(...)"
+            )
+        return config, objects
+    if config is not None:
+        settings["model"] = config
+    if cluster is not None:
+        settings["cluster"] = cluster
+    try:
+        return TuneConfig(**settings), objects
+    except TypeError as exc:  # an unknown keyword: say which ones exist
+        names = ", ".join(f.name for f in dataclasses.fields(TuneConfig))
+        raise TypeError(f"{exc}; tune takes model, cluster and {names}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneJob:
+    """A tuning job with every input read and checked, and nothing written yet (`prepare`).
+
+    Attributes:
+        config: the TuneConfig as run (`record` is its study.yaml form).
+        model, cluster, space, objective, cost_model: what the search runs on.
+        unit: ``layout`` or ``strategy``; n_units: how many the space holds.
+        sampler_name, sampler: the sampler's name, and the sampler the in-memory study uses.
+        target: finished trials (exhaustive: units covered) the study will hold.
+        plan: what the budget rule chose, when it chose (no n_trials nor sampler given).
+        study_name, out, storage: where the study and its outputs go.
+        record: the config block of study.yaml: the settings with names resolved and paths made
+            absolute (None when objects without a file form were given).
+    """
+
+    config: TuneConfig
+    model: "ModelSpec"
+    cluster: "Cluster"
+    space: "BaseSearchSpace"
+    objective: Objective
+    cost_model: "CostModel"
+    unit: str
+    n_units: int
+    sampler_name: str
+    sampler: "optuna.samplers.BaseSampler"
+    target: int
+    plan: "SearchPlan | None"
+    study_name: str
+    out: str | None
+    storage: Any
+    record: dict[str, Any] | None
+
+
+def prepare(
+    config: TuneConfig,
+    *,
+    cost_model: Any = None,
+    space: "BaseSearchSpace | None" = None,
+    sampler: "optuna.samplers.BaseSampler | None" = None,
+    storage: Any = None,
+) -> TuneJob:
+    """Read and check every input of `config` (and of the objects given for it), write nothing.
+
+    The budget rule (`plan_search`) runs here when neither n_trials nor a sampler is given.
+    """
+    from autosearch.core.hardware import Cluster
+
+    no_file_form = any(x is not None for x in (cost_model, space, sampler, storage))
+    model = _load_model(config.model)
+    cluster = Cluster.parse(
+        config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
+    )
+    gbs = config.global_batch_size
+    if space is not None and (config.space is not None or config.pin):
+        raise SpecError("give the search space once: a space object, or space and pin")
+    space = _resolve_space(space, model, cluster, gbs, config)
+    obj = make_objective(
+        config.objective, cluster=cluster, price_per_gpu_hour=config.price_per_gpu_hour
+    )
+    unit = config.trial_unit or ("strategy" if obj.is_multi else "layout")
     if unit == "layout" and obj.is_multi:
         raise SpecError(
             f"trial_unit=layout keeps one strategy per layout, which would hide most of the "
             f"Pareto front of {obj.name}; use trial_unit=strategy"
         )
     n_units = space.n_groups if unit == "layout" else space.size
-    if n_trials is not None and (
-        isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
-    ):
-        raise SpecError(f"n_trials must be a positive integer, got {n_trials!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise SpecError(f"top_k must be a positive integer, got {top_k!r}")
-    if price_per_gpu_hour is not None and not (
-        isinstance(price_per_gpu_hour, (int, float))
-        and not isinstance(price_per_gpu_hour, bool)
-        and 0 < price_per_gpu_hour < float("inf")
-    ):
-        raise SpecError(
-            f"price_per_gpu_hour must be a positive number of dollars per device-hour, got "
-            f"{price_per_gpu_hour!r} (e.g. --price-per-gpu-hour 2.5)"
-        )
-    cm = _resolve_cost_model(cost_model, model, cluster, runtime)
-    opts = _resolve_options(options, storage=storage, study_name=study_name, out=out)
-    plan = None
-    if n_trials is None and sampler is None:
-        plan = plan_search(space, cm, unit=unit, multi=obj.is_multi, storage=opts.storage)
+    name = config.study_name or default_study_name(model.name, cluster.name, gbs, obj.name)
+    out = config.out
+    if config.storage is not None and storage is not None:
+        raise SpecError("give the storage once: a storage object, or storage")
+    storage = storage if storage is not None else config.storage
+    if isinstance(storage, str):
+        check_storage_url(storage)
+    if out is not None and storage is None:
+        storage = os.path.join(out, DEFAULT_FILENAME)
+    if out is not None:  # before any work, so nothing is computed and then lost
+        check_output_folder(out, files=OUTPUT_FILES)
+        check_other_study(out, name)
+        claim_out_folder(out, study_name=name, storage=describe_storage(storage))
+    cm = _resolve_cost_model(cost_model, model, cluster, config.runtime)
+    n_trials, plan = config.n_trials, None
+    sampler_arg: Any = sampler if sampler is not None else config.sampler
+    if n_trials is None and sampler_arg is None:
+        plan = plan_search(space, cm, unit=unit, multi=obj.is_multi, storage=storage)
         n_trials = plan.n_trials
         if plan.exhaustive:
-            sampler = "exhaustive"
-    sampler_name, shadow_sampler = _resolve_sampler(sampler, n_trials, n_units, obj, seed)
+            sampler_arg = "exhaustive"
+    sampler_name, shadow_sampler = _resolve_sampler(
+        sampler_arg, n_trials, n_units, obj, config.seed
+    )
     if n_trials is None:
         n_trials = n_units if sampler_name == "exhaustive" else DEFAULT_TRIALS
-    name = opts.study_name
-    if name is None:
-        name = default_study_name(model.name, cluster.name, global_batch_size, obj.name)
-    check_study_name(name)
-    out_dir = os.fspath(opts.out) if opts.out is not None else None
-    storage_arg = opts.storage
-    if out_dir is not None and storage_arg is None:
-        storage_arg = os.path.join(out_dir, DEFAULT_FILENAME)
-
-    if out_dir is not None:  # before anything is created there
-        claim_out_folder(out_dir, study_name=name, storage=describe_storage(storage_arg))
-    opened = open_study_storage(storage_arg)
-    meta = StudyMeta(
-        signature=space.signature(),
-        objective=obj.name,
-        trial_unit=unit,
-        runtime=_runtime_name(cm),
-        model=model.name,
-        cluster=cluster.name,
-        global_batch_size=global_batch_size,
-        # what `autosearch validate --study` needs to rebuild the model and the cluster
-        model_spec=model.to_dict(),
-        cluster_spec=cluster.to_dict(),
-    )
-    shadow = optuna.create_study(directions=list(obj.directions), sampler=shadow_sampler)
-    target = n_trials if n_trials is not None else n_units
-    if sampler_name == "exhaustive":
-        target = min(target, n_units)
-    runner = _Runner(
+    target = min(n_trials, n_units) if sampler_name == "exhaustive" else n_trials
+    record = None
+    if not no_file_form:
+        record = _record(config, model=model, cluster=cluster, study_name=name, out=out)
+    return TuneJob(
+        config=config,
+        model=model,
+        cluster=cluster,
         space=space,
-        cost_model=cm,
         objective=obj,
+        cost_model=cm,
         unit=unit,
+        n_units=n_units,
+        sampler_name=sampler_name,
+        sampler=shadow_sampler,
+        target=target,
+        plan=plan,
+        study_name=name,
+        out=out,
+        storage=storage,
+        record=record,
+    )
+
+
+def _record(config: TuneConfig, *, model, cluster, study_name: str, out: str | None) -> dict:
+    """The config block of study.yaml: `config` with the names this run resolved and its
+    paths absolute, so that ``autosearch tune --config OUT/study.yaml`` runs it again from any
+    folder (a model or cluster read from a file is written out whole)."""
+    space, storage = config.space, config.storage
+    if space is not None and os.path.exists(space):
+        space = os.path.abspath(space)
+    if storage is not None and "://" not in storage:
+        storage = os.path.abspath(storage)
+    ran = config.replace(
+        model=model,
+        cluster=cluster,
+        nnodes=None,
+        gpus_per_node=None,
+        study_name=study_name,
+        out=os.path.abspath(out) if out is not None else None,
+        space=space,
+        storage=storage,
+    )
+    return ran.to_dict()
+
+
+def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
+    """Open the study, run the trials, write the outputs (the body of `tune`)."""
+    import optuna
+
+    if progress is True:
+        print(f"searching {_describe(job.space)}", flush=True)
+    timings: dict[str, float] = {"setup_s": setup_s}
+    opened = open_study_storage(job.storage)
+    meta = StudyMeta(
+        signature=job.space.signature(),
+        objective=job.objective.name,
+        trial_unit=job.unit,
+        runtime=_runtime_name(job.cost_model),
+        model=job.model.name,
+        cluster=job.cluster.name,
+        global_batch_size=job.config.global_batch_size,
+        # what `autosearch validate --study` needs to rebuild the model and the cluster
+        model_spec=job.model.to_dict(),
+        cluster_spec=job.cluster.to_dict(),
+    )
+    shadow = optuna.create_study(directions=list(job.objective.directions), sampler=job.sampler)
+    runner = _Runner(
+        space=job.space,
+        cost_model=job.cost_model,
+        objective=job.objective,
+        unit=job.unit,
         shadow=shadow,
         opened=opened,
-        study_name=name,
+        study_name=job.study_name,
         meta=meta,
-        exhaustive=sampler_name == "exhaustive",
+        exhaustive=job.sampler_name == "exhaustive",
     )
-    timings["setup_s"] = time.perf_counter() - t_start
-
     t0 = time.perf_counter()
     runner.start()
-    if use_recipes and runner.n_finished == 0 and sampler_name != "exhaustive":
-        for s in make_recipes(space, cm):
-            shadow.enqueue_trial(space.params_of(s, group=unit == "layout"), skip_if_exists=True)
-    bar = _ProgressBar(target) if progress is True else (progress or None)
+    if job.config.use_recipes and runner.n_finished == 0 and job.sampler_name != "exhaustive":
+        for s in make_recipes(job.space, job.cost_model):
+            params = job.space.params_of(s, group=job.unit == "layout")
+            shadow.enqueue_trial(params, skip_if_exists=True)
+    bar = _ProgressBar(job.target) if progress is True else (progress or None)
     try:
-        n_new = runner.run(target, progress=bar)
+        n_new = runner.run(job.target, progress=bar)
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
     timings["search_s"] = time.perf_counter() - t0
-
-    run_meta = {
-        **meta.to_dict(),
-        "study_name": name,
-        "storage": _describe_storage(opened),
-        "sampler": sampler_name,
-        "seed": seed,
-        "n_trials_target": target,
-        "n_units": n_units,
-        "space": _describe(space),
-        "plan": plan.reason if plan else None,
-        "price_per_gpu_hour": price_per_gpu_hour,
-    }
-    runner.plan = _coverage_line(sampler_name, target, plan, runner, unit, n_units)
-    runner.price_per_gpu_hour = price_per_gpu_hour
-    if out_dir is None:
-        result = _collect(runner, top_k=top_k, n_new=n_new, out=None, timings=timings)
+    runner.plan = _coverage_line(
+        job.sampler_name, job.target, job.plan, runner, job.unit, job.n_units
+    )
+    runner.price_per_gpu_hour = job.config.price_per_gpu_hour
+    config = TuneConfig.from_dict(job.record) if job.record is not None else job.config
+    if job.out is None:
+        result = _collect(runner, job, n_new=n_new, timings=timings, config=config)
     else:
-        # Workers sharing a folder take turns: each reads one snapshot of the study and writes
-        # every file from it under the lock, so the files agree with each other and the last
-        # writer always holds the freshest state.
-        t0 = time.perf_counter()
-        with outputs_lock(out_dir):
-            trials = runner.all_trials()
-            result = _collect(
-                runner, top_k=top_k, n_new=n_new, out=out_dir, timings=timings, trials=trials
-            )
-            write_outputs(result, trials, out_dir=out_dir, meta=run_meta)
-        timings["outputs_s"] = time.perf_counter() - t0
-    nothing_fits = not result.pareto if obj.is_multi else result.best_strategy is None
+        result = _write(job, runner, meta, n_new=n_new, timings=timings, config=config)
+    nothing_fits = not result.pareto if job.objective.is_multi else result.best_strategy is None
     if nothing_fits:
         raise NoFeasibleStrategyError(_no_fit_message(runner, result), result=result)
+    return result
+
+
+def _write(job: TuneJob, runner, meta: StudyMeta, *, n_new, timings, config) -> TuneResult:
+    """Every output file, from one snapshot of the study. Workers sharing a folder take turns:
+    each writes every file under the lock, so the files agree with each other and the last
+    writer always holds the freshest state."""
+    from autosearch.export import write_exports
+
+    assert job.out is not None
+    run_meta = {
+        **meta.to_dict(),
+        "study_name": job.study_name,
+        "storage": _describe_storage(runner.opened),
+        "sampler": job.sampler_name,
+        "seed": job.config.seed,
+        "n_trials_target": job.target,
+        "n_units": job.n_units,
+        "space": _describe(job.space),
+        "plan": job.plan.reason if job.plan else None,
+        "price_per_gpu_hour": job.config.price_per_gpu_hour,
+        "config": job.record,  # `autosearch tune --config OUT/study.yaml` runs it again
+    }
+    t0 = time.perf_counter()
+    with outputs_lock(job.out):
+        trials = runner.all_trials()
+        result = _collect(runner, job, n_new=n_new, timings=timings, config=config, trials=trials)
+        write_outputs(result, trials, out_dir=job.out, meta=run_meta)
+        if result.best_strategy is not None:  # what each runtime takes, beside best_strategy
+            write_exports(job.out, result.best_strategy, model=job.model, cluster=job.cluster)
+    timings["outputs_s"] = time.perf_counter() - t0
     return result
 
 
@@ -310,7 +442,7 @@ class _Runner:
         self.exhaustive = exhaustive
         self.worker = uuid.uuid4().hex[:12]
         self.storage = opened.storage if opened is not None else None
-        self.study_id: int | None = None
+        self.study_id = -1  # the study's id in the storage, set by `start` (with a storage)
         self._next_number = 0  # trial numbers below this have been read
         self._finished = 0  # finished trials in the study, as of the last read
         self._covered: set[tuple] = set()  # units held by a trial (exhaustive mode)
@@ -354,7 +486,7 @@ class _Runner:
             return
         from optuna.exceptions import DuplicatedStudyError
 
-        storage = self.storage
+        storage, where = self.storage, self.opened.description if self.opened else ""
         with self.lock():
             try:
                 self.study_id = storage.get_study_id_from_name(self.study_name)
@@ -368,7 +500,7 @@ class _Runner:
             directions = storage.get_study_directions(self.study_id)
             if list(directions) != list(self.shadow.directions):
                 raise SpecError(
-                    f"study {self.study_name!r} in {self.opened.description} optimizes "
+                    f"study {self.study_name!r} in {where} optimizes "
                     f"{[d.name.lower() for d in directions]}, not {self.objective.name}; use "
                     "another --study-name or --out folder"
                 )
@@ -381,7 +513,7 @@ class _Runner:
                     raise SpecError(
                         diffs,
                         context=(
-                            f"study {self.study_name!r} in {self.opened.description} was created "
+                            f"study {self.study_name!r} in {where} was created "
                             "for a different search; use another --study-name or --out folder, "
                             "or the same arguments as the first run"
                         ),
@@ -470,7 +602,8 @@ class _Runner:
                     params = self._next_unit() if self.n_covered < target else None
                     if params is None:
                         return new
-                    if not self._persist(*self._score_unit(params), target):
+                    frozen, attrs = self._score_unit(params)
+                    if not self._persist(frozen, attrs, target):
                         return new
                     new += 1
                     if progress is not None:
@@ -501,7 +634,7 @@ class _Runner:
             frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
         return self._persist(frozen, attrs, target)
 
-    def _score_unit(self, params: dict[str, Any]):
+    def _score_unit(self, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """One unit of the space scored as a finished trial (in memory, it joins the study)."""
         import optuna
 
@@ -538,6 +671,8 @@ class _Runner:
             r = self.cost_model.estimate(s, validate=False)
             if self.objective.better(r, best_r, s, best_s):
                 best_s, best_r = s, r
+        if best_s is None or best_r is None:  # recorded as a failed trial
+            raise ValueError("the trial's group of strategies is empty")
         self._scored = (group, best_s)
         attrs = {
             ATTR_STRATEGY: best_s.to_dict(),
@@ -617,6 +752,7 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     import optuna
 
     n_units = space.n_groups if unit == "layout" else space.size
+    trials: list[Any]
     if unit == "layout":  # units spread evenly over the exhaustive order
         spread = space.group_params(every=max(1, n_units // PLAN_PROBES))
         trials = [optuna.trial.FixedTrial(p) for p in itertools.islice(spread, PLAN_PROBES + 1)]
@@ -694,24 +830,24 @@ def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     return [space.params_of(s) for s in space.enumerate()]
 
 
-def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=None) -> TuneResult:
+def _collect(
+    runner: _Runner, job: TuneJob, *, n_new: int, timings, config: TuneConfig, trials=None
+) -> TuneResult:
     trials = runner.all_trials() if trials is None else trials
+    top_k = job.config.top_k
     ranked = read_candidates(trials, top_k=None if runner.objective.is_multi else top_k)
     pareto: tuple[Candidate, ...] = ()
     if runner.objective.is_multi:
-        pareto = tuple(
-            sorted(_pareto(ranked, runner.objective), key=lambda c: -c.report.tokens_per_s)
-        )
+        pareto = tuple(sorted(_pareto(ranked, runner.objective), key=_tokens_per_s, reverse=True))
     best = ranked[0] if ranked else None
     least = least_hungry(trials) if best is None else None
-    message = (
-        f"best {best.strategy.short()}: {best.report.tokens_per_s:,.0f} tokens/s, "
-        f"MFU {best.report.mfu:.1%}, {best.report.peak_memory_bytes / GiB:.1f} of "
-        f"{best.report.memory_capacity_bytes / GiB:.1f} GiB"
-        if best
-        else "no strategy fits"
-    )
-    n_units = runner.space.n_groups if runner.unit == "layout" else runner.space.size
+    message = "no strategy fits"
+    if best is not None and best.report is not None:
+        r = best.report
+        message = (
+            f"best {best.strategy.short()}: {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}, "
+            f"{r.peak_memory_bytes / GiB:.1f} of {r.memory_capacity_bytes / GiB:.1f} GiB"
+        )
     covered = len({_key(sampler_params(t)) for t in trials})
     return TuneResult(
         best_strategy=best.strategy if best else None,
@@ -724,14 +860,19 @@ def _collect(runner: _Runner, *, top_k: int, n_new: int, out, timings, trials=No
         n_new_trials=n_new,
         pareto=pareto,
         least_hungry=least,
-        out_dir=os.fspath(out) if out is not None else None,
+        out_dir=job.out,
         message=message,
         timings=timings,
-        n_units=n_units,
+        n_units=job.n_units,
         n_units_covered=covered,
         plan=runner.plan.format(covered=covered),
         price_per_gpu_hour=runner.price_per_gpu_hour,
+        config=config,
     )
+
+
+def _tokens_per_s(c: Candidate) -> float:
+    return c.report.tokens_per_s if c.report is not None else 0.0
 
 
 def _pareto(cands: list[Candidate], objective: Objective) -> list[Candidate]:
@@ -769,7 +910,7 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
             f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} "
             "strategies of the space fit; run more trials (--n-trials) or the exhaustive sampler"
         )
-    if least_r is None:
+    if least_s is None or least_r is None:
         return "no trial finished; nothing to report"
     return (
         f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B "
@@ -793,19 +934,28 @@ def default_study_name(model: str, cluster: str, global_batch_size: int, objecti
 def check_study_name(name: Any) -> str:
     """A study name is a name, never a path: letters, digits and ``._+=-``, at most 200
     characters, starting with a letter or digit (so ``../x`` or ``/etc`` are refused)."""
-    if not isinstance(name, str) or not STUDY_NAME_RE.fullmatch(name):
-        raise SpecError(
-            f"study name {name!r} is not allowed: use 1-200 letters, digits and . _ + = -, "
-            "starting with a letter or digit (it names the study in its storage and the default "
-            "output folder, so it may not hold a path)"
-        )
-    return name
+    return _study_name(name, "study_name")
 
 
-def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace":
-    from search_spaces import BaseSearchSpace, SearchSpace
+def _load_model(value: "ModelSpec | dict | str") -> "ModelSpec":
+    """A ModelSpec from the config's model: a ModelSpec, its fields, a catalog name or a YAML
+    file (whose path a message names)."""
+    from autosearch.core.model_spec import ModelSpec
 
-    if isinstance(space, BaseSearchSpace):
+    if isinstance(value, dict):
+        return ModelSpec.from_dict(value, what="model (a mapping)")
+    try:
+        return ModelSpec.load(value)
+    except SpecError as exc:
+        if isinstance(value, str) and os.path.isfile(value) and value not in str(exc):
+            raise SpecError(f"model file {value!r}: {exc}") from None
+        raise
+
+
+def _resolve_space(space, model, cluster, global_batch_size, config) -> "BaseSearchSpace":
+    from search_spaces import SearchSpace
+
+    if space is not None:
         if (
             space.model != model
             or space.cluster != cluster
@@ -817,9 +967,9 @@ def _resolve_space(space, model, cluster, global_batch_size) -> "BaseSearchSpace
                 f"{global_batch_size}"
             )
         return space
-    if isinstance(space, dict):
-        return SearchSpace(model, cluster, global_batch_size=global_batch_size, **space)
-    return SearchSpace(model, cluster, global_batch_size=global_batch_size, config=space)
+    return SearchSpace(
+        model, cluster, global_batch_size=global_batch_size, config=config.space, **config.pin
+    )
 
 
 def _resolve_sampler(sampler, n_trials, n_units, obj: Objective, seed):
@@ -883,20 +1033,18 @@ def _runtime_name(cm) -> str:
     return getattr(runtime, "name", None) or type(cm).__name__
 
 
-def _resolve_options(options: StudyOptions | None, **keywords) -> StudyOptions:
-    given = {k: v for k, v in keywords.items() if v is not None}
-    if options is None:
-        return StudyOptions(**given)
+def _with_options(options: StudyOptions, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with the fields of `options` (storage, study_name, out) added."""
     if not isinstance(options, StudyOptions):
         raise SpecError(f"options must be a StudyOptions, got {type(options).__name__}")
-    clash = [k for k in given if getattr(options, k) is not None]
+    given = {k: getattr(options, k) for k in ("storage", "study_name", "out")}
+    given = {k: v for k, v in given.items() if v is not None}
+    clash = [k for k in given if settings.get(k) is not None]
     if clash:
         raise SpecError(
             f"{', '.join(clash)} given both in options and as keywords; give each once"
         )
-    import dataclasses
-
-    return dataclasses.replace(options, **given)
+    return {**settings, **given}
 
 
 def _describe_storage(opened: OpenedStorage | None) -> str:

@@ -4,7 +4,7 @@ Example:
     >>> from cost_models.calibration import calibrate
     >>> result = calibrate(device="cpu", world_sizes=[1, 2], quick=True,
     ...                    out="results/calibration/cpu-quick.yaml")       # doctest: +SKIP
-    >>> from cost_models import Cluster
+    >>> from autosearch import Cluster
     >>> Cluster(gpu=result.profile_path, gpus_per_node=2).world_size       # doctest: +SKIP
     2
 """

@@ -36,6 +36,11 @@ EXPECTED = {
     "importances.png",
     ".lock",
     ".autosearch",  # the marker of a folder autosearch made
+    # what each runtime takes, written beside best_strategy.yaml (as `autosearch tune` does)
+    "megatron.sh",
+    "ds_config.json",
+    "deepspeed_launch.sh",
+    "torchtitan.toml",
 }
 
 
@@ -45,7 +50,7 @@ def _run_child(out: str, storage: str | None, n_trials: int, seed: int) -> int:
         return pid
     code = 1
     try:  # pragma: no cover - runs in the child
-        from autosearch.tuning import tune
+        from autosearch import tune
 
         tune(
             **SMALL,
