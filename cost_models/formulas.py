@@ -92,16 +92,22 @@ def nccl_ring_time_s(
     profile's alpha)."""
     if group <= 1:
         return 0.0
-    inter_steps = passes * (max(nodes, 1) - 1)
+    inter_steps = passes * (nodes - 1) if nodes > 1 else 0
     intra_steps = passes * (group - 1) - inter_steps
     volume = passes * (group - 1) / group * nbytes / bandwidth_bytes_per_s
+    intra, inter = intra_steps * intra_latency_s, inter_steps * inter_latency_s
+    # the three protocols written out (this runs for every collective of every estimate)
     return min(
-        NCCL_BASE_LATENCY_S[p]
-        + intra_steps * intra_latency_s * NCCL_STEP_RATIO["intra"][p]
-        + inter_steps * inter_latency_s * NCCL_STEP_RATIO["inter"][p]
-        + volume / NCCL_BANDWIDTH_FRACTION[p]
-        for p in NCCL_PROTOCOLS
+        _LL_BASE + intra * _LL_INTRA + inter * _LL_INTER + volume / _LL_BW,
+        _LL128_BASE + intra * _LL128_INTRA + inter * _LL128_INTER + volume / _LL128_BW,
+        _SIMPLE_BASE + intra + inter + volume,
     )
+
+
+_LL_BASE, _LL128_BASE, _SIMPLE_BASE = (NCCL_BASE_LATENCY_S[p] for p in NCCL_PROTOCOLS)
+_LL_INTRA, _LL128_INTRA = NCCL_STEP_RATIO["intra"]["LL"], NCCL_STEP_RATIO["intra"]["LL128"]
+_LL_INTER, _LL128_INTER = NCCL_STEP_RATIO["inter"]["LL"], NCCL_STEP_RATIO["inter"]["LL128"]
+_LL_BW, _LL128_BW = NCCL_BANDWIDTH_FRACTION["LL"], NCCL_BANDWIDTH_FRACTION["LL128"]
 
 
 def nccl_reduce_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:

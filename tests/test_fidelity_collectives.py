@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from autosearch.core import RUNTIMES, Cluster, ModelSpec, Strategy
+from autosearch import Cluster, ModelSpec, Strategy
+from autosearch.core import RUNTIMES
 from cost_models import AnalyticCostModel
 from cost_models.formulas import (
     NCCL_BASE_LATENCY_S,
