@@ -73,7 +73,9 @@ class AnalyticCostModel(CostModel):
         self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._link_cache: dict[tuple, tuple[float, float]] = {}
-        ctx = self._context = Context(model, self.profile, self.runtime, self._link_for)
+        ctx = self._context = Context(
+            model, self.profile, self.runtime, self._link_for, cluster.gpus_per_node
+        )
         framework = self.runtime.framework
         self._layer = _Cached(LAYER_READS, self._compose_layer)
         self._ranks = _Cached(

@@ -42,6 +42,19 @@ class RuntimeOptions:
         pp_scatter_gather: pipeline sends are split over the tp ranks and re-gathered over the
             fast intra-node link (Narayanan et al. 2021, sec. 4.1).
         step_overhead_s: fixed host-side cost per optimizer step (Python, launch queues).
+        collective_overhead_s: the runtime's own cost per collective it issues (Python dispatch,
+            hooks, buffer copies), on top of NCCL's; it counts where collectives run one after
+            another on the critical path (per-partition reductions, latency-bound gathers).
+        zero3_gathers_per_layer: separate parameter all-gathers per transformer block and pass
+            under ZeRO-3 / FSDP: 1 where a block is one unit (FSDP2 ``fully_shard`` per block,
+            FSDP1 auto-wrap), one per parameter-holding submodule where the runtime fetches
+            submodule by submodule (DeepSpeed ZeRO-3).
+        zero3_overlap: `dp_overlap` under ZeRO-3 when it differs (DeepSpeed turns
+            ``overlap_comm`` on by default for stage 3 only); negative: the same.
+        reduce_bucket_params: gradient reduction bucket in parameters (0: one per unit).
+        grad_reduce_per_partition: ZeRO-2 reduces each bucket with one ``reduce`` to each
+            partition's owner (DeepSpeed ``average_tensor``), not one reduce-scatter: d
+            collectives per bucket.
         description: one line on what the runtime is.
         attention_kernel: the fused attention kernel it runs (``fa2``, ``cudnn``, ``triton``):
             its efficiency is the hardware profile's `attention.kernels` entry when the profile
@@ -125,6 +138,11 @@ class RuntimeOptions:
     fused_swiglu: bool = False
     allocator_reserve_fraction: float = 0.0
     step_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
+    zero3_gathers_per_layer: float = 1.0
+    zero3_overlap: float = -1.0
+    reduce_bucket_params: float = 0.0
+    grad_reduce_per_partition: bool = False
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
     devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
