@@ -74,7 +74,7 @@ class AnalyticCostModel(CostModel):
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._link_cache: dict[tuple, tuple[float, float]] = {}
         ctx = self._context = Context(
-            model, self.profile, self.runtime, self._link_for, cluster.gpus_per_node
+            model, self.profile, self.runtime, self._link_for, cluster.nvlink_domain
         )
         framework = self.runtime.framework
         self._layer = _Cached(LAYER_READS, self._compose_layer)

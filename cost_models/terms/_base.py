@@ -52,13 +52,15 @@ class Context(NamedTuple):
     # (group, stride, op) -> (latency_s, bandwidth_bytes_per_s) of a collective over `group`
     # ranks `stride` apart (`AnalyticCostModel.group_link` with the op's measured factor)
     link: Callable[[int, int, str], tuple[float, float]]
-    gpus_per_node: int = 8  # the cluster's: which steps of a ring cross the network
+    # devices that talk over NVLink (a node, or a rack: GB200 NVL72): which steps of a ring
+    # cross the network
+    nvlink_domain: int = 8
 
 
 def nodes_spanned(ctx: Context, group: int, stride: int) -> int:
-    """Nodes a group of `group` ranks `stride` apart spans (ranks laid out as in
-    `AnalyticCostModel.group_link`)."""
-    gpn = ctx.gpus_per_node
+    """NVLink domains (nodes, or racks) a group of `group` ranks `stride` apart spans (ranks laid
+    out as in `AnalyticCostModel.group_link`)."""
+    gpn = ctx.nvlink_domain
     if group * stride <= gpn:
         return 1
     per_node = max(1, min(group, gpn // stride)) if stride < gpn else 1
