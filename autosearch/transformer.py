@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch import nn
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.engine.context_parallel import ContextParallel
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
 
@@ -62,23 +66,32 @@ class CoreAttention(nn.Module):
     and is cheap to recompute, so it is the one to checkpoint.
     """
 
+    # Under context parallel (set by the Engine): q, k, v hold this rank's tokens and the
+    # attention runs over the whole sequence (`autosearch.engine.context_parallel`).
+    context_parallel: "ContextParallel | None" = None
+
     def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.context_parallel is not None:
+            return self.context_parallel.attention(q, k, v, dropout_p=dropout)
         # Heads come from the shapes, so the same code runs on the heads a tp rank holds.
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
             is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout,
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
 
 class Attention(nn.Module):
+    context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
+
     def __init__(self, spec: ModelSpec, dropout: float):
         super().__init__()
         bias = spec.is_gpt_style
@@ -96,6 +109,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
+            if self.context_parallel is not None:
+                rope = rope[:, self.context_parallel.positions(seq, rope.device)]
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -156,6 +171,7 @@ class Transformer(nn.Module):
     """
 
     rope: torch.Tensor | None  # a buffer (Llama style), or None (GPT style)
+    context_parallel: "ContextParallel | None" = None  # learned positions at global positions
 
     def __init__(self, spec: ModelSpec, *, dropout: float = 0.0, init_std: float = 0.02):
         super().__init__()
@@ -173,11 +189,9 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleDict({str(i): Block(spec, dropout) for i in range(spec.n_layers)})
         self.norm = _norm(spec)
-        self.output = (
-            None
-            if spec.tied_embeddings
-            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        )
+        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tied_embeddings:  # one parameter, used by both modules (as transformers ties)
+            self.output.weight = self.tok_embeddings.weight
         if not spec.is_gpt_style:
             self.register_buffer("rope", rope_table(spec.seq_len, spec.head_dim), persistent=False)
         else:
@@ -191,8 +205,12 @@ class Transformer(nn.Module):
         and ``to_empty``: the Engine calls it on each parallelized part with ``meta_init=True``."""
         std = self.init_std
         residual_std = std / math.sqrt(2 * self.spec.n_layers)
+        done: set[int] = set()
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
+                if id(module.weight) in done:  # a tied weight, initialised once
+                    continue
+                done.add(id(module.weight))
                 is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 bias = getattr(module, "bias", None)
@@ -211,8 +229,11 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-                h = h + self.pos_embeddings(positions)
+                if self.context_parallel is not None:
+                    positions = self.context_parallel.positions(tokens.shape[1], tokens.device)
+                else:
+                    positions = torch.arange(tokens.shape[1], device=tokens.device)
+                h = h + self.pos_embeddings(positions.unsqueeze(0))
             h = self.dropout(h)
         for layer in self.layers.values():
             h = layer(h, self.rope)
@@ -220,8 +241,6 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
-        elif self.spec.tied_embeddings and self.norm is not None:
-            h = F.linear(h, self.tok_embeddings.weight)
         return h
 
     def parallel_plan(self) -> ParallelPlan:
@@ -236,15 +255,7 @@ class Transformer(nn.Module):
         )
 
     def _check_strategy(self, strategy) -> list[str]:
-        problems = strategy.problems(self.spec)
-        if self.spec.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
-            problems.append(
-                f"model {self.spec.name!r} ties its input and output embeddings, which the"
-                f" reference transformer supports only with tp=1 and pp=1 (got tp={strategy.tp},"
-                f" pp={strategy.pp}); build it from spec.scaled(tied_embeddings=False) or use"
-                " dp/zero only"
-            )
-        return problems
+        return strategy.problems(self.spec)
 
     @staticmethod
     def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:

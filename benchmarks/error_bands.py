@@ -1,9 +1,9 @@
 """Error bands by kind of run, from every run the fidelity benchmarks check.
 
 Evidence: SC'21 Table 1 (10 published runs, Megatron-LM 2021 on A100), the second development set
-(181 published runs: torchtitan, Megatron-Core, MosaicML Composer on H100, H200, A100), the
-published MoE runs (benchmarks/fidelity_moe.py, `moe_evidence`) and the local runs on this
-machine (results/fidelity_local.csv, measured with the Engine). Each run gives
+(287 published runs: torchtitan, Megatron-Core, NeMo, MosaicML Composer on H100, H200,
+A100), the published MoE runs (benchmarks/fidelity_moe.py, `moe_evidence`) and the local runs
+on this machine (results/fidelity_local.csv, measured with the Engine). Each run gives
 q = actual step time / predicted step time; runs are grouped by kind at every level of
 `autosearch.core.bands.LEVELS` and each group's split-conformal 90% interval is written to
 cost_models/error_bands.yaml, which `AnalyticCostModel.estimate` reads.
@@ -48,7 +48,7 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
         ratio = fid.predicted_tflops_per_gpu / fid.published_tflops_per_gpu
         out.append((kind_of(sc21.row_strategy(row), cluster, sc21.RUNTIME), ratio, "sc21"))
     modern = _load("fidelity_modern")
-    rows = pd.concat([pd.read_csv(HERE / "reference" / t) for t in modern.TABLES])
+    rows = modern.load_rows()
     for _, row in rows.iterrows():
         pred = modern.predict(row)
         if not pred["expressible"]:

@@ -63,6 +63,95 @@ def all_to_all_time_s(
     return (group - 1) * latency_s + (group - 1) / group * nbytes / bandwidth_bytes_per_s
 
 
+# ---------------------------------------------------------------------------------------------
+# NCCL's own model of a collective, which it uses to pick the algorithm and protocol of each call
+# (NVIDIA/nccl src/graph/tuning.cc, `ncclTopoTuneModel` and `ncclTunerConstantsDefaults`, read at
+# commit 5067397c, Jun 2026). Per protocol: a base latency (the kernel's setup, in seconds), a
+# latency per ring step relative to the Simple protocol's on the same link (NVLink inside a node,
+# the network across nodes), and the fraction of the link's bus bandwidth it carries: LL sends 8
+# bytes per 16-byte line with its flag (0.5), LL128 120 of 128 bytes (0.92 in NCCL's model),
+# Simple the whole buffer. A ring over n ranks on N nodes makes N-1 of its n-1 steps (2(N-1) of
+# 2(n-1) for all-reduce) across the network and the rest over NVLink. NCCL runs whichever
+# protocol its model finds fastest for the size; all-gather and reduce-scatter have no tree, so
+# their latency grows with n.
+# ---------------------------------------------------------------------------------------------
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+# baseLatencies of the ring (the tree's: 6.8, 14, 8.4 us)
+NCCL_BASE_LATENCY_S = {"LL": 6.6e-6, "LL128": 14.0e-6, "Simple": 8.4e-6}
+# hwLatencies of LL and LL128 over Simple's: NVLink ring 0.6, 1.9 of 3.4 us; network ring 2.7, 4.0
+# of 14 us
+NCCL_STEP_RATIO = {
+    "intra": {"LL": 0.6 / 3.4, "LL128": 1.9 / 3.4, "Simple": 1.0},
+    "inter": {"LL": 2.7 / 14.0, "LL128": 4.0 / 14.0, "Simple": 1.0},
+}
+NCCL_BANDWIDTH_FRACTION = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
+
+
+def nccl_ring_time_s(
+    nbytes: float,
+    group: int,
+    nodes: int,
+    intra_latency_s: float,
+    inter_latency_s: float,
+    bandwidth_bytes_per_s: float,
+    *,
+    passes: int = 1,
+) -> float:
+    """A ring collective as NCCL models it, at its fastest protocol: base latency + the steps'
+    latencies (intra- and inter-node) + passes (n-1)/n S / (bus bandwidth x protocol fraction).
+    `passes` = 1 for all-gather and reduce-scatter, 2 for all-reduce; `intra_latency_s` and
+    `inter_latency_s` are the Simple protocol's latency of one step on each link (the hardware
+    profile's alpha)."""
+    if group <= 1:
+        return 0.0
+    inter_steps = passes * (nodes - 1) if nodes > 1 else 0
+    intra_steps = passes * (group - 1) - inter_steps
+    volume = passes * (group - 1) / group * nbytes / bandwidth_bytes_per_s
+    intra, inter = intra_steps * intra_latency_s, inter_steps * inter_latency_s
+    # the three protocols written out (this runs for every collective of every estimate)
+    return min(
+        _LL_BASE + intra * _LL_INTRA + inter * _LL_INTER + volume / _LL_BW,
+        _LL128_BASE + intra * _LL128_INTRA + inter * _LL128_INTER + volume / _LL128_BW,
+        _SIMPLE_BASE + intra + inter + volume,
+    )
+
+
+_LL_BASE, _LL128_BASE, _SIMPLE_BASE = (NCCL_BASE_LATENCY_S[p] for p in NCCL_PROTOCOLS)
+_LL_INTRA, _LL128_INTRA = NCCL_STEP_RATIO["intra"]["LL"], NCCL_STEP_RATIO["intra"]["LL128"]
+_LL_INTER, _LL128_INTER = NCCL_STEP_RATIO["inter"]["LL"], NCCL_STEP_RATIO["inter"]["LL128"]
+_LL_BW, _LL128_BW = NCCL_BANDWIDTH_FRACTION["LL"], NCCL_BANDWIDTH_FRACTION["LL128"]
+
+
+def nccl_reduce_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    """NCCL's ring reduce to one rank (tuning.cc: pipelined over the ring, one step's latency on
+    top of the base; the whole buffer crosses each link once), at its fastest protocol."""
+    return min(
+        NCCL_BASE_LATENCY_S[p]
+        + latency_s * NCCL_STEP_RATIO["inter"][p]
+        + nbytes / (bandwidth_bytes_per_s * NCCL_BANDWIDTH_FRACTION[p])
+        for p in NCCL_PROTOCOLS
+    )
+
+
+def nccl_tree_all_reduce_time_s(
+    nbytes: float,
+    group: int,
+    nodes: int,
+    intra_latency_s: float,
+    inter_latency_s: float,
+    bandwidth_bytes_per_s: float,
+) -> float:
+    """NCCL's double binary tree all-reduce (Simple): a chain inside each node and a tree of
+    log2(N) levels across nodes, up and down: 2((n/N - 1) alpha_intra + log2 N alpha_inter),
+    moving 2 S at 0.92 of the bus bandwidth (tuning.cc: tree all-reduce busBw x 0.92, algBw =
+    busBw / 2)."""
+    if group <= 1:
+        return 0.0
+    nodes = max(nodes, 1)
+    steps = (group / nodes - 1) * intra_latency_s + math.log2(nodes) * inter_latency_s
+    return 8.4e-6 + 2 * steps + 2 * nbytes / (0.92 * bandwidth_bytes_per_s)
+
+
 def p2p_time_s(nbytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
     """One point-to-point message: alpha + S / beta (Hockney 1994)."""
     return latency_s + nbytes / bandwidth_bytes_per_s

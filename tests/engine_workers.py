@@ -44,6 +44,8 @@ MODELS = {
         )
     ),
 }
+MODELS["gpt_tied"] = MODELS["gpt"].scaled(tied_embeddings=True)
+MODELS["llama_tied"] = MODELS["llama"].scaled(tied_embeddings=True)
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
@@ -66,17 +68,24 @@ HF_FAMILIES = {
 
 
 def hf_model(kind: str):
-    """A transformers model of family `kind` with random weights (seeded by the caller)."""
+    """A transformers model of family `kind` with random weights (seeded by the caller);
+    ``<family>_tied`` ties lm_head to the embedding."""
     import transformers
 
-    config_name, model_name, extra = HF_FAMILIES[kind]
-    config = getattr(transformers, config_name)(**HF_SHAPE, **extra)
+    family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
+    config_name, model_name, extra = HF_FAMILIES[family]
+    shape = {**HF_SHAPE, "tie_word_embeddings": tied}
+    config = getattr(transformers, config_name)(**shape, **extra)
     return getattr(transformers, model_name)(config)
+
+
+def is_hf(kind: str) -> bool:
+    return kind.removesuffix("_tied") in HF_FAMILIES
 
 
 def make_model(kind: str):
     torch.manual_seed(1234)
-    if kind in HF_FAMILIES:
+    if is_hf(kind):
         return hf_model(kind)
     from autosearch.transformer import Transformer
 
@@ -86,7 +95,7 @@ def make_model(kind: str):
 def dataset(kind: str, n: int = 64, seed: int = 0):
     from autosearch.engine import SyntheticTokens
 
-    spec = MODELS["llama"] if kind in HF_FAMILIES else MODELS[kind]
+    spec = MODELS["llama"] if is_hf(kind) else MODELS[kind]
     return SyntheticTokens.for_model(spec, n, seed=seed)
 
 
@@ -96,6 +105,7 @@ def train_losses(
     """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
     from autosearch import Engine
 
+    torch._dynamo.reset()  # each run compiles afresh, as in its own process
     model = make_model(kind)
     engine = Engine(
         model,
@@ -118,6 +128,20 @@ def job_equivalence(cases: list[dict]) -> dict:
             loss_parallel=case.get("loss_parallel", False),
         )
     return out
+
+
+def predictions(strategy: str, kind: str) -> list[list[float]]:
+    """Per-sequence sums of the logits `predict` returns for 8 validation samples (the whole
+    sequence on every rank that returns outputs)."""
+    from autosearch import Engine
+
+    engine = Engine(lambda: make_model(kind), strategy=strategy)
+    outputs = engine.predict(dataset(kind, 8, seed=7), batch_size=4)
+    return [row.double().sum(dim=-1).tolist() for out in outputs for row in out]
+
+
+def job_predict(cases: list[dict]) -> dict:
+    return {c["name"]: predictions(c["strategy"], c.get("model", "gpt")) for c in cases}
 
 
 def job_invalid(cases: list[dict]) -> dict:
@@ -403,6 +427,7 @@ def job_meta_load(workdir: str) -> dict:
 
 JOBS = {
     "equivalence": job_equivalence,
+    "predict": job_predict,
     "invalid": job_invalid,
     "api": job_api,
     "clip": job_clip,

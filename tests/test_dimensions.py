@@ -108,7 +108,7 @@ def test_labels_features_axes_and_bands_follow_the_registry():
     assert n_parallel_axes(s) == 4
     assert kind_of(s, Cluster.parse("h100-sxm:2x8"), "torch")["axes"] == "dp+tp+pp+cp"
     assert kind_of(Strategy(dp=1), Cluster.parse("h100-sxm:1x1"), "torch")["axes"] == "single"
-    lacks = RuntimeOptions.get("torch").lacks(s)
+    lacks = RuntimeOptions.get("megatron-sc21").lacks(s)
     assert any("cp=2 (context parallel)" in m for m in lacks)
 
 

@@ -246,3 +246,28 @@ def test_crafted_pickles_are_refused_in_one_message(tmp_path, what):
     with pytest.raises(SpecError, match="will not unpickle"):
         _engine().load(str(path))
     assert not marker.exists()
+
+
+def test_a_pickle_in_the_shards_is_refused_in_one_message(tmp_path):
+    """DCP stores non-tensor entries (the optimizer's hyper-parameters) as pickles in its shard
+    files: a checkpoint whose `lr` is an object that would run a command is refused (one
+    SpecError, through DCP's CheckpointException) and the command does not run."""
+    import torch.distributed.checkpoint as dcp
+
+    from autosearch.engine import checkpoint as ck
+
+    marker = tmp_path / "pwned"
+    e = Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    e.prepare()
+    parts, opts = e.model_parts_, e.trainer_.checkpoint_optimizers()
+    state = {"model": ck.model_state(parts), "optim": {}}
+    for osd in ck.optimizer_states(parts, opts):
+        state["optim"].update(osd)
+    lr = next(k for k in state["optim"] if k.endswith(".lr"))
+    state["optim"][lr] = _Marker(str(marker))
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    with pytest.raises(SpecError, match="will not unpickle"):
+        Engine(W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)).load(
+            str(tmp_path / "ckpt")
+        )
+    assert not marker.exists()

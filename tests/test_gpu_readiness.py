@@ -250,7 +250,8 @@ def test_an_oom_that_leaves_peers_waiting_until_the_timeout_is_an_oom():
 def test_strategies_the_engine_cannot_run_are_rows_not_launches(tmp_path):
     from autosearch.validation import validate
 
-    s = Strategy(micro_batch_size=2, global_batch_size=4, amp="bf16", compile=True)
+    # async TP runs on CUDA only: on this CPU the row says so and nothing starts
+    s = Strategy(tp=2, micro_batch_size=2, global_batch_size=4, compile=True, async_tp=True)
     row = validate(SPEC, [s], steps=1, out=tmp_path, verbose=False).table.iloc[0]
-    assert row.status == "invalid" and "the Engine does not run compile" in row.reason
+    assert row.status == "invalid" and "async_tp cannot run on this device (cpu" in row.reason
     assert not list(tmp_path.glob("run*"))  # nothing was started

@@ -176,3 +176,21 @@ def test_the_dated_preset_is_torchtitan_but_for_the_fields_it_sets():
             assert getattr(old, f.name) == getattr(TITAN, f.name), f.name
     assert old.compiled_loss_bytes_per_logit == 12 != TITAN.compiled_loss_bytes_per_logit
     assert (old.framework, TITAN.framework) == ("torchtitan", "torchtitan")
+
+
+def test_torchtitan_layer_sac_checkpoints_every_nth_block():
+    """torchtitan's layer-level selective AC (`selective_ac_option = "2"`: every second block
+    fully checkpointed, docs/runtimes.md [2.2]) is `recompute=full` on half of the layers
+    (`recompute_num_layers` = 16 of Llama 3 8B's 32): the torchtitan preset runs it, and it costs
+    half of full recompute's time. Its memory keeps 16 blocks whole: of the 31 blocks' worth
+    full AC saves over none (32 blocks, less the one it holds whole while recomputing), layer
+    SAC saves 15."""
+    model = AnalyticCostModel(LLAMA8B, CLUSTER, runtime=TITAN)
+    none, every_2nd, full = (
+        model.estimate(fsdp(recompute=rc, recompute_num_layers=n))
+        for rc, n in (("none", None), ("full", 16), ("full", None))
+    )
+    assert every_2nd.time.recompute_s == pytest.approx(full.time.recompute_s / 2, rel=REL)
+    saved = none.memory.activations_bytes - every_2nd.memory.activations_bytes
+    saved_full = none.memory.activations_bytes - full.memory.activations_bytes
+    assert saved == pytest.approx(saved_full * 15 / 31, rel=REL)

@@ -10,6 +10,10 @@
   atomic on POSIX), so a reader sees the old file or the new one, never a torn one.
 * `remove_stale_temp_files`: what a kill between `mkstemp` and `os.replace` leaves behind (a
   temporary name carries its writer's pid; only files of dead processes are removed).
+* `own_folder` / `mark_folder` / `is_owned`: autosearch writes only into a folder that is new,
+  empty, or its own (a ``.autosearch`` marker file inside, created with ``O_EXCL``), and renames
+  or removes only folders that hold that marker; a folder of the user's files is refused before
+  anything is written there (study outputs, exports, checkpoints).
 
 Written by hand because the standard library has the primitives but no such helper, and the
 `filelock` package follows symbolic links when it opens its lock file.
@@ -17,9 +21,11 @@ Written by hand because the standard library has the primitives but no such help
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -297,6 +303,27 @@ def mark_folder(folder: str, *, kind: str, what: str) -> None:
         os.write(fd, f"written by autosearch: {kind}\n".encode())
     finally:
         os.close(fd)
+
+
+def remove_owned(path: str | os.PathLike) -> None:
+    """Remove a folder autosearch owns (`is_owned`) with its marker last: a process killed while
+    removing it leaves a folder that is still marked, which the next run removes, never one
+    that autosearch would refuse as the user's. A folder without the marker is left alone."""
+    folder = os.fspath(path)
+    if not is_owned(folder):
+        return
+    for entry in os.scandir(folder):
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(folder, MARKER))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def is_owned(path: str | os.PathLike) -> bool:

@@ -45,6 +45,19 @@ class RuntimeOptions:
         pp_scatter_gather: pipeline sends are split over the tp ranks and re-gathered over the
             fast intra-node link (Narayanan et al. 2021, sec. 4.1).
         step_overhead_s: fixed host-side cost per optimizer step (Python, launch queues).
+        collective_overhead_s: the runtime's own cost per collective it issues (Python dispatch,
+            hooks, buffer copies), on top of NCCL's; it counts where collectives run one after
+            another on the critical path (per-partition reductions, latency-bound gathers).
+        zero3_gathers_per_layer: separate parameter all-gathers per transformer block and pass
+            under ZeRO-3 / FSDP: 1 where a block is one unit (FSDP2 ``fully_shard`` per block,
+            FSDP1 auto-wrap), one per parameter-holding submodule where the runtime fetches
+            submodule by submodule (DeepSpeed ZeRO-3).
+        zero3_overlap: `dp_overlap` under ZeRO-3 when it differs (DeepSpeed turns
+            ``overlap_comm`` on by default for stage 3 only); negative: the same.
+        reduce_bucket_params: gradient reduction bucket in parameters (0: one per unit).
+        grad_reduce_per_partition: ZeRO-2 reduces each bucket with one ``reduce`` to each
+            partition's owner (DeepSpeed ``average_tensor``), not one reduce-scatter: d
+            collectives per bucket.
         description: one line on what the runtime is.
         attention_kernel: the fused attention kernel it runs (``fa2``, ``cudnn``, ``triton``):
             its efficiency is the hardware profile's `attention.kernels` entry when the profile
@@ -110,6 +123,10 @@ class RuntimeOptions:
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``, ``ep``,
             ``etp``).
+        devices: {feature: the devices that can run it} for the supported features that not
+            every device runs: ``cpu``, ``cuda``, or ``cuda>=8.9`` (a minimum compute
+            capability). The cost model prices the hardware it is given and ignores this; the
+            Engine refuses a strategy on a device that cannot run it (`cannot_run_on`).
         sources: where each value comes from (docs/runtimes.md has the details).
     """
 
@@ -146,8 +163,14 @@ class RuntimeOptions:
     moe_layer_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
     step_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
+    zero3_gathers_per_layer: float = 1.0
+    zero3_overlap: float = -1.0
+    reduce_bucket_params: float = 0.0
+    grad_reduce_per_partition: bool = False
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
+    devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
     sources: tuple[str, ...] = ()
     base: str | None = None
 
@@ -177,6 +200,17 @@ class RuntimeOptions:
             dim: how for dim, how in dimensions_used(strategy).items() if dim not in self.supports
         }
 
+    def cannot_run_on(self, strategy: "Strategy", device: str) -> dict[str, tuple[str, ...]]:
+        """{feature: the devices that can run it} for each feature of `strategy` that this
+        runtime supports but not on `device` (``cpu``, or ``cuda:9.0``: type and compute
+        capability)."""
+        runs_on = dict(self.devices)
+        return {
+            name: runs_on[name]
+            for name in dimensions_used(strategy)
+            if name in runs_on and not any(device_meets(device, req) for req in runs_on[name])
+        }
+
     def lacks(self, strategy: "Strategy") -> list[str]:
         """The dimensions of `strategy` this runtime cannot run, each as a message."""
         supported = ", ".join(self.supports) or "none of " + ", ".join(dimensions.feature_names())
@@ -191,11 +225,23 @@ class RuntimeOptions:
         for key in ("supports", "sources"):
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key] or ())
-        unknown = [f for f in kwargs.get("supports", ()) if f not in dimensions.feature_names()]
+        if "devices" in kwargs:
+            devices = kwargs["devices"] or {}
+            if not isinstance(devices, dict) or not all(
+                isinstance(v, list) and all(isinstance(d, str) for d in v)
+                for v in devices.values()
+            ):
+                raise SpecError(
+                    f"{what}: devices must map features to lists of devices (cpu, cuda, "
+                    f"cuda>=8.9), got {devices!r}"
+                )
+            kwargs["devices"] = tuple((str(k), tuple(v)) for k, v in devices.items())
+        named = [*kwargs.get("supports", ()), *(f for f, _ in kwargs.get("devices", ()))]
+        unknown = [f for f in named if f not in dimensions.feature_names()]
         if unknown:
             raise SpecError(
-                f"{what}: supports lists {', '.join(map(repr, unknown))}, which no dimension "
-                f"declares; known: {', '.join(dimensions.feature_names())}"
+                f"{what}: supports or devices list {', '.join(map(repr, unknown))}, which no "
+                f"dimension declares; known: {', '.join(dimensions.feature_names())}"
             )
         if kwargs.get("moe_dispatcher", "alltoall") not in MOE_DISPATCHERS:
             raise SpecError(
@@ -220,6 +266,50 @@ class RuntimeOptions:
         times `kernel_efficiency[profile.architecture]` (the profile itself where 1)."""
         factor = dict(self.kernel_efficiency).get(profile.architecture, 1.0)
         return profile if factor == 1.0 else profile.scaled_compute(factor, why=self.name)
+
+
+# Why a feature needs the devices the `torch` preset's `devices` names (the Engine's refusals).
+DEVICE_NEEDS = {
+    "async_tp": (
+        "async TP needs CUDA symmetric memory and Inductor's micro-pipelined TP pass, which "
+        "exist only on CUDA; run it on GPUs or set async_tp=false"
+    ),
+    "fp8": (
+        "float8 matmuls (torch._scaled_mm) need float8 units: CUDA compute capability 8.9 or "
+        "newer (L4, H100, H200), or the CPU; run it there or set fp8=none"
+    ),
+}
+
+
+def engine_lacks(strategy: "Strategy", device: str | None = "cpu") -> list[str]:
+    """The dimensions the Engine does not run (the `torch` runtime preset's `supports` in
+    cost_models/runtimes.yaml) or not on `device` (its `devices`; None: not checked, the device
+    is not known here), each with what to do instead."""
+    runtime = RUNTIMES["torch"]
+    problems = [
+        f"the Engine cannot run {how} on this machine's torch.distributed yet; leave it out, or "
+        f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
+        for how in runtime.unsupported(strategy).values()
+    ]
+    for name, devices in runtime.cannot_run_on(strategy, device).items() if device else ():
+        why = DEVICE_NEEDS.get(name, f"run it on {' or '.join(devices)}")
+        problems.append(
+            f"{name} cannot run on this device ({device}; it runs on {', '.join(devices)}): {why}"
+        )
+    return problems
+
+
+def device_meets(device: str, requirement: str) -> bool:
+    """Whether `device` (``cpu``, ``cuda:9.0``) is one `requirement` names (``cpu``, ``cuda``,
+    ``cuda>=8.9``: CUDA with at least that compute capability)."""
+    kind, _, capability = device.partition(":")
+    want, _, minimum = requirement.partition(">=")
+    if kind != want:
+        return False
+    if not minimum:
+        return True
+    have = tuple(int(x) for x in capability.split(".")) if capability else (0,)
+    return have >= tuple(int(x) for x in minimum.split("."))
 
 
 def dimensions_used(strategy: "Strategy") -> dict[str, str]:

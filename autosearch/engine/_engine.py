@@ -305,9 +305,10 @@ class Engine:
     def _problems(
         self, strategy: "Strategy", plan: "ParallelPlan", model: "nn.Module"
     ) -> list[str]:
-        from autosearch.engine.build import strategy_problems
+        from autosearch.engine.build import device_label, strategy_problems
+        from autosearch.engine.distributed import device
 
-        return strategy_problems(strategy, plan, model)
+        return strategy_problems(strategy, plan, model, device=device_label(device()))
 
     # ---- prepare -----------------------------------------------------------------------------
     def to_mode(self, mode: str) -> "Engine":
@@ -357,8 +358,8 @@ class Engine:
         from autosearch.engine.lr_schedule import build_schedulers
         from autosearch.engine.optim import OptimizerRecipe, build_optimizers, make_grad_scaler
         from autosearch.engine.parallel_dims import ParallelDims
-        from autosearch.engine.parallelize import parallelize
-        from autosearch.engine.pipeline import build_schedule
+        from autosearch.engine.parallelize import parallelize, tied_parameters
+        from autosearch.engine.pipeline import TiedWeights, build_schedule
 
         strategy = self._resolve_strategy(batch_size)
         world = D.launched_world_size()
@@ -382,6 +383,7 @@ class Engine:
                         dist.broadcast(tensor.data, src=0)
         names = {id(p): n for n, p in model.named_parameters()}
         loss_parallel = bool(self.loss_parallel and dims.tp > 1)
+        tied_groups = tied_parameters(model)
         parts = parallelize(
             model,
             strategy,
@@ -394,11 +396,15 @@ class Engine:
         )
         loss_fn = self.loss or token_cross_entropy
         scaler = make_grad_scaler(strategy.amp, device.type, distributed=world > 1)
-        schedule = pipeline_loss = None
+        schedule = pipeline_loss = tied = None
         if dims.pp > 1:
             assert mesh is not None  # ParallelDims builds one for more than one process
             pipeline_loss = _PipelineLoss(loss_fn, scaler)
             schedule = build_schedule(parts, strategy, mesh, device, pipeline_loss)
+            n_chunks = strategy.pp * strategy.virtual_stages
+            tied = TiedWeights.build(tied_groups, parts, mesh, n_chunks)
+            if tied is not None:
+                tied.broadcast()
         optimizers = []
         if self.optimizer is not None:
             optimizers = build_optimizers(
@@ -420,6 +426,7 @@ class Engine:
             metrics=_as_list(self.metrics),
             grad_clip_norm=self.grad_clip_norm,
             loss_parallel=loss_parallel,
+            tied=tied,
         )
         self.to_mode(self._mode or "train")
         return self
@@ -503,6 +510,9 @@ class Engine:
         if drop_last is None:
             drop_last = mode == "train" or self.dims_.pp > 1
         dp_rank = self.mesh_.get_local_rank("dp") if self.mesh_ is not None else 0
+        cp_rank = (
+            self.mesh_.get_local_rank("cp") if self.mesh_ is not None and self.dims_.cp > 1 else 0
+        )
         return build_loader(
             dataset,
             batch_size=batch_size,
@@ -515,6 +525,8 @@ class Engine:
             epochs=epochs,
             steps_per_epoch=steps_per_epoch,
             seed=self.seed or 0,
+            cp=self.dims_.cp,
+            cp_rank=cp_rank,
         )
 
     # ---- one step ----------------------------------------------------------------------------

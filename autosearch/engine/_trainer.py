@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.engine.data import DistributedLoader
     from autosearch.engine.metrics import Metric
     from autosearch.engine.parallel_dims import ParallelDims
+    from autosearch.engine.pipeline import TiedWeights
 
 HISTORY_KEYS = ("loss", "step_time_s", "tokens_per_s", "lr", "grad_norm", "mfu")
 
@@ -68,6 +69,8 @@ class Trainer:
         metrics: what `reduce` computes besides the loss.
         grad_clip_norm: clip gradients to this global norm (None: neither clip nor measure).
         loss_parallel: compute the loss on tp-sharded logits (``loss_parallel()``).
+        tied: the copies of weights tied across pipeline stages, whose gradients are summed
+            before each optimizer step (pp > 1 only).
     """
 
     history: dict[str, list]
@@ -89,6 +92,7 @@ class Trainer:
         metrics: "list[Metric]",
         grad_clip_norm: float | None,
         loss_parallel: bool,
+        tied: "TiedWeights | None" = None,
     ):
         self.strategy, self.dims, self.mesh, self.device = strategy, dims, mesh, device
         self.stages = [stage for stage, _ in parts]
@@ -101,6 +105,7 @@ class Trainer:
             grad_clip_norm,
             loss_parallel,
         )
+        self.tied = tied
         self.global_step = 0
         self.data_position = (0, 0)  # (epoch, batches done in it) after the last step
         self.last_grad_norm: float | None = None
@@ -123,7 +128,8 @@ class Trainer:
                 "training needs an optimizer: "
                 "Engine(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))"
             )
-        self.last_tokens = inputs.numel() * self.dims.dp if not inputs.is_floating_point() else 0
+        tokens = inputs.numel() * self.dims.dp * self.dims.cp  # cp ranks hold 1/cp of each
+        self.last_tokens = tokens if not inputs.is_floating_point() else 0
         if self.schedule is not None:
             return self._pipeline_batch(inputs, labels, mode)
         part = self.model_parts[0]
@@ -154,7 +160,7 @@ class Trainer:
                     if y is not None:
                         metric_sums = metric_sums + self._metric_sums(out, y)
                     if mode == "predict":
-                        outputs.append(out)
+                        outputs.append(self._whole_sequence(out))
         if mode == "train":
             n_micro = inputs.shape[0] / mbs
             if n_micro != 1:  # mean over micro-batches, after backward as pipelining's scale_grads
@@ -209,7 +215,18 @@ class Trainer:
                     metric_sums = self._metric_sums(out, labels)
         else:
             out = None
+        if mode == "predict" and out is not None:
+            out = self._whole_sequence(out)
         return self._sums(loss_sum, n, metric_sums), (out if mode == "predict" else None)
+
+    def _whole_sequence(self, out: torch.Tensor) -> torch.Tensor:
+        """Outputs over whole sequences: under context parallel, gathered from the cp ranks."""
+        if self.dims.cp == 1:
+            return out
+        from autosearch.engine.context_parallel import ContextParallel
+
+        assert self.mesh is not None  # cp > 1 runs on several processes
+        return ContextParallel.of(self.mesh["cp"]).gather_sequence(out)
 
     def _sums(self, loss_sum: torch.Tensor, n: int, metric_sums: torch.Tensor) -> torch.Tensor:
         count = torch.tensor(float(n), dtype=torch.float64, device=self.device)
@@ -232,8 +249,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
-        """Unscale (fp16), clip by the global gradient norm, step every optimizer and scheduler."""
+        """Sum tied copies' gradients (pp), unscale (fp16), clip by the global gradient norm,
+        step every optimizer and scheduler."""
         self.last_grad_norm = None
+        if self.tied is not None:
+            self.tied.sync_grads()
         if self.grad_clip_norm is not None:
             if self.scaler is not None:
                 for opt in self.optimizers:
@@ -242,7 +262,10 @@ class Trainer:
                 self.mesh.get_group("pp") if self.mesh is not None and self.dims.pp > 1 else None
             )
             self.last_grad_norm = clip_grad_norm(
-                self.model_parts, self.grad_clip_norm, pp_group=pp_group
+                self.model_parts,
+                self.grad_clip_norm,
+                pp_group=pp_group,
+                skip=self.tied.duplicates() if self.tied is not None else frozenset(),
             )
         if self.scaler is not None:
             for opt in self.optimizers:

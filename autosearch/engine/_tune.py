@@ -397,7 +397,7 @@ def local_cluster(
             f"{why} for this {device}; run `autosearch calibrate --out {path}` or pass cluster=..."
         )
     log(f"tune: this machine: {name}; {why}, using the datasheet profile {base.name}")
-    return Cluster(gpu=base, n_nodes=1, gpus_per_node=world_size)
+    return Cluster(gpu=base.path or base.name, n_nodes=1, gpus_per_node=world_size)
 
 
 def check_sequence_length(data: Any, seq_len: int) -> None:

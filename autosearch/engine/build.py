@@ -4,12 +4,14 @@ initialise meta-device parts once parallelized."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
+from autosearch.core.runtime import engine_lacks
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,8 +78,11 @@ def plan_for(model: nn.Module, plan: ParallelPlan | None) -> ParallelPlan:
     return ParallelPlan()
 
 
-def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module) -> list[str]:
-    """Why `strategy` cannot run `model` with `plan` (empty when it can)."""
+def strategy_problems(
+    strategy: "Strategy", plan: ParallelPlan, model: nn.Module, *, device: str = "cpu"
+) -> list[str]:
+    """Why `strategy` cannot run `model` with `plan` on `device` (``cpu``, ``cuda:9.0``; empty
+    when it can). Checked on every rank before anything is built, so nothing is half-applied."""
     from autosearch.engine.parallelize import blocks_of
 
     # The model's own check covers the Strategy rules; without one, those not needing the model.
@@ -103,7 +108,36 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
             bounds = pipeline_bounds(plan, strategy, len(container))
             if isinstance(bounds, str) and not problems:  # else the model's check said why
                 problems.append(f"the pipeline split is impossible: {bounds}")
-    problems += engine_lacks(strategy)
+    problems += engine_lacks(strategy, device)
+    has_blocks = blocks_of(model, plan) is not None
+    for what, used in (
+        ("compile=true", strategy.compile),
+        (f"fp8={strategy.fp8}", strategy.fp8 != "none"),
+        ("recompute=selective_op", strategy.recompute == "selective_op"),
+        (f"recompute_num_layers={strategy.recompute_num_layers}", strategy.recompute_num_layers),
+    ):
+        if used and not has_blocks:
+            problems.append(
+                f"{what} works block by block and this model has no blocks where "
+                f"ParallelPlan.blocks says ({plan.blocks!r}); pass a ParallelPlan naming them or "
+                "leave it out"
+            )
+    if strategy.async_tp and not strategy.compile:
+        problems.append(
+            "async_tp=true is Inductor's micro-pipelined TP pass, which rewrites compiled graphs:"
+            " it needs compile=true (as torchtitan requires); set compile=true or async_tp=false"
+        )
+    if strategy.fp8 != "none" and importlib.util.find_spec("torchao") is None:
+        problems.append(
+            f"fp8={strategy.fp8} runs torchao's float8 linears and torchao is not installed: "
+            "pip install 'autosearch[fp8]' (torchao 0.18), or set fp8=none"
+        )
+    if strategy.cp > 1 and not any(hasattr(type(m), "context_parallel") for m in model.modules()):
+        problems.append(
+            f"cp={strategy.cp} needs a model whose attention attends over the whole sequence "
+            "from a shard of it (a `context_parallel` attribute on its attention core, as "
+            "autosearch.transformer and the Hugging Face families have); use cp=1"
+        )
     if strategy.recompute == "selective" and (
         plan.attention_core is None or blocks_of(model, plan) is None
     ):
@@ -115,16 +149,13 @@ def strategy_problems(strategy: "Strategy", plan: ParallelPlan, model: nn.Module
     return problems
 
 
-def engine_lacks(strategy: "Strategy") -> list[str]:
-    """The dimensions of today's stacks the Engine does not run (the `torch` runtime preset's
-    `supports` in cost_models/runtimes.yaml), each with what to do instead."""
-    from autosearch.core import RUNTIMES
-
-    return [
-        f"the Engine cannot run {how} on this machine's torch.distributed yet; leave it out, or "
-        f"export the strategy to a runtime that has it (`autosearch export --to torchtitan`)"
-        for how in RUNTIMES["torch"].unsupported(strategy).values()
-    ]
+# Why a device cannot run a dimension the Engine runs elsewhere (the `torch` preset's `devices`).
+def device_label(device: torch.device) -> str:
+    """``cpu``, or ``cuda:9.0`` (the device type and its compute capability)."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda:{major}.{minor}"
 
 
 def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:

@@ -38,7 +38,7 @@ import contextlib
 import errno
 import os
 import pickle
-import shutil
+import tempfile
 import warnings
 import zipfile
 from typing import Any
@@ -52,6 +52,7 @@ from autosearch.core._files import (
     atomic_write,
     is_owned,
     mark_folder,
+    remove_owned,
     remove_stale_temp_files,
 )
 from autosearch.core.errors import SpecError
@@ -169,19 +170,25 @@ def recover(path: str) -> None:
     old, partial = f"{path}.old", f"{path}.partial"
     if is_owned(old):
         if os.path.lexists(path):  # killed after the swap: the new checkpoint is in place
-            shutil.rmtree(old, ignore_errors=True)
+            remove_owned(old)
         else:  # killed between the two renames: the previous checkpoint comes back
             os.rename(old, path)
     for name in (partial, f"{path}.dcp-tmp"):
-        if is_owned(name):
-            shutil.rmtree(name, ignore_errors=True)
+        remove_owned(name)
     remove_stale_temp_files(os.path.dirname(path))  # an inference file's, of a killed save
 
 
 def _new_folder(path: str) -> None:
-    """Make the folder `path` (it must not exist) and mark it as autosearch's."""
-    os.mkdir(path)
-    mark_folder(path, kind="checkpoint", what=f"checkpoint folder {path!r}")
+    """Make the folder `path` (it must not exist) marked as autosearch's: made and marked under
+    an unpredictable name beside it, then renamed, so that a kill never leaves `path` unmarked
+    (a folder the next save would have to refuse as the user's)."""
+    made = tempfile.mkdtemp(prefix=".autosearch-", dir=os.path.dirname(path))
+    try:
+        mark_folder(made, kind="checkpoint", what=f"checkpoint folder {path!r}")
+        os.rename(made, path)
+    except BaseException:
+        remove_owned(made)
+        raise
 
 
 def save(
@@ -213,8 +220,8 @@ def save(
     try:
         _save_folder(path, partial, parts, optimizers, train_state)
     except BaseException:
-        if _rank() == 0 and is_owned(partial):
-            shutil.rmtree(partial, ignore_errors=True)
+        if _rank() == 0:
+            remove_owned(partial)
         raise
 
 
@@ -244,8 +251,7 @@ def _save_folder(path, partial, parts, optimizers, train_state) -> None:
             os.rmdir(path)  # the empty folder it was given (rmdir removes nothing else)
         os.rename(partial, path)
         _fsync_dir(os.path.dirname(path))
-        if is_owned(old):
-            shutil.rmtree(old, ignore_errors=True)
+        remove_owned(old)
     _barrier()
 
 
@@ -302,8 +308,8 @@ def _save_inference_file(path: str, parts: list[nn.Module]) -> None:
             # merged into an unpredictable name in the same folder (mkstemp), then renamed
             atomic_write(path, lambda partial: _merge(dcp_to_torch_save, tmp, partial))
     finally:
-        if _rank() == 0 and is_owned(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        if _rank() == 0:
+            remove_owned(tmp)
         _barrier()
 
 
@@ -541,7 +547,7 @@ def load(
             {k: state["model"][k] for k in own if k in state["model"]},
             options=_options(strict=False),
         )
-    if osds is not None:
+    if osds is not None and optimizers:
         for part, opt, osd in zip(parts, optimizers, osds):
             set_optimizer_state_dict(
                 part,

@@ -2,7 +2,9 @@
 
 Every batch is ``(inputs, labels)``. The global batch of a step is split over the dp ranks only:
 the ranks of one tp group and of one pipeline share the same dp rank, so they read the same
-samples (tp peers need identical inputs; pipeline stages other than the first ignore them).
+samples (tp peers need identical inputs; pipeline stages other than the first ignore them). The
+ranks of one cp group read the same samples too, and the loader keeps each rank's chunks of the
+sequence (load-balanced: chunks i and 2cp-1-i of 2 cp; `autosearch.engine.context_parallel`).
 """
 
 from __future__ import annotations
@@ -270,8 +272,11 @@ def build_loader(
     epochs: int = 1,
     steps_per_epoch: int | None = None,
     seed: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
 ) -> DistributedLoader:
-    """A loader of local batches (``batch_size / dp`` samples each) for this dp rank."""
+    """A loader of local batches (``batch_size / dp`` samples each) for this dp rank; with
+    context parallel (`cp` > 1) each batch holds this cp rank's chunks of every sequence."""
     if batch_size % dp:
         raise SpecError(
             f"batch_size={batch_size} does not split over dp={dp} ranks; use a multiple of {dp}"
@@ -291,6 +296,8 @@ def build_loader(
             dataset, num_replicas=dp, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         source = dataset
+    if cp > 1:
+        collate_fn = _SequenceShard(collate_fn, cp, cp_rank)
     # A generator of its own: creating an iterator draws a base seed from it, which must not
     # move the global RNG (dropout) by a different amount in a resumed run.
     loader = DataLoader(
@@ -305,6 +312,25 @@ def build_loader(
     return DistributedLoader(
         loader, sampler, epochs=epochs, steps_per_epoch=steps_per_epoch, local_batch_size=local
     )
+
+
+class _SequenceShard:
+    """A collate function that keeps this cp rank's chunks of the inputs and labels of a batch
+    (a class, not a closure, so that DataLoader workers can pickle it)."""
+
+    def __init__(self, collate_fn: Callable | None, cp: int, cp_rank: int):
+        self.collate_fn, self.cp, self.cp_rank = collate_fn, cp, cp_rank
+
+    def __call__(self, samples: list) -> tuple[Any, Any]:
+        from torch.utils.data import default_collate
+
+        from autosearch.engine.context_parallel import shard_sequence
+
+        inputs, labels = split_batch((self.collate_fn or default_collate)(samples))
+        inputs = shard_sequence(inputs, self.cp, self.cp_rank)
+        if labels is not None:
+            labels = shard_sequence(labels, self.cp, self.cp_rank)
+        return inputs, labels
 
 
 def check_batch(strategy, batch_size: int, mode: str) -> None:

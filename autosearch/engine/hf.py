@@ -24,8 +24,9 @@ LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from autosearch.core.errors import SpecError
 from autosearch.core.hf_config import LLAMA_LIKE
 from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.engine.plan import ParallelPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.engine.context_parallel import ContextParallel
 
 ATTN_IMPLEMENTATION = "autosearch_core"
 
@@ -45,6 +49,10 @@ class AttentionCore(nn.Module):
     works on the heads a tensor-parallel rank holds: the group count is the same there.
     """
 
+    # Under context parallel (set by the Engine): this rank's queries attend over the whole
+    # sequence (`autosearch.engine.context_parallel`).
+    context_parallel: "ContextParallel | None" = None
+
     def __init__(self, num_key_value_groups: int):
         super().__init__()
         self.num_key_value_groups = num_key_value_groups
@@ -53,6 +61,15 @@ class AttentionCore(nn.Module):
     def forward(self, query, key, value, attention_mask, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if self.context_parallel is not None:
+            out = self.context_parallel.attention(
+                query,
+                key,
+                value,
+                dropout_p=kwargs.get("dropout", 0.0) if self.training else 0.0,
+                scale=kwargs.get("scaling"),
+            )
+            return out.transpose(1, 2).contiguous(), None  # as transformers' SDPA returns it
         return sdpa_attention_forward(self, query, key, value, attention_mask, **kwargs)
 
 
@@ -123,6 +140,7 @@ class HFCausalLM(nn.Module):
     model: Any
     lm_head: Any
     hf_class: Any
+    context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
@@ -166,13 +184,19 @@ class HFCausalLM(nn.Module):
         else:  # a later pipeline stage: its input is the previous stage's hidden states
             h = tokens
             seq = h.shape[1] * (_sequence_shards(layers[0].input_layernorm) if layers else 1)
+        cp = self.context_parallel
         window = self.sliding_window()
-        if window is not None and seq > window:
+        whole = seq * (cp.cp if cp is not None else 1)
+        if window is not None and whole > window:
             raise SpecError(
-                f"sequences of {seq} tokens are longer than the config's sliding_window={window}; "
-                "the Engine runs full causal attention, so train with sequences <= sliding_window"
+                f"sequences of {whole} tokens are longer than the config's sliding_window="
+                f"{window}; the Engine runs full causal attention, so train with sequences <= "
+                "sliding_window"
             )
-        position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+        if cp is not None:  # this rank's chunks of the sequence, at their global positions
+            position_ids = cp.positions(seq, h.device).unsqueeze(0)
+        else:
+            position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = m.rotary_emb(h, position_ids=position_ids)
         for layer in layers:
             h = layer(h, position_embeddings=position_embeddings, position_ids=position_ids)
@@ -220,12 +244,18 @@ class HFCausalLM(nn.Module):
 
     def _check_strategy(self, strategy) -> list[str]:
         problems = strategy.problems(self.spec)
-        if self.tied_embeddings and (strategy.tp > 1 or strategy.pp > 1):
+        hub_kernels = importlib.util.find_spec("kernels") is not None
+        if (
+            strategy.compile
+            and strategy.recompute in ("selective", "selective_op")
+            and hub_kernels
+        ):
             problems.append(
-                f"this {self.config.model_type} model ties lm_head to embed_tokens "
-                "(tie_word_embeddings=true), which runs only with tp=1 and pp=1 here "
-                f"(got tp={strategy.tp}, "
-                f"pp={strategy.pp}); use dp/zero, or a config with tie_word_embeddings=false"
+                f"compile=true with recompute={strategy.recompute} checkpoints inside the compiled"
+                " layers, and transformers' hub-kernel wrapper (the `kernels` package, installed"
+                " here) sets a context variable in each layer's forward, which torch.compile "
+                "cannot trace there; use recompute=none or full with compile, or uninstall "
+                "`kernels`"
             )
         return problems
 

@@ -106,7 +106,7 @@ def build_optimizers(
     if dims.mode.zero_redundancy_optimizer:
         if mesh is None:
             raise ValueError("ZeRO-1 runs over dp > 1 processes, which have a DeviceMesh")
-        zero1_group = mesh.get_group("dp")
+        zero1_group = mesh.get_group(dims.dp_axis)
     return [recipe.build(part, zero1_group=zero1_group) for part in parts]
 
 
@@ -126,7 +126,9 @@ def make_grad_scaler(amp: str, device_type: str, distributed: bool):
     return torch.amp.GradScaler(device_type)
 
 
-def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
+def total_grad_norm(
+    parts: list[nn.Module], *, pp_group=None, skip: "frozenset[int] | set[int]" = frozenset()
+) -> torch.Tensor:
     """The L2 norm of every gradient of the whole model, identical on every rank.
 
     Gradients that are DTensors (FSDP2 shards, tensor-parallel shards, sequence-parallel
@@ -134,7 +136,8 @@ def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
     local shards and `full_tensor` reduces it over that group's mesh (Partial -> Replicate), one
     collective per group. Plain gradients (DDP, or no dp) are whole already. Pipeline stages hold
     different parameters, so their squared norms are summed over the pp group (as torchtitan's
-    `clip_grad_norm_` does).
+    `clip_grad_norm_` does); `skip` names (by id) the second copies of weights tied across
+    stages, counted once.
     """
     from torch.distributed.tensor import DTensor
 
@@ -142,7 +145,7 @@ def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
     plain: list[torch.Tensor] = []
     for part in parts:
         for p in part.parameters():
-            if p.grad is None:
+            if p.grad is None or id(p) in skip:
                 continue
             if isinstance(p.grad, DTensor):
                 key = (p.grad.device_mesh, tuple(p.grad.placements))
@@ -165,11 +168,17 @@ def total_grad_norm(parts: list[nn.Module], *, pp_group=None) -> torch.Tensor:
     return total_sq.sqrt()
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, *, pp_group=None) -> float:
+def clip_grad_norm(
+    parts: list[nn.Module],
+    max_norm: float,
+    *,
+    pp_group=None,
+    skip: "frozenset[int] | set[int]" = frozenset(),
+) -> float:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, the global-norm clipping of
     `torch.nn.utils.clip_grad_norm_` (Pascanu et al. 2013), with the norm of `total_grad_norm`.
     Returns the norm before clipping."""
-    norm = float(total_grad_norm(parts, pp_group=pp_group))
+    norm = float(total_grad_norm(parts, pp_group=pp_group, skip=skip))
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         with torch.no_grad():

@@ -80,8 +80,14 @@ class ParallelDims:
 
     @property
     def mode(self) -> DPMode:
-        """How data parallelism runs (the table in `autosearch.core.dp_modes`)."""
-        return dp_mode(zero_stage=self.zero_stage, dp=self.dp, tp=self.tp, pp=self.pp)
+        """How data parallelism runs over dp x cp (the table in `autosearch.core.dp_modes`)."""
+        return dp_mode(zero_stage=self.zero_stage, dp=self.dp * self.cp, tp=self.tp, pp=self.pp)
+
+    @property
+    def dp_axis(self) -> str:
+        """The mesh dimension data parallelism runs over: ``dp``, or with context parallel the
+        flattened ``dp_cp`` (cp ranks hold the same parameters; torchtitan's ``dp_shard_cp``)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     @property
     def dp_mode(self) -> str:
@@ -112,4 +118,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         shape, names = self.mesh_shape
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.cp > 1:  # every rank creates the flattened group, in the same order
+            mesh["dp", "cp"]._flatten(self.dp_axis)
+        return mesh

@@ -115,3 +115,89 @@ def build_schedule(
     if strategy.pipeline_schedule == "1f1b":
         return Schedule1F1B(stages[0], m, loss_fn=loss_fn)
     return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+
+
+class TiedWeights:
+    """Weights tied between the first and the last pipeline stage (the token embedding and the
+    output projection): each stage holds its own copy, and every step the two copies' gradients
+    are summed over the ranks holding those stages, so both apply the same update (Megatron-LM's
+    embedding group, Shoeybi et al. 2019). The copies start equal: `broadcast` sends the first
+    stage's to the last after initialisation.
+
+    Args:
+        holders: ``(module, attribute, first)`` per copy this rank holds (module.attribute is the
+            parameter; `first`: held by the first stage).
+        group: the process group of the two ranks.
+        src: the global rank holding the first stage.
+    """
+
+    def __init__(self, holders: list[tuple[nn.Module, str, bool]], group, src: int):
+        self.holders, self.group, self.src = holders, group, src
+
+    @classmethod
+    def build(
+        cls,
+        groups: list[list[str]],
+        parts: list[tuple[int | None, nn.Module]],
+        mesh: "DeviceMesh",
+        n_chunks: int,
+    ) -> "TiedWeights | None":
+        """The tied copies of this rank's stages, from the tied parameter names of the whole
+        model (`parallelize.tied_parameters`); None when nothing is tied. Every rank calls it:
+        it creates one group per (first, last) pair of pipeline ranks."""
+        import torch.distributed as dist
+
+        from autosearch.engine.plan import get_path
+
+        if not groups:
+            return None
+        pp_mesh = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0)  # type: ignore[union-attr]
+        lines = pp_mesh.reshape(pp_mesh.shape[0], -1)
+        mine, src = None, -1
+        for j in range(lines.shape[1]):
+            first, last = int(lines[0, j]), int(lines[-1, j])
+            group = dist.new_group([first, last])
+            if dist.get_rank() in (first, last):
+                mine, src = group, first
+        holders = []
+        for stage, part in parts:
+            for names in groups:
+                for name in names:
+                    owner, _, leaf = name.rpartition(".")
+                    module = get_path(part, owner) if owner else part
+                    if module is None or getattr(module, leaf, None) is None:
+                        continue
+                    if stage not in (0, n_chunks - 1):
+                        raise SpecError(
+                            f"the tied weight {name} is held by pipeline stage {stage}; a tied "
+                            "weight must sit in the first and the last stage (embedding, output)"
+                        )
+                    holders.append((module, leaf, stage == 0))
+                    break
+        return cls(holders, mine, src)
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Give the last stage's copies the first stage's values."""
+        import torch.distributed as dist
+
+        for module, leaf, _ in self.holders:
+            dist.broadcast(self._local(getattr(module, leaf)), src=self.src, group=self.group)
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Sum the copies' gradients over the two stages (after the step's last backward)."""
+        import torch.distributed as dist
+
+        for module, leaf, _ in self.holders:
+            grad = getattr(module, leaf).grad
+            if grad is not None:
+                dist.all_reduce(self._local(grad), group=self.group)
+
+    def duplicates(self) -> set[int]:
+        """The parameters (by id) of the last stage's copies: the global gradient norm counts
+        each tied weight once, on the first stage."""
+        return {id(getattr(m, leaf)) for m, leaf, first in self.holders if not first}

@@ -36,6 +36,8 @@ class ParallelPlan:
             checkpoints (Korthikanti et al. 2022); ``None`` means no selective recompute.
         check: ``check(strategy) -> [problem, ...]``: extra rules the model imposes (the
             reference transformer checks its ModelSpec: heads divisible by tp, and so on).
+        compile_fullgraph: each block compiles to one graph (``torch.compile(fullgraph=True)``,
+            as torchtitan); False lets Dynamo break graphs (code it cannot trace).
     """
 
     blocks: str = "layers"
@@ -45,6 +47,7 @@ class ParallelPlan:
     tp_plan: Callable[..., dict[str, Any]] | None = None
     attention_core: str | None = None
     check: Callable[[Any], list[str]] | None = None
+    compile_fullgraph: bool = True
 
     def chunk_bounds(self, n_blocks: int, n_chunks: int) -> list[tuple[int, int]] | str:
         """(start, stop) block ranges of each pipeline chunk, or a message saying why not."""

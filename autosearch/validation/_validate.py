@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
+from autosearch.core.runtime import engine_lacks
 from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
@@ -290,10 +291,12 @@ def validate(
         report = cand.report
         if report is None and cluster is not None:
             c = Cluster.parse(cluster) if not isinstance(cluster, Cluster) else cluster
-            if c.world_size != world:
-                nodes, per_node = (1, world) if target is None else _layout(world, c)
-                c = Cluster(gpu=c.profile, n_nodes=nodes, gpus_per_node=per_node)
+            shape = (1, world) if target is None else _layout(world, c)
             try:
+                if isinstance(shape, str):  # no whole-node layout: nothing to predict
+                    raise SpecError(shape)
+                if c.world_size != world:
+                    c = Cluster(gpu=c.gpu, n_nodes=shape[0], gpus_per_node=shape[1])
                 report = AnalyticCostModel(model, c, runtime=runtime).estimate(s)
             except SpecError:
                 report = None
@@ -305,7 +308,7 @@ def validate(
             "world_size": world,
             "model": model.name,
         }
-        problems = s.problems(model) + engine_lacks(s)
+        problems = s.problems(model) + engine_lacks(s, "cpu" if device_type == "cpu" else None)
         if device_type == "cuda" and world > n_devices:
             problems.append(
                 f"needs {world} GPUs, this machine has {n_devices}; run validation on the "
@@ -395,17 +398,6 @@ def validate(
         idx = ok.measured_tokens_per_s.idxmax()
         best, best_row = cands[int(table.loc[idx, "candidate"])], table.loc[idx].to_dict()
     return ValidationResult(table, best, best_row, outcomes)
-
-
-def engine_lacks(strategy: "Strategy") -> list[str]:
-    """What the Engine cannot run (the `torch` runtime's `supports`): a row, not a launch."""
-    from autosearch.core import RUNTIMES
-
-    return [
-        f"the Engine does not run {how} yet (the cost model prices it for other runtimes: "
-        "autosearch export --to torchtitan)"
-        for how in RUNTIMES["torch"].unsupported(strategy).values()
-    ]
 
 
 def _layout(world: int, cluster: "Cluster") -> "tuple[int, int] | str":

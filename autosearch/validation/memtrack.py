@@ -57,7 +57,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         storage = plain.untyped_storage()
         key = storage._cdata
         if key not in self._live:
-            self._live[key] = weakref.ref(storage, lambda _, key=key: self._live.pop(key, None))
+
+            def forget(_: object, key: int = key) -> None:
+                self._live.pop(key, None)
+
+            self._live[key] = weakref.ref(storage, forget)
 
     def current_bytes(self) -> int:
         total = 0

@@ -7,6 +7,10 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from cost_models.formulas import (
     all_to_all_time_s,
+    nccl_reduce_time_s,
+    nccl_ring_time_s,
+    nccl_tree_all_reduce_time_s,
+    p2p_time_s,
     ring_all_gather_time_s,
     ring_all_reduce_time_s,
     ring_reduce_scatter_time_s,
@@ -49,7 +53,19 @@ class Context(NamedTuple):
     # (group, stride, op) -> (latency_s, bandwidth_bytes_per_s) of a collective over `group`
     # ranks `stride` apart (`AnalyticCostModel.group_link` with the op's measured factor)
     link: Callable[[int, int, str], tuple[float, float]]
-    nvlink_domain: int = 8  # devices on one NVLink domain (a node, or a rack: GB200 NVL72)
+    # devices that talk over NVLink (a node, or a rack: GB200 NVL72): which steps of a ring
+    # cross the network
+    nvlink_domain: int = 8
+
+
+def nodes_spanned(ctx: Context, group: int, stride: int) -> int:
+    """NVLink domains (nodes, or racks) a group of `group` ranks `stride` apart spans (ranks laid
+    out as in `AnalyticCostModel.group_link`)."""
+    gpn = ctx.nvlink_domain
+    if group * stride <= gpn:
+        return 1
+    per_node = max(1, min(group, gpn // stride)) if stride < gpn else 1
+    return -(-group // per_node)
 
 
 class LayerCosts(NamedTuple):
@@ -69,11 +85,28 @@ class LayerCosts(NamedTuple):
 
 
 # ---- collectives over `group` ranks `stride` apart (formulas.py's alpha-beta model) ------------
+# On GPUs, NCCL's own model of its algorithms and protocols (formulas.nccl_ring_time_s): the
+# profile's alpha is the Simple protocol's latency of one ring step on each link. On CPUs (gloo)
+# the plain ring, whose alpha and beta calibration measures per collective.
+def _nccl(ctx: Context, group: int, stride: int) -> tuple[int, float, float] | None:
+    """(nodes, intra-node alpha, inter-node alpha) where NCCL runs the collectives, else None."""
+    prof = ctx.profile
+    if prof.device_type != "cuda":
+        return None
+    nodes = nodes_spanned(ctx, group, stride)
+    return nodes, prof.intra_node.latency_s, prof.inter_node.latency_s
+
+
 def all_reduce_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
     if group <= 1:
         return 0.0
     link = ctx.link(group, stride, "all_reduce")
-    # NCCL runs the faster of ring and tree all-reduce (tree: log n latency)
+    nccl = _nccl(ctx, group, stride)
+    if nccl is not None:  # NCCL runs the faster of ring and tree (tree: log N latency)
+        return min(
+            nccl_ring_time_s(nbytes, group, *nccl, link[1], passes=2),
+            nccl_tree_all_reduce_time_s(nbytes, group, *nccl, link[1]),
+        )
     return min(
         ring_all_reduce_time_s(nbytes, group, *link),
         tree_all_reduce_time_s(nbytes, group, *link),
@@ -83,13 +116,32 @@ def all_reduce_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
 def all_gather_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
     if group <= 1:
         return 0.0
-    return ring_all_gather_time_s(nbytes, group, *ctx.link(group, stride, "all_gather"))
+    link = ctx.link(group, stride, "all_gather")
+    nccl = _nccl(ctx, group, stride)
+    if nccl is not None:
+        return nccl_ring_time_s(nbytes, group, *nccl, link[1])
+    return ring_all_gather_time_s(nbytes, group, *link)
 
 
 def reduce_scatter_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
     if group <= 1:
         return 0.0
-    return ring_reduce_scatter_time_s(nbytes, group, *ctx.link(group, stride, "reduce_scatter"))
+    link = ctx.link(group, stride, "reduce_scatter")
+    nccl = _nccl(ctx, group, stride)
+    if nccl is not None:
+        return nccl_ring_time_s(nbytes, group, *nccl, link[1])
+    return ring_reduce_scatter_time_s(nbytes, group, *link)
+
+
+def reduce_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:
+    """A reduce of `nbytes` to one rank of the group (pipelined over a ring: one step's latency,
+    the whole buffer over each link)."""
+    if group <= 1:
+        return 0.0
+    link = ctx.link(group, stride, "reduce_scatter")
+    if ctx.profile.device_type == "cuda":
+        return nccl_reduce_time_s(nbytes, *link)
+    return p2p_time_s(nbytes, *link)
 
 
 def all_to_all_s(ctx: Context, nbytes: float, group: int, stride: int) -> float:

@@ -17,17 +17,26 @@ def layer_comm(
     s: "Strategy", ctx: Context, attention_fwd_s: float, attention_bwd_s: float
 ) -> float:
     """Exposed seconds of one layer's context-parallel traffic: keys and values of the whole
-    sequence all-gathered for forward, their gradients (fp32) reduced in backward, over the cp
-    ranks; each hides behind the attention core of the same layer (`attention_fwd_s`,
-    `attention_bwd_s`), all but one ring step of it."""
+    sequence all-gathered for forward, gathered again with their gradients (fp32) reduced in
+    backward, over the cp ranks; each hides behind the attention core of the same layer
+    (`attention_fwd_s`, `attention_bwd_s`), all but one ring step of it. K and V travel at the
+    width the attention kernel receives them: the full head count where the model expands them
+    first (torchtitan's `repeat_kv` before SDPA, docs/runtimes.md [1.5]), else `n_kv_heads`."""
     cp = s.cp
     if cp <= 1:
         return 0.0
-    m, t, ab = ctx.model, s.tp, ACT_BYTES[s.amp]
-    kv_bytes = 2 * s.micro_batch_size * m.seq_len * attention_widths(m)[1] / t * ab
+    m, rt, t, ab = ctx.model, ctx.runtime, s.tp, ACT_BYTES[s.amp]
+    q_width, kv_width, _ = attention_widths(m)
+    kv = q_width if rt.attention_kv_expanded else kv_width  # expanded: every head's K/V
+    kv_bytes = 2 * s.micro_batch_size * m.seq_len * kv / t * ab
     gather = all_gather_s(ctx, kv_bytes, cp, t)
     reduce = reduce_scatter_s(ctx, kv_bytes * 4 / ab, cp, t)
-    return max(gather - attention_fwd_s, gather / cp) + max(reduce - attention_bwd_s, reduce / cp)
+    # backward exchanges K and V again (the rotater re-gathers them: torch
+    # `_templated_ring_attention_backward`, TE's KV ring) next to the gradients' reduction
+    backward = gather + reduce
+    return max(gather - attention_fwd_s, gather / cp) + max(
+        backward - attention_bwd_s, backward / cp
+    )
 
 
 @reads("cp", "tp", "micro_batch_size", "amp")

@@ -3,6 +3,7 @@ ranks (stride tp), and the model states each device keeps."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from autosearch.core.dp_modes import dp_mode
@@ -13,6 +14,7 @@ from cost_models.terms._base import (
     all_gather_s,
     all_reduce_s,
     reads,
+    reduce_s,
     reduce_scatter_s,
 )
 from cost_models.terms.memory import StageParams
@@ -67,20 +69,37 @@ def cost(
     if group is not None:
         d, stride = group
     Ls = max(ranks)
-    fwd_window = Ls * layer.fwd_s * rt.dp_overlap
-    bwd_window = Ls * (layer.bwd_s + recompute_layer_s) * rt.dp_overlap
-    tail = 1.0 / (Ls + 1) if rt.dp_overlap > 0 else 1.0
+    overlap = rt.zero3_overlap if zero >= 3 and rt.zero3_overlap >= 0 else rt.dp_overlap
+    fwd_window = Ls * layer.fwd_s * overlap
+    bwd_window = Ls * (layer.bwd_s + recompute_layer_s) * overlap
+    tail = 1.0 / (Ls + 1) if overlap > 0 else 1.0
 
     def exposed(comm: float, window: float) -> float:
         return max(comm - window, comm * tail)
 
-    def per_unit(collective: Callable[..., float], nbytes: float) -> float:
+    def per_unit(collective: Callable[..., float], nbytes: float, per_layer: float = 1.0) -> float:
         """FSDP gathers and reduces one unit at a time (each block, then the root: FSDP2
-        `fully_shard` per block, FSDP1 auto-wrap, Megatron-FSDP), so every unit pays the ring's
-        latency, (n-1) alpha: at hundreds of ranks that latency, not bandwidth, bounds small
-        models (Thakur et al. 2005 alpha-beta model, applied per collective)."""
-        units = Ls + 1
-        return units * collective(ctx, nbytes / units, d, stride)
+        `fully_shard` per block, FSDP1 auto-wrap, Megatron-FSDP; DeepSpeed ZeRO-3 one submodule
+        at a time, `per_layer` of them), so every unit pays the ring's latency, (n-1) steps of
+        it (NCCL has no tree for all-gather and reduce-scatter): at hundreds of ranks that
+        latency, not bandwidth, bounds small models (Thakur et al. 2005 alpha-beta model, applied
+        per collective), and the runtime's own cost per collective adds to it."""
+        units = max(1.0, Ls * per_layer) + 1
+        return units * (collective(ctx, nbytes / units, d, stride) + rt.collective_overhead_s)
+
+    def reduce_grads(nbytes: float) -> float:
+        """ZeRO-2/3 gradient reduction: per unit (FSDP), per bucket of `reduce_bucket_params`
+        (DeepSpeed), and with `grad_reduce_per_partition` one reduce to each of the d owners per
+        bucket (DeepSpeed ZeRO-2 `average_tensor`: d collectives of S/d per bucket)."""
+        if not rt.reduce_bucket_params:
+            return per_unit(reduce_scatter_s, nbytes)
+        buckets = max(1.0, math.ceil(psi / rt.reduce_bucket_params))
+        size = nbytes / buckets
+        if rt.grad_reduce_per_partition and zero == 2:
+            one = d * (reduce_s(ctx, size / d, d, stride) + rt.collective_overhead_s)
+        else:
+            one = reduce_scatter_s(ctx, size, d, stride) + rt.collective_overhead_s
+        return buckets * one
 
     grads = psi * rt.grad_reduce_bytes
     # What FSDP / ZeRO-3 gathers: the runtime's gather dtype (the amp dtype by default);
@@ -106,15 +125,15 @@ def cost(
             comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         elif zero <= 2:
             # reduce-scatter grads, all-gather updated 16-bit params: one all-reduce's volume
-            comm = exposed(reduce_scatter_s(ctx, grads, d, stride), bwd_window) + all_gather_s(
-                ctx, gathered_param_bytes, d, stride
+            rs = (
+                reduce_grads(grads)
+                if rt.reduce_bucket_params
+                else reduce_scatter_s(ctx, grads, d, stride)
             )
+            comm = exposed(rs, bwd_window) + all_gather_s(ctx, gathered_param_bytes, d, stride)
         else:  # parameters gathered for forward and again for backward, every micro-batch
-            ag = per_unit(all_gather_s, gathered_param_bytes)
-            comm = m * (
-                exposed(ag, fwd_window)
-                + exposed(ag + per_unit(reduce_scatter_s, grads), bwd_window)
-            )
+            ag = per_unit(all_gather_s, gathered_param_bytes, rt.zero3_gathers_per_layer)
+            comm = m * (exposed(ag, fwd_window) + exposed(ag + reduce_grads(grads), bwd_window))
         return DataParallelCost(comm, params_mem, grads_mem, opt_mem)
 
     # PyTorch as the Engine applies a strategy (the table in autosearch/core/dp_modes.py):

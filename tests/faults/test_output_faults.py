@@ -101,3 +101,35 @@ def test_a_disk_that_fills_during_export_ends_in_one_message(tmp_path):
     assert res.returncode == 2 and "cannot write" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert not [n for n in os.listdir(tmp_path / "e") if n.endswith(".tmp")]
+
+
+PLANT = """
+import os, sys
+from autosearch.cli import main
+out = sys.argv[1]
+os.makedirs(out)
+names = ["trials.csv", "top_k.csv", "best_strategy.yaml", "study.yaml", "report.md",
+         "megatron.sh", "ds_config.json", "deepspeed_launch.sh", "torchtitan.toml",
+         "time_breakdown.png", "throughput_memory.png", "importances.png"]
+for name in names:  # where earlier versions wrote their temporary files: <name>.tmp<pid>
+    os.symlink(sys.argv[2], os.path.join(out, f"{name}.tmp{os.getpid()}"))
+open(os.path.join(out, ".autosearch"), "w").write("written by autosearch: study\\n")
+args = ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--global-batch-size", "64"]
+sys.exit(main(["tune", *args, "--n-trials", "4", "--quiet", "--out", out]))
+"""
+
+
+def test_links_planted_at_temporary_names_are_never_followed(tmp_path):
+    """Symbolic links at the predictable names `<file>.tmp<pid>` of the writing process: every
+    output is written through an unpredictable name (mkstemp, O_EXCL), the victim is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    res = subprocess.run(
+        [sys.executable, "-c", PLANT, str(tmp_path / "o"), str(victim)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert victim.read_text() == "precious"
+    assert (tmp_path / "o" / "study.yaml").is_file() and (tmp_path / "o" / "megatron.sh").is_file()
