@@ -135,6 +135,8 @@ class SearchSpace(BaseSearchSpace):
         global_batch_size: sequences per optimizer step.
         config: a SpaceConfig, or a space YAML (path or shipped name such as ``megatron``);
             defaults to ``search_spaces/default.yaml``.
+        runtime: the runtime whose ``supports`` resolve the config's ``supported`` values
+            (`SpaceConfig.resolved`; default ``torch``, the Engine).
         **pins: per-dimension narrowing on top of `config`: a scalar pins (``tp=8``), a list
             narrows (``recompute=["selective", "full"]``), ``"all"`` re-opens.
 
@@ -156,6 +158,7 @@ class SearchSpace(BaseSearchSpace):
         *,
         global_batch_size: int,
         config: "SpaceConfig | str | os.PathLike | None" = None,
+        runtime: Any = None,
         **pins: Any,
     ):
         self.model = ModelSpec.load(model)
@@ -166,6 +169,10 @@ class SearchSpace(BaseSearchSpace):
         elif not isinstance(config, SpaceConfig):
             config = SpaceConfig.from_yaml(config)
         self.config = config.narrowed(**pins) if pins else config
+        if not self.config.resolved_already:
+            self.config, _ = self.config.resolved(
+                runtime=runtime, model=self.model, cluster=self.cluster
+            )
         self._build()
 
     @classmethod

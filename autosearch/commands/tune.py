@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         kw: dict[str, Any] = dict(dest=f.name, help=s.help, default=argparse.SUPPRESS)
         if s.negate:
             kw.update(action="store_false")
+        elif s.switch:
+            kw.update(action="store_true")
         else:
             kw.update(action="append" if s.repeat else "store", metavar=s.metavar)
             kw.update(choices=s.choices)
@@ -145,7 +147,7 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
         raise SpecError(
             f"tune needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config file"
         )
-    model = load_model(values["model"])
+    model = load_model(values["model"], seq_len=values.get("seq_len"))
     cluster = load_cluster(
         values["cluster"],
         nnodes=values.pop("nnodes", None),

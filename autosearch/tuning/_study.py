@@ -54,6 +54,7 @@ from autosearch.tuning._checks import (
     storage_errors,
 )
 from autosearch.tuning._config import SAMPLERS, TuneConfig, _study_name
+from autosearch.tuning._margin import MemoryMargin, memory_margin
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
 from autosearch.tuning._params import PlainParams, for_sampler, sampler_params
@@ -201,6 +202,10 @@ class TuneJob:
         sampler_name, sampler: the sampler's name, and the sampler the in-memory study uses.
         target: finished trials (exhaustive: units covered) the study will hold.
         plan: what the budget rule chose, when it chose (no n_trials nor sampler given).
+        opened: why each dimension a runtime may lack is searched or not (`SpaceConfig.resolved`;
+            empty for a space object given whole).
+        margin: the device memory held back (`memory_margin`): a strategy fits only within
+            the rest.
         study_name, out, storage: where the study and its outputs go.
         record: the config block of study.yaml: the settings with names resolved and paths made
             absolute (None when objects without a file form were given).
@@ -218,6 +223,8 @@ class TuneJob:
     sampler: "optuna.samplers.BaseSampler"
     target: int
     plan: "SearchPlan | None"
+    opened: tuple
+    margin: MemoryMargin
     study_name: str
     out: str | None
     storage: Any
@@ -239,14 +246,17 @@ def prepare(
     from autosearch.core.hardware import Cluster
 
     no_file_form = any(x is not None for x in (cost_model, space, sampler, storage))
-    model = _load_model(config.model)
+    model = _load_model(config.model, seq_len=config.seq_len)
     cluster = Cluster.parse(
         config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
     )
     gbs = config.global_batch_size
     if space is not None and (config.space is not None or config.pin):
         raise SpecError("give the search space once: a space object, or space and pin")
-    space = _resolve_space(space, model, cluster, gbs, config)
+    cm = _resolve_cost_model(cost_model, model, cluster, config.runtime)
+    runtime = getattr(cm, "runtime", config.runtime)
+    space, opened = _resolve_space(space, model, cluster, gbs, config, runtime)
+    margin = memory_margin(runtime, cluster, override=config.memory_margin)
     obj = make_objective(
         config.objective, cluster=cluster, price_per_gpu_hour=config.price_per_gpu_hour
     )
@@ -270,7 +280,6 @@ def prepare(
         check_output_folder(out, files=OUTPUT_FILES)
         check_other_study(out, name)
         claim_out_folder(out, study_name=name, storage=describe_storage(storage))
-    cm = _resolve_cost_model(cost_model, model, cluster, config.runtime)
     n_trials, plan = config.n_trials, None
     sampler_arg: Any = sampler if sampler is not None else config.sampler
     if n_trials is None and sampler_arg is None:
@@ -300,6 +309,8 @@ def prepare(
         sampler=shadow_sampler,
         target=target,
         plan=plan,
+        opened=opened,
+        margin=margin,
         study_name=name,
         out=out,
         storage=storage,
@@ -360,6 +371,7 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
         study_name=job.study_name,
         meta=meta,
         exhaustive=job.sampler_name == "exhaustive",
+        margin=job.margin,
     )
     t0 = time.perf_counter()
     runner.start()
@@ -436,8 +448,10 @@ class _Runner:
         study_name: str,
         meta: StudyMeta,
         exhaustive: bool,
+        margin: MemoryMargin | None = None,
     ):
         self.space, self.cost_model, self.objective, self.unit = space, cost_model, objective, unit
+        self.margin = margin or MemoryMargin(0.0, "none")
         self.shadow, self.opened, self.study_name, self.meta = shadow, opened, study_name, meta
         self.exhaustive = exhaustive
         self.worker = uuid.uuid4().hex[:12]
@@ -658,6 +672,11 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
+    def estimate(self, strategy) -> Any:
+        """The cost model's report of `strategy`, with the memory margin held back."""
+        r = self.cost_model.estimate(strategy, validate=False)
+        return r.with_margin(self.margin.fraction * r.memory_capacity_bytes)
+
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
         self._scored = ((), None)
         group = (
@@ -668,7 +687,7 @@ class _Runner:
         self._scored = (group, None)
         best_s, best_r = None, None
         for s in group:
-            r = self.cost_model.estimate(s, validate=False)
+            r = self.estimate(s)
             if self.objective.better(r, best_r, s, best_s):
                 best_s, best_r = s, r
         if best_s is None or best_r is None:  # recorded as a failed trial
@@ -889,7 +908,7 @@ def _pareto(cands: list[Candidate], objective: Objective) -> list[Candidate]:
 def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     """How far the least hungry strategy of the whole space is from fitting (exhaustive scan of
     peak memory when the space is small enough, else the least hungry strategy tried)."""
-    space, cm = runner.space, runner.cost_model
+    space = runner.space
     cluster = space.cluster
     where = "tried"
     least_s, least_r = (
@@ -901,7 +920,7 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     if space.size <= 2_000_000:
         where = f"of all {space.size:,} in the space"
         for s in space.enumerate():
-            r = cm.estimate(s, validate=False)
+            r = runner.estimate(s)
             n_fit += r.fits
             if least_r is None or r.peak_memory_bytes < least_r.peak_memory_bytes:
                 least_s, least_r = s, r
@@ -937,23 +956,27 @@ def check_study_name(name: Any) -> str:
     return _study_name(name, "study_name")
 
 
-def _load_model(value: "ModelSpec | dict | str") -> "ModelSpec":
+def _load_model(value: "ModelSpec | dict | str", *, seq_len: int | None = None) -> "ModelSpec":
     """A ModelSpec from the config's model: a ModelSpec, its fields, a catalog name or a YAML
-    file (whose path a message names)."""
+    file (whose path a message names), at `seq_len` tokens when given."""
     from autosearch.core.model_spec import ModelSpec
 
     if isinstance(value, dict):
-        return ModelSpec.from_dict(value, what="model (a mapping)")
+        value = ModelSpec.from_dict(value, what="model (a mapping)")
     try:
-        return ModelSpec.load(value)
+        return ModelSpec.load(value, seq_len=seq_len)
     except SpecError as exc:
         if isinstance(value, str) and os.path.isfile(value) and value not in str(exc):
             raise SpecError(f"model file {value!r}: {exc}") from None
         raise
 
 
-def _resolve_space(space, model, cluster, global_batch_size, config) -> "BaseSearchSpace":
-    from search_spaces import SearchSpace
+def _resolve_space(space, model, cluster, global_batch_size, config, runtime) -> tuple:
+    """(the search space, why each dimension a runtime may lack is open or not): the space file
+    (default: default.yaml) with the pins, its ``supported`` values resolved for the runtime on
+    the cluster (`SpaceConfig.resolved`); refused when it asks what the runtime cannot run."""
+    from search_spaces import SearchSpace, SpaceConfig
+    from search_spaces._config import runtime_problems
 
     if space is not None:
         if (
@@ -966,10 +989,20 @@ def _resolve_space(space, model, cluster, global_batch_size, config) -> "BaseSea
                 f"global batch {space.global_batch_size}, not {model.name} on {cluster.name} at "
                 f"{global_batch_size}"
             )
-        return space
-    return SearchSpace(
-        model, cluster, global_batch_size=global_batch_size, config=config.space, **config.pin
+        return space, ()
+    base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
+    base = base.narrowed(**config.pin) if config.pin else base
+    resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
+    built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
+    problems = runtime_problems(
+        built.plain_choices(),
+        uneven_pipeline=resolved.uneven_pipeline,
+        runtime=runtime,
+        cluster=cluster,
     )
+    if problems:
+        raise SpecError(problems, context="the search space asks what the runtime cannot run")
+    return built, opened
 
 
 def _resolve_sampler(sampler, n_trials, n_units, obj: Objective, seed):
