@@ -373,6 +373,8 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     SpecError naming every bad value."""
     out, problems = dict(values), []
     for name in out:
+        if isinstance(out[name], str) and out[name].strip().lower() == SUPPORTED:
+            out[name] = SUPPORTED
         if out[name] == SUPPORTED and name not in (*_RUNTIME_DIMS, "uneven_pipeline"):
             problems.append(
                 f"{name}: {SUPPORTED!r} is only for what a runtime may lack "

@@ -478,6 +478,11 @@ class SearchSpace(BaseSearchSpace):
         TP where allowed)."""
         return tuple(self.strategies_of(self._suggest_layout(trial)))
 
+    def suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
+        """Sample a layout only: what `suggest_group` samples, before its strategies are built
+        (`strategies_of`)."""
+        return self._suggest_layout(trial)
+
     def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
         pick = _picker(trial)
         node, mesh = self._tree, {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import re
 import sys
@@ -382,6 +383,8 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     bar = _ProgressBar(job.target) if progress is True else (progress or None)
     try:
         n_new = runner.run(job.target, progress=bar)
+        if job.plan is not None and job.plan.local:
+            n_new += runner.local_search()
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
@@ -477,6 +480,9 @@ class _Runner:
         # flight scored: its group of strategies and the one it kept
         self.plain = PlainParams(space) if self.storage is not None else None
         self._scored: tuple[tuple, Any] = ((), None)
+        self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
+        self._group_size: dict[tuple, int] = {}
+        self.local_layouts = 0  # layouts the local search scored
 
     @property
     def n_finished(self) -> int:
@@ -672,6 +678,72 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
+    def local_search(self) -> int:
+        """Climb from the best layouts of the study to a local optimum (`_local.py`), scoring
+        each neighbour no trial holds yet as a trial of the study. Returns the trials this
+        worker persisted."""
+        from autosearch.core.strategy import Strategy
+        from autosearch.tuning._local import MAX_STEPS, STARTS, LayoutIndex, layout_key
+
+        index = LayoutIndex(self.space.layouts(), self.space.cluster.world_size)
+        value: dict[tuple, float | None] = {}  # a layout's best throughput (None: none fits)
+        covered: set[tuple] = set()
+        for t in self.all_trials():
+            covered.add(_key(sampler_params(t)))
+            kept = t.user_attrs.get(ATTR_STRATEGY)
+            if t.state == TrialState.COMPLETE and kept is not None:
+                fits = t.constraints.get(CONSTRAINT, 0) <= 0
+                value[layout_key(Strategy.from_dict(kept))] = t.values[0] if fits else None
+        ranked = sorted((v, k) for k, v in value.items() if v is not None)
+        starts = [k for _, k in reversed(ranked[-STARTS:])]
+        self.local_layouts = 0
+        new, climbed = 0, set()
+        for start in starts:
+            here = start
+            for _ in range(MAX_STEPS):
+                if here in climbed:
+                    break
+                climbed.add(here)
+                around = index.neighbours(index.by_key[here])
+                new += self._score_layouts(around, covered, value)
+                best = max(
+                    (index.key(o) for o in around if value.get(index.key(o)) is not None),
+                    key=lambda k: value[k],  # type: ignore[arg-type, return-value]
+                    default=None,
+                )
+                if best is None or value[best] <= value[here]:  # type: ignore[operator]
+                    break
+                here = best
+        return new
+
+    def _score_layouts(self, layouts, covered: set, value: dict) -> int:
+        """Score every layout of `layouts` that no trial holds yet, as trials of the study."""
+        from autosearch.core.strategy import Strategy
+        from autosearch.tuning._local import layout_key
+
+        new = 0
+        opened = self.opened
+        batch = opened.batched_writes() if opened is not None else contextlib.nullcontext()
+        with self.lock(), batch:
+            self.sync()
+            for layout in layouts:
+                params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
+                if _key(params) in covered:
+                    continue
+                covered.add(_key(params))
+                frozen, attrs = self._score_unit(params)
+                if not self._persist(frozen, attrs, math.inf):
+                    break
+                new += 1
+                self.local_layouts += 1
+                kept = attrs.get(ATTR_STRATEGY)
+                if frozen.state == TrialState.COMPLETE and kept is not None:
+                    fits = frozen.constraints.get(CONSTRAINT, 0) <= 0
+                    value[layout_key(Strategy.from_dict(kept))] = (
+                        frozen.values[0] if fits else None
+                    )
+        return new
+
     def estimate(self, strategy) -> Any:
         """The cost model's report of `strategy`, with the memory margin held back."""
         r = self.cost_model.estimate(strategy, validate=False)
@@ -679,25 +751,39 @@ class _Runner:
 
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
         self._scored = ((), None)
-        group = (
-            self.space.suggest_group(trial)
-            if self.unit == "layout"
-            else (self.space.suggest(trial),)
-        )
-        self._scored = (group, None)
-        best_s, best_r = None, None
-        for s in group:
-            r = self.estimate(s)
-            if self.objective.better(r, best_r, s, best_s):
-                best_s, best_r = s, r
-        if best_s is None or best_r is None:  # recorded as a failed trial
-            raise ValueError("the trial's group of strategies is empty")
+        # A sampler proposes a unit again (TPE repeats its best layouts): the same group scores
+        # the same, so its best is kept rather than built and scored twice.
+        group: tuple = ()
+        layout = None
+        if self.unit != "layout":
+            group = (self.space.suggest(trial),)
+        elif hasattr(self.space, "suggest_layout"):
+            layout = self.space.suggest_layout(trial)
+        else:
+            group = self.space.suggest_group(trial)
+        unit = _key(trial.params)
+        if unit in self._best_of:
+            best_s, best_r = self._best_of[unit]
+        else:
+            if layout is not None:
+                group = tuple(self.space.strategies_of(layout))
+            self._scored = (group, None)
+            best_s, best_r = None, None
+            for s in group:
+                r = self.estimate(s)
+                if self.objective.better(r, best_r, s, best_s):
+                    best_s, best_r = s, r
+            if best_s is None or best_r is None:  # recorded as a failed trial
+                raise ValueError("the trial's group of strategies is empty")
+            if not self.exhaustive:  # an exhaustive run scores each unit once
+                self._best_of[unit] = (best_s, best_r)
+                self._group_size[unit] = len(group)
         self._scored = (group, best_s)
         attrs = {
             ATTR_STRATEGY: best_s.to_dict(),
             ATTR_REPORT: best_r.to_dict(flat=False),
             ATTR_WORKER: self.worker,
-            ATTR_GROUP: len(group),
+            ATTR_GROUP: len(group) if group else self._group_size.get(unit, 0),
         }
         return self.objective.values(best_r), best_r.memory_excess_bytes / GiB, attrs
 
@@ -747,6 +833,9 @@ DEFAULT_TRIALS = 200
 # (one fsync per trial, as sampled trials do, costs 2-5 ms); SQLite commits every trial.
 PERSIST_S = {"memory": 0.001, "journal": 0.002, "sqlite": 0.015, "rdb": 0.02}
 PLAN_PROBES = 12  # units timed, after one untimed unit that warms the cost model's caches
+# The probe stops after PLAN_PROBES_CLEAR units when they put the whole space beyond PLAN_CLEAR
+# times the budget (a space of 30,000 layouts is not exhaustive whatever the other probes say).
+PLAN_PROBES_CLEAR, PLAN_CLEAR = 4, 4.0
 
 
 @dataclass(frozen=True)
@@ -758,6 +847,7 @@ class SearchPlan:
     n_trials: int
     estimate_s: float
     reason: str
+    local: bool = False  # the sampled trials are followed by the local search (`_local.py`)
 
 
 def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = None) -> SearchPlan:
@@ -784,6 +874,11 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     for i, trial in enumerate(trials):
         if i == 1:  # the first unit pays for imports and cold caches once: not counted
             t0 = time.perf_counter()
+        elif i > PLAN_PROBES_CLEAR and (
+            (time.perf_counter() - t0) / (i - 1) * n_units > PLAN_CLEAR * EXHAUSTIVE_BUDGET_S
+        ):  # far over the budget already: the rest would not change the plan
+            n_probes = i - 1
+            break
         group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
         for s in group:
             try:
@@ -810,11 +905,15 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
         else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
         f"{EXHAUSTIVE_BUDGET_S:.0f} s budget"
     )
+    local = unit == "layout" and not multi
     return SearchPlan(
         exhaustive=False,
         n_trials=DEFAULT_TRIALS,
         estimate_s=estimate,
-        reason=f"sampled: {DEFAULT_TRIALS} trials ({why}; --sampler exhaustive scores them all)",
+        reason=f"sampled: {DEFAULT_TRIALS} trials"
+        + (" and a local search from the best layouts" if local else "")
+        + f" ({why}; --sampler exhaustive scores them all)",
+        local=local,
     )
 
 
