@@ -273,7 +273,7 @@ def test_the_dimensions_of_todays_stacks_widen_the_space():
     assert {s.fp8 for s in a100.enumerate()} == {"none"}
 
 
-# ---- the default space of a runtime --------------------------------------------------------------
+# ---- the default space of a runtime -------------------------------------------------------------
 def _opened(runtime, model="llama3-70b", cluster="h100-sxm:32x8", **kw):
     config, notes = SpaceConfig.default().resolved(
         runtime=runtime, model=ModelSpec.load(model), cluster=Cluster.parse(cluster), **kw
@@ -333,13 +333,20 @@ def test_a_space_that_asks_what_the_runtime_cannot_run_is_refused_with_a_runtime
     space = SearchSpace(
         "llama3-70b", "h100-sxm:32x8", global_batch_size=512, cp=[1, 2], compile="all"
     )
+    choices, cluster = space.plain_choices(), space.cluster
     problems = runtime_problems(
-        space.plain_choices(), uneven_pipeline=False, runtime="megatron-sc21", cluster=space.cluster
+        choices, uneven_pipeline=False, runtime="megatron-sc21", cluster=cluster
     )
     assert len(problems) == 2
     assert problems[0].startswith("cp [2]: runtime 'megatron-sc21' does not run cp=2")
     assert "use --runtime" in problems[0] and "keep cp to [1]" in problems[0]
     assert problems[1].startswith("compile [true]")
-    assert runtime_problems(
-        space.plain_choices(), uneven_pipeline=True, runtime="torchtitan", cluster=space.cluster
-    ) == []
+    assert (
+        runtime_problems(
+            space.plain_choices(),
+            uneven_pipeline=True,
+            runtime="torchtitan",
+            cluster=space.cluster,
+        )
+        == []
+    )
