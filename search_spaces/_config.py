@@ -344,7 +344,8 @@ def _supported_values(
         return None, f"runtime {rt.name!r} runs it" + (
             f" and seq_len {model.seq_len:,} >= {CP_MIN_SEQ_LEN:,}" if name == "cp" else ""
         )
-    kept, refused = [], []
+    kept: list[tuple[Any, str]] = []
+    refused: list[tuple[Any, str]] = []
     for v in d.choices:
         ok, why = _runs(rt, name, v, device)
         (kept if ok else refused).append((v, why))

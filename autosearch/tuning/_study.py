@@ -787,7 +787,7 @@ class _Runner:
         }
         return self.objective.values(best_r), best_r.memory_excess_bytes / GiB, attrs
 
-    def _persist(self, frozen, attrs: dict[str, Any], target: int) -> bool:
+    def _persist(self, frozen, attrs: dict[str, Any], target: float) -> bool:
         """Store one finished trial whole, unless the study already holds `target` (checked and
         written under the study lock, so workers never overshoot)."""
         if self.storage is None:
@@ -934,7 +934,12 @@ def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
     """What the search did and how much of the space it covered ({covered} is filled in)."""
     what = "layouts" if unit == "layout" else "strategies"
     head = plan.reason if plan is not None else f"{sampler_name}: {target:,} trials asked"
-    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}"
+    local = (
+        f", the local search scored {runner.local_layouts:,} of them"
+        if plan is not None and plan.local
+        else ""
+    )
+    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}{local}"
 
 
 def _key(params: dict[str, Any]) -> tuple:
@@ -986,6 +991,8 @@ def _collect(
         plan=runner.plan.format(covered=covered),
         price_per_gpu_hour=runner.price_per_gpu_hour,
         config=config,
+        opened=job.opened,
+        margin=job.margin,
     )
 
 
