@@ -90,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 SHADOW_RENEW = 1000
+ATTR_LOCAL = "autosearch:local"  # a trial of the local search (not a start of the next climb)
 
 
 def tune(
@@ -654,18 +655,22 @@ class _Runner:
             frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
         return self._persist(frozen, attrs, target)
 
-    def _score_unit(self, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """One unit of the space scored as a finished trial (in memory, it joins the study)."""
+    def _score_unit(
+        self, params: dict[str, Any], *, mark: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """One unit of the space scored as a finished trial (in memory, it joins the study),
+        with the user attributes `mark` added."""
         import optuna
 
         fixed = optuna.trial.FixedTrial(params, number=self._finished)
         try:
             values, constraint, attrs = self._evaluate(fixed)
+            attrs.update(mark or {})
         except ValueError as exc:  # e.g. a precision the hardware has no peak for: recorded
             frozen = optuna.trial.create_trial(
                 state=TrialState.FAIL, params=fixed.params, distributions=fixed.distributions
             )
-            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker}
+            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker, **(mark or {})}
         else:
             frozen = optuna.trial.create_trial(
                 values=values,
@@ -679,22 +684,28 @@ class _Runner:
         return frozen, attrs
 
     def local_search(self) -> int:
-        """Climb from the best layouts of the study to a local optimum (`_local.py`), scoring
-        each neighbour no trial holds yet as a trial of the study. Returns the trials this
-        worker persisted."""
+        """Climb from the best layouts of the study's sampled trials to a local optimum
+        (`_local.py`), scoring each neighbour no trial holds yet as a trial of the study (marked
+        `ATTR_LOCAL`). The climb is deterministic from its starts, which come from the sampled
+        trials only: on a finished study it retraces its path and scores nothing. Returns the
+        trials this worker persisted."""
         from autosearch.core.strategy import Strategy
         from autosearch.tuning._local import MAX_STEPS, STARTS, LayoutIndex, layout_key
 
         index = LayoutIndex(self.space.layouts(), self.space.cluster.world_size)
         value: dict[tuple, float | None] = {}  # a layout's best throughput (None: none fits)
+        sampled: dict[tuple, float] = {}
         covered: set[tuple] = set()
         for t in self.all_trials():
             covered.add(_key(sampler_params(t)))
             kept = t.user_attrs.get(ATTR_STRATEGY)
             if t.state == TrialState.COMPLETE and kept is not None:
                 fits = t.constraints.get(CONSTRAINT, 0) <= 0
-                value[layout_key(Strategy.from_dict(kept))] = t.values[0] if fits else None
-        ranked = sorted((v, k) for k, v in value.items() if v is not None)
+                key = layout_key(Strategy.from_dict(kept))
+                value[key] = t.values[0] if fits else None
+                if fits and not t.user_attrs.get(ATTR_LOCAL):
+                    sampled[key] = t.values[0]
+        ranked = sorted((v, k) for k, v in sampled.items())
         starts = [k for _, k in reversed(ranked[-STARTS:])]
         self.local_layouts = 0
         new, climbed = 0, set()
@@ -731,7 +742,7 @@ class _Runner:
                 if _key(params) in covered:
                     continue
                 covered.add(_key(params))
-                frozen, attrs = self._score_unit(params)
+                frozen, attrs = self._score_unit(params, mark={ATTR_LOCAL: True})
                 if not self._persist(frozen, attrs, math.inf):
                     break
                 new += 1
