@@ -23,18 +23,23 @@ each search is written next to its time: the machine is shared).
 Run: python benchmarks/search_default.py [--seeds 5] [--out results/search_default.csv]
      python benchmarks/search_default.py --extended   (results/search_extended.csv)
      python benchmarks/search_default.py --extended --optima-only   (fill the optima cache)
+     python benchmarks/search_default.py --supports cp,compile,async_tp,selective_op,uneven_pp
+         (the default battery as it will be once the Engine runs those dimensions)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import time
 from pathlib import Path
 
 from autosearch import Strategy, TuneConfig, tune
+from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from autosearch.tuning._study import prepare
+from cost_models import AnalyticCostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMA = ROOT / "results" / "search_optima.csv"
@@ -101,9 +106,15 @@ def job(model: str, cluster: str, gbs: int, settings: dict, seed: int = 0) -> Tu
     return TuneConfig(model=model, cluster=cluster, global_batch_size=gbs, seed=seed, **settings)
 
 
-def optimum(config: TuneConfig) -> dict:
+def engine_runtime(supports: str) -> RuntimeOptions:
+    """The torch preset (the Engine) with `supports` in place of its own: the default battery
+    as it will be once the Engine runs those dimensions (--supports)."""
+    return dataclasses.replace(RUNTIMES["torch"], supports=tuple(supports.split(",")))
+
+
+def optimum(config: TuneConfig, cost_model=None) -> dict:
     """The exhaustive optimum of the config's space under its margin: every strategy scored."""
-    prepared = prepare(config.replace(n_trials=1, sampler="random"))
+    prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
     space, cm = prepared.space, prepared.cost_model
     fraction = prepared.margin.fraction
     t0 = time.perf_counter()
@@ -126,11 +137,11 @@ def optimum(config: TuneConfig) -> dict:
     }
 
 
-def _still_valid(row: dict, config: TuneConfig) -> bool:
+def _still_valid(row: dict, config: TuneConfig, cost_model=None) -> bool:
     """The kept optimum still has the throughput the cost model gives its strategy now."""
     if not row.get("strategy"):
         return False
-    prepared = prepare(config.replace(n_trials=1, sampler="random"))
+    prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
     if prepared.space.signature()["digest"] != row["digest"]:
         return False
     s = Strategy.from_dict(eval(row["strategy"]))  # noqa: S307 (our own file, a dict literal)
@@ -138,12 +149,13 @@ def _still_valid(row: dict, config: TuneConfig) -> bool:
     return r.tokens_per_s == float(row["optimum_tokens_per_s"])
 
 
-def cached_optimum(key: tuple, config: TuneConfig, *, rescore: bool) -> dict:
+def cached_optimum(key: tuple, config: TuneConfig, *, rescore: bool, cost_model=None) -> dict:
     rows = _read_optima()
     row = rows.get(key)
-    if row is not None and not rescore and _still_valid(row, config):
+    if row is not None and not rescore and _still_valid(row, config, cost_model):
         return {**row, "optimum_tokens_per_s": float(row["optimum_tokens_per_s"])}
-    fresh = optimum(config)
+    fresh = optimum(config, cost_model)
+    rows = _read_optima()  # again: another run may have added rows meanwhile
     rows[key] = {"battery": key[0], "model": key[1], "cluster": key[2], "gbs": key[3], **fresh}
     _write_optima(rows)
     return fresh
@@ -178,21 +190,35 @@ def main() -> None:
     parser.add_argument("--optima-only", action="store_true", help="only fill the optima cache")
     parser.add_argument("--rescore", action="store_true", help="score every optimum again")
     parser.add_argument("--cases", default=None, help="only these case numbers (0-based, a,b)")
+    parser.add_argument(
+        "--supports",
+        default=None,
+        help="the default battery with the torch preset running these dimensions instead of "
+        "its own (e.g. cp,compile,async_tp,selective_op,uneven_pp): writes "
+        "results/search_default_engine.csv",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
-    battery = "extended" if ext else "default"
+    battery = "extended" if ext else ("default-engine" if args.supports else "default")
+    runtime = engine_runtime(args.supports) if args.supports and not ext else None
+
+    def cost_model(model, cluster):
+        return AnalyticCostModel(model, cluster, runtime=runtime)
+
+    factory = cost_model if runtime is not None else None
     cases = EXTENDED_CASES if ext else CASES
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     settings = EXTENDED if ext else {}
-    out = args.out or f"results/search_{battery}.csv"
+    out = args.out or f"results/search_{battery.replace('-', '_')}.csv"
     rows = []
     for model, cluster, gbs in cases:
         ref = cached_optimum(
             (battery, model, cluster, gbs),
             job(model, cluster, gbs, settings),
             rescore=args.rescore,
+            cost_model=factory,
         )
         best = ref["optimum_tokens_per_s"]
         print(
@@ -204,7 +230,7 @@ def main() -> None:
         for seed in range(args.seeds):
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            result = tune(job(model, cluster, gbs, settings, seed=seed))
+            result = tune(job(model, cluster, gbs, settings, seed=seed), cost_model=factory)
             wall = time.perf_counter() - t0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0
