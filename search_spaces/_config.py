@@ -130,13 +130,15 @@ class SpaceConfig:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def default(cls) -> "SpaceConfig":
-        """The shipped ``search_spaces/default.yaml``."""
+        """The shipped ``search_spaces/default.yaml``; a dimension a runtime may lack that the
+        file does not name is ``supported`` (a dimension declared later joins the default space
+        of every runtime that runs it)."""
         text = (
             resources.files("search_spaces").joinpath("default.yaml").read_text(encoding="utf-8")
         )
+        data = parse_yaml_mapping(text, what="search_spaces/default.yaml")
         return cls.from_dict(
-            parse_yaml_mapping(text, what="search_spaces/default.yaml"),
-            what="search_spaces/default.yaml",
+            {name: SUPPORTED for name in _RUNTIME_DIMS} | data, what="search_spaces/default.yaml"
         )
 
     @classmethod

@@ -857,6 +857,33 @@ CASES = [
         expect=("fp8", "true or false", "sometimes"),
     ),
     Case(
+        "cli-tune-fp8-on-a-runtime-without-it",
+        cli=TUNE_B + ("--fp8", "--runtime", "megatron-sc21"),
+        expect=("fp8", "megatron-sc21", "does not run", "drop --fp8"),
+    ),
+    Case(
+        "cli-tune-fp8-on-a100",
+        cli=(
+            "tune",
+            "--model",
+            "llama3-8b",
+            "--cluster",
+            "a100-sxm4-80gb:1x8",
+            "--global-batch-size",
+            "64",
+            "--fp8",
+            "--runtime",
+            "torchtitan",
+            "--quiet",
+        ),
+        expect=("fp8", "no fp8 peak", "H100"),
+    ),
+    Case(
+        "cli-tune-fp8-pinned-none",
+        cli=TUNE_B + ("--fp8", "--runtime", "torchtitan", "--pin", "fp8=none"),
+        expect=("fp8", "keeps fp8 to [none]", "drop that pin"),
+    ),
+    Case(
         "cli-tune-pin-what-the-runtime-cannot-run",
         cli=TUNE_B + ("--pin", "compile=true", "--runtime", "megatron-sc21", "--n-trials", "2"),
         expect=("compile [true]", "megatron-sc21", "does not run", "use --runtime"),
