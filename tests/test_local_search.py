@@ -88,13 +88,13 @@ def _optimum():
 
 @pytest.mark.slow
 def test_the_climb_reaches_the_exhaustive_optimum_that_a_short_sampled_search_misses():
-    """20 TPE trials stop short of the optimum; the climb from their best layouts reaches it,
-    scoring a few dozen of the 5,652 layouts, each a trial of the study."""
+    """20 TPE trials stop short of the optimum; the climbs from their best layouts reach it,
+    scoring a small part of the 5,652 layouts, each a trial of the study."""
     best = _optimum()
     before, after, new, runner = _sampled_then_climbed(seed=0, n_trials=20)
     assert before < best  # the sampled trials alone miss it
     assert after == pytest.approx(best, rel=1e-12)
-    assert 0 < new == runner.local_layouts < 400
+    assert 0 < new == runner.local_layouts < runner.space.n_groups / 5
     assert len(runner.all_trials()) == 20 + new
 
 

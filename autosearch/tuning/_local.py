@@ -11,9 +11,10 @@ layout no neighbour beats.
 
 A neighbour differs by one move (`neighbours`):
 
-- a factor p (a prime of the world size) moved between two mesh degrees (tp x2 and dp /2;
-  pp x2 and cp /2 ...), the micro-batch kept, or scaled by p so the micro-batches per step stay;
-  the schedule kept where the new pipeline has it (1F1B in its place otherwise);
+- a factor moved between two mesh degrees: one degree times or over a prime p of the world size,
+  or to the next value it takes in the space, the other the inverse (tp x2 and dp /2; pp 12 -> 8
+  and dp x1.5), the micro-batch kept, or scaled by the same factor so the micro-batches per step
+  stay; the schedule kept where the new pipeline has it (1F1B in its place otherwise);
 - a folded degree (ep) times or over p;
 - the micro-batch size one step up or down among those the degrees allow;
 - the schedule: GPipe, 1F1B, or interleaved with the virtual stages one step, or a factor 2,
@@ -25,14 +26,17 @@ Moving one pair of degrees at a time keeps a neighbourhood at 20-60 layouts, whe
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 from autosearch.core import dimensions
 
 STARTS = 3  # the best distinct layouts of the sampled trials a climb starts from
+BASIN_STARTS = 3  # and the best layouts of that many other pipeline degrees
 MAX_STEPS = 12  # moves per climb (a climb measured in issue 10 took 1-3)
 INTERLEAVED = "interleaved_1f1b"
 # the degrees a move trades a factor between (dp takes what the others leave), and the folded
@@ -70,6 +74,8 @@ class LayoutIndex:
             self.by_key[self.key(layout)] = layout
             self.by_degrees[self.degrees(layout)].append(layout)
         self.primes = primes_of(world_size)
+        # every value each degree takes in the space, increasing
+        self.values = [sorted({d[i] for d in self.by_degrees}) for i in range(len(MESH + FOLDED))]
 
     @staticmethod
     def key(layout) -> tuple:
@@ -93,19 +99,20 @@ class LayoutIndex:
         v = layout.values
         names = MESH + FOLDED
         here = self.degrees(layout)
-        for p in self.primes:
-            for a, b in itertools.permutations(range(len(MESH)), 2):
-                if here[b] % p:
+        for a, b in itertools.permutations(range(len(MESH)), 2):
+            for new_a in self._steps(a, here[a]):
+                if (here[b] * here[a]) % new_a:
                     continue
                 moved = list(here)
-                moved[a], moved[b] = moved[a] * p, moved[b] // p
-                yield from self._near(v, tuple(moved), p)
+                moved[a], moved[b] = new_a, here[b] * here[a] // new_a
+                yield from self._near(v, tuple(moved), Fraction(new_a, here[a]))
+        for p in self.primes:
             for i in range(len(MESH), len(names)):  # folded degrees move alone
                 for moved_i in (here[i] * p, here[i] // p if here[i] % p == 0 else 0):
                     if moved_i:
                         moved = list(here)
                         moved[i] = moved_i
-                        yield from self._near(v, tuple(moved), p)
+                        yield from self._near(v, tuple(moved), Fraction(p))
         same = self.by_degrees.get(here, [])
         mbs = sorted({o.micro_batch_size for o in same})
         i = mbs.index(v["micro_batch_size"])
@@ -118,14 +125,26 @@ class LayoutIndex:
             mb = v["micro_batch_size"]
             yield from (o for o in same if o.micro_batch_size == mb and _pipeline(o) in close)
 
-    def _near(self, v: dict, degrees: tuple, p: int) -> Iterator[Any]:
-        """The layouts of `degrees` with this layout's micro-batch (or it scaled by p) and its
-        schedule where the new pipeline has it, else the schedules close to it."""
+    def _steps(self, i: int, value: int) -> set[int]:
+        """The values a degree moves to: times or over a prime of the world size, and the next
+        value up and down that the degree takes in the space (GPT-3's 96 layers: pp 12 -> 8)."""
+        out = {value * p for p in self.primes}
+        out |= {value // p for p in self.primes if value % p == 0}
+        taken = self.values[i]
+        at = bisect.bisect_left(taken, value)
+        out |= set(taken[max(0, at - 1) : at]) | set(taken[at + 1 : at + 2])
+        out.discard(value)
+        return out
+
+    def _near(self, v: dict, degrees: tuple, ratio: Fraction) -> Iterator[Any]:
+        """The layouts of `degrees` with this layout's micro-batch (or it scaled by the ratio of
+        the moved degree) and its schedule where the new pipeline has it, else the schedules
+        close to it."""
         there = self.by_degrees.get(degrees)
         if not there:
             return
         mb = v["micro_batch_size"]
-        mbs = {mb, mb * p} | ({mb // p} if mb % p == 0 else set())
+        mbs = {mb} | {m.numerator for m in (mb * ratio, mb / ratio) if m.denominator == 1}
         pp = dict(zip(MESH + FOLDED, degrees))["pp"]
         wanted = {_pipeline(v)} | (_close_pipelines(v) if pp > 1 else set())
         if pp > 1 and v["pp"] == 1:
@@ -133,6 +152,22 @@ class LayoutIndex:
         for o in there:
             if o.micro_batch_size in mbs and (pp == 1 or _pipeline(o) in wanted):
                 yield o
+
+
+def climb_starts(values: dict[tuple, float]) -> list[tuple]:
+    """Where the climbs start, from {layout key: its best throughput} of the sampled trials:
+    the `STARTS` best layouts, then the best layout of each pipeline degree (`BASIN_STARTS` of
+    them, best first). Two basins that no single move joins are the rule at scale: ZeRO-3
+    without a pipeline, and a deep interleaved pipeline with ZeRO-1 (GPT-3 175B on 384 A100s);
+    sampled trials mostly find one of them, and a climb from the other side of it cannot cross
+    the worse layouts between."""
+    ranked = sorted(values, key=lambda k: values[k], reverse=True)
+    starts = ranked[:STARTS]
+    by_pp: dict[int, tuple] = {}
+    for k in ranked:
+        by_pp.setdefault(dict(k)["pp"], k)
+    starts += [k for k in by_pp.values() if k not in starts][:BASIN_STARTS]
+    return starts
 
 
 def layout_key(strategy) -> tuple:

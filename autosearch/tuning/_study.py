@@ -690,7 +690,7 @@ class _Runner:
         trials only: on a finished study it retraces its path and scores nothing. Returns the
         trials this worker persisted."""
         from autosearch.core.strategy import Strategy
-        from autosearch.tuning._local import MAX_STEPS, STARTS, LayoutIndex, layout_key
+        from autosearch.tuning._local import MAX_STEPS, LayoutIndex, climb_starts, layout_key
 
         index = LayoutIndex(self.space.layouts(), self.space.cluster.world_size)
         value: dict[tuple, float | None] = {}  # a layout's best throughput (None: none fits)
@@ -705,8 +705,7 @@ class _Runner:
                 value[key] = t.values[0] if fits else None
                 if fits and not t.user_attrs.get(ATTR_LOCAL):
                     sampled[key] = t.values[0]
-        ranked = sorted((v, k) for k, v in sampled.items())
-        starts = [k for _, k in reversed(ranked[-STARTS:])]
+        starts = climb_starts(sampled)
         self.local_layouts = 0
         new, climbed = 0, set()
         for start in starts:
