@@ -112,9 +112,9 @@ def test_the_default_plan_samples_then_climbs_and_says_so(tmp_path):
     climb; the study in its storage holds both, and running it again adds nothing."""
     config = TuneConfig(**BIG, seed=0, out=str(tmp_path / "out"))
     result = tune(config)
-    assert "sampled: 200 trials and a local search" in result.plan
+    assert "sampled: 100 trials and a local search" in result.plan
     assert "the local search scored" in result.plan
-    assert result.n_trials > 200 and result.n_units_covered == result.n_trials - _repeats(result)
+    assert result.n_trials > 100 and result.n_units_covered == result.n_trials - _repeats(result)
     again = tune(config)
     assert again.n_new_trials == 0 and again.n_trials == result.n_trials
     assert again.best_report.tokens_per_s == result.best_report.tokens_per_s

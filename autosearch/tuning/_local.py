@@ -4,8 +4,8 @@ A space of today's stacks holds 1,000-30,000 layouts (degrees, micro-batch, sche
 to score each in the 10 s budget; TPE finds the right region but, in the measurement of issue
 10, missed the optimum by 0.25-1.8% in a third of the searches, and hill climbing from its best
 layout reached the optimum in all of them in 1-3 steps. So after the sampled trials the search
-climbs from the `STARTS` best distinct layouts of the study: it scores every neighbour of the
-current layout that no trial holds yet (each a whole trial: its group of strategies scanned, the
+climbs from the best sampled layouts (`climb_starts`): it scores every neighbour of the current
+layout that no trial holds yet (each a whole trial: its group of strategies scanned, the
 best kept, stored in the study), moves to the best neighbour while that is faster, and stops at a
 layout no neighbour beats.
 
@@ -14,14 +14,18 @@ A neighbour differs by one move (`neighbours`):
 - a factor moved between two mesh degrees: one degree times or over a prime p of the world size,
   or to the next value it takes in the space, the other the inverse (tp x2 and dp /2; pp 12 -> 8
   and dp x1.5), the micro-batch kept, or scaled by the same factor so the micro-batches per step
-  stay; the schedule kept where the new pipeline has it (1F1B in its place otherwise);
+  stay; the schedule kept where the new pipeline has it (else 1F1B and the interleaved schedule
+  with the fewest virtual stages);
 - a folded degree (ep) times or over p;
 - the micro-batch size one step up or down among those the degrees allow;
 - the schedule: GPipe, 1F1B, or interleaved with the virtual stages one step, or a factor 2,
   away.
 
-Moving one pair of degrees at a time keeps a neighbourhood at 20-60 layouts, where moving two
-(the measurement of issue 10) scored 387-1,060 per search.
+A degree move keeps the schedule (or takes 1F1B and the fewest interleaved stages where the new
+pipeline lacks it) and the schedule moves happen at fixed degrees, so a neighbourhood holds
+25-40 layouts (median; 53 at most on the spaces of benchmarks/search_default.py), where moving
+two pairs of degrees with every schedule (the measurement of issue 10) scored 387-1,060 layouts
+per search.
 """
 
 from __future__ import annotations
@@ -146,12 +150,19 @@ class LayoutIndex:
         mb = v["micro_batch_size"]
         mbs = {mb} | {m.numerator for m in (mb * ratio, mb / ratio) if m.denominator == 1}
         pp = dict(zip(MESH + FOLDED, degrees))["pp"]
-        wanted = {_pipeline(v)} | (_close_pipelines(v) if pp > 1 else set())
-        if pp > 1 and v["pp"] == 1:
-            wanted |= {("1f1b", 1), ("gpipe", 1), (INTERLEAVED, 2)}
-        for o in there:
-            if o.micro_batch_size in mbs and (pp == 1 or _pipeline(o) in wanted):
-                yield o
+        here = [o for o in there if o.micro_batch_size in mbs]
+        if pp == 1:
+            yield from here
+            return
+        # the same schedule where the new pipeline has it, else 1F1B and the interleaved
+        # schedule with the fewest virtual stages (a schedule move at those degrees goes on)
+        same = [o for o in here if _pipeline(o) == _pipeline(v)]
+        if same:
+            yield from same
+            return
+        inter = sorted(o.virtual_stages for o in here if o.pipeline_schedule == INTERLEAVED)
+        wanted = {("1f1b", 1)} | ({(INTERLEAVED, inter[0])} if inter else set())
+        yield from (o for o in here if _pipeline(o) in wanted)
 
 
 def climb_starts(values: dict[tuple, float]) -> list[tuple]:
