@@ -357,7 +357,7 @@ def _supported_values(
     else:
         why = refused[0][1]
     if name in OPT_IN:
-        why = f"searched (--fp8): {OPT_IN[name]}; " + why
+        why = f"searched (--fp8) where the GPU has fp8 units: {OPT_IN[name]}; " + why
     return values, why
 
 

@@ -862,23 +862,6 @@ CASES = [
         expect=("fp8", "megatron-sc21", "does not run", "drop --fp8"),
     ),
     Case(
-        "cli-tune-fp8-on-a100",
-        cli=(
-            "tune",
-            "--model",
-            "llama3-8b",
-            "--cluster",
-            "a100-sxm4-80gb:1x8",
-            "--global-batch-size",
-            "64",
-            "--fp8",
-            "--runtime",
-            "torchtitan",
-            "--quiet",
-        ),
-        expect=("fp8", "no fp8 peak", "H100"),
-    ),
-    Case(
         "cli-tune-fp8-pinned-none",
         cli=TUNE_B + ("--fp8", "--runtime", "torchtitan", "--pin", "fp8=none"),
         expect=("fp8", "keeps fp8 to [none]", "drop that pin"),

@@ -130,3 +130,34 @@ def test_a_plan_within_the_budget_is_exhaustive_and_does_not_climb():
     plan = SearchPlan(exhaustive=True, n_trials=10, estimate_s=1.0, reason="x")
     assert not plan.local
     assert math.isfinite(plan.estimate_s)
+
+
+def test_climbs_start_in_every_basin_the_sampled_trials_found():
+    """The 3 best layouts, then the best of other pipeline degrees: a ZeRO-3 layout without a
+    pipeline and a deep pipeline are both climbed from, whichever the sampled trials rank first."""
+    from autosearch.tuning._local import climb_starts
+
+    def key(pp, mb):
+        return (("dp", 64 // pp), ("tp", 1), ("pp", pp), ("micro_batch_size", mb))
+
+    values = {key(1, 1): 10.0, key(1, 2): 9.9, key(1, 4): 9.8, key(1, 8): 9.7, key(8, 1): 9.0}
+    values |= {key(2, 1): 8.0, key(4, 1): 7.0, key(16, 1): 6.0}
+    starts = climb_starts(values)
+    assert starts[:3] == [key(1, 1), key(1, 2), key(1, 4)]
+    assert starts[3:] == [key(8, 1), key(2, 1), key(4, 1)]  # the best of 3 other pipelines
+
+
+def test_a_degree_also_moves_to_its_next_value_in_the_space():
+    """GPT-3's 96 layers on 384 GPUs: pp 12 -> 8 with dp x1.5 is one move (no prime of 384 takes
+    12 to 8), the move that joined the climb to the optimum of that case."""
+    space = SearchSpace("gpt3-175b", "a100-sxm4-80gb:48x8", global_batch_size=1536)
+    layouts = list(space.layouts())
+    index = LayoutIndex(layouts, space.cluster.world_size)
+    start = next(
+        lay
+        for lay in layouts
+        if (lay.dp, lay.tp, lay.pp, lay.micro_batch_size) == (8, 4, 12, 1)
+        and lay.pipeline_schedule == "1f1b"
+    )
+    moved = {(o.dp, o.tp, o.pp) for o in index.neighbours(start)}
+    assert (12, 4, 8) in moved and (16, 4, 6) in moved and (8, 8, 6) in moved

@@ -1115,8 +1115,9 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
     base = base.narrowed(**config.pin) if config.pin else base
     resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
     built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
-    if config.fp8 and set(built.plain_choices().get("fp8", ("none",))) == {"none"}:
-        raise SpecError(f"fp8 asks to search float8 matmuls, but {_no_fp8(opened, cluster)}")
+    fp8 = next((o for o in opened if o.name == "fp8"), None)
+    if config.fp8 and fp8 is not None and fp8.values == ("none",):  # not the GPU: the runtime
+        raise SpecError(f"fp8 asks to search float8 matmuls, but {_no_fp8(fp8)}")
     problems = runtime_problems(
         built.plain_choices(),
         uneven_pipeline=resolved.uneven_pipeline,
@@ -1128,20 +1129,16 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
     return built, opened
 
 
-def _no_fp8(opened, cluster) -> str:
-    """Why a space holds no fp8 strategy, and what to do (for --fp8)."""
-    from autosearch.core.rules import fp8_problem
-
-    note = next((o for o in opened if o.name == "fp8"), None)
-    if note is not None and note.values == ("none",):
-        if note.why.startswith("as pinned"):
-            return (
-                "the space file or a pin keeps fp8 to [none]; drop that pin, or write fp8: "
-                "supported (or the values) in the space file"
-            )
-        return f"{note.why.split('; ')[-1]}; use a runtime that runs fp8, or drop --fp8"
-    hardware = fp8_problem("tensorwise", cluster.profile.peak_flops)
-    return hardware or "no layout of the space allows fp8; drop --fp8"
+def _no_fp8(note) -> str:
+    """Why the space's fp8 is [none] whatever the GPU, and what to do (for --fp8). A GPU
+    without fp8 units is not refused: its space keeps fp8 none by the rules, and the summary
+    says fp8 was searched where the GPU has them (a sweep may mix GPUs)."""
+    if note.why.startswith("as pinned"):
+        return (
+            "the space file or a pin keeps fp8 to [none]; drop that pin, or write fp8: "
+            "supported (or the values) in the space file"
+        )
+    return f"{note.why.split('; ')[-1]}; use a runtime that runs fp8, or drop --fp8"
 
 
 def _resolve_sampler(sampler, n_trials, n_units, obj: Objective, seed):
