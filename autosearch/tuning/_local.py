@@ -14,16 +14,15 @@ A neighbour differs by one move (`neighbours`):
 - a factor moved between two mesh degrees: one degree times or over a prime p of the world size,
   or to the next value it takes in the space, the other the inverse (tp x2 and dp /2; pp 12 -> 8
   and dp x1.5), the micro-batch kept, or scaled by the same factor so the micro-batches per step
-  stay; the schedule kept where the new pipeline has it (else 1F1B and the interleaved schedule
+  stay; the schedule kept where the new pipeline has it, and 1F1B (else the interleaved schedule
   with the fewest virtual stages);
 - a folded degree (ep) times or over p;
 - the micro-batch size one step up or down among those the degrees allow;
 - the schedule: GPipe, 1F1B, or interleaved with the virtual stages one step, or a factor 2,
   away.
 
-A degree move keeps the schedule (or takes 1F1B and the fewest interleaved stages where the new
-pipeline lacks it) and the schedule moves happen at fixed degrees, so a neighbourhood holds
-25-40 layouts (median; 53 at most on the spaces of benchmarks/search_default.py), where moving
+A degree move keeps the schedule or takes 1F1B, and the other schedule moves happen at fixed
+degrees, so a neighbourhood holds 30-60 layouts, where moving
 two pairs of degrees with every schedule (the measurement of issue 10) scored 387-1,060 layouts
 per search.
 """
@@ -154,14 +153,13 @@ class LayoutIndex:
         if pp == 1:
             yield from here
             return
-        # the same schedule where the new pipeline has it, else 1F1B and the interleaved
-        # schedule with the fewest virtual stages (a schedule move at those degrees goes on)
-        same = [o for o in here if _pipeline(o) == _pipeline(v)]
-        if same:
-            yield from same
-            return
-        inter = sorted(o.virtual_stages for o in here if o.pipeline_schedule == INTERLEAVED)
-        wanted = {("1f1b", 1)} | ({(INTERLEAVED, inter[0])} if inter else set())
+        # the same schedule where the new pipeline has it, and 1F1B (a degree move that pays
+        # only with another schedule: 405B on 16,384 GPUs, tp8 interleaved -> tp4 1F1B); else
+        # the interleaved schedule with the fewest virtual stages (schedule moves go on there)
+        wanted = {_pipeline(v), ("1f1b", 1)}
+        if not any(_pipeline(o) == _pipeline(v) for o in here):
+            inter = sorted(o.virtual_stages for o in here if o.pipeline_schedule == INTERLEAVED)
+            wanted |= {(INTERLEAVED, inter[0])} if inter else set()
         yield from (o for o in here if _pipeline(o) in wanted)
 
 
