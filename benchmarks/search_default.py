@@ -1,32 +1,48 @@
-"""Does the default search find the cost model's own optimum? 24 cases x 5 seeds, no luck allowed.
+"""Does the default search find the cost model's own optimum? Every case x 5 seeds, no luck.
 
-Every case is a (model, cluster, global batch) from 1.3B to 405B parameters, 8 to 16,384 GPUs,
-four GPU types and small to large batches. For each, the exhaustive optimum (every strategy of the
-default space scored) is the reference; `tune` runs with its default settings (no n_trials, no
-sampler) for five seeds, and regret = 1 - found / optimum throughput. Targets (issue 10): zero
-regret in every case and seed; at most 10 s per search on one core (the slowest is reported).
+The default battery (`CASES`): 24 (model, cluster, global batch) from 1.3B to 405B parameters,
+8 to 16,384 GPUs, four GPU types, small to large batches, each searched as `autosearch tune`
+searches it by default: the default space of the default runtime (`torch`, the Engine: the
+dimensions it runs, `search_spaces/default.yaml`), the default budget rule (exhaustive when
+scoring every layout is estimated under 10 s, else TPE and the local search), the memory margin.
 
-With --extended, the space of today's stacks instead (issue 10 item 1: does the rule stay exact
-and fast when the space grows?): context parallel, fp8 (where the GPU has it), torch.compile,
-async TP and uneven pipeline splits, scored under the torchtitan runtime (which runs them all),
-on `EXTENDED_CASES`; written to results/search_extended.csv with the plan tune chose.
+With --extended, today's stacks instead (`EXTENDED_CASES`, 24 cases): what `autosearch tune
+--runtime torchtitan --fp8 --pin amp=bf16` searches (context parallel for sequences of 8K and
+more, fp8 where the GPU has it, op-level and full recompute, compile, async TP, uneven pipeline
+splits): spaces of 0.1-15 M strategies, far beyond the exhaustive budget.
+
+For each case the reference is the exhaustive optimum of the same space under the same margin
+(every strategy scored), and regret = 1 - found / optimum throughput. The optimum of a large
+space takes minutes to score, so it is kept in `results/search_optima.csv` (one row per case
+and space digest); a kept optimum is used only while the cost model still gives its strategy the
+same throughput (re-estimated), else it is scored again (--rescore scores every one again).
+Targets (issue 18): zero regret in every search of the default battery and in >= 95% of the
+extended ones, worst regret <= 0.5%, every search <= 10 s on this machine (the load average at
+each search is written next to its time: the machine is shared).
 
 Run: python benchmarks/search_default.py [--seeds 5] [--out results/search_default.csv]
-     python benchmarks/search_default.py --extended [--seeds 3]
-(the CSV gets one row per case and seed; timings depend on what else runs on the machine)
+     python benchmarks/search_default.py --extended   (results/search_extended.csv)
+     python benchmarks/search_default.py --extended --optima-only   (fill the optima cache)
+     python benchmarks/search_default.py --supports cp,compile,async_tp,selective_op,uneven_pp
+         (the default battery as it will be once the Engine runs those dimensions)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import time
 from pathlib import Path
 
-from autosearch import tune
+from autosearch import Strategy, TuneConfig, tune
+from autosearch.core.runtime import RUNTIMES, RuntimeOptions
+from autosearch.tuning._study import prepare
 from cost_models import AnalyticCostModel
-from search_spaces import SearchSpace, SpaceConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTIMA = ROOT / "results" / "search_optima.csv"
 
 CASES = [  # (model, cluster, global batch)
     ("gpt3-1.3b", "a100-sxm4-40gb:1x8", 256),
@@ -55,41 +71,115 @@ CASES = [  # (model, cluster, global batch)
     ("llama3.1-405b", "h100-sxm:2048x8", 16384),
 ]
 
-
 EXTENDED_CASES = [
+    ("gpt3-1.3b", "a100-sxm4-40gb:1x8", 256),
+    ("gpt3-2.7b", "h100-sxm:2x8", 256),
+    ("llama2-7b", "a100-sxm4-80gb:4x8", 256),
     ("llama3-8b", "h100-sxm:1x8", 64),
     ("llama3-8b", "h100-sxm:8x8", 512),
     ("llama3.1-8b", "h200-sxm:16x8", 1024),
+    ("qwen2.5-7b", "h100-sxm:4x8", 256),
+    ("qwen3-8b", "h200-sxm:4x8", 256),
     ("gpt3-13b", "a100-sxm4-80gb:16x8", 1024),
+    ("llama2-13b", "a100-sxm4-40gb:16x8", 512),
+    ("phi4", "h100-sxm:8x8", 512),
+    ("sc21-gpt-18.4b", "h100-sxm:16x8", 512),
+    ("llama3.1-8b", "h100-sxm:64x8", 1024),
+    ("sc21-gpt-39.1b", "a100-sxm4-80gb:64x8", 1536),
+    ("llama2-70b", "a100-sxm4-80gb:32x8", 512),
+    ("llama3-70b", "h100-sxm:8x8", 128),
     ("llama3-70b", "h100-sxm:32x8", 512),
     ("llama3.1-70b", "h200-sxm:64x8", 1024),
+    ("qwen2.5-72b", "h100-sxm:32x8", 1024),
     ("gpt3-175b", "a100-sxm4-80gb:48x8", 1536),
+    ("gpt3-175b", "h100-sxm:128x8", 2048),
     ("llama3.1-405b", "h100-sxm:128x8", 2048),
+    ("llama3.1-405b", "h200-sxm:256x8", 2048),
+    ("llama3.1-405b", "h100-sxm:2048x8", 16384),
 ]
-# Every dimension of today's stacks: cp over every degree that fits, fp8 where the GPU has it
-# (the space drops it elsewhere), compile, async TP (with tp > 1), uneven pipeline splits.
-EXTENDED = SpaceConfig(
-    cp=None,
-    fp8=("none", "tensorwise", "rowwise"),
-    compile=(False, True),
-    async_tp=(False, True),
-    uneven_pipeline=True,
-)
-EXTENDED_RUNTIME = "torchtitan"
+# Today's stacks: `tune --runtime torchtitan --fp8 --pin amp=bf16` (bf16 training with fp8
+# matmuls where the GPU has them; fp16 and fp32 are not today's recipes).
+EXTENDED = {"runtime": "torchtitan", "fp8": True, "pin": {"amp": "bf16"}}
 
 
-def optimum(
-    model: str, cluster: str, gbs: int, *, config=None, runtime=None
-) -> tuple[float, str, int, float]:
-    space = SearchSpace(model, cluster, global_batch_size=gbs, config=config)
-    cm = AnalyticCostModel(space.model, space.cluster, runtime=runtime)
+def job(model: str, cluster: str, gbs: int, settings: dict, seed: int = 0) -> TuneConfig:
+    return TuneConfig(model=model, cluster=cluster, global_batch_size=gbs, seed=seed, **settings)
+
+
+def engine_runtime(supports: str) -> RuntimeOptions:
+    """The torch preset (the Engine) with `supports` in place of its own: the default battery
+    as it will be once the Engine runs those dimensions (--supports)."""
+    return dataclasses.replace(RUNTIMES["torch"], supports=tuple(supports.split(",")))
+
+
+def optimum(config: TuneConfig, cost_model=None) -> dict:
+    """The exhaustive optimum of the config's space under its margin: every strategy scored."""
+    prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
+    space, cm = prepared.space, prepared.cost_model
+    fraction = prepared.margin.fraction
     t0 = time.perf_counter()
-    best, best_s = 0.0, ""
+    best, best_s = 0.0, None
     for s in space.enumerate():
         r = cm.estimate(s, validate=False)
-        if r.fits and r.tokens_per_s > best:
-            best, best_s = r.tokens_per_s, s.short()
-    return best, best_s, space.size, time.perf_counter() - t0
+        if r.peak_memory_bytes <= r.memory_capacity_bytes * (1 - fraction) and (
+            r.tokens_per_s > best
+        ):
+            best, best_s = r.tokens_per_s, s
+    return {
+        "digest": space.signature()["digest"],
+        "space_size": space.size,
+        "layouts": space.n_groups,
+        "margin": fraction,
+        "optimum_tokens_per_s": best,
+        "optimum": best_s.short() if best_s else "",
+        "strategy": "" if best_s is None else repr(best_s.to_dict()),
+        "scoring_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _still_valid(row: dict, config: TuneConfig, cost_model=None) -> bool:
+    """The kept optimum still has the throughput the cost model gives its strategy now."""
+    if not row.get("strategy"):
+        return False
+    prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
+    if prepared.space.signature()["digest"] != row["digest"]:
+        return False
+    s = Strategy.from_dict(eval(row["strategy"]))  # noqa: S307 (our own file, a dict literal)
+    r = prepared.cost_model.estimate(s, validate=False)
+    return r.tokens_per_s == float(row["optimum_tokens_per_s"])
+
+
+def cached_optimum(key: tuple, config: TuneConfig, *, rescore: bool, cost_model=None) -> dict:
+    rows = _read_optima()
+    row = rows.get(key)
+    if row is not None and not rescore and _still_valid(row, config, cost_model):
+        return {**row, "optimum_tokens_per_s": float(row["optimum_tokens_per_s"])}
+    fresh = optimum(config, cost_model)
+    rows = _read_optima()  # again: another run may have added rows meanwhile
+    rows[key] = {"battery": key[0], "model": key[1], "cluster": key[2], "gbs": key[3], **fresh}
+    _write_optima(rows)
+    return fresh
+
+
+def _read_optima() -> dict:
+    if not OPTIMA.exists():
+        return {}
+    with open(OPTIMA, newline="", encoding="utf-8") as f:
+        return {
+            (r["battery"], r["model"], r["cluster"], int(r["gbs"])): r for r in csv.DictReader(f)
+        }
+
+
+def _write_optima(rows: dict) -> None:
+    OPTIMA.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["battery", "model", "cluster", "gbs", "digest", "space_size", "layouts", "margin"]
+    fields += ["optimum_tokens_per_s", "optimum", "strategy", "scoring_s"]
+    tmp = OPTIMA.with_suffix(".tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(sorted(rows.values(), key=lambda r: (r["battery"], r["model"])))
+    os.replace(tmp, OPTIMA)
 
 
 def main() -> None:
@@ -97,26 +187,50 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--extended", action="store_true", help="the space of today's stacks")
+    parser.add_argument("--optima-only", action="store_true", help="only fill the optima cache")
+    parser.add_argument("--rescore", action="store_true", help="score every optimum again")
+    parser.add_argument("--cases", default=None, help="only these case numbers (0-based, a,b)")
+    parser.add_argument(
+        "--supports",
+        default=None,
+        help="the default battery with the torch preset running these dimensions instead of "
+        "its own (e.g. cp,compile,async_tp,selective_op,uneven_pp): writes "
+        "results/search_default_engine.csv",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
+    battery = "extended" if ext else ("default-engine" if args.supports else "default")
+    runtime = engine_runtime(args.supports) if args.supports and not ext else None
+
+    def cost_model(model, cluster):
+        return AnalyticCostModel(model, cluster, runtime=runtime)
+
+    factory = cost_model if runtime is not None else None
     cases = EXTENDED_CASES if ext else CASES
-    config, runtime = (EXTENDED, EXTENDED_RUNTIME) if ext else (None, None)
-    out = args.out or f"results/search_{'extended' if ext else 'default'}.csv"
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
+    settings = EXTENDED if ext else {}
+    out = args.out or f"results/search_{battery.replace('-', '_')}.csv"
     rows = []
     for model, cluster, gbs in cases:
-        best, best_s, size, exh_s = optimum(model, cluster, gbs, config=config, runtime=runtime)
+        ref = cached_optimum(
+            (battery, model, cluster, gbs),
+            job(model, cluster, gbs, settings),
+            rescore=args.rescore,
+            cost_model=factory,
+        )
+        best = ref["optimum_tokens_per_s"]
+        print(
+            f"{model:16s} {cluster:22s} gbs {gbs:6d} optimum {best:12,.0f} tok/s {ref['optimum']}",
+            flush=True,
+        )
+        if args.optima_only:
+            continue
         for seed in range(args.seeds):
+            load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            space = SearchSpace(model, cluster, global_batch_size=gbs, config=config)
-            result = tune(
-                space.model,
-                space.cluster,
-                global_batch_size=gbs,
-                space=space,
-                runtime=runtime,
-                seed=seed,
-            )
+            result = tune(job(model, cluster, gbs, settings, seed=seed), cost_model=factory)
             wall = time.perf_counter() - t0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0
@@ -126,31 +240,36 @@ def main() -> None:
                     "cluster": cluster,
                     "global_batch_size": gbs,
                     "seed": seed,
-                    "space_size": size,
+                    "space_size": ref["space_size"],
+                    "layouts": result.n_units,
+                    "margin": round(float(ref["margin"]), 4),
                     "optimum_tokens_per_s": best,
-                    "optimum": best_s,
+                    "optimum": ref["optimum"],
                     "found_tokens_per_s": found,
                     "found": result.best_strategy.short() if result.best_strategy else "",
                     "regret": regret,
                     "trials": result.n_trials,
-                    "layouts": result.n_units,
+                    "layouts_scored": result.n_units_covered,
                     "plan": result.plan.split(":")[0],
-                    "search_s": wall,
-                    "exhaustive_scoring_s": exh_s,
+                    "search_s": round(wall, 3),
+                    "load_average": round(load, 2),
                 }
             )
             print(
-                f"{model:16s} {cluster:22s} gbs {gbs:6d} seed {seed}  size {size:7d}  "
-                f"regret {regret:6.2%}  {wall:5.2f} s  {result.plan.split(':')[0]}",
+                f"    seed {seed}  regret {regret:6.2%}  {wall:5.2f} s (load {load:.1f})  "
+                f"{result.n_trials} trials, {result.n_units_covered} of {result.n_units} "
+                f"layouts  {result.plan.split(':')[0]}",
                 flush=True,
             )
+    if not rows:
+        return
     worst = max(r["regret"] for r in rows)
     zero = sum(r["regret"] <= 1e-12 for r in rows)
-    slowest = max(r["search_s"] for r in rows)
+    slowest = max(rows, key=lambda r: r["search_s"])
     print(
         f"\n{len(cases)} cases x {args.seeds} seeds: zero regret in {zero} of {len(rows)} "
-        f"searches (target: all), worst regret {worst:.2%}; slowest search {slowest:.2f} s "
-        "(target <= 10 s)"
+        f"searches, worst regret {worst:.2%}; slowest search {slowest['search_s']:.2f} s "
+        f"(load average {slowest['load_average']:.1f}) (targets: all / >= 95%; <= 0.5%; <= 10 s)"
     )
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="", encoding="utf-8") as f:

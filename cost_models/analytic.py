@@ -74,6 +74,9 @@ class AnalyticCostModel(CostModel):
         self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._link_cache: dict[tuple, tuple[float, float]] = {}
+        # the caching allocator's reserve is CUDA's: a CPU holds nothing beyond the tensors
+        cuda = self.profile.device_type == "cuda"
+        self._allocator_reserve = self.runtime.allocator_reserve_fraction if cuda else 0.0
         ctx = self._context = Context(
             model, self.profile, self.runtime, self._link_for, cluster.nvlink_domain
         )
@@ -194,9 +197,8 @@ class AnalyticCostModel(CostModel):
             grads_bytes=dp.grads_bytes,
             optimizer_bytes=dp.optimizer_bytes,
             activations_bytes=activations,
-            # the device's reserve, and what the caching allocator holds beyond live tensors
-            other_bytes=self.profile.reserved_memory_bytes
-            + rt.allocator_reserve_fraction * tensors,
+            # the device's reserve, and what the CUDA caching allocator holds beyond live tensors
+            other_bytes=self.profile.reserved_memory_bytes + self._allocator_reserve * tensors,
         )
         return self._report(s, step, time, mem)
 

@@ -5,6 +5,18 @@ or a tuple of allowed values. Pinning is narrowing to one value. The same keys a
 Python keywords and from YAML (``search_spaces/default.yaml`` documents every key); Paddle's
 ``mp``/``mp_degree`` are accepted as aliases of ``tp`` at this edge, as in Strategy files.
 
+A dimension that some runtimes cannot run (one that declares `features` in the registry: cp,
+ep, recompute, fp8, compile, async_tp) and the ``uneven_pipeline`` bound may also be
+``supported``: every value that the runtime runs on the cluster's device (its ``supports`` in
+cost_models/runtimes.yaml, and ``devices`` where a feature needs a kind of device), resolved by
+`SpaceConfig.resolved` once the runtime, model and cluster are known. The default space
+(``default.yaml``) is written that way, so a dimension a runtime gains joins its default space
+without a change here. Two rules of the default space are not the runtime's:
+
+- context parallel is opened only for sequences of at least `CP_MIN_SEQ_LEN` tokens;
+- fp8 is searched only when asked (``resolved(fp8=True)``: ``autosearch tune --fp8``), since
+  float8 matmuls change the numerics of training, not only its speed.
+
 Example:
     >>> from search_spaces import SpaceConfig
     >>> c = SpaceConfig.default().narrowed(tp=8, recompute=["selective", "full"])
@@ -15,13 +27,19 @@ Example:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autosearch.core import dimensions
 from autosearch.core._io import parse_yaml_mapping, positive_int, read_yaml_mapping
 from autosearch.core.errors import SpecError
-from autosearch.core.strategy import ALIASES
+from autosearch.core.strategy import ALIASES, Strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.runtime import RuntimeOptions
 
 _ALL_WORDS = ("all", "any", "auto", "*")
 # The searched dimensions (`autosearch.core.dimensions`: those with a space default): integer
@@ -39,6 +57,20 @@ _BOUNDS: dict[str, Any] = {
     "uneven_pipeline": False,
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+# "Every value the runtime runs here": the dimensions a runtime may lack (those with features),
+# and the bound that allows pipeline degrees that do not divide the layers (feature uneven_pp).
+SUPPORTED = "supported"
+_RUNTIME_DIMS = tuple(n for n, d in _DIMS.items() if d.features)
+_UNEVEN_FEATURE = "uneven_pp"
+# Context parallel splits the sequence; it pays for its K/V exchange only on long sequences.
+# Megatron Core's parallelism guide (docs.nvidia.com/megatron/parallelism-guide, "Parallelism
+# Strategies Guide", its summary table) lists CP as "best for long sequences (8K+ tokens)".
+CP_MIN_SEQ_LEN = 8192
+# Float8 matmuls change the numerics of training (loss curves are compared, not assumed equal):
+# the default space searches them only when asked.
+OPT_IN = {"fp8": "float8 matmuls change the numerics of training"}
+# GPU architectures to CUDA compute capabilities, to match a runtime's `devices` (cuda>=8.9).
+_CAPABILITY = {"ampere": "8.0", "ada": "8.9", "hopper": "9.0", "blackwell": "10.0"}
 
 
 class SpaceConfig:
@@ -98,13 +130,15 @@ class SpaceConfig:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def default(cls) -> "SpaceConfig":
-        """The shipped ``search_spaces/default.yaml``."""
+        """The shipped ``search_spaces/default.yaml``; a dimension a runtime may lack that the
+        file does not name is ``supported`` (a dimension declared later joins the default space
+        of every runtime that runs it)."""
         text = (
             resources.files("search_spaces").joinpath("default.yaml").read_text(encoding="utf-8")
         )
+        data = parse_yaml_mapping(text, what="search_spaces/default.yaml")
         return cls.from_dict(
-            parse_yaml_mapping(text, what="search_spaces/default.yaml"),
-            what="search_spaces/default.yaml",
+            {name: SUPPORTED for name in _RUNTIME_DIMS} | data, what="search_spaces/default.yaml"
         )
 
     @classmethod
@@ -151,6 +185,8 @@ class SpaceConfig:
                 value = None
             if value is None and key in _CHOICE_DIMS:
                 value = _CHOICE_DIMS[key]
+            if isinstance(value, str) and value.lower() == SUPPORTED:
+                value = SUPPORTED
             if key in ("tp_within_node", "uneven_pipeline") and isinstance(value, str):
                 value = _BOOL_WORDS.get(value.lower(), value)
             changes[key] = value
@@ -164,6 +200,172 @@ class SpaceConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
 
+    # ---- the runtime's space -------------------------------------------------------------------
+    @property
+    def resolved_already(self) -> bool:
+        """No key is left at ``supported``."""
+        return SUPPORTED not in self._values.values()
+
+    def resolved(
+        self,
+        *,
+        runtime: "RuntimeOptions | str | None",
+        model: "ModelSpec",
+        cluster: "Cluster",
+        fp8: bool = False,
+    ) -> tuple["SpaceConfig", tuple["Opened", ...]]:
+        """This config with every ``supported`` replaced by the values `runtime` runs on the
+        cluster's device, and why each dimension a runtime may lack is open or not.
+
+        Args:
+            runtime: a RuntimeOptions or a preset name (None: ``torch``, the Engine).
+            model: the model (context parallel opens for `CP_MIN_SEQ_LEN` tokens and more).
+            cluster: the cluster (its device: ``cpu``, or a GPU architecture).
+            fp8: search fp8 where it is ``supported`` (`OPT_IN`: it changes numerics); without
+                it fp8 stays ``none`` there.
+
+        Returns:
+            (the resolved SpaceConfig, one `Opened` per dimension a runtime may lack and for
+            ``uneven_pipeline``, in registry order).
+        """
+        from autosearch.core.runtime import RuntimeOptions
+
+        rt = RuntimeOptions.get(runtime)
+        device = device_of(cluster)
+        values, notes = dict(self._values), []
+        for name in (*_RUNTIME_DIMS, "uneven_pipeline"):
+            value, why = values[name], "as pinned (a pin or the space file)"
+            if value == SUPPORTED:
+                value, why = _supported_values(name, rt, device, model, fp8=fp8)
+            values[name] = value
+            notes.append(Opened(name=name, values=value, why=why))
+        return SpaceConfig(**values), tuple(notes)
+
+
+def runtime_problems(
+    choices: "dict[str, tuple[Any, ...]]",
+    *,
+    uneven_pipeline: bool,
+    runtime: "RuntimeOptions | str | None",
+    cluster: "Cluster",
+) -> list[str]:
+    """What a space asks that `runtime` cannot run on the cluster's device, one message per
+    dimension naming a runtime that runs it: `choices` are the values each dimension takes in
+    the space (`SearchSpace.plain_choices`), `uneven_pipeline` its bound."""
+    from autosearch.core.runtime import RUNTIMES, RuntimeOptions
+
+    rt, device = RuntimeOptions.get(runtime), device_of(cluster)
+    out = []
+    for name in _RUNTIME_DIMS:
+        bad = [v for v in choices.get(name, ()) if not _runs(rt, name, v, device)[0]]
+        if not bad:
+            continue
+        why = _runs(rt, name, bad[0], device)[1]
+        others = [
+            r.name
+            for r in RUNTIMES.values()
+            if r.name != rt.name and all(_runs(r, name, v, device)[0] for v in bad)
+        ]
+        hint = (f"use --runtime {others[0]} (it runs it), or " if others else "") + (
+            f"keep {name} to {_fmt_values([_DIMS[name].default])} (a pin, or the space file)"
+        )
+        out.append(f"{name} {_fmt_values(bad)}: {why}; {hint}")
+    if uneven_pipeline is True and _UNEVEN_FEATURE not in rt.supports:
+        out.append(
+            f"uneven_pipeline: runtime {rt.name!r} does not split layers unevenly (it supports "
+            f"{', '.join(rt.supports) or 'none of them'}); set uneven_pipeline false"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Why a dimension a runtime may lack is searched over `values` (``None``: every value the
+    rules allow) or held at its default, in one line (`why`)."""
+
+    name: str
+    values: Any
+    why: str
+
+    def describe(self) -> str:
+        shown = "all" if self.values is None else _fmt_values(self.values)
+        return f"{self.name:<16} {shown:<28} {self.why}"
+
+
+def device_of(cluster: "Cluster") -> str:
+    """``cpu``, or ``cuda:<capability>`` from the profile's GPU architecture (``cuda`` when the
+    profile names none): the form a runtime's ``devices`` are matched against."""
+    profile = cluster.profile
+    if profile.device_type != "cuda":
+        return profile.device_type
+    capability = _CAPABILITY.get(profile.architecture)
+    return f"cuda:{capability}" if capability else "cuda"
+
+
+def _runs(rt: "RuntimeOptions", name: str, value: Any, device: str) -> tuple[bool, str]:
+    """Whether `rt` runs `name`=`value` on `device`, and if not, why (in words)."""
+    probe = Strategy(**{name: value})
+    lacking = rt.unsupported(probe)
+    if lacking:
+        how = next(iter(lacking.values()))
+        return False, (
+            f"runtime {rt.name!r} does not run {how} (it supports "
+            f"{', '.join(rt.supports) or 'none of them'})"
+        )
+    cannot = getattr(rt, "cannot_run_on", None)  # a preset's `devices`, where it declares them
+    needs = cannot(probe, device) if cannot is not None else {}
+    if needs:
+        feature, devices = next(iter(needs.items()))
+        return False, (
+            f"runtime {rt.name!r} runs {feature} only on {', '.join(devices)}, and this "
+            f"cluster's device is {device}"
+        )
+    return True, ""
+
+
+def _supported_values(
+    name: str, rt: "RuntimeOptions", device: str, model: "ModelSpec", *, fp8: bool
+) -> tuple[Any, str]:
+    """(the values of `name` that `rt` runs on `device`, why) for a ``supported`` key."""
+    if name == "uneven_pipeline":
+        if _UNEVEN_FEATURE in rt.supports:
+            return True, f"runtime {rt.name!r} splits layers unevenly (supports {_UNEVEN_FEATURE})"
+        return False, f"runtime {rt.name!r} does not split layers unevenly"
+    d = _DIMS[name]
+    if name in OPT_IN and not fp8:
+        return (d.default,), f"not searched: {OPT_IN[name]}; --fp8 searches it"
+    if d.kind == dimensions.DEGREE:  # every degree the rules allow, or none above 1
+        ok, why = _runs(rt, name, 2, device)
+        if not ok:
+            return (1,), why
+        if name == "cp" and model.seq_len < CP_MIN_SEQ_LEN:
+            return (1,), (
+                f"seq_len {model.seq_len:,} < {CP_MIN_SEQ_LEN:,}: context parallel pays off on "
+                "long sequences (Megatron Core's parallelism guide: 8K+ tokens)"
+            )
+        return None, f"runtime {rt.name!r} runs it" + (
+            f" and seq_len {model.seq_len:,} >= {CP_MIN_SEQ_LEN:,}" if name == "cp" else ""
+        )
+    kept: list[tuple[Any, str]] = []
+    refused: list[tuple[Any, str]] = []
+    for v in d.choices:
+        ok, why = _runs(rt, name, v, device)
+        (kept if ok else refused).append((v, why))
+    values = tuple(v for v, _ in kept)
+    if not refused:
+        why = f"runtime {rt.name!r} runs every value"
+    else:
+        why = refused[0][1]
+    if name in OPT_IN:
+        why = f"searched (--fp8) where the GPU has fp8 units: {OPT_IN[name]}; " + why
+    return values, why
+
+
+def _fmt_values(values: Any) -> str:
+    if isinstance(values, bool):
+        return str(values).lower()
+    return "[" + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values) + "]"
+
 
 def _rebuild(values: dict[str, Any]) -> SpaceConfig:
     return SpaceConfig(**values)
@@ -173,9 +375,18 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     """`values` normalised: integer lists sorted and unique, choices in their canonical order;
     SpecError naming every bad value."""
     out, problems = dict(values), []
+    for name in out:
+        if isinstance(out[name], str) and out[name].strip().lower() == SUPPORTED:
+            out[name] = SUPPORTED
+        if out[name] == SUPPORTED and name not in (*_RUNTIME_DIMS, "uneven_pipeline"):
+            problems.append(
+                f"{name}: {SUPPORTED!r} is only for what a runtime may lack "
+                f"({', '.join((*_RUNTIME_DIMS, 'uneven_pipeline'))}); give values or 'all'"
+            )
+            out[name] = _DIMS[name].space if name in _DIMS else _BOUNDS[name]
     for name in _INT_DIMS:
         value = out[name]
-        if value is None:
+        if value is None or value == SUPPORTED:
             continue
         try:
             ints = tuple(sorted({positive_int(v, name) for v in _as_tuple(value)}))
@@ -186,6 +397,8 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
             problems.append(str(exc))
     for name, legal in _CHOICE_DIMS.items():
         value = out[name]
+        if value == SUPPORTED:
+            continue
         if value is None:
             out[name] = tuple(legal)
             continue
@@ -208,7 +421,7 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
         # Keep the canonical order of the legal values, so equal configs compare equal.
         out[name] = tuple(v for v in legal if v in chosen)
     for name in ("tp_within_node", "uneven_pipeline"):
-        if not isinstance(out[name], bool):
+        if not isinstance(out[name], bool) and out[name] != SUPPORTED:
             problems.append(f"{name} must be true or false, got {out[name]!r}")
     for name in ("max_micro_batch_size", "max_virtual_stages"):
         if out[name] is not None:

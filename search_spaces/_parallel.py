@@ -135,6 +135,8 @@ class SearchSpace(BaseSearchSpace):
         global_batch_size: sequences per optimizer step.
         config: a SpaceConfig, or a space YAML (path or shipped name such as ``megatron``);
             defaults to ``search_spaces/default.yaml``.
+        runtime: the runtime whose ``supports`` resolve the config's ``supported`` values
+            (`SpaceConfig.resolved`; default ``torch``, the Engine).
         **pins: per-dimension narrowing on top of `config`: a scalar pins (``tp=8``), a list
             narrows (``recompute=["selective", "full"]``), ``"all"`` re-opens.
 
@@ -156,6 +158,7 @@ class SearchSpace(BaseSearchSpace):
         *,
         global_batch_size: int,
         config: "SpaceConfig | str | os.PathLike | None" = None,
+        runtime: Any = None,
         **pins: Any,
     ):
         self.model = ModelSpec.load(model)
@@ -166,6 +169,10 @@ class SearchSpace(BaseSearchSpace):
         elif not isinstance(config, SpaceConfig):
             config = SpaceConfig.from_yaml(config)
         self.config = config.narrowed(**pins) if pins else config
+        if not self.config.resolved_already:
+            self.config, _ = self.config.resolved(
+                runtime=runtime, model=self.model, cluster=self.cluster
+            )
         self._build()
 
     @classmethod
@@ -471,6 +478,11 @@ class SearchSpace(BaseSearchSpace):
         of the axes (recompute x sequence parallel x ZeRO stage x amp, and fp8, compile and async
         TP where allowed)."""
         return tuple(self.strategies_of(self._suggest_layout(trial)))
+
+    def suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
+        """Sample a layout only: what `suggest_group` samples, before its strategies are built
+        (`strategies_of`)."""
+        return self._suggest_layout(trial)
 
     def _suggest_layout(self, trial: "optuna.trial.BaseTrial") -> Layout:
         pick = _picker(trial)

@@ -803,6 +803,89 @@ CASES = [
         cli=TUNE_B + ("--price-per-gpu-hour", "nan"),
         expect=("--price-per-gpu-hour", "nan"),
     ),
+    # issue 18: --memory-margin, --seq-len, --fp8 and what the runtime cannot run
+    Case(
+        "cli-tune-memory-margin-negative",
+        cli=TUNE_B + ("--memory-margin", "-0.1"),
+        expect=("--memory-margin", "from 0 to 0.9", "-0.1"),
+    ),
+    Case(
+        "cli-tune-memory-margin-whole-device",
+        cli=TUNE_B + ("--memory-margin", "100%"),
+        expect=("--memory-margin", "from 0 to 0.9"),
+    ),
+    Case(
+        "cli-tune-memory-margin-word",
+        cli=TUNE_B + ("--memory-margin", "some"),
+        expect=("--memory-margin", "'some'", "0.1 or 10%"),
+    ),
+    Case(
+        "config-memory-margin-list",
+        cli=("tune", "--config", "c.yaml"),
+        files={
+            "c.yaml": "model: llama3-8b\ncluster: h100-sxm:1x8\nglobal_batch_size: 64\n"
+            "memory_margin: [0.1]\n"
+        },
+        expect=("memory_margin", "single value"),
+    ),
+    Case("cli-tune-seq-len-zero", cli=TUNE_B + ("--seq-len", "0"), expect=("--seq-len", ">= 1")),
+    Case(
+        "cli-tune-seq-len-huge",
+        cli=TUNE_B + ("--seq-len", str(1 << 40)),
+        expect=("--seq-len", "above the limit"),
+    ),
+    Case(
+        "cli-estimate-seq-len-word",
+        cli=EST_S + (OK_STRATEGY, "--seq-len", "long"),
+        expect=("--seq-len", "'long'"),
+    ),
+    Case(
+        "cli-tune-seq-len-not-split-by-cp",
+        cli=TUNE_B + ("--seq-len", "4097", "--pin", "cp=2", "--runtime", "torchtitan"),
+        expect=("cp", "4097"),
+        xfail="search_spaces/_parallel.py (the lead's tree): the empty-space message names the "
+        "first level's rule only; it should name the rule that emptied the cp level "
+        "(rules.context_parallel_problem: seq_len 4097 not divisible by 2*cp)",
+    ),
+    Case(
+        "config-fp8-word",
+        cli=("tune", "--config", "c.yaml"),
+        files={
+            "c.yaml": "model: llama3-8b\ncluster: h100-sxm:1x8\nglobal_batch_size: 64\n"
+            "fp8: sometimes\n"
+        },
+        expect=("fp8", "true or false", "sometimes"),
+    ),
+    Case(
+        "cli-tune-fp8-on-a-runtime-without-it",
+        cli=TUNE_B + ("--fp8", "--runtime", "megatron-sc21"),
+        expect=("fp8", "megatron-sc21", "does not run", "drop --fp8"),
+    ),
+    Case(
+        "cli-tune-fp8-pinned-none",
+        cli=TUNE_B + ("--fp8", "--runtime", "torchtitan", "--pin", "fp8=none"),
+        expect=("fp8", "keeps fp8 to [none]", "drop that pin"),
+    ),
+    Case(
+        "cli-tune-pin-what-the-runtime-cannot-run",
+        cli=TUNE_B + ("--pin", "compile=true", "--runtime", "megatron-sc21", "--n-trials", "2"),
+        expect=("compile [true]", "megatron-sc21", "does not run", "use --runtime"),
+    ),
+    Case(
+        "cli-tune-pin-supported-on-tp",
+        cli=TUNE_B + ("--pin", "tp=supported", "--n-trials", "2"),
+        expect=("tp", "'supported' is only for"),
+    ),
+    Case(
+        "api-tune-memory-margin",
+        api="tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, memory_margin=1.5)",
+        expect=("memory_margin", "from 0 to 0.9"),
+    ),
+    Case(
+        "api-tune-seq-len",
+        api="tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, seq_len=-4)",
+        expect=("seq_len", ">= 1"),
+    ),
     Case(
         "cli-tune-pin-not-key-value",
         cli=TUNE_B + ("--pin", "tp"),

@@ -239,9 +239,12 @@ def test_importing_the_search_and_cost_model_does_not_import_torch():
 
 
 def test_the_dimensions_of_todays_stacks_widen_the_space():
-    """cp, fp8, compile, async TP and uneven pipelines are off by default (the Engine runs none
-    of them) and widen the space when allowed, where the hardware and layout allow them."""
-    base = SearchSpace("llama3.1-405b", "h100-sxm:8x8", global_batch_size=64)
+    """cp, fp8, compile, async TP and uneven pipelines are off in the default space of a runtime
+    that runs none of them and widen the space when allowed, where the hardware and layout
+    allow them."""
+    base = SearchSpace(
+        "llama3.1-405b", "h100-sxm:8x8", global_batch_size=64, runtime="megatron-sc21"
+    )
     assert {s.cp for s in base.enumerate()} == {1} and all(
         s.fp8 == "none" for s in base.enumerate()
     )
@@ -268,3 +271,82 @@ def test_the_dimensions_of_todays_stacks_widen_the_space():
     # no fp8 units on an A100: the axis collapses to "none"
     a100 = SearchSpace("llama3-8b", "a100-sxm4-80gb:1x8", global_batch_size=16, fp8="all")
     assert {s.fp8 for s in a100.enumerate()} == {"none"}
+
+
+# ---- the default space of a runtime -------------------------------------------------------------
+def _opened(runtime, model="llama3-70b", cluster="h100-sxm:32x8", **kw):
+    config, notes = SpaceConfig.default().resolved(
+        runtime=runtime, model=ModelSpec.load(model), cluster=Cluster.parse(cluster), **kw
+    )
+    return config, {n.name: n for n in notes}
+
+
+def test_the_default_space_opens_what_the_runtime_supports_and_says_why():
+    """Every dimension a runtime may lack is read from the runtime's `supports`: torchtitan
+    (cp, compile, async TP, op-level recompute, uneven splits) opens them, Megatron-LM 2021
+    (none) keeps them closed, and each says why in one line."""
+    from autosearch.core.runtime import RUNTIMES
+
+    tt, why = _opened("torchtitan")
+    assert tt.cp is None  # every degree the rules allow: llama3-70b trains at 8,192 tokens
+    assert tt.recompute == ("none", "selective", "selective_op", "full")
+    assert tt.compile == (False, True) and tt.async_tp == (False, True)
+    assert tt.uneven_pipeline is True and tt.fp8 == ("none",)
+    assert "8,192 >= 8,192" in why["cp"].why
+    assert "changes" in why["fp8"].why or "numerics" in why["fp8"].why
+    old, why = _opened("megatron-sc21")
+    assert old.cp == (1,) and old.compile == (False,) and old.async_tp == (False,)
+    assert old.recompute == ("none", "selective", "full") and old.uneven_pipeline is False
+    assert "does not run cp=2" in why["cp"].why
+    # the torch preset: whatever it lists today, the space follows it
+    torch, _ = _opened("torch")
+    supports = RUNTIMES["torch"].supports
+    assert (torch.compile == (False, True)) == ("compile" in supports)
+    assert (torch.cp is None) == ("cp" in supports)
+    assert torch.uneven_pipeline == ("uneven_pp" in supports)
+
+
+def test_context_parallel_opens_only_for_long_sequences_and_fp8_only_when_asked():
+    short, why = _opened("torchtitan", model="llama2-70b")  # 4,096 tokens
+    assert short.cp == (1,) and "4,096 < 8,192" in why["cp"].why
+    h100, why = _opened("torchtitan", fp8=True)
+    assert h100.fp8 == ("none", "tensorwise", "rowwise") and "--fp8" in why["fp8"].why
+    # a runtime that runs fp8 on an A100 still gets no fp8 strategy: the rules drop it
+    a100 = SearchSpace(
+        "llama3-8b",
+        "a100-sxm4-80gb:1x8",
+        global_batch_size=16,
+        config=_opened("torchtitan", model="llama3-8b", cluster="a100-sxm4-80gb:1x8", fp8=True)[0],
+    )
+    assert {s.fp8 for s in a100.enumerate()} == {"none"}
+
+
+def test_supported_is_refused_where_no_runtime_can_lack_the_dimension():
+    with pytest.raises(SpecError, match="'supported' is only for"):
+        SpaceConfig(tp="supported")
+    assert SpaceConfig(compile="Supported").compile == "supported"
+
+
+def test_a_space_that_asks_what_the_runtime_cannot_run_is_refused_with_a_runtime_that_can():
+    from search_spaces._config import runtime_problems
+
+    space = SearchSpace(
+        "llama3-70b", "h100-sxm:32x8", global_batch_size=512, cp=[1, 2], compile="all"
+    )
+    choices, cluster = space.plain_choices(), space.cluster
+    problems = runtime_problems(
+        choices, uneven_pipeline=False, runtime="megatron-sc21", cluster=cluster
+    )
+    assert len(problems) == 2
+    assert problems[0].startswith("cp [2]: runtime 'megatron-sc21' does not run cp=2")
+    assert "use --runtime" in problems[0] and "keep cp to [1]" in problems[0]
+    assert problems[1].startswith("compile [true]")
+    assert (
+        runtime_problems(
+            space.plain_choices(),
+            uneven_pipeline=True,
+            runtime="torchtitan",
+            cluster=space.cluster,
+        )
+        == []
+    )

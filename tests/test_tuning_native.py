@@ -140,7 +140,8 @@ def _trial(number_value: float, strategy: Strategy, report: dict) -> optuna.tria
 
 def test_ties_go_to_less_memory_then_bf16_then_fewer_axes_then_the_earlier_trial():
     cm = AnalyticCostModel(ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:2x8"))
-    base = Strategy(dp=16, micro_batch_size=1, global_batch_size=64, zero_stage=2)
+    # ZeRO-3: with the torch preset's allocator reserve (issue 18) ZeRO-2 needs 80.8 of 80 GiB
+    base = Strategy(dp=16, micro_batch_size=1, global_batch_size=64, zero_stage=3)
     report = cm.estimate(base).to_dict(flat=False)
     assert report["fits"]
 

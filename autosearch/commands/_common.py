@@ -33,6 +33,12 @@ def add_model_cluster_args(
         help="catalog name (see `autosearch models`) or a model YAML file"
         + ("" if required else " (required, here or in the config file)"),
     )
+    p.add_argument(
+        "--seq-len",
+        type=seq_len_arg,
+        help="training sequence length in tokens, replacing the model's (a Hugging Face "
+        "config.json gives its maximum positions, often far longer than one trains)",
+    )
     add_cluster_args(p, required=required if cluster_required is None else cluster_required)
     p.add_argument(
         "--runtime",
@@ -63,7 +69,7 @@ def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
 
 
 def load_model_cluster(args: argparse.Namespace):
-    model = load_model(args.model)
+    model = load_model(args.model, seq_len=getattr(args, "seq_len", None))
     return model, load_cluster(
         args.cluster,
         nnodes=getattr(args, "nnodes", None),
@@ -71,19 +77,46 @@ def load_model_cluster(args: argparse.Namespace):
     )
 
 
-def load_model(text: str | None, *, flag: str = "--model"):
-    """A catalog model or a model YAML file; a message about a file names its path."""
+def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None = None):
+    """A catalog model, a model YAML file or a Hugging Face config.json, at `seq_len` tokens
+    when given (``--seq-len``); a message about a file names its path. A config.json without
+    `seq_len` trains at its maximum positions: above 32k tokens that is said in one note line
+    on stderr (not a Python warning with a file and line)."""
+    import sys
+    import warnings
+
+    from autosearch.core.hf_config import LongSequenceWarning
     from autosearch.core.model_spec import ModelSpec
 
     if isinstance(text, dict):  # from a config file: the fields of a ModelSpec
-        return ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
+        spec = ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
+        return ModelSpec.load(spec, seq_len=seq_len)
     text = check_text(text, flag)
     try:
-        return ModelSpec.load(text)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LongSequenceWarning)
+            spec = ModelSpec.load(text, seq_len=seq_len)
     except SpecError as exc:
         if os.path.isfile(text) and text not in str(exc):
             raise SpecError(f"model file {text!r}: {exc}") from None
         raise
+    for w in caught:
+        if issubclass(w.category, LongSequenceWarning):
+            print(f"note: {w.message}", file=sys.stderr)
+        else:  # not ours to reword
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return spec
+
+
+def seq_len_arg(text: str) -> int:
+    """argparse type for a sequence length in tokens: within `INT_LIMITS`."""
+    from autosearch.core._io import INT_LIMITS
+
+    value = positive_int_arg(text)
+    limit = INT_LIMITS["seq_len"]
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"{value:,} tokens is above the limit of {limit:,}")
+    return value
 
 
 def load_cluster(

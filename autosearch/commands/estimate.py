@@ -34,17 +34,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=batch_size_arg,
         help="sequences per optimizer step, if the strategy does not give global_batch_size",
     )
+    p.add_argument(
+        "--memory-margin",
+        type=margin_arg,
+        metavar="FRACTION",
+        help="device memory held back: the strategy fits when its peak is at most (1 - "
+        "FRACTION) x capacity, e.g. 0.1 or 10%%; default: from the measured memory error of runs "
+        "of this kind (cost_models/memory_bands.yaml), as tune holds back",
+    )
     p.add_argument("--json", action="store_true", help="print the CostReport as JSON")
     p.set_defaults(func=run)
 
 
+def margin_arg(text: str) -> float:
+    """argparse type: a fraction of device memory (0.1 or 10%), read as `tune` reads it."""
+    from autosearch.core.errors import SpecError
+    from autosearch.tuning._config import _margin
+
+    try:
+        return _margin(text, "--memory-margin")
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--memory-margin")) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    from autosearch.tuning._margin import memory_margin
     from cost_models.analytic import AnalyticCostModel
 
     model, cluster = load_model_cluster(args)
     strategy = load_strategy(args.strategy, global_batch_size=args.global_batch_size)
     cm = AnalyticCostModel(model, cluster, runtime=args.runtime)
+    margin = memory_margin(cm.runtime, cluster, override=args.memory_margin)
     report = cm.estimate(strategy)
+    report = report.with_margin(margin.bytes_of(report.memory_capacity_bytes))
     if args.json:
         print_json(
             {
@@ -53,11 +75,14 @@ def run(args: argparse.Namespace) -> int:
                 "runtime": cm.runtime.name,
                 "profile_defaults_used": list(cluster.profile.defaults_used()),
                 "strategy": strategy.to_dict(),
+                "memory_margin": {"fraction": margin.fraction, "why": margin.why},
                 "report": report.to_dict(flat=False),
             }
         )
         return 0
     print(render_report(model, cluster, strategy, report, runtime=cm.runtime.name))
+    if report.memory_margin_bytes:
+        print(f"note: the memory margin is {margin.fraction:.1%} of the device: {margin.why}")
     return 0
 
 
@@ -77,7 +102,9 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
         f"{report.samples_per_s:,.2f} samples/s",
         f"per device       {report.tflops_per_gpu:.1f} TFLOP/s   MFU {report.mfu * 100:.1f}%",
         f"memory           {fmt_bytes(report.peak_memory_bytes)} of "
-        f"{fmt_bytes(report.memory_capacity_bytes)}  "
+        f"{fmt_bytes(report.memory_usable_bytes)} usable "
+        f"({fmt_bytes(report.memory_capacity_bytes)} less a "
+        f"{fmt_bytes(report.memory_margin_bytes)} margin)  "
         + ("fits" if report.fits else f"DOES NOT FIT: {report.infeasible_reason}"),
         "",
         "time per step                      memory per device",

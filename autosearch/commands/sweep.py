@@ -23,14 +23,17 @@ from autosearch.commands._common import (
     check_text,
     finite_float_arg,
     load_cluster,
+    load_model,
     positive_int_arg,
     quiet_interrupted_trials,
+    seq_len_arg,
 )
 from autosearch.core.strategy import Strategy
 
 COLUMNS = [
     "model",
     "params_b",
+    "seq_len",
     "cluster",
     "gpu",
     "n_nodes",
@@ -67,6 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--models", required=True, help="comma-separated catalog names or model YAML files"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=seq_len_arg,
+        help="training sequence length in tokens for every model, replacing each model's",
     )
     p.add_argument(
         "--clusters", help="comma-separated GPU:NODESxGPUS, e.g. h100-sxm:16x8,h100-sxm:32x8"
@@ -116,11 +124,13 @@ def run(args: argparse.Namespace) -> int:
     from autosearch.core._io import INT_LIMITS
     from autosearch.core.errors import SpecError
     from autosearch.core.hardware import HardwareProfile
-    from autosearch.core.model_spec import ModelSpec
 
     check_output_file(args.out)
     _check_regular_output(args.out)
-    models = [ModelSpec.load(m) for m in _split(check_text(args.models, "--models"))]
+    models = [
+        load_model(m, flag="--models", seq_len=args.seq_len)
+        for m in _split(check_text(args.models, "--models"))
+    ]
     if not models:
         raise SpecError(f"--models {args.models!r} names no model; e.g. --models llama3-8b")
     clusters = [load_cluster(c, flag="--clusters") for c in _split(args.clusters)]
@@ -171,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     _check_header(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))
-    todo = [c for c in combos if (c[0].name, c[1].name, c[2]) not in done]
+    todo = [c for c in combos if (c[0].name, c[0].seq_len, c[1].name, c[2]) not in done]
     if not args.quiet:
         print(
             f"sweep: {len(combos)} combinations "
@@ -290,6 +300,7 @@ def sweep_row(
     row.update(
         model=model.name,
         params_b=round(model.n_params / 1e9, 3),
+        seq_len=model.seq_len,
         cluster=cluster.name,
         gpu=cluster.profile.name,
         n_nodes=cluster.n_nodes,
@@ -299,7 +310,7 @@ def sweep_row(
         tokens_per_step=gbs * model.seq_len,
     )
     try:
-        sp = SearchSpace(model, cluster, global_batch_size=gbs, config=space)
+        sp = SearchSpace(model, cluster, global_batch_size=gbs, config=space, runtime=runtime)
         row["space_size"] = sp.size
         result = tune(
             model,
@@ -369,7 +380,7 @@ def _check_header(path: str) -> None:
         )
 
 
-def _rows_done(path: str) -> set[tuple[str, str, int]]:
+def _rows_done(path: str) -> set[tuple[str, int, str, int]]:
     if not os.path.exists(path):
         return set()
     with open(path, newline="", encoding="utf-8") as f:
@@ -377,7 +388,7 @@ def _rows_done(path: str) -> set[tuple[str, str, int]]:
     done = set()
     for r in rows:
         try:
-            done.add((r["model"], r["cluster"], int(r["global_batch_size"])))
+            done.add((r["model"], int(r["seq_len"]), r["cluster"], int(r["global_batch_size"])))
         except (KeyError, TypeError, ValueError):
             continue
     return done

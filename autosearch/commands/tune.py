@@ -15,7 +15,6 @@ from typing import Any
 
 from autosearch.commands._common import (
     check_text,
-    fmt_bytes,
     fmt_s,
     load_cluster,
     load_model,
@@ -57,9 +56,8 @@ PRESENTATION = {
     "(runs a few trials in memory to time them; writes nothing)",
 }
 DRY_RUN_TRIALS = 20  # trials run in memory by --dry-run to measure the time per trial
-# tune's default budget when --n-trials is not given (tuning/_study.py): every layout when
-# scoring them all takes under DEFAULT_BUDGET_S, else DEFAULT_N_TRIALS trials.
-DEFAULT_BUDGET_S = 10.0
+# tune's default number of sampled trials (tuning/_study.py), shown by --dry-run when a sampler
+# is given without --n-trials.
 DEFAULT_N_TRIALS = 200
 
 
@@ -79,6 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         kw: dict[str, Any] = dict(dest=f.name, help=s.help, default=argparse.SUPPRESS)
         if s.negate:
             kw.update(action="store_false")
+        elif s.switch:
+            kw.update(action="store_true")
         else:
             kw.update(action="append" if s.repeat else "store", metavar=s.metavar)
             kw.update(choices=s.choices)
@@ -145,7 +145,7 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
         raise SpecError(
             f"tune needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config file"
         )
-    model = load_model(values["model"])
+    model = load_model(values["model"], seq_len=values.get("seq_len"))
     cluster = load_cluster(
         values["cluster"],
         nnodes=values.pop("nnodes", None),
@@ -166,13 +166,14 @@ def dry_run(config: TuneConfig) -> str:
     import time
 
     from autosearch.tuning import NoFeasibleStrategyError, default_study_name, make_objective
-    from autosearch.tuning._study import tune
-    from search_spaces import SearchSpace
+    from autosearch.tuning._margin import memory_margin
+    from autosearch.tuning._study import _resolve_space, tune
 
     model, cluster, out = config.model, config.cluster, config.out
     assert not isinstance(model, (str, dict)) and not isinstance(cluster, (str, dict)) and out
     gbs = config.global_batch_size
-    space = SearchSpace(model, cluster, global_batch_size=gbs, config=config.space, **config.pin)
+    space, opened = _resolve_space(None, model, cluster, gbs, config, config.runtime)
+    margin = memory_margin(config.runtime, cluster, override=config.memory_margin)
     objective = make_objective(
         config.objective, cluster=cluster, price_per_gpu_hour=config.price_per_gpu_hour
     )
@@ -191,10 +192,18 @@ def dry_run(config: TuneConfig) -> str:
     except NoFeasibleStrategyError:
         pass
     per_trial = (time.perf_counter() - t0) / k
-    n_trials = config.n_trials
-    if n_trials is None:  # tune's default: every unit when that is quick, else 200
-        n_trials = n_units if n_units * per_trial < DEFAULT_BUDGET_S else DEFAULT_N_TRIALS
-    if config.sampler is not None:
+    n_trials, plan = config.n_trials, None
+    if n_trials is None and config.sampler is None:  # tune's own budget rule
+        from autosearch.tuning._study import _resolve_cost_model, plan_search
+
+        cm = _resolve_cost_model(None, model, cluster, config.runtime)
+        plan = plan_search(space, cm, unit=unit, multi=multi, storage=config.storage)
+        n_trials = plan.n_trials
+    elif n_trials is None:
+        n_trials = DEFAULT_N_TRIALS
+    if plan is not None and plan.exhaustive:
+        sampler = "exhaustive"
+    elif config.sampler is not None:
         sampler = config.sampler
     elif n_units <= n_trials and not multi:
         sampler = "exhaustive"
@@ -210,9 +219,15 @@ def dry_run(config: TuneConfig) -> str:
     lines = [
         "dry run: nothing is searched or written",
         f"space      {space.describe() if hasattr(space, 'describe') else space.size}",
+        f"runtime    {config.runtime or 'torch'}: its dimensions, open or not and why:",
+        *(f"           {o.describe()}" for o in opened),
+        f"memory     a strategy fits within the capacity less {margin.fraction:.1%} "
+        f"({margin.why})",
         f"study      {name} in {out}/ ({done} finished trials there)",
         f"trials     {target} {units} with the {sampler} sampler ({todo} to run; "
-        f"{n_units:,} {units} in the space)",
+        f"{n_units:,} {units} in the space)"
+        + (" and a local search from the best layouts" if plan is not None and plan.local else ""),
+        *([f"plan       {plan.reason}"] if plan is not None else []),
         f"layouts    {len(layouts)} ({', '.join(LAYOUT_FIELDS)}):",
     ]
     shown = 12
@@ -258,8 +273,8 @@ def summary(result) -> str:
         lines += [
             f"best      {result.best_strategy.short()}",
             f"          {r.tokens_per_s:,.0f} tokens/s, step {fmt_s(r.step_time_s)}, "
-            f"MFU {r.mfu:.1%}, "
-            f"memory {fmt_bytes(r.peak_memory_bytes)} of {fmt_bytes(r.memory_capacity_bytes)}",
+            f"MFU {r.mfu:.1%}",
+            f"memory    {result.memory_line(r)}",
         ]
         usd = result.usd_per_million_tokens(r)
         if usd is not None:
@@ -276,6 +291,9 @@ def summary(result) -> str:
                 f"({c.report.tokens_per_s / r.tokens_per_s - 1:+.1%})"
                 + (f", ${c_usd:,.3f}/M tokens" if c_usd is not None else "")
             )
+    fp8 = next((o for o in result.opened if o.name == "fp8"), None)
+    if fp8 is not None:
+        lines.append(f"fp8       {fp8.why}")
     if result.pareto:
         n = len(result.pareto)
         lines.append(f"Pareto front: {n} strateg{'y' if n == 1 else 'ies'} (pareto.csv)")

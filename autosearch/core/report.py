@@ -60,26 +60,52 @@ class CostReport(NamedTuple):
     memory: MemoryBreakdown
     notes: tuple[str, ...] = ()
     band: Band | None = None  # how sure: actual / predicted step time for 90% of runs of its kind
+    # device memory held back for the memory model's error (`with_margin`; the search's rule:
+    # autosearch/tuning/_margin.py): `fits` means peak <= capacity - margin
+    memory_margin_bytes: float = 0.0
+
+    def with_margin(self, margin_bytes: float) -> "CostReport":
+        """This report with `margin_bytes` of the device held back: it fits only when its peak
+        is at most the capacity less the margin."""
+        return self._replace(
+            memory_margin_bytes=margin_bytes,
+            fits=self.peak_memory_bytes <= self.memory_capacity_bytes - margin_bytes,
+        )
+
+    @property
+    def memory_usable_bytes(self) -> float:
+        """The capacity less the margin: what a strategy may use to fit."""
+        return self.memory_capacity_bytes - self.memory_margin_bytes
 
     @property
     def memory_excess_bytes(self) -> float:
-        """How far the strategy is from fitting (0 when it fits)."""
-        return max(0.0, self.peak_memory_bytes - self.memory_capacity_bytes)
+        """How far the strategy is from fitting, margin included (0 when it fits)."""
+        return max(0.0, self.peak_memory_bytes - self.memory_usable_bytes)
 
     @property
     def infeasible_reason(self) -> str | None:
         if self.fits:
             return None
+        margin = (
+            f" ({self.memory_capacity_bytes / GiB:.1f} GiB less a margin of"
+            f" {self.memory_margin_bytes / GiB:.1f} GiB)"
+            if self.memory_margin_bytes
+            else ""
+        )
         return (
             f"needs {self.peak_memory_bytes / GiB:.1f} GiB per device,"
             f" {self.memory_excess_bytes / GiB:.1f} GiB over the"
-            f" {self.memory_capacity_bytes / GiB:.1f} GiB available"
+            f" {self.memory_usable_bytes / GiB:.1f} GiB available{margin}"
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostReport":
         """Rebuild a report from ``to_dict(flat=False)`` (e.g. stored in an Optuna trial)."""
-        fields = {k: data[k] for k in cls._fields if k not in ("time", "memory", "notes", "band")}
+        fields = {
+            k: data[k]
+            for k in cls._fields
+            if k not in ("time", "memory", "notes", "band") and (k in data or k in REQUIRED)
+        }
         band = data.get("band")
         return cls(
             band=Band(**band) if isinstance(band, dict) else None,
@@ -117,3 +143,7 @@ class CostReport(NamedTuple):
         out["infeasible_reason"] = self.infeasible_reason
         out["notes"] = "; ".join(self.notes) if flat else list(self.notes)
         return out
+
+
+# The fields a stored report always holds (those added later have defaults).
+REQUIRED = tuple(f for f in CostReport._fields if f not in CostReport._field_defaults)

@@ -103,6 +103,33 @@ def _price(value: Any, where: str) -> float:
     return float(value)
 
 
+def _seq_len(value: Any, where: str) -> int:
+    from autosearch.core._io import INT_LIMITS
+
+    return _integer(value, where, 1, INT_LIMITS["seq_len"])
+
+
+def _margin(value: Any, where: str) -> float:
+    """A fraction of device memory held back: 0.1, or ``10%``."""
+    value = _single(value, where)
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None:
+        try:
+            value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise SpecError(
+                f"{where}: {text!r} is not a fraction of device memory; give e.g. 0.1 or 10%"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where} must be a fraction of device memory (e.g. 0.1), got {value!r}")
+    if not (math.isfinite(value) and 0 <= value < 0.9):
+        raise SpecError(
+            f"{where} must be a fraction of device memory from 0 to 0.9 (0.1 holds back 10%; 0 "
+            f"fits up to the capacity), got {value!r}"
+        )
+    return float(value)
+
+
 def _switch(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where} must be true or false, got {value!r}")
@@ -198,6 +225,7 @@ class Setting:
         metavar: the flag's placeholder in ``--help``.
         repeat: the flag may be given several times (its values form a list).
         negate: the flag sets the field to False (``--no-recipes``).
+        switch: the flag sets the field to True (``--fp8``).
     """
 
     help: str
@@ -207,6 +235,7 @@ class Setting:
     metavar: str | None = None
     repeat: bool = False
     negate: bool = False
+    switch: bool = False
 
 
 def setting(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
@@ -235,6 +264,12 @@ class TuneConfig:
         read=_cluster,
         help="GPU:NODESxGPUS (e.g. h100-sxm:32x8), a GPU with --nnodes and --gpus-per-node, a "
         "cluster YAML file (gpu, n_nodes, gpus_per_node), or a profile YAML path[:NODESxGPUS]",
+    )
+    seq_len: int | None = setting(
+        None,
+        read=_seq_len,
+        help="training sequence length in tokens, replacing the model's (a Hugging Face "
+        "config.json gives its maximum positions, often far longer than one trains)",
     )
     nnodes: int | None = setting(
         None, read=_count, help="number of nodes, with --cluster GPU (instead of GPU:NODESxGPUS)"
@@ -279,6 +314,14 @@ class TuneConfig:
         help="dollars per device-hour: needed by throughput-cost; with any objective, adds "
         "dollars per million tokens to the summary, report.md and top_k.csv",
     )
+    memory_margin: float | None = setting(
+        None,
+        read=_margin,
+        metavar="FRACTION",
+        help="device memory held back: a strategy fits when its predicted peak is at most "
+        "(1 - FRACTION) x capacity, e.g. 0.1 or 10%%; default: from the measured memory error "
+        "of runs of this kind (cost_models/memory_bands.yaml)",
+    )
     space: str | None = setting(
         None, read=_text, help="search space YAML, or a shipped space name (default, megatron)"
     )
@@ -289,6 +332,13 @@ class TuneConfig:
         metavar="KEY=VALUE",
         help="pin or narrow a dimension, e.g. --pin tp=8 --pin recompute=selective,full "
         "(repeatable)",
+    )
+    fp8: bool = setting(
+        False,
+        read=_switch,
+        switch=True,
+        help="search float8 matmuls too, where the runtime and GPU run them (off by default: "
+        "they change the numerics of training, not only its speed)",
     )
     trial_unit: str | None = setting(
         None,

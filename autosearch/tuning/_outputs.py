@@ -325,6 +325,20 @@ def _write_report(
         f"trial unit {meta['trial_unit']}, cost model runtime {meta['runtime']}",
         f"- space: {meta['space']}",
         f"- search: {result.plan}",
+        *(
+            [
+                f"- memory: a strategy fits when its predicted peak is at most the capacity "
+                f"less {result.margin.fraction:.1%} ({result.margin.why})"
+            ]
+            if result.margin is not None
+            else []
+        ),
+        *(
+            ["- dimensions of the runtime (why each is searched or not):"]
+            + [f"  - {o.name} {_values(o.values)}: {o.why}" for o in result.opened]
+            if result.opened
+            else []
+        ),
         f"- trials: {result.n_trials} finished ({result.n_new_trials} in the last run); study "
         f"`{meta['study_name']}` in {meta['storage']}",
         *(
@@ -354,7 +368,9 @@ def _write_report(
                         f"{r.mfu:.1%}",
                         f"{r.tflops_per_gpu:.1f}",
                         f"{r.peak_memory_bytes / GiB:.1f} of "
-                        f"{r.memory_capacity_bytes / GiB:.1f} GiB",
+                        f"{r.memory_usable_bytes / GiB:.1f} GiB usable "
+                        f"({r.memory_capacity_bytes / GiB:.1f} less a "
+                        f"{r.memory_margin_bytes / GiB:.1f} GiB margin)",
                     ]
                     + ([_usd(result, r)] if priced else [])
                 ],
@@ -744,3 +760,11 @@ def _cell(value: Any) -> Any:
     if value is None:
         return ""
     return value
+
+
+def _values(values: Any) -> str:
+    if values is None:
+        return "all"
+    if isinstance(values, bool):
+        return str(values).lower()
+    return "[" + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values) + "]"

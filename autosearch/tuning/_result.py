@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
 
@@ -66,6 +66,10 @@ class TuneResult:
             dollars per million tokens, `usd_per_million_tokens`).
         config: the settings as run (names resolved, paths absolute: the ``config`` block of
             study.yaml); the settings as given when objects without a file form were passed.
+        opened: why each dimension a runtime may lack is searched or not (`search_spaces.
+            SpaceConfig.resolved`; empty for a space given whole).
+        margin: the device memory held back (`autosearch.tuning.memory_margin`): every report
+            fits only within the capacity less the margin.
     """
 
     best_strategy: "Strategy | None"
@@ -86,6 +90,21 @@ class TuneResult:
     plan: str = ""
     price_per_gpu_hour: float | None = None
     config: "TuneConfig | None" = None
+    opened: tuple = ()
+    margin: Any = None
+
+    def memory_line(self, report: "CostReport") -> str:
+        """``57.9 GiB peak, within the 70.1 GiB usable = 80.0 GiB less a 9.9 GiB margin``."""
+        GiB = float(1 << 30)
+        peak, cap = report.peak_memory_bytes / GiB, report.memory_capacity_bytes / GiB
+        margin = report.memory_margin_bytes / GiB
+        if not margin:
+            return f"{peak:.2f} GiB peak of {cap:.2f} GiB (no margin held back)"
+        share = f" ({self.margin.fraction:.1%}: {self.margin.why})" if self.margin else ""
+        return (
+            f"{peak:.2f} GiB peak, within {cap - margin:.2f} GiB usable = {cap:.2f} GiB less a "
+            f"{margin:.2f} GiB margin{share}"
+        )
 
     def usd_per_million_tokens(self, report: "CostReport") -> float | None:
         """Dollars per million training tokens of `report` on this cluster (None without a

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import re
 import sys
@@ -54,6 +55,7 @@ from autosearch.tuning._checks import (
     storage_errors,
 )
 from autosearch.tuning._config import SAMPLERS, TuneConfig, _study_name
+from autosearch.tuning._margin import MemoryMargin, memory_margin
 from autosearch.tuning._objectives import CONSTRAINT, GiB, Objective, make_objective
 from autosearch.tuning._outputs import claim_out_folder, outputs_lock, write_outputs
 from autosearch.tuning._params import PlainParams, for_sampler, sampler_params
@@ -88,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 SHADOW_RENEW = 1000
+ATTR_LOCAL = "autosearch:local"  # a trial of the local search (not a start of the next climb)
 
 
 def tune(
@@ -201,6 +204,10 @@ class TuneJob:
         sampler_name, sampler: the sampler's name, and the sampler the in-memory study uses.
         target: finished trials (exhaustive: units covered) the study will hold.
         plan: what the budget rule chose, when it chose (no n_trials nor sampler given).
+        opened: why each dimension a runtime may lack is searched or not (`SpaceConfig.resolved`;
+            empty for a space object given whole).
+        margin: the device memory held back (`memory_margin`): a strategy fits only within
+            the rest.
         study_name, out, storage: where the study and its outputs go.
         record: the config block of study.yaml: the settings with names resolved and paths made
             absolute (None when objects without a file form were given).
@@ -218,6 +225,8 @@ class TuneJob:
     sampler: "optuna.samplers.BaseSampler"
     target: int
     plan: "SearchPlan | None"
+    opened: tuple
+    margin: MemoryMargin
     study_name: str
     out: str | None
     storage: Any
@@ -239,14 +248,17 @@ def prepare(
     from autosearch.core.hardware import Cluster
 
     no_file_form = any(x is not None for x in (cost_model, space, sampler, storage))
-    model = _load_model(config.model)
+    model = _load_model(config.model, seq_len=config.seq_len)
     cluster = Cluster.parse(
         config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
     )
     gbs = config.global_batch_size
     if space is not None and (config.space is not None or config.pin):
         raise SpecError("give the search space once: a space object, or space and pin")
-    space = _resolve_space(space, model, cluster, gbs, config)
+    cm = _resolve_cost_model(cost_model, model, cluster, config.runtime)
+    runtime = getattr(cm, "runtime", config.runtime)
+    space, opened = _resolve_space(space, model, cluster, gbs, config, runtime)
+    margin = memory_margin(runtime, cluster, override=config.memory_margin)
     obj = make_objective(
         config.objective, cluster=cluster, price_per_gpu_hour=config.price_per_gpu_hour
     )
@@ -270,7 +282,6 @@ def prepare(
         check_output_folder(out, files=OUTPUT_FILES)
         check_other_study(out, name)
         claim_out_folder(out, study_name=name, storage=describe_storage(storage))
-    cm = _resolve_cost_model(cost_model, model, cluster, config.runtime)
     n_trials, plan = config.n_trials, None
     sampler_arg: Any = sampler if sampler is not None else config.sampler
     if n_trials is None and sampler_arg is None:
@@ -300,6 +311,8 @@ def prepare(
         sampler=shadow_sampler,
         target=target,
         plan=plan,
+        opened=opened,
+        margin=margin,
         study_name=name,
         out=out,
         storage=storage,
@@ -360,6 +373,7 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
         study_name=job.study_name,
         meta=meta,
         exhaustive=job.sampler_name == "exhaustive",
+        margin=job.margin,
     )
     t0 = time.perf_counter()
     runner.start()
@@ -370,6 +384,8 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     bar = _ProgressBar(job.target) if progress is True else (progress or None)
     try:
         n_new = runner.run(job.target, progress=bar)
+        if job.plan is not None and job.plan.local:
+            n_new += runner.local_search()
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
@@ -436,8 +452,10 @@ class _Runner:
         study_name: str,
         meta: StudyMeta,
         exhaustive: bool,
+        margin: MemoryMargin | None = None,
     ):
         self.space, self.cost_model, self.objective, self.unit = space, cost_model, objective, unit
+        self.margin = margin or MemoryMargin(0.0, "none")
         self.shadow, self.opened, self.study_name, self.meta = shadow, opened, study_name, meta
         self.exhaustive = exhaustive
         self.worker = uuid.uuid4().hex[:12]
@@ -463,6 +481,9 @@ class _Runner:
         # flight scored: its group of strategies and the one it kept
         self.plain = PlainParams(space) if self.storage is not None else None
         self._scored: tuple[tuple, Any] = ((), None)
+        self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
+        self._group_size: dict[tuple, int] = {}
+        self.local_layouts = 0  # layouts the local search scored
 
     @property
     def n_finished(self) -> int:
@@ -634,18 +655,22 @@ class _Runner:
             frozen = self.shadow.tell(trial, values if len(values) > 1 else values[0])
         return self._persist(frozen, attrs, target)
 
-    def _score_unit(self, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """One unit of the space scored as a finished trial (in memory, it joins the study)."""
+    def _score_unit(
+        self, params: dict[str, Any], *, mark: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """One unit of the space scored as a finished trial (in memory, it joins the study),
+        with the user attributes `mark` added."""
         import optuna
 
         fixed = optuna.trial.FixedTrial(params, number=self._finished)
         try:
             values, constraint, attrs = self._evaluate(fixed)
+            attrs.update(mark or {})
         except ValueError as exc:  # e.g. a precision the hardware has no peak for: recorded
             frozen = optuna.trial.create_trial(
                 state=TrialState.FAIL, params=fixed.params, distributions=fixed.distributions
             )
-            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker}
+            attrs = {ATTR_ERROR: str(exc), ATTR_WORKER: self.worker, **(mark or {})}
         else:
             frozen = optuna.trial.create_trial(
                 values=values,
@@ -658,31 +683,121 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
+    def local_search(self) -> int:
+        """Climb from the best layouts of the study's sampled trials to a local optimum
+        (`_local.py`), scoring each neighbour no trial holds yet as a trial of the study (marked
+        `ATTR_LOCAL`). The climb is deterministic from its starts, which come from the sampled
+        trials only: on a finished study it retraces its path and scores nothing. Returns the
+        trials this worker persisted."""
+        from autosearch.core.strategy import Strategy
+        from autosearch.tuning._local import MAX_STEPS, LayoutIndex, climb_starts, layout_key
+
+        index = LayoutIndex(self.space.layouts(), self.space.cluster.world_size)
+        value: dict[tuple, float | None] = {}  # a layout's best throughput (None: none fits)
+        sampled: dict[tuple, float] = {}
+        covered: set[tuple] = set()
+        for t in self.all_trials():
+            covered.add(_key(sampler_params(t)))
+            kept = t.user_attrs.get(ATTR_STRATEGY)
+            if t.state == TrialState.COMPLETE and kept is not None:
+                fits = t.constraints.get(CONSTRAINT, 0) <= 0
+                key = layout_key(Strategy.from_dict(kept))
+                value[key] = t.values[0] if fits else None
+                if fits and not t.user_attrs.get(ATTR_LOCAL):
+                    sampled[key] = t.values[0]
+        starts = climb_starts(sampled)
+        self.local_layouts = 0
+        new, climbed = 0, set()
+        for start in starts:
+            here = start
+            for _ in range(MAX_STEPS):
+                if here in climbed:
+                    break
+                climbed.add(here)
+                around = index.neighbours(index.by_key[here])
+                new += self._score_layouts(around, covered, value)
+                best = max(
+                    (index.key(o) for o in around if value.get(index.key(o)) is not None),
+                    key=lambda k: value[k],  # type: ignore[arg-type, return-value]
+                    default=None,
+                )
+                if best is None or value[best] <= value[here]:  # type: ignore[operator]
+                    break
+                here = best
+        return new
+
+    def _score_layouts(self, layouts, covered: set, value: dict) -> int:
+        """Score every layout of `layouts` that no trial holds yet, as trials of the study."""
+        from autosearch.core.strategy import Strategy
+        from autosearch.tuning._local import layout_key
+
+        new = 0
+        opened = self.opened
+        batch = opened.batched_writes() if opened is not None else contextlib.nullcontext()
+        with self.lock(), batch:
+            self.sync()
+            for layout in layouts:
+                params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
+                if _key(params) in covered:
+                    continue
+                covered.add(_key(params))
+                frozen, attrs = self._score_unit(params, mark={ATTR_LOCAL: True})
+                if not self._persist(frozen, attrs, math.inf):
+                    break
+                new += 1
+                self.local_layouts += 1
+                kept = attrs.get(ATTR_STRATEGY)
+                if frozen.state == TrialState.COMPLETE and kept is not None:
+                    fits = frozen.constraints.get(CONSTRAINT, 0) <= 0
+                    value[layout_key(Strategy.from_dict(kept))] = (
+                        frozen.values[0] if fits else None
+                    )
+        return new
+
+    def estimate(self, strategy) -> Any:
+        """The cost model's report of `strategy`, with the memory margin held back."""
+        r = self.cost_model.estimate(strategy, validate=False)
+        return r.with_margin(self.margin.fraction * r.memory_capacity_bytes)
+
     def _evaluate(self, trial) -> tuple[tuple[float, ...], float, dict[str, Any]]:
         self._scored = ((), None)
-        group = (
-            self.space.suggest_group(trial)
-            if self.unit == "layout"
-            else (self.space.suggest(trial),)
-        )
-        self._scored = (group, None)
-        best_s, best_r = None, None
-        for s in group:
-            r = self.cost_model.estimate(s, validate=False)
-            if self.objective.better(r, best_r, s, best_s):
-                best_s, best_r = s, r
-        if best_s is None or best_r is None:  # recorded as a failed trial
-            raise ValueError("the trial's group of strategies is empty")
+        # A sampler proposes a unit again (TPE repeats its best layouts): the same group scores
+        # the same, so its best is kept rather than built and scored twice.
+        group: tuple = ()
+        layout = None
+        if self.unit != "layout":
+            group = (self.space.suggest(trial),)
+        elif hasattr(self.space, "suggest_layout"):
+            layout = self.space.suggest_layout(trial)
+        else:
+            group = self.space.suggest_group(trial)
+        unit = _key(trial.params)
+        if unit in self._best_of:
+            best_s, best_r = self._best_of[unit]
+        else:
+            if layout is not None:
+                group = tuple(self.space.strategies_of(layout))
+            self._scored = (group, None)
+            best_s, best_r = None, None
+            for s in group:
+                r = self.estimate(s)
+                if self.objective.better(r, best_r, s, best_s):
+                    best_s, best_r = s, r
+            if best_s is None or best_r is None:  # recorded as a failed trial
+                raise ValueError("the trial's group of strategies is empty")
+            if not self.exhaustive:  # an exhaustive run scores each unit once
+                self._best_of[unit] = (best_s, best_r)
+                self._group_size[unit] = len(group)
         self._scored = (group, best_s)
         attrs = {
             ATTR_STRATEGY: best_s.to_dict(),
             ATTR_REPORT: best_r.to_dict(flat=False),
             ATTR_WORKER: self.worker,
-            ATTR_GROUP: len(group),
+            ATTR_GROUP: len(group) if group else self._group_size.get(unit, 0),
         }
         return self.objective.values(best_r), best_r.memory_excess_bytes / GiB, attrs
 
-    def _persist(self, frozen, attrs: dict[str, Any], target: int) -> bool:
+    def _persist(self, frozen, attrs: dict[str, Any], target: float) -> bool:
         """Store one finished trial whole, unless the study already holds `target` (checked and
         written under the study lock, so workers never overshoot)."""
         if self.storage is None:
@@ -722,12 +837,19 @@ class _Runner:
 EXHAUSTIVE_BUDGET_S = 10.0
 EXHAUSTIVE_BATCH = 64  # units scored per turn of the study lock (one fsync each turn)
 DEFAULT_TRIALS = 200
+# TPE trials before the local search (`_local.py`): the climbs reach the optimum from the basins
+# 100 trials find (benchmarks/search_default.py: the misses of 200 trials alone in issue 10 all
+# came from the right basin but the wrong layout)
+CLIMB_TRIALS = 100
 # Seconds Optuna and the storage add per finished trial, around the cost model (measured with
 # benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded). The journal
 # figure is for the exhaustive path, which flushes to the disk once per EXHAUSTIVE_BATCH trials
 # (one fsync per trial, as sampled trials do, costs 2-5 ms); SQLite commits every trial.
 PERSIST_S = {"memory": 0.001, "journal": 0.002, "sqlite": 0.015, "rdb": 0.02}
 PLAN_PROBES = 12  # units timed, after one untimed unit that warms the cost model's caches
+# The probe stops after PLAN_PROBES_CLEAR units when they put the whole space beyond PLAN_CLEAR
+# times the budget (a space of 30,000 layouts is not exhaustive whatever the other probes say).
+PLAN_PROBES_CLEAR, PLAN_CLEAR = 4, 4.0
 
 
 @dataclass(frozen=True)
@@ -739,6 +861,7 @@ class SearchPlan:
     n_trials: int
     estimate_s: float
     reason: str
+    local: bool = False  # the sampled trials are followed by the local search (`_local.py`)
 
 
 def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = None) -> SearchPlan:
@@ -765,6 +888,11 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     for i, trial in enumerate(trials):
         if i == 1:  # the first unit pays for imports and cold caches once: not counted
             t0 = time.perf_counter()
+        elif i > PLAN_PROBES_CLEAR and (
+            (time.perf_counter() - t0) / (i - 1) * n_units > PLAN_CLEAR * EXHAUSTIVE_BUDGET_S
+        ):  # far over the budget already: the rest would not change the plan
+            n_probes = i - 1
+            break
         group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
         for s in group:
             try:
@@ -791,11 +919,16 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
         else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
         f"{EXHAUSTIVE_BUDGET_S:.0f} s budget"
     )
+    local = unit == "layout" and not multi
+    n_trials = CLIMB_TRIALS if local else DEFAULT_TRIALS
     return SearchPlan(
         exhaustive=False,
-        n_trials=DEFAULT_TRIALS,
+        n_trials=n_trials,
         estimate_s=estimate,
-        reason=f"sampled: {DEFAULT_TRIALS} trials ({why}; --sampler exhaustive scores them all)",
+        reason=f"sampled: {n_trials} trials"
+        + (" and a local search from the best layouts" if local else "")
+        + f" ({why}; --sampler exhaustive scores them all)",
+        local=local,
     )
 
 
@@ -816,7 +949,12 @@ def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
     """What the search did and how much of the space it covered ({covered} is filled in)."""
     what = "layouts" if unit == "layout" else "strategies"
     head = plan.reason if plan is not None else f"{sampler_name}: {target:,} trials asked"
-    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}"
+    local = (
+        f", the local search scored {runner.local_layouts:,} of them"
+        if plan is not None and plan.local
+        else ""
+    )
+    return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}{local}"
 
 
 def _key(params: dict[str, Any]) -> tuple:
@@ -868,6 +1006,8 @@ def _collect(
         plan=runner.plan.format(covered=covered),
         price_per_gpu_hour=runner.price_per_gpu_hour,
         config=config,
+        opened=job.opened,
+        margin=job.margin,
     )
 
 
@@ -889,7 +1029,7 @@ def _pareto(cands: list[Candidate], objective: Objective) -> list[Candidate]:
 def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     """How far the least hungry strategy of the whole space is from fitting (exhaustive scan of
     peak memory when the space is small enough, else the least hungry strategy tried)."""
-    space, cm = runner.space, runner.cost_model
+    space = runner.space
     cluster = space.cluster
     where = "tried"
     least_s, least_r = (
@@ -901,7 +1041,7 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     if space.size <= 2_000_000:
         where = f"of all {space.size:,} in the space"
         for s in space.enumerate():
-            r = cm.estimate(s, validate=False)
+            r = runner.estimate(s)
             n_fit += r.fits
             if least_r is None or r.peak_memory_bytes < least_r.peak_memory_bytes:
                 least_s, least_r = s, r
@@ -937,23 +1077,27 @@ def check_study_name(name: Any) -> str:
     return _study_name(name, "study_name")
 
 
-def _load_model(value: "ModelSpec | dict | str") -> "ModelSpec":
+def _load_model(value: "ModelSpec | dict | str", *, seq_len: int | None = None) -> "ModelSpec":
     """A ModelSpec from the config's model: a ModelSpec, its fields, a catalog name or a YAML
-    file (whose path a message names)."""
+    file (whose path a message names), at `seq_len` tokens when given."""
     from autosearch.core.model_spec import ModelSpec
 
     if isinstance(value, dict):
-        return ModelSpec.from_dict(value, what="model (a mapping)")
+        value = ModelSpec.from_dict(value, what="model (a mapping)")
     try:
-        return ModelSpec.load(value)
+        return ModelSpec.load(value, seq_len=seq_len)
     except SpecError as exc:
         if isinstance(value, str) and os.path.isfile(value) and value not in str(exc):
             raise SpecError(f"model file {value!r}: {exc}") from None
         raise
 
 
-def _resolve_space(space, model, cluster, global_batch_size, config) -> "BaseSearchSpace":
-    from search_spaces import SearchSpace
+def _resolve_space(space, model, cluster, global_batch_size, config, runtime) -> tuple:
+    """(the search space, why each dimension a runtime may lack is open or not): the space file
+    (default: default.yaml) with the pins, its ``supported`` values resolved for the runtime on
+    the cluster (`SpaceConfig.resolved`); refused when it asks what the runtime cannot run."""
+    from search_spaces import SearchSpace, SpaceConfig
+    from search_spaces._config import runtime_problems
 
     if space is not None:
         if (
@@ -966,10 +1110,35 @@ def _resolve_space(space, model, cluster, global_batch_size, config) -> "BaseSea
                 f"global batch {space.global_batch_size}, not {model.name} on {cluster.name} at "
                 f"{global_batch_size}"
             )
-        return space
-    return SearchSpace(
-        model, cluster, global_batch_size=global_batch_size, config=config.space, **config.pin
+        return space, ()
+    base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
+    base = base.narrowed(**config.pin) if config.pin else base
+    resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
+    built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
+    fp8 = next((o for o in opened if o.name == "fp8"), None)
+    if config.fp8 and fp8 is not None and fp8.values == ("none",):  # not the GPU: the runtime
+        raise SpecError(f"fp8 asks to search float8 matmuls, but {_no_fp8(fp8)}")
+    problems = runtime_problems(
+        built.plain_choices(),
+        uneven_pipeline=resolved.uneven_pipeline,
+        runtime=runtime,
+        cluster=cluster,
     )
+    if problems:
+        raise SpecError(problems, context="the search space asks what the runtime cannot run")
+    return built, opened
+
+
+def _no_fp8(note) -> str:
+    """Why the space's fp8 is [none] whatever the GPU, and what to do (for --fp8). A GPU
+    without fp8 units is not refused: its space keeps fp8 none by the rules, and the summary
+    says fp8 was searched where the GPU has them (a sweep may mix GPUs)."""
+    if note.why.startswith("as pinned"):
+        return (
+            "the space file or a pin keeps fp8 to [none]; drop that pin, or write fp8: "
+            "supported (or the values) in the space file"
+        )
+    return f"{note.why.split('; ')[-1]}; use a runtime that runs fp8, or drop --fp8"
 
 
 def _resolve_sampler(sampler, n_trials, n_units, obj: Objective, seed):
