@@ -14,8 +14,9 @@ splits): spaces of 0.1-15 M strategies, far beyond the exhaustive budget.
 For each case the reference is the exhaustive optimum of the same space under the same margin
 (every strategy scored), and regret = 1 - found / optimum throughput. The optimum of a large
 space takes minutes to score, so it is kept in `results/search_optima.csv` (one row per case
-and space digest); a kept optimum is used only while the cost model still gives its strategy the
-same throughput (re-estimated), else it is scored again (--rescore scores every one again).
+and space digest); a kept optimum is used only while the cost model's sources are unchanged
+(a digest of cost_models/ and autosearch/core/) and it still gives the kept strategy the same
+throughput, else it is scored again (--rescore scores every one again).
 Targets (issue 18): zero regret in every search of the default battery and in >= 95% of the
 extended ones, worst regret <= 0.5%, every search <= 10 s on this machine (the load average at
 each search is written next to its time: the machine is shared).
@@ -23,26 +24,24 @@ each search is written next to its time: the machine is shared).
 Run: python benchmarks/search_default.py [--seeds 5] [--out results/search_default.csv]
      python benchmarks/search_default.py --extended   (results/search_extended.csv)
      python benchmarks/search_default.py --extended --optima-only   (fill the optima cache)
-     python benchmarks/search_default.py --supports cp,compile,async_tp,selective_op,uneven_pp
-         (the default battery as it will be once the Engine runs those dimensions)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
+import hashlib
 import os
 import time
 from pathlib import Path
 
 from autosearch import Strategy, TuneConfig, tune
-from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from autosearch.tuning._study import prepare
-from cost_models import AnalyticCostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMA = ROOT / "results" / "search_optima.csv"
+# what an optimum depends on besides the space: the cost model and the specs it reads
+MODEL_SOURCES = ("cost_models", "autosearch/core")
 
 CASES = [  # (model, cluster, global batch)
     ("gpt3-1.3b", "a100-sxm4-40gb:1x8", 256),
@@ -106,12 +105,6 @@ def job(model: str, cluster: str, gbs: int, settings: dict, seed: int = 0) -> Tu
     return TuneConfig(model=model, cluster=cluster, global_batch_size=gbs, seed=seed, **settings)
 
 
-def engine_runtime(supports: str) -> RuntimeOptions:
-    """The torch preset (the Engine) with `supports` in place of its own: the default battery
-    as it will be once the Engine runs those dimensions (--supports)."""
-    return dataclasses.replace(RUNTIMES["torch"], supports=tuple(supports.split(",")))
-
-
 def optimum(config: TuneConfig, cost_model=None) -> dict:
     """The exhaustive optimum of the config's space under its margin: every strategy scored."""
     prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
@@ -127,6 +120,7 @@ def optimum(config: TuneConfig, cost_model=None) -> dict:
             best, best_s = r.tokens_per_s, s
     return {
         "digest": space.signature()["digest"],
+        "model_digest": model_digest(),
         "space_size": space.size,
         "layouts": space.n_groups,
         "margin": fraction,
@@ -137,9 +131,21 @@ def optimum(config: TuneConfig, cost_model=None) -> dict:
     }
 
 
+def model_digest() -> str:
+    """A digest of the cost model's sources and the specs it reads (the error bands excepted:
+    they move no estimate's throughput or memory)."""
+    h = hashlib.sha256()
+    for folder in MODEL_SOURCES:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".yaml") and path.name != "error_bands.yaml":
+                h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _still_valid(row: dict, config: TuneConfig, cost_model=None) -> bool:
-    """The kept optimum still has the throughput the cost model gives its strategy now."""
-    if not row.get("strategy"):
+    """The kept optimum was scored by today's cost model, and it still gives the kept strategy
+    the same throughput (the second check guards a row written by hand)."""
+    if not row.get("strategy") or row.get("model_digest") != model_digest():
         return False
     prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
     if prepared.space.signature()["digest"] != row["digest"]:
@@ -172,11 +178,12 @@ def _read_optima() -> dict:
 
 def _write_optima(rows: dict) -> None:
     OPTIMA.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["battery", "model", "cluster", "gbs", "digest", "space_size", "layouts", "margin"]
+    fields = ["battery", "model", "cluster", "gbs", "digest", "model_digest", "space_size"]
+    fields += ["layouts", "margin"]
     fields += ["optimum_tokens_per_s", "optimum", "strategy", "scoring_s"]
     tmp = OPTIMA.with_suffix(".tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(sorted(rows.values(), key=lambda r: (r["battery"], r["model"])))
     os.replace(tmp, OPTIMA)
@@ -190,23 +197,10 @@ def main() -> None:
     parser.add_argument("--optima-only", action="store_true", help="only fill the optima cache")
     parser.add_argument("--rescore", action="store_true", help="score every optimum again")
     parser.add_argument("--cases", default=None, help="only these case numbers (0-based, a,b)")
-    parser.add_argument(
-        "--supports",
-        default=None,
-        help="the default battery with the torch preset running these dimensions instead of "
-        "its own (e.g. cp,compile,async_tp,selective_op,uneven_pp): writes "
-        "results/search_default_engine.csv",
-    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
-    battery = "extended" if ext else ("default-engine" if args.supports else "default")
-    runtime = engine_runtime(args.supports) if args.supports and not ext else None
-
-    def cost_model(model, cluster):
-        return AnalyticCostModel(model, cluster, runtime=runtime)
-
-    factory = cost_model if runtime is not None else None
+    battery = "extended" if ext else "default"
     cases = EXTENDED_CASES if ext else CASES
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
@@ -218,7 +212,6 @@ def main() -> None:
             (battery, model, cluster, gbs),
             job(model, cluster, gbs, settings),
             rescore=args.rescore,
-            cost_model=factory,
         )
         best = ref["optimum_tokens_per_s"]
         print(
@@ -230,7 +223,7 @@ def main() -> None:
         for seed in range(args.seeds):
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            result = tune(job(model, cluster, gbs, settings, seed=seed), cost_model=factory)
+            result = tune(job(model, cluster, gbs, settings, seed=seed))
             wall = time.perf_counter() - t0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0

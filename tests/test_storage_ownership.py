@@ -68,6 +68,30 @@ def test_tune_refuses_a_foreign_database_before_writing_anything(tmp_path, capsy
     assert _tables(db) == {"customers"}
 
 
+def test_tune_shares_a_database_when_told_and_reopens_it_without_the_flag(tmp_path):
+    """--storage-shared-ok adds Optuna's tables next to the user's (their rows untouched); a
+    later run opens the same database without it, as it adds no table then."""
+    from autosearch.cli import main
+
+    db = tmp_path / "app.db"
+    _user_db(db)
+    argv = ["tune", "--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--quiet"]
+    argv += ["--global-batch-size", "64", "--n-trials", "3", "--storage", f"sqlite:///{db}"]
+    argv += ["--study-name", "shared", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--storage-shared-ok"]) == 0
+    assert {"customers", "studies", "trials"} <= _tables(db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT name FROM customers").fetchall() == [("Ada",)]
+    argv[argv.index("3")] = "5"
+    assert main([*argv, "--out", str(tmp_path / "out2")]) == 0
+    from autosearch.tuning._storage import open_study_storage as reopen
+
+    opened = reopen(f"sqlite:///{db}")
+    assert opened is not None
+    study = opened.storage.get_all_studies()[0]
+    assert len(opened.storage.get_all_trials(study._study_id)) == 5
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///", "sqlite:///?timeout=5"])
 def test_a_sqlite_url_without_a_path_names_storage(url):
     with pytest.raises(SpecError, match=r"--storage .*names no file"):

@@ -352,6 +352,13 @@ class TuneConfig:
         read=_text,
         help="Optuna storage: a .journal or .db file, or an RDB URL (default: OUT/study.journal)",
     )
+    storage_shared_ok: bool = setting(
+        False,
+        read=_switch,
+        switch=True,
+        help="let the study add Optuna's tables to a SQLite file or database that holds tables "
+        "of its own (refused by default; once Optuna's tables are there it opens without this)",
+    )
     study_name: str | None = setting(
         None,
         read=_study_name,

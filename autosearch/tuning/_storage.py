@@ -284,8 +284,11 @@ def _optuna_tables() -> frozenset[str]:
 
 
 def _refuse_foreign_tables(tables: set[str], what: str) -> None:
-    foreign = sorted(tables - _optuna_tables())
-    if foreign:
+    """Refuse to add Optuna's tables to a database that holds others; one that holds Optuna's
+    already (shared once, with --storage-shared-ok) gains no table and opens."""
+    optuna_tables = _optuna_tables()
+    foreign = sorted(tables - optuna_tables)
+    if foreign and not optuna_tables <= tables:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise SpecError(
             f"--storage: the {what} holds tables that are not Optuna's ({shown}); a study "

@@ -349,7 +349,7 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     if progress is True:
         print(f"searching {_describe(job.space)}", flush=True)
     timings: dict[str, float] = {"setup_s": setup_s}
-    opened = open_study_storage(job.storage)
+    opened = open_study_storage(job.storage, shared_ok=job.config.storage_shared_ok)
     meta = StudyMeta(
         signature=job.space.signature(),
         objective=job.objective.name,
