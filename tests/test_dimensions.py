@@ -157,7 +157,7 @@ def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
     assert {s.ep for s in dense.enumerate()} == {1}
     # ep opened by a pin: no runtime preset lists ep in `supports` yet, so the default space of
     # every runtime keeps ep = 1 (issue 18: the default space is what the runtime runs)
-    moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, ep="all")
+    moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, ep="all", etp="all")
     assert moe.model.moe.n_experts == 8
     for lay in moe.layouts():
         assert (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp) == 0 and 8 % lay.ep == 0
@@ -165,13 +165,21 @@ def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
         assert lay.dp * lay.tp * lay.pp * lay.cp == 16
     assert {lay.ep for lay in moe.layouts() if lay.dp == 16} == {1, 2, 4, 8}
     # etp < tp lets an ep group take ranks attention splits by tp (tp2 x dp4: ep up to 8)
-    assert {lay.ep for lay in moe.layouts() if lay.dp == 4 and lay.tp == 2 and lay.etp == 1} == {
+    assert {
+        lay.ep
+        for lay in moe.layouts()
+        if lay.dp == 4 and lay.tp == 2 and lay.cp == 1 and lay.etp == 1
+    } == {
         1,
         2,
         4,
         8,
     }
-    assert {lay.ep for lay in moe.layouts() if lay.dp == 4 and lay.tp == 2 and lay.etp == 2} == {
+    assert {
+        lay.ep
+        for lay in moe.layouts()
+        if lay.dp == 4 and lay.tp == 2 and lay.cp == 1 and lay.etp == 2
+    } == {
         1,
         2,
         4,

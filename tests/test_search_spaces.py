@@ -155,8 +155,12 @@ def test_enumerate_is_exactly_the_valid_strategies_of_a_brute_force_grid():
             continue
         if pp == 1 and sched != "1f1b":  # no pipeline: the space keeps one canonical schedule
             continue
-        for rc, zero, amp in itertools.product(["none", "selective", "full"], [0, 1, 2, 3], amps):
-            s = layout.replace(recompute=rc, zero_stage=zero, amp=amp)
+        # the Engine's default space on a CUDA GPU: op-level recompute, compile and async TP too
+        recomputes = ["none", "selective", "selective_op", "full"]
+        for rc, zero, amp, comp, atp in itertools.product(
+            recomputes, [0, 1, 2, 3], amps, [False, True], [False, True]
+        ):
+            s = layout.replace(recompute=rc, zero_stage=zero, amp=amp, compile=comp, async_tp=atp)
             if not s.problems(model, cluster):
                 expected.add(s)
     assert set(space.enumerate()) == expected
@@ -217,7 +221,7 @@ def test_user_errors_say_what_and_how():
     with pytest.raises(SpecError, match="recompute value 'sometimes'"):
         SearchSpace("llama3-8b", "h100-sxm:1x8", global_batch_size=64, recompute="sometimes")
     with pytest.raises(SpecError, match="search space is empty.*global batch"):
-        SearchSpace("llama3-8b", "h100-sxm:1x8", global_batch_size=3, tp=1)
+        SearchSpace("llama3-8b", "h100-sxm:1x8", global_batch_size=3, tp=1, cp=1)
     with pytest.raises(SpecError, match="no tensor-parallel degree"):
         SearchSpace("gpt3-125m", "h100-sxm:1x8", global_batch_size=64, tp=8)
     with pytest.raises(SpecError, match="neither a YAML file nor a shipped space"):
@@ -337,10 +341,11 @@ def test_a_space_that_asks_what_the_runtime_cannot_run_is_refused_with_a_runtime
     problems = runtime_problems(
         choices, uneven_pipeline=False, runtime="megatron-sc21", cluster=cluster
     )
-    assert len(problems) == 2
+    # the torch preset's default space opens op-level recompute and async TP on H100 too
+    assert [p.split(" ")[0] for p in problems] == ["cp", "recompute", "compile", "async_tp"]
     assert problems[0].startswith("cp [2]: runtime 'megatron-sc21' does not run cp=2")
     assert "use --runtime" in problems[0] and "keep cp to [1]" in problems[0]
-    assert problems[1].startswith("compile [true]")
+    assert problems[2].startswith("compile [true]")
     assert (
         runtime_problems(
             space.plain_choices(),

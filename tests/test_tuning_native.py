@@ -21,8 +21,12 @@ from cost_models import AnalyticCostModel
 from search_spaces import SearchSpace
 
 SMALL = dict(model="llama3-8b", cluster="h100-sxm:2x8", global_batch_size=64)
-# The dimensions that vary in SMALL's default space (cp, fp8, compile and async_tp do not).
+# The dimensions that vary in SMALL's default space: the Engine's on an H100 (llama3-8b's 8K
+# sequence opens cp; fp8 is opt-in; ep and etp are a MoE model's).
 SMALL_DIMS = {
+    "cp",
+    "compile",
+    "async_tp",
     "dp",
     "tp",
     "pp",
@@ -183,6 +187,10 @@ def test_top_k_csv_lists_each_strategy_once_in_the_rule_order(tmp_path):
         "micro_batch_size": [1, 2],
         "zero_stage": [0, 1],
         "amp": ["bf16", "fp16"],
+        "recompute": ["none", "selective", "full"],
+        "cp": 1,
+        "compile": False,
+        "async_tp": False,
     }
     space = SearchSpace(SMALL["model"], SMALL["cluster"], global_batch_size=64, **pins)
     assert space.size < 60
