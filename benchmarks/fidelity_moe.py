@@ -61,10 +61,23 @@ ASSUMED = {
     "megatron optimizer": "DDP + distributed optimizer -> zero_stage 1; Megatron-FSDP and"
     " Automodel's FSDP2 -> zero_stage 3",
     "fp8": "any FP8 recipe (delayed, current, blockwise, MXFP8) -> tensorwise fp8 linears",
-    "recompute": "none / not stated -> none; Megatron's recompute module lists (layernorm,"
-    " moe_act, moe) -> none (no Strategy value recomputes modules: their time is left out and"
-    " their memory saving too); 'selective' with no module list -> selective; 'full' and"
-    " Automodel's activation_checkpointing -> full",
+    "recompute": "none / not stated -> none; Megatron's recompute module lists -> the Strategy's"
+    " recompute_modules (model zoo 'norm, act' -> layernorm+moe_act, 'selective: layernorm,"
+    " moe' -> layernorm+moe, 'norm, act, shared_expert' -> layernorm+moe_act+shared_experts;"
+    " fine-grained activation offloading is not modelled, its module recompute is);"
+    " 'full' and Automodel's activation_checkpointing -> full",
+    "DeepSeek-V3 / Kimi-K2 recipes": "Megatron-Bridge DeepSeek-V3 rows: selective granularity"
+    " with recompute_modules [mla_up_proj, mlp] on H100 and [mla_up_proj] on Blackwell"
+    " (scripts/performance/configs/deepseek/deepseek_llm_pretrain.py @013284246); Kimi-K2"
+    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (NeMo 25.04"
+    " scripts/performance/llm/pretrain_deepseek_v3.py: selective, module list from its config"
+    " table, not transcribed) -> layernorm+mla_up_proj, the Bridge deepseek_v3 recipe's default"
+    " (assumed)",
+    "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
+    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs) and"
+    " NeMo 2's performance_mode does (DGX Cloud) -> the nemo preset (bf16 gradients)",
+    "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
+    " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
     " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
     " and not stated -> the runtime's moe_load_imbalance",
@@ -133,13 +146,7 @@ def strategy_of(row: pd.Series) -> Strategy:
     if "sharding degree" in fsdp:
         zero = 3
     precision = str(row.precision).lower()
-    rc = str(row.recompute).lower()
-    if "full" in rc or "activation_checkpointing: true" in rc:
-        recompute = "full"
-    elif rc.startswith("selective (recipe"):
-        recompute = "selective"
-    else:
-        recompute = "none"
+    recompute, modules = recompute_of(row)
     return Strategy(
         dp=dp,
         tp=tp,
@@ -152,6 +159,7 @@ def strategy_of(row: pd.Series) -> Strategy:
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
         recompute=recompute,
+        recompute_modules=modules,
         sequence_parallel=tp > 1,
         zero_stage=zero,
         amp="bf16",
@@ -159,11 +167,54 @@ def strategy_of(row: pd.Series) -> Strategy:
     )
 
 
+# Megatron's module names as the rows print them -> ours (`ASSUMED["recompute"]`)
+_MODULE_WORDS = {
+    "layernorm": "layernorm",
+    "norm": "layernorm",
+    "up_proj": "mla_up_proj",
+    "mlp": "mlp",
+    "act": "moe_act",
+    "moe_act": "moe_act",
+    "shared_expert": "shared_experts",
+    "moe": "moe",
+}
+_MODULE_ORDER = ("layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts", "moe")
+
+
+def recompute_of(row: pd.Series) -> tuple[str, str]:
+    """(recompute, recompute_modules) of a row: what it states, else its recipe's
+    (`ASSUMED["recompute"]`, `ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]`)."""
+    rc = str(row.recompute).lower() if not pd.isna(row.recompute) else ""
+    rid, model = str(row.id), str(row.model)
+    if "full" in rc or "activation_checkpointing: true" in rc:
+        return "full", "none"
+    if rid.startswith("AUTO") and model.startswith("DeepSeek-V3"):
+        return "full", "none"  # ASSUMED["Automodel DeepSeek-V3 1,024 GPUs"]
+    words = rc.split("(")[0].replace("selective", "").replace("+", ",").replace(":", ",")
+    names = {_MODULE_WORDS[w.strip()] for w in words.split(",") if w.strip() in _MODULE_WORDS}
+    if "moe_act" in rc:
+        names.add("moe_act")
+    if "up_proj" in rc:
+        names.add("mla_up_proj")
+    if not names and model.startswith("DeepSeek-V3"):
+        if rid.startswith("MB"):
+            names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
+        elif rid.startswith("DGXC"):
+            names = {"layernorm", "mla_up_proj"}
+    elif not names and model.startswith("Kimi-K2") and rid.startswith("MB"):
+        names = {"mla_up_proj"}
+    modules = "+".join(n for n in _MODULE_ORDER if n in names) or "none"
+    return "none", modules
+
+
 def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
     name = "torchtitan" if automodel else "megatron-core"
+    bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
+    if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
+        name = "nemo"  # ASSUMED["gradient reduction"]
     rt = (runtimes or {}).get(name, RUNTIMES[name])
     changes: dict = {}
     routing = str(row.moe_routing).lower()
@@ -266,10 +317,11 @@ def leave_one_group_out(rows: pd.DataFrame) -> dict:
     moe_load_imbalance (the Model Zoo's forced / dropless pairs, DGX Cloud) falls back to 1
     (balanced), its moe_layer_host_s (the Bridge's Qwen3-30B rows) to 0, and the EP A2A
     overlap (the Bridge's and the Model Zoo's overlap rows) to 0."""
-    mc = dataclasses.replace(
-        RUNTIMES["megatron-core"], moe_load_imbalance=1.0, moe_layer_host_s=0.0
-    )
-    without = {"megatron-core": mc, "a2a_overlap": 0.0}
+    without: dict = {
+        name: dataclasses.replace(RUNTIMES[name], moe_load_imbalance=1.0, moe_layer_host_s=0.0)
+        for name in ("megatron-core", "nemo")
+    }
+    without["a2a_overlap"] = 0.0
     out = {}
     for name in ("MoE Model Zoo H100", "Megatron-Bridge H100", "DGX Cloud H100"):
         subset = rows[rows.apply(group_of, axis=1) == name]
