@@ -76,6 +76,12 @@ ASSUMED = {
     "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
     " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs) and"
     " NeMo 2's performance_mode does (DGX Cloud) -> the nemo preset (bf16 gradients)",
+    "Bridge H100 recipes": "Megatron-Bridge 26.x H100 presets as the Python presets set them"
+    " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
+    " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
+    " recipe states); Qwen3-30B ep16 pp1 moe_flex_dispatcher_backend hybridep, moe_a2a_overlap"
+    " False -> DeepEP-style dispatcher. The 25.09 rows ran YAML recipes that name neither"
+    " (deepseek_v3_llm_pretrain.yaml, qwen3_235b_a22b_llm_pretrain.yaml): preset defaults",
     "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
     " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
@@ -207,6 +213,19 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
     return "none", modules
 
 
+def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
+    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
+    row ran (`ASSUMED["Bridge H100 recipes"]`)."""
+    if not str(row.id).startswith("MB26") or row.gpu != "h100-sxm":
+        return False, False
+    model = str(row.model)
+    if model.startswith("Qwen3-235B"):
+        return False, True
+    if model.startswith("Qwen3-30B") and _int(row.ep, 1) == 16 and _int(row.pp, 1) == 1:
+        return True, False
+    return False, False
+
+
 def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
@@ -221,9 +240,10 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     if any(w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")):
         changes["moe_load_imbalance"] = 1.0
     text = f"{row.other} {row.note}".lower()
-    if "deepep" in text:
+    deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
+    if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
-    if "moe_a2a_overlap true" in text or "1f1b overlap" in text:
+    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
     if automodel:  # ASSUMED["Automodel runtime"]: TE kernels on FSDP2
         mc = RUNTIMES["megatron-core"]
