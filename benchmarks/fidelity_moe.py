@@ -61,10 +61,29 @@ ASSUMED = {
     "megatron optimizer": "DDP + distributed optimizer -> zero_stage 1; Megatron-FSDP and"
     " Automodel's FSDP2 -> zero_stage 3",
     "fp8": "any FP8 recipe (delayed, current, blockwise, MXFP8) -> tensorwise fp8 linears",
-    "recompute": "none / not stated -> none; Megatron's recompute module lists (layernorm,"
-    " moe_act, moe) -> none (no Strategy value recomputes modules: their time is left out and"
-    " their memory saving too); 'selective' with no module list -> selective; 'full' and"
-    " Automodel's activation_checkpointing -> full",
+    "recompute": "none / not stated -> none; Megatron's recompute module lists -> the Strategy's"
+    " recompute_modules (model zoo 'norm, act' -> layernorm+moe_act, 'selective: layernorm,"
+    " moe' -> layernorm+moe, 'norm, act, shared_expert' -> layernorm+moe_act+shared_experts;"
+    " fine-grained activation offloading is not modelled, its module recompute is);"
+    " 'full' and Automodel's activation_checkpointing -> full",
+    "DeepSeek-V3 / Kimi-K2 recipes": "Megatron-Bridge DeepSeek-V3 rows: selective granularity"
+    " with recompute_modules [mla_up_proj, mlp] on H100 and [mla_up_proj] on Blackwell"
+    " (scripts/performance/configs/deepseek/deepseek_llm_pretrain.py @013284246); Kimi-K2"
+    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (NeMo 25.04"
+    " scripts/performance/llm/pretrain_deepseek_v3.py: selective, module list from its config"
+    " table, not transcribed) -> layernorm+mla_up_proj, the Bridge deepseek_v3 recipe's default"
+    " (assumed)",
+    "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
+    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs) and"
+    " NeMo 2's performance_mode does (DGX Cloud) -> the nemo preset (bf16 gradients)",
+    "Bridge H100 recipes": "Megatron-Bridge 26.x H100 presets as the Python presets set them"
+    " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
+    " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
+    " recipe states); Qwen3-30B ep16 pp1 moe_flex_dispatcher_backend hybridep, moe_a2a_overlap"
+    " False -> DeepEP-style dispatcher. The 25.09 rows ran YAML recipes that name neither"
+    " (deepseek_v3_llm_pretrain.yaml, qwen3_235b_a22b_llm_pretrain.yaml): preset defaults",
+    "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
+    " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
     " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
     " and not stated -> the runtime's moe_load_imbalance",
@@ -133,13 +152,7 @@ def strategy_of(row: pd.Series) -> Strategy:
     if "sharding degree" in fsdp:
         zero = 3
     precision = str(row.precision).lower()
-    rc = str(row.recompute).lower()
-    if "full" in rc or "activation_checkpointing: true" in rc:
-        recompute = "full"
-    elif rc.startswith("selective (recipe"):
-        recompute = "selective"
-    else:
-        recompute = "none"
+    recompute, modules = recompute_of(row)
     return Strategy(
         dp=dp,
         tp=tp,
@@ -152,6 +165,7 @@ def strategy_of(row: pd.Series) -> Strategy:
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
         recompute=recompute,
+        recompute_modules=modules,
         sequence_parallel=tp > 1,
         zero_stage=zero,
         amp="bf16",
@@ -159,20 +173,77 @@ def strategy_of(row: pd.Series) -> Strategy:
     )
 
 
+# Megatron's module names as the rows print them -> ours (`ASSUMED["recompute"]`)
+_MODULE_WORDS = {
+    "layernorm": "layernorm",
+    "norm": "layernorm",
+    "up_proj": "mla_up_proj",
+    "mlp": "mlp",
+    "act": "moe_act",
+    "moe_act": "moe_act",
+    "shared_expert": "shared_experts",
+    "moe": "moe",
+}
+_MODULE_ORDER = ("layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts", "moe")
+
+
+def recompute_of(row: pd.Series) -> tuple[str, str]:
+    """(recompute, recompute_modules) of a row: what it states, else its recipe's
+    (`ASSUMED["recompute"]`, `ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]`)."""
+    rc = str(row.recompute).lower() if not pd.isna(row.recompute) else ""
+    rid, model = str(row.id), str(row.model)
+    if "full" in rc or "activation_checkpointing: true" in rc:
+        return "full", "none"
+    if rid.startswith("AUTO") and model.startswith("DeepSeek-V3"):
+        return "full", "none"  # ASSUMED["Automodel DeepSeek-V3 1,024 GPUs"]
+    words = rc.split("(")[0].replace("selective", "").replace("+", ",").replace(":", ",")
+    names = {_MODULE_WORDS[w.strip()] for w in words.split(",") if w.strip() in _MODULE_WORDS}
+    if "moe_act" in rc:
+        names.add("moe_act")
+    if "up_proj" in rc:
+        names.add("mla_up_proj")
+    if not names and model.startswith("DeepSeek-V3"):
+        if rid.startswith("MB"):
+            names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
+        elif rid.startswith("DGXC"):
+            names = {"layernorm", "mla_up_proj"}
+    elif not names and model.startswith("Kimi-K2") and rid.startswith("MB"):
+        names = {"mla_up_proj"}
+    modules = "+".join(n for n in _MODULE_ORDER if n in names) or "none"
+    return "none", modules
+
+
+def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
+    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
+    row ran (`ASSUMED["Bridge H100 recipes"]`)."""
+    if not str(row.id).startswith("MB26") or row.gpu != "h100-sxm":
+        return False, False
+    model = str(row.model)
+    if model.startswith("Qwen3-235B"):
+        return False, True
+    if model.startswith("Qwen3-30B") and _int(row.ep, 1) == 16 and _int(row.pp, 1) == 1:
+        return True, False
+    return False, False
+
+
 def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
     name = "torchtitan" if automodel else "megatron-core"
+    bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
+    if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
+        name = "nemo"  # ASSUMED["gradient reduction"]
     rt = (runtimes or {}).get(name, RUNTIMES[name])
     changes: dict = {}
     routing = str(row.moe_routing).lower()
     if any(w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")):
         changes["moe_load_imbalance"] = 1.0
     text = f"{row.other} {row.note}".lower()
-    if "deepep" in text:
+    deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
+    if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
-    if "moe_a2a_overlap true" in text or "1f1b overlap" in text:
+    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
     if automodel:  # ASSUMED["Automodel runtime"]: TE kernels on FSDP2
         mc = RUNTIMES["megatron-core"]
@@ -261,22 +332,36 @@ def summarize(table: pd.DataFrame) -> dict:
     return groups
 
 
+# The constants chosen against the table, each with the value it falls back to when left out
+# (a runtime field of the megatron-core and nemo presets, or the benchmark's EP overlap).
+CHOSEN = {
+    "moe_load_imbalance": 1.0,  # the Model Zoo's forced / dropless pairs, DGX Cloud DeepSeek-V3
+    "moe_layer_host_s": 0.0,  # the Bridge's Qwen3-30B-A3B pp2 ep8 rows
+    "a2a_overlap": 0.0,  # the rows that turn Megatron's EP A2A overlap on
+}
+
+
 def leave_one_group_out(rows: pd.DataFrame) -> dict:
-    """Each group predicted without the constants chosen against it: megatron-core's
-    moe_load_imbalance (the Model Zoo's forced / dropless pairs, DGX Cloud) falls back to 1
-    (balanced), its moe_layer_host_s (the Bridge's Qwen3-30B rows) to 0, and the EP A2A
-    overlap (the Bridge's and the Model Zoo's overlap rows) to 0."""
-    mc = dataclasses.replace(
-        RUNTIMES["megatron-core"], moe_load_imbalance=1.0, moe_layer_host_s=0.0
-    )
-    without = {"megatron-core": mc, "a2a_overlap": 0.0}
-    out = {}
-    for name in ("MoE Model Zoo H100", "Megatron-Bridge H100", "DGX Cloud H100"):
-        subset = rows[rows.apply(group_of, axis=1) == name]
-        table = pd.DataFrame([predict(r, runtimes=without) for _, r in subset.iterrows()])
-        g = summarize(table).get(name)
-        if g and g.get("expressible"):
-            out[name] = {k: g[k] for k in ("throughput_mape", "worst_error", "worst_row")}
+    """Each H100 group predicted with each constant chosen against the table left out (at its
+    fallback, `CHOSEN`), one at a time and all together: how much of a group's fit the
+    constant carries."""
+    out: dict = {}
+    for left_out in (*CHOSEN, "all"):
+        names = tuple(CHOSEN) if left_out == "all" else (left_out,)
+        fields = {n: CHOSEN[n] for n in names if n != "a2a_overlap"}
+        without: dict = {
+            rt: dataclasses.replace(RUNTIMES[rt], **fields) for rt in ("megatron-core", "nemo")
+        }
+        if "a2a_overlap" in names:
+            without["a2a_overlap"] = CHOSEN["a2a_overlap"]
+        for name in ("MoE Model Zoo H100", "Megatron-Bridge H100", "DGX Cloud H100"):
+            subset = rows[rows.apply(group_of, axis=1) == name]
+            table = pd.DataFrame([predict(r, runtimes=without) for _, r in subset.iterrows()])
+            g = summarize(table).get(name)
+            if g and g.get("expressible"):
+                out.setdefault(left_out, {})[name] = {
+                    k: g[k] for k in ("throughput_mape", "worst_error", "worst_row")
+                }
     return out
 
 
@@ -315,11 +400,12 @@ def main() -> None:
             f"{g['rows_beyond_25pct']})  all fit: {g['all_fit']}"
         )
     logo = leave_one_group_out(rows)
-    for name, g in logo.items():
-        print(
-            f"{name} without the constants chosen against it: MAPE {g['throughput_mape']:.1%},"
-            f" worst {g['worst_error']:+.1%}"
-        )
+    for left_out, by_group in logo.items():
+        for name, g in by_group.items():
+            print(
+                f"{name} without {left_out}: MAPE {g['throughput_mape']:.1%},"
+                f" worst {g['worst_error']:+.1%}"
+            )
     table.to_csv(args.out, index=False)
     summary = {
         "groups": groups,

@@ -30,9 +30,11 @@ CASES = [
         "deepseek-v3",
         "h100-sxm:128x8",
         8192,
-        # Megatron-Bridge 25.09 DeepSeek-V3 on 1,024 H100s (MB2509-DEEPSEEKV3DROPLESS-H100-1024)
+        # Megatron-Bridge 25.09 DeepSeek-V3 on 1,024 H100s (MB2509-DEEPSEEKV3DROPLESS-H100-1024),
+        # with its recipe's recompute modules (deepseek_llm_pretrain.py: mla_up_proj, mlp)
         "dp=64,tp=2,pp=8,ep=64,micro_batch_size=1,global_batch_size=8192,sequence_parallel=true,"
-        "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1",
+        "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1,"
+        "recompute_modules=mla_up_proj+mlp",
     ),
     (
         "qwen3-235b-a22b",

@@ -120,3 +120,83 @@ def test_model_flops_count_active_parameters_and_ep_is_priced():
 def test_expert_data_parallel_group():
     s = Strategy(dp=16, tp=2, ep=8, etp=1, global_batch_size=64)
     assert experts.expert_data_parallel(s) == (4, 8)
+
+
+# ---- Megatron-Core per-module recompute (recompute_modules) ------------------------------------
+def _estimate(model, strategy, runtime="megatron-core"):
+    return AnalyticCostModel(model, H100_4, runtime=runtime).estimate(strategy)
+
+
+def test_recompute_modules_trade_memory_for_recompute_time():
+    """Each module set keeps less than the one before and repeats more: moe keeps only the
+    MoE layer's input and runs its forward (all-to-all included) again; layernorm + moe_act
+    drop the norms' outputs and the experts' activation (elementwise recompute only)."""
+    base = Strategy(dp=32, ep=8, global_batch_size=256, zero_stage=1)
+    reports = [
+        _estimate(QWEN, base.replace(recompute_modules=m))
+        for m in ("none", "layernorm+moe_act", "layernorm+moe")
+    ]
+    activations = [r.memory.activations_bytes for r in reports]
+    recompute = [r.time.recompute_s for r in reports]
+    assert activations[0] > activations[1] > activations[2]
+    assert recompute[0] == 0.0 < recompute[1] < recompute[2]
+    # moe_act drops the experts' activation output: rows = T k (top-8 of a 4,096-token
+    # micro-batch) x the preset's dropless imbalance 1.3, width 768, bf16; layernorm two norm
+    # outputs of T x h; on 48 layers, less the one layer being recomputed, which holds its
+    # activation output once
+    e = experts.layer(base, AnalyticCostModel(QWEN, H100_4, runtime="megatron-core")._context)
+    act = e.rows * 1.3 * 768 * 2
+    norms = 2 * 4096 * QWEN.hidden_size * 2
+    assert activations[0] - activations[1] == pytest.approx(48 * (act + norms) - act, rel=1e-9)
+    # the moe set repeats the MoE forward: more than the elementwise work of moe_act, and the
+    # all-to-all with it (tp_comm carries the MoE traffic)
+    assert reports[2].time.tp_comm_s > reports[0].time.tp_comm_s
+
+
+def test_recompute_modules_follow_megatron_and_the_model():
+    """Under full recompute a module list changes nothing (Megatron takes modules with
+    selective granularity only); a dense model, or modules the model lacks, are refused."""
+    full = Strategy(dp=32, ep=8, global_batch_size=256, recompute="full")
+    a = _estimate(QWEN, full)
+    b = _estimate(QWEN, full.replace(recompute_modules="layernorm+moe"))
+    assert (a.step_time_s, a.peak_memory_bytes) == (b.step_time_s, b.peak_memory_bytes)
+    with pytest.raises(SpecError, match="modelled for mixture-of-experts models only"):
+        Strategy(dp=8, recompute_modules="layernorm+moe_act").validate(ModelSpec.load("llama3-8b"))
+    with pytest.raises(SpecError, match="mla_up_proj .it has no multi-head latent attention"):
+        Strategy(dp=8, recompute_modules="mla_up_proj").validate(QWEN)
+    with pytest.raises(SpecError, match="recompute_modules must be one of none, layernorm"):
+        Strategy(dp=8, recompute_modules="layernorm+attention")
+
+
+def test_recompute_modules_need_a_runtime_that_runs_them():
+    s = Strategy(dp=32, ep=8, global_batch_size=256, recompute_modules="layernorm+moe_act")
+    assert "recompute_modules" in RUNTIMES["torchtitan"].unsupported(s)
+    assert not RUNTIMES["megatron-core"].unsupported(s) and not RUNTIMES["nemo"].unsupported(s)
+
+
+def test_mla_up_proj_and_dense_mlp_recompute_on_deepseek():
+    """DeepSeek-V3's Megatron-Bridge H100 recipe recomputes the MLA up-projections and the
+    dense layers' MLP: both lower the activations and add recompute time."""
+    dsv3 = ModelSpec.load("deepseek-v3").scaled(n_layers=8)  # 3 dense + 5 MoE layers
+    base = Strategy(dp=16, tp=2, ep=8, global_batch_size=64, sequence_parallel=True, zero_stage=1)
+    none = _estimate(dsv3, base)
+    up = _estimate(dsv3, base.replace(recompute_modules="mla_up_proj"))
+    both = _estimate(dsv3, base.replace(recompute_modules="mla_up_proj+mlp"))
+    assert none.memory.activations_bytes > up.memory.activations_bytes
+    assert up.memory.activations_bytes > both.memory.activations_bytes
+    assert 0.0 == none.time.recompute_s < up.time.recompute_s < both.time.recompute_s
+
+
+def test_megatron_core_keeps_no_expert_output():
+    """Megatron-Core applies the routing probabilities in the experts' activation
+    (`moe_probs_in_activation`), so its combine keeps no copy of the experts' output: T k rows
+    x hidden x 2 bytes less per MoE layer and micro-batch than a runtime that weights the
+    output at the combine (megatron-core 0.16 experts.py `activation_func_with_probs`)."""
+    s = Strategy(dp=32, ep=8, global_batch_size=256, zero_stage=1)
+    mc = RUNTIMES["megatron-core"]
+    other = dataclasses.replace(mc, name="mc-probs-at-combine", moe_probs_in_activation=False)
+    a = _estimate(QWEN, s, runtime=mc).memory.activations_bytes
+    b = _estimate(QWEN, s, runtime=other).memory.activations_bytes
+    # one micro-batch's routed rows on one rank, times the preset's dropless imbalance 1.3
+    rows = 4096 * 8 * 1.3
+    assert b - a == pytest.approx(48 * rows * QWEN.hidden_size * 2, rel=1e-9)

@@ -211,6 +211,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     for flag, (kind, _) in FLAGS.items():
         if kind == "switch":
             parser.add_argument(flag, action="store_true")
+        elif kind == "list":  # nargs="+", as Megatron-LM's --recompute-modules
+            parser.add_argument(flag, nargs="+")
         else:
             parser.add_argument(flag, type=kinds[kind])
     return parser
@@ -560,3 +562,120 @@ def test_torchtitan_keys_are_job_config_fields():
     assert {k.split(".")[0] for k in KEYS} <= classes["JobConfig"]
     for section, keys in KEYS.items():
         assert set(keys) <= classes[SECTION_CLASSES[section]], (section, keys)
+
+
+# ---- mixture of experts: the model flags Megatron-LM needs, read back into the same model -------
+MOE_MODELS = ["deepseek-v3", "qwen3-30b-a3b", "llama4-maverick", "mixtral-8x7b"]
+
+
+def _moe_read_back(a, model: ModelSpec) -> ModelSpec:
+    """`model` with its MoE and MLA blocks as Megatron-LM would build them from `a`."""
+    import dataclasses
+
+    from autosearch.core._moe import MLASpec, MoESpec
+
+    # which layers hold experts: Megatron's 0/1 list (every layer without the flag), checked
+    # against ModelSpec.moe_layers, which first_dense_layers and layer_step define
+    layers = eval(a.moe_layer_freq) if a.moe_layer_freq else [1] * a.num_layers
+    assert tuple(map(bool, layers)) == model.moe_layers
+    dense, step = model.moe.first_dense_layers, model.moe.layer_step
+    balancing = {"aux_loss": "aux_loss", "seq_aux_loss": "aux_loss_free", "none": "none"}
+    assert a.moe_router_enable_expert_bias == (a.moe_router_load_balancing_type == "seq_aux_loss")
+    assert a.moe_grouped_gemm and a.moe_token_dispatcher_type == "alltoall"
+    n_shared = model.moe.n_shared_experts
+    moe = MoESpec(
+        n_experts=a.num_experts,
+        top_k=a.moe_router_topk,
+        ffn_hidden_size=a.moe_ffn_hidden_size,
+        n_shared_experts=n_shared,
+        shared_ffn_hidden_size=(
+            a.moe_shared_expert_intermediate_size // n_shared
+            if n_shared
+            else model.moe.shared_ffn_hidden_size
+        ),
+        first_dense_layers=dense,
+        layer_step=step,
+        router=a.moe_router_score_function,
+        load_balancing=balancing[a.moe_router_load_balancing_type],
+        capacity_factor=a.moe_expert_capacity_factor,
+    )
+    mla = None
+    if a.multi_latent_attention:
+        mla = MLASpec(
+            q_lora_rank=a.q_lora_rank,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_nope_head_dim=a.qk_head_dim,
+            qk_rope_head_dim=a.qk_pos_emb_head_dim,
+            v_head_dim=a.v_head_dim,
+        )
+    return dataclasses.replace(model, moe=moe, mla=mla)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_megatron_moe_flags_parse_and_give_back_the_model(name):
+    model = ModelSpec.load(name)
+    cluster = Cluster.parse("h100-sxm:16x8")
+    ep = 8 if model.moe.n_experts % 8 == 0 else 1
+    s = Strategy(dp=128, ep=ep, global_batch_size=1024, zero_stage=1)
+    out = export(s, to="megatron", model=model, cluster=cluster)
+    a = megatron_parser().parse_args(shlex.split(out.text.replace("\\\n", " "))[5:])
+    back = _moe_read_back(a, model)
+    assert back.moe == model.moe and back.mla == model.mla
+    assert a.expert_model_parallel_size == (ep if ep > 1 else None)
+    assert not out.unsupported
+    assert any("--moe-aux-loss-coeff" in n for n in out.notes)
+
+
+def test_megatron_layer_pattern_is_megatrons_list_form():
+    from autosearch.export._megatron import _layer_pattern
+
+    assert _layer_pattern((False,) * 3 + (True,) * 58) == "([0]*3+[1]*58)"
+    assert _layer_pattern((False, True) * 24) == "([0,1]*24)"
+    assert eval(_layer_pattern((False, True) * 24)) == [0, 1] * 24
+
+
+@pytest.mark.parametrize(
+    ("recompute", "modules", "words"),
+    [
+        ("none", "layernorm+moe_act", ["selective", "layernorm", "moe_act"]),
+        ("selective", "layernorm+moe", ["selective", "core_attn", "layernorm", "moe"]),
+        ("none", "none", None),
+    ],
+)
+def test_megatron_recompute_modules(recompute, modules, words):
+    model = ModelSpec.load("qwen3-30b-a3b")
+    s = Strategy(dp=8, ep=8, recompute=recompute, recompute_modules=modules)
+    out = export(s, to="megatron", model=model)
+    a = megatron_parser().parse_args(shlex.split(out.text.replace("\\\n", " ")))
+    if words is None:
+        assert a.recompute_granularity is None and a.recompute_modules is None
+    else:
+        assert [a.recompute_granularity] + a.recompute_modules == words
+    assert "recompute_modules" in out.mapped
+
+
+def test_recompute_modules_under_full_recompute_is_declared_lost():
+    model = ModelSpec.load("qwen3-30b-a3b")
+    s = Strategy(dp=8, ep=8, recompute="full", recompute_modules="layernorm+moe")
+    out = export(s, to="megatron", model=model)
+    assert "--recompute-modules" not in out.text
+    assert dict(out.unsupported)["recompute_modules"].startswith("Megatron takes")
+
+
+def test_torchtitan_writes_expert_degrees_and_refuses_other_etp():
+    model = ModelSpec.load("qwen3-30b-a3b")
+    out = export(Strategy(dp=4, tp=2, ep=8, etp=2), to="torchtitan", model=model)
+    par = tomllib.loads(out.text)["parallelism"]
+    assert (par["expert_parallel_degree"], par["expert_tensor_parallel_degree"]) == (8, 2)
+    out = export(Strategy(dp=2, tp=4, ep=4, etp=2), to="torchtitan", model=model)
+    assert "etp" in dict(out.unsupported) and "etp" not in out.mapped
+    out = export(Strategy(dp=8, ep=8, recompute_modules="layernorm+moe_act"), to="torchtitan")
+    assert "Megatron's modules" in dict(out.unsupported)["recompute_modules"]
+
+
+def test_deepspeed_says_what_it_has_no_equivalent_for():
+    s = Strategy(dp=8, tp=2, ep=8, etp=2, recompute_modules="layernorm+moe_act")
+    out = export(s, to="deepspeed", model=ModelSpec.load("qwen3-30b-a3b"))
+    lost = dict(out.unsupported)
+    assert {"ep", "etp", "recompute_modules"} <= set(lost)
+    assert "deepspeed.moe.layer.MoE" in lost["ep"]

@@ -141,6 +141,29 @@ def _recompute_label(s: "Strategy") -> str | None:
     return f"rc-{s.recompute}{s.recompute_num_layers or ''}"
 
 
+# Megatron-Core's per-module recompute (`TransformerConfig.recompute_modules`, with
+# --recompute-granularity selective), beyond its attention core (core_attn, which is
+# recompute=selective here): the module sets the published MoE recipes run, each written in
+# Megatron's module names joined by "+" (megatron-core 0.16 transformer_config.py; recipes in
+# docs/runtimes.md [3.10]). layernorm, moe_act and mla_up_proj discard their outputs and
+# recompute them in backward; mlp (the dense layers' MLP), shared_experts and moe (the whole MoE
+# layer) keep only their inputs.
+RECOMPUTE_MODULE_SETS = (
+    "none",
+    "layernorm+moe_act",  # Megatron-MoE model zoo "norm, act"
+    "layernorm+moe_act+shared_experts",  # model zoo Qwen3-Next "norm, act, shared_expert"
+    "layernorm+moe",  # model zoo long-context Qwen3-235B command lines
+    "mla_up_proj",  # Megatron-Bridge DeepSeek-V3 / Kimi-K2 Blackwell recipes
+    "layernorm+mla_up_proj",  # Megatron-Bridge deepseek_v3 recipe default
+    "mla_up_proj+mlp",  # Megatron-Bridge DeepSeek-V3 H100 recipe
+    "mlp+moe_act",  # Megatron-Bridge DeepSeek-V3 (up_proj recompute removed)
+)
+
+
+def _recompute_modules_label(s: "Strategy") -> str | None:
+    return None if s.recompute_modules == "none" else f"rcm-{s.recompute_modules}"
+
+
 def _flag_label(name: str, text: str) -> Callable[["Strategy"], str | None]:
     return lambda s: text if getattr(s, name) else None
 
@@ -321,6 +344,30 @@ DIMENSIONS: tuple[Dimension, ...] = (
                 "selective_op", lambda v: v == "selective_op", lambda v: "recompute=selective_op"
             ),
         ),
+    ),
+    Dimension(
+        name="recompute_modules",
+        kind=CHOICE,
+        default="none",
+        doc="Megatron-Core per-module recompute beyond the attention core (its "
+        "--recompute-modules): " + ", ".join(RECOMPUTE_MODULE_SETS[1:]),
+        choices=RECOMPUTE_MODULE_SETS,
+        level=AXIS,
+        space=("none",),
+        plain="recompute_modules",
+        label=_recompute_modules_label,
+        label_rank=75,
+        features=(
+            Feature(
+                "recompute_modules",
+                lambda v: v != "none",
+                lambda v: f"recompute_modules={v} (Megatron-Core per-module recompute)",
+            ),
+        ),
+        no_export={
+            "torchtitan": "torchtitan checkpoints whole blocks or ops, not Megatron's modules",
+            "deepspeed": "DeepSpeed's activation checkpointing is set in the model, per layer",
+        },
     ),
     Dimension(
         name="recompute_num_layers",

@@ -168,6 +168,34 @@ def expert_parallel_problem(
     return None
 
 
+def recompute_modules_problem(modules: str, model: "ModelSpec | None") -> str | None:
+    """Megatron-Core's per-module recompute names modules the model must have: moe_act, moe
+    and shared_experts a mixture-of-experts layer (shared experts for the last), mla_up_proj
+    multi-head latent attention, mlp a dense layer. Modelled for mixture-of-experts models
+    only (a dense model has recompute=selective and full)."""
+    if modules == "none" or model is None:
+        return None
+    if model.moe is None:
+        return (
+            f"recompute_modules={modules} is modelled for mixture-of-experts models only; for "
+            f"the dense {model.name} use recompute=selective or full, or recompute_modules=none"
+        )
+    names = modules.split("+")
+    lacking = []
+    if "shared_experts" in names and not model.moe.n_shared_experts:
+        lacking.append("shared_experts (it has no shared experts)")
+    if "mla_up_proj" in names and model.mla is None:
+        lacking.append("mla_up_proj (it has no multi-head latent attention)")
+    if "mlp" in names and all(model.moe_layers):
+        lacking.append("mlp (every layer is a MoE layer: no dense MLP)")
+    if lacking:
+        return (
+            f"recompute_modules={modules} names modules {model.name} lacks: "
+            f"{'; '.join(lacking)}; choose a set without them"
+        )
+    return None
+
+
 def async_tp_problem(async_tp: bool, tp: int) -> str | None:
     if async_tp and tp == 1:
         return "async_tp overlaps tensor-parallel collectives: it needs tp > 1; turn it off"
@@ -334,6 +362,11 @@ RULES: tuple[Rule, ...] = (
         lambda v, m, c: fp8_problem(v["fp8"], c.profile.peak_flops if c is not None else None),
     ),
     Rule("async_tp", ("async_tp", "tp"), lambda v, m, c: async_tp_problem(v["async_tp"], v["tp"])),
+    Rule(
+        "recompute_modules",
+        ("recompute_modules",),
+        lambda v, m, c: recompute_modules_problem(v["recompute_modules"], m),
+    ),
     Rule(
         "expert_parallel",
         ("ep", "etp", "dp", "cp", "tp"),

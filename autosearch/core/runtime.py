@@ -113,6 +113,10 @@ class RuntimeOptions:
         moe_shared_expert_overlap: the shared experts' forward and backward run while the
             all-to-all dispatch and combine are in flight (Megatron-Core
             ``--moe-shared-expert-overlap``).
+        moe_probs_in_activation: the routing probabilities multiply the experts' activation
+            (Megatron-Core 0.13+: ``activation_func_with_probs``), so the combine is a plain
+            scatter that keeps no copy of the experts' output for backward; False: they
+            multiply the experts' output at the combine, which keeps it.
         allocator_reserve_fraction: memory the caching allocator reserves beyond the live
             tensors at the peak (fragmentation), as a fraction of them.
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
@@ -162,6 +166,7 @@ class RuntimeOptions:
     moe_a2a_overlap: float = 0.0
     moe_layer_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
+    moe_probs_in_activation: bool = False
     step_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     zero3_gathers_per_layer: float = 1.0

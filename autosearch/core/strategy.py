@@ -89,6 +89,11 @@ class Strategy:
             (needs a GPU with fp8 units); the compute precision of the rest stays `amp`.
         compile: the runtime compiles each block (``torch.compile``): elementwise work fuses.
         async_tp: tensor-parallel collectives overlap the matmuls (micro-pipelined TP).
+        ep: expert-parallel degree (the routed experts split over ep groups).
+        etp: expert-tensor-parallel degree (each expert split over etp of the tp ranks).
+        recompute_modules: Megatron-Core's per-module recompute of a mixture-of-experts
+            model beyond the attention core (``layernorm+moe_act``, ``layernorm+moe``,
+            ``mla_up_proj+mlp`` ...; `dimensions.RECOMPUTE_MODULE_SETS`), or ``none``.
     """
 
     dp: int = dimensions.field("dp")
@@ -111,6 +116,7 @@ class Strategy:
     async_tp: bool = dimensions.field("async_tp")
     ep: int = dimensions.field("ep")
     etp: int = dimensions.field("etp")
+    recompute_modules: str = dimensions.field("recompute_modules")
 
     def __post_init__(self) -> None:
         """Check every field by its kind (`autosearch.core.dimensions`)."""

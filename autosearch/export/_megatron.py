@@ -76,6 +76,49 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("switch", "megatron-bridge training/config.py use_torch_fsdp2"),
     "--bf16": ("switch", "ModelParallelConfig.bf16"),
     "--fp16": ("switch", "ModelParallelConfig.fp16"),
+    "--expert-model-parallel-size": ("int", "ModelParallelConfig.expert_model_parallel_size"),
+    "--expert-tensor-parallel-size": ("int", "ModelParallelConfig.expert_tensor_parallel_size"),
+    # mixture of experts (Megatron-LM `_add_moe_args`; each copied into the config field named)
+    "--num-experts": ("int", "TransformerConfig.num_moe_experts"),
+    "--moe-router-topk": ("int", "TransformerConfig.moe_router_topk"),
+    "--moe-ffn-hidden-size": ("int", "TransformerConfig.moe_ffn_hidden_size"),
+    "--moe-shared-expert-intermediate-size": (
+        "int",
+        "TransformerConfig.moe_shared_expert_intermediate_size (all shared experts' width)",
+    ),
+    "--moe-layer-freq": ("str", "TransformerConfig.moe_layer_freq (an int or a list)"),
+    "--moe-grouped-gemm": ("switch", "TransformerConfig.moe_grouped_gemm"),
+    "--moe-token-dispatcher-type": ("str", "TransformerConfig.moe_token_dispatcher_type"),
+    "--moe-router-score-function": ("str", "TransformerConfig.moe_router_score_function"),
+    "--moe-router-load-balancing-type": (
+        "str",
+        "TransformerConfig.moe_router_load_balancing_type",
+    ),
+    "--moe-aux-loss-coeff": ("float", "TransformerConfig.moe_aux_loss_coeff"),
+    "--moe-router-enable-expert-bias": (
+        "switch",
+        "TransformerConfig.moe_router_enable_expert_bias",
+    ),
+    "--moe-expert-capacity-factor": ("float", "TransformerConfig.moe_expert_capacity_factor"),
+    # multi-head latent attention (MLATransformerConfig, the same file)
+    "--multi-latent-attention": ("switch", "MLATransformerConfig.multi_latent_attention"),
+    "--q-lora-rank": ("int", "MLATransformerConfig.q_lora_rank"),
+    "--kv-lora-rank": ("int", "MLATransformerConfig.kv_lora_rank"),
+    "--qk-head-dim": ("int", "MLATransformerConfig.qk_head_dim (the non-rotary part)"),
+    "--qk-pos-emb-head-dim": ("int", "MLATransformerConfig.qk_pos_emb_head_dim"),
+    "--v-head-dim": ("int", "MLATransformerConfig.v_head_dim"),
+    "--recompute-modules": ("list", "TransformerConfig.recompute_modules"),
+}
+
+# Load balancing: ours -> (Megatron's type, coefficient, expert bias). The coefficients are the
+# published ones, not part of a ModelSpec: 1e-3 is the router_aux_loss_coef of Mixtral's and
+# Qwen3-MoE's Hugging Face configs; DeepSeek-V3's auxiliary-loss-free balancing keeps a
+# sequence-wise loss of alpha = 1e-4 (DeepSeek-V3 report, sec. 2.1.2; Megatron-Bridge
+# DeepSeekV3 provider: seq_aux_loss, 1e-4, moe_router_enable_expert_bias).
+_BALANCING = {
+    "aux_loss": ("aux_loss", 1e-3, False),
+    "aux_loss_free": ("seq_aux_loss", 1e-4, True),
+    "none": ("none", 0.0, False),
 }
 
 
@@ -96,6 +139,11 @@ class MegatronExporter(Exporter):
         notes: list[str] = []
         if model is not None:
             flags += model_flags(model)
+            if model.moe is not None:
+                notes.append(
+                    "--moe-aux-loss-coeff is the published coefficient of this balancing "
+                    "(autosearch does not model it); set your own"
+                )
             if model.position_embedding not in _POSITIONS:
                 notes.append(
                     f"{model.name} uses {model.position_embedding} positions, which Megatron-LM "
@@ -170,8 +218,12 @@ class MegatronExporter(Exporter):
         if s.sequence_parallel:
             flags.append("--sequence-parallel")
         mapped.add("sequence_parallel")
-        if s.recompute in ("selective", "selective_op"):
+        modules = [] if s.recompute_modules == "none" else s.recompute_modules.split("+")
+        if s.recompute in ("selective", "selective_op") or (modules and s.recompute == "none"):
             flags.append("--recompute-granularity selective")
+            if modules:  # a module list replaces Megatron's default [core_attn]
+                core = ["core_attn"] if s.recompute == "selective" else []
+                flags.append("--recompute-modules " + " ".join(core + modules))
         elif s.recompute == "full" and s.recompute_num_layers is not None:
             flags += [
                 "--recompute-granularity full",
@@ -185,6 +237,16 @@ class MegatronExporter(Exporter):
                 "--recompute-num-layers 1",
             ]
         mapped.add("recompute_num_layers")
+        if modules and s.recompute in ("full", "selective_op"):
+            unsupported.append(
+                (
+                    "recompute_modules",
+                    f"Megatron takes --recompute-modules with selective granularity only; "
+                    f"recompute={s.recompute} already recomputes them",
+                )
+            )
+        else:
+            mapped.add("recompute_modules")
         if s.recompute == "selective_op":
             unsupported.append(
                 (
@@ -298,7 +360,68 @@ def model_flags(model) -> list[str]:
         flags += ["--hidden-dropout 0.0", "--attention-dropout 0.0"]
     if not model.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    if model.mla is not None:
+        mla = model.mla
+        flags.append("--multi-latent-attention")
+        if mla.q_lora_rank is not None:
+            flags.append(f"--q-lora-rank {mla.q_lora_rank}")
+        flags += [
+            f"--kv-lora-rank {mla.kv_lora_rank}",
+            f"--qk-head-dim {mla.qk_nope_head_dim}",
+            f"--qk-pos-emb-head-dim {mla.qk_rope_head_dim}",
+            f"--v-head-dim {mla.v_head_dim}",
+        ]
+    if model.moe is not None:
+        flags += moe_flags(model)
     return flags
+
+
+def moe_flags(model) -> list[str]:
+    """Megatron-Core's MoE layer for `model.moe`: routed experts as grouped GEMMs behind the
+    all-to-all dispatcher (what autosearch prices), the shared experts as one MLP of their
+    summed width, the MoE layers as an explicit 0/1 list (`ModelSpec.moe_layers`), the
+    router's score function and load balancing."""
+    moe = model.moe
+    kind, coeff, bias = _BALANCING[moe.load_balancing]
+    flags = [
+        f"--num-experts {moe.n_experts}",
+        f"--moe-router-topk {moe.top_k}",
+        f"--moe-ffn-hidden-size {moe.ffn_hidden_size}",
+    ]
+    if moe.n_shared_experts:
+        width = moe.n_shared_experts * moe.shared_ffn_hidden_size
+        flags.append(f"--moe-shared-expert-intermediate-size {width}")
+    if not all(model.moe_layers):
+        flags.append(f"--moe-layer-freq {_layer_pattern(model.moe_layers)}")
+    flags += [
+        "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type alltoall",
+        f"--moe-router-score-function {moe.router}",
+        f"--moe-router-load-balancing-type {kind}",
+        f"--moe-aux-loss-coeff {coeff:g}",
+    ]
+    if bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if moe.capacity_factor is not None:
+        flags.append(f"--moe-expert-capacity-factor {moe.capacity_factor:g}")
+    return flags
+
+
+def _layer_pattern(layers: tuple[bool, ...]) -> str:
+    """Megatron-LM's list form of --moe-layer-freq (a Python expression it evaluates,
+    `moe_freq_type`): a repeated period ``([0,1]*24)``, else run-length coded
+    ``([0]*3+[1]*58)``."""
+    flags = list(map(int, layers))
+    for p in range(2, len(flags) // 2 + 1):
+        if len(flags) % p == 0 and flags == flags[:p] * (len(flags) // p):
+            return f"([{','.join(map(str, flags[:p]))}]*{len(flags) // p})"
+    runs: list[list[int]] = []
+    for flag in flags:
+        if runs and runs[-1][0] == flag:
+            runs[-1][1] += 1
+        else:
+            runs.append([flag, 1])
+    return "(" + "+".join(f"[{f}]*{n}" for f, n in runs) + ")"
 
 
 # ModelSpec.position_embedding -> GPTModel(position_embedding_type=...); Megatron has no ALiBi.

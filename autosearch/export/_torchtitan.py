@@ -41,6 +41,8 @@ KEYS: dict[str, tuple[str, ...]] = {
         "pipeline_parallel_microbatch_size",
         "pipeline_parallel_layers_per_stage",
         "module_fqns_per_model_part",
+        "expert_parallel_degree",  # Parallelism.expert_parallel_degree (MoE models)
+        "expert_tensor_parallel_degree",  # 1 or tensor_parallel_degree only
     ),
     "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param"),
     "activation_checkpoint": ("mode", "selective_ac_option"),
@@ -239,6 +241,16 @@ class TorchTitanExporter(Exporter):
             doc.setdefault(section, {})[key] = value
         mapped |= declared
         unsupported += cannot
+        if s.etp not in (1, s.tp):  # job_config.py Parallelism.expert_tensor_parallel_degree
+            mapped.discard("etp")
+            unsupported.append(
+                ("etp", f"torchtitan runs etp = 1 or etp = tp ({s.tp}) only, not {s.etp}")
+            )
+        if model is not None and model.moe is not None:
+            notes.append(
+                "torchtitan's MoE models (deepseek_v3, qwen3, llama4) take their experts from "
+                "their own flavors: pick the one with this model's shape in [model]"
+            )
         return Exported(
             self.name,
             tomli_w.dumps(doc).rstrip(),

@@ -30,6 +30,7 @@ from cost_models.terms._base import (
 )
 from cost_models.terms.compute import (
     MLP_ACTIVATION_PASSES,
+    attention_widths,
     elementwise_s,
     gemm_rate,
     layer_shape,
@@ -50,6 +51,9 @@ class ExpertLayer(NamedTuple):
     op_recompute_s: float  # what selective op recompute repeats beyond the dense layer's
     rows: float  # routed rows this rank computes (for memory)
     host_s: float  # the runtime's host time of one MoE layer, forward and backward
+    modules_s: float = 0.0  # per-module recompute (`recompute_modules`) of one MoE layer
+    modules_comm: float = 0.0  # forwards' worth of MoE traffic it repeats (moe: one)
+    dense_modules_s: float = 0.0  # per-module recompute of one dense layer
 
 
 def routed_share(s: "Strategy", ctx: Context) -> float:
@@ -74,6 +78,8 @@ def routed_share(s: "Strategy", ctx: Context) -> float:
     "fp8",
     "compile",
     "async_tp",
+    "recompute",
+    "recompute_modules",
 )
 def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     """One MoE layer's MLP against the dense MLP it replaces."""
@@ -128,7 +134,51 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     # third of the MLP's GEMMs), as the dense one
     op_recompute = elem + ((expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0)
     comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
-    return ExpertLayer(fwd, bwd, comm, op_recompute, rows, rt.moe_layer_host_s)
+    names = modules(s)
+    if not names:
+        return ExpertLayer(fwd, bwd, comm, op_recompute, rows, rt.moe_layer_host_s)
+    # Megatron-Core's per-module recompute repeats each named module's forward in backward
+    # (transformer_config.py recompute_modules): the norms before attention and the MLP, the
+    # MLA up-projections (q_b, kv_b: T x r -> heads x width, over tp), the experts'
+    # activation, the shared experts, the whole MoE layer (its all-to-all included), the
+    # dense layers' MLP.
+    norms = elementwise(2 * 2 * T_r * h * ab) if "layernorm" in names else 0.0
+    up = 0.0
+    if "mla_up_proj" in names and m.mla is not None:
+        mla, a = m.mla, m.n_heads / t
+        if mla.q_lora_rank:
+            up += gemm.time_s(T, a * mla.qk_head_dim, mla.q_lora_rank, peak, key)
+        nope = mla.qk_nope_head_dim + mla.v_head_dim
+        up += gemm.time_s(T, a * nope, mla.kv_lora_rank, peak, key)
+    moe_s = 0.0
+    if "moe" in names:
+        moe_s = router + router_elem + permute + expert_gemm + expert_elem
+        moe_s += shared_gemm + shared_elem
+    else:
+        moe_s = (expert_elem if "moe_act" in names else 0.0) + (
+            shared_gemm + shared_elem if "shared_experts" in names else 0.0
+        )
+    dense_mlp = dense_gemm + dense_elem if "mlp" in names else 0.0
+    return ExpertLayer(
+        fwd,
+        bwd,
+        comm,
+        op_recompute,
+        rows,
+        rt.moe_layer_host_s,
+        modules_s=norms + up + moe_s,
+        modules_comm=1.0 if "moe" in names else 0.0,
+        dense_modules_s=norms + up + dense_mlp,
+    )
+
+
+def modules(s: "Strategy") -> tuple[str, ...]:
+    """The Megatron modules `s` recomputes (`recompute_modules`); none under full recompute,
+    which recomputes the whole layer (Megatron takes a module list only with selective
+    granularity), and none under torchtitan's op-level recompute."""
+    if s.recompute_modules == "none" or s.recompute not in ("none", "selective"):
+        return ()
+    return tuple(s.recompute_modules.split("+"))
 
 
 def _comm_fwd_s(
@@ -260,6 +310,10 @@ def stage_params(
     "pipeline_schedule",
     "global_batch_size",
     "dp",
+    "recompute_modules",
+    "pipeline_split",
+    "fp8",
+    "compile",
 )
 def activation_bytes(
     s: "Strategy", ctx: Context, e: ExpertLayer, moe_ranks: tuple[int, ...]
@@ -289,17 +343,63 @@ def activation_bytes(
     sp = s.sequence_parallel and t > 1
     T_r = T / t if sp else T
     router = T_r * moe.n_experts * 4 * 2
+    # the experts' input (saved by the first GEMM) and, where the probabilities multiply the
+    # experts' output at the combine, that output (`moe_probs_in_activation`)
+    out_ab = 0 if rt.moe_probs_in_activation else ab
     routed = (
         e.rows
         * routed_share(s, ctx)
-        * (m.hidden_size * (li + ab) + mlp(moe.ffn_hidden_size / s.etp))
+        * (m.hidden_size * (li + out_ab) + mlp(moe.ffn_hidden_size / s.etp))
     )
     shared = T * mlp(moe.n_shared_experts * moe.shared_ffn_hidden_size / t)
-    per_layer = router + routed + shared - T * mlp(m.ffn_hidden_size / t)
+    dense_mlp = T * mlp(m.ffn_hidden_size / t)
+    names = modules(s)
+    # Megatron-Core's per-module recompute (`modules`): moe keeps only the MoE layer's input,
+    # shared_experts the shared experts' input, moe_act drops the experts' activation output
+    # (the second expert GEMM's input); the layer being recomputed holds its part once.
+    whole = router + routed + shared
+    if "moe" in names:
+        kept = 0.0
+    else:
+        act = e.rows * routed_share(s, ctx) * li * moe.ffn_hidden_size / s.etp
+        kept = whole - ("shared_experts" in names) * shared - ("moe_act" in names) * act
+    per_layer = kept - dense_mlp
     in_flight = microbatches_in_flight(
         s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
     )
-    return in_flight * max(moe_ranks) * per_layer + buffers
+    out = in_flight * max(moe_ranks) * per_layer + buffers
+    if names:
+        out -= in_flight * _module_savings(s, ctx, names, moe_ranks, T, dense_mlp)
+        out += whole - kept
+    return out
+
+
+def _module_savings(
+    s: "Strategy",
+    ctx: Context,
+    names: tuple[str, ...],
+    moe_ranks: tuple[int, ...],
+    T: float,
+    dense_mlp: float,
+) -> float:
+    """Bytes of one micro-batch that per-module recompute drops on every layer of the rank
+    with the most MoE layers, beyond the MoE side (`activation_bytes`): the norms' outputs
+    (layernorm: before attention and before the MLP, sequence-sharded under sp), the MLA
+    up-projected queries, keys and values (mla_up_proj; `compute.attention_widths`), the dense
+    layers' MLP (mlp)."""
+    m, t, ab = ctx.model, s.tp, ACT_BYTES[s.amp]
+    sp_div = t if s.sequence_parallel and t > 1 else 1
+    r = max(range(s.pp), key=lambda i: moe_ranks[i])
+    chunks = s.layers_per_chunk(m.n_layers)
+    layers = sum(size for c, size in enumerate(chunks) if c % s.pp == r)
+    per_layer = 0.0
+    if "layernorm" in names:
+        per_layer += 2 * T * m.hidden_size * ab / sp_div
+    if "mla_up_proj" in names and m.mla is not None:
+        q, kv, _ = attention_widths(m)
+        per_layer += T * (q + 2 * kv) * ab / t
+    dense = ("mlp" in names) * (layers - moe_ranks[r]) * dense_mlp
+    return layers * per_layer + dense
 
 
 def expert_data_parallel(s: "Strategy") -> tuple[int, int]:

@@ -101,9 +101,11 @@ def _moe_rank_s(
     """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its dense
     layers; recomputed layers are MoE layers in the rank's proportion. A MoE layer takes at
     least the runtime's host time (`moe_layer_host_s`): when its GPU work is shorter, the GPU
-    waits for the host's launches."""
+    waits for the host's launches. Megatron's per-module recompute (`recompute_modules`)
+    repeats its modules on every layer of the rank."""
+    modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
     if not n_moe:
-        return 0.0, 0.0, 0.0
+        return 0.0, modules_s, 0.0
     rc_s, rc_comm = experts.recompute_repeats(s, e)
     n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
     compute = e.fwd_s + e.bwd_s
@@ -111,8 +113,8 @@ def _moe_rank_s(
     compute += max(0.0, e.host_s - gpu)
     return (
         n_moe * compute,
-        n_rc * rc_s,
-        n_moe * 2.0 * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
+        n_rc * rc_s + modules_s,
+        n_moe * (2.0 + e.modules_comm) * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
     )
 
 
