@@ -190,7 +190,6 @@ class AnalyticCostModel(CostModel):
         dp: data_parallel.DataParallelCost,
         activations: float,
     ) -> CostReport:
-        rt = self.runtime
         tensors = dp.params_bytes + dp.grads_bytes + dp.optimizer_bytes + activations
         mem = MemoryBreakdown(
             params_bytes=dp.params_bytes,
