@@ -60,8 +60,26 @@ def group_of(row: pd.Series) -> str:
     return "ZeRO-3 SC'21 A100" if row.id.startswith("SC21T2-ZERO3") else "FSDP OPT A100"
 
 
+def runtime_of(row: pd.Series) -> str:
+    return next(v for k, v in RUNTIMES.items() if row.id.startswith(k))
+
+
+def strategy_of(row: pd.Series) -> Strategy:
+    return Strategy(
+        dp=int(row.dp),
+        tp=int(row.tp),
+        pp=int(row.pp),
+        micro_batch_size=int(row.micro_batch_size),
+        global_batch_size=int(row.global_batch_size),
+        recompute=str(row.recompute),
+        zero_stage=int(row.zero_stage),
+        amp=str(row.amp),
+        sequence_parallel=row.id.startswith("OPT"),  # ASSUMED["OPT-175B activations"]
+    )
+
+
 def predict(row: pd.Series, *, runtime: str | None = None) -> dict:
-    rt = runtime or next(v for k, v in RUNTIMES.items() if row.id.startswith(k))
+    rt = runtime or runtime_of(row)
     l, h, a, V = (int(row[k]) for k in ("n_layers", "hidden_size", "n_heads", "vocab_size"))
     s, gpus, gbs = int(row.seq_len), int(row.n_gpus), int(row.global_batch_size)
     model = ModelSpec(
@@ -69,17 +87,7 @@ def predict(row: pd.Series, *, runtime: str | None = None) -> dict:
         tied_embeddings=True,
     )  # fmt: skip
     cluster = Cluster(gpu=row.gpu, n_nodes=gpus // 8, gpus_per_node=8)
-    strategy = Strategy(
-        dp=int(row.dp),
-        tp=int(row.tp),
-        pp=int(row.pp),
-        micro_batch_size=int(row.micro_batch_size),
-        global_batch_size=gbs,
-        recompute=str(row.recompute),
-        zero_stage=int(row.zero_stage),
-        amp=str(row.amp),
-        sequence_parallel=row.id.startswith("OPT"),  # ASSUMED["OPT-175B activations"]
-    )
+    strategy = strategy_of(row)
     report = AnalyticCostModel(model, cluster, runtime=rt).estimate(strategy)
     predicted = eq3_flops(gbs, s, l, h, V) / (report.step_time_s * gpus) / 1e12
     published = float(row.published)
