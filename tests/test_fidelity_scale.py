@@ -61,9 +61,7 @@ def test_zero3_at_scale_is_held_to_its_bound(zero3_rows, scale):
 def test_todays_deepspeed_preset_cannot_explain_them(zero3_rows, scale):
     # The held-out score before the dated preset: today's DeepSpeed (flat collectives, overlap,
     # coalesced fetches) predicts 1.5-4.7x the published throughput, worse with every doubling.
-    table = pd.DataFrame(
-        [scale.predict(r, runtime="deepspeed") for _, r in zero3_rows.iterrows()]
-    )
+    table = pd.DataFrame([scale.predict(r, runtime="deepspeed") for _, r in zero3_rows.iterrows()])
     errors = table[table.id.str.contains("175B")].error.tolist()
     assert errors == sorted(errors) and errors[0] > 0.4 and errors[-1] > 3.0
 
