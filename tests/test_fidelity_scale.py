@@ -99,3 +99,13 @@ def test_live_parameters_are_bounded_by_deepspeeds_budget():
     layer = 12 * h * h + 13 * h  # weights, biases, two norms
     saved = blocks.memory.params_bytes - budget.memory.params_bytes
     assert saved == pytest.approx(2 * (2 * layer - 1e9), rel=1e-6)
+
+
+def test_opt_175b_fits_and_is_held_to_its_bound(scale):
+    # OPT-175B ran on 992 A100-80GB: with the checkpointed activations split over the tp ranks
+    # (ASSUMED) it fits; its throughput error (+26.3% under composer-fsdp against a published
+    # "up to" figure, docs/reference_rows.md) is held where it is.
+    rows = scale.load_rows()
+    opt = scale.predict(rows[rows.id == "OPT-175B-992"].iloc[0])
+    assert opt["fits"] and opt["predicted_memory_gib"] < 80
+    assert abs(opt["error"]) <= 0.30
