@@ -2,7 +2,8 @@
 
 Evidence: SC'21 Table 1 (10 published runs, Megatron-LM 2021 on A100), the second development set
 (287 published runs: torchtitan, Megatron-Core, NeMo, MosaicML Composer on H100, H200,
-A100), the published MoE runs (benchmarks/fidelity_moe.py, `moe_evidence`) and the local runs
+A100), the published MoE runs (benchmarks/fidelity_moe.py, `moe_evidence`), sharded data
+parallelism at 384-2,240 ranks (benchmarks/fidelity_scale.py, `scale_evidence`) and the local runs
 on this machine (results/fidelity_local.csv, measured with the Engine). Each run gives
 q = actual step time / predicted step time; runs are grouped by kind at every level of
 `autosearch.core.bands.LEVELS` and each group's split-conformal 90% interval is written to
@@ -77,7 +78,22 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
         cluster = Cluster(gpu=str(profile), n_nodes=1, gpus_per_node=s.world_size)
         ratio = run.measured_step_time_s / run.predicted_step_time_s
         out.append((kind_of(s, cluster, "torch"), ratio, "local"))
-    return out + moe_evidence()
+    return out + moe_evidence() + scale_evidence()
+
+
+def scale_evidence() -> list[tuple[dict[str, str], float, str]]:
+    """(kind, actual / predicted step time, "scale") of the sharded-data-parallel runs at
+    hundreds to thousands of ranks that benchmarks/fidelity_scale.py scores (SC'21 Table 2's
+    ZeRO-3, OPT-175B's FSDP)."""
+    scale = _load("fidelity_scale")
+    out = []
+    for _, row in scale.load_rows().iterrows():
+        pred = scale.predict(row)
+        cluster = Cluster(gpu=row.gpu, n_nodes=int(row.n_gpus) // 8, gpus_per_node=8)
+        ratio = pred["predicted_tflops_per_gpu"] / pred["published_tflops_per_gpu"]
+        framework = RuntimeOptions.get(pred["runtime"]).framework
+        out.append((kind_of(scale.strategy_of(row), cluster, framework), ratio, "scale"))
+    return out
 
 
 def moe_evidence() -> list[tuple[dict[str, str], float, str]]:

@@ -58,6 +58,13 @@ class RuntimeOptions:
         grad_reduce_per_partition: ZeRO-2 reduces each bucket with one ``reduce`` to each
             partition's owner (DeepSpeed ``average_tensor``), not one reduce-scatter: d
             collectives per bucket.
+        collective_copies_per_rank: kernels the runtime launches per rank of the group around
+            each ZeRO-3 / FSDP collective (list-based ``all_gather`` / ``reduce_scatter`` of
+            torch < 1.10 copy every rank's slice with its own kernel), each the hardware
+            profile's `kernel_launch_s`: a cost that grows with the ranks.
+        zero3_max_live_params: parameters ZeRO-3 keeps gathered at once (DeepSpeed
+            ``stage3_max_live_parameters``), at least one fetch; 0: two transformer blocks (FSDP:
+            the current unit and the prefetched one).
         description: one line on what the runtime is.
         attention_kernel: the fused attention kernel it runs (``fa2``, ``cudnn``, ``triton``):
             its efficiency is the hardware profile's `attention.kernels` entry when the profile
@@ -173,6 +180,8 @@ class RuntimeOptions:
     zero3_overlap: float = -1.0
     reduce_bucket_params: float = 0.0
     grad_reduce_per_partition: bool = False
+    collective_copies_per_rank: float = 0.0
+    zero3_max_live_params: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     supports: tuple[str, ...] = ()
     devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs

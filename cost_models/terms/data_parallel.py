@@ -62,7 +62,7 @@ def cost(
     (ranks, stride) of another data-parallel group than dp x cp ranks tp apart (the routed
     experts' expert-data-parallel group, experts.expert_data_parallel).
     """
-    rt = ctx.runtime
+    rt, launch_s = ctx.runtime, ctx.profile.kernel_launch_s
     zero, d, t, p, m = s.zero_stage, s.dp * s.cp, s.tp, s.pp, s.grad_accum_steps
     psi, layer_params, ab = params.total, params.per_layer, ACT_BYTES[s.amp]
     stride = t
@@ -74,6 +74,8 @@ def cost(
     bwd_window = Ls * (layer.bwd_s + recompute_layer_s) * overlap
     tail = 1.0 / (Ls + 1) if overlap > 0 else 1.0
 
+    overhead = rt.collective_overhead_s + d * rt.collective_copies_per_rank * launch_s
+
     def exposed(comm: float, window: float) -> float:
         return max(comm - window, comm * tail)
 
@@ -83,16 +85,18 @@ def cost(
         at a time, `per_layer` of them), so every unit pays the ring's latency, (n-1) steps of
         it (NCCL has no tree for all-gather and reduce-scatter): at hundreds of ranks that
         latency, not bandwidth, bounds small models (Thakur et al. 2005 alpha-beta model, applied
-        per collective), and the runtime's own cost per collective adds to it."""
+        per collective), and the runtime's own cost per collective adds to it: a fixed part, and
+        with list-based collectives one copy kernel per rank (`collective_copies_per_rank`)."""
         units = max(1.0, Ls * per_layer) + 1
-        return units * (collective(ctx, nbytes / units, d, stride) + rt.collective_overhead_s)
+        return units * (collective(ctx, nbytes / units, d, stride) + overhead)
 
     def reduce_grads(nbytes: float) -> float:
         """ZeRO-2/3 gradient reduction: per unit (FSDP), per bucket of `reduce_bucket_params`
         (DeepSpeed), and with `grad_reduce_per_partition` one reduce to each of the d owners per
         bucket (DeepSpeed ZeRO-2 `average_tensor`: d collectives of S/d per bucket)."""
-        if not rt.reduce_bucket_params:
-            return per_unit(reduce_scatter_s, nbytes)
+        if not rt.reduce_bucket_params:  # per unit; under ZeRO-3 per fetched submodule
+            units = rt.zero3_gathers_per_layer if zero >= 3 else 1.0
+            return per_unit(reduce_scatter_s, nbytes, units)
         buckets = max(1.0, math.ceil(psi / rt.reduce_bucket_params))
         size = nbytes / buckets
         if rt.grad_reduce_per_partition and zero == 2:
@@ -116,9 +120,11 @@ def cost(
         grad_bytes = 4 if rt.main_grad_fp32 else ab  # Megatron-Core's fp32 main_grad
         if d == 1:
             return DataParallelCost(0.0, psi * ab, psi * grad_bytes, psi * 12)
-        params_mem = psi * ab / (d if zero >= 3 else 1) + (
-            2 * layer_params * ab if zero >= 3 else 0.0
-        )
+        live = 2 * layer_params  # the block computing and the one prefetched
+        if rt.zero3_max_live_params:  # DeepSpeed releases beyond its live-parameter budget
+            one_fetch = layer_params / rt.zero3_gathers_per_layer
+            live = min(live, max(rt.zero3_max_live_params, one_fetch))
+        params_mem = psi * ab / (d if zero >= 3 else 1) + (live * ab if zero >= 3 else 0.0)
         grads_mem = psi * grad_bytes / (d if zero >= 2 else 1)
         opt_mem = psi * 12 / (d if zero >= 1 else 1)
         if zero == 0:  # one all-reduce per step
