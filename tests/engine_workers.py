@@ -64,6 +64,15 @@ HF_FAMILIES = {
     "hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # GPT-2 reads the shape through its config's aliases (n_layer, n_embd, ...); no dropout, so
+    # parallel runs can match one process. GPT-NeoX: partial rotary (rotary_pct 0.25), parallel
+    # residual, biases.
+    "hf_gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 128, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
+    "hf_gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
 }
 
 
