@@ -268,12 +268,17 @@ class HFGPTCausalLM(HFCausalLM):
         for p in self.parameters():
             if getattr(p, "_is_hf_initialized", False):
                 p._is_hf_initialized = False  # type: ignore[attr-defined]
-        for module in self.modules():
+
+        def init(module: nn.Module) -> None:
             if module is not self:
                 self.model._init_weights(module)
-            if isinstance(module, GPT2Attention):  # transformers' GPT2Attention branch
+            if isinstance(module, GPT2Attention):  # transformers' branch for its GPT2Attention
                 std = self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
                 nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
+
+        # children first, as transformers' initialize_weights (`Module.apply`): GPT-2's MLP and
+        # attention then rescale their c_proj after its nn.Linear init
+        self.apply(init)
         _rebuild_rotary(self)
 
     # ---- what the Engine asks ------------------------------------------------------------------
