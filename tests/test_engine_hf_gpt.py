@@ -242,7 +242,9 @@ WORLD2 = {
     }.items()
 }
 WORLD4 = {
+    # tied weights under pp x tp: the stages' copies are summed shard by shard
     "gpt2/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", GPT2, FP32, ""),
+    "llama_tied/pp2_tp2": (f"pp=2,tp=2,{B}", "hf_llama_tied", FP32, ""),
     "neox/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", NEOX, FP32, ""),
     "neox/cp2_tp2_sp": (f"cp=2,tp=2,sequence_parallel=true,{B}", NEOX, FP32, ""),
 }

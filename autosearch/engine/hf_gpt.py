@@ -73,9 +73,10 @@ def linear_from_conv1d(conv: nn.Module) -> nn.Linear:
     (in, out)): weight W^T, the same bias parameter. Built on the meta device, then given the
     converted tensors, so nothing is initialised twice."""
     weight: Any = conv.weight
+    bias: Any = conv.bias
     linear = nn.Linear(weight.shape[0], weight.shape[1], device="meta", dtype=weight.dtype)
     linear.weight = nn.Parameter(weight.detach().t().contiguous(), weight.requires_grad)
-    linear.bias = conv.bias
+    linear.bias = bias
     return linear
 
 
