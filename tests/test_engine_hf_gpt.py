@@ -241,6 +241,14 @@ WORLD2 = {
         "tp2_sp_compile": (f"tp=2,sequence_parallel=true,compile=true,{B}", FP32, ""),
     }.items()
 }
+# compile with in-layer recompute: refused for the Llama families when transformers' hub
+# kernels are installed (their layers carry its wrapper), run for these two
+WORLD2["gpt2/dp2_compile_selective_op"] = (
+    f"dp=2,compile=true,recompute=selective_op,{B}",
+    GPT2,
+    FP32,
+    "",
+)
 WORLD4 = {
     # tied weights under pp x tp: the stages' copies are summed shard by shard
     "gpt2/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", GPT2, FP32, ""),

@@ -203,6 +203,12 @@ class HFGPTCausalLM(HFCausalLM):
     def sliding_window(self) -> int | None:
         return None
 
+    def _check_strategy(self, strategy) -> list[str]:
+        """The Strategy's rules for this spec (tp dividing the heads, ...). Unlike the Llama
+        families, GPT-2's and GPT-NeoX's modules carry no transformers hub-kernel wrapper, so
+        compile runs with every recompute kind."""
+        return strategy.problems(self.spec)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states."""
