@@ -138,11 +138,11 @@ class HFGPTCausalLM(HFCausalLM):
             positions).
 
     Example:
-        >>> from transformers import GPT2Config, GPT2LMHeadModel          # doctest: +SKIP
+        >>> from transformers import GPT2Config, GPT2LMHeadModel              # doctest: +SKIP
         >>> cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-        ...                  n_positions=32)                                # doctest: +SKIP
-        >>> model = HFGPTCausalLM(GPT2LMHeadModel(cfg))                           # doctest: +SKIP
-        >>> model(torch.zeros(2, 32, dtype=torch.long)).shape                    # doctest: +SKIP
+        ...                  n_positions=32)                                    # doctest: +SKIP
+        >>> model = HFGPTCausalLM(GPT2LMHeadModel(cfg))                        # doctest: +SKIP
+        >>> model(torch.zeros(2, 32, dtype=torch.long)).shape                 # doctest: +SKIP
         torch.Size([2, 32, 128])
     """
 
@@ -158,6 +158,12 @@ class HFGPTCausalLM(HFCausalLM):
                 f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
             )
         hf: Any = hf_model
+        if not isinstance(getattr(hf, "lm_head", None), nn.Linear):
+            raise SpecError(
+                f"this {type(hf).__name__} has no `lm_head` (older transformers name GPT-NeoX's "
+                "output projection embed_out); the Engine wraps the layout of transformers 5: "
+                "pip install -U transformers"
+            )
         if getattr(hf.config, "add_cross_attention", False):
             raise SpecError(
                 "this GPT-2 has cross-attention (add_cross_attention=true, an encoder-decoder "
