@@ -65,6 +65,18 @@ HF_FAMILIES = {
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
+# Tested in their own file (tests/test_engine_hf_gpt.py), not in test_engine_hf.py's loop.
+HF_GPT_FAMILIES = {
+    # GPT-2 reads the shape through its config's aliases (n_layer, n_embd, ...); no dropout, so
+    # parallel runs can match one process. GPT-NeoX: partial rotary (rotary_pct 0.25), parallel
+    # residual, biases.
+    "hf_gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 128, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
+    "hf_gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+}
 
 
 def hf_model(kind: str):
@@ -73,14 +85,14 @@ def hf_model(kind: str):
     import transformers
 
     family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
-    config_name, model_name, extra = HF_FAMILIES[family]
+    config_name, model_name, extra = {**HF_FAMILIES, **HF_GPT_FAMILIES}[family]
     shape = {**HF_SHAPE, "tie_word_embeddings": tied}
     config = getattr(transformers, config_name)(**shape, **extra)
     return getattr(transformers, model_name)(config)
 
 
 def is_hf(kind: str) -> bool:
-    return kind.removesuffix("_tied") in HF_FAMILIES
+    return kind.removesuffix("_tied") in {**HF_FAMILIES, **HF_GPT_FAMILIES}
 
 
 def make_model(kind: str):

@@ -23,13 +23,16 @@ def is_module(obj) -> bool:
 
 
 def wrap_known(model: nn.Module) -> nn.Module:
-    """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM` (its plan and
-    ModelSpec); any other module as it is."""
+    """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM`, a GPT-2 /
+    GPT-NeoX one in `HFGPTCausalLM` (their plan and ModelSpec); any other module as it is."""
     if type(model).__module__.startswith("transformers."):
         from autosearch.engine.hf import HFCausalLM, is_supported_hf_model
+        from autosearch.engine.hf_gpt import HFGPTCausalLM, is_gpt_model
 
         if is_supported_hf_model(model):
             return HFCausalLM(model)
+        if is_gpt_model(model):
+            return HFGPTCausalLM(model)
     return model
 
 

@@ -191,11 +191,23 @@ class TiedWeights:
     def sync_grads(self) -> None:
         """Sum the copies' gradients over the two stages (after the step's last backward)."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
         for module, leaf, _ in self.holders:
-            grad = getattr(module, leaf).grad
-            if grad is not None:
-                dist.all_reduce(self._local(grad), group=self.group)
+            param = getattr(module, leaf)
+            grad = param.grad
+            if grad is None:
+                continue
+            if (
+                isinstance(grad, DTensor)
+                and isinstance(param, DTensor)
+                and grad.placements != param.placements
+            ):
+                # under tp the embedding's gradient comes back replicated (torch 2.13) while the
+                # weight, and the output projection's gradient, are sharded by vocabulary rows:
+                # keep this rank's rows, so both stages add tensors of one shape
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(self._local(grad), group=self.group)
 
     def duplicates(self) -> set[int]:
         """The parameters (by id) of the last stage's copies: the global gradient norm counts
