@@ -14,9 +14,9 @@ splits): spaces of 0.1-15 M strategies, far beyond the exhaustive budget.
 For each case the reference is the exhaustive optimum of the same space under the same margin
 (every strategy scored), and regret = 1 - found / optimum throughput. The optimum of a large
 space takes minutes to score, so it is kept in `results/search_optima.csv` (one row per case
-and space digest); a kept optimum is used only while the cost model's sources are unchanged
-(a digest of cost_models/ and autosearch/core/) and it still gives the kept strategy the same
-throughput, else it is scored again (--rescore scores every one again).
+and space digest); a kept optimum is used only while the cost model's fingerprint
+(tools/fingerprint.py) and the memory margin are unchanged and it still gives the kept strategy
+the same throughput, else it is scored again (--rescore scores every one again).
 Targets (issue 18): zero regret in every search of the default battery and in >= 95% of the
 extended ones, worst regret <= 0.5%, every search <= 10 s on this machine (the load average at
 each search is written next to its time: the machine is shared).
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -40,8 +40,6 @@ from autosearch.tuning._study import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMA = ROOT / "results" / "search_optima.csv"
-# what an optimum depends on besides the space: the cost model and the specs it reads
-MODEL_SOURCES = ("cost_models", "autosearch/core")
 
 CASES = [  # (model, cluster, global batch)
     ("gpt3-1.3b", "a100-sxm4-40gb:1x8", 256),
@@ -132,23 +130,28 @@ def optimum(config: TuneConfig, cost_model=None) -> dict:
 
 
 def model_digest() -> str:
-    """A digest of the cost model's sources and the specs it reads (the error bands excepted:
-    they move no estimate's throughput or memory)."""
-    h = hashlib.sha256()
-    for folder in MODEL_SOURCES:
-        for path in sorted((ROOT / folder).rglob("*")):
-            if path.suffix in (".py", ".yaml") and path.name != "error_bands.yaml":
-                h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
-    return h.hexdigest()[:16]
+    """The cost model's fingerprint (tools/fingerprint.py: every number of ~116 k estimates under
+    the torch and torchtitan presets, the two the batteries search; ~30 s, once per run)."""
+    if not _DIGEST:
+        spec = importlib.util.spec_from_file_location("fingerprint", ROOT / "tools/fingerprint.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _DIGEST.append(module.fingerprint(4000)["fingerprint"][:16])
+    return _DIGEST[0]
+
+
+_DIGEST: list[str] = []
 
 
 def _still_valid(row: dict, config: TuneConfig, cost_model=None) -> bool:
-    """The kept optimum was scored by today's cost model, and it still gives the kept strategy
-    the same throughput (the second check guards a row written by hand)."""
+    """The kept optimum was scored by today's cost model (its fingerprint) over the same space
+    under the same margin, and it still gives the kept strategy the same throughput."""
     if not row.get("strategy") or row.get("model_digest") != model_digest():
         return False
     prepared = prepare(config.replace(n_trials=1, sampler="random"), cost_model=cost_model)
     if prepared.space.signature()["digest"] != row["digest"]:
+        return False
+    if float(row["margin"]) != prepared.margin.fraction:
         return False
     s = Strategy.from_dict(eval(row["strategy"]))  # noqa: S307 (our own file, a dict literal)
     r = prepared.cost_model.estimate(s, validate=False)
