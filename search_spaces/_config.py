@@ -6,9 +6,10 @@ Python keywords and from YAML (``search_spaces/default.yaml`` documents every ke
 ``mp``/``mp_degree`` are accepted as aliases of ``tp`` at this edge, as in Strategy files.
 
 A dimension that some runtimes cannot run (one that declares `features` in the registry: cp,
-ep, recompute, fp8, compile, async_tp) and the ``uneven_pipeline`` bound may also be
-``supported``: every value that the runtime runs on the cluster's device (its ``supports`` in
-cost_models/runtimes.yaml, and ``devices`` where a feature needs a kind of device), resolved by
+ep, recompute, fp8, compile, async_tp) and the ``uneven_pipeline`` and ``ep_over_tp`` bounds may
+also be ``supported``: every value that the runtime runs on the cluster's device (its
+``supports`` in cost_models/runtimes.yaml, and ``devices`` where a feature needs a kind of
+device), resolved by
 `SpaceConfig.resolved` once the runtime, model and cluster are known. The default space
 (``default.yaml``) is written that way, so a dimension a runtime gains joins its default space
 without a change here. Two rules of the default space are not the runtime's:
@@ -55,13 +56,18 @@ _BOUNDS: dict[str, Any] = {
     "max_micro_batch_size": 32,
     "max_virtual_stages": None,
     "uneven_pipeline": False,
+    "ep_over_tp": False,
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 # "Every value the runtime runs here": the dimensions a runtime may lack (those with features),
-# and the bound that allows pipeline degrees that do not divide the layers (feature uneven_pp).
+# and the bounds a runtime feature opens: {bound: (feature, what the runtime does)}.
 SUPPORTED = "supported"
 _RUNTIME_DIMS = tuple(n for n, d in _DIMS.items() if d.features)
-_UNEVEN_FEATURE = "uneven_pp"
+_FEATURE_BOUNDS = {
+    "uneven_pipeline": ("uneven_pp", "split layers unevenly"),
+    "ep_over_tp": ("ep_over_tp", "run expert-parallel groups over tensor-parallel ranks"),
+}
+_RUNTIME_KEYS = (*_RUNTIME_DIMS, *_FEATURE_BOUNDS)
 # Context parallel splits the sequence; it pays for its K/V exchange only on long sequences.
 # Megatron Core's parallelism guide (docs.nvidia.com/megatron/parallelism-guide, "Parallelism
 # Strategies Guide", its summary table) lists CP as "best for long sequences (8K+ tokens)".
@@ -86,6 +92,9 @@ class SpaceConfig:
         max_virtual_stages: upper bound applied when ``virtual_stages`` is ``None``.
         uneven_pipeline: allow pipeline degrees that do not divide the layers (the middle
             stages take the extra layers; `autosearch.core.rules.split_layers`).
+        ep_over_tp: allow expert-parallel degrees that take tensor-parallel ranks (ep not
+            dividing dp x cp: Megatron-Core's folding and torchtitan's etp=1 do; the Engine's
+            experts fold only the data- and context-parallel ranks).
         **dimensions: the allowed values of each dimension (defaults: the registry's, e.g. every
             dp, tp, pp, micro-batch; cp 1, fp8 none, compile and async TP off), each kept only
             where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
@@ -187,7 +196,7 @@ class SpaceConfig:
                 value = _CHOICE_DIMS[key]
             if isinstance(value, str) and value.lower() == SUPPORTED:
                 value = SUPPORTED
-            if key in ("tp_within_node", "uneven_pipeline") and isinstance(value, str):
+            if key in ("tp_within_node", *_FEATURE_BOUNDS) and isinstance(value, str):
                 value = _BOOL_WORDS.get(value.lower(), value)
             changes[key] = value
         if unknown:
@@ -225,15 +234,15 @@ class SpaceConfig:
                 it fp8 stays ``none`` there.
 
         Returns:
-            (the resolved SpaceConfig, one `Opened` per dimension a runtime may lack and for
-            ``uneven_pipeline``, in registry order).
+            (the resolved SpaceConfig, one `Opened` per dimension a runtime may lack and per
+            bound a runtime feature opens, in registry order).
         """
         from autosearch.core.runtime import RuntimeOptions
 
         rt = RuntimeOptions.get(runtime)
         device = device_of(cluster)
         values, notes = dict(self._values), []
-        for name in (*_RUNTIME_DIMS, "uneven_pipeline"):
+        for name in _RUNTIME_KEYS:
             value, why = values[name], "as pinned (a pin or the space file)"
             if value == SUPPORTED:
                 value, why = _supported_values(name, rt, device, model, fp8=fp8)
@@ -248,10 +257,11 @@ def runtime_problems(
     uneven_pipeline: bool,
     runtime: "RuntimeOptions | str | None",
     cluster: "Cluster",
+    ep_over_tp: bool = False,
 ) -> list[str]:
     """What a space asks that `runtime` cannot run on the cluster's device, one message per
     dimension naming a runtime that runs it: `choices` are the values each dimension takes in
-    the space (`SearchSpace.plain_choices`), `uneven_pipeline` its bound."""
+    the space (`SearchSpace.plain_choices`), `uneven_pipeline` and `ep_over_tp` its bounds."""
     from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 
     rt, device = RuntimeOptions.get(runtime), device_of(cluster)
@@ -270,11 +280,13 @@ def runtime_problems(
             f"keep {name} to {_fmt_values([_DIMS[name].default])} (a pin, or the space file)"
         )
         out.append(f"{name} {_fmt_values(bad)}: {why}; {hint}")
-    if uneven_pipeline is True and _UNEVEN_FEATURE not in rt.supports:
-        out.append(
-            f"uneven_pipeline: runtime {rt.name!r} does not split layers unevenly (it supports "
-            f"{', '.join(rt.supports) or 'none of them'}); set uneven_pipeline false"
-        )
+    bounds = {"uneven_pipeline": uneven_pipeline, "ep_over_tp": ep_over_tp}
+    for bound, (feature, does) in _FEATURE_BOUNDS.items():
+        if bounds[bound] is True and feature not in rt.supports:
+            out.append(
+                f"{bound}: runtime {rt.name!r} does not {does} (it supports "
+                f"{', '.join(rt.supports) or 'none of them'}); set {bound} false"
+            )
     return out
 
 
@@ -305,7 +317,8 @@ def device_of(cluster: "Cluster") -> str:
 def _runs(rt: "RuntimeOptions", name: str, value: Any, device: str) -> tuple[bool, str]:
     """Whether `rt` runs `name`=`value` on `device`, and if not, why (in words)."""
     probe = Strategy(**{name: value})
-    lacking = rt.unsupported(probe)
+    own = {f.name for f in _DIMS[name].features if not f.of_strategy}  # not the space's bounds
+    lacking = {k: how for k, how in rt.unsupported(probe).items() if k in own}
     if lacking:
         how = next(iter(lacking.values()))
         return False, (
@@ -327,10 +340,11 @@ def _supported_values(
     name: str, rt: "RuntimeOptions", device: str, model: "ModelSpec", *, fp8: bool
 ) -> tuple[Any, str]:
     """(the values of `name` that `rt` runs on `device`, why) for a ``supported`` key."""
-    if name == "uneven_pipeline":
-        if _UNEVEN_FEATURE in rt.supports:
-            return True, f"runtime {rt.name!r} splits layers unevenly (supports {_UNEVEN_FEATURE})"
-        return False, f"runtime {rt.name!r} does not split layers unevenly"
+    if name in _FEATURE_BOUNDS:
+        feature, does = _FEATURE_BOUNDS[name]
+        if feature in rt.supports:
+            return True, f"runtime {rt.name!r} can {does} (supports {feature})"
+        return False, f"runtime {rt.name!r} does not {does}"
     d = _DIMS[name]
     if name in OPT_IN and not fp8:
         return (d.default,), f"not searched: {OPT_IN[name]}; --fp8 searches it"
@@ -378,10 +392,10 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     for name in out:
         if isinstance(out[name], str) and out[name].strip().lower() == SUPPORTED:
             out[name] = SUPPORTED
-        if out[name] == SUPPORTED and name not in (*_RUNTIME_DIMS, "uneven_pipeline"):
+        if out[name] == SUPPORTED and name not in _RUNTIME_KEYS:
             problems.append(
                 f"{name}: {SUPPORTED!r} is only for what a runtime may lack "
-                f"({', '.join((*_RUNTIME_DIMS, 'uneven_pipeline'))}); give values or 'all'"
+                f"({', '.join(_RUNTIME_KEYS)}); give values or 'all'"
             )
             out[name] = _DIMS[name].space if name in _DIMS else _BOUNDS[name]
     for name in _INT_DIMS:
@@ -420,7 +434,7 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
             )
         # Keep the canonical order of the legal values, so equal configs compare equal.
         out[name] = tuple(v for v in legal if v in chosen)
-    for name in ("tp_within_node", "uneven_pipeline"):
+    for name in ("tp_within_node", *_FEATURE_BOUNDS):
         if not isinstance(out[name], bool) and out[name] != SUPPORTED:
             problems.append(f"{name} must be true or false, got {out[name]!r}")
     for name in ("max_micro_batch_size", "max_virtual_stages"):

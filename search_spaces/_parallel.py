@@ -255,7 +255,7 @@ class SearchSpace(BaseSearchSpace):
                 continue
             if any(r.check(values, self.model, self.cluster) for r in completed):
                 continue
-            if not self._space_allows(name, value):
+            if not self._space_allows(name, value, values):
                 continue
             if depth == 0:
                 self._dropped.setdefault(name, []).append(value)
@@ -264,9 +264,12 @@ class SearchSpace(BaseSearchSpace):
                 out[value] = sub
         return out
 
-    def _space_allows(self, name: str, value: int) -> bool:
+    def _space_allows(self, name: str, value: int, known: dict[str, int]) -> bool:
         """The space's own bounds on a degree (beyond the rules every strategy follows)."""
         c, m = self.config, self.model
+        if name == "ep" and not c.ep_over_tp:
+            # the runtime's expert groups take data- and context-parallel ranks only
+            return (known["dp"] * known["cp"]) % value == 0
         if name == "tp":
             # tp stays on NVLink: a node, or a rack (GB200 NVL72)
             return not c.tp_within_node or value <= self.cluster.nvlink_domain

@@ -155,9 +155,10 @@ def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
     world stays dp * tp * pp * cp; a dense model keeps ep = etp = 1 and its space is unchanged."""
     dense = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
     assert {s.ep for s in dense.enumerate()} == {1}
-    # ep opened by a pin: no runtime preset lists ep in `supports` yet, so the default space of
-    # every runtime keeps ep = 1 (issue 18: the default space is what the runtime runs)
-    moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, ep="all", etp="all")
+    # Megatron-Core's space: ep and etp open, ep groups over any of the tp x dp x cp ranks
+    moe = SearchSpace(
+        "mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, runtime="megatron-core"
+    )
     assert moe.model.moe.n_experts == 8
     for lay in moe.layouts():
         assert (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp) == 0 and 8 % lay.ep == 0
@@ -219,3 +220,28 @@ def test_expert_parallel_rules_say_what_to_do():
     assert "ep" in dimensions.parallel_axes(Strategy(dp=8, ep=2))
     assert Strategy(dp=8, ep=2).world_size == 8
     assert any("ep=2 (expert parallel)" in m for m in RuntimeOptions.get("torch").lacks(dense))
+
+
+def test_a_runtime_without_ep_over_tp_keeps_expert_groups_on_data_and_context_ranks():
+    """Megatron-Core and torchtitan (etp 1) let ep groups take tensor-parallel ranks; a runtime
+    that folds experts over dp x cp only (the Engine) gets a space where ep divides dp x cp, and
+    a strategy asking more is refused naming the feature."""
+    import dataclasses
+
+    from autosearch.core.runtime import RUNTIMES
+
+    titan = RUNTIMES["torchtitan"]
+    narrow = dataclasses.replace(
+        titan,
+        name="titan-no-ep-over-tp",
+        supports=tuple(f for f in titan.supports if f != "ep_over_tp"),
+    )
+    args = ("mixtral-8x7b", "h100-sxm:2x8")
+    wide = SearchSpace(*args, global_batch_size=64, runtime=titan, cp=1)
+    kept = SearchSpace(*args, global_batch_size=64, runtime=narrow, cp=1)
+    assert any((lay.dp * lay.cp) % lay.ep for lay in wide.layouts())
+    assert all((lay.dp * lay.cp) % lay.ep == 0 for lay in kept.layouts())
+    assert {lay.ep for lay in kept.layouts()} == {1, 2, 4, 8}
+    over = Strategy(dp=2, tp=8, ep=4, global_batch_size=64)
+    assert "ep_over_tp" in narrow.unsupported(over) and "ep_over_tp" not in titan.unsupported(over)
+    assert "ep=4 over tensor-parallel ranks" in narrow.lacks(over)[0]

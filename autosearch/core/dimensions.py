@@ -62,11 +62,14 @@ class Feature:
         name: the name in ``supports`` (``cp``, ``selective_op`` ...).
         used: whether a value uses it.
         how: the value's use, as the refusal names it (``cp=4 (context parallel)``).
+        of_strategy: `used` and `how` take the whole strategy, not the dimension's value (a
+            use that depends on other degrees: ep groups over tensor-parallel ranks).
     """
 
     name: str
     used: Callable[[Any], bool]
     how: Callable[[Any], str]
+    of_strategy: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +247,18 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="ep",
         label=_degree_label("ep"),
         label_rank=35,
-        features=(Feature("ep", lambda v: v > 1, lambda v: f"ep={v} (expert parallel)"),),
+        features=(
+            Feature("ep", lambda v: v > 1, lambda v: f"ep={v} (expert parallel)"),
+            Feature(
+                "ep_over_tp",
+                lambda s: s.ep > 1 and (s.dp * s.cp) % s.ep != 0,
+                lambda s: (
+                    f"ep={s.ep} over tensor-parallel ranks (ep does not divide dp x cp = "
+                    f"{s.dp * s.cp})"
+                ),
+                of_strategy=True,
+            ),
+        ),
         exports={
             "megatron": "--expert-model-parallel-size",
             "torchtitan": "parallelism.expert_parallel_degree",
@@ -529,7 +543,7 @@ def features_used(strategy: "Strategy") -> dict[str, str]:
     """{feature: how} for each runtime feature the strategy uses (`RuntimeOptions.supports`)."""
     out = {}
     for name, feature in FEATURES:
-        value = getattr(strategy, name)
+        value = strategy if feature.of_strategy else getattr(strategy, name)
         if feature.used(value):
             out[feature.name] = feature.how(value)
     return out

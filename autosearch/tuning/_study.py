@@ -1123,6 +1123,7 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         uneven_pipeline=resolved.uneven_pipeline,
         runtime=runtime,
         cluster=cluster,
+        ep_over_tp=resolved.ep_over_tp,
     )
     if problems:
         raise SpecError(problems, context="the search space asks what the runtime cannot run")
