@@ -32,6 +32,7 @@ WORLD2 = {
     "ep2_sigmoid": (f"dp=2,ep=2,{B}", "moe_sigmoid"),
     "ep2_recompute_full": (f"dp=2,ep=2,recompute=full,{B}", "moe"),
     "pp2": (f"pp=2,{B}", "moe"),
+    "ep2_meta_init": (f"dp=2,ep=2,{B}", "moe_meta"),  # built on the meta device, then sliced
 }
 WORLD4 = {
     "dp4_ep2": (f"dp=4,ep=2,{B}", "moe"),
@@ -44,13 +45,18 @@ WORLD4 = {
 
 
 def _cases(table):
-    return [dict(name=n, strategy=s, model=m) for n, (s, m) in table.items()]
+    return [
+        dict(name=n, strategy=s, model=m.removesuffix("_meta"), meta=m.endswith("_meta"))
+        for n, (s, m) in table.items()
+    ]
 
 
 @pytest.fixture(scope="module")
 def references():
     torch.set_num_threads(1)
-    return {kind: M.train_losses(B, kind) for kind in ("moe", "moe_sigmoid")}
+    refs = {kind: M.train_losses(B, kind) for kind in ("moe", "moe_sigmoid")}
+    refs["moe_meta"] = M.train_losses(B, "moe", meta_init=True)
+    return refs
 
 
 @pytest.fixture(scope="module")
