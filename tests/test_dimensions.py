@@ -155,8 +155,7 @@ def test_a_folded_degree_splits_the_ranks_it_folds_and_adds_no_devices():
     world stays dp * tp * pp * cp; a dense model keeps ep = etp = 1 and its space is unchanged."""
     dense = SearchSpace("llama3-8b", "h100-sxm:2x8", global_batch_size=64)
     assert {s.ep for s in dense.enumerate()} == {1}
-    # ep opened by a pin: no runtime preset lists ep in `supports` yet, so the default space of
-    # every runtime keeps ep = 1 (issue 18: the default space is what the runtime runs)
+    # ep opened by a pin (the default space opens it where the runtime's `supports` lists ep)
     moe = SearchSpace("mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, ep="all")
     assert moe.model.moe.n_experts == 8
     for lay in moe.layouts():

@@ -93,3 +93,114 @@ def test_world2_matches_single_process(world2, references, name):
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_matches_single_process(world4, references, name):
     _check(world4, WORLD4, name, references)
+
+
+# ---- one process ---------------------------------------------------------------------------------
+def _layer(**kw) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(dim=16, hidden=8, n_experts=4, top_k=2, **kw)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def test_the_moe_layer_is_the_weighted_sum_of_its_top_k_experts():
+    """Dropless routing by sorting equals computing every token's k experts one by one."""
+    layer = _layer(shared_hidden=8)
+    x = torch.randn(2, 5, 16)
+    out = layer(x)
+    flat = x.reshape(-1, 16)
+    probs = (flat @ layer.gate.weight.T).softmax(-1)
+    weights, experts = probs.topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    e = layer.experts
+    want = layer.shared_experts(flat)
+    for t in range(flat.shape[0]):
+        for w, i in zip(weights[t], experts[t]):
+            h = flat[t]
+            want[t] += w * ((torch.nn.functional.silu(h @ e.w1[i]) * (h @ e.w3[i])) @ e.w2[i])
+    torch.testing.assert_close(out.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)  # fp32 sums
+
+
+def test_the_load_balancing_loss_is_switch_transformers_per_sequence():
+    """E * sum_i f_i P_i (Fedus et al. 2022, eq. 4) per sequence, averaged over sequences; 1
+    for a uniform router, and its gradient reaches the router through the layer's output."""
+    layer = _layer(aux_loss_coef=0.5)
+    x = torch.randn(3, 6, 16)
+    layer(x)
+    aux = 0.0
+    for seq in x:
+        probs = (seq @ layer.gate.weight.T).softmax(-1)
+        chosen = probs.topk(2, dim=-1).indices
+        f = torch.bincount(chosen.flatten(), minlength=4).double() / chosen.numel()
+        aux += 4 * float((f * probs.mean(0).double()).sum().detach()) / 3
+    assert float(layer.aux_loss) == pytest.approx(aux, rel=1e-6)  # fp32 means of 6 tokens
+    with torch.no_grad():
+        layer.gate.weight.zero_()  # every expert equally likely: aux = E * sum (1/E)(1/E)... = 1
+    layer(x)
+    assert float(layer.aux_loss) == pytest.approx(1.0, rel=1e-6)
+    # the output is unchanged by the aux loss; backward adds 0.5 * d aux / d gate
+    layer = _layer(aux_loss_coef=0.5)
+    layer(x).sum().backward()
+    with_aux = layer.gate.weight.grad.clone()
+    layer.zero_grad()
+    layer.aux_loss_coef = 0.0
+    layer(x).sum().backward()
+    without = layer.gate.weight.grad.clone()
+    layer.zero_grad()
+    w, e, p = layer.route(x.reshape(-1, 16))
+    layer.balance_loss(e, p, 3).backward()
+    torch.testing.assert_close(with_aux, without + 0.5 * layer.gate.weight.grad)
+
+
+def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
+    spec = M.MOE
+    model = Transformer(spec)
+    assert model.layers["0"].moe is None and model.layers["0"].feed_forward is not None
+    moe = model.layers["1"].moe
+    assert isinstance(moe, MoE) and moe.experts.w1.shape == (4, 64, 64)
+    assert moe.shared_experts is not None and model.layers["1"].feed_forward is None
+    routed = 3 * 3 * 4 * 64 * 64  # 3 MoE layers x 3 matrices x 4 experts x d x f
+    shared = 3 * 3 * 64 * 64
+    gates = 3 * 64 * 4
+    dense_mlp = 3 * 64 * 128
+    assert spec.n_moe_layers == 3
+    total = sum(p.numel() for p in model.parameters())
+    attention_and_rest = total - routed - shared - gates - dense_mlp
+    dense = Transformer(spec.scaled(moe=None))
+    dense_rest = sum(p.numel() for p in dense.parameters()) - 4 * dense_mlp
+    assert attention_and_rest == dense_rest
+    with torch.device("meta"):
+        meta = Transformer(spec)
+    assert meta.layers["1"].moe.experts.w1.is_meta
+    logits = model(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape == (2, 8, spec.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "strategy, model, message",
+    [
+        ("dp=4,ep=4,etp=2,tp=2", "moe", "etp=1"),
+        ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp=2"),
+        ("dp=2,ep=2,zero_stage=1", "moe", "zero_stage 0, 2 or 3"),
+        ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
+    ],
+)
+def test_expert_parallelism_the_engine_cannot_run_is_refused_with_what_to_do(
+    strategy, model, message
+):
+    spec = M.MOE if model == "moe" else M.MOE.scaled(moe=None)
+    with torch.device("meta"):
+        built = Transformer(spec)
+    problems = ep_problems(Strategy.parse(strategy), built)
+    assert any(message in p for p in problems), problems
+
+
+def test_the_engines_strategy_check_includes_the_expert_parallel_refusals():
+    """`strategy_problems` (run on every rank before anything is built) says them."""
+    from autosearch.engine.build import plan_for, strategy_problems
+
+    model = Transformer(M.MOE)
+    problems = strategy_problems(Strategy.parse("dp=2,ep=2,zero_stage=1"), plan_for(model, None), model)
+    assert any("zero_stage 0, 2 or 3" in p for p in problems), problems
+    assert strategy_problems(Strategy.parse("dp=2,ep=2"), plan_for(model, None), model) == []
