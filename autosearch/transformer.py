@@ -163,6 +163,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), rope))
         mlp = self.feed_forward if self.feed_forward is not None else self.moe
+        assert mlp is not None  # one of the two, by construction
         return x + self.dropout(mlp(self.ffn_norm(x)))
 
 
@@ -205,7 +206,9 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleDict(
             {
-                str(i): Block(spec, dropout, moe_of(spec, aux_loss_coef=aux_loss_coef) if m else None)
+                str(i): Block(
+                    spec, dropout, moe_of(spec, aux_loss_coef=aux_loss_coef) if m else None
+                )
                 for i, m in enumerate(spec.moe_layers)
             }
         )
@@ -232,7 +235,9 @@ class Transformer(nn.Module):
                 if id(module.weight) in done:  # a tied weight, initialised once
                     continue
                 done.add(id(module.weight))
-                is_residual = name.endswith(("attention.wo", "feed_forward.w2", "shared_experts.w2"))
+                is_residual = name.endswith(
+                    ("attention.wo", "feed_forward.w2", "shared_experts.w2")
+                )
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 bias = getattr(module, "bias", None)
                 if bias is not None:

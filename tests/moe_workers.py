@@ -6,17 +6,20 @@ tiny MoE models of the reference transformer and of transformers' Mixtral and Qw
 
 from __future__ import annotations
 
-import torch
-
 import engine_workers as W
-from autosearch import ModelSpec
+import torch
 
 # The shapes of engine_workers' "llama" with 4 experts in layers 1-3 (layer 0 dense, as
 # DeepSeek's first_k_dense_replace): top-2 softmax with a shared expert (DeepSeek/Qwen2-MoE
 # style), and top-2 sigmoid (DeepSeek-V3's router) without one.
 MOE = W.MODELS["llama"].scaled(
-    moe={"n_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "n_shared_experts": 1,
-         "first_dense_layers": 1}
+    moe={
+        "n_experts": 4,
+        "top_k": 2,
+        "ffn_hidden_size": 64,
+        "n_shared_experts": 1,
+        "first_dense_layers": 1,
+    }
 )
 MODELS = {
     "moe": MOE,
@@ -66,12 +69,20 @@ def train_losses(strategy: str, kind: str, *, meta_init: bool = False) -> dict:
     loader = engine.dataloader(data, mode="train", steps_per_epoch=W.STEPS)
     engine.prepare(mode="train")
     losses = [engine.run(batch, mode="train")["loss"] for batch in loader]
-    aux = [float(m.aux_loss) for p in engine.model_parts_ for m in moe_layers(p) if m.aux_loss is not None]
+    aux = [
+        float(m.aux_loss)
+        for p in engine.model_parts_
+        for m in moe_layers(p)
+        if m.aux_loss is not None
+    ]
     return {"loss": losses, "aux": aux}
 
 
 def job_equivalence(cases: list[dict]) -> dict:
-    return {c["name"]: train_losses(c["strategy"], c["model"], meta_init=c.get("meta", False)) for c in cases}
+    return {
+        c["name"]: train_losses(c["strategy"], c["model"], meta_init=c.get("meta", False))
+        for c in cases
+    }
 
 
 JOBS = {"moe_equivalence": job_equivalence}

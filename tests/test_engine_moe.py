@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import moe_workers as M  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 
-from autosearch import ModelSpec, SpecError, Strategy  # noqa: E402
+from autosearch import Strategy  # noqa: E402
 from autosearch.engine.moe import MoE, ep_problems  # noqa: E402
 from autosearch.transformer import Transformer  # noqa: E402
 
@@ -95,7 +95,7 @@ def test_world4_matches_single_process(world4, references, name):
     _check(world4, WORLD4, name, references)
 
 
-# ---- one process ---------------------------------------------------------------------------------
+# ---- one process --------------------------------------------------------------------------------
 def _layer(**kw) -> MoE:
     torch.manual_seed(0)
     layer = MoE(dim=16, hidden=8, n_experts=4, top_k=2, **kw)
@@ -201,6 +201,8 @@ def test_the_engines_strategy_check_includes_the_expert_parallel_refusals():
     from autosearch.engine.build import plan_for, strategy_problems
 
     model = Transformer(M.MOE)
-    problems = strategy_problems(Strategy.parse("dp=2,ep=2,zero_stage=1"), plan_for(model, None), model)
+    problems = strategy_problems(
+        Strategy.parse("dp=2,ep=2,zero_stage=1"), plan_for(model, None), model
+    )
     assert any("zero_stage 0, 2 or 3" in p for p in problems), problems
     assert strategy_problems(Strategy.parse("dp=2,ep=2"), plan_for(model, None), model) == []

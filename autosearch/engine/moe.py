@@ -259,7 +259,7 @@ def moe_of(spec: "ModelSpec", *, aux_loss_coef: float = AUX_LOSS_COEF) -> MoE:
     )
 
 
-# ---- expert parallelism --------------------------------------------------------------------------
+# ---- expert parallelism -------------------------------------------------------------------------
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
@@ -300,7 +300,9 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
     return out
 
 
-def expert_mesh(mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int) -> "DeviceMesh":
+def expert_mesh(
+    mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int
+) -> "DeviceMesh":
     """The mesh of the expert layers over the same ranks as `mesh` (pp, dp, cp, tp order):
     ``(pp, edp, ep, cp, tp)`` with dp = edp x ep, ep innermost."""
     from torch.distributed.device_mesh import DeviceMesh
