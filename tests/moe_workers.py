@@ -53,14 +53,18 @@ def make_model(kind: str):
     return Transformer(MODELS[kind])
 
 
-def train_losses(strategy: str, kind: str, *, meta_init: bool = False) -> dict:
-    """Per-step losses of `W.STEPS` AdamW steps from a fixed seed and data order, and the
-    load-balancing losses of the last forward (first rank's view)."""
+def train_losses(
+    strategy: str, kind: str, *, meta_init: bool = False, clip: float | None = None
+) -> dict:
+    """Per-step losses (and gradient norms, before clipping at `clip`) of `W.STEPS` AdamW steps
+    from a fixed seed and data order, and the load-balancing losses of the last forward."""
     from autosearch import Engine
     from autosearch.engine import SyntheticTokens
     from autosearch.engine.moe import moe_layers
 
-    kwargs = dict(optimizer=lambda p: torch.optim.AdamW(p, lr=W.LR), strategy=strategy)
+    kwargs = dict(
+        optimizer=lambda p: torch.optim.AdamW(p, lr=W.LR), strategy=strategy, grad_clip_norm=clip
+    )
     if meta_init:
         engine = Engine(lambda: make_model(kind), meta_init=True, seed=0, **kwargs)
     else:
@@ -68,19 +72,20 @@ def train_losses(strategy: str, kind: str, *, meta_init: bool = False) -> dict:
     data = SyntheticTokens.for_model(W.MODELS["llama"], 64, seed=0)
     loader = engine.dataloader(data, mode="train", steps_per_epoch=W.STEPS)
     engine.prepare(mode="train")
-    losses = [engine.run(batch, mode="train")["loss"] for batch in loader]
+    logs = [engine.run(batch, mode="train") for batch in loader]
+    losses = [r["loss"] for r in logs]
     aux = [
         float(m.aux_loss)
         for p in engine.model_parts_
         for m in moe_layers(p)
         if m.aux_loss is not None
     ]
-    return {"loss": losses, "aux": aux}
+    return {"loss": losses, "aux": aux, "grad_norm": [r.get("grad_norm") for r in logs]}
 
 
 def job_equivalence(cases: list[dict]) -> dict:
     return {
-        c["name"]: train_losses(c["strategy"], c["model"], meta_init=c.get("meta", False))
+        c["name"]: train_losses(c["strategy"], c["model"], meta_init=c["meta"], clip=c["clip"])
         for c in cases
     }
 

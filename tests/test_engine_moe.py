@@ -33,7 +33,10 @@ WORLD2 = {
     "ep2_recompute_full": (f"dp=2,ep=2,recompute=full,{B}", "moe"),
     "pp2": (f"pp=2,{B}", "moe"),
     "ep2_meta_init": (f"dp=2,ep=2,{B}", "moe_meta"),  # built on the meta device, then sliced
+    "ep2_clip": (f"dp=2,ep=2,{B}", "moe_clip"),  # the global gradient norm sums over ep
+    "ep2_zero3_clip": (f"dp=2,ep=2,zero_stage=3,{B}", "moe_clip"),
 }
+CLIP = 0.3  # engine_workers.CLIP_NORM: below the tiny models' gradient norms, clipping acts
 WORLD4 = {
     "dp4_ep2": (f"dp=4,ep=2,{B}", "moe"),
     "dp4_ep4_zero2": (f"dp=4,ep=4,zero_stage=2,{B}", "moe"),
@@ -46,7 +49,13 @@ WORLD4 = {
 
 def _cases(table):
     return [
-        dict(name=n, strategy=s, model=m.removesuffix("_meta"), meta=m.endswith("_meta"))
+        dict(
+            name=n,
+            strategy=s,
+            model=m.removesuffix("_meta").removesuffix("_clip"),
+            meta=m.endswith("_meta"),
+            clip=CLIP if m.endswith("_clip") else None,
+        )
         for n, (s, m) in table.items()
     ]
 
@@ -56,6 +65,7 @@ def references():
     torch.set_num_threads(1)
     refs = {kind: M.train_losses(B, kind) for kind in ("moe", "moe_sigmoid")}
     refs["moe_meta"] = M.train_losses(B, "moe", meta_init=True)
+    refs["moe_clip"] = M.train_losses(B, "moe", clip=CLIP)
     return refs
 
 
@@ -81,6 +91,10 @@ def _check(results, table, name, references):
         f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first"
         f" two steps and {gap:.2e} overall"
     )
+    if name.endswith("_clip"):  # the norm before clipping, the same on every rank
+        norms, want = results[0][name]["grad_norm"], references[model]["grad_norm"]
+        assert all(r[name]["grad_norm"] == norms for r in results)
+        assert norms == pytest.approx(want, rel=1e-5), (norms, want)  # fp32 sums reordered
 
 
 @pytest.mark.slow

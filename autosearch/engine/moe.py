@@ -36,7 +36,6 @@ under DDP by `reduce_expert_grads` once per step; under FSDP2 the experts are sh
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -372,6 +371,15 @@ def reduce_expert_grads(parts: list[nn.Module]) -> None:
                 g.copy_(reduced.view_as(g))
 
 
-def expert_init_std(std: float, n_layers: int) -> tuple[float, float]:
-    """Standard deviations of w1/w3 and of the residual output w2 (GPT-2's 1/sqrt(2 n_layers))."""
-    return std, std / math.sqrt(2 * n_layers)
+def expert_grads_by_group(parts: list[nn.Module]) -> dict:
+    """{ep group: the gradients of its experts on this rank}: they differ over the group, so a
+    global gradient norm sums their squares over it (`optim.total_grad_norm`)."""
+    out: dict = {}
+    for part in parts:
+        for layer in moe_layers(part):
+            if layer.ep_group is None:
+                continue
+            for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
+                if w.grad is not None:
+                    out.setdefault(layer.ep_group, []).append(w.grad)
+    return out
