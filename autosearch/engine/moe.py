@@ -93,6 +93,8 @@ class AllToAll(torch.autograd.Function):
 class Experts(nn.Module):
     """`n_experts` SwiGLU MLPs stored stacked (w2(silu(w1 x) * w3 x), Shazeer 2020)."""
 
+    weight_names = ("w1", "w3", "w2")  # each [n_experts, ...]: expert parallelism slices dim 0
+
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
@@ -126,6 +128,26 @@ class Experts(nn.Module):
                 w[e].normal_(0.0, s, generator=gen)
 
 
+class FusedExperts(nn.Module):
+    """SwiGLU experts in transformers' layout (Mixtral, Qwen3-MoE ``*Experts``):
+    ``gate_up_proj: [E, 2f, d]`` (gate rows first) and ``down_proj: [E, d, f]``, applied with
+    ``F.linear`` as transformers does, so a Hugging Face model keeps its weights and names."""
+
+    weight_names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        self.first = 0
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
+
+
 class MoE(nn.Module):
     """Routed top-k SwiGLU experts plus optional shared experts, dropless.
 
@@ -157,17 +179,22 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
         self.aux_loss_coef, self.norm_topk_prob = aux_loss_coef, norm_topk_prob
         self.gate = nn.Linear(dim, n_experts, bias=False)
-        self.experts = Experts(n_experts, dim, hidden)
+        self.experts: Experts | FusedExperts = Experts(n_experts, dim, hidden)
         self.shared_experts = _SwiGLU(dim, shared_hidden) if shared_hidden else None
         # set by apply_ep: the ep group, the ranks holding the same experts, dp x cp
         self.ep_group: dist.ProcessGroup | None = None
         self.edp_mesh: "DeviceMesh | None" = None
         self.grad_divide = 1
         self.aux_loss: torch.Tensor | None = None  # of the last forward, detached
+        self.router_logits: torch.Tensor | None = None  # of the last forward, when recorded
+        self.record_router_logits = False  # for a model-level aux loss (Hugging Face's)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k], probabilities [T, E]) of tokens `x` [T, d]."""
-        logits = self.gate(x).float()
+        logits = self.gate(x)
+        if self.record_router_logits:
+            self.router_logits = logits
+        logits = logits.float()
         if self.router_kind == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
@@ -319,7 +346,7 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
     for layer in moe_layers(module):
         local = layer.n_experts // size["ep"]
         experts = layer.experts
-        for name in ("w1", "w3", "w2"):
+        for name in experts.weight_names:
             w = getattr(experts, name)
             keep = w.detach()[rank * local : (rank + 1) * local].clone()
             setattr(experts, name, nn.Parameter(keep, requires_grad=w.requires_grad))
@@ -345,7 +372,7 @@ def expert_param_names(module: nn.Module) -> list[str]:
         f"{name}.experts.{w}"
         for name, sub in module.named_modules()
         if isinstance(sub, MoE) and sub.ep_group is not None
-        for w in ("w1", "w3", "w2")
+        for w in sub.experts.weight_names
     ]
 
 
@@ -358,7 +385,7 @@ def reduce_expert_grads(parts: list[nn.Module]) -> None:
                 continue
             grads = [
                 w.grad
-                for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2)
+                for w in _expert_weights(layer)
                 if w.grad is not None and not hasattr(w.grad, "to_local")
             ]
             if not grads:
@@ -379,7 +406,11 @@ def expert_grads_by_group(parts: list[nn.Module]) -> dict:
         for layer in moe_layers(part):
             if layer.ep_group is None:
                 continue
-            for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
+            for w in _expert_weights(layer):
                 if w.grad is not None:
                     out.setdefault(layer.ep_group, []).append(w.grad)
     return out
+
+
+def _expert_weights(layer: MoE) -> list[torch.Tensor]:
+    return [getattr(layer.experts, name) for name in layer.experts.weight_names]
