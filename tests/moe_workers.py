@@ -90,7 +90,39 @@ def job_equivalence(cases: list[dict]) -> dict:
     }
 
 
-JOBS = {"moe_equivalence": job_equivalence}
+def job_checkpoint(workdir: str) -> dict:
+    """Train 2 steps under ep=2 and save; an ep=1 engine (and an ep=2 ZeRO-3 one) loads the
+    checkpoint and must evaluate to the same loss (the experts are whole in the checkpoint)."""
+    import os
+
+    from autosearch import Engine
+    from autosearch.engine import SyntheticTokens
+
+    data = SyntheticTokens.for_model(W.MODELS["llama"], 16, seed=0)
+    valid = SyntheticTokens.for_model(W.MODELS["llama"], 8, seed=7)
+    batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
+
+    def engine(strategy):
+        return Engine(
+            lambda: make_model("moe"),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=W.LR),
+            strategy=strategy,
+            seed=0,
+        )
+
+    e = engine(f"dp=2,ep=2,{batch}")
+    e.fit(data, steps_per_epoch=2, verbose=0)
+    e.save(os.path.join(workdir, "ep2"))
+    out = {"saved": e.evaluate(valid, verbose=0)["loss"]}
+    for name, strategy in (("dp2", f"dp=2,{batch}"), ("ep2_zero3", f"dp=2,ep=2,zero_stage=3,{batch}")):
+        other = engine(strategy)
+        out[f"{name}_fresh"] = other.evaluate(valid, verbose=0)["loss"]
+        other.load(os.path.join(workdir, "ep2"))
+        out[name] = other.evaluate(valid, verbose=0)["loss"]
+    return out
+
+
+JOBS = {"moe_equivalence": job_equivalence, "moe_checkpoint": job_checkpoint}
 
 
 def _entry(*args) -> None:

@@ -100,11 +100,10 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.first = 0  # global index of the first expert held (set by apply_ep)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `x` sorted by expert, `counts[e]` rows for local expert e."""
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         outs = [
             (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e]
             for e, rows in enumerate(x.split(counts))
@@ -114,18 +113,31 @@ class Experts(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         """Each expert from its own generator, seeded from the global RNG and its global index,
-        so that an expert starts the same whichever rank holds it (plain tensors; FSDP shards
-        are filled from the global RNG)."""
+        so that an expert starts the same whichever rank holds it (or a shard of it)."""
         if self.w1.is_meta:  # built on the meta device: initialised once materialized
             return
         base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
         for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
-            if hasattr(w, "to_local"):
-                nn.init.normal_(w, std=s)
-                continue
-            for e in range(w.shape[0]):
-                gen = torch.Generator(device=w.device).manual_seed(base + self.first + e)
-                w[e].normal_(0.0, s, generator=gen)
+            local, first = _local(w), _first_row(w)
+            for e in range(local.shape[0]):
+                gen = torch.Generator(device=local.device).manual_seed(base + first + e)
+                full = torch.empty(w.shape[1:], device=local.device).normal_(0.0, s, generator=gen)
+                local[e].copy_(full)  # (a shard of dims 1+ would slice here; FSDP shards dim 0)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight (a DTensor over the ep mesh under expert parallelism)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _first_row(w: torch.Tensor) -> int:
+    """The global expert index of this rank's first row of `w`."""
+    if not hasattr(w, "to_local"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return int(offset[0])
 
 
 class FusedExperts(nn.Module):
@@ -138,13 +150,13 @@ class FusedExperts(nn.Module):
     def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
-        self.first = 0
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
         outs = []
         for e, rows in enumerate(x.split(counts)):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, down[e]))
         return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
 
 
@@ -338,7 +350,11 @@ def expert_mesh(
 
 
 def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
-    """Keep this rank's ``n_experts / ep`` experts of every MoE layer and route over ep."""
+    """Keep this rank's ``n_experts / ep`` experts of every MoE layer, as DTensors sharded on
+    the expert dimension over the ep mesh (so checkpoints, gradient norms and FSDP2 see whole
+    weights, as in torchtitan), and route over ep."""
+    from torch.distributed.tensor import DTensor, Shard
+
     names = emesh.mesh_dim_names or ()
     size = {n: emesh.size(names.index(n)) for n in names}
     group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
@@ -349,8 +365,10 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
         for name in experts.weight_names:
             w = getattr(experts, name)
             keep = w.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(experts, name, nn.Parameter(keep, requires_grad=w.requires_grad))
-        experts.first = rank * local
+            shard = DTensor.from_local(
+                keep, emesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()
+            )
+            setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
         layer.ep_group, layer.edp_mesh = group, edp
         layer.grad_divide = size["edp"] * size["ep"] * size["cp"]
 
@@ -383,11 +401,7 @@ def reduce_expert_grads(parts: list[nn.Module]) -> None:
         for layer in moe_layers(part):
             if layer.edp_mesh is None:
                 continue
-            grads = [
-                w.grad
-                for w in _expert_weights(layer)
-                if w.grad is not None and not hasattr(w.grad, "to_local")
-            ]
+            grads = [_local(w.grad) for w in _expert_weights(layer) if w.grad is not None]
             if not grads:
                 continue
             flat = torch.cat([g.flatten() for g in grads])
@@ -396,20 +410,6 @@ def reduce_expert_grads(parts: list[nn.Module]) -> None:
             flat.div_(layer.grad_divide)
             for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(reduced.view_as(g))
-
-
-def expert_grads_by_group(parts: list[nn.Module]) -> dict:
-    """{ep group: the gradients of its experts on this rank}: they differ over the group, so a
-    global gradient norm sums their squares over it (`optim.total_grad_norm`)."""
-    out: dict = {}
-    for part in parts:
-        for layer in moe_layers(part):
-            if layer.ep_group is None:
-                continue
-            for w in _expert_weights(layer):
-                if w.grad is not None:
-                    out.setdefault(layer.ep_group, []).append(w.grad)
-    return out
 
 
 def _expert_weights(layer: MoE) -> list[torch.Tensor]:

@@ -141,15 +141,11 @@ def total_grad_norm(
     """
     from torch.distributed.tensor import DTensor
 
-    from autosearch.engine.moe import expert_grads_by_group
-
-    experts = expert_grads_by_group(parts)  # differ over the ep group: summed over it below
-    skip = set(skip) | {id(g) for grads in experts.values() for g in grads}
     groups: dict[tuple, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
     for part in parts:
         for p in part.parameters():
-            if p.grad is None or id(p) in skip or id(p.grad) in skip:
+            if p.grad is None or id(p) in skip:
                 continue
             if isinstance(p.grad, DTensor):
                 key = (p.grad.device_mesh, tuple(p.grad.placements))
@@ -165,15 +161,6 @@ def total_grad_norm(
         total_sq += norm.double() ** 2
     if plain:
         total_sq += torch.nn.utils.get_total_norm(plain, norm_type=2.0).double() ** 2
-    for group, grads in experts.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):  # FSDP2 shards over edp
-            norm = norm.full_tensor()
-        expert_sq = norm.double() ** 2
-        import torch.distributed as dist
-
-        dist.all_reduce(expert_sq, group=group)
-        total_sq += expert_sq
     if pp_group is not None:
         import torch.distributed as dist
 
