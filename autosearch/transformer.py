@@ -36,7 +36,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
-from autosearch.engine.moe import AUX_LOSS_COEF, MoE, moe_of
+from autosearch.engine.moe import AUX_LOSS_COEF, Experts, MoE, moe_of
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -244,8 +244,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
-            elif isinstance(module, MoE):
-                module.experts.init_weights(std, residual_std)
+            elif isinstance(module, Experts):
+                module.init_weights(std, residual_std)
         rope = getattr(self, "rope", None)
         if rope is not None:
             self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(rope.device)

@@ -114,7 +114,10 @@ def job_checkpoint(workdir: str) -> dict:
     e.fit(data, steps_per_epoch=2, verbose=0)
     e.save(os.path.join(workdir, "ep2"))
     out = {"saved": e.evaluate(valid, verbose=0)["loss"]}
-    for name, strategy in (("dp2", f"dp=2,{batch}"), ("ep2_zero3", f"dp=2,ep=2,zero_stage=3,{batch}")):
+    for name, strategy in (
+        ("dp2", f"dp=2,{batch}"),
+        ("ep2_zero3", f"dp=2,ep=2,zero_stage=3,{batch}"),
+    ):
         other = engine(strategy)
         out[f"{name}_fresh"] = other.evaluate(valid, verbose=0)["loss"]
         other.load(os.path.join(workdir, "ep2"))

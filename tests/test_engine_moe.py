@@ -208,6 +208,7 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
         ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp=2"),
         ("dp=2,ep=2,zero_stage=1", "moe", "zero_stage 0, 2 or 3"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
+        ("dp=2,amp=fp16", "moe", "use amp=bf16 or fp32"),
     ],
 )
 def test_expert_parallelism_the_engine_cannot_run_is_refused_with_what_to_do(
@@ -249,7 +250,9 @@ def test_a_transformers_moe_model_keeps_its_weights_logits_and_aux_loss(kind):
     # Mixtral is bitwise; Qwen3-MoE within fp32 rounding of a 64-wide sum (observed 1.8e-7)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-6, atol=1e-6)
     assert float(wrapped.aux_loss) == pytest.approx(float(ref.aux_loss.detach()), rel=1e-6)
-    assert float(ref.aux_loss.detach()) > 1.0  # top-2 of 4: transformers' f sums to k, so balanced is 2
+    assert (
+        float(ref.aux_loss.detach()) > 1.0
+    )  # top-2 of 4: transformers' f sums to k, so balanced is 2
     with pytest.raises(SpecError, match="tp=2: the Engine runs a transformers"):
         from autosearch.engine.hf import moe_problems
 

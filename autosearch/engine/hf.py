@@ -427,7 +427,7 @@ def save_pretrained(
             dist.barrier()
 
 
-# ---- mixture of experts (Mixtral, Qwen3-MoE) ------------------------------------------------------
+# ---- mixture of experts (Mixtral, Qwen3-MoE) ----------------------------------------------------
 MOE_LIKE = ("mixtral", "qwen3_moe")
 
 
@@ -438,7 +438,7 @@ def use_autosearch_moe(model: HFCausalLM) -> float:
     expert parallelism can shard. Returns the auxiliary-loss coefficient the model trains with:
     the config's ``router_aux_loss_coef`` when ``output_router_logits`` is set (as transformers
     adds it to the loss), else 0."""
-    from autosearch.engine.moe import MoE, FusedExperts
+    from autosearch.engine.moe import FusedExperts, MoE
 
     config = model.config
     if config.model_type not in MOE_LIKE:
@@ -472,9 +472,8 @@ def with_hf_aux_loss(model: HFCausalLM, logits: torch.Tensor) -> torch.Tensor:
     from autosearch.engine.moe import AuxLoss, moe_layers
 
     layers = moe_layers(model)
-    aux = load_balancing_loss_func(
-        tuple(m.router_logits for m in layers), layers[0].n_experts, layers[0].top_k
-    )
+    logits_of: Any = tuple(m.router_logits for m in layers)  # recorded by this forward
+    aux: Any = load_balancing_loss_func(logits_of, layers[0].n_experts, layers[0].top_k)
     model.aux_loss = aux.detach()
     if model.training and torch.is_grad_enabled():
         return AuxLoss.apply(logits, aux * model.router_aux_loss_coef)

@@ -36,7 +36,7 @@ under DDP by `reduce_expert_grads` once per step; under FSDP2 the experts are sh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,8 @@ def _first_row(w: torch.Tensor) -> int:
         return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    dt: Any = w  # a DTensor
+    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     return int(offset[0])
 
 
@@ -303,13 +304,23 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 
 def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
-    """Why the Engine cannot run `strategy`'s expert parallelism on `model` (empty when it can);
-    the layout rules shared with the cost model are `Strategy.problems`'."""
+    """Why the Engine cannot run `strategy`'s expert parallelism (or fp16) on `model`'s MoE
+    layers (empty when it can); the layout rules shared with the cost model are
+    `Strategy.problems`'."""
     ep, etp = getattr(strategy, "ep", 1), getattr(strategy, "etp", 1)
-    if ep == 1 and etp == 1:
-        return []
     layers = moe_layers(model)
     out = []
+    aux = any(m.aux_loss_coef > 0 for m in layers) or bool(
+        getattr(model, "router_aux_loss_coef", 0.0)
+    )
+    if strategy.amp == "fp16" and aux:
+        out.append(
+            "amp=fp16 with a mixture-of-experts auxiliary loss: the fp16 loss scaler does not "
+            "scale the auxiliary loss's gradient (it joins in the MoE layers' backward); use "
+            "amp=bf16 or fp32"
+        )
+    if ep == 1 and etp == 1:
+        return out
     if not layers:
         out.append(
             f"ep={ep}, etp={etp}: this model has no autosearch MoE layers (autosearch.transformer"
