@@ -36,6 +36,7 @@ WORLD2 = {
     "ep2_sigmoid": (f"dp=2,ep=2,{B}", "moe_sigmoid"),
     "ep2_recompute_full": (f"dp=2,ep=2,recompute=full,{B}", "moe"),
     "pp2": (f"pp=2,{B}", "moe"),
+    "cp2": (f"cp=2,{B}", "moe"),  # the aux loss over the whole sequence, summed over cp
     "ep2_meta_init": (f"dp=2,ep=2,{B}", "moe_meta"),  # built on the meta device, then sliced
     "ep2_clip": (f"dp=2,ep=2,{B}", "moe_clip"),  # the global gradient norm sums over ep
     "ep2_zero3_clip": (f"dp=2,ep=2,zero_stage=3,{B}", "moe_clip"),
@@ -52,6 +53,7 @@ WORLD4 = {
     "dp2_tp2_ep2_sp_zero3": (f"dp=2,tp=2,ep=2,sequence_parallel=true,zero_stage=3,{B}", "moe"),
     "pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B}", "moe"),
     "pp2_dp2_ep2_zero3": (f"pp=2,dp=2,ep=2,zero_stage=3,{B}", "moe"),
+    "dp2_cp2_ep2": (f"dp=2,cp=2,ep=2,{B}", "moe"),  # experts reduced over edp x cp
 }
 
 

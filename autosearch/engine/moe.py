@@ -48,6 +48,8 @@ from autosearch.core.errors import SpecError
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
+    from autosearch.engine.context_parallel import ContextParallel
+
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
@@ -164,6 +166,10 @@ class FusedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed top-k SwiGLU experts plus optional shared experts, dropless.
 
+    Under context parallel (set by the Engine) a sequence is split over the cp ranks: the
+    load-balancing loss sums its counts and probabilities over them, so it is the whole
+    sequence's (Megatron-Core reduces them over its tp x cp group the same way).
+
     Args:
         dim: model width.
         hidden: width of one routed expert.
@@ -175,6 +181,8 @@ class MoE(nn.Module):
         norm_topk_prob: renormalise the k softmax weights to sum to 1 (Mixtral; Qwen3-MoE's
             ``norm_topk_prob``).
     """
+
+    context_parallel: "ContextParallel | None" = None
 
     def __init__(
         self,
@@ -226,8 +234,17 @@ class MoE(nn.Module):
         experts, probs = experts.view(batch, -1), probs.view(batch, -1, self.n_experts)
         counts = torch.zeros(batch, self.n_experts, device=probs.device, dtype=probs.dtype)
         counts.scatter_add_(1, experts, torch.ones_like(experts, dtype=probs.dtype))
-        f = counts / experts.shape[1]
-        return self.n_experts * (f * probs.mean(1)).sum(1).mean()
+        tokens, prob_sums = probs.shape[1], probs.sum(1)
+        cp = self.context_parallel
+        if cp is not None:  # the whole sequence's: summed over the cp ranks (with autograd)
+            from torch.distributed.nn.functional import all_reduce
+
+            group = cp.mesh.get_group()
+            dist.all_reduce(counts, group=group)
+            prob_sums = all_reduce(prob_sums, group=group)
+            tokens *= cp.cp
+        f = counts / (tokens * self.top_k)
+        return self.n_experts * (f * prob_sums / tokens).sum(1).mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
