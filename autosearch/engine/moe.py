@@ -48,10 +48,9 @@ from autosearch.core.errors import SpecError
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autosearch.engine.context_parallel import ContextParallel
-
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
+    from autosearch.engine.context_parallel import ContextParallel
 
 # Switch Transformer's alpha = 1e-2 (Fedus et al. 2022, sec. 2.2), also Megatron-Core examples'
 # --moe-aux-loss-coeff; Hugging Face models bring their own router_aux_loss_coef.
