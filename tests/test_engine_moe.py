@@ -37,6 +37,7 @@ WORLD2 = {
     "ep2_recompute_full": (f"dp=2,ep=2,recompute=full,{B}", "moe"),
     "pp2": (f"pp=2,{B}", "moe"),
     "cp2": (f"cp=2,{B}", "moe"),  # the aux loss over the whole sequence, summed over cp
+    "cp2_ep2": (f"cp=2,ep=2,{B}", "moe"),  # the ep group is the cp ranks
     "ep2_meta_init": (f"dp=2,ep=2,{B}", "moe_meta"),  # built on the meta device, then sliced
     "ep2_clip": (f"dp=2,ep=2,{B}", "moe_clip"),  # the global gradient norm sums over ep
     "ep2_zero3_clip": (f"dp=2,ep=2,zero_stage=3,{B}", "moe_clip"),
@@ -53,7 +54,8 @@ WORLD4 = {
     "dp2_tp2_ep2_sp_zero3": (f"dp=2,tp=2,ep=2,sequence_parallel=true,zero_stage=3,{B}", "moe"),
     "pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B}", "moe"),
     "pp2_dp2_ep2_zero3": (f"pp=2,dp=2,ep=2,zero_stage=3,{B}", "moe"),
-    "dp2_cp2_ep2": (f"dp=2,cp=2,ep=2,{B}", "moe"),  # experts reduced over edp x cp
+    "dp2_cp2_ep2": (f"dp=2,cp=2,ep=2,{B}", "moe"),  # experts reduced over edp (dp ranks)
+    "dp2_cp2_ep4_zero3": (f"dp=2,cp=2,ep=4,zero_stage=3,{B}", "moe"),  # ep over dp x cp
 }
 
 
@@ -207,7 +209,7 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
     "strategy, model, message",
     [
         ("dp=4,ep=4,etp=2,tp=2", "moe", "etp=1"),
-        ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp=2"),
+        ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp*cp = 2*1"),
         ("dp=2,ep=2,zero_stage=1", "moe", "zero_stage 0, 2 or 3"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
         ("dp=2,amp=fp16", "moe", "use amp=bf16 or fp32"),

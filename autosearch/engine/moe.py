@@ -23,7 +23,8 @@ of the last forward is kept in ``MoE.aux_loss``.
 
 Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding restricted to
 ``etp = 1``: the expert layers run ``ep x edp`` over the data-parallel ranks of attention
-(dp x cp), ep innermost, so ``ep`` divides ``dp``; each rank keeps ``n_experts / ep`` experts.
+(dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps ``n_experts / ep``
+experts, as DTensors sharded on the expert dimension over the ep mesh.
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
 whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
@@ -348,10 +349,11 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
             f"etp={etp}: the Engine runs expert parallelism with etp=1 (experts whole on each "
             "rank); set etp=1, or export the strategy to megatron or torchtitan"
         )
-    if strategy.dp % ep:
+    if (strategy.dp * strategy.cp) % ep:
         out.append(
-            f"ep={ep} must divide dp={strategy.dp} in the Engine (expert-parallel groups are "
-            "taken from the data-parallel ranks, as torchtitan does); use an ep that divides dp"
+            f"ep={ep} must divide dp*cp = {strategy.dp}*{strategy.cp} in the Engine "
+            "(expert-parallel groups are taken from the data- and context-parallel ranks, as "
+            "torchtitan does; the tp ranks route the same tokens); use an ep that divides it"
         )
     if strategy.zero_stage == 1 and strategy.tp == 1 and strategy.pp == 1:
         out.append(
@@ -369,11 +371,12 @@ def expert_mesh(
     mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int
 ) -> "DeviceMesh":
     """The mesh of the expert layers over the same ranks as `mesh` (pp, dp, cp, tp order):
-    ``(pp, edp, ep, cp, tp)`` with dp = edp x ep, ep innermost."""
+    ``(pp, edp, ep, tp)`` with dp x cp = edp x ep, ep innermost (the cp ranks hold different
+    tokens, so they fold into ep and edp as the dp ranks do)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+    ranks = mesh.mesh.reshape(pp, dp * cp // ep, ep, tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
 def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
@@ -385,7 +388,7 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
     names = emesh.mesh_dim_names or ()
     size = {n: emesh.size(names.index(n)) for n in names}
     group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
-    edp = emesh["edp", "cp"]._flatten("edp_cp") if size["cp"] > 1 else emesh["edp"]
+    edp = emesh["edp"]
     for layer in moe_layers(module):
         local = layer.n_experts // size["ep"]
         experts = layer.experts
@@ -397,7 +400,7 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
             )
             setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
         layer.ep_group, layer.edp_mesh = group, edp
-        layer.grad_divide = size["edp"] * size["ep"] * size["cp"]
+        layer.grad_divide = size["edp"] * size["ep"]  # dp x cp
 
 
 def shard_experts(module: nn.Module, **fsdp) -> None:
