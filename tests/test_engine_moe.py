@@ -28,6 +28,7 @@ B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 # sequence per micro-batch, a dp rank's micro-batches are the single process's
 B1 = "micro_batch_size=1,global_batch_size=8,amp=fp32"
 FP32 = (2e-5, 1e-3)  # tests/test_engine_parallel.py: (first two steps, all steps)
+AMP16 = (1e-2, 1e-2)  # the same file's bf16 tolerance (bf16 rounding, 2^-8 relative)
 
 WORLD2 = {
     "dp2": (f"dp=2,{B}", "moe"),
@@ -41,6 +42,7 @@ WORLD2 = {
     "ep2_meta_init": (f"dp=2,ep=2,{B}", "moe_meta"),  # built on the meta device, then sliced
     "ep2_clip": (f"dp=2,ep=2,{B}", "moe_clip"),  # the global gradient norm sums over ep
     "ep2_zero3_clip": (f"dp=2,ep=2,zero_stage=3,{B}", "moe_clip"),
+    "ep2_zero3_bf16": (f"dp=2,ep=2,zero_stage=3,{B.replace('fp32', 'bf16')}", "moe_bf16"),
     "hf_mixtral_dp2": (f"dp=2,{B1}", "hf_mixtral"),
     "hf_mixtral_ep2": (f"dp=2,ep=2,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_ep2": (f"dp=2,ep=2,{B1}", "hf_qwen3_moe"),
@@ -64,7 +66,7 @@ def _cases(table):
         dict(
             name=n,
             strategy=s,
-            model=m.removesuffix("_meta").removesuffix("_clip"),
+            model=m.removesuffix("_meta").removesuffix("_clip").removesuffix("_bf16"),
             meta=m.endswith("_meta"),
             clip=CLIP if m.endswith("_clip") else None,
         )
@@ -78,6 +80,7 @@ def references():
     refs = {kind: M.train_losses(B, kind) for kind in ("moe", "moe_sigmoid")}
     refs["moe_meta"] = M.train_losses(B, "moe", meta_init=True)
     refs["moe_clip"] = M.train_losses(B, "moe", clip=CLIP)
+    refs["moe_bf16"] = M.train_losses(B.replace("fp32", "bf16"), "moe")
     for kind in M.HF_MOE:
         refs[kind] = M.train_losses(B1, kind)
     return refs
@@ -101,7 +104,8 @@ def _check(results, table, name, references):
     assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
     early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
     gap = max(abs(a - b) for a, b in zip(got, ref))
-    assert early <= FP32[0] and gap <= FP32[1], (
+    tol = AMP16 if model.endswith("_bf16") else FP32
+    assert early <= tol[0] and gap <= tol[1], (
         f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first"
         f" two steps and {gap:.2e} overall"
     )
