@@ -362,10 +362,11 @@ def llama_from_spec(spec) -> HFCausalLM:
     validation runs use to time a Llama-style HF model in new processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec.ffn_activation != "swiglu" or unbuilt(spec):
+    moe = ["mixture-of-experts layers (use autosearch.transformer.Transformer)"] * bool(spec.moe)
+    if spec.ffn_activation != "swiglu" or unbuilt(spec) or moe:
         raise SpecError(
             f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
-            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec))
+            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec) + moe)
         )
     config = LlamaConfig(
         num_hidden_layers=spec.n_layers,
