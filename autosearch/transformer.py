@@ -6,6 +6,9 @@ Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.core.model_spec`
   learned position embeddings, dropout (probability ``dropout``, 0 by default).
 * Llama style (``swiglu``; Touvron et al. 2023): RMSNorm, no biases, rotary positions
   (Su et al. 2021), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
+* Mixture of experts (a Llama-style spec with ``moe``; Mixtral, Qwen3-MoE, DeepSeek-V3): the
+  layers `ModelSpec.moe_layers` names have a `autosearch.engine.moe.MoE` (``moe``) in place of
+  the dense ``feed_forward``; its load-balancing loss joins the training loss.
 
 The layout follows torchtitan so that the Engine can split and shard it by name: ``tok_embeddings``
 (+ ``pos_embeddings``), ``layers`` (a ModuleDict keyed "0", "1", ... so that parameter names stay
@@ -33,6 +36,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
+from autosearch.engine.moe import AUX_LOSS_COEF, Experts, MoE, moe_of
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,19 +148,23 @@ def _norm(spec: ModelSpec) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP a MoE layer when
+    `moe` is given)."""
 
-    def __init__(self, spec: ModelSpec, dropout: float):
+    def __init__(self, spec: ModelSpec, dropout: float, moe: MoE | None = None):
         super().__init__()
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec, dropout)
         self.ffn_norm = _norm(spec)
-        self.feed_forward = FeedForward(spec)
+        self.feed_forward = FeedForward(spec) if moe is None else None
+        self.moe = moe
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), rope))
-        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        mlp = self.feed_forward if self.feed_forward is not None else self.moe
+        assert mlp is not None  # one of the two, by construction
+        return x + self.dropout(mlp(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -168,12 +176,21 @@ class Transformer(nn.Module):
             which keeps runs under different strategies comparable step for step.
         init_std: standard deviation of the normal weight initialisation (GPT-2: 0.02; residual
             output projections are scaled by 1/sqrt(2 n_layers), Radford et al. 2019).
+        aux_loss_coef: weight of the MoE layers' load-balancing loss (`autosearch.engine.moe`;
+            used when ``spec.moe.load_balancing`` is ``aux_loss``).
     """
 
     rope: torch.Tensor | None  # a buffer (Llama style), or None (GPT style)
     context_parallel: "ContextParallel | None" = None  # learned positions at global positions
 
-    def __init__(self, spec: ModelSpec, *, dropout: float = 0.0, init_std: float = 0.02):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        dropout: float = 0.0,
+        init_std: float = 0.02,
+        aux_loss_coef: float = AUX_LOSS_COEF,
+    ):
         super().__init__()
         if unbuilt(spec):  # features of the ModelSpec this reference model does not build
             raise SpecError(
@@ -187,7 +204,14 @@ class Transformer(nn.Module):
             nn.Embedding(spec.seq_len, spec.hidden_size) if spec.is_gpt_style else None
         )
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleDict({str(i): Block(spec, dropout) for i in range(spec.n_layers)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(
+                    spec, dropout, moe_of(spec, aux_loss_coef=aux_loss_coef) if m else None
+                )
+                for i, m in enumerate(spec.moe_layers)
+            }
+        )
         self.norm = _norm(spec)
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:  # one parameter, used by both modules (as transformers ties)
@@ -211,13 +235,17 @@ class Transformer(nn.Module):
                 if id(module.weight) in done:  # a tied weight, initialised once
                     continue
                 done.add(id(module.weight))
-                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+                is_residual = name.endswith(
+                    ("attention.wo", "feed_forward.w2", "shared_experts.w2")
+                )
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 bias = getattr(module, "bias", None)
                 if bias is not None:
                     nn.init.zeros_(bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
+            elif isinstance(module, Experts):
+                module.init_weights(std, residual_std)
         rope = getattr(self, "rope", None)
         if rope is not None:
             self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(rope.device)
@@ -270,6 +298,7 @@ class Transformer(nn.Module):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
+            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -302,6 +331,16 @@ class Transformer(nn.Module):
                     ),
                     "layers.*.feed_forward": PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    # experts are whole on every tp rank (etp = 1): they route the whole
+                    # sequence and hand back this rank's shard of it
+                    "layers.*.moe": PrepareModuleInputOutput(
+                        input_layouts=(Shard(1),),
+                        desired_input_layouts=(Replicate(),),
+                        use_local_input=True,
+                        output_layouts=(Replicate(),),
+                        desired_output_layouts=(Shard(1),),
+                        use_local_output=True,
                     ),
                 }
             )

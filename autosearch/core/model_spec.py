@@ -557,14 +557,16 @@ def check_priced(model: ModelSpec) -> None:
 def unbuilt(model: ModelSpec) -> list[str]:
     """What `autosearch.transformer.Transformer` (the reference model the Engine trains) does
     not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
-    blocks of multi-head / grouped-query attention with head size hidden / heads."""
+    blocks of multi-head / grouped-query attention with head size hidden / heads, and dropless
+    SwiGLU mixture-of-experts layers with an auxiliary loss or none."""
     out = []
-    if model.moe is not None:
-        m = model.moe
-        out.append(
-            f"mixture-of-experts layers (moe: {m.n_experts} experts, top-{m.top_k}, on "
-            f"{model.n_moe_layers} of {model.n_layers} layers)"
-        )
+    m = model.moe
+    if m is not None and model.ffn_activation != "swiglu":
+        out.append(f"mixture-of-experts layers of {model.ffn_activation} experts (SwiGLU only)")
+    if m is not None and m.capacity_factor is not None:
+        out.append(f"moe.capacity_factor {m.capacity_factor} (routing is dropless)")
+    if m is not None and m.load_balancing == "aux_loss_free":
+        out.append("moe.load_balancing aux_loss_free (the expert bias updates)")
     if model.mla is not None:
         out.append("multi-head latent attention (mla)")
     if model.mla is None and model.attention_hidden_size != model.hidden_size:

@@ -254,6 +254,10 @@ class Trainer:
         self.last_grad_norm = None
         if self.tied is not None:
             self.tied.sync_grads()
+        if self.strategy.ep > 1 and self.dims.mode.wrapper == "ddp":
+            from autosearch.engine.moe import reduce_expert_grads
+
+            reduce_expert_grads(self.model_parts)  # DDP leaves the expert-parallel weights
         if self.grad_clip_norm is not None:
             if self.scaler is not None:
                 for opt in self.optimizers:

@@ -12,6 +12,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.runtime import engine_lacks
+from autosearch.engine.moe import ep_problems
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,6 +113,7 @@ def strategy_problems(
             if isinstance(bounds, str) and not problems:  # else the model's check said why
                 problems.append(f"the pipeline split is impossible: {bounds}")
     problems += engine_lacks(strategy, device)
+    problems += ep_problems(strategy, model)
     has_blocks = blocks_of(model, plan) is not None
     for what, used in (
         ("compile=true", strategy.compile),

@@ -89,7 +89,7 @@ def has_llama_layout(model) -> bool:
     subclass of one: config.model_type llama / mistral / qwen2, ``.model`` and ``.lm_head``)."""
     config = getattr(model, "config", None)
     return (
-        getattr(config, "model_type", None) in LLAMA_LIKE
+        getattr(config, "model_type", None) in LLAMA_LIKE + MOE_LIKE
         and hasattr(model, "model")
         and hasattr(model, "lm_head")
     )
@@ -171,6 +171,7 @@ class HFCausalLM(nn.Module):
             if not hasattr(attn, "core"):
                 attn.core = AttentionCore(attn.num_key_value_groups)
         self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
+        self.router_aux_loss_coef = use_autosearch_moe(self)
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -206,6 +207,8 @@ class HFCausalLM(nn.Module):
             h = m.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
+        if self.router_aux_loss_coef and m.embed_tokens is not None and self.lm_head is not None:
+            h = with_hf_aux_loss(self, h)
         return h
 
     @torch.no_grad()
@@ -220,6 +223,7 @@ class HFCausalLM(nn.Module):
         for module in self.modules():
             if module is not self:
                 self.model._init_weights(module)
+        init_moe(self)
         _rebuild_rotary(self)
 
     # ---- what the Engine asks ------------------------------------------------------------------
@@ -243,7 +247,7 @@ class HFCausalLM(nn.Module):
         return window
 
     def _check_strategy(self, strategy) -> list[str]:
-        problems = strategy.problems(self.spec)
+        problems = strategy.problems(self.spec) + moe_problems(self, strategy)
         hub_kernels = importlib.util.find_spec("kernels") is not None
         if (
             strategy.compile
@@ -358,10 +362,11 @@ def llama_from_spec(spec) -> HFCausalLM:
     validation runs use to time a Llama-style HF model in new processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec.ffn_activation != "swiglu" or unbuilt(spec):
+    moe = ["mixture-of-experts layers (use autosearch.transformer.Transformer)"] * bool(spec.moe)
+    if spec.ffn_activation != "swiglu" or unbuilt(spec) or moe:
         raise SpecError(
             f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
-            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec))
+            f"{spec.ffn_activation!r}" + "".join(f"; {u}" for u in unbuilt(spec) + moe)
         )
     config = LlamaConfig(
         num_hidden_layers=spec.n_layers,
@@ -421,3 +426,82 @@ def save_pretrained(
             shutil.rmtree(folder_tmp, ignore_errors=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+
+# ---- mixture of experts (Mixtral, Qwen3-MoE) ----------------------------------------------------
+MOE_LIKE = ("mixtral", "qwen3_moe")
+
+
+def use_autosearch_moe(model: HFCausalLM) -> float:
+    """Replace each sparse MLP block (``mlp.gate`` + ``mlp.experts``) by an
+    `autosearch.engine.moe.MoE` holding the same parameters under the same names
+    (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which
+    expert parallelism can shard. Returns the auxiliary-loss coefficient the model trains with:
+    the config's ``router_aux_loss_coef`` when ``output_router_logits`` is set (as transformers
+    adds it to the loss), else 0."""
+    from autosearch.engine.moe import FusedExperts, MoE
+
+    config = model.config
+    if config.model_type not in MOE_LIKE:
+        return 0.0
+    for layer in model.model.layers.values():
+        block = layer.mlp
+        if not hasattr(block, "experts"):  # a dense layer (Qwen3-MoE mlp_only_layers)
+            continue
+        hf_experts = block.experts
+        moe = MoE(
+            dim=config.hidden_size,
+            hidden=hf_experts.intermediate_dim,
+            n_experts=hf_experts.num_experts,
+            top_k=config.num_experts_per_tok,
+            norm_topk_prob=getattr(config, "norm_topk_prob", True),  # Mixtral renormalises
+            aux_loss_coef=0.0,  # transformers' loss is over all layers at once: the model adds it
+        )
+        moe.gate.weight = block.gate.weight
+        moe.experts = FusedExperts(hf_experts.gate_up_proj, hf_experts.down_proj)
+        moe.record_router_logits = bool(config.output_router_logits)
+        layer.mlp = moe
+    return float(config.router_aux_loss_coef) if config.output_router_logits else 0.0
+
+
+def with_hf_aux_loss(model: HFCausalLM, logits: torch.Tensor) -> torch.Tensor:
+    """`logits`, whose backward also adds ``router_aux_loss_coef`` x transformers'
+    ``load_balancing_loss_func`` over the router logits of every layer (Switch Transformer's
+    loss over all layers' tokens together, as ``MixtralForCausalLM.forward`` adds it)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from autosearch.engine.moe import AuxLoss, moe_layers
+
+    layers = moe_layers(model)
+    logits_of: Any = tuple(m.router_logits for m in layers)  # recorded by this forward
+    aux: Any = load_balancing_loss_func(logits_of, layers[0].n_experts, layers[0].top_k)
+    model.aux_loss = aux.detach()
+    if model.training and torch.is_grad_enabled():
+        return AuxLoss.apply(logits, aux * model.router_aux_loss_coef)
+    return logits
+
+
+def init_moe(model: HFCausalLM) -> None:
+    """transformers' init of the experts it no longer recognises: normal(0,
+    initializer_range), as ``MixtralPreTrainedModel._init_weights`` does."""
+    from autosearch.engine.moe import FusedExperts
+
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            for w in (module.gate_up_proj, module.down_proj):
+                torch.nn.init.normal_(w, mean=0.0, std=model.config.initializer_range)
+
+
+def moe_problems(model: HFCausalLM, strategy) -> list[str]:
+    """What the Engine does not run for a transformers MoE model: tp and pp (it runs dp, ep
+    and ZeRO)."""
+    if model.config.model_type not in MOE_LIKE:
+        return []
+    return [
+        f"{name}={getattr(strategy, name)}: the Engine runs a transformers "
+        f"{model.config.model_type} model under dp, ep and zero (the auxiliary loss is over "
+        f"every layer at once); set {name}=1, or use autosearch.transformer.Transformer with "
+        "the model's ModelSpec"
+        for name in ("tp", "pp")
+        if getattr(strategy, name) > 1
+    ]

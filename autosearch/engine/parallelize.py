@@ -1,7 +1,8 @@
 """Apply a Strategy to a model with torch.distributed: one ``apply_*`` per mechanism, composed
 in `parallelize` (torchtitan style). Order matters and is the one torchtitan uses: pipeline split
-first, then context parallel (on the attention cores), float8 linears, tensor parallel, activation
-checkpointing, per-block compile (with async TP), autocast, and data parallel last.
+first, then expert parallel (`autosearch.engine.moe`), context parallel (on the attention cores),
+float8 linears, tensor parallel, activation checkpointing, per-block compile (with async TP),
+autocast, and data parallel last.
 
 How ZeRO stages are run is the table in `autosearch/core/dp_modes.py` (the analytic cost model
 reads the same table; tests/test_dp_modes.py checks both, and docs/engine.md prints it). With
@@ -315,12 +316,17 @@ def apply_data_parallel(
     device: torch.device,
 ) -> nn.Module:
     """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring)."""
+    from autosearch.engine import moe
+
     mode = dims.mode
     if mode.wrapper == "none":
         return module
     if mode.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        experts = moe.expert_param_names(module)  # reduced over edp by the Trainer
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, experts)
         device_ids = [device] if device.type == "cuda" else None
         return DistributedDataParallel(
             module, process_group=world_mesh(mesh).get_group(dims.dp_axis), device_ids=device_ids
@@ -335,6 +341,7 @@ def apply_data_parallel(
     mp_policy = MixedPrecisionPolicy()
     if dtype is not None and mode.mixed_precision_policy:
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    moe.shard_experts(module, reshard_after_forward=reshard, mp_policy=mp_policy)
     container = blocks_of(module, plan)
     if container is not None:
         for block in list(container.children()):
@@ -367,8 +374,19 @@ def parallelize(
     if dims.pp > 1:
         pp_rank = world_mesh(mesh).get_local_rank("pp")
         parts = split_pipeline(model, plan, strategy, pp_rank=pp_rank)
+    ep_mesh = None
+    if strategy.ep > 1:
+        from autosearch.engine.moe import expert_mesh
+
+        ep_mesh = expert_mesh(
+            world_mesh(mesh), ep=strategy.ep, pp=dims.pp, dp=dims.dp, cp=dims.cp, tp=dims.tp
+        )
     out: list[tuple[int | None, nn.Module]] = []
     for stage, part in parts:
+        if ep_mesh is not None:
+            from autosearch.engine.moe import apply_ep
+
+            apply_ep(part, ep_mesh)
         if dims.cp > 1:
             apply_cp(part, world_mesh(mesh)["cp"])
         if strategy.fp8 != "none":

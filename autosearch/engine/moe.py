@@ -1,0 +1,446 @@
+"""Mixture-of-experts layer and expert parallelism (the Engine's ``ep``).
+
+`MoE` is the expert MLP of a block (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a router
+scores the experts of each token (softmax, or sigmoid as DeepSeek-V3), keeps the top k, and the
+token's output is the weighted sum of those routed SwiGLU experts, plus the shared experts every
+token goes through (DeepSeek-MoE, Dai et al. 2024). Routing is dropless (every routed copy is
+computed, Megatron-Core's default): the copies are sorted by expert and each expert runs one
+matmul on its contiguous rows (a loop over the local experts instead of a grouped GEMM kernel).
+The experts are stored stacked, ``w1, w3: [E, d, f]`` and ``w2: [E, f, d]``, so that expert
+parallelism shards them on the expert dimension.
+
+The load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4, for top-k as
+Megatron-Core's ``switch_load_balancing_loss_func``) is ``E * sum_i f_i * P_i`` with ``f_i`` the
+fraction of routed copies sent to expert ``i`` (summing to 1) and ``P_i`` the mean router
+probability of ``i``; it is 1 for a perfectly balanced router. It is computed per sequence and
+averaged over the sequences (DeepSeek-V3's sequence-wise balance loss, DeepSeek-AI 2024,
+eqs. 17-20; Megatron-Core's ``seq_aux_loss``), so that it does not depend on which sequences
+share a micro-batch: a run under dp trains exactly as one process does. Each MoE layer adds
+``aux_loss_coef`` times it to the training loss through `AuxLoss` (Megatron-Core's
+``MoEAuxLossAutoScaler``): the layer's output is unchanged and its backward adds the gradient of
+the auxiliary loss, so no loss function or pipeline schedule needs to know about it. The value
+of the last forward is kept in ``MoE.aux_loss``.
+
+Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding restricted to
+``etp = 1``: the expert layers run ``ep x edp`` over the data-parallel ranks of attention
+(dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps ``n_experts / ep``
+experts, as DTensors sharded on the expert dimension over the ep mesh.
+Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
+uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
+whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
+over the tp ranks, which route the same tokens (the MoE input is gathered from the sequence
+shards under sequence parallel). Expert gradients are summed over edp (the dp ranks holding the
+same experts) and divided by dp x cp, as the data-parallel wrappers divide dense gradients:
+under DDP by `reduce_expert_grads` once per step; under FSDP2 the experts are sharded over edp
+(``fully_shard`` with that divide factor, as torchtitan does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autosearch.core.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autosearch.core.model_spec import ModelSpec
+    from autosearch.core.strategy import Strategy
+    from autosearch.engine.context_parallel import ContextParallel
+
+# Switch Transformer's alpha = 1e-2 (Fedus et al. 2022, sec. 2.2), also Megatron-Core examples'
+# --moe-aux-loss-coeff; Hugging Face models bring their own router_aux_loss_coef.
+AUX_LOSS_COEF = 1e-2
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on `output` whose backward also sends gradient 1 to `aux_loss` (a scalar already
+    multiplied by its coefficient): ``loss + aux_loss`` without touching the loss function."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of `x` sent to the ranks of `group` (`in_splits` rows to each, in rank order) and
+    received from them (`out_splits`); the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class Experts(nn.Module):
+    """`n_experts` SwiGLU MLPs stored stacked (w2(silu(w1 x) * w3 x), Shazeer 2020)."""
+
+    weight_names = ("w1", "w3", "w2")  # each [n_experts, ...]: expert parallelism slices dim 0
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `x` sorted by expert, `counts[e]` rows for local expert e."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        outs = [
+            (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e]
+            for e, rows in enumerate(x.split(counts))
+        ]
+        return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Each expert from its own generator, seeded from the global RNG and its global index,
+        so that an expert starts the same whichever rank holds it (or a shard of it)."""
+        if self.w1.is_meta:  # built on the meta device: initialised once materialized
+            return
+        base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
+        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+            local, first = _local(w), _first_row(w)
+            for e in range(local.shape[0]):
+                gen = torch.Generator(device=local.device).manual_seed(base + first + e)
+                full = torch.empty(w.shape[1:], device=local.device).normal_(0.0, s, generator=gen)
+                local[e].copy_(full)  # (a shard of dims 1+ would slice here; FSDP shards dim 0)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight (a DTensor over the ep mesh under expert parallelism)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _first_row(w: torch.Tensor) -> int:
+    """The global expert index of this rank's first row of `w`."""
+    if not hasattr(w, "to_local"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dt: Any = w  # a DTensor
+    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return int(offset[0])
+
+
+class FusedExperts(nn.Module):
+    """SwiGLU experts in transformers' layout (Mixtral, Qwen3-MoE ``*Experts``):
+    ``gate_up_proj: [E, 2f, d]`` (gate rows first) and ``down_proj: [E, d, f]``, applied with
+    ``F.linear`` as transformers does, so a Hugging Face model keeps its weights and names."""
+
+    weight_names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, down[e]))
+        return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
+
+
+class MoE(nn.Module):
+    """Routed top-k SwiGLU experts plus optional shared experts, dropless.
+
+    Under context parallel (set by the Engine) a sequence is split over the cp ranks: the
+    load-balancing loss sums its counts and probabilities over them, so it is the whole
+    sequence's (Megatron-Core reduces them over its tp x cp group the same way).
+
+    Args:
+        dim: model width.
+        hidden: width of one routed expert.
+        n_experts, top_k: routed experts, and experts per token.
+        router: ``softmax`` (Mixtral, Qwen) or ``sigmoid`` (DeepSeek-V3: the k scores are
+            normalised to sum to 1).
+        shared_hidden: total width of the shared experts (0: none).
+        aux_loss_coef: weight of the load-balancing loss (0: none).
+        norm_topk_prob: renormalise the k softmax weights to sum to 1 (Mixtral; Qwen3-MoE's
+            ``norm_topk_prob``).
+    """
+
+    context_parallel: "ContextParallel | None" = None
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        router: str = "softmax",
+        shared_hidden: int = 0,
+        aux_loss_coef: float = AUX_LOSS_COEF,
+        norm_topk_prob: bool = True,
+    ):
+        super().__init__()
+        self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
+        self.aux_loss_coef, self.norm_topk_prob = aux_loss_coef, norm_topk_prob
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.experts: Experts | FusedExperts = Experts(n_experts, dim, hidden)
+        self.shared_experts = _SwiGLU(dim, shared_hidden) if shared_hidden else None
+        # set by apply_ep: the ep group, the ranks holding the same experts, dp x cp
+        self.ep_group: dist.ProcessGroup | None = None
+        self.edp_mesh: "DeviceMesh | None" = None
+        self.grad_divide = 1
+        self.aux_loss: torch.Tensor | None = None  # of the last forward, detached
+        self.router_logits: torch.Tensor | None = None  # of the last forward, when recorded
+        self.record_router_logits = False  # for a model-level aux loss (Hugging Face's)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [T, k], experts [T, k], probabilities [T, E]) of tokens `x` [T, d]."""
+        logits = self.gate(x)
+        if self.record_router_logits:
+            self.router_logits = logits
+        logits = logits.float()
+        if self.router_kind == "sigmoid":
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            probs = scores = logits.softmax(-1)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts, probs
+
+    def balance_loss(self, experts: torch.Tensor, probs: torch.Tensor, batch: int) -> torch.Tensor:
+        """E * sum_i f_i P_i per sequence, averaged over the `batch` sequences (module
+        docstring)."""
+        experts, probs = experts.view(batch, -1), probs.view(batch, -1, self.n_experts)
+        counts = torch.zeros(batch, self.n_experts, device=probs.device, dtype=probs.dtype)
+        counts.scatter_add_(1, experts, torch.ones_like(experts, dtype=probs.dtype))
+        tokens, prob_sums = probs.shape[1], probs.sum(1)
+        cp = self.context_parallel
+        if cp is not None:  # the whole sequence's: summed over the cp ranks (with autograd)
+            from torch.distributed.nn.functional import all_reduce
+
+            group = cp.mesh.get_group()
+            dist.all_reduce(counts, group=group)
+            prob_sums = all_reduce(prob_sums, group=group)
+            tokens *= cp.cp
+        f = counts / (tokens * self.top_k)
+        return self.n_experts * (f * prob_sums / tokens).sum(1).mean()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, probs = self.route(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # routed copies grouped by expert, tokens in order
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        y = self._run_experts(x[token], counts)
+        out = torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[order, None])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = out.reshape(shape)
+        if self.aux_loss_coef > 0:
+            aux = self.balance_loss(experts, probs, shape[0] if len(shape) == 3 else 1)
+            self.aux_loss = aux.detach()
+            if self.training and torch.is_grad_enabled():
+                out = AuxLoss.apply(out, aux * self.aux_loss_coef)
+        return out
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs of `rows` (sorted by expert, `counts` per expert), the experts held
+        here or, under expert parallelism, on the ranks of ``ep_group``."""
+        group = self.ep_group
+        if group is None:
+            return self.experts(rows, counts.tolist())
+        ep = dist.get_world_size(group)
+        local = self.n_experts // ep
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)  # [source rank, local expert]
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = recv.view(ep, local).sum(1).tolist()
+        got = AllToAll.apply(rows, recv_splits, send_splits, group)
+        # received by source rank, then expert: regroup by local expert (stable: sources in order)
+        expert_of = torch.arange(local, device=rows.device).repeat(ep)
+        by_expert = torch.repeat_interleave(expert_of, recv).argsort(stable=True)
+        y = self.experts(got[by_expert], recv.view(ep, local).sum(0).tolist())
+        back = torch.empty_like(y).index_copy_(0, by_expert, y)
+        return AllToAll.apply(back, send_splits, recv_splits, group)
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def moe_of(spec: "ModelSpec", *, aux_loss_coef: float = AUX_LOSS_COEF) -> MoE:
+    """The MoE layer of `spec` (its ``moe`` block)."""
+    m = spec.moe
+    if m is None:  # pragma: no cover - callers check
+        raise SpecError(f"model {spec.name!r} has no moe block")
+    coef = aux_loss_coef if m.load_balancing == "aux_loss" else 0.0
+    return MoE(
+        dim=spec.hidden_size,
+        hidden=m.ffn_hidden_size,
+        n_experts=m.n_experts,
+        top_k=m.top_k,
+        router=m.router,
+        shared_hidden=m.n_shared_experts * m.shared_ffn_hidden_size,
+        aux_loss_coef=coef,
+    )
+
+
+# ---- expert parallelism -------------------------------------------------------------------------
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
+    """Why the Engine cannot run `strategy`'s expert parallelism (or fp16) on `model`'s MoE
+    layers (empty when it can); the layout rules shared with the cost model are
+    `Strategy.problems`'."""
+    ep, etp = getattr(strategy, "ep", 1), getattr(strategy, "etp", 1)
+    layers = moe_layers(model)
+    out = []
+    aux = any(m.aux_loss_coef > 0 for m in layers) or bool(
+        getattr(model, "router_aux_loss_coef", 0.0)
+    )
+    if strategy.amp == "fp16" and aux:
+        out.append(
+            "amp=fp16 with a mixture-of-experts auxiliary loss: the fp16 loss scaler does not "
+            "scale the auxiliary loss's gradient (it joins in the MoE layers' backward); use "
+            "amp=bf16 or fp32"
+        )
+    if ep == 1 and etp == 1:
+        return out
+    if not layers:
+        out.append(
+            f"ep={ep}, etp={etp}: this model has no autosearch MoE layers (autosearch.transformer"
+            " built from a ModelSpec with moe, or a Mixtral / Qwen3-MoE transformers model); "
+            "set ep=1 and etp=1"
+        )
+    if etp > 1:
+        out.append(
+            f"etp={etp}: the Engine runs expert parallelism with etp=1 (experts whole on each "
+            "rank); set etp=1, or export the strategy to megatron or torchtitan"
+        )
+    if (strategy.dp * strategy.cp) % ep:
+        out.append(
+            f"ep={ep} must divide dp*cp = {strategy.dp}*{strategy.cp} in the Engine "
+            "(expert-parallel groups are taken from the data- and context-parallel ranks, as "
+            "torchtitan does; the tp ranks route the same tokens); use an ep that divides it"
+        )
+    if strategy.zero_stage == 1 and strategy.tp == 1 and strategy.pp == 1:
+        out.append(
+            f"ep={ep} with zero_stage=1 and tp=pp=1 runs ZeroRedundancyOptimizer, which would "
+            "broadcast one rank's experts over another's; use zero_stage 0, 2 or 3"
+        )
+    for layer in layers:
+        if layer.n_experts % ep:
+            out.append(f"ep={ep} does not divide the {layer.n_experts} experts; use one that does")
+            break
+    return out
+
+
+def expert_mesh(
+    mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int
+) -> "DeviceMesh":
+    """The mesh of the expert layers over the same ranks as `mesh` (pp, dp, cp, tp order):
+    ``(pp, edp, ep, tp)`` with dp x cp = edp x ep, ep innermost (the cp ranks hold different
+    tokens, so they fold into ep and edp as the dp ranks do)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh.mesh.reshape(pp, dp * cp // ep, ep, tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
+
+
+def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
+    """Keep this rank's ``n_experts / ep`` experts of every MoE layer, as DTensors sharded on
+    the expert dimension over the ep mesh (so checkpoints, gradient norms and FSDP2 see whole
+    weights, as in torchtitan), and route over ep."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    names = emesh.mesh_dim_names or ()
+    size = {n: emesh.size(names.index(n)) for n in names}
+    group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
+    edp = emesh["edp"]
+    for layer in moe_layers(module):
+        local = layer.n_experts // size["ep"]
+        experts = layer.experts
+        for name in experts.weight_names:
+            w = getattr(experts, name)
+            keep = w.detach()[rank * local : (rank + 1) * local].clone()
+            shard = DTensor.from_local(
+                keep, emesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()
+            )
+            setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
+        layer.ep_group, layer.edp_mesh = group, edp
+        layer.grad_divide = size["edp"] * size["ep"]  # dp x cp
+
+
+def shard_experts(module: nn.Module, **fsdp) -> None:
+    """FSDP2 over edp for every expert-parallel MoE layer's experts, gradients divided by
+    dp x cp, before the blocks are sharded over dp (which then leave the experts alone)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in moe_layers(module):
+        if layer.edp_mesh is not None:
+            sharded = fully_shard(layer.experts, mesh=layer.edp_mesh, **fsdp)
+            sharded.set_gradient_divide_factor(float(layer.grad_divide))
+
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    """Names of the expert-parallel weights (which DDP must leave to `reduce_expert_grads`)."""
+    return [
+        f"{name}.experts.{w}"
+        for name, sub in module.named_modules()
+        if isinstance(sub, MoE) and sub.ep_group is not None
+        for w in sub.experts.weight_names
+    ]
+
+
+def reduce_expert_grads(parts: list[nn.Module]) -> None:
+    """Under DDP: sum the expert gradients over edp and divide them by dp x cp, once per step,
+    as DDP averages the dense ones over dp x cp (FSDP2's sharded experts do it themselves)."""
+    for part in parts:
+        for layer in moe_layers(part):
+            if layer.edp_mesh is None:
+                continue
+            grads = [_local(w.grad) for w in _expert_weights(layer) if w.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.flatten() for g in grads])
+            if layer.edp_mesh.size() > 1:
+                dist.all_reduce(flat, group=layer.edp_mesh.get_group())
+            flat.div_(layer.grad_divide)
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced.view_as(g))
+
+
+def _expert_weights(layer: MoE) -> list[torch.Tensor]:
+    return [getattr(layer.experts, name) for name in layer.experts.weight_names]
