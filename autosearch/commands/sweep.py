@@ -19,11 +19,13 @@ from typing import Any
 
 from autosearch.commands._common import (
     _gpu_name,
+    add_lora_args,
     check_output_file,
     check_text,
     finite_float_arg,
     load_cluster,
     load_model,
+    lora_arg,
     positive_int_arg,
     quiet_interrupted_trials,
     seq_len_arg,
@@ -76,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=seq_len_arg,
         help="training sequence length in tokens for every model, replacing each model's",
     )
+    add_lora_args(p)
     p.add_argument(
         "--clusters", help="comma-separated GPU:NODESxGPUS, e.g. h100-sxm:16x8,h100-sxm:32x8"
     )
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out)
     _check_regular_output(args.out)
     models = [
-        load_model(m, flag="--models", seq_len=args.seq_len)
+        load_model(m, flag="--models", seq_len=args.seq_len, lora=lora_arg(args))
         for m in _split(check_text(args.models, "--models"))
     ]
     if not models:

@@ -21,7 +21,14 @@ from autosearch.commands._common import (
     quiet_interrupted_trials,
 )
 from autosearch.core.errors import SpecError
-from autosearch.tuning._config import TuneConfig, _required, _switch, flag_of, settings_of
+from autosearch.tuning._config import (
+    TuneConfig,
+    _required,
+    _switch,
+    flag_of,
+    lora_of,
+    settings_of,
+)
 
 EPILOG = """\
 storage (--storage):
@@ -145,7 +152,8 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
         raise SpecError(
             f"tune needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config file"
         )
-    model = load_model(values["model"], seq_len=values.get("seq_len"))
+    lora = lora_of(values.get("lora_rank"), values.get("lora_targets"))
+    model = load_model(values["model"], seq_len=values.get("seq_len"), lora=lora)
     cluster = load_cluster(
         values["cluster"],
         nnodes=values.pop("nnodes", None),

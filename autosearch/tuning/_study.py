@@ -248,7 +248,7 @@ def prepare(
     from autosearch.core.hardware import Cluster
 
     no_file_form = any(x is not None for x in (cost_model, space, sampler, storage))
-    model = _load_model(config.model, seq_len=config.seq_len)
+    model = _load_model(config.model, seq_len=config.seq_len, lora=config.lora())
     cluster = Cluster.parse(
         config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
     )
@@ -1077,15 +1077,17 @@ def check_study_name(name: Any) -> str:
     return _study_name(name, "study_name")
 
 
-def _load_model(value: "ModelSpec | dict | str", *, seq_len: int | None = None) -> "ModelSpec":
+def _load_model(
+    value: "ModelSpec | dict | str", *, seq_len: int | None = None, lora: dict | None = None
+) -> "ModelSpec":
     """A ModelSpec from the config's model: a ModelSpec, its fields, a catalog name or a YAML
-    file (whose path a message names), at `seq_len` tokens when given."""
+    file (whose path a message names), at `seq_len` tokens and with `lora` when given."""
     from autosearch.core.model_spec import ModelSpec
 
     if isinstance(value, dict):
         value = ModelSpec.from_dict(value, what="model (a mapping)")
     try:
-        return ModelSpec.load(value, seq_len=seq_len)
+        return ModelSpec.load(value, seq_len=seq_len, lora=lora)
     except SpecError as exc:
         if isinstance(value, str) and os.path.isfile(value) and value not in str(exc):
             raise SpecError(f"model file {value!r}: {exc}") from None
