@@ -269,7 +269,7 @@ def prepare(
             f"Pareto front of {obj.name}; use trial_unit=strategy"
         )
     n_units = space.n_groups if unit == "layout" else space.size
-    name = config.study_name or default_study_name(model.name, cluster.name, gbs, obj.name)
+    name = config.study_name or default_study_name(model, cluster.name, gbs, obj.name)
     out = config.out
     if config.storage is not None and storage is not None:
         raise SpecError("give the storage once: a storage object, or storage")
@@ -1064,8 +1064,14 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     )
 
 
-def default_study_name(model: str, cluster: str, global_batch_size: int, objective: str) -> str:
-    """``llama3-70b_h100-sxm-32x8_gbs512_throughput`` (safe as a folder name)."""
+def default_study_name(
+    model: "str | ModelSpec", cluster: str, global_batch_size: int, objective: str
+) -> str:
+    """``llama3-70b_h100-sxm-32x8_gbs512_throughput`` (safe as a folder name); a ModelSpec with
+    LoRA adapters adds them (``llama3-70b-lora-r16-qkvogud_...``), so that a fine-tune and a
+    full training run of one model are two studies."""
+    if not isinstance(model, str):
+        model = model.name + (f"-{model.lora.short()}" if model.lora is not None else "")
     raw = f"{model}_{cluster}_gbs{global_batch_size}_{objective}"
     name = re.sub(r"[^A-Za-z0-9._+=-]+", "-", raw.replace(":", "-")).lstrip("._-+=")
     return name[:200] or "study"
