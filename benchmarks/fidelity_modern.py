@@ -76,14 +76,20 @@ ASSUMED = {
     " full activation checkpointing (examples/llm_benchmark custom_llama3_1_70b_pretrain"
     "_benchmark_8nodes.yaml @ e45812012) -> preset torchtitan, its own group",
     "nemo lora": "Megatron-Bridge's LoRA defaults (megatron/bridge/peft/lora.py: dim 32 on"
-    " linear_qkv, linear_proj, linear_fc1, linear_fc2 = every linear layer of the block), as the"
-    " H100 LoRA recipe (scripts/performance/configs/llama/llama3_llm_finetune.py"
-    " llama3_70b_lora_config_h100) sets no other; its packed SQuAD sequences are scored as whole"
-    " 4,096-token sequences (the attention core is ~4% of the work at 4,096 tokens)",
+    " linear_qkv, linear_proj, linear_fc1, linear_fc2 = every linear layer of the block, one"
+    " adapter per fused matrix: targets qkv, o, gate_up, down), as the H100 LoRA recipe"
+    " (scripts/performance/configs/llama/llama3_llm_finetune.py llama3_70b_lora_config_h100)"
+    " sets no other; its packed SQuAD sequences are scored as whole 4,096-token sequences"
+    " (docs/lora.md: the attention core is 11% of the predicted layer time)",
     "nemo left out": "see NEMO_LEFT_OUT",
 }
 # LoRA rows of nemo_dense_runs.csv: the adapters (ASSUMED["nemo lora"])
-NEMO_LORA = {"MB2606-LORA-LLAMA370B-H100-8-FP8": {"rank": 32, "targets": ("all",)}}
+NEMO_LORA = {
+    "MB2606-LORA-LLAMA370B-H100-8-FP8": {
+        "rank": 32,
+        "targets": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    }
+}
 # Rows of nemo_dense_runs.csv the benchmark does not score, and why.
 NEMO_LEFT_OUT = {
     **{

@@ -45,10 +45,26 @@ def test_adapter_parameters_are_rank_times_in_plus_out():
     assert per_layer * 80 == 207_093_760
     assert m.n_params == 70_553_706_496
     # groups and Megatron-Bridge's module names resolve to the same targets
-    both = ModelSpec.load("llama3-70b", lora={"rank": 8, "targets": ["linear_qkv", "mlp"]})
-    assert both.lora.targets == ("q", "k", "v", "gate", "up", "down")
+    both = ModelSpec.load("llama3-70b", lora={"rank": 8, "targets": ["attention", "mlp"]})
+    assert both.lora.targets == ("q", "k", "v", "o", "gate", "up", "down")
     gpt = ModelSpec.load("gpt3-175b", lora={"rank": 8})
     assert gpt.lora.targets == ("q", "k", "v", "o", "up", "down")  # no gate in a gelu MLP
+
+
+def test_megatron_fused_adapters_share_one_a_per_fused_matrix():
+    # Megatron-Bridge: one adapter on linear_qkv (h -> q + 2 kv) and one on linear_fc1
+    # (h -> 2 f), so 4 A matrices per block instead of 7
+    names = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    m = ModelSpec.load("llama3-70b", lora={"rank": 32, "targets": names})
+    assert m.lora.targets == ("qkv", "o", "gate_up", "down")
+    h, kv, f, r = 8192, 1024, 28672, 32
+    assert m.lora.layer_params(m) == r * ((h + h + 2 * kv) + 2 * h + (h + 2 * f) + (f + h))
+    assert m.lora.adapted == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert m.lora.short() == "lora-r32-QKVoGUd"
+    gpt = ModelSpec.load("gpt3-175b", lora={"rank": 8, "targets": names})
+    assert gpt.lora.targets == ("qkv", "o", "up", "down")  # fc1 has no gate to fuse
+    with pytest.raises(SpecError, match="names qkv .* and q .*choose one of the two"):
+        ModelSpec.load("llama3-70b", lora={"rank": 8, "targets": ["qkv", "q"]})
 
 
 @pytest.mark.parametrize(

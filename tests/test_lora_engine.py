@@ -89,8 +89,10 @@ def test_partial_targets_and_refusals():
     engine, _ = _engine(spec_targets=["q", "v"])
     names = [n for n, p in engine.trainer_.model_parts[0].named_parameters() if p.requires_grad]
     assert {n.split(".")[3] for n in names} == {"wq", "wv"}
-    from autosearch.engine.lora import lora_problems
+    from autosearch.engine.lora import lora_problems, target_modules
 
+    with pytest.raises(SpecError, match="fused matrices.*target q, k, v instead"):
+        target_modules(L.make_model(), L.lora_spec(targets=["qkv"]).lora)
     (tp,) = lora_problems(Strategy.parse(f"tp=2,{B}"))
     assert "tp=2 with LoRA" in tp and "use tp=1" in tp
     with pytest.raises(SpecError, match="meta_init with lora"):

@@ -7,9 +7,12 @@ A targeted linear layer ``y = x W`` (W: in x out, frozen) gains ``(alpha / rank)
 
 Targets use Hugging Face's projection names without ``_proj`` (peft's ``target_modules``):
 ``q k v o`` (attention), ``gate up down`` (MLP; a GPT-style MLP has ``up`` = fc1 and
-``down`` = fc2, no gate); ``attention``, ``mlp`` and ``all`` name the groups. Megatron-Bridge's
-``linear_qkv / linear_proj / linear_fc1 / linear_fc2`` are read as ``q k v / o / gate up /
-down``. Dropout is irrelevant for cost and is not described.
+``down`` = fc2, no gate); ``attention``, ``mlp`` and ``all`` name the groups. Megatron-Core
+fuses Q, K and V into one matrix (``linear_qkv``) and a gated MLP's gate and up into one
+(``linear_fc1``); Megatron-Bridge puts one adapter on each fused matrix (one A, shared rank):
+the targets ``qkv`` and ``gate_up``, which Megatron-Bridge's module names ``linear_qkv /
+linear_proj / linear_fc1 / linear_fc2`` resolve to (``qkv / o / gate_up / down``). Dropout is
+irrelevant for cost and is not described.
 """
 
 from __future__ import annotations
@@ -25,17 +28,20 @@ from autosearch.core.errors import SpecError
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_TARGETS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+SEPARATE = ("q", "k", "v", "o", "gate", "up", "down")  # Hugging Face's modules (peft's default)
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # Megatron-Core's fused matrices
 TARGET_GROUPS = {
     "attention": ("q", "k", "v", "o"),
     "mlp": ("gate", "up", "down"),
-    "all": LORA_TARGETS,
+    "all": SEPARATE,
     # Megatron-Bridge's module names (megatron/bridge/peft/lora.py)
-    "linear_qkv": ("q", "k", "v"),
+    "linear_qkv": ("qkv",),
     "linear_proj": ("o",),
-    "linear_fc1": ("gate", "up"),
+    "linear_fc1": ("gate_up",),  # ("up",) in a model without a gate
     "linear_fc2": ("down",),
 }
+_SHORT = {"qkv": "QKV", "gate_up": "GU"}
 _RANK_LIMIT = 1 << 20
 
 
@@ -103,7 +109,13 @@ class LoraSpec:
         return sum(self.rank * (i + o) for i, o in self.shapes(model))
 
     def short(self) -> str:
-        return f"lora-r{self.rank}-" + "".join(t[0] for t in self.targets or ())
+        return f"lora-r{self.rank}-" + "".join(_SHORT.get(t, t[0]) for t in self.targets or ())
+
+    @property
+    def adapted(self) -> frozenset[str]:
+        """The separate projections that have an adapter (a fused target counts for each of
+        its parts)."""
+        return frozenset(p for t in self.targets or () for p in FUSED.get(t, (t,)))
 
     @classmethod
     def from_value(cls, value: Any, *, what: str) -> "LoraSpec":
@@ -127,8 +139,9 @@ def linear_shapes(model: "ModelSpec") -> dict[str, tuple[int, int]]:
     h, f = model.hidden_size, model.ffn_hidden_size
     q, kv = model.attention_hidden_size, model.kv_hidden_size
     out = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "up": (h, f), "down": (f, h)}
+    out["qkv"] = (h, q + 2 * kv)
     if model.ffn_gated:
-        out["gate"] = (h, f)
+        out["gate"], out["gate_up"] = (h, f), (h, 2 * f)
     return out
 
 
@@ -139,9 +152,8 @@ def resolve_targets(
     their order; None is every linear layer of the block. Unknown names go to `problems` (or
     raise a SpecError when it is None)."""
     p: list[str] = [] if problems is None else problems
-    available = tuple(t for t in LORA_TARGETS if gated or t != "gate")
     if targets is None:
-        return available
+        return tuple(t for t in SEPARATE if gated or t != "gate")
     if isinstance(targets, str):
         targets = [t for t in targets.split(",")]
     if not isinstance(targets, (list, tuple)) or not targets:
@@ -152,13 +164,17 @@ def resolve_targets(
         return ()
     chosen: set[str] = set()
     for name in targets:
-        key = str(name).strip().lower().removesuffix("_proj")
+        key = str(name).strip().lower()
+        key = key if key in TARGET_GROUPS else key.removesuffix("_proj")
         if key in TARGET_GROUPS:
-            chosen.update(t for t in TARGET_GROUPS[key] if gated or t != "gate")
-        elif key == "gate" and not gated:
+            group = TARGET_GROUPS[key]
+            if not gated:
+                group = tuple("up" if t == "gate_up" else t for t in group if t != "gate")
+            chosen.update(group)
+        elif key in ("gate", "gate_up") and not gated:
             p.append(
-                "lora.targets names gate, but this model's MLP has no gate (ffn_activation "
-                "gelu or relu2: up and down only); drop gate"
+                f"lora.targets names {key}, but this model's MLP has no gate (ffn_activation "
+                f"gelu or relu2: up and down only); drop {key}"
             )
         elif key in LORA_TARGETS:
             chosen.add(key)
@@ -166,6 +182,13 @@ def resolve_targets(
             p.append(
                 f"lora.targets: unknown target {name!r}; choose among {', '.join(LORA_TARGETS)} "
                 f"or the groups {', '.join(TARGET_GROUPS)}"
+            )
+    for fused, parts in FUSED.items():
+        both = sorted(chosen & set(parts))
+        if fused in chosen and both:
+            p.append(
+                f"lora.targets names {fused} (one adapter on the fused matrix) and "
+                f"{', '.join(both)} (adapters on its parts); choose one of the two"
             )
     if problems is None and p:
         raise SpecError(p)

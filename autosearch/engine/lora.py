@@ -86,6 +86,15 @@ def lora_problems(strategy: "Strategy") -> list[str]:
 
 def target_modules(model: nn.Module, lora: "LoraSpec") -> list[str]:
     """The module-name suffixes peft targets for `lora` in `model` (its naming convention)."""
+    from autosearch.core._lora import FUSED
+
+    fused = [t for t in lora.targets or () if t in FUSED]
+    if fused:
+        raise SpecError(
+            f"LoRA targets {', '.join(fused)} are adapters on Megatron-Core's fused matrices; "
+            "the Engine's models have separate projections: target "
+            f"{', '.join(p for t in fused for p in FUSED[t])} instead"
+        )
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     for convention, (gated, plain) in MODULE_NAMES.items():
         table = gated if "w3" in names or "gate_proj" in names else plain

@@ -128,7 +128,7 @@ def _lora_bytes(s: "Strategy", ctx: Context, tokens: float) -> float:
     ab = ACT_BYTES[s.amp]
     li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
     sp_div = tp if s.sequence_parallel else 1
-    adapted = set(lora.targets or ())
+    adapted = lora.adapted
     freed = 0.0
     if not adapted & {"q", "k", "v"}:
         freed += tokens * m.hidden_size * li / sp_div
@@ -136,7 +136,7 @@ def _lora_bytes(s: "Strategy", ctx: Context, tokens: float) -> float:
         freed += tokens * m.hidden_size * li / sp_div
     if "down" not in adapted:
         freed += tokens * m.ffn_hidden_size * li / tp
-    return len(adapted) * tokens * lora.rank * ab / tp - freed
+    return len(lora.targets or ()) * tokens * lora.rank * ab / tp - freed
 
 
 @reads(
