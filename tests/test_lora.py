@@ -273,3 +273,16 @@ def test_tune_with_lora_names_its_study_apart(tmp_path):
     assert study.startswith("llama3-8b-lora-r8-qkvogud_")
     text = (tmp_path / "results" / study / "study.yaml").read_text()
     assert "lora_rank: 8" in text
+
+
+def test_sweep_writes_lora_rows_apart(tmp_path):
+    import csv
+
+    args = ["sweep", "--models", "llama3-8b", "--clusters", "h100-sxm:1x8"]
+    args += ["--global-batch-sizes", "8", "--n-trials", "3", "--out", "s.csv", "--quiet"]
+    assert _cli(*args, cwd=tmp_path).returncode == 0
+    run = _cli(*args, "--lora-rank", "8", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "s.csv", newline="") as f:
+        models = [r["model"] for r in csv.DictReader(f)]
+    assert models == ["llama3-8b", "llama3-8b-lora-r8-qkvogud"]

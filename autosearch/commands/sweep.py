@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     _check_header(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))
-    todo = [c for c in combos if (c[0].name, c[0].seq_len, c[1].name, c[2]) not in done]
+    todo = [c for c in combos if (_label(c[0]), c[0].seq_len, c[1].name, c[2]) not in done]
     if not args.quiet:
         print(
             f"sweep: {len(combos)} combinations "
@@ -301,7 +301,7 @@ def sweep_row(
 
     row: dict[str, Any] = {k: "" for k in COLUMNS}
     row.update(
-        model=model.name,
+        model=_label(model),
         params_b=round(model.n_params / 1e9, 3),
         seq_len=model.seq_len,
         cluster=cluster.name,
@@ -381,6 +381,12 @@ def _check_header(path: str) -> None:
             )
             + "; give another --out, or move the file away to start it again"
         )
+
+
+def _label(model) -> str:
+    """The model column: its name, and its LoRA adapters when it has them (a fine-tune and a
+    full training run of one model are two rows)."""
+    return model.name + (f"-{model.lora.short()}" if model.lora is not None else "")
 
 
 def _rows_done(path: str) -> set[tuple[str, int, str, int]]:
