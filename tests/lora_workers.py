@@ -31,10 +31,12 @@ def lora_spec(kind: str = "llama", targets=None):
 
 
 def make_model(kind: str = "llama", targets=None):
+    """The reference transformer of `kind` with LoRA in its spec, or (``hf_llama``) a Hugging
+    Face Llama of the same shape, whose adapters come from the Engine's `model_spec`."""
     from autosearch.transformer import Transformer
 
     torch.manual_seed(1234)
-    return Transformer(lora_spec(kind, targets))
+    return W.hf_model(kind) if W.is_hf(kind) else Transformer(lora_spec(kind, targets))
 
 
 def lora_losses(strategy: str, kind: str = "llama", *, save: str | None = None) -> dict:
@@ -43,7 +45,11 @@ def lora_losses(strategy: str, kind: str = "llama", *, save: str | None = None) 
 
     model = make_model(kind)
     engine = Engine(
-        model, optimizer=lambda p: torch.optim.AdamW(p, lr=LR), strategy=strategy, seed=0
+        model,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+        strategy=strategy,
+        seed=0,
+        model_spec=lora_spec("llama") if W.is_hf(kind) else None,
     )
     loader = engine.dataloader(W.dataset(kind), mode="train", steps_per_epoch=W.STEPS)
     engine.prepare(mode="train")
@@ -61,7 +67,9 @@ def lora_losses(strategy: str, kind: str = "llama", *, save: str | None = None) 
 
 def job(cases: list[dict], save_root: str) -> dict:
     return {
-        c["name"]: lora_losses(c["strategy"], save=os.path.join(save_root, c["name"]))
+        c["name"]: lora_losses(
+            c["strategy"], c.get("kind", "llama"), save=os.path.join(save_root, c["name"])
+        )
         for c in cases
     }
 

@@ -22,10 +22,11 @@ from autosearch.core import SpecError, Strategy  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 FP32 = (2e-5, 1e-3)  # tests/test_engine_parallel.py
-PARALLEL = {
-    "dp2": f"dp=2,{B}",
-    "dp2_zero3": f"dp=2,zero_stage=3,{B}",
-    "pp2": f"pp=2,{B}",
+PARALLEL = {  # name: (strategy, model)
+    "dp2": (f"dp=2,{B}", "llama"),
+    "dp2_zero3": (f"dp=2,zero_stage=3,{B}", "llama"),
+    "pp2": (f"pp=2,{B}", "llama"),
+    "hf_dp2_zero3": (f"dp=2,zero_stage=3,{B}", "hf_llama"),
 }
 
 
@@ -101,16 +102,34 @@ def test_partial_targets_and_refusals():
         Engine(L.make_model, meta_init=True, strategy=B).prepare()
 
 
+def test_hugging_face_llama_gets_adapters_from_the_model_spec():
+    from autosearch import Engine
+
+    torch.set_num_threads(1)
+    spec = W.MODELS["llama"].scaled(lora={"rank": 4, "targets": ["q", "v", "down"]})
+    engine = Engine(L.make_model("hf_llama"), strategy=B, model_spec=spec)
+    engine.prepare(mode="train")
+    trained = {
+        n.split(".")[-4]: p.numel()
+        for n, p in engine.trainer_.model_parts[0].named_parameters()
+        if p.requires_grad
+    }
+    assert set(trained) == {"q_proj", "v_proj", "down_proj"}
+    part = engine.trainer_.model_parts[0]
+    n = sum(p.numel() for p in part.parameters() if p.requires_grad)
+    assert n == spec.lora.layer_params(spec) * spec.n_layers
+
+
 @pytest.fixture(scope="module")
 def reference():
     torch.set_num_threads(1)
-    return L.lora_losses(B)
+    return {kind: L.lora_losses(B, kind) for kind in ("llama", "hf_llama")}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    cases = [{"name": n, "strategy": s} for n, s in PARALLEL.items()]
+    cases = [{"name": n, "strategy": s, "kind": k} for n, (s, k) in PARALLEL.items()]
     return L.launch(2, cases, str(root)), root
 
 
@@ -118,13 +137,14 @@ def world2(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PARALLEL))
 def test_parallel_lora_matches_single_process(world2, reference, name):
     results, root = world2
-    got, ref = results[0][name]["losses"], reference["losses"]
+    kind = PARALLEL[name][1]
+    got, ref = results[0][name]["losses"], reference[kind]["losses"]
     assert all(r[name]["losses"] == got for r in results), f"{name}: ranks disagree"
     early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
     gap = max(abs(a - b) for a, b in zip(got, ref))
     assert early <= FP32[0] and gap <= FP32[1], (name, got, ref)
     # the optimizer holds adapters only: all of them (dp), half each (FSDP2 shards, pp stages)
     local = [r[name]["optimized_local"] for r in results]
-    total = reference["optimized_local"]
+    total = reference[kind]["optimized_local"]
     assert (local == [total, total]) if name == "dp2" else (sum(local) == total), local
     assert (root / name / "adapter_model.safetensors").exists()
