@@ -286,3 +286,20 @@ def test_sweep_writes_lora_rows_apart(tmp_path):
     with open(tmp_path / "s.csv", newline="") as f:
         models = [r["model"] for r in csv.DictReader(f)]
     assert models == ["llama3-8b", "llama3-8b-lora-r8-qkvogud"]
+
+
+def test_the_engine_s_search_keeps_tp_1_under_lora_other_runtimes_do_not():
+    from autosearch import tune
+
+    config = TuneConfig(
+        model="llama3-8b",
+        cluster="h100-sxm:1x8",
+        global_batch_size=8,
+        lora_rank=8,
+        n_trials=3,
+        seed=0,
+    )
+    assert tune(config).space.tps == (1,)  # the Engine refuses tp with LoRA
+    assert tune(config.replace(runtime="megatron-core")).space.tps != (1,)
+    pinned = tune(config.replace(pin={"tp": 2}))
+    assert pinned.space.tps == (2,)  # a pin is the user's: kept (the Engine will refuse it)
