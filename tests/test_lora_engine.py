@@ -3,7 +3,8 @@
 One process: the optimizer holds the adapters only (as many as `LoraSpec.layer_params` counts),
 the frozen weights do not move, B = 0 makes the first loss bitwise that of the model without
 adapters, and saved adapters load back into a fresh model with the same loss. Two gloo processes
-(DDP, FSDP2 with frozen and trainable parameters in one group, two pipeline stages) match the
+(DDP, FSDP2 with frozen and trainable parameters in one group, two pipeline stages, context
+parallel under FSDP2, and FSDP2 on a Hugging Face Llama) match the
 single-process run with tests/test_engine_parallel.py's fp32 tolerances: 2e-5 on the first two
 losses, 1e-3 over the three (reordered reductions; a missing gradient average moves the
 second loss by 1e-2 or more).
@@ -26,6 +27,7 @@ PARALLEL = {  # name: (strategy, model)
     "dp2": (f"dp=2,{B}", "llama"),
     "dp2_zero3": (f"dp=2,zero_stage=3,{B}", "llama"),
     "pp2": (f"pp=2,{B}", "llama"),
+    "cp2_zero3": (f"cp=2,zero_stage=3,{B}", "llama"),  # the 70B one-node pick's layout
     "hf_dp2_zero3": (f"dp=2,zero_stage=3,{B}", "hf_llama"),
 }
 
