@@ -165,8 +165,13 @@ class AnalyticCostModel(CostModel):
         m = s.grad_accum_steps
         bubble = pipeline.bubble_s(s, t_mb)
         params = self._params(s)
-        dp = data_parallel.cost(s, ctx, params, ranks, layer, micro.recompute_layer_s)
-        optimizer = compute.optimizer_step_s(s, ctx, params.total)
+        trainable = self._trainable(s, ranks)
+        dp = data_parallel.cost(
+            s, ctx, params, ranks, layer, micro.recompute_layer_s, trainable=trainable
+        )
+        optimizer = compute.optimizer_step_s(
+            s, ctx, params.total if trainable is None else trainable
+        )
         other = rt.step_overhead_s + self.profile.step_overhead_s
         step = m * t_mb + bubble + dp.exposed_s + optimizer + other
         time = TimeBreakdown(
@@ -181,6 +186,14 @@ class AnalyticCostModel(CostModel):
         )
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         return self._compose(s, step, time, dp, activations)
+
+    def _trainable(self, s: "Strategy", ranks: tuple[int | float, ...]) -> float | None:
+        """Parameters that train on the heaviest rank before data-parallel sharding: LoRA's
+        adapters of its layers, split over tp as their base layers are; None: all of them."""
+        model = self.model
+        if model.lora is None:
+            return None
+        return max(ranks) * model.lora.layer_params(model) / s.tp
 
     def _compose(
         self,

@@ -8,6 +8,7 @@ before anything runs or is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ def add_model_cluster_args(
         help="training sequence length in tokens, replacing the model's (a Hugging Face "
         "config.json gives its maximum positions, often far longer than one trains)",
     )
+    add_lora_args(p)
     add_cluster_args(p, required=required if cluster_required is None else cluster_required)
     p.add_argument(
         "--runtime",
@@ -47,6 +49,25 @@ def add_model_cluster_args(
         "default), torchtitan, megatron-core, composer-fsdp, deepspeed, or megatron-sc21 "
         "(Megatron-LM as in Narayanan et al. 2021)",
     )
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """--lora-rank and --lora-targets, with TuneConfig's help texts (one declaration)."""
+    from autosearch.tuning._config import TuneConfig
+
+    fields = {f.name: f.metadata["setting"] for f in dataclasses.fields(TuneConfig)}
+    p.add_argument("--lora-rank", type=positive_int_arg, help=fields["lora_rank"].help)
+    p.add_argument("--lora-targets", metavar="NAMES", help=fields["lora_targets"].help)
+
+
+def lora_arg(args: argparse.Namespace) -> dict | None:
+    """The ``lora`` of `ModelSpec.load` that --lora-rank / --lora-targets give."""
+    from autosearch.tuning._config import _lora_targets, lora_of
+
+    targets = getattr(args, "lora_targets", None)
+    if targets is not None:
+        targets = _lora_targets(targets, "--lora-targets")
+    return lora_of(getattr(args, "lora_rank", None), targets)
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -69,7 +90,7 @@ def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
 
 
 def load_model_cluster(args: argparse.Namespace):
-    model = load_model(args.model, seq_len=getattr(args, "seq_len", None))
+    model = load_model(args.model, seq_len=getattr(args, "seq_len", None), lora=lora_arg(args))
     return model, load_cluster(
         args.cluster,
         nnodes=getattr(args, "nnodes", None),
@@ -77,7 +98,7 @@ def load_model_cluster(args: argparse.Namespace):
     )
 
 
-def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None = None):
+def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None = None, lora=None):
     """A catalog model, a model YAML file or a Hugging Face config.json, at `seq_len` tokens
     when given (``--seq-len``); a message about a file names its path. A config.json without
     `seq_len` trains at its maximum positions: above 32k tokens that is said in one note line
@@ -90,12 +111,12 @@ def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None =
 
     if isinstance(text, dict):  # from a config file: the fields of a ModelSpec
         spec = ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
-        return ModelSpec.load(spec, seq_len=seq_len)
+        return ModelSpec.load(spec, seq_len=seq_len, lora=lora)
     text = check_text(text, flag)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LongSequenceWarning)
-            spec = ModelSpec.load(text, seq_len=seq_len)
+            spec = ModelSpec.load(text, seq_len=seq_len, lora=lora)
     except SpecError as exc:
         if os.path.isfile(text) and text not in str(exc):
             raise SpecError(f"model file {text!r}: {exc}") from None

@@ -89,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
 def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -> str:
     lines = [
         f"model     {model.name}  ({model.n_params / 1e9:.2f} B parameters, seq {model.seq_len})",
+        *(
+            [
+                f"lora      rank {model.lora.rank} on {', '.join(model.lora.targets or ())}: "
+                f"{model.lora.layer_params(model) * model.n_layers / 1e6:,.1f} M trainable, "
+                "the rest frozen"
+            ]
+            if model.lora is not None
+            else []
+        ),
         f"cluster   {cluster.name}  ({cluster.world_size} devices, runtime {runtime})",
         f"strategy  {strategy.short()}  (grad accumulation {strategy.grad_accum_steps})",
         "",

@@ -19,11 +19,13 @@ from typing import Any
 
 from autosearch.commands._common import (
     _gpu_name,
+    add_lora_args,
     check_output_file,
     check_text,
     finite_float_arg,
     load_cluster,
     load_model,
+    lora_arg,
     positive_int_arg,
     quiet_interrupted_trials,
     seq_len_arg,
@@ -76,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=seq_len_arg,
         help="training sequence length in tokens for every model, replacing each model's",
     )
+    add_lora_args(p)
     p.add_argument(
         "--clusters", help="comma-separated GPU:NODESxGPUS, e.g. h100-sxm:16x8,h100-sxm:32x8"
     )
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out)
     _check_regular_output(args.out)
     models = [
-        load_model(m, flag="--models", seq_len=args.seq_len)
+        load_model(m, flag="--models", seq_len=args.seq_len, lora=lora_arg(args))
         for m in _split(check_text(args.models, "--models"))
     ]
     if not models:
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     _check_header(args.out)
     done = _rows_done(args.out)
     combos = list(itertools.product(models, clusters, batches))
-    todo = [c for c in combos if (c[0].name, c[0].seq_len, c[1].name, c[2]) not in done]
+    todo = [c for c in combos if (_label(c[0]), c[0].seq_len, c[1].name, c[2]) not in done]
     if not args.quiet:
         print(
             f"sweep: {len(combos)} combinations "
@@ -298,7 +301,7 @@ def sweep_row(
 
     row: dict[str, Any] = {k: "" for k in COLUMNS}
     row.update(
-        model=model.name,
+        model=_label(model),
         params_b=round(model.n_params / 1e9, 3),
         seq_len=model.seq_len,
         cluster=cluster.name,
@@ -378,6 +381,12 @@ def _check_header(path: str) -> None:
             )
             + "; give another --out, or move the file away to start it again"
         )
+
+
+def _label(model) -> str:
+    """The model column: its name, and its LoRA adapters when it has them (a fine-tune and a
+    full training run of one model are two rows)."""
+    return model.name + (f"-{model.lora.short()}" if model.lora is not None else "")
 
 
 def _rows_done(path: str) -> set[tuple[str, int, str, int]]:

@@ -21,7 +21,14 @@ from autosearch.commands._common import (
     quiet_interrupted_trials,
 )
 from autosearch.core.errors import SpecError
-from autosearch.tuning._config import TuneConfig, _required, _switch, flag_of, settings_of
+from autosearch.tuning._config import (
+    TuneConfig,
+    _required,
+    _switch,
+    flag_of,
+    lora_of,
+    settings_of,
+)
 
 EPILOG = """\
 storage (--storage):
@@ -145,7 +152,8 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
         raise SpecError(
             f"tune needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config file"
         )
-    model = load_model(values["model"], seq_len=values.get("seq_len"))
+    lora = lora_of(values.get("lora_rank"), values.get("lora_targets"))
+    model = load_model(values["model"], seq_len=values.get("seq_len"), lora=lora)
     cluster = load_cluster(
         values["cluster"],
         nnodes=values.pop("nnodes", None),
@@ -154,7 +162,7 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
     config = TuneConfig(**{**values, "model": model, "cluster": cluster})
     if config.out is None:
         name = config.study_name or default_study_name(
-            model.name, cluster.name, config.global_batch_size, config.objective
+            model, cluster.name, config.global_batch_size, config.objective
         )
         config = config.replace(out=os.path.join("results", name))
     return config, shown
@@ -177,7 +185,7 @@ def dry_run(config: TuneConfig) -> str:
     objective = make_objective(
         config.objective, cluster=cluster, price_per_gpu_hour=config.price_per_gpu_hour
     )
-    name = config.study_name or default_study_name(model.name, cluster.name, gbs, objective.name)
+    name = config.study_name or default_study_name(model, cluster.name, gbs, objective.name)
     multi = objective.is_multi
     unit = config.trial_unit or ("strategy" if multi else "layout")
     n_units = space.n_groups if unit == "layout" else space.size

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
+from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
 from autosearch.core.errors import SpecError
 
@@ -75,6 +76,8 @@ class ModelSpec:
         moe: the mixture-of-experts MLP (`MoESpec`), or None for a dense model.
         mla: DeepSeek's multi-head latent attention (`MLASpec`), or None for multi-head /
             grouped-query attention.
+        lora: low-rank adapters on a frozen model (`LoraSpec`: rank, targets), or None to
+            train every weight.
     """
 
     name: str = "custom"
@@ -97,6 +100,7 @@ class ModelSpec:
     final_logit_softcapping: float | None = None
     moe: MoESpec | None = None
     mla: MLASpec | None = None
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -172,8 +176,24 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
+            if self.lora is not None and not problems:
+                problems += self._check_lora()
         if problems:
             raise SpecError(problems, context=f"model {self.name!r}")
+
+    def _check_lora(self) -> list[str]:
+        """The adapters, resolved for this model (`LoraSpec.check`)."""
+        if self.moe is not None or self.mla is not None:
+            return [
+                "lora on a mixture-of-experts or latent-attention model is not described (its "
+                "adapters would sit on experts or latent projections); drop lora, or describe "
+                "a dense model"
+            ]
+        try:
+            object.__setattr__(self, "lora", self.lora.check(self))  # type: ignore[union-attr]
+        except SpecError as exc:
+            return exc.problems
+        return []
 
     def _check_variants(self) -> list[str]:
         """The attention variants: head_dim, sliding windows, soft-capping, and the nested
@@ -224,7 +244,7 @@ class ModelSpec:
             elif cap is not None:
                 object.__setattr__(self, name, float(cap))
         what = f"model {self.name!r}"
-        for name, kind in (("moe", MoESpec), ("mla", MLASpec)):
+        for name, kind in (("moe", MoESpec), ("mla", MLASpec), ("lora", LoraSpec)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 try:
@@ -402,7 +422,9 @@ class ModelSpec:
         layer where s_k is the keys a query attends to (`attention_keys`: full, not
         causal-halved; a sliding window caps it). Training is 3x forward. For GPT shapes this is
         Narayanan et al. 2021 eq. (3) without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
-        per batch of B sequences; PaLM's 6N + 12 l h s. A MoE layer counts its router and the
+        per batch of B sequences; PaLM's 6N + 12 l h s. With `lora`, training counts the
+        frozen GEMMs twice (forward, input gradient) and the attention core three times, as
+        NeMo's LoRA rows do. A MoE layer counts its router and the
         top-k routed and shared experts, not all experts (Megatron-LM
         ``num_floating_point_operations``; DeepSeek-V3 tech report, sec. 3.1: 37B activated
         parameters per token); MLA counts its five projections (DeepSeek-V2 eqs. 9-19) and
@@ -418,11 +440,14 @@ class ModelSpec:
             matmuls += n_moe * (
                 self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
             )
-        forward = (
-            2 * matmuls
-            + 2 * self.vocab_size * self.hidden_size
-            + 2 * per_key * sum(self.attention_keys)
-        )
+        gemms = 2 * matmuls + 2 * self.vocab_size * self.hidden_size
+        attention = 2 * per_key * sum(self.attention_keys)
+        if training and self.lora is not None:
+            # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
+            # the frozen GEMMs run forward and input gradient only, 2/3 of 3x; the attention
+            # core its whole backward; the adapters are not counted.
+            return 2.0 * gemms + 3.0 * attention
+        forward = gemms + attention
         return 3.0 * forward if training else float(forward)
 
     # ---- loading -------------------------------------------------------------------------------
@@ -441,6 +466,8 @@ class ModelSpec:
             kwargs["moe"] = MoESpec.from_value(kwargs["moe"], what=what)
         if kwargs.get("mla") is not None:
             kwargs["mla"] = MLASpec.from_value(kwargs["mla"], what=what)
+        if kwargs.get("lora") is not None:
+            kwargs["lora"] = LoraSpec.from_value(kwargs["lora"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -460,7 +487,11 @@ class ModelSpec:
 
     @classmethod
     def load(
-        cls, name_or_path: "str | os.PathLike | ModelSpec", *, seq_len: int | None = None
+        cls,
+        name_or_path: "str | os.PathLike | ModelSpec",
+        *,
+        seq_len: int | None = None,
+        lora: "LoraSpec | dict | None" = None,
     ) -> "ModelSpec":
         """A catalog model by name (``llama3-70b``), a YAML file with the fields above, or a
         Hugging Face ``config.json`` (`from_hf_config`).
@@ -469,10 +500,14 @@ class ModelSpec:
             name_or_path: the model.
             seq_len: the training sequence length, replacing the catalog's, the file's or the
                 Hugging Face config's maximum positions (the CLI's ``--seq-len``).
+            lora: low-rank adapters replacing the model's (`LoraSpec`, or a mapping of its
+                fields: the CLI's ``--lora-rank`` / ``--lora-targets``).
         """
         spec = cls._load(name_or_path, seq_len=seq_len)
         if seq_len is not None and spec.seq_len != seq_len:
             spec = spec.scaled(seq_len=seq_len)
+        if lora is not None:
+            spec = spec.scaled(lora=LoraSpec.from_value(lora, what=f"model {spec.name!r}"))
         return spec
 
     @classmethod
@@ -504,7 +539,10 @@ class ModelSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.lora is not None:  # plain YAML data: a list, not a tuple
+            out["lora"]["targets"] = list(self.lora.targets or ())
+        return out
 
     def scaled(self, **changes: Any) -> "ModelSpec":
         """A copy with some fields changed (e.g. fewer layers to run a catalog model on a CPU).

@@ -302,6 +302,39 @@ class Engine:
         self._instance_used = not callable(self.model) or is_module(self.model)
         return model
 
+    def _apply_lora(self, model: "nn.Module", strategy: "Strategy") -> None:
+        """LoRA adapters where the model spec has them (`autosearch.engine.lora`)."""
+        from autosearch.core.model_spec import ModelSpec
+
+        given = self.model_spec
+        spec = ModelSpec.load(given) if given is not None else getattr(model, "spec", None)
+        lora = getattr(spec, "lora", None)
+        if lora is None:
+            return
+        from autosearch.engine.lora import apply_lora, lora_problems
+
+        problems = lora_problems(strategy)
+        if self.meta_init:
+            problems.append("meta_init with lora: build the model with meta_init=False")
+        if problems:
+            raise SpecError(problems, context=f"strategy {strategy.short()} with {lora.short()}")
+        apply_lora(model, lora)
+
+    def save_adapters(self, path: str) -> None:
+        """Write the LoRA adapters alone in peft's format (`autosearch.engine.lora`)."""
+        from autosearch.engine.lora import save_adapters
+
+        self._prepare()
+        config = getattr(self._built_model, "lora_config_", None)
+        save_adapters(self.trainer_.model_parts, path, config=config)
+
+    def load_adapters(self, path: str) -> int:
+        """Load LoRA adapters written by `save_adapters` (or peft) into the prepared model."""
+        from autosearch.engine.lora import load_adapters
+
+        self._prepare()
+        return load_adapters(self.trainer_.model_parts, path)
+
     def _problems(
         self, strategy: "Strategy", plan: "ParallelPlan", model: "nn.Module"
     ) -> list[str]:
@@ -365,6 +398,7 @@ class Engine:
         world = D.launched_world_size()
         dims = ParallelDims.from_strategy(strategy, world)
         model = self._build_model()
+        self._apply_lora(model, strategy)
         plan = plan_for(model, self.plan)
         problems = self._problems(strategy, plan, model)
         if problems:

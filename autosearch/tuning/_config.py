@@ -130,6 +130,35 @@ def _margin(value: Any, where: str) -> float:
     return float(value)
 
 
+def _lora_rank(value: Any, where: str) -> int:
+    return _integer(value, where, 1, 1 << 20)
+
+
+def _lora_targets(value: Any, where: str) -> str:
+    """LoRA targets as one comma-separated text (``q,v`` or ``attention``), from a text or a
+    list; each name is checked (`autosearch.core._lora.resolve_targets`)."""
+    from autosearch.core._lora import resolve_targets
+
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    text = _text(value, where)
+    problems: list[str] = []
+    resolve_targets(text, gated=True, problems=problems)
+    if problems:
+        raise SpecError(f"{where}: " + "; ".join(problems))
+    return ",".join(t.strip() for t in text.split(",") if t.strip())
+
+
+def lora_of(rank: int | None, targets: str | None, *, where: str = "--lora-targets"):
+    """The `ModelSpec.load` ``lora`` argument of ``--lora-rank`` / ``--lora-targets``: None
+    without a rank (targets alone are refused: they need a rank)."""
+    if rank is None:
+        if targets is not None:
+            raise SpecError(f"{where} {targets!r} needs a rank: add --lora-rank (e.g. 16)")
+        return None
+    return {"rank": rank, **({"targets": targets} if targets is not None else {})}
+
+
 def _switch(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{where} must be true or false, got {value!r}")
@@ -271,6 +300,19 @@ class TuneConfig:
         help="training sequence length in tokens, replacing the model's (a Hugging Face "
         "config.json gives its maximum positions, often far longer than one trains)",
     )
+    lora_rank: int | None = setting(
+        None,
+        read=_lora_rank,
+        help="fine-tune with LoRA adapters of this rank on a frozen model (frozen weights keep "
+        "no gradient or optimizer state); replaces the model's lora",
+    )
+    lora_targets: str | None = setting(
+        None,
+        read=_lora_targets,
+        metavar="NAMES",
+        help="the linear layers that get adapters, with --lora-rank: comma-separated q, k, v, "
+        "o, gate, up, down, or attention, mlp, all (default: every linear layer of a block)",
+    )
     nnodes: int | None = setting(
         None, read=_count, help="number of nodes, with --cluster GPU (instead of GPU:NODESxGPUS)"
     )
@@ -391,6 +433,11 @@ class TuneConfig:
             value = getattr(self, f.name)
             if value is not None and not (f.name == "pin" and not value):
                 object.__setattr__(self, f.name, f.metadata["setting"].read(value, f.name))
+        self.lora()  # targets without a rank are refused
+
+    def lora(self) -> dict[str, Any] | None:
+        """The ``lora`` of `ModelSpec.load` these settings give (None: the model's own)."""
+        return lora_of(self.lora_rank, self.lora_targets, where="lora_targets")
 
     # ---- the dict form (study.yaml's `config` block) -------------------------------------------
     def to_dict(self) -> dict[str, Any]:

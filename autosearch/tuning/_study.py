@@ -248,7 +248,7 @@ def prepare(
     from autosearch.core.hardware import Cluster
 
     no_file_form = any(x is not None for x in (cost_model, space, sampler, storage))
-    model = _load_model(config.model, seq_len=config.seq_len)
+    model = _load_model(config.model, seq_len=config.seq_len, lora=config.lora())
     cluster = Cluster.parse(
         config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
     )
@@ -269,7 +269,7 @@ def prepare(
             f"Pareto front of {obj.name}; use trial_unit=strategy"
         )
     n_units = space.n_groups if unit == "layout" else space.size
-    name = config.study_name or default_study_name(model.name, cluster.name, gbs, obj.name)
+    name = config.study_name or default_study_name(model, cluster.name, gbs, obj.name)
     out = config.out
     if config.storage is not None and storage is not None:
         raise SpecError("give the storage once: a storage object, or storage")
@@ -1064,8 +1064,14 @@ def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
     )
 
 
-def default_study_name(model: str, cluster: str, global_batch_size: int, objective: str) -> str:
-    """``llama3-70b_h100-sxm-32x8_gbs512_throughput`` (safe as a folder name)."""
+def default_study_name(
+    model: "str | ModelSpec", cluster: str, global_batch_size: int, objective: str
+) -> str:
+    """``llama3-70b_h100-sxm-32x8_gbs512_throughput`` (safe as a folder name); a ModelSpec with
+    LoRA adapters adds them (``llama3-70b-lora-r16-qkvogud_...``), so that a fine-tune and a
+    full training run of one model are two studies."""
+    if not isinstance(model, str):
+        model = model.name + (f"-{model.lora.short()}" if model.lora is not None else "")
     raw = f"{model}_{cluster}_gbs{global_batch_size}_{objective}"
     name = re.sub(r"[^A-Za-z0-9._+=-]+", "-", raw.replace(":", "-")).lstrip("._-+=")
     return name[:200] or "study"
@@ -1077,15 +1083,17 @@ def check_study_name(name: Any) -> str:
     return _study_name(name, "study_name")
 
 
-def _load_model(value: "ModelSpec | dict | str", *, seq_len: int | None = None) -> "ModelSpec":
+def _load_model(
+    value: "ModelSpec | dict | str", *, seq_len: int | None = None, lora: dict | None = None
+) -> "ModelSpec":
     """A ModelSpec from the config's model: a ModelSpec, its fields, a catalog name or a YAML
-    file (whose path a message names), at `seq_len` tokens when given."""
+    file (whose path a message names), at `seq_len` tokens and with `lora` when given."""
     from autosearch.core.model_spec import ModelSpec
 
     if isinstance(value, dict):
         value = ModelSpec.from_dict(value, what="model (a mapping)")
     try:
-        return ModelSpec.load(value, seq_len=seq_len)
+        return ModelSpec.load(value, seq_len=seq_len, lora=lora)
     except SpecError as exc:
         if isinstance(value, str) and os.path.isfile(value) and value not in str(exc):
             raise SpecError(f"model file {value!r}: {exc}") from None
@@ -1113,6 +1121,9 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         return space, ()
     base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
     base = base.narrowed(**config.pin) if config.pin else base
+    engine = (getattr(runtime, "name", runtime) or "torch") == "torch"
+    if model.lora is not None and engine and "tp" not in config.pin:
+        base = base.narrowed(tp=1)  # the Engine runs LoRA without tp (autosearch/engine/lora.py)
     resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
     built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
     fp8 = next((o for o in opened if o.name == "fp8"), None)

@@ -78,7 +78,32 @@ def layer(s: "Strategy", ctx: Context) -> LayerCompute:
     attn_recompute = attn_fwd + softmax_s  # selective recompute: the attention core again
     op_recompute = op_recompute_gemm + elem_fwd + fp8_fwd  # selective op recompute
     emb, logits = _embedding_and_logits(ctx, x)
+    if ctx.model.lora is not None:
+        # frozen weights: backward computes input gradients only (dgrad, one forward's worth
+        # of each GEMM), and the adapters add their own GEMMs forward and backward
+        adapter_fwd, adapter_bwd = _lora_adapters(ctx, x)
+        fwd += adapter_fwd
+        bwd += adapter_bwd - backward_over_forward / 2.0 * gemm_fwd
+        op_recompute += adapter_fwd
     return LayerCompute(fwd, bwd, attn_fwd, attn_bwd, attn_recompute, op_recompute, emb, logits)
+
+
+def _lora_adapters(ctx: Context, x: _Layer) -> tuple[float, float]:
+    """(forward s, backward s) of one block's LoRA adapters (Hu et al. 2021): x A then (x A) B
+    per adapted linear layer, split over tp as the base layer is (Megatron-Bridge
+    ParallelLinearAdapter: 2 T r (in + out) / tp FLOPs forward), in `amp` (the adapters are
+    not float8 layers), and the sum with the base layer's output (read two, write one);
+    backward computes both gradients of both adapter matrices (the GEMM's dgrad + wgrad)."""
+    m, gemm = ctx.model, ctx.profile.gemm
+    lora, t, T = m.lora, x.t, x.T
+    assert lora is not None  # the caller checks
+    elementwise = elementwise_s(ctx, x)
+    gemms = add = 0.0
+    for i, o in lora.shapes(m):
+        gemms += gemm.time_s(T, lora.rank, i / t, x.peak, x.precision)
+        gemms += gemm.time_s(T, o / t, lora.rank, x.peak, x.precision)
+        add += elementwise(3 * T * o / t * x.ab)
+    return gemms + add, gemm.backward_over_forward * gemms + add
 
 
 def layer_shape(s: "Strategy", ctx: Context) -> _Layer:
@@ -325,8 +350,13 @@ def _embedding_and_logits(ctx: Context, x: _Layer) -> tuple[float, float]:
     emb = 3 * stream_s(ctx, (2 + (2 if learned else 0)) * sbh * ab) + 3 * launch
     loss_bytes = rt.compiled_loss_bytes_per_logit if x.compiled else rt.loss_bytes_per_logit
     gemm = prof.gemm
+    backward_over_forward = gemm.backward_over_forward
+    if m.lora is not None:
+        # frozen: no embedding gradient (forward lookup only), the output layer's dgrad only
+        emb = stream_s(ctx, (1 + (1 if learned else 0)) * sbh * ab) + launch
+        backward_over_forward /= 2.0
     logits = (
-        (1.0 + gemm.backward_over_forward)
+        (1.0 + backward_over_forward)
         * gemm.time_s(T, m.vocab_size / t, m.hidden_size, x.peak, x.precision)
         + stream_s(ctx, T * m.vocab_size / t * (ab + loss_bytes + 2))
         + 3 * stream_s(ctx, 2 * sbh * ab)

@@ -52,6 +52,7 @@ def cost(
     recompute_layer_s: float,
     *,
     group: tuple[int, int] | None = None,
+    trainable: float | None = None,
 ) -> DataParallelCost:
     """Exposed communication and model-state memory of data parallelism / ZeRO.
 
@@ -60,11 +61,16 @@ def cost(
     backward (with recompute) of the rank's layers (bucketed overlap, Li et al. 2020, PyTorch
     DDP; FSDP prefetch, Zhao et al. 2023), except the last bucket (`tail` of it). `group`:
     (ranks, stride) of another data-parallel group than dp x cp ranks tp apart (the routed
-    experts' expert-data-parallel group, experts.expert_data_parallel).
+    experts' expert-data-parallel group, experts.expert_data_parallel). `trainable`: how many of
+    the `params.total` parameters train (LoRA's adapters; None: all). Frozen parameters are
+    kept in the parameter dtype only (no gradient, no optimizer state, no fp32 master), are
+    sharded and gathered by ZeRO-3 / FSDP like the others (FSDP2 shards a block's frozen and
+    trainable parameters together), and are never reduced or re-gathered after the step.
     """
     rt, launch_s = ctx.runtime, ctx.profile.kernel_launch_s
     zero, d, t, p, m = s.zero_stage, s.dp * s.cp, s.tp, s.pp, s.grad_accum_steps
     psi, layer_params, ab = params.total, params.per_layer, ACT_BYTES[s.amp]
+    tr = psi if trainable is None else trainable
     stride = t
     if group is not None:
         d, stride = group
@@ -97,7 +103,7 @@ def cost(
         if not rt.reduce_bucket_params:  # per unit; under ZeRO-3 per fetched submodule
             units = rt.zero3_gathers_per_layer if zero >= 3 else 1.0
             return per_unit(reduce_scatter_s, nbytes, units)
-        buckets = max(1.0, math.ceil(psi / rt.reduce_bucket_params))
+        buckets = max(1.0, math.ceil(tr / rt.reduce_bucket_params))
         size = nbytes / buckets
         if rt.grad_reduce_per_partition and zero == 2:
             one = d * (reduce_s(ctx, size / d, d, stride) + rt.collective_overhead_s)
@@ -105,7 +111,7 @@ def cost(
             one = reduce_scatter_s(ctx, size, d, stride) + rt.collective_overhead_s
         return buckets * one
 
-    grads = psi * rt.grad_reduce_bytes
+    grads = tr * rt.grad_reduce_bytes
     # What FSDP / ZeRO-3 gathers: the runtime's gather dtype (the amp dtype by default);
     # float8 block weights when the runtime gathers them in fp8 (torchao tensorwise).
     gather_bytes = rt.param_gather_bytes or ab
@@ -119,14 +125,14 @@ def cost(
         # the optimizer, 2 also the gradients, 3 also the parameters.
         grad_bytes = 4 if rt.main_grad_fp32 else ab  # Megatron-Core's fp32 main_grad
         if d == 1:
-            return DataParallelCost(0.0, psi * ab, psi * grad_bytes, psi * 12)
+            return DataParallelCost(0.0, psi * ab, tr * grad_bytes, tr * 12)
         live = 2 * layer_params  # the block computing and the one prefetched
         if rt.zero3_max_live_params:  # DeepSpeed releases beyond its live-parameter budget
             one_fetch = layer_params / rt.zero3_gathers_per_layer
             live = min(live, max(rt.zero3_max_live_params, one_fetch))
         params_mem = psi * ab / (d if zero >= 3 else 1) + (live * ab if zero >= 3 else 0.0)
-        grads_mem = psi * grad_bytes / (d if zero >= 2 else 1)
-        opt_mem = psi * 12 / (d if zero >= 1 else 1)
+        grads_mem = tr * grad_bytes / (d if zero >= 2 else 1)
+        opt_mem = tr * 12 / (d if zero >= 1 else 1)
         if zero == 0:  # one all-reduce per step
             comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         elif zero <= 2:
@@ -136,7 +142,9 @@ def cost(
                 if rt.reduce_bucket_params
                 else reduce_scatter_s(ctx, grads, d, stride)
             )
-            comm = exposed(rs, bwd_window) + all_gather_s(ctx, gathered_param_bytes, d, stride)
+            # (only what trains changes: frozen parameters are not gathered again)
+            updated = gathered_param_bytes if trainable is None else tr * gather_bytes
+            comm = exposed(rs, bwd_window) + all_gather_s(ctx, updated, d, stride)
         else:  # parameters gathered for forward and again for backward, every micro-batch
             ag = per_unit(all_gather_s, gathered_param_bytes, rt.zero3_gathers_per_layer)
             comm = m * (exposed(ag, fwd_window) + exposed(ag + reduce_grads(grads), bwd_window))
@@ -148,14 +156,14 @@ def cost(
     # the compute dtype and reduces in fp32.
     copies = psi * ab if ab < 4 else 0.0
     mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
-    optimizer_bytes = psi * 8 / d if mode.shards_optimizer else psi * 8
+    optimizer_bytes = tr * 8 / d if mode.shards_optimizer else tr * 8
     if mode.wrapper == "none":
-        return DataParallelCost(0.0, psi * 4 + copies, psi * 4, psi * 8)
+        return DataParallelCost(0.0, psi * 4 + copies, tr * 4, tr * 8)
     if not mode.shards_params:  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
         comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
-            comm += all_gather_s(ctx, psi * 4, d, stride)
-        return DataParallelCost(comm, psi * 4 + copies, psi * 4, optimizer_bytes)
+            comm += all_gather_s(ctx, tr * 4, d, stride)
+        return DataParallelCost(comm, psi * 4 + copies, tr * 4, optimizer_bytes)
     # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
     # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
     # unsharded in fp32 and reduced once per step.
@@ -165,7 +173,7 @@ def cost(
     per_param = gathered_param_bytes / psi if psi else gather_bytes
     gathered = 2 * layer_params * per_param if two_layers_live else gathered_param_bytes
     params_mem = psi * 4 / d + gathered
-    grads_mem = psi * 4 if (m > 1 and mode.grads_accumulate_unsharded) else psi * 4 / d
+    grads_mem = tr * 4 if (m > 1 and mode.grads_accumulate_unsharded) else tr * 4 / d
     n_gathers = m if mode.gathers_every_microbatch else 1
     comm = n_gathers * exposed(ag, fwd_window)
     if mode.reshard_after_forward:  # FSDP1 BACKWARD_POST: the backward gather is not hidden

@@ -110,7 +110,33 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         # DTensor keeps the all-gathered (whole-sequence) input of the QKV and first MLP
         # matmuls for their weight gradients, not the shard (docs/runtimes.md [2.5]).
         out += 2 * tokens * m.hidden_size * ab * (1 - 1 / tp)
+    if m.lora is not None and recompute != "full":
+        out += _lora_bytes(s, ctx, tokens)
     return out
+
+
+def _lora_bytes(s: "Strategy", ctx: Context, tokens: float) -> float:
+    """What LoRA changes in one layer's saved activations: a frozen linear layer without an
+    adapter needs no input for a weight gradient, so the inputs only weight gradients read are
+    not kept (the QKV input unless q, k or v is adapted; the MLP input unless gate or up is;
+    fc2's input unless down is; autograd saves an input only for a gradient it computes,
+    TransformerEngine the same); the attention output stays (fused attention's backward reads
+    it). Each adapter keeps x A (tokens x rank) for B's weight gradient."""
+    m, tp = ctx.model, s.tp
+    lora = m.lora
+    assert lora is not None  # the caller checks
+    ab = ACT_BYTES[s.amp]
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    sp_div = tp if s.sequence_parallel else 1
+    adapted = lora.adapted
+    freed = 0.0
+    if not adapted & {"q", "k", "v"}:
+        freed += tokens * m.hidden_size * li / sp_div
+    if not adapted & {"gate", "up"}:
+        freed += tokens * m.hidden_size * li / sp_div
+    if "down" not in adapted:
+        freed += tokens * m.ffn_hidden_size * li / tp
+    return len(lora.targets or ()) * tokens * lora.rank * ab / tp - freed
 
 
 @reads(
