@@ -10,6 +10,7 @@ import pytest
 from autosearch import ModelSpec, Strategy
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster, HardwareProfile, profile_for_device
+from autosearch.core.runtime import RuntimeOptions
 from cost_models import AnalyticCostModel
 from cost_models.calibration.runner import with_compute_world_size
 
@@ -41,8 +42,11 @@ def test_validation_builds_on_the_meta_device_and_compares_tensor_with_tensor(tm
     assert row.memory_error_pct == pytest.approx(tensor_error, rel=1e-12)
     total_error = 100 * (row.predicted_total_memory_bytes / measured - 1)
     reserve = HardwareProfile.load("h200-sxm").reserved_memory_bytes
+    # what the CUDA caching allocator holds beyond the live tensors (the torch preset's reserve)
+    held = RuntimeOptions.get("torch").allocator_reserve_fraction
+    held *= row.predicted_peak_memory_bytes
     # the reserve alone is 2.5 GB against a few MB measured: the old column was off by that
-    assert total_error - tensor_error == pytest.approx(100 * reserve / measured, rel=1e-9)
+    assert total_error - tensor_error == pytest.approx(100 * (reserve + held) / measured, rel=1e-9)
     assert abs(row.memory_error_pct) < 100 < total_error
 
 
