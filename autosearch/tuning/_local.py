@@ -157,9 +157,11 @@ class LayoutIndex:
         # only with another schedule: 405B on 16,384 GPUs, tp8 interleaved -> tp4 1F1B); else
         # the interleaved schedule with the fewest virtual stages (schedule moves go on there)
         wanted = {_pipeline(v), ("1f1b", 1)}
-        if not any(_pipeline(o) == _pipeline(v) for o in here):
-            inter = sorted(o.virtual_stages for o in here if o.pipeline_schedule == INTERLEAVED)
-            wanted |= {(INTERLEAVED, inter[0])} if inter else set()
+        # and the two shallowest interleaved schedules: the one that pays at the new degrees may
+        # be the next if the first does not fit (405B on 16,384 GPUs: tp2-cp8 1F1B -> tp4-cp4
+        # interleaved v3, v2 over the memory margin)
+        inter = sorted({o.virtual_stages for o in here if o.pipeline_schedule == INTERLEAVED})
+        wanted |= {(INTERLEAVED, vs) for vs in inter[:2]}
         yield from (o for o in here if _pipeline(o) in wanted)
 
 
