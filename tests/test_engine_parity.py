@@ -203,6 +203,7 @@ def test_torch_preset_declares_what_the_engine_runs_and_on_which_devices():
         "selective_op",
         "recompute_num_layers",
         "uneven_pp",
+        "ep",  # autosearch/engine/moe.py (etp 1, over the dp x cp ranks)
     }
     s = Strategy(tp=2, async_tp=True, compile=True, fp8="rowwise")
     assert torch_rt.unsupported(s) == {}
