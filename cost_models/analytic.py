@@ -155,7 +155,7 @@ class AnalyticCostModel(CostModel):
                 raise SpecError(
                     lacks, context=f"strategy {strategy.short()} under runtime {self.runtime.name}"
                 )
-        s, ctx, rt = strategy, self._context, self.runtime
+        s, ctx = strategy, self._context
         layer = self._layer(s)
         ranks = self._ranks(s)
         if ctx.model.moe is not None:
@@ -172,8 +172,15 @@ class AnalyticCostModel(CostModel):
         optimizer = compute.optimizer_step_s(
             s, ctx, params.total if trainable is None else trainable
         )
-        other = rt.step_overhead_s + self.profile.step_overhead_s
-        step = m * t_mb + bubble + dp.exposed_s + optimizer + other
+        step, time = self._step(m, micro, bubble, dp, optimizer)
+        activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
+        return self._compose(s, step, time, dp, activations)
+
+    def _step(self, m: int, micro, bubble: float, dp, optimizer: float):
+        """The step time and its breakdown: m micro-batches, the bubble, the exposed
+        data-parallel traffic, the optimizer and the runtime's and device's fixed overhead."""
+        other = self.runtime.step_overhead_s + self.profile.step_overhead_s
+        step = m * micro.total_s + bubble + dp.exposed_s + optimizer + other
         time = TimeBreakdown(
             compute_s=m * micro.compute_s,
             recompute_s=m * micro.recompute_s,
@@ -184,8 +191,7 @@ class AnalyticCostModel(CostModel):
             optimizer_s=optimizer,
             other_s=other,
         )
-        activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
-        return self._compose(s, step, time, dp, activations)
+        return step, time
 
     def _trainable(self, s: "Strategy", ranks: tuple[int | float, ...]) -> float | None:
         """Parameters that train on the heaviest rank before data-parallel sharding: LoRA's
@@ -220,7 +226,7 @@ class AnalyticCostModel(CostModel):
         """`estimate` for a model with MoE layers: the dense terms, with what each rank's MoE
         layers add (`experts.layer`) and the routed experts' states over their own
         data-parallel group (`experts.expert_data_parallel`)."""
-        ctx, rt = self._context, self.runtime
+        ctx = self._context
         moe_ranks = self._moe_ranks(s)
         e = self._expert_layer(s)
         micro = pipeline.microbatch(s, ctx, layer, ranks, moe=(e, moe_ranks))
@@ -238,18 +244,7 @@ class AnalyticCostModel(CostModel):
         optimizer = compute.optimizer_step_s(s, ctx, rest.total) + compute.optimizer_step_s(
             s, ctx, sharded
         )
-        other = rt.step_overhead_s + self.profile.step_overhead_s
-        step = m * t_mb + bubble + dp.exposed_s + optimizer + other
-        time = TimeBreakdown(
-            compute_s=m * micro.compute_s,
-            recompute_s=m * micro.recompute_s,
-            tp_comm_s=m * micro.tp_comm_s,
-            pp_comm_s=m * micro.pp_comm_s,
-            dp_comm_exposed_s=dp.exposed_s,
-            bubble_s=bubble,
-            optimizer_s=optimizer,
-            other_s=other,
-        )
+        step, time = self._step(m, micro, bubble, dp, optimizer)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         activations += experts.activation_bytes(s, ctx, e, moe_ranks)
         return self._compose(s, step, time, dp, activations)
