@@ -35,7 +35,7 @@ def test_the_engine_trains_on_cuda_0():
     )
     history = engine.fit(SyntheticTokens.for_model(SPEC, 16), epochs=1, verbose=0)
     assert engine.device_ == torch.device("cuda", 0)
-    assert all(torch.isfinite(torch.tensor(history.history["loss"])))
+    assert all(torch.isfinite(torch.tensor(history["loss"])))
 
 
 def test_a_gloo_group_keeps_tensors_on_cpu():
@@ -104,7 +104,9 @@ def test_calibrate_cuda_without_world_size_1(tmp_path):
     assert 1 in set(df["world_size"]) and "gemm.max_efficiency" in prof.measured
     fp8 = df[df["kind"] == "gemm_fp8"]
     if torch.cuda.get_device_capability() >= (8, 9):
-        assert fp8["skipped"].isna().any() and "fp8" in prof.peak_flops
+        # measured, not skipped (the column is there only when some measurement was skipped)
+        assert len(fp8) and "fp8" in prof.peak_flops
+        assert "skipped" not in fp8 or fp8["skipped"].isna().any()
     if prof.calibration["machine"]["device_name"] in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         assert prof.architecture == "hopper" and prof.attention_kernels
 
