@@ -208,6 +208,7 @@ class SearchSpace(BaseSearchSpace):
         self._axis_values = {name: getattr(c, name) for name in AXES} | {"amp": self.amps}
         self._axis_rules = {name: rules.rules_reading(name) for name in AXES}
         self._axes_cache: dict[tuple[int, ...], tuple[tuple[Any, ...], ...] | None] = {}
+        self._checked: set[tuple[str, Any]] = set()  # axis values a Strategy has checked
         self._schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
         self._dropped: dict[str, list[int]] = {}  # the first level's candidates, for messages
         self._axis_refusals: dict[str, str] = {}  # an axis left without values, and why
@@ -452,10 +453,16 @@ class SearchSpace(BaseSearchSpace):
         axes = self._axes(tuple(getattr(layout, n) for n in TREE_LEVELS))
         assert axes is not None  # the tree holds no layout without axis values
         base = dict(layout.values, global_batch_size=self.global_batch_size)
+        first = None
         for combo in itertools.product(*axes):
-            kwargs = base.copy()
-            kwargs.update(zip(AXES, combo))
-            yield Strategy(**kwargs)
+            values = dict(zip(AXES, combo))
+            if first is None or not self._checked.issuperset(values.items()):
+                strategy = Strategy(**base, **values)  # checks every value once
+                self._checked.update(values.items())
+                first = first or strategy
+                yield strategy
+            else:  # values a Strategy has checked: the same fields, without the checks
+                yield first.with_checked(values)
 
     def enumerate(self) -> Iterator[Strategy]:
         for layout in self.layouts():

@@ -10,6 +10,7 @@ import optuna
 import pytest
 
 from autosearch import TuneConfig, tune
+from autosearch.core.errors import SpecError
 from autosearch.tuning._local import LayoutIndex, primes_of
 from autosearch.tuning._objectives import CONSTRAINT
 from autosearch.tuning._study import SearchPlan, _Runner, prepare
@@ -109,8 +110,9 @@ def test_the_climb_scores_no_layout_twice_and_stops_at_a_local_optimum():
 
 def test_the_default_plan_samples_then_climbs_and_says_so(tmp_path):
     """With no n_trials and no sampler, a space over the budget gets the sampled trials and the
-    climb; the study in its storage holds both, and running it again adds nothing."""
-    config = TuneConfig(**BIG, seed=0, out=str(tmp_path / "out"))
+    climb; the study in its storage holds both, and running it again adds nothing (no time
+    budget: on a loaded machine a 10 s budget may stop the climb, and the second run goes on)."""
+    config = TuneConfig(**BIG, seed=0, out=str(tmp_path / "out"), time_budget=0)
     result = tune(config)
     assert "sampled: 100 trials and a local search" in result.plan
     assert "the local search scored" in result.plan
@@ -118,6 +120,28 @@ def test_the_default_plan_samples_then_climbs_and_says_so(tmp_path):
     again = tune(config)
     assert again.n_new_trials == 0 and again.n_trials == result.n_trials
     assert again.best_report.tokens_per_s == result.best_report.tokens_per_s
+
+
+def test_a_spent_time_budget_stops_the_climb_and_the_same_command_goes_on(tmp_path):
+    """A budget spent before the climb starts (here: one millisecond, spent on the 100 sampled
+    trials) stops it before its first layout, and the plan says so; run again without a budget,
+    the study goes on from its trials to the whole climb, as one run without a budget does."""
+    small = dict(BIG, seed=0, out=str(tmp_path / "a"))
+    stopped = tune(TuneConfig(**small, time_budget=0.001))
+    assert "stopped at the 0.001 s budget" in stopped.plan
+    assert "the local search scored 0 of them" in stopped.plan
+    assert stopped.n_trials == 100  # the sampled trials only: none of the climb
+    resumed = tune(TuneConfig(**small, time_budget=0))
+    whole = tune(TuneConfig(**dict(small, out=str(tmp_path / "b")), time_budget=0))
+    assert "stopped" not in resumed.plan and resumed.n_new_trials > 0
+    assert resumed.n_trials == whole.n_trials
+    assert resumed.best_report.tokens_per_s == whole.best_report.tokens_per_s
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "inf"])
+def test_a_time_budget_is_seconds(bad):
+    with pytest.raises(SpecError, match="seconds"):
+        TuneConfig(**BIG, time_budget=bad)
 
 
 def _repeats(result) -> int:

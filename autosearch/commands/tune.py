@@ -205,7 +205,14 @@ def dry_run(config: TuneConfig) -> str:
         from autosearch.tuning._study import _resolve_cost_model, plan_search
 
         cm = _resolve_cost_model(None, model, cluster, config.runtime)
-        plan = plan_search(space, cm, unit=unit, multi=multi, storage=config.storage)
+        plan = plan_search(
+            space,
+            cm,
+            unit=unit,
+            multi=multi,
+            storage=config.storage,
+            budget_s=config.time_budget,
+        )
         n_trials = plan.n_trials
     elif n_trials is None:
         n_trials = DEFAULT_N_TRIALS

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,15 @@ class Strategy:
                 problems.append(f"{name} must be a list of layer counts: {exc}")
         if problems:
             raise SpecError(problems, context="invalid strategy")
+
+    def with_checked(self, values: Mapping[str, Any]) -> "Strategy":
+        """This strategy with `values` replaced, unchecked: for values that a `Strategy` has
+        already held (the search space builds ~400 strategies per layout that differ from the
+        first only in values it has checked; `__post_init__` is a quarter of that work)."""
+        new = object.__new__(Strategy)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(values)
+        return new
 
     # ---- derived --------------------------------------------------------------------------------
     @property

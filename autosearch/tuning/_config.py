@@ -109,6 +109,21 @@ def _seq_len(value: Any, where: str) -> int:
     return _integer(value, where, 1, INT_LIMITS["seq_len"])
 
 
+def _seconds(value: Any, where: str) -> float:
+    """A wall-clock budget in seconds (0: no limit)."""
+    value = _single(value, where)
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().removesuffix("s"))
+        except ValueError:
+            raise SpecError(f"{where}: {value!r} is not a number of seconds (e.g. 10)") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise SpecError(f"{where} must be a number of seconds >= 0 (0: no limit), got {value!r}")
+    return float(value)
+
+
 def _margin(value: Any, where: str) -> float:
     """A fraction of device memory held back: 0.1, or ``10%``."""
     value = _single(value, where)
@@ -333,7 +348,16 @@ class TuneConfig:
         None,
         read=_count,
         help="finished trials the study should hold (a resumed study runs only the rest); "
-        "default: every layout when scoring them all is estimated under 10 s, else 200",
+        "default: see --time-budget",
+    )
+    time_budget: float = setting(
+        10.0,
+        read=_seconds,
+        metavar="SECONDS",
+        help="seconds the default search aims at (no --n-trials, no --sampler): every layout "
+        "when scoring them all is estimated within them, else 100 sampled trials and a local "
+        "search from the best layouts that stops when the budget is spent (the same command "
+        "again goes on from there); 0: the local search runs to its end (default 10)",
     )
     sampler: str | None = setting(
         None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import math
 import os
@@ -285,7 +286,9 @@ def prepare(
     n_trials, plan = config.n_trials, None
     sampler_arg: Any = sampler if sampler is not None else config.sampler
     if n_trials is None and sampler_arg is None:
-        plan = plan_search(space, cm, unit=unit, multi=obj.is_multi, storage=storage)
+        plan = plan_search(
+            space, cm, unit=unit, multi=obj.is_multi, storage=storage, budget_s=config.time_budget
+        )
         n_trials = plan.n_trials
         if plan.exhaustive:
             sampler_arg = "exhaustive"
@@ -385,7 +388,9 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     try:
         n_new = runner.run(job.target, progress=bar)
         if job.plan is not None and job.plan.local:
-            n_new += runner.local_search()
+            # the budget counts from the start of `tune`: what the user waits for
+            budget = job.plan.budget_s
+            n_new += runner.local_search(deadline=t0 - setup_s + budget if budget else None)
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
@@ -484,6 +489,7 @@ class _Runner:
         self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
         self._group_size: dict[tuple, int] = {}
         self.local_layouts = 0  # layouts the local search scored
+        self.local_stopped = False  # the local search stopped at the time budget
 
     @property
     def n_finished(self) -> int:
@@ -683,12 +689,19 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
-    def local_search(self) -> int:
-        """Climb from the best layouts of the study's sampled trials to a local optimum
+    def local_search(self, deadline: float | None = None) -> int:
+        """Climb from the best layouts of the study's sampled trials to local optima
         (`_local.py`), scoring each neighbour no trial holds yet as a trial of the study (marked
-        `ATTR_LOCAL`). The climb is deterministic from its starts, which come from the sampled
-        trials only: on a finished study it retraces its path and scores nothing. Returns the
-        trials this worker persisted."""
+        `ATTR_LOCAL`). The climbs go best first: of the climbs not ended, the one standing on
+        the fastest layout moves next, so a search stopped at its `deadline`
+        (`time.perf_counter()` seconds) has spent its time where the optimum most likely is.
+        Where a climb steps on a layout another climb stood on, it ends (its path from there is
+        known). Steepest ascent from a layout always takes the same path, so the order changes
+        neither where the climbs end nor what they score (short of `MAX_STEPS`), only what is
+        scored first. The
+        climbs are deterministic from their starts, which come from the sampled trials only:
+        on a finished study they retrace their paths and score nothing, and a study stopped at
+        its deadline goes on where it stopped. Returns the trials this worker persisted."""
         from autosearch.core.strategy import Strategy
         from autosearch.tuning._local import MAX_STEPS, LayoutIndex, climb_starts, layout_key
 
@@ -705,29 +718,39 @@ class _Runner:
                 value[key] = t.values[0] if fits else None
                 if fits and not t.user_attrs.get(ATTR_LOCAL):
                     sampled[key] = t.values[0]
-        starts = climb_starts(sampled)
-        self.local_layouts = 0
+        self.local_layouts, self.local_stopped = 0, False
         new, climbed = 0, set()
-        for start in starts:
-            here = start
-            for _ in range(MAX_STEPS):
-                if here in climbed:
-                    break
-                climbed.add(here)
-                around = index.neighbours(index.by_key[here])
-                new += self._score_layouts(around, covered, value)
-                best = max(
-                    (index.key(o) for o in around if value.get(index.key(o)) is not None),
-                    key=lambda k: value[k],  # type: ignore[arg-type, return-value]
-                    default=None,
-                )
-                if best is None or value[best] <= value[here]:  # type: ignore[operator]
-                    break
-                here = best
+        # (-throughput, start order, steps taken, layout): the fastest climb first
+        heap = [(-sampled[k], i, 0, k) for i, k in enumerate(climb_starts(sampled))]
+        heapq.heapify(heap)
+        while heap:
+            _, i, steps, here = heapq.heappop(heap)
+            if here in climbed:
+                continue
+            climbed.add(here)
+            around = index.neighbours(index.by_key[here])
+            scored, done = self._score_layouts(around, covered, value, deadline)
+            new += scored
+            if not done:  # the budget is spent: what is scored stays in the study
+                self.local_stopped = True
+                break
+            best = max(
+                (index.key(o) for o in around if value.get(index.key(o)) is not None),
+                key=lambda k: value[k],  # type: ignore[arg-type, return-value]
+                default=None,
+            )
+            if best is None or steps + 1 >= MAX_STEPS:
+                continue
+            up, now = value[best], value[here]
+            if up is not None and now is not None and up > now:
+                heapq.heappush(heap, (-up, i, steps + 1, best))
         return new
 
-    def _score_layouts(self, layouts, covered: set, value: dict) -> int:
-        """Score every layout of `layouts` that no trial holds yet, as trials of the study."""
+    def _score_layouts(
+        self, layouts, covered: set, value: dict, deadline: float | None = None
+    ) -> tuple[int, bool]:
+        """Score every layout of `layouts` that no trial holds yet, as trials of the study, until
+        `deadline`. Returns (trials persisted, whether every layout was scored)."""
         from autosearch.core.strategy import Strategy
         from autosearch.tuning._local import layout_key
 
@@ -740,6 +763,8 @@ class _Runner:
                 params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
                 if _key(params) in covered:
                     continue
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return new, False
                 covered.add(_key(params))
                 frozen, attrs = self._score_unit(params, mark={ATTR_LOCAL: True})
                 if not self._persist(frozen, attrs, math.inf):
@@ -752,7 +777,7 @@ class _Runner:
                     value[layout_key(Strategy.from_dict(kept))] = (
                         frozen.values[0] if fits else None
                     )
-        return new
+        return new, True
 
     def estimate(self, strategy) -> Any:
         """The cost model's report of `strategy`, with the memory margin held back."""
@@ -862,18 +887,30 @@ class SearchPlan:
     estimate_s: float
     reason: str
     local: bool = False  # the sampled trials are followed by the local search (`_local.py`)
+    budget_s: float = 0.0  # the local search stops when the search has run this long (0: never)
 
 
-def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = None) -> SearchPlan:
+def plan_search(
+    space,
+    cost_model,
+    *,
+    unit: str,
+    multi: bool,
+    storage: Any = None,
+    budget_s: float = EXHAUSTIVE_BUDGET_S,
+) -> SearchPlan:
     """Every layout when scoring them all is cheap, else a sampler with `DEFAULT_TRIALS`.
 
     "Cheap" is measured, not assumed: a few units drawn at random are scored with this cost
     model, and the time of all units is that average times their number, plus what Optuna and
-    the storage add per trial (`PERSIST_S`). Under `EXHAUSTIVE_BUDGET_S` (and one objective),
-    the search is exhaustive: exact, and no slower than the default number of sampled trials.
+    the storage add per trial (`PERSIST_S`). Within `budget_s` (`TuneConfig.time_budget`; 0
+    takes `EXHAUSTIVE_BUDGET_S`) and one objective, the search is exhaustive: exact, and no
+    slower than the default number of sampled trials. Beyond it, with layouts as units, the
+    sampled trials are followed by the local search, which stops at the budget (`budget_s`).
     """
     import optuna
 
+    limit = budget_s or EXHAUSTIVE_BUDGET_S
     n_units = space.n_groups if unit == "layout" else space.size
     trials: list[Any]
     if unit == "layout":  # units spread evenly over the exhaustive order
@@ -889,7 +926,7 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
         if i == 1:  # the first unit pays for imports and cold caches once: not counted
             t0 = time.perf_counter()
         elif i > PLAN_PROBES_CLEAR and (
-            (time.perf_counter() - t0) / (i - 1) * n_units > PLAN_CLEAR * EXHAUSTIVE_BUDGET_S
+            (time.perf_counter() - t0) / (i - 1) * n_units > PLAN_CLEAR * limit
         ):  # far over the budget already: the rest would not change the plan
             n_probes = i - 1
             break
@@ -903,7 +940,7 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
     kind = _storage_kind_of(storage)
     estimate = n_units * (per_unit + PERSIST_S[kind])
     what = "layouts" if unit == "layout" else "strategies"
-    if not multi and (estimate <= EXHAUSTIVE_BUDGET_S or n_units <= DEFAULT_TRIALS):
+    if not multi and (estimate <= limit or n_units <= DEFAULT_TRIALS):
         return SearchPlan(
             exhaustive=True,
             n_trials=n_units,
@@ -911,13 +948,13 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
             reason=f"exhaustive: every one of the {n_units:,} {what} (all of them estimated at "
             f"{estimate:.1f} s, {per_unit * 1e3:.1f} ms each measured on this cost model + "
             f"{PERSIST_S[kind] * 1e3:.0f} ms per trial for the {kind} storage; budget "
-            f"{EXHAUSTIVE_BUDGET_S:.0f} s)",
+            f"{limit:g} s)",
         )
     why = (
         "two objectives"
         if multi
         else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
-        f"{EXHAUSTIVE_BUDGET_S:.0f} s budget"
+        f"{limit:g} s budget"
     )
     local = unit == "layout" and not multi
     n_trials = CLIMB_TRIALS if local else DEFAULT_TRIALS
@@ -925,8 +962,14 @@ def plan_search(space, cost_model, *, unit: str, multi: bool, storage: Any = Non
         exhaustive=False,
         n_trials=n_trials,
         estimate_s=estimate,
+        budget_s=budget_s if local else 0.0,
         reason=f"sampled: {n_trials} trials"
-        + (" and a local search from the best layouts" if local else "")
+        + (
+            " and a local search from the best layouts"
+            + (f" within the {budget_s:g} s budget" if budget_s else "")
+            if local
+            else ""
+        )
         + f" ({why}; --sampler exhaustive scores them all)",
         local=local,
     )
@@ -954,6 +997,11 @@ def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
         if plan is not None and plan.local
         else ""
     )
+    if runner.local_stopped:
+        local += (
+            f" and stopped at the {plan.budget_s:g} s budget (the same command again goes on; "
+            "--time-budget 0 runs it to its end)"
+        )
     return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}{local}"
 
 

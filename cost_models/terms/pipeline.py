@@ -66,10 +66,15 @@ def microbatch(
     tp_fwd = layer.tp_comm_fwd_s
     rc_layer, rc_tp = recompute_repeats(s, layer)
     best = None
+    seen = set()  # ranks alike (layers, first, last, MoE layers) cost alike: each kind once
     for r, Lr in enumerate(ranks):
+        first, last = r == 0, r == p - 1
+        kind = (Lr, first, last, moe[1][r] if moe is not None else 0)
+        if kind in seen:
+            continue
+        seen.add(kind)
         if moe is not None:
             extra = _moe_rank_s(s, layer, moe[0], moe[1][r], Lr)
-        first, last = r == 0, r == p - 1
         n_rc = recomputed_layers(s, Lr)
         compute = (
             Lr * (layer.fwd_s + layer.bwd_s)
