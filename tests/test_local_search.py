@@ -122,15 +122,23 @@ def test_the_default_plan_samples_then_climbs_and_says_so(tmp_path):
     assert again.best_report.tokens_per_s == result.best_report.tokens_per_s
 
 
-def test_a_spent_time_budget_stops_the_climb_and_the_same_command_goes_on(tmp_path):
-    """A budget spent before the climb starts (here: one millisecond, spent on the 100 sampled
-    trials) stops it before its first layout, and the plan says so; run again without a budget,
-    the study goes on from its trials to the whole climb, as one run without a budget does."""
+def test_a_budget_spent_in_the_climb_keeps_what_it_scored(tmp_path):
+    """The budget spent after the sampled trials (a run resumed from them with a budget of one
+    millisecond): the local search stops before its first layout and says so; the sampled
+    trials' best is kept."""
     small = dict(BIG, seed=0, out=str(tmp_path / "a"))
+    sampled = tune(TuneConfig(**small, n_trials=100))  # the plan's 100 TPE trials, no climb
     stopped = tune(TuneConfig(**small, time_budget=0.001))
-    assert "stopped at the 0.001 s budget" in stopped.plan
-    assert "the local search scored 0 of them" in stopped.plan
-    assert stopped.n_trials == 100  # the sampled trials only: none of the climb
+    assert stopped.n_trials == 100 and "the local search scored 0 of them" in stopped.plan
+    assert "the local search stopped at the 0.001 s time budget" in stopped.plan
+    assert stopped.best_report.tokens_per_s == sampled.best_report.tokens_per_s
+
+
+def test_a_spent_budget_is_resumed_to_the_whole_climb(tmp_path):
+    """Run again without a budget, a study stopped in its climb goes on to the whole climb:
+    the same trials and the same best as one run without a budget."""
+    small = dict(BIG, seed=0, out=str(tmp_path / "a"))
+    tune(TuneConfig(**small, time_budget=0.001))
     resumed = tune(TuneConfig(**small, time_budget=0))
     whole = tune(TuneConfig(**dict(small, out=str(tmp_path / "b")), time_budget=0))
     assert "stopped" not in resumed.plan and resumed.n_new_trials > 0

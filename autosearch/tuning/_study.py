@@ -385,12 +385,12 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
             params = job.space.params_of(s, group=job.unit == "layout")
             shadow.enqueue_trial(params, skip_if_exists=True)
     bar = _ProgressBar(job.target) if progress is True else (progress or None)
+    if job.plan is not None and job.plan.budget_s:  # counted from the start of `tune`
+        runner.deadline = t0 - setup_s + job.plan.budget_s
     try:
         n_new = runner.run(job.target, progress=bar)
-        if job.plan is not None and job.plan.local:
-            # the budget counts from the start of `tune`: what the user waits for
-            budget = job.plan.budget_s
-            n_new += runner.local_search(deadline=t0 - setup_s + budget if budget else None)
+        if job.plan is not None and job.plan.local and runner.stopped is None:
+            n_new += runner.local_search()
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
@@ -489,7 +489,10 @@ class _Runner:
         self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
         self._group_size: dict[tuple, int] = {}
         self.local_layouts = 0  # layouts the local search scored
-        self.local_stopped = False  # the local search stopped at the time budget
+        # the default plan's time budget (`time.perf_counter()` seconds), which stops the local
+        # search, and whether it did
+        self.deadline: float | None = None
+        self.stopped: str | None = None
 
     @property
     def n_finished(self) -> int:
@@ -636,6 +639,13 @@ class _Runner:
                     if progress is not None:
                         progress(min(self.n_covered, target), target, self._best)
 
+    def _spent(self, where: str) -> bool:
+        """Whether the time budget is spent (and if so, note where the search stopped)."""
+        if self.deadline is None or time.perf_counter() < self.deadline:
+            return False
+        self.stopped = where
+        return True
+
     def _renew_shadow_if_due(self) -> None:
         if self.history_free and self._in_shadow >= SHADOW_RENEW:
             import optuna
@@ -689,12 +699,12 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
-    def local_search(self, deadline: float | None = None) -> int:
+    def local_search(self) -> int:
         """Climb from the best layouts of the study's sampled trials to local optima
         (`_local.py`), scoring each neighbour no trial holds yet as a trial of the study (marked
         `ATTR_LOCAL`). The climbs go best first: of the climbs not ended, the one standing on
-        the fastest layout moves next, so a search stopped at its `deadline`
-        (`time.perf_counter()` seconds) has spent its time where the optimum most likely is.
+        the fastest layout moves next, so a search stopped at its time budget (`deadline`)
+        has spent its time where the optimum most likely is.
         Where a climb steps on a layout another climb stood on, it ends (its path from there is
         known). Steepest ascent from a layout always takes the same path, so the order changes
         neither where the climbs end nor what they score (short of `MAX_STEPS`), only what is
@@ -718,7 +728,7 @@ class _Runner:
                 value[key] = t.values[0] if fits else None
                 if fits and not t.user_attrs.get(ATTR_LOCAL):
                     sampled[key] = t.values[0]
-        self.local_layouts, self.local_stopped = 0, False
+        self.local_layouts = 0
         new, climbed = 0, set()
         # (-throughput, start order, steps taken, layout): the fastest climb first
         heap = [(-sampled[k], i, 0, k) for i, k in enumerate(climb_starts(sampled))]
@@ -729,10 +739,9 @@ class _Runner:
                 continue
             climbed.add(here)
             around = index.neighbours(index.by_key[here])
-            scored, done = self._score_layouts(around, covered, value, deadline)
+            scored, done = self._score_layouts(around, covered, value)
             new += scored
             if not done:  # the budget is spent: what is scored stays in the study
-                self.local_stopped = True
                 break
             best = max(
                 (index.key(o) for o in around if value.get(index.key(o)) is not None),
@@ -746,11 +755,9 @@ class _Runner:
                 heapq.heappush(heap, (-up, i, steps + 1, best))
         return new
 
-    def _score_layouts(
-        self, layouts, covered: set, value: dict, deadline: float | None = None
-    ) -> tuple[int, bool]:
+    def _score_layouts(self, layouts, covered: set, value: dict) -> tuple[int, bool]:
         """Score every layout of `layouts` that no trial holds yet, as trials of the study, until
-        `deadline`. Returns (trials persisted, whether every layout was scored)."""
+        the time budget is spent. Returns (trials persisted, whether every layout was scored)."""
         from autosearch.core.strategy import Strategy
         from autosearch.tuning._local import layout_key
 
@@ -763,7 +770,7 @@ class _Runner:
                 params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
                 if _key(params) in covered:
                     continue
-                if deadline is not None and time.perf_counter() >= deadline:
+                if self._spent("the local search"):
                     return new, False
                 covered.add(_key(params))
                 frozen, attrs = self._score_unit(params, mark={ATTR_LOCAL: True})
@@ -906,7 +913,9 @@ def plan_search(
     the storage add per trial (`PERSIST_S`). Within `budget_s` (`TuneConfig.time_budget`; 0
     takes `EXHAUSTIVE_BUDGET_S`) and one objective, the search is exhaustive: exact, and no
     slower than the default number of sampled trials. Beyond it, with layouts as units, the
-    sampled trials are followed by the local search, which stops at the budget (`budget_s`).
+    sampled trials are followed by the local search, which stops when the search has run
+    `budget_s`. The exhaustive scan and the sampled trials run to their end: the one is exact,
+    the other reproducible from its seed; the climb is what grows with the space.
     """
     import optuna
 
@@ -964,12 +973,7 @@ def plan_search(
         estimate_s=estimate,
         budget_s=budget_s if local else 0.0,
         reason=f"sampled: {n_trials} trials"
-        + (
-            " and a local search from the best layouts"
-            + (f" within the {budget_s:g} s budget" if budget_s else "")
-            if local
-            else ""
-        )
+        + (" and a local search from the best layouts" if local else "")
         + f" ({why}; --sampler exhaustive scores them all)",
         local=local,
     )
@@ -997,10 +1001,10 @@ def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
         if plan is not None and plan.local
         else ""
     )
-    if runner.local_stopped:
+    if runner.stopped is not None:
         local += (
-            f" and stopped at the {plan.budget_s:g} s budget (the same command again goes on; "
-            "--time-budget 0 runs it to its end)"
+            f"; {runner.stopped} stopped at the {plan.budget_s:g} s time budget (the same "
+            "command again goes on; --time-budget 0 runs the search to its end)"
         )
     return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}{local}"
 
