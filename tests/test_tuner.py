@@ -362,10 +362,13 @@ def test_default_scores_every_layout_when_cheap_and_says_what_it_covered(monkeyp
     assert result.plan.startswith(f"exhaustive: every one of the {space.n_groups} layouts")
     best_tps, _ = _exhaustive_best(space)  # exact: the cost model's own optimum
     assert result.best_report.tokens_per_s == pytest.approx(best_tps, rel=1e-12)
-    # an expensive space (here: a budget nothing fits in) is sampled, and the coverage is told
+    # an expensive space (here: a budget nothing fits in; time_budget 0 takes it, and lets the
+    # climb run to its end) is sampled, and the coverage is told
     monkeypatch.setattr(study_module, "EXHAUSTIVE_BUDGET_S", 1e-9)
     monkeypatch.setattr(study_module, "CLIMB_TRIALS", 12)
-    sampled = tune(space.model, space.cluster, global_batch_size=64, space=space, seed=0)
+    sampled = tune(
+        space.model, space.cluster, global_batch_size=64, space=space, seed=0, time_budget=0
+    )
     # 12 sampled trials, then the local search from their best layouts (issue 18)
     assert sampled.plan.startswith("sampled: 12 trials and a local search from the best layouts")
     assert sampled.n_trials > 12
