@@ -82,6 +82,16 @@ ASSUMED = {
     " recipe states); Qwen3-30B ep16 pp1 moe_flex_dispatcher_backend hybridep, moe_a2a_overlap"
     " False -> DeepEP-style dispatcher. The 25.09 rows ran YAML recipes that name neither"
     " (deepseek_v3_llm_pretrain.yaml, qwen3_235b_a22b_llm_pretrain.yaml): preset defaults",
+    "Bridge 25.09 DeepSeek-V3 H100": "scripts/performance/run_script.py @fa0315ae2 (the"
+    " script the 25.09 rows ran): on h100 enable_deepep (moe_token_dispatcher_type flex,"
+    " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
+    " and delay_wgrad_compute on, moe_shared_expert_overlap off -> DeepEP dispatcher with the"
+    " EP A2A overlap",
+    "Automodel gradient accumulation": "Automodel runs each of its grad_accum local batches"
+    " as a whole pipeline schedule (recipes/llm/benchmark.py: the ga_steps loop calls"
+    " _forward_backward_step, i.e. schedule.step, once per local batch): a row with pp > 1 is"
+    " scored as one local batch (global batch / grad_accum), whose tokens/s and peak memory"
+    " the step repeats",
     "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
     " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
@@ -94,8 +104,9 @@ ASSUMED = {
     "micro batch": "blank (Model Zoo long-context rows) -> 1",
     "Kimi-K2": "DeepSeek-V3's layout with 384 experts, 64 heads, 1 dense layer, vocab 163840"
     " (moonshotai/Kimi-K2-Instruct config.json)",
-    "Automodel runtime": "PyTorch FSDP2 + TE + DeepEP -> the torchtitan preset (FSDP2, DTensor)"
-    " with TE's fused kernels (megatron-core's elementwise traffic and loss)",
+    "Automodel runtime": "PyTorch FSDP2 + TE + DeepEP -> the automodel preset (torchtitan's"
+    " torch stack with TE kernels, DeepEP, and bf16 parameters and Adam moments as its"
+    " benchmark configs build the model)",
     "model FLOPs": "rows published as model TFLOP/s without a step time are converted to"
     " tokens/s with Megatron-LM's num_floating_point_operations (causal-halved attention):"
     " ModelSpec.flops_per_token less half its attention term",
@@ -153,6 +164,9 @@ def strategy_of(row: pd.Series) -> Strategy:
         zero = 3
     precision = str(row.precision).lower()
     recompute, modules = recompute_of(row)
+    gbs = int(row.global_batch_size)
+    if str(row.id).startswith("AUTO") and pp > 1:  # ASSUMED["Automodel gradient accumulation"]
+        gbs //= _int(row.grad_accum, 1)
     return Strategy(
         dp=dp,
         tp=tp,
@@ -161,7 +175,7 @@ def strategy_of(row: pd.Series) -> Strategy:
         ep=_int(row.ep, 1),
         etp=_int(row.etp, 1),
         micro_batch_size=_int(row.micro_batch_size, 1),
-        global_batch_size=int(row.global_batch_size),
+        global_batch_size=gbs,
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
         recompute=recompute,
@@ -215,8 +229,11 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
 
 def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
     """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
-    row ran (`ASSUMED["Bridge H100 recipes"]`)."""
-    if not str(row.id).startswith("MB26") or row.gpu != "h100-sxm":
+    row ran (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09 DeepSeek-V3 H100"]`)."""
+    rid = str(row.id)
+    if rid.startswith("MB2509-DEEPSEEKV3") and row.gpu == "h100-sxm":
+        return True, True
+    if not rid.startswith("MB26") or row.gpu != "h100-sxm":
         return False, False
     model = str(row.model)
     if model.startswith("Qwen3-235B"):
@@ -230,7 +247,7 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
-    name = "torchtitan" if automodel else "megatron-core"
+    name = "automodel" if automodel else "megatron-core"
     bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
     if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
         name = "nemo"  # ASSUMED["gradient reduction"]
@@ -245,14 +262,6 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
         changes["moe_dispatcher"] = "deepep"
     if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
-    if automodel:  # ASSUMED["Automodel runtime"]: TE kernels on FSDP2
-        mc = RUNTIMES["megatron-core"]
-        changes.update(
-            elementwise_traffic=mc.elementwise_traffic,
-            compiled_elementwise_traffic=mc.compiled_elementwise_traffic,
-            loss_bytes_per_logit=mc.loss_bytes_per_logit,
-            fused_swiglu=True,
-        )
     return dataclasses.replace(rt, name=f"{name}-row", **changes) if changes else rt
 
 
