@@ -80,8 +80,10 @@ ASSUMED = {
     " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
     " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
     " recipe states); Qwen3-30B ep16 pp1 moe_flex_dispatcher_backend hybridep, moe_a2a_overlap"
-    " False -> DeepEP-style dispatcher. The 25.09 rows ran YAML recipes that name neither"
-    " (deepseek_v3_llm_pretrain.yaml, qwen3_235b_a22b_llm_pretrain.yaml): preset defaults",
+    " False -> DeepEP-style dispatcher; the 26.02 release's own preset (tag v0.3.0) for the"
+    " Qwen3-30B pp2 row: pp2 vp12, moe_flex_dispatcher_backend deepep, moe_a2a_overlap True"
+    " -> both. The 25.09 Qwen3 rows: run_script.py @fa0315ae2 applies token drop and TP comm"
+    " overlap and names no dispatcher: preset defaults",
     "Bridge 25.09 DeepSeek-V3 H100": "scripts/performance/run_script.py @fa0315ae2 (the"
     " script the 25.09 rows ran): on h100 enable_deepep (moe_token_dispatcher_type flex,"
     " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
@@ -240,6 +242,8 @@ def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
         return False, True
     if model.startswith("Qwen3-30B") and _int(row.ep, 1) == 16 and _int(row.pp, 1) == 1:
         return True, False
+    if model.startswith("Qwen3-30B") and rid.startswith("MB2602-"):
+        return True, True  # the v0.3.0 (26.02) preset: pp2 vp12, deepep, moe_a2a_overlap
     return False, False
 
 
@@ -295,10 +299,12 @@ def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
         strategy = strategy_of(row)
         published = published_tokens_per_s_per_gpu(row, model)
         runtime = runtime_of(row, runtimes)
-        report = AnalyticCostModel(model, cluster, runtime=runtime).estimate(strategy)
+        cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
+        report = cost_model.estimate(strategy)
     except (SpecError, KeyError, ValueError) as exc:
         return {**out, "expressible": False, "error": str(exc)[:300]}
     tokens = report.tokens_per_s / cluster.world_size
+    moe = _moe_seconds(cost_model, strategy)
     return {
         **out,
         "expressible": True,
@@ -312,8 +318,26 @@ def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
         "predicted_memory_gib": report.peak_memory_bytes / GiB,
         "fits": report.fits,
         "predicted_mfu": report.mfu,
+        "ambiguous": "AMBIGUOUS" in str(row.note),
         **{f"time_{k}": v for k, v in report.time._asdict().items()},
+        **moe,
         **{f"memory_{k}_gib": v / GiB for k, v in report.memory._asdict().items()},
+    }
+
+
+def _moe_seconds(cost_model: AnalyticCostModel, s: Strategy) -> dict:
+    """What the MoE layers of the slowest pipeline rank add to a step (inside the report's
+    compute and tp_comm terms): the experts' compute over a dense MLP's, the exposed
+    all-to-all, and the runtime's host floor (`moe_layer_host_s` per layer; the GPU work of a
+    shorter layer waits for it). Read from the cost model's per-layer terms
+    (`experts.layer`), for the diagnosis of a row, not a second estimate."""
+    e = cost_model._expert_layer(s)  # the cached experts.layer(s, ctx)
+    n = s.grad_accum_steps * max(cost_model._moe_ranks(s))
+    return {
+        "time_moe_experts_s": n * (e.fwd_s + e.bwd_s),
+        "time_moe_a2a_s": n * 2.0 * e.comm_fwd_s,
+        "time_moe_host_floor_s": n * e.host_s,
+        "routed_rows_per_expert": e.rows / (cost_model.model.moe.n_experts / s.ep),
     }
 
 
@@ -325,6 +349,8 @@ def summarize(table: pd.DataFrame) -> dict:
             groups[name] = {"rows": len(g), "expressible": 0}
             continue
         err = ok.throughput_error.abs()
+        clear = ok[~ok.ambiguous.astype(bool)]  # rows whose source is not flagged AMBIGUOUS
+        clear_err = clear.throughput_error.abs()
         groups[name] = {
             "rows": len(g),
             "expressible": int(ok.shape[0]),
@@ -337,6 +363,15 @@ def summarize(table: pd.DataFrame) -> dict:
             "meets_targets": bool(
                 err.mean() <= TARGET_MAPE and err.max() <= TARGET_WORST and ok.fits.all()
             ),
+            "ambiguous_rows": list(ok.id[ok.ambiguous.astype(bool)]),
+            "without_ambiguous": {
+                "rows": int(clear.shape[0]),
+                "throughput_mape": float(clear_err.mean()) if len(clear) else None,
+                "worst_error": float(clear.throughput_error[clear_err.idxmax()])
+                if len(clear)
+                else None,
+                "rows_beyond_25pct": int((clear_err > TARGET_WORST).sum()),
+            },
         }
     return groups
 
@@ -394,6 +429,12 @@ def main() -> None:
         "fits",
     ]
     print(table[table.expressible][cols].to_string(index=False, float_format="{:,.3g}".format))
+    # the predicted step of each row, term by term (seconds; the MoE columns are parts of
+    # compute and tp_comm, `_moe_seconds`)
+    parts = ["compute", "recompute", "tp_comm", "moe_a2a", "moe_host_floor", "bubble"]
+    parts += ["pp_comm", "dp_comm_exposed", "optimizer"]
+    breakdown = table[table.expressible][["id", *(f"time_{p}_s" for p in parts)]]
+    print(breakdown.rename(columns=lambda c: c.removeprefix("time_")).to_string(index=False))
     skipped = table[~table.expressible]
     for _, r in skipped.iterrows():
         print(f"not expressible: {r.id}: {r.error}")
@@ -408,6 +449,13 @@ def main() -> None:
             f"{g['worst_error']:+.1%} {g['worst_row']}, beyond 25%: "
             f"{g['rows_beyond_25pct']})  all fit: {g['all_fit']}"
         )
+        clear = g["without_ambiguous"]
+        if g["ambiguous_rows"] and clear["rows"]:
+            print(
+                f"{'':28s} without the {len(g['ambiguous_rows'])} rows flagged AMBIGUOUS: MAPE"
+                f" {clear['throughput_mape']:6.1%}, worst {clear['worst_error']:+.1%}, beyond"
+                f" 25%: {clear['rows_beyond_25pct']}"
+            )
     logo = leave_one_group_out(rows)
     for left_out, by_group in logo.items():
         for name, g in by_group.items():
