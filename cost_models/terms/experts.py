@@ -193,7 +193,8 @@ def _fp8_scaling_s(
     def casts(n: float, width: float) -> tuple[float, float]:  # n rows of an MLP of `width`
         return n * (h + width), n * (n_up * width + h)  # (inputs, output gradients)
 
-    (ei, eg), (si, sg), (di, dg) = casts(rows, f_e), casts(T, shared_width), casts(T, f)
+    (ei, eg), (di, dg) = casts(rows, f_e), casts(T, f)
+    si, sg = casts(T, shared_width) if shared_width else (0.0, 0.0)
     inputs, grads = ei + si - di, eg + sg - dg
     kernels = 2.0 if s.fp8 == "rowwise" else 1.0
     weights = 0.0  # elements of weights cast every micro-batch (none if gathered in fp8)
