@@ -99,8 +99,12 @@ ASSUMED = {
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
     " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
     " and not stated -> the runtime's moe_load_imbalance",
-    "dispatcher": "DeepEP where the row says so (Model Zoo, Automodel) -> moe_dispatcher"
-    " deepep; else the preset's (alltoall)",
+    "dispatcher": "DeepEP where the row or its recipe says so (Model Zoo, Bridge: see the"
+    " recipe entries) -> moe_dispatcher deepep; else the preset's (megatron-core alltoall,"
+    " automodel deepep)",
+    "ambiguous rows": "a row whose published figure contradicts its neighbours (same layout,"
+    " another release) with no stated cause is flagged AMBIGUOUS in moe_runs.csv's note: scored"
+    " and counted, and its group reported also without it (`without_ambiguous`)",
     "a2a overlap": "rows that turn on Megatron's EP A2A overlap (moe_a2a_overlap True,"
     " '1f1b overlap') -> the preset's moe_a2a_overlap_when_on",
     "micro batch": "blank (Model Zoo long-context rows) -> 1",
