@@ -80,22 +80,39 @@ ASSUMED = {
     " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
     " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
     " recipe states); Qwen3-30B ep16 pp1 moe_flex_dispatcher_backend hybridep, moe_a2a_overlap"
-    " False -> DeepEP-style dispatcher. The 25.09 rows ran YAML recipes that name neither"
-    " (deepseek_v3_llm_pretrain.yaml, qwen3_235b_a22b_llm_pretrain.yaml): preset defaults",
+    " False -> DeepEP-style dispatcher; the 26.02 release's own preset (tag v0.3.0) for the"
+    " Qwen3-30B pp2 row: pp2 vp12, moe_flex_dispatcher_backend deepep, moe_a2a_overlap True"
+    " -> both. The 25.09 Qwen3 rows: run_script.py @fa0315ae2 applies token drop and TP comm"
+    " overlap and names no dispatcher: preset defaults",
+    "Bridge 25.09 DeepSeek-V3 H100": "scripts/performance/run_script.py @fa0315ae2 (the"
+    " script the 25.09 rows ran): on h100 enable_deepep (moe_token_dispatcher_type flex,"
+    " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
+    " and delay_wgrad_compute on, moe_shared_expert_overlap off -> DeepEP dispatcher with the"
+    " EP A2A overlap",
+    "Automodel gradient accumulation": "Automodel runs each of its grad_accum local batches"
+    " as a whole pipeline schedule (recipes/llm/benchmark.py: the ga_steps loop calls"
+    " _forward_backward_step, i.e. schedule.step, once per local batch): a row with pp > 1 is"
+    " scored as one local batch (global batch / grad_accum), whose tokens/s and peak memory"
+    " the step repeats",
     "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
     " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
     " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
     " and not stated -> the runtime's moe_load_imbalance",
-    "dispatcher": "DeepEP where the row says so (Model Zoo, Automodel) -> moe_dispatcher"
-    " deepep; else the preset's (alltoall)",
+    "dispatcher": "DeepEP where the row or its recipe says so (Model Zoo, Bridge: see the"
+    " recipe entries) -> moe_dispatcher deepep; else the preset's (megatron-core alltoall,"
+    " automodel deepep)",
+    "ambiguous rows": "a row whose published figure contradicts its neighbours (same layout,"
+    " another release) with no stated cause is flagged AMBIGUOUS in moe_runs.csv's note: scored"
+    " and counted, and its group reported also without it (`without_ambiguous`)",
     "a2a overlap": "rows that turn on Megatron's EP A2A overlap (moe_a2a_overlap True,"
     " '1f1b overlap') -> the preset's moe_a2a_overlap_when_on",
     "micro batch": "blank (Model Zoo long-context rows) -> 1",
     "Kimi-K2": "DeepSeek-V3's layout with 384 experts, 64 heads, 1 dense layer, vocab 163840"
     " (moonshotai/Kimi-K2-Instruct config.json)",
-    "Automodel runtime": "PyTorch FSDP2 + TE + DeepEP -> the torchtitan preset (FSDP2, DTensor)"
-    " with TE's fused kernels (megatron-core's elementwise traffic and loss)",
+    "Automodel runtime": "PyTorch FSDP2 + TE + DeepEP -> the automodel preset (torchtitan's"
+    " torch stack with TE kernels, DeepEP, and bf16 parameters and Adam moments as its"
+    " benchmark configs build the model)",
     "model FLOPs": "rows published as model TFLOP/s without a step time are converted to"
     " tokens/s with Megatron-LM's num_floating_point_operations (causal-halved attention):"
     " ModelSpec.flops_per_token less half its attention term",
@@ -153,6 +170,9 @@ def strategy_of(row: pd.Series) -> Strategy:
         zero = 3
     precision = str(row.precision).lower()
     recompute, modules = recompute_of(row)
+    gbs = int(row.global_batch_size)
+    if str(row.id).startswith("AUTO") and pp > 1:  # ASSUMED["Automodel gradient accumulation"]
+        gbs //= _int(row.grad_accum, 1)
     return Strategy(
         dp=dp,
         tp=tp,
@@ -161,7 +181,7 @@ def strategy_of(row: pd.Series) -> Strategy:
         ep=_int(row.ep, 1),
         etp=_int(row.etp, 1),
         micro_batch_size=_int(row.micro_batch_size, 1),
-        global_batch_size=int(row.global_batch_size),
+        global_batch_size=gbs,
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
         recompute=recompute,
@@ -215,14 +235,19 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
 
 def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
     """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
-    row ran (`ASSUMED["Bridge H100 recipes"]`)."""
-    if not str(row.id).startswith("MB26") or row.gpu != "h100-sxm":
+    row ran (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09 DeepSeek-V3 H100"]`)."""
+    rid = str(row.id)
+    if rid.startswith("MB2509-DEEPSEEKV3") and row.gpu == "h100-sxm":
+        return True, True
+    if not rid.startswith("MB26") or row.gpu != "h100-sxm":
         return False, False
     model = str(row.model)
     if model.startswith("Qwen3-235B"):
         return False, True
     if model.startswith("Qwen3-30B") and _int(row.ep, 1) == 16 and _int(row.pp, 1) == 1:
         return True, False
+    if model.startswith("Qwen3-30B") and rid.startswith("MB2602-"):
+        return True, True  # the v0.3.0 (26.02) preset: pp2 vp12, deepep, moe_a2a_overlap
     return False, False
 
 
@@ -230,7 +255,7 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
-    name = "torchtitan" if automodel else "megatron-core"
+    name = "automodel" if automodel else "megatron-core"
     bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
     if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
         name = "nemo"  # ASSUMED["gradient reduction"]
@@ -245,14 +270,6 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
         changes["moe_dispatcher"] = "deepep"
     if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
-    if automodel:  # ASSUMED["Automodel runtime"]: TE kernels on FSDP2
-        mc = RUNTIMES["megatron-core"]
-        changes.update(
-            elementwise_traffic=mc.elementwise_traffic,
-            compiled_elementwise_traffic=mc.compiled_elementwise_traffic,
-            loss_bytes_per_logit=mc.loss_bytes_per_logit,
-            fused_swiglu=True,
-        )
     return dataclasses.replace(rt, name=f"{name}-row", **changes) if changes else rt
 
 
@@ -286,10 +303,12 @@ def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
         strategy = strategy_of(row)
         published = published_tokens_per_s_per_gpu(row, model)
         runtime = runtime_of(row, runtimes)
-        report = AnalyticCostModel(model, cluster, runtime=runtime).estimate(strategy)
+        cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
+        report = cost_model.estimate(strategy)
     except (SpecError, KeyError, ValueError) as exc:
         return {**out, "expressible": False, "error": str(exc)[:300]}
     tokens = report.tokens_per_s / cluster.world_size
+    moe = _moe_seconds(cost_model, strategy)
     return {
         **out,
         "expressible": True,
@@ -303,8 +322,26 @@ def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
         "predicted_memory_gib": report.peak_memory_bytes / GiB,
         "fits": report.fits,
         "predicted_mfu": report.mfu,
+        "ambiguous": "AMBIGUOUS" in str(row.note),
         **{f"time_{k}": v for k, v in report.time._asdict().items()},
+        **moe,
         **{f"memory_{k}_gib": v / GiB for k, v in report.memory._asdict().items()},
+    }
+
+
+def _moe_seconds(cost_model: AnalyticCostModel, s: Strategy) -> dict:
+    """What the MoE layers of the slowest pipeline rank add to a step (inside the report's
+    compute and tp_comm terms): the experts' compute over a dense MLP's, the exposed
+    all-to-all, and the runtime's host floor (`moe_layer_host_s` per layer; the GPU work of a
+    shorter layer waits for it). Read from the cost model's per-layer terms
+    (`experts.layer`), for the diagnosis of a row, not a second estimate."""
+    e = cost_model._expert_layer(s)  # the cached experts.layer(s, ctx)
+    n = s.grad_accum_steps * max(cost_model._moe_ranks(s))
+    return {
+        "time_moe_experts_s": n * (e.fwd_s + e.bwd_s),
+        "time_moe_a2a_s": n * 2.0 * e.comm_fwd_s,
+        "time_moe_host_floor_s": n * e.host_s,
+        "routed_rows_per_expert": e.rows / (cost_model.model.moe.n_experts / s.ep),
     }
 
 
@@ -316,6 +353,8 @@ def summarize(table: pd.DataFrame) -> dict:
             groups[name] = {"rows": len(g), "expressible": 0}
             continue
         err = ok.throughput_error.abs()
+        clear = ok[~ok.ambiguous.astype(bool)]  # rows whose source is not flagged AMBIGUOUS
+        clear_err = clear.throughput_error.abs()
         groups[name] = {
             "rows": len(g),
             "expressible": int(ok.shape[0]),
@@ -328,6 +367,15 @@ def summarize(table: pd.DataFrame) -> dict:
             "meets_targets": bool(
                 err.mean() <= TARGET_MAPE and err.max() <= TARGET_WORST and ok.fits.all()
             ),
+            "ambiguous_rows": list(ok.id[ok.ambiguous.astype(bool)]),
+            "without_ambiguous": {
+                "rows": int(clear.shape[0]),
+                "throughput_mape": float(clear_err.mean()) if len(clear) else None,
+                "worst_error": float(clear.throughput_error[clear_err.idxmax()])
+                if len(clear)
+                else None,
+                "rows_beyond_25pct": int((clear_err > TARGET_WORST).sum()),
+            },
         }
     return groups
 
@@ -385,6 +433,12 @@ def main() -> None:
         "fits",
     ]
     print(table[table.expressible][cols].to_string(index=False, float_format="{:,.3g}".format))
+    # the predicted step of each row, term by term (seconds; the MoE columns are parts of
+    # compute and tp_comm, `_moe_seconds`)
+    parts = ["compute", "recompute", "tp_comm", "moe_a2a", "moe_host_floor", "bubble"]
+    parts += ["pp_comm", "dp_comm_exposed", "optimizer"]
+    breakdown = table[table.expressible][["id", *(f"time_{p}_s" for p in parts)]]
+    print(breakdown.rename(columns=lambda c: c.removeprefix("time_")).to_string(index=False))
     skipped = table[~table.expressible]
     for _, r in skipped.iterrows():
         print(f"not expressible: {r.id}: {r.error}")
@@ -399,6 +453,13 @@ def main() -> None:
             f"{g['worst_error']:+.1%} {g['worst_row']}, beyond 25%: "
             f"{g['rows_beyond_25pct']})  all fit: {g['all_fit']}"
         )
+        clear = g["without_ambiguous"]
+        if g["ambiguous_rows"] and clear["rows"]:
+            print(
+                f"{'':28s} without the {len(g['ambiguous_rows'])} rows flagged AMBIGUOUS: MAPE"
+                f" {clear['throughput_mape']:6.1%}, worst {clear['worst_error']:+.1%}, beyond"
+                f" 25%: {clear['rows_beyond_25pct']}"
+            )
     logo = leave_one_group_out(rows)
     for left_out, by_group in logo.items():
         for name, g in by_group.items():

@@ -1,7 +1,8 @@
 """What `tune` picks for mixture-of-experts models (issue 19 item 8): DeepSeek-V3 (671B) and
-Qwen3-235B-A22B on 256 and 1,024 H100s at sequence 4,096, under megatron-core and torchtitan,
-next to the published configurations of the same model on the same GPUs
-(benchmarks/reference/moe_runs.csv) scored by the same cost model.
+Qwen3-235B-A22B on 256 and 1,024 H100s at sequence 4,096, under megatron-core and torchtitan
+(and NeMo Automodel, whose DeepSeek-V3 layout is one of the published ones), next to the
+published configurations of the same model on the same GPUs (benchmarks/reference/moe_runs.csv)
+scored by the same cost model.
 
 Run: python benchmarks/picks_moe.py   (writes results/picks_moe.json)
 """
@@ -54,7 +55,7 @@ CASES = [
         "pipeline_schedule=interleaved_1f1b,virtual_stages=4,zero_stage=1",
     ),
 ]
-RUNTIMES = ("megatron-core", "torchtitan")
+RUNTIMES = ("megatron-core", "torchtitan", "automodel")
 
 
 def main() -> None:

@@ -124,6 +124,12 @@ class RuntimeOptions:
             (Megatron-Core 0.13+: ``activation_func_with_probs``), so the combine is a plain
             scatter that keeps no copy of the experts' output for backward; False: they
             multiply the experts' output at the combine, which keeps it.
+        param_bytes: bytes per element of the parameters the runtime keeps between steps when
+            it keeps no separate master copy (not `low_precision_params`): 4 for fp32; 2 when
+            the model is built in bf16 and trained by ``torch.optim`` as is, whose Adam moments
+            then take the parameters' dtype too (NeMo Automodel's ``model.torch_dtype``).
+            Gradients accumulated unsharded over micro-batches stay in the fp32 reduce dtype
+            (FSDP2 upcasts them to ``reduce_dtype``).
         allocator_reserve_fraction: memory the caching allocator reserves beyond the live
             tensors at the peak (fragmentation), as a fraction of them.
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
@@ -167,6 +173,7 @@ class RuntimeOptions:
     fp8_all_gather: bool = False
     fp8_saves_fp8_inputs: bool = False
     fused_swiglu: bool = False
+    param_bytes: int = 4
     allocator_reserve_fraction: float = 0.0
     moe_load_imbalance: float = 1.0
     moe_dispatcher: str = "alltoall"

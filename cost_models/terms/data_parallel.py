@@ -154,16 +154,19 @@ def cost(
     # fp32 parameters, gradients and Adam moments (4 + 4 + 8 bytes); 16-bit copies of the
     # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
     # the compute dtype and reduces in fp32.
-    copies = psi * ab if ab < 4 else 0.0
+    # (`param_bytes`: a runtime that trains bf16 parameters as they are keeps them, their
+    # gradients and the Adam moments in bf16, 2 + 2 + 4 bytes)
+    pb = rt.param_bytes
+    copies = psi * ab if ab < pb else 0.0
     mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
-    optimizer_bytes = tr * 8 / d if mode.shards_optimizer else tr * 8
+    optimizer_bytes = tr * 2 * pb / d if mode.shards_optimizer else tr * 2 * pb
     if mode.wrapper == "none":
-        return DataParallelCost(0.0, psi * 4 + copies, tr * 4, tr * 8)
+        return DataParallelCost(0.0, psi * pb + copies, tr * pb, tr * 2 * pb)
     if not mode.shards_params:  # DDP, or replicate-only FSDP2: one all-reduce, last micro-batch
         comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         if mode.broadcasts_params_after_step:  # ZeroRedundancyOptimizer: updated fp32 params
-            comm += all_gather_s(ctx, tr * 4, d, stride)
-        return DataParallelCost(comm, psi * 4 + copies, tr * 4, optimizer_bytes)
+            comm += all_gather_s(ctx, tr * pb, d, stride)
+        return DataParallelCost(comm, psi * pb + copies, tr * pb, optimizer_bytes)
     # FSDP2: parameters gathered per micro-batch (or once per step under pipelining), again
     # for backward with ZeRO-3; gradients reduce-scattered per micro-batch, or accumulated
     # unsharded in fp32 and reduced once per step.
@@ -172,8 +175,8 @@ def cost(
     two_layers_live = mode.reshard_after_forward and p == 1
     per_param = gathered_param_bytes / psi if psi else gather_bytes
     gathered = 2 * layer_params * per_param if two_layers_live else gathered_param_bytes
-    params_mem = psi * 4 / d + gathered
-    grads_mem = tr * 4 if (m > 1 and mode.grads_accumulate_unsharded) else tr * 4 / d
+    params_mem = psi * pb / d + gathered
+    grads_mem = tr * 4 if (m > 1 and mode.grads_accumulate_unsharded) else tr * pb / d
     n_gathers = m if mode.gathers_every_microbatch else 1
     comm = n_gathers * exposed(ag, fwd_window)
     if mode.reshard_after_forward:  # FSDP1 BACKWARD_POST: the backward gather is not hidden

@@ -128,11 +128,13 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     gemms = router + expert_gemm + shared_gemm - dense_gemm
     elem = router_elem + permute + expert_elem + shared_elem - dense_elem
     bof = gemm.backward_over_forward
-    fwd = gemms + elem
-    bwd = bof * gemms + 2.0 * elem
+    fp8_fwd, fp8_bwd = _fp8_scaling_s(s, ctx, rows * imbalance, f_e, shared_width)
+    fwd = gemms + elem + fp8_fwd
+    bwd = bof * gemms + 2.0 * elem + fp8_bwd
     # selective op recompute repeats the gate projection of a gated MLP (w3: half of fc1, a
     # third of the MLP's GEMMs), as the dense one
-    op_recompute = elem + ((expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0)
+    op_recompute = elem + fp8_fwd
+    op_recompute += (expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0
     comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
     names = modules(s)
     if not names:
@@ -153,7 +155,7 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     moe_s = 0.0
     if "moe" in names:
         moe_s = router + router_elem + permute + expert_gemm + expert_elem
-        moe_s += shared_gemm + shared_elem
+        moe_s += shared_gemm + shared_elem + max(fp8_fwd, 0.0)
     else:
         moe_s = (expert_elem if "moe_act" in names else 0.0) + (
             shared_gemm + shared_elem if "shared_experts" in names else 0.0
@@ -170,6 +172,38 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
         modules_comm=1.0 if "moe" in names else 0.0,
         dense_modules_s=norms + up + dense_mlp,
     )
+
+
+def _fp8_scaling_s(
+    s: "Strategy", ctx: Context, rows: float, f_e: float, shared_width: float
+) -> tuple[float, float]:
+    """(forward s, backward s) of the float8 scaling a MoE layer's MLP adds over the dense
+    MLP's, which `compute._fp8_scaling` counts: the same amax and cast of each linear's input
+    (forward) and output gradient (backward, two layouts), and of the weights unless they are
+    gathered in fp8, for the routed experts at their `rows` (the busiest rank's) and width
+    `f_e`, and for the shared experts, less the dense MLP's at T tokens and ffn / tp."""
+    if s.fp8 == "none":
+        return 0.0, 0.0
+    m, rt, moe = ctx.model, ctx.runtime, ctx.model.moe
+    assert moe is not None
+    x = layer_shape(s, ctx)
+    h, T, ab, n_up, f = m.hidden_size, x.T, x.ab, x.n_up, m.ffn_hidden_size / x.t
+    elementwise = elementwise_s(ctx, x)
+
+    def casts(n: float, width: float) -> tuple[float, float]:  # n rows of an MLP of `width`
+        return n * (h + width), n * (n_up * width + h)  # (inputs, output gradients)
+
+    (ei, eg), (di, dg) = casts(rows, f_e), casts(T, f)
+    si, sg = casts(T, shared_width) if shared_width else (0.0, 0.0)
+    inputs, grads = ei + si - di, eg + sg - dg
+    kernels = 2.0 if s.fp8 == "rowwise" else 1.0
+    weights = 0.0  # elements of weights cast every micro-batch (none if gathered in fp8)
+    if not (rt.fp8_all_gather and s.fp8 == "tensorwise"):
+        local = moe.n_experts / s.ep
+        weights = m.n_ffn_matrices * h * (local * f_e + shared_width - f)
+    fwd = kernels * elementwise(inputs * (ab + ab + 1)) + elementwise(weights * 5)
+    bwd = kernels * elementwise(grads * (ab + 2 * (ab + 1)) + inputs * (ab + 1))
+    return fwd, bwd + elementwise(weights * 5)
 
 
 def modules(s: "Strategy") -> tuple[str, ...]:
