@@ -1,8 +1,10 @@
 """Memory bands by kind of run: how far a run's measured peak memory lies above the prediction.
 
 Evidence: the published torchtitan runs with their memory (results/fidelity_modern.csv, max
-reserved memory, `benchmarks/fidelity_modern.py`) and the Engine's runs on this machine
-(results/fidelity_local.csv, live tensor memory, `benchmarks/fidelity_local.py`). Each run gives
+reserved memory, `benchmarks/fidelity_modern.py`), the Engine's runs on this machine
+(results/fidelity_local.csv, live tensor memory, `benchmarks/fidelity_local.py`) and on GPUs
+(results/gpu/*/measured_vs_predicted.csv, `torch.cuda.max_memory_allocated` against the
+predicted tensor memory, `benchmarks/gpu_check.py`). Each run gives
 q = measured / predicted peak memory; runs are grouped by kind (the runtime's framework and the
 device type) and each group's q at the upper end of the same split-conformal 90% interval the
 step-time bands use (`autosearch.core.bands.conformal_band`) is written to
@@ -28,6 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "cost_models" / "memory_bands.yaml"
 MODERN = ROOT / "results" / "fidelity_modern.csv"
 LOCAL = ROOT / "results" / "fidelity_local.csv"
+GPU_RUNS = [  # a GPU machine each (not the CPU dry run of the script)
+    p
+    for p in sorted((ROOT / "results" / "gpu").glob("*/measured_vs_predicted.csv"))
+    if p.parent.name != "dry-run"
+]
 
 
 def evidence() -> list[tuple[tuple[str, str], float, str]]:
@@ -42,6 +49,11 @@ def evidence() -> list[tuple[tuple[str, str], float, str]]:
     for _, row in local[local.status == "ok"].iterrows():
         ratio = row.measured_peak_memory_bytes / row.predicted_peak_memory_bytes
         out.append((("torch", str(row.device)), ratio, f"local {row.strategy}"))
+    for path in GPU_RUNS:  # the GPU check's runs, against the catalog profile of their GPU
+        gpu = pd.read_csv(path)
+        for _, row in gpu[gpu.status == "ok"].iterrows():
+            ratio = row.measured_peak_memory_bytes / row.catalog_tensor_memory_bytes
+            out.append((("torch", "cuda"), ratio, f"{path.parent.name} {row.strategy}"))
     return out
 
 

@@ -53,12 +53,14 @@ def test_the_margin_comes_from_the_kind_of_run_or_the_nearest_evidence():
     high = {(k["runtime"], k["device"]): k["high"] for k in memory_bands()}
     assert tt.fraction == pytest.approx(1 - 1 / high[("torchtitan", "cuda")])
     assert "measured torchtitan runs on cuda" in tt.why
-    # the Engine on a GPU has no measured run: the widest band measured on GPUs
+    # the Engine on a GPU: its own runs (benchmarks/gpu_check.py, results/gpu/h200)
     torch_gpu = memory_margin("torch", h100)
-    assert (
-        torch_gpu.fraction == pytest.approx(tt.fraction)
-        and "no measured torch run" in torch_gpu.why
-    )
+    assert torch_gpu.fraction == pytest.approx(1 - 1 / high[("torch", "cuda")])
+    assert "measured torch runs on cuda" in torch_gpu.why
+    # a runtime with no measured run on a device takes the widest band measured there
+    widest = max(h for (_, device), h in high.items() if device == "cuda")
+    mcore = memory_margin("megatron-core", h100)
+    assert mcore.fraction == pytest.approx(1 - 1 / widest) and "no measured" in mcore.why
     # the Engine on this machine has its own runs
     assert memory_margin("torch", cpu).fraction == pytest.approx(1 - 1 / high[("torch", "cpu")])
     # a dated preset is evidence for its framework, and the flag overrides everything
@@ -126,9 +128,11 @@ def test_the_readme_main_job_picks_a_strategy_that_fits_with_the_margin():
         TuneConfig(model="llama3-70b", cluster="h100-sxm:32x8", global_batch_size=512, seed=0)
     )
     r = result.best_report
-    # the Engine has no measured run on a GPU: it takes the widest CUDA band (torchtitan's)
-    widest = max(k["high"] for k in memory_bands() if k["device"] == "cuda")
-    assert r.memory_margin_bytes == pytest.approx((1 - 1 / widest) * r.memory_capacity_bytes)
+    # the Engine's own band on a GPU (its runs on one H200, results/gpu/h200)
+    (band,) = [
+        k["high"] for k in memory_bands() if (k["runtime"], k["device"]) == ("torch", "cuda")
+    ]
+    assert r.memory_margin_bytes == pytest.approx((1 - 1 / band) * r.memory_capacity_bytes)
     assert r.memory_margin_bytes > 0.05 * r.memory_capacity_bytes
     assert r.peak_memory_bytes <= r.memory_capacity_bytes - r.memory_margin_bytes
     old = Strategy.parse("dp=64,tp=4,sequence_parallel=true,zero_stage=3,global_batch_size=512")
