@@ -70,6 +70,31 @@ def dry_model():
     return ModelSpec.load("tiny-gpt").scaled(name="tiny-check", n_layers=2, seq_len=64)
 
 
+def large_model():
+    """Llama 3 8B's layer and vocabulary at 4 layers and 4,096 tokens: ~1.9 B parameters (half
+    of them the 128k embedding and output), the GEMM sizes of the models people train."""
+    from autosearch import ModelSpec
+
+    return ModelSpec.load("llama3-8b").scaled(name="llama3-8b-4l-check", n_layers=4, seq_len=4096)
+
+
+def large_strategies() -> list:
+    """8 strategies of 8 sequences on one GPU: micro-batches, recompute kinds, compile, float8."""
+    from autosearch import Strategy
+
+    one = lambda **kw: Strategy(global_batch_size=8, amp="bf16", **kw)  # noqa: E731
+    return [
+        one(micro_batch_size=1),
+        one(micro_batch_size=2),
+        one(micro_batch_size=4),
+        one(micro_batch_size=4, recompute="full"),
+        one(micro_batch_size=2, recompute="selective_op"),
+        one(micro_batch_size=2, compile=True),
+        one(micro_batch_size=2, compile=True, fp8="tensorwise"),
+        one(micro_batch_size=4, compile=True, recompute="selective_op"),
+    ]
+
+
 def strategies(n_devices: int, *, dry: bool) -> list:
     """At least 8 strategies on one device, and parallel ones over 2 and 4 when present."""
     from autosearch import Strategy
@@ -181,15 +206,15 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def train_stage(out: Path, *, dry: bool, profile: str) -> None:
+def train_stage(out: Path, *, dry: bool, profile: str, large: bool = False) -> None:
     """Stage 4, in its own process: the strategies through `autosearch validate`."""
     import torch
 
     from autosearch.validation import validate
 
     n = torch.cuda.device_count() if torch.cuda.is_available() and not dry else (2 if dry else 1)
-    model = dry_model() if dry else gpu_model()
-    cands = strategies(n, dry=dry)
+    model = dry_model() if dry else large_model() if large else gpu_model()
+    cands = large_strategies() if large and not dry else strategies(n, dry=dry)
     result = validate(
         model,
         cands,
@@ -353,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every stage on CPU, tiny shapes")
     p.add_argument("--out", help="output folder (default results/gpu, or results/gpu/dry-run)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    p.add_argument(
+        "--large", action="store_true", help="train Llama 3 8B's layers (4 of them) instead"
+    )
     p.add_argument("--_stage", help=argparse.SUPPRESS)  # run one stage in this process
     p.add_argument("--_profile", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -361,14 +389,16 @@ def main(argv: list[str] | None = None) -> int:
         env_stage(out)
         return 0
     if args._stage == "train":
-        train_stage(out, dry=args.dry_run, profile=args._profile)
+        train_stage(out, dry=args.dry_run, profile=args._profile, large=args.large)
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
     dry, skip = args.dry_run, set(filter(None, args.skip.split(",")))
     timeouts = DRY_TIMEOUTS if dry else TIMEOUTS
     py, me = sys.executable, [sys.executable, str(Path(__file__).resolve())]
-    flags = ["--out", str(out)] + (["--dry-run"] if dry else [])
+    flags = (
+        ["--out", str(out)] + (["--dry-run"] if dry else []) + (["--large"] if args.large else [])
+    )
     stages: list[dict[str, Any]] = []
 
     def stage(name: str, cmd: list[str]) -> dict[str, Any]:
