@@ -59,8 +59,13 @@ AUX_LOSS_COEF = 1e-2
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on `output` whose backward also sends gradient 1 to `aux_loss` (a scalar already
-    multiplied by its coefficient): ``loss + aux_loss`` without touching the loss function."""
+    """Identity on `output` whose backward also sends gradient `loss_scale` to `aux_loss` (a
+    scalar already multiplied by its coefficient): ``loss + aux_loss`` without touching the loss
+    function. Under fp16 the Trainer sets `loss_scale` to the loss scaler's scale before each
+    step, so the auxiliary loss is scaled as the main loss is (Megatron-Core's
+    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+
+    loss_scale = 1.0
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -70,7 +75,7 @@ class AuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss)
+        return grad_output, torch.full_like(aux_loss, AuxLoss.loss_scale)
 
 
 class AllToAll(torch.autograd.Function):
@@ -321,21 +326,12 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 
 def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
-    """Why the Engine cannot run `strategy`'s expert parallelism (or fp16) on `model`'s MoE
+    """Why the Engine cannot run `strategy`'s expert parallelism on `model`'s MoE
     layers (empty when it can); the layout rules shared with the cost model are
     `Strategy.problems`'."""
     ep, etp = getattr(strategy, "ep", 1), getattr(strategy, "etp", 1)
     layers = moe_layers(model)
-    out = []
-    aux = any(m.aux_loss_coef > 0 for m in layers) or bool(
-        getattr(model, "router_aux_loss_coef", 0.0)
-    )
-    if strategy.amp == "fp16" and aux:
-        out.append(
-            "amp=fp16 with a mixture-of-experts auxiliary loss: the fp16 loss scaler does not "
-            "scale the auxiliary loss's gradient (it joins in the MoE layers' backward); use "
-            "amp=bf16 or fp32"
-        )
+    out: list[str] = []
     if ep == 1 and etp == 1:
         return out
     if not layers:
@@ -354,11 +350,6 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
             f"ep={ep} must divide dp*cp = {strategy.dp}*{strategy.cp} in the Engine "
             "(expert-parallel groups are taken from the data- and context-parallel ranks, as "
             "torchtitan does; the tp ranks route the same tokens); use an ep that divides it"
-        )
-    if strategy.zero_stage == 1 and strategy.tp == 1 and strategy.pp == 1:
-        out.append(
-            f"ep={ep} with zero_stage=1 and tp=pp=1 runs ZeroRedundancyOptimizer, which would "
-            "broadcast one rank's experts over another's; use zero_stage 0, 2 or 3"
         )
     for layer in layers:
         if layer.n_experts % ep:
@@ -405,13 +396,18 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
 
 def shard_experts(module: nn.Module, **fsdp) -> None:
     """FSDP2 over edp for every expert-parallel MoE layer's experts, gradients divided by
-    dp x cp, before the blocks are sharded over dp (which then leave the experts alone)."""
+    dp x cp, before the blocks are sharded over dp (which then leave the experts alone).
+
+    FSDP2 divides by a factor other than the group size inside the reduce-scatter
+    (``PREMUL_SUM``), which gloo lacks: there it sums and divides after."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in moe_layers(module):
         if layer.edp_mesh is not None:
             sharded = fully_shard(layer.experts, mesh=layer.edp_mesh, **fsdp)
             sharded.set_gradient_divide_factor(float(layer.grad_divide))
+            if dist.get_backend(layer.edp_mesh.get_group()) == "gloo":
+                sharded.set_force_sum_reduction_for_comms(True)
 
 
 def expert_param_names(module: nn.Module) -> list[str]:

@@ -42,6 +42,7 @@ class DataParallelCost(NamedTuple):
     "micro_batch_size",
     "amp",
     "fp8",
+    "ep",
 )
 def cost(
     s: "Strategy",
@@ -155,7 +156,7 @@ def cost(
     # parameters while computing (autocast, or FSDP2's MixedPrecisionPolicy); FSDP2 gathers in
     # the compute dtype and reduces in fp32.
     copies = psi * ab if ab < 4 else 0.0
-    mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
+    mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p, ep=s.ep)
     optimizer_bytes = tr * 8 / d if mode.shards_optimizer else tr * 8
     if mode.wrapper == "none":
         return DataParallelCost(0.0, psi * 4 + copies, tr * 4, tr * 8)
