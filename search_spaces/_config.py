@@ -57,6 +57,7 @@ _BOUNDS: dict[str, Any] = {
     "max_virtual_stages": None,
     "uneven_pipeline": False,
     "ep_over_tp": False,
+    "etp_below_tp": False,
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 # "Every value the runtime runs here": the dimensions a runtime may lack (those with features),
@@ -66,6 +67,7 @@ _RUNTIME_DIMS = tuple(n for n, d in _DIMS.items() if d.features)
 _FEATURE_BOUNDS = {
     "uneven_pipeline": ("uneven_pp", "split layers unevenly"),
     "ep_over_tp": ("ep_over_tp", "run expert-parallel groups over tensor-parallel ranks"),
+    "etp_below_tp": ("etp_below_tp", "split experts over fewer ranks than tp"),
 }
 _RUNTIME_KEYS = (*_RUNTIME_DIMS, *_FEATURE_BOUNDS)
 # Context parallel splits the sequence; it pays for its K/V exchange only on long sequences.
@@ -95,6 +97,8 @@ class SpaceConfig:
         ep_over_tp: allow expert-parallel degrees that take tensor-parallel ranks (ep not
             dividing dp x cp: Megatron-Core's folding and torchtitan's etp=1 do; the Engine's
             experts fold only the data- and context-parallel ranks).
+        etp_below_tp: allow expert-tensor-parallel degrees between 1 and tp (Megatron-Core
+            does; torchtitan and the Engine split experts over all tp ranks or none).
         **dimensions: the allowed values of each dimension (defaults: the registry's, e.g. every
             dp, tp, pp, micro-batch; cp 1, fp8 none, compile and async TP off), each kept only
             where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
@@ -259,6 +263,7 @@ def runtime_problems(
     cluster: "Cluster",
     ep_over_tp: bool = False,
     model: "ModelSpec | None" = None,
+    etp_below_tp: bool = False,
 ) -> list[str]:
     """What a space asks that `runtime` cannot run on the cluster's device (for `model`, where
     given), one message per dimension naming a runtime that runs it: `choices` are the values
@@ -282,7 +287,11 @@ def runtime_problems(
             f"keep {name} to {_fmt_values([_DIMS[name].default])} (a pin, or the space file)"
         )
         out.append(f"{name} {_fmt_values(bad)}: {why}; {hint}")
-    bounds = {"uneven_pipeline": uneven_pipeline, "ep_over_tp": ep_over_tp}
+    bounds = {
+        "uneven_pipeline": uneven_pipeline,
+        "ep_over_tp": ep_over_tp,
+        "etp_below_tp": etp_below_tp,
+    }
     for bound, (feature, does) in _FEATURE_BOUNDS.items():
         if bounds[bound] is True and feature not in rt.supports:
             out.append(

@@ -214,7 +214,7 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
 @pytest.mark.parametrize(
     "strategy, model, message",
     [
-        ("dp=4,ep=4,etp=2,tp=2", "moe", "etp=1"),
+        ("dp=2,ep=2,etp=2,tp=4", "moe", "set etp=4 or 1"),
         ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp*cp = 2*1"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
     ],
@@ -259,10 +259,10 @@ def test_a_transformers_moe_model_keeps_its_weights_logits_and_aux_loss(kind):
     assert (
         float(ref.aux_loss.detach()) > 1.0
     )  # top-2 of 4: transformers' f sums to k, so balanced is 2
-    with pytest.raises(SpecError, match="tp=2: the Engine runs a transformers"):
+    with pytest.raises(SpecError, match="pp=2: the Engine runs a transformers"):
         from autosearch.engine.hf import moe_problems
 
-        raise SpecError(moe_problems(wrapped, Strategy.parse("tp=2"))[0])
+        raise SpecError(moe_problems(wrapped, Strategy.parse("pp=2"))[0])
 
 
 @pytest.mark.slow

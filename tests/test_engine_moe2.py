@@ -28,6 +28,15 @@ WORLD4 = {
     "dp4_ep4_zero1": (f"dp=4,ep=4,zero_stage=1,{B1}", "moe"),  # edp = 1: experts whole
     # fp16 autocast with the loss scaler: the aux loss's gradient is scaled as the loss's
     "dp4_ep2_fp16": (f"dp=4,ep=2,{B1.replace('fp32', 'fp16')}", "moe_fp16"),
+    # expert tensor parallel (etp = tp): each expert's width split over the tp ranks
+    "dp2_tp2_ep2_etp2": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe"),
+    "dp2_tp2_ep2_etp2_sp_zero3": (
+        f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
+        "moe",
+    ),
+    # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
+    "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
+    "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
 }
 
 
@@ -37,6 +46,7 @@ def references():
     return {
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
+        **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
     }
 
 

@@ -300,7 +300,15 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="etp",
         label=_degree_label("etp"),
         label_rank=36,
-        features=(Feature("etp", lambda v: v > 1, lambda v: f"etp={v} (expert tensor parallel)"),),
+        features=(
+            Feature("etp", lambda v: v > 1, lambda v: f"etp={v} (expert tensor parallel)"),
+            Feature(
+                "etp_below_tp",
+                lambda s: 1 < s.etp < s.tp,
+                lambda s: f"etp={s.etp} below tp={s.tp} (experts split over some tp ranks)",
+                of_strategy=True,
+            ),
+        ),
         exports={
             "megatron": "--expert-tensor-parallel-size",
             "torchtitan": "parallelism.expert_tensor_parallel_degree",

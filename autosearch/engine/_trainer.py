@@ -263,7 +263,7 @@ class Trainer:
         self.last_grad_norm = None
         if self.tied is not None:
             self.tied.sync_grads()
-        if self.strategy.ep > 1 and self.dims.mode.wrapper == "ddp":
+        if (self.strategy.ep > 1 or self.strategy.etp > 1) and self.dims.mode.wrapper == "ddp":
             from autosearch.engine.moe import reduce_expert_grads
 
             reduce_expert_grads(self.model_parts)  # DDP leaves the expert-parallel weights

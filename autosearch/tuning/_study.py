@@ -1133,6 +1133,7 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         cluster=cluster,
         ep_over_tp=resolved.ep_over_tp,
         model=model,
+        etp_below_tp=resolved.etp_below_tp,
     )
     if problems:
         raise SpecError(problems, context="the search space asks what the runtime cannot run")
