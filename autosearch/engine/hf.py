@@ -309,8 +309,8 @@ class HFCausalLM(nn.Module):
             layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
             # Qwen3's per-head RMSNorms see this rank's heads (dim 2 of [b, s, heads, d]): a
             # replicated weight whose gradient is summed over tp (torchtitan's Qwen3 plan)
-            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2),
-            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2),
+            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             layer + "mlp.gate_proj": ColwiseParallel(),
             layer + "mlp.up_proj": ColwiseParallel(),
             layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
