@@ -1,8 +1,12 @@
-"""LoRA under tensor parallelism is a runtime feature (``lora_tp``, declared on the tp dimension
-in autosearch/core/dimensions.py): Megatron-Core (NeMo / Megatron-Bridge) splits the adapters
-over tp as their base linears; the Engine's peft layers wrap the nn.Linear its tp plan shards,
-so the torch preset lacks it. The search never proposes what the runtime lacks, and a pin or a
-strategy asking for it is refused naming a runtime that runs it."""
+"""Runtime features declared with their dimensions (autosearch/core/dimensions.py) that the
+Engine lacks: the search never proposes them under the torch runtime, and a pin or a strategy
+asking for one is refused naming a runtime that runs it.
+
+- ``lora_tp`` (on tp): LoRA adapters under tensor parallelism. Megatron-Core (NeMo /
+  Megatron-Bridge) splits the adapters over tp as their base linears; the Engine's peft layers
+  wrap the nn.Linear its tp plan shards.
+- ``etp_below_tp`` (on etp): experts split over 1 < etp < tp ranks. Megatron-Core takes any
+  divisor of tp; torchtitan and the Engine split experts over all tp ranks or none."""
 
 from __future__ import annotations
 
@@ -53,3 +57,18 @@ def test_a_space_pinning_tp_for_lora_is_refused_naming_a_runtime_that_runs_it():
     )
     assert len(problems) == 1 and problems[0].startswith("tp [2, 4, 8]: runtime 'torch'")
     assert "use --runtime megatron-core (it runs it), or keep tp to [1]" in problems[0]
+
+
+def test_the_engines_space_splits_experts_over_all_tp_ranks_or_none():
+    for runtime, below in (("torch", False), ("torchtitan", False), ("megatron-core", True)):
+        space = SearchSpace(
+            "mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, runtime=runtime, cp=1
+        )
+        pairs = {(lay.tp, lay.etp) for lay in space.layouts()}
+        assert {(2, 2), (8, 8)} <= pairs  # etp = tp: the Engine runs it
+        assert any(1 < etp < tp for tp, etp in pairs) == below, (runtime, sorted(pairs))
+    s = Strategy(dp=4, tp=4, ep=2, etp=2, global_batch_size=64)
+    mixtral, cluster = ModelSpec.load("mixtral-8x7b"), Cluster.parse("h100-sxm:2x8")
+    model = AnalyticCostModel(mixtral, cluster, runtime="torch")
+    with pytest.raises(SpecError, match="etp=2 below tp=4"):
+        model.estimate(s)
