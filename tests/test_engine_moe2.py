@@ -1,5 +1,6 @@
 """Mixture-of-experts in the Engine, second part: ZeRO-1 under expert parallelism, fp16 with the
-load-balancing loss, and what the search proposes to the Engine for an MoE model.
+load-balancing loss, expert tensor parallelism (etp = tp), transformers' Mixtral and Qwen3-MoE
+under tensor parallelism, and what the search proposes to the Engine for an MoE model.
 
 The equivalence runs are those of tests/test_engine_moe.py (same tiny model, seed, data order and
 tolerances: fp32 2e-5 over the first two steps, 1e-3 over three, from
@@ -34,6 +35,7 @@ WORLD4 = {
         f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
         "moe",
     ),
+    "dp2_tp2_ep2_etp2_meta_init": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe_meta"),  # sliced on init
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
@@ -46,6 +48,7 @@ def references():
     return {
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
+        "moe_meta": M.train_losses(B1, "moe", meta_init=True),
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
     }
 
@@ -53,10 +56,16 @@ def references():
 @pytest.fixture(scope="module")
 def world4():
     cases = [
-        dict(name=n, strategy=s, model=m.removesuffix("_fp16"), meta=False, clip=None)
+        dict(
+            name=n,
+            strategy=s,
+            model=m.removesuffix("_fp16").removesuffix("_meta"),
+            meta=m.endswith("_meta"),
+            clip=None,
+        )
         for n, (s, m) in WORLD4.items()
     ]
-    return M.launch(4, "moe_equivalence", cases, timeout_s=420)
+    return M.launch(4, "moe_equivalence", cases, timeout_s=600)
 
 
 @pytest.mark.slow
