@@ -35,7 +35,6 @@ WORLD4 = {
         f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
         "moe",
     ),
-    "dp2_tp2_ep2_etp2_meta_init": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe_meta"),  # sliced on init
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
@@ -48,7 +47,6 @@ def references():
     return {
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
-        "moe_meta": M.train_losses(B1, "moe", meta_init=True),
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
     }
 
@@ -59,8 +57,8 @@ def world4():
         dict(
             name=n,
             strategy=s,
-            model=m.removesuffix("_fp16").removesuffix("_meta"),
-            meta=m.endswith("_meta"),
+            model=m.removesuffix("_fp16"),
+            meta=False,
             clip=None,
         )
         for n, (s, m) in WORLD4.items()
