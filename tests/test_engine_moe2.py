@@ -141,3 +141,20 @@ def test_the_engine_runs_every_moe_strategy_the_default_space_proposes_under_tor
             refused.append((s.short(), problems))
     assert not refused, refused[:5]
     assert any(k[4] > 1 and k[6] == 1 and k[1] == k[2] == 1 for k in seen)  # ep with ZeRO-1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_etp_loads_under_other_layouts():
+    """Expert weights under etp are DTensors over (ep, tp), so a checkpoint holds every expert
+    whole: dp4 and dp2 x tp2 x ep2 (etp 1) engines load it and evaluate to the saved loss."""
+    import tempfile
+
+    import moe2_workers
+
+    with tempfile.TemporaryDirectory() as workdir:
+        results = moe2_workers.launch(4, "etp_checkpoint", workdir)
+    assert all(r == results[0] for r in results)
+    r0 = results[0]
+    for name in ("dp4", "tp2_ep2"):
+        assert r0[f"{name}_fresh"] != pytest.approx(r0["saved"], abs=1e-3)  # loading changes it
+        assert r0[name] == pytest.approx(r0["saved"], abs=1e-6)  # fp32 sums reordered
