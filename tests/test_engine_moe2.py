@@ -23,14 +23,18 @@ from autosearch.transformer import Transformer  # noqa: E402
 B1 = "micro_batch_size=1,global_batch_size=8,amp=fp32"
 FP32 = (2e-5, 1e-3)  # tests/test_engine_parallel.py: (first two steps, all steps)
 AMP16 = (1e-2, 1e-2)  # the same file's 16-bit tolerance (2^-8 relative rounding)
+CLIP = 0.3  # engine_workers.CLIP_NORM: below the tiny models' gradient norms, clipping acts
 
 WORLD4 = {
     "dp4_ep2_zero1": (f"dp=4,ep=2,zero_stage=1,{B1}", "moe"),  # experts sharded over edp = 2
     "dp4_ep4_zero1": (f"dp=4,ep=4,zero_stage=1,{B1}", "moe"),  # edp = 1: experts whole
+    # the gradient norm before clipping: FSDP2's expert reduction over edp divides once
+    "dp4_ep2_zero1_clip": (f"dp=4,ep=2,zero_stage=1,{B1}", "moe_clip"),
     # fp16 autocast with the loss scaler: the aux loss's gradient is scaled as the loss's
     "dp4_ep2_fp16": (f"dp=4,ep=2,{B1.replace('fp32', 'fp16')}", "moe_fp16"),
     # expert tensor parallel (etp = tp): each expert's width split over the tp ranks
     "dp2_tp2_ep2_etp2": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe"),
+    "dp2_tp2_ep2_etp2_clip": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe_clip"),  # norm over (ep, tp)
     "dp2_tp2_ep2_etp2_sp_zero3": (
         f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
         "moe",
@@ -47,6 +51,7 @@ def references():
     return {
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
+        "moe_clip": M.train_losses(B1, "moe", clip=CLIP),
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
     }
 
@@ -57,9 +62,9 @@ def world4():
         dict(
             name=n,
             strategy=s,
-            model=m.removesuffix("_fp16"),
+            model=m.removesuffix("_fp16").removesuffix("_clip"),
             meta=False,
-            clip=None,
+            clip=CLIP if m.endswith("_clip") else None,
         )
         for n, (s, m) in WORLD4.items()
     ]
@@ -80,6 +85,10 @@ def test_world4_matches_single_process(world4, references, name):
         f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first"
         f" two steps and {gap:.2e} overall"
     )
+    if name.endswith("_clip"):  # the norm before clipping, the same on every rank
+        norms, want = world4[0][name]["grad_norm"], references["moe_clip"]["grad_norm"]
+        assert all(r[name]["grad_norm"] == norms for r in world4)
+        assert norms == pytest.approx(want, rel=1e-5), (norms, want)  # fp32 sums reordered
 
 
 def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():

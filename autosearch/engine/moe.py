@@ -462,14 +462,16 @@ def shard_experts(module: nn.Module, **fsdp) -> None:
     dp x cp, before the blocks are sharded over dp (which then leave the experts alone).
 
     FSDP2 divides by a factor other than the group size inside the reduce-scatter
-    (``PREMUL_SUM``), which gloo lacks: there it sums and divides after."""
+    (``PREMUL_SUM``), which gloo lacks: there it sums and divides after (over edp > 1 only: a
+    group of one copies and divides without a collective)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in moe_layers(module):
         if layer.edp_mesh is not None:
             sharded = fully_shard(layer.experts, mesh=layer.edp_mesh, **fsdp)
             sharded.set_gradient_divide_factor(float(layer.grad_divide))
-            if dist.get_backend(layer.edp_mesh.get_group()) == "gloo":
+            group = layer.edp_mesh.get_group()
+            if dist.get_backend(group) == "gloo" and group.size() > 1:
                 sharded.set_force_sum_reduction_for_comms(True)
 
 
