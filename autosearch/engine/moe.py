@@ -22,9 +22,12 @@ the auxiliary loss, so no loss function or pipeline schedule needs to know about
 of the last forward is kept in ``MoE.aux_loss``.
 
 Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding restricted to
-``etp = 1``: the expert layers run ``ep x edp`` over the data-parallel ranks of attention
-(dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps ``n_experts / ep``
-experts, as DTensors sharded on the expert dimension over the ep mesh.
+``etp = 1`` or ``etp = tp`` (torchtitan's two choices): the expert layers run ``ep x edp`` over
+the data-parallel ranks of attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``;
+each rank keeps ``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the
+ep mesh, and with ``etp = tp`` also on their width over the tp ranks (w1, w3 by columns, w2 by
+rows, as Megatron-LM splits an MLP): the tp ranks route the same tokens, and the gradient of the
+rows and the experts' partial outputs are summed over tp (`CopyToGroup`, `ReduceFromGroup`).
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
 whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
