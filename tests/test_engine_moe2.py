@@ -88,7 +88,10 @@ def test_world4_matches_single_process(world4, references, name):
     if name.endswith("_clip"):  # the norm before clipping, the same on every rank
         norms, want = world4[0][name]["grad_norm"], references["moe_clip"]["grad_norm"]
         assert all(r[name]["grad_norm"] == norms for r in world4)
-        assert norms == pytest.approx(want, rel=1e-5), (norms, want)  # fp32 sums reordered
+        # the first step's weights are the single process's: fp32 sums reordered only; after
+        # an Adam step they differ as the losses do (etp2 observed 1.1e-5 relative at step 3)
+        assert norms[0] == pytest.approx(want[0], rel=1e-5), (norms, want)
+        assert norms == pytest.approx(want, rel=1e-4), (norms, want)
 
 
 def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():
