@@ -150,7 +150,7 @@ class AnalyticCostModel(CostModel):
     def estimate(self, strategy: "Strategy", *, validate: bool = True) -> CostReport:
         if validate:
             strategy.validate(self.model, self.cluster)
-            lacks = self.runtime.lacks(strategy)
+            lacks = self.runtime.lacks(strategy, self.model)
             if lacks:
                 raise SpecError(
                     lacks, context=f"strategy {strategy.short()} under runtime {self.runtime.name}"

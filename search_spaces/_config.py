@@ -57,6 +57,7 @@ _BOUNDS: dict[str, Any] = {
     "max_virtual_stages": None,
     "uneven_pipeline": False,
     "ep_over_tp": False,
+    "etp_below_tp": False,
 }
 _BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 # "Every value the runtime runs here": the dimensions a runtime may lack (those with features),
@@ -66,6 +67,7 @@ _RUNTIME_DIMS = tuple(n for n, d in _DIMS.items() if d.features)
 _FEATURE_BOUNDS = {
     "uneven_pipeline": ("uneven_pp", "split layers unevenly"),
     "ep_over_tp": ("ep_over_tp", "run expert-parallel groups over tensor-parallel ranks"),
+    "etp_below_tp": ("etp_below_tp", "split experts over fewer ranks than tp"),
 }
 _RUNTIME_KEYS = (*_RUNTIME_DIMS, *_FEATURE_BOUNDS)
 # Context parallel splits the sequence; it pays for its K/V exchange only on long sequences.
@@ -95,6 +97,8 @@ class SpaceConfig:
         ep_over_tp: allow expert-parallel degrees that take tensor-parallel ranks (ep not
             dividing dp x cp: Megatron-Core's folding and torchtitan's etp=1 do; the Engine's
             experts fold only the data- and context-parallel ranks).
+        etp_below_tp: allow expert-tensor-parallel degrees between 1 and tp (Megatron-Core
+            does; torchtitan and the Engine split experts over all tp ranks or none).
         **dimensions: the allowed values of each dimension (defaults: the registry's, e.g. every
             dp, tp, pp, micro-batch; cp 1, fp8 none, compile and async TP off), each kept only
             where the hardware (fp8) and the layout (async_tp needs tp > 1) allow it.
@@ -258,29 +262,36 @@ def runtime_problems(
     runtime: "RuntimeOptions | str | None",
     cluster: "Cluster",
     ep_over_tp: bool = False,
+    model: "ModelSpec | None" = None,
+    etp_below_tp: bool = False,
 ) -> list[str]:
-    """What a space asks that `runtime` cannot run on the cluster's device, one message per
-    dimension naming a runtime that runs it: `choices` are the values each dimension takes in
-    the space (`SearchSpace.plain_choices`), `uneven_pipeline` and `ep_over_tp` its bounds."""
+    """What a space asks that `runtime` cannot run on the cluster's device (for `model`, where
+    given), one message per dimension naming a runtime that runs it: `choices` are the values
+    each dimension takes in the space (`SearchSpace.plain_choices`), `uneven_pipeline` and
+    `ep_over_tp` its bounds."""
     from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 
     rt, device = RuntimeOptions.get(runtime), device_of(cluster)
     out = []
     for name in _RUNTIME_DIMS:
-        bad = [v for v in choices.get(name, ()) if not _runs(rt, name, v, device)[0]]
+        bad = [v for v in choices.get(name, ()) if not _runs(rt, name, v, device, model)[0]]
         if not bad:
             continue
-        why = _runs(rt, name, bad[0], device)[1]
+        why = _runs(rt, name, bad[0], device, model)[1]
         others = [
             r.name
             for r in RUNTIMES.values()
-            if r.name != rt.name and all(_runs(r, name, v, device)[0] for v in bad)
+            if r.name != rt.name and all(_runs(r, name, v, device, model)[0] for v in bad)
         ]
         hint = (f"use --runtime {others[0]} (it runs it), or " if others else "") + (
             f"keep {name} to {_fmt_values([_DIMS[name].default])} (a pin, or the space file)"
         )
         out.append(f"{name} {_fmt_values(bad)}: {why}; {hint}")
-    bounds = {"uneven_pipeline": uneven_pipeline, "ep_over_tp": ep_over_tp}
+    bounds = {
+        "uneven_pipeline": uneven_pipeline,
+        "ep_over_tp": ep_over_tp,
+        "etp_below_tp": etp_below_tp,
+    }
     for bound, (feature, does) in _FEATURE_BOUNDS.items():
         if bounds[bound] is True and feature not in rt.supports:
             out.append(
@@ -314,11 +325,14 @@ def device_of(cluster: "Cluster") -> str:
     return f"cuda:{capability}" if capability else "cuda"
 
 
-def _runs(rt: "RuntimeOptions", name: str, value: Any, device: str) -> tuple[bool, str]:
-    """Whether `rt` runs `name`=`value` on `device`, and if not, why (in words)."""
+def _runs(
+    rt: "RuntimeOptions", name: str, value: Any, device: str, model: "ModelSpec | None" = None
+) -> tuple[bool, str]:
+    """Whether `rt` runs `name`=`value` on `device` (for `model`, where given: LoRA under tp),
+    and if not, why (in words)."""
     probe = Strategy(**{name: value})
     own = {f.name for f in _DIMS[name].features if not f.of_strategy}  # not the space's bounds
-    lacking = {k: how for k, how in rt.unsupported(probe).items() if k in own}
+    lacking = {k: how for k, how in rt.unsupported(probe, model).items() if k in own}
     if lacking:
         how = next(iter(lacking.values()))
         return False, (
@@ -349,7 +363,7 @@ def _supported_values(
     if name in OPT_IN and not fp8:
         return (d.default,), f"not searched: {OPT_IN[name]}; --fp8 searches it"
     if d.kind == dimensions.DEGREE:  # every degree the rules allow, or none above 1
-        ok, why = _runs(rt, name, 2, device)
+        ok, why = _runs(rt, name, 2, device, model)
         if not ok:
             return (1,), why
         if name == "cp" and model.seq_len < CP_MIN_SEQ_LEN:

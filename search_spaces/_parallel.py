@@ -271,6 +271,9 @@ class SearchSpace(BaseSearchSpace):
         if name == "ep" and not c.ep_over_tp:
             # the runtime's expert groups take data- and context-parallel ranks only
             return (known["dp"] * known["cp"]) % value == 0
+        if name == "etp" and not c.etp_below_tp:
+            # the runtime splits experts over all tp ranks or none (torchtitan's etp)
+            return value in (1, known["tp"])
         if name == "tp":
             # tp stays on NVLink: a node, or a rack (GB200 NVL72)
             return not c.tp_within_node or value <= self.cluster.nvlink_domain

@@ -872,9 +872,9 @@ CASES = [
         expect=("compile [true]", "megatron-sc21", "does not run", "use --runtime"),
     ),
     Case(
-        "cli-tune-pin-supported-on-tp",
-        cli=TUNE_B + ("--pin", "tp=supported", "--n-trials", "2"),
-        expect=("tp", "'supported' is only for"),
+        "cli-tune-pin-supported-on-pp",
+        cli=TUNE_B + ("--pin", "pp=supported", "--n-trials", "2"),
+        expect=("pp", "'supported' is only for"),
     ),
     Case(
         "api-tune-memory-margin",

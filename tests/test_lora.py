@@ -132,11 +132,11 @@ def test_frozen_base_keeps_no_gradient_or_optimizer_state():
             psi * 2 / (2 if zero >= 3 else 1), rel=0.01 if zero < 3 else 0.05
         )
         assert r.step_time_s < full.step_time_s
-    # the Engine's runtime (torch): the base in fp32 (its param dtype), adapters with fp32
-    # grads and Adam moments
-    r = _estimate(lora, f"{S},zero_stage=0", runtime="torch")
-    assert r.memory.grads_bytes == pytest.approx(adapters * 4)
-    assert r.memory.optimizer_bytes == pytest.approx(adapters * 8)
+    # the Engine's runtime (torch, which runs LoRA at tp = 1): the base in fp32 (its param
+    # dtype), adapters with fp32 grads and Adam moments
+    r = _estimate(lora, "dp=8,micro_batch_size=1,global_batch_size=32", runtime="torch")
+    assert r.memory.grads_bytes == pytest.approx(adapters * 4 * 4)
+    assert r.memory.optimizer_bytes == pytest.approx(adapters * 4 * 8)
 
 
 def test_data_parallel_traffic_is_the_adapters_but_zero3_still_gathers_the_base():
@@ -194,8 +194,7 @@ def test_untargeted_frozen_linears_keep_no_input():
 
 def test_llama3_70b_lora_fits_one_node_where_full_training_does_not():
     lora = ModelSpec.load("llama3-70b", lora={"rank": 16})
-    s = "dp=1,tp=2,cp=4,micro_batch_size=1,global_batch_size=32,sequence_parallel=true"
-    s += ",zero_stage=3"
+    s = "dp=1,cp=8,micro_batch_size=1,global_batch_size=32,zero_stage=3"  # torch: LoRA at tp 1
     full, tuned = _estimate(L70, s, runtime="torch"), _estimate(lora, s, runtime="torch")
     assert not full.fits and tuned.fits
     assert tuned.peak_memory_bytes < 0.5 * full.peak_memory_bytes
@@ -301,5 +300,5 @@ def test_the_engine_s_search_keeps_tp_1_under_lora_other_runtimes_do_not():
     )
     assert tune(config).space.tps == (1,)  # the Engine refuses tp with LoRA
     assert tune(config.replace(runtime="megatron-core")).space.tps != (1,)
-    pinned = tune(config.replace(pin={"tp": 2}))
-    assert pinned.space.tps == (2,)  # a pin is the user's: kept (the Engine will refuse it)
+    with pytest.raises(SpecError, match="does not run tp=2 with LoRA adapters.*megatron-core"):
+        tune(config.replace(pin={"tp": 2}))  # the runtime feature lora_tp: refused, not kept

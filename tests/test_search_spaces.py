@@ -327,7 +327,7 @@ def test_context_parallel_opens_only_for_long_sequences_and_fp8_only_when_asked(
 
 def test_supported_is_refused_where_no_runtime_can_lack_the_dimension():
     with pytest.raises(SpecError, match="'supported' is only for"):
-        SpaceConfig(tp="supported")
+        SpaceConfig(pp="supported")  # tp may be lacked: LoRA under tp (lora_tp)
     assert SpaceConfig(compile="Supported").compile == "supported"
 
 

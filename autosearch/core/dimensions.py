@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
 # Kinds: how a value is checked and searched.
@@ -64,12 +65,16 @@ class Feature:
         how: the value's use, as the refusal names it (``cp=4 (context parallel)``).
         of_strategy: `used` and `how` take the whole strategy, not the dimension's value (a
             use that depends on other degrees: ep groups over tensor-parallel ranks).
+        of_model: `used` and `how` take the value and the ModelSpec (a use that depends on
+            the model: LoRA adapters under tensor parallelism); not checked where no model is
+            known.
     """
 
     name: str
-    used: Callable[[Any], bool]
-    how: Callable[[Any], str]
+    used: Callable[..., bool]
+    how: Callable[..., str]
     of_strategy: bool = False
+    of_model: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +205,16 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="tp",
         label=_degree_label("tp", always=True),
         label_rank=10,
+        # LoRA adapters on tensor-parallel linears: Megatron-Bridge's LoRA shards them as their
+        # base layers; the Engine's peft layers wrap the nn.Linear its tp plan shards.
+        features=(
+            Feature(
+                "lora_tp",
+                lambda v, model: v > 1 and model.lora is not None,
+                lambda v, model: f"tp={v} with LoRA adapters",
+                of_model=True,
+            ),
+        ),
         mesh_axis=True,
     ),
     Dimension(
@@ -285,7 +300,15 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="etp",
         label=_degree_label("etp"),
         label_rank=36,
-        features=(Feature("etp", lambda v: v > 1, lambda v: f"etp={v} (expert tensor parallel)"),),
+        features=(
+            Feature("etp", lambda v: v > 1, lambda v: f"etp={v} (expert tensor parallel)"),
+            Feature(
+                "etp_below_tp",
+                lambda s: 1 < s.etp < s.tp,
+                lambda s: f"etp={s.etp} below tp={s.tp} (experts split over some tp ranks)",
+                of_strategy=True,
+            ),
+        ),
         exports={
             "megatron": "--expert-tensor-parallel-size",
             "torchtitan": "parallelism.expert_tensor_parallel_degree",
@@ -539,13 +562,18 @@ def join_labels(obj: Any, dims: tuple[Dimension, ...]) -> str:
     return "-".join(parts)
 
 
-def features_used(strategy: "Strategy") -> dict[str, str]:
-    """{feature: how} for each runtime feature the strategy uses (`RuntimeOptions.supports`)."""
+def features_used(strategy: "Strategy", model: "ModelSpec | None" = None) -> dict[str, str]:
+    """{feature: how} for each runtime feature the strategy uses (`RuntimeOptions.supports`),
+    on `model` where it is given (features `of_model` are checked only then)."""
     out = {}
     for name, feature in FEATURES:
-        value = strategy if feature.of_strategy else getattr(strategy, name)
-        if feature.used(value):
-            out[feature.name] = feature.how(value)
+        args: tuple[Any, ...] = (strategy if feature.of_strategy else getattr(strategy, name),)
+        if feature.of_model:
+            if model is None:
+                continue
+            args += (model,)
+        if feature.used(*args):
+            out[feature.name] = feature.how(*args)
     return out
 
 

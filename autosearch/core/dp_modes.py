@@ -10,7 +10,9 @@ Why these mechanisms (torch 2.13): DDP rejects DTensor parameters (tp > 1), and 
 `torch.distributed.pipelining` (pp > 1) its reducer fails on the first 1F1B step, so with tp or
 pp every stage runs on FSDP2; `ZeroRedundancyOptimizer` broadcasts plain tensors and fails on
 DTensor, so ZeRO-1 with tp or pp is FSDP2 without resharding after forward, reduced once per step
-(it also shards gradients and parameters between steps: less memory than ZeRO-1).
+(it also shards gradients and parameters between steps: less memory than ZeRO-1). The same holds
+with expert parallelism (ep > 1): the expert weights are DTensors over the ep mesh, and FSDP2
+shards them over their expert-data-parallel group, the rest over dp (torchtitan's layout).
 `torch.distributed.pipelining` skips the gradient sync and the reshard after backward for all but
 the last micro-batch, so under pp gradients are reduced once per step and accumulate unsharded.
 
@@ -99,7 +101,7 @@ class DPMode:
 
 
 @functools.cache
-def dp_mode(*, zero_stage: int, dp: int, tp: int = 1, pp: int = 1) -> DPMode:
+def dp_mode(*, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> DPMode:
     """The data-parallel mode of a strategy (see the module docstring for why).
 
     Raises:
@@ -107,7 +109,7 @@ def dp_mode(*, zero_stage: int, dp: int, tp: int = 1, pp: int = 1) -> DPMode:
     """
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {zero_stage!r}")
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(f"{name} must be a positive integer; got {value!r}")
     if dp == 1:
@@ -117,7 +119,7 @@ def dp_mode(*, zero_stage: int, dp: int, tp: int = 1, pp: int = 1) -> DPMode:
         if model_parallel:
             return DPMode(name="hsdp", wrapper="fsdp", hsdp_replicate=True)
         return DPMode(name="ddp", wrapper="ddp")
-    if zero_stage == 1 and not model_parallel:
+    if zero_stage == 1 and not model_parallel and ep == 1:
         return DPMode(
             name="ddp_zero1",
             wrapper="ddp",

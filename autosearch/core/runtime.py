@@ -20,6 +20,7 @@ from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import HardwareProfile
+    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
 
@@ -139,7 +140,7 @@ class RuntimeOptions:
             set (runtimes.yaml), and shares its `framework`.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``, ``ep``,
-            ``etp``).
+            ``etp``, ``lora_tp`` ...: `autosearch.core.dimensions.feature_names`).
         devices: {feature: the devices that can run it} for the supported features that not
             every device runs: ``cpu``, ``cuda``, or ``cuda>=8.9`` (a minimum compute
             capability). The cost model prices the hardware it is given and ignores this; the
@@ -214,12 +215,13 @@ class RuntimeOptions:
                 f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
             ) from None
 
-    def unsupported(self, strategy: "Strategy") -> dict[str, str]:
-        """{dimension: how the strategy uses it} for each dimension it uses that this runtime
-        cannot run."""
-        return {
-            dim: how for dim, how in dimensions_used(strategy).items() if dim not in self.supports
-        }
+    def unsupported(
+        self, strategy: "Strategy", model: "ModelSpec | None" = None
+    ) -> dict[str, str]:
+        """{dimension: how the strategy uses it} for each dimension it uses (on `model`, where
+        given) that this runtime cannot run."""
+        used = dimensions_used(strategy, model)
+        return {dim: how for dim, how in used.items() if dim not in self.supports}
 
     def cannot_run_on(self, strategy: "Strategy", device: str) -> dict[str, tuple[str, ...]]:
         """{feature: the devices that can run it} for each feature of `strategy` that this
@@ -232,12 +234,13 @@ class RuntimeOptions:
             if name in runs_on and not any(device_meets(device, req) for req in runs_on[name])
         }
 
-    def lacks(self, strategy: "Strategy") -> list[str]:
-        """The dimensions of `strategy` this runtime cannot run, each as a message."""
+    def lacks(self, strategy: "Strategy", model: "ModelSpec | None" = None) -> list[str]:
+        """The dimensions of `strategy` (on `model`, where given) this runtime cannot run, each
+        as a message."""
         supported = ", ".join(self.supports) or "none of " + ", ".join(dimensions.feature_names())
         return [
             f"runtime {self.name!r} cannot run {how} (it supports {supported})"
-            for how in self.unsupported(strategy).values()
+            for how in self.unsupported(strategy, model).values()
         ]
 
     @classmethod
@@ -333,10 +336,11 @@ def device_meets(device: str, requirement: str) -> bool:
     return have >= tuple(int(x) for x in minimum.split("."))
 
 
-def dimensions_used(strategy: "Strategy") -> dict[str, str]:
-    """{feature: how} for each feature of today's stacks the strategy uses (the names of
-    `RuntimeOptions.supports`, declared with their dimensions in `autosearch.core.dimensions`)."""
-    return dimensions.features_used(strategy)
+def dimensions_used(strategy: "Strategy", model: "ModelSpec | None" = None) -> dict[str, str]:
+    """{feature: how} for each feature of today's stacks the strategy uses (on `model`, where
+    given: LoRA under tp), the names of `RuntimeOptions.supports`, declared with their
+    dimensions in `autosearch.core.dimensions`."""
+    return dimensions.features_used(strategy, model)
 
 
 def _runtimes_path() -> Path:

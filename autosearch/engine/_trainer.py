@@ -143,6 +143,7 @@ class Trainer:
         if mode == "train":
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
+            self._scale_aux_losses()
         grad = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad:
             for i, (x, y) in enumerate(zip(xs, ys)):
@@ -192,6 +193,7 @@ class Trainer:
         if mode == "train":
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
+            self._scale_aux_losses()
             with self._loss_context():
                 out = self.schedule.step(*args, target=target if last else None)
             self._optimizer_step()
@@ -239,6 +241,13 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def _scale_aux_losses(self) -> None:
+        """Scale the MoE auxiliary losses' gradient as the loss: by the fp16 loss scaler's
+        scale, which changes only after a step (`autosearch.engine.moe.AuxLoss`)."""
+        from autosearch.engine.moe import AuxLoss
+
+        AuxLoss.loss_scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
     def _grad_sync(self, part: nn.Module, *, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients once per step (DDP no_sync; FSDP2 sync flag), except for ZeRO-2/3."""
         mode = self.dims.mode
@@ -254,7 +263,7 @@ class Trainer:
         self.last_grad_norm = None
         if self.tied is not None:
             self.tied.sync_grads()
-        if self.strategy.ep > 1 and self.dims.mode.wrapper == "ddp":
+        if (self.strategy.ep > 1 or self.strategy.etp > 1) and self.dims.mode.wrapper == "ddp":
             from autosearch.engine.moe import reduce_expert_grads
 
             reduce_expert_grads(self.model_parts)  # DDP leaves the expert-parallel weights

@@ -24,6 +24,7 @@ LlamaForCausalLM(config), ...)``); `HFCausalLM` is public for users who want the
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -232,10 +233,17 @@ class HFCausalLM(nn.Module):
             blocks="model.layers",
             first_stage=("model.embed_tokens",),
             last_stage=("model.norm", "lm_head"),
-            tp_plan=self.tp_plan,
+            tp_plan=functools.partial(self.tp_plan, moe_blocks=self._moe_blocks()),
             attention_core="self_attn.core",
             check=self._check_strategy,
         )
+
+    def _moe_blocks(self) -> dict[str, bool] | None:
+        """{block name: whether its MLP is an `autosearch.engine.moe.MoE`} (None: none is)."""
+        from autosearch.engine.moe import MoE
+
+        blocks = {n: isinstance(b.mlp, MoE) for n, b in self.model.layers.items()}
+        return blocks if any(blocks.values()) else None
 
     def sliding_window(self) -> int | None:
         """The attention window, if the config restricts attention to one (Mistral, Qwen2)."""
@@ -264,18 +272,24 @@ class HFCausalLM(nn.Module):
         return problems
 
     @staticmethod
-    def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    def tp_plan(
+        *, sequence_parallel: bool, loss_parallel: bool, moe_blocks: dict[str, bool] | None = None
+    ) -> dict:
         """Megatron-style plan (Shoeybi et al. 2019) with sequence parallel (Korthikanti et al.
         2022), as torchtitan writes it for Llama, on transformers' module names.
 
         Column-wise: q/k/v_proj, gate/up_proj; row-wise: o_proj, down_proj (one all-reduce, or a
         reduce-scatter with sequence parallel, per sub-layer). Embeddings split by vocabulary rows,
-        lm_head by vocabulary columns.
+        lm_head by vocabulary columns. Mixture-of-experts MLPs (`moe_blocks`: {block name: its
+        MLP is one}) keep their experts whole on every tp rank (etp = 1), as the
+        reference transformer's: under sequence parallel they route the whole sequence and hand
+        back this rank's shard of it.
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
+            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -293,6 +307,10 @@ class HFCausalLM(nn.Module):
             layer + "self_attn.k_proj": ColwiseParallel(),
             layer + "self_attn.v_proj": ColwiseParallel(),
             layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            # Qwen3's per-head RMSNorms see this rank's heads (dim 2 of [b, s, heads, d]): a
+            # replicated weight whose gradient is summed over tp (torchtitan's Qwen3 plan)
+            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             layer + "mlp.gate_proj": ColwiseParallel(),
             layer + "mlp.up_proj": ColwiseParallel(),
             layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
@@ -313,6 +331,21 @@ class HFCausalLM(nn.Module):
                     ),
                 }
             )
+            if moe_blocks:  # one entry per block: the MoE ones also hand back their shard
+                dense = plan.pop(layer + "mlp")
+                for name, is_moe in moe_blocks.items():
+                    plan[f"model.layers.{name}.mlp"] = (
+                        PrepareModuleInputOutput(
+                            input_layouts=(Shard(1),),
+                            desired_input_layouts=(Replicate(),),
+                            use_local_input=True,
+                            output_layouts=(Replicate(),),
+                            desired_output_layouts=(Shard(1),),
+                            use_local_output=True,
+                        )
+                        if is_moe
+                        else dense
+                    )
         return plan
 
     # ---- back to transformers ------------------------------------------------------------------
@@ -493,15 +526,13 @@ def init_moe(model: HFCausalLM) -> None:
 
 
 def moe_problems(model: HFCausalLM, strategy) -> list[str]:
-    """What the Engine does not run for a transformers MoE model: tp and pp (it runs dp, ep
-    and ZeRO)."""
-    if model.config.model_type not in MOE_LIKE:
+    """What the Engine does not run for a transformers MoE model: pp (it runs dp, tp, ep and
+    ZeRO)."""
+    if model.config.model_type not in MOE_LIKE or strategy.pp == 1:
         return []
     return [
-        f"{name}={getattr(strategy, name)}: the Engine runs a transformers "
-        f"{model.config.model_type} model under dp, ep and zero (the auxiliary loss is over "
-        f"every layer at once); set {name}=1, or use autosearch.transformer.Transformer with "
-        "the model's ModelSpec"
-        for name in ("tp", "pp")
-        if getattr(strategy, name) > 1
+        f"pp={strategy.pp}: the Engine runs a transformers {model.config.model_type} model "
+        "under dp, tp, ep and zero, not split into pipeline stages (its auxiliary loss is over "
+        "every layer's router at once); set pp=1, or use autosearch.transformer.Transformer "
+        "with the model's ModelSpec"
     ]

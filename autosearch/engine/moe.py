@@ -22,9 +22,12 @@ the auxiliary loss, so no loss function or pipeline schedule needs to know about
 of the last forward is kept in ``MoE.aux_loss``.
 
 Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding restricted to
-``etp = 1``: the expert layers run ``ep x edp`` over the data-parallel ranks of attention
-(dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps ``n_experts / ep``
-experts, as DTensors sharded on the expert dimension over the ep mesh.
+``etp = 1`` or ``etp = tp`` (torchtitan's two choices): the expert layers run ``ep x edp`` over
+the data-parallel ranks of attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``;
+each rank keeps ``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the
+ep mesh, and with ``etp = tp`` also on their width over the tp ranks (w1, w3 by columns, w2 by
+rows, as Megatron-LM splits an MLP): the tp ranks route the same tokens, and the gradient of the
+rows and the experts' partial outputs are summed over tp (`CopyToGroup`, `ReduceFromGroup`).
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
 whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
@@ -59,8 +62,13 @@ AUX_LOSS_COEF = 1e-2
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on `output` whose backward also sends gradient 1 to `aux_loss` (a scalar already
-    multiplied by its coefficient): ``loss + aux_loss`` without touching the loss function."""
+    """Identity on `output` whose backward also sends gradient `loss_scale` to `aux_loss` (a
+    scalar already multiplied by its coefficient): ``loss + aux_loss`` without touching the loss
+    function. Under fp16 the Trainer sets `loss_scale` to the loss scaler's scale before each
+    step, so the auxiliary loss is scaled as the main loss is (Megatron-Core's
+    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+
+    loss_scale = 1.0
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -70,7 +78,7 @@ class AuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss)
+        return grad_output, torch.full_like(aux_loss, AuxLoss.loss_scale)
 
 
 class AllToAll(torch.autograd.Function):
@@ -92,10 +100,42 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class CopyToGroup(torch.autograd.Function):
+    """Identity whose backward sums the gradient over `group`: the input of work split over
+    the group's ranks (Megatron-LM's ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """Sum over `group` whose backward is the identity: the output of work split over the
+    group's ranks (Megatron-LM's ``reduce_from_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class Experts(nn.Module):
     """`n_experts` SwiGLU MLPs stored stacked (w2(silu(w1 x) * w3 x), Shazeer 2020)."""
 
     weight_names = ("w1", "w3", "w2")  # each [n_experts, ...]: expert parallelism slices dim 0
+    hidden_dims = {"w1": 2, "w3": 2, "w2": 1}  # the dim of width f: etp slices it
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -120,11 +160,12 @@ class Experts(nn.Module):
             return
         base = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
         for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
-            local, first = _local(w), _first_row(w)
+            local, offset = _local(w), _offset(w)
+            window = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
             for e in range(local.shape[0]):
-                gen = torch.Generator(device=local.device).manual_seed(base + first + e)
+                gen = torch.Generator(device=local.device).manual_seed(base + offset[0] + e)
                 full = torch.empty(w.shape[1:], device=local.device).normal_(0.0, s, generator=gen)
-                local[e].copy_(full)  # (a shard of dims 1+ would slice here; FSDP shards dim 0)
+                local[e].copy_(full[window])  # this rank's etp slice (FSDP shards dim 0)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -132,15 +173,15 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(w, "to_local") else w
 
 
-def _first_row(w: torch.Tensor) -> int:
-    """The global expert index of this rank's first row of `w`."""
+def _offset(w: torch.Tensor) -> tuple[int, ...]:
+    """The global index of this rank's first element of `w` in each dim."""
     if not hasattr(w, "to_local"):
-        return 0
+        return (0,) * w.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     dt: Any = w  # a DTensor
     _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    return int(offset[0])
+    return tuple(int(o) for o in offset)
 
 
 class FusedExperts(nn.Module):
@@ -149,6 +190,7 @@ class FusedExperts(nn.Module):
     ``F.linear`` as transformers does, so a Hugging Face model keeps its weights and names."""
 
     weight_names = ("gate_up_proj", "down_proj")
+    hidden_dims: dict[str, int] = {}  # gate and up rows fused in one dim: not split over etp
 
     def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
         super().__init__()
@@ -204,6 +246,7 @@ class MoE(nn.Module):
         self.shared_experts = _SwiGLU(dim, shared_hidden) if shared_hidden else None
         # set by apply_ep: the ep group, the ranks holding the same experts, dp x cp
         self.ep_group: dist.ProcessGroup | None = None
+        self.etp_group: dist.ProcessGroup | None = None  # the ranks splitting each expert
         self.edp_mesh: "DeviceMesh | None" = None
         self.grad_divide = 1
         self.aux_loss: torch.Tensor | None = None  # of the last forward, detached
@@ -268,7 +311,15 @@ class MoE(nn.Module):
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of `rows` (sorted by expert, `counts` per expert), the experts held
-        here or, under expert parallelism, on the ranks of ``ep_group``."""
+        here or, under expert parallelism, on the ranks of ``ep_group``; under expert tensor
+        parallelism each rank of ``etp_group`` computes its slice of every expert's width, the
+        partial outputs summed over them."""
+        if self.etp_group is None:
+            return self._dispatch(rows, counts)
+        rows = CopyToGroup.apply(rows, self.etp_group)
+        return ReduceFromGroup.apply(self._dispatch(rows, counts), self.etp_group)
+
+    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group = self.ep_group
         if group is None:
             return self.experts(rows, counts.tolist())
@@ -321,21 +372,12 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 
 def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
-    """Why the Engine cannot run `strategy`'s expert parallelism (or fp16) on `model`'s MoE
+    """Why the Engine cannot run `strategy`'s expert parallelism on `model`'s MoE
     layers (empty when it can); the layout rules shared with the cost model are
     `Strategy.problems`'."""
     ep, etp = getattr(strategy, "ep", 1), getattr(strategy, "etp", 1)
     layers = moe_layers(model)
-    out = []
-    aux = any(m.aux_loss_coef > 0 for m in layers) or bool(
-        getattr(model, "router_aux_loss_coef", 0.0)
-    )
-    if strategy.amp == "fp16" and aux:
-        out.append(
-            "amp=fp16 with a mixture-of-experts auxiliary loss: the fp16 loss scaler does not "
-            "scale the auxiliary loss's gradient (it joins in the MoE layers' backward); use "
-            "amp=bf16 or fp32"
-        )
+    out: list[str] = []
     if ep == 1 and etp == 1:
         return out
     if not layers:
@@ -344,21 +386,26 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
             " built from a ModelSpec with moe, or a Mixtral / Qwen3-MoE transformers model); "
             "set ep=1 and etp=1"
         )
-    if etp > 1:
+    if etp > 1 and etp != strategy.tp:
         out.append(
-            f"etp={etp}: the Engine runs expert parallelism with etp=1 (experts whole on each "
-            "rank); set etp=1, or export the strategy to megatron or torchtitan"
+            f"etp={etp}: the Engine splits each expert over all tp={strategy.tp} ranks (etp = "
+            f"tp, as torchtitan) or over none (etp = 1); set etp={strategy.tp} or 1, or export "
+            "the strategy to megatron"
         )
+    if etp > 1 and any(not m.experts.hidden_dims for m in layers):
+        out.append(
+            f"etp={etp}: transformers' Mixtral / Qwen3-MoE experts hold the gate and up rows in "
+            "one matrix, which the Engine does not split over tp; set etp=1"
+        )
+    for m in layers[:1]:
+        width = {getattr(m.experts, n).shape[d] for n, d in m.experts.hidden_dims.items()}
+        if etp > 1 and any(w % etp for w in width):
+            out.append(f"etp={etp} must divide the experts' width {min(width)}; use one that does")
     if (strategy.dp * strategy.cp) % ep:
         out.append(
             f"ep={ep} must divide dp*cp = {strategy.dp}*{strategy.cp} in the Engine "
             "(expert-parallel groups are taken from the data- and context-parallel ranks, as "
             "torchtitan does; the tp ranks route the same tokens); use an ep that divides it"
-        )
-    if strategy.zero_stage == 1 and strategy.tp == 1 and strategy.pp == 1:
-        out.append(
-            f"ep={ep} with zero_stage=1 and tp=pp=1 runs ZeroRedundancyOptimizer, which would "
-            "broadcast one rank's experts over another's; use zero_stage 0, 2 or 3"
         )
     for layer in layers:
         if layer.n_experts % ep:
@@ -379,39 +426,56 @@ def expert_mesh(
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
-def apply_ep(module: nn.Module, emesh: "DeviceMesh") -> None:
+def apply_ep(module: nn.Module, emesh: "DeviceMesh", *, etp: int = 1) -> None:
     """Keep this rank's ``n_experts / ep`` experts of every MoE layer, as DTensors sharded on
     the expert dimension over the ep mesh (so checkpoints, gradient norms and FSDP2 see whole
-    weights, as in torchtitan), and route over ep."""
+    weights, as in torchtitan), and route over ep. With ``etp`` (= tp) each expert's width is
+    split over the tp ranks too (w1, w3 column-wise, w2 row-wise: Megatron-LM's MLP split), a
+    DTensor over (ep, tp); the tp ranks route the same tokens and sum their partial outputs."""
     from torch.distributed.tensor import DTensor, Shard
 
     names = emesh.mesh_dim_names or ()
     size = {n: emesh.size(names.index(n)) for n in names}
     group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
-    edp = emesh["edp"]
+    t = emesh.get_local_rank("tp") if etp > 1 else 0
     for layer in moe_layers(module):
         local = layer.n_experts // size["ep"]
         experts = layer.experts
         for name in experts.weight_names:
             w = getattr(experts, name)
-            keep = w.detach()[rank * local : (rank + 1) * local].clone()
+            keep = w.detach()[rank * local : (rank + 1) * local]
+            mesh, placements = emesh["ep"], [Shard(0)]
+            if etp > 1:
+                dim = experts.hidden_dims[name]
+                width = w.shape[dim] // etp
+                keep = keep.narrow(dim, t * width, width)
+                mesh, placements = emesh["ep", "tp"], [Shard(0), Shard(dim)]
             shard = DTensor.from_local(
-                keep, emesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()
+                keep.clone(), mesh, placements, run_check=False, shape=w.shape, stride=w.stride()
             )
             setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
-        layer.ep_group, layer.edp_mesh = group, edp
+        layer.ep_group = group if size["ep"] > 1 else None
+        layer.etp_group = emesh.get_group("tp") if etp > 1 else None
+        layer.edp_mesh = emesh["edp"]
         layer.grad_divide = size["edp"] * size["ep"]  # dp x cp
 
 
 def shard_experts(module: nn.Module, **fsdp) -> None:
     """FSDP2 over edp for every expert-parallel MoE layer's experts, gradients divided by
-    dp x cp, before the blocks are sharded over dp (which then leave the experts alone)."""
+    dp x cp, before the blocks are sharded over dp (which then leave the experts alone).
+
+    FSDP2 divides by a factor other than the group size inside the reduce-scatter
+    (``PREMUL_SUM``), which gloo lacks: there it sums and divides after (over edp > 1 only: a
+    group of one copies and divides without a collective)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in moe_layers(module):
         if layer.edp_mesh is not None:
             sharded = fully_shard(layer.experts, mesh=layer.edp_mesh, **fsdp)
             sharded.set_gradient_divide_factor(float(layer.grad_divide))
+            group = layer.edp_mesh.get_group()
+            if dist.get_backend(group) == "gloo" and group.size() > 1:
+                sharded.set_force_sum_reduction_for_comms(True)
 
 
 def expert_param_names(module: nn.Module) -> list[str]:
@@ -419,7 +483,7 @@ def expert_param_names(module: nn.Module) -> list[str]:
     return [
         f"{name}.experts.{w}"
         for name, sub in module.named_modules()
-        if isinstance(sub, MoE) and sub.ep_group is not None
+        if isinstance(sub, MoE) and sub.edp_mesh is not None
         for w in sub.experts.weight_names
     ]
 

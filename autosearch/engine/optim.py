@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from autosearch.core.errors import SpecError
 
@@ -120,10 +121,38 @@ def make_grad_scaler(amp: str, device_type: str, distributed: bool):
         return None
     if distributed:
         import torch.distributed as dist
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device=device_type, process_group=dist.group.WORLD)
+        return _LocalShardGradScaler(device=device_type, process_group=dist.group.WORLD)
     return torch.amp.GradScaler(device_type)
+
+
+class _LocalShardGradScaler(ShardedGradScaler):
+    """`ShardedGradScaler` that unscales each gradient's local tensor (a DTensor's
+    ``to_local()``, the same storage): one foreach call may then hold plain and DTensor
+    gradients, or DTensors of different meshes (expert-parallel experts beside DDP's or FSDP2's
+    dense gradients), which DTensor refuses to mix. Unscaling is elementwise, and the found-inf
+    flag is still all-reduced over every rank."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        from types import SimpleNamespace
+
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            groups = [
+                {
+                    "params": [
+                        SimpleNamespace(
+                            grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                        )
+                        for p in group["params"]
+                        if p.grad is not None
+                    ]
+                }
+                for group in optimizer.param_groups
+            ]
+        local = SimpleNamespace(param_groups=groups)
+        return super()._unscale_grads_(local, inv_scale, found_inf, allow_fp16)
 
 
 def total_grad_norm(

@@ -39,14 +39,19 @@ class ParallelDims:
         degrees: every mesh degree (``dims.dp``, ``dims.cp`` ... read them as attributes).
         world_size: the processes of the run.
         zero_stage: the ZeRO stage (how data parallelism shards: `mode`).
+        ep: the expert-parallel degree (folded into dp x cp: no mesh axis of its own; it
+            decides how ZeRO-1 runs, `mode`).
     """
 
     degrees: Mapping[str, int] = field(default_factory=dict)
     world_size: int = 1
     zero_stage: int = 0
+    ep: int = 1
 
     @classmethod
-    def of(cls, *, world_size: int | None = None, zero_stage: int = 0, **degrees: int):
+    def of(
+        cls, *, world_size: int | None = None, zero_stage: int = 0, ep: int = 1, **degrees: int
+    ):
         """Degrees by name (those not given are 1); the world size defaults to their product."""
         unknown = [n for n in degrees if n not in dimensions.MESH_AXES]
         if unknown:
@@ -55,7 +60,7 @@ class ParallelDims:
             )
         full = {n: degrees.get(n, 1) for n in dimensions.MESH_AXES}
         world = math.prod(full.values()) if world_size is None else world_size
-        return cls(full, world, zero_stage)
+        return cls(full, world, zero_stage, ep)
 
     @classmethod
     def from_strategy(cls, strategy: "Strategy", world_size: int) -> "ParallelDims":
@@ -70,7 +75,9 @@ class ParallelDims:
                 f" {world_size}"
             )
         degrees = {n: getattr(strategy, n) for n in dimensions.MESH_AXES}
-        return cls.of(world_size=world_size, zero_stage=strategy.zero_stage, **degrees)
+        return cls.of(
+            world_size=world_size, zero_stage=strategy.zero_stage, ep=strategy.ep, **degrees
+        )
 
     def __getattr__(self, name: str) -> Any:
         degrees = self.__dict__.get("degrees", {})
@@ -81,7 +88,9 @@ class ParallelDims:
     @property
     def mode(self) -> DPMode:
         """How data parallelism runs over dp x cp (the table in `autosearch.core.dp_modes`)."""
-        return dp_mode(zero_stage=self.zero_stage, dp=self.dp * self.cp, tp=self.tp, pp=self.pp)
+        return dp_mode(
+            zero_stage=self.zero_stage, dp=self.dp * self.cp, tp=self.tp, pp=self.pp, ep=self.ep
+        )
 
     @property
     def dp_axis(self) -> str:

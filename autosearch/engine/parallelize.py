@@ -375,7 +375,7 @@ def parallelize(
         pp_rank = world_mesh(mesh).get_local_rank("pp")
         parts = split_pipeline(model, plan, strategy, pp_rank=pp_rank)
     ep_mesh = None
-    if strategy.ep > 1:
+    if strategy.ep > 1 or strategy.etp > 1:
         from autosearch.engine.moe import expert_mesh
 
         ep_mesh = expert_mesh(
@@ -386,7 +386,7 @@ def parallelize(
         if ep_mesh is not None:
             from autosearch.engine.moe import apply_ep
 
-            apply_ep(part, ep_mesh)
+            apply_ep(part, ep_mesh, etp=strategy.etp)
         if dims.cp > 1:
             apply_cp(part, world_mesh(mesh)["cp"])
         if strategy.fp8 != "none":

@@ -1173,9 +1173,6 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         return space, ()
     base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
     base = base.narrowed(**config.pin) if config.pin else base
-    engine = (getattr(runtime, "name", runtime) or "torch") == "torch"
-    if model.lora is not None and engine and "tp" not in config.pin:
-        base = base.narrowed(tp=1)  # the Engine runs LoRA without tp (autosearch/engine/lora.py)
     resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
     built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
     fp8 = next((o for o in opened if o.name == "fp8"), None)
@@ -1187,6 +1184,8 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         runtime=runtime,
         cluster=cluster,
         ep_over_tp=resolved.ep_over_tp,
+        model=model,
+        etp_below_tp=resolved.etp_below_tp,
     )
     if problems:
         raise SpecError(problems, context="the search space asks what the runtime cannot run")

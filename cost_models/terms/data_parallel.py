@@ -42,6 +42,7 @@ class DataParallelCost(NamedTuple):
     "micro_batch_size",
     "amp",
     "fp8",
+    "ep",
 )
 def cost(
     s: "Strategy",
@@ -158,7 +159,7 @@ def cost(
     # gradients and the Adam moments in bf16, 2 + 2 + 4 bytes)
     pb = rt.param_bytes
     copies = psi * ab if ab < pb else 0.0
-    mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p)
+    mode = dp_mode(zero_stage=zero, dp=d, tp=t, pp=p, ep=s.ep)
     optimizer_bytes = tr * 2 * pb / d if mode.shards_optimizer else tr * 2 * pb
     if mode.wrapper == "none":
         return DataParallelCost(0.0, psi * pb + copies, tr * pb, tr * 2 * pb)
