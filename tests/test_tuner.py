@@ -23,9 +23,20 @@ SMALL = dict(model="llama3-8b", cluster="h100-sxm:2x8", global_batch_size=64)
 
 
 def _exhaustive_best(space, runtime="torch"):
+    """The cost model's own optimum: every strategy scored, fitting under tune's memory margin."""
+    from autosearch.tuning._margin import memory_margin
+
     cm = AnalyticCostModel(space.model, space.cluster, runtime=runtime)
+    held = memory_margin(runtime, space.cluster).fraction
     scored = [(cm.estimate(s, validate=False), s) for s in space.enumerate()]
-    return max(((r.tokens_per_s, s) for r, s in scored if r.fits), key=lambda x: x[0])
+    return max(
+        (
+            (r.tokens_per_s, s)
+            for r, s in scored
+            if r.with_margin(held * r.memory_capacity_bytes).fits
+        ),
+        key=lambda x: x[0],
+    )
 
 
 def _cli(*args, **kw):
