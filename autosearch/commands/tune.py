@@ -241,7 +241,16 @@ def dry_run(config: TuneConfig) -> str:
         f"study      {name} in {out}/ ({done} finished trials there)",
         f"trials     {target} {units} with the {sampler} sampler ({todo} to run; "
         f"{n_units:,} {units} in the space)"
-        + (" and a local search from the best layouts" if plan is not None and plan.local else ""),
+        + (
+            " and a local search from the best layouts"
+            + (
+                f", stopped at the {plan.budget_s:g} s time budget if not done by then"
+                if plan.budget_s
+                else ""
+            )
+            if plan is not None and plan.local
+            else ""
+        ),
         *([f"plan       {plan.reason}"] if plan is not None else []),
         f"layouts    {len(layouts)} ({', '.join(LAYOUT_FIELDS)}):",
     ]
@@ -251,7 +260,9 @@ def dry_run(config: TuneConfig) -> str:
     if len(layouts) > shown:
         lines.append(f"           ... and {len(layouts) - shown} more")
     lines.append(
-        f"expected   about {todo * per_trial:,.1f} s of search for {todo} trials "
+        f"expected   about {todo * per_trial:,.1f} s of search for {todo} trials"
+        + (" (and the local search after them)" if plan is not None and plan.local else "")
+        + " "
         f"({per_trial * 1e3:.1f} ms per trial over {k} {probe_sampler} trials run in memory now; "
         "TPE slows as the study grows, and a persistent storage adds its write per trial)"
     )
