@@ -16,8 +16,9 @@ def pytest_configure(config):
 
 
 # The longest files (minutes each on a 2-core machine: examples, multi-process launches, whole
-# search spaces) go first, so that under `-n 2 --dist loadfile` neither process is left with one
-# of them at the end while the other waits (the order within a file is kept).
+# search spaces) go first (the order within a file is kept). Serial runs and xdist with
+# `--no-loadscope-reorder` keep this order; plain `--dist loadfile` (xdist 3.x) re-sorts files by
+# their number of tests, which puts the one-test example file last.
 LONG_FILES = (
     "test_engine_example_hf.py",
     "test_search_spaces.py",
