@@ -196,6 +196,7 @@ CASES = [
         expect=(),
         exit_code=0,
         may_write=("s.journal", "o"),
+        timeout_s=120,  # a whole tune with report.md's plots: ~2 s alone, > 20 s at load 9
     ),
     Case(
         "i11.6-journal-garbage-in-the-middle",
