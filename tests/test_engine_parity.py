@@ -217,7 +217,8 @@ def test_torch_preset_declares_what_the_engine_runs_and_on_which_devices():
         "selective_op",
         "recompute_num_layers",
         "uneven_pp",
-        "ep",  # autosearch/engine/moe.py (etp 1, over the dp x cp ranks)
+        "ep",  # autosearch/engine/moe.py (over the dp x cp ranks)
+        "etp",  # etp 1 or tp (experts' width split over the tp ranks), not below tp
     }
     s = Strategy(tp=2, async_tp=True, compile=True, fp8="rowwise")
     assert torch_rt.unsupported(s) == {}
