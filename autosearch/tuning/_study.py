@@ -390,7 +390,7 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
         runner.deadline = t0 - setup_s + job.plan.budget_s - FINISH_RESERVE_S
     try:
         n_new = runner.run(job.target, progress=bar)
-        if job.plan is not None and job.plan.local and runner.stopped is None:
+        if job.plan is not None and job.plan.local:
             n_new += runner.local_search()
     finally:
         if isinstance(bar, _ProgressBar):
@@ -493,7 +493,7 @@ class _Runner:
         # the default plan's time budget (`time.perf_counter()` seconds), which stops the local
         # search, and whether it did
         self.deadline: float | None = None
-        self.stopped: str | None = None
+        self.stopped = False
 
     @property
     def n_finished(self) -> int:
@@ -640,12 +640,10 @@ class _Runner:
                     if progress is not None:
                         progress(min(self.n_covered, target), target, self._best)
 
-    def _spent(self, where: str) -> bool:
-        """Whether the time budget is spent (and if so, note where the search stopped)."""
-        if self.deadline is None or time.perf_counter() < self.deadline:
-            return False
-        self.stopped = where
-        return True
+    def _spent(self) -> bool:
+        """Whether the time budget is spent (and if so, note that the search stopped)."""
+        self.stopped = self.deadline is not None and time.perf_counter() >= self.deadline
+        return self.stopped
 
     def _renew_shadow_if_due(self) -> None:
         if self.history_free and self._in_shadow >= SHADOW_RENEW:
@@ -709,10 +707,10 @@ class _Runner:
         Where a climb steps on a layout another climb stood on, it ends (its path from there is
         known). Steepest ascent from a layout always takes the same path, so the order changes
         neither where the climbs end nor what they score (short of `MAX_STEPS`), only what is
-        scored first. The
-        climbs are deterministic from their starts, which come from the sampled trials only:
-        on a finished study they retrace their paths and score nothing, and a study stopped at
-        its deadline goes on where it stopped. Returns the trials this worker persisted."""
+        scored first. The climbs are deterministic from their starts, which come from the
+        sampled trials only: on a finished study they retrace their paths and score nothing,
+        and a study stopped at its deadline goes on where it stopped. Returns the trials this
+        worker persisted."""
         from autosearch.core.strategy import Strategy
         from autosearch.tuning._local import MAX_STEPS, LayoutIndex, climb_starts, layout_key
 
@@ -771,7 +769,7 @@ class _Runner:
                 params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
                 if _key(params) in covered:
                     continue
-                if self._spent("the local search"):
+                if self._spent():
                     return new, False
                 covered.add(_key(params))
                 frozen, attrs = self._score_unit(params, mark={ATTR_LOCAL: True})
@@ -1003,9 +1001,9 @@ def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
         if plan is not None and plan.local
         else ""
     )
-    if runner.stopped is not None:
+    if runner.stopped:
         local += (
-            f"; {runner.stopped} stopped at the {plan.budget_s:g} s time budget (the same "
+            f"; the local search stopped at the {plan.budget_s:g} s time budget (the same "
             "command again goes on; --time-budget 0 runs the search to its end)"
         )
     return f"{head}; the study holds {{covered:,}} of the {n_units:,} {what}{local}"
