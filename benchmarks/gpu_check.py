@@ -78,6 +78,34 @@ def large_model():
     return ModelSpec.load("llama3-8b").scaled(name="llama3-8b-4l-check", n_layers=4, seq_len=4096)
 
 
+def moe_model():
+    """Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of width 768, top 8, GQA 32/4) at 4
+    layers, 4,096 tokens and a 32k vocabulary: ~2.5 B parameters (2.4 B of them experts), 256
+    rows per expert at one sequence, the regime where grouped GEMMs run below their ceiling."""
+    from autosearch import ModelSpec
+
+    return ModelSpec.load("qwen3-30b-a3b").scaled(
+        name="qwen3-moe-4l-check", n_layers=4, vocab_size=32000, seq_len=4096
+    )
+
+
+def moe_strategies() -> list:
+    """7 strategies of 8 sequences on one GPU: micro-batches (rows per expert), recompute,
+    compile, ZeRO-3."""
+    from autosearch import Strategy
+
+    one = lambda **kw: Strategy(global_batch_size=8, amp="bf16", **kw)  # noqa: E731
+    return [
+        one(micro_batch_size=1),
+        one(micro_batch_size=2),
+        one(micro_batch_size=4),
+        one(micro_batch_size=4, recompute="full"),
+        one(micro_batch_size=2, recompute="selective_op"),
+        one(micro_batch_size=2, compile=True),
+        one(micro_batch_size=2, zero_stage=3),  # FSDP2's mixed-precision policy on one GPU
+    ]
+
+
 def large_strategies() -> list:
     """8 strategies of 8 sequences on one GPU: micro-batches, recompute kinds, compile, float8."""
     from autosearch import Strategy
@@ -206,15 +234,31 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def train_stage(out: Path, *, dry: bool, profile: str, large: bool = False) -> None:
+def train_stage(
+    out: Path, *, dry: bool, profile: str, large: bool = False, moe: bool = False
+) -> None:
     """Stage 4, in its own process: the strategies through `autosearch validate`."""
     import torch
 
     from autosearch.validation import validate
 
     n = torch.cuda.device_count() if torch.cuda.is_available() and not dry else (2 if dry else 1)
-    model = dry_model() if dry else large_model() if large else gpu_model()
-    cands = large_strategies() if large and not dry else strategies(n, dry=dry)
+    if dry:
+        model, cands = dry_model(), strategies(n, dry=dry)
+        if moe:
+            from autosearch import ModelSpec
+            from autosearch.core.model_spec import MoESpec
+
+            moe_spec = MoESpec(n_experts=4, top_k=2, ffn_hidden_size=128)  # SwiGLU experts
+            model = ModelSpec.load("tiny-llama").scaled(
+                name="tiny-moe-check", n_layers=2, seq_len=64, moe=moe_spec
+            )
+    elif moe:
+        model, cands = moe_model(), moe_strategies()
+    elif large:
+        model, cands = large_model(), large_strategies()
+    else:
+        model, cands = gpu_model(), strategies(n, dry=dry)
     result = validate(
         model,
         cands,
@@ -381,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--large", action="store_true", help="train Llama 3 8B's layers (4 of them) instead"
     )
+    p.add_argument(
+        "--moe", action="store_true", help="train Qwen3-30B-A3B's MoE layers (4 of them) instead"
+    )
     p.add_argument("--_stage", help=argparse.SUPPRESS)  # run one stage in this process
     p.add_argument("--_profile", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -389,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         env_stage(out)
         return 0
     if args._stage == "train":
-        train_stage(out, dry=args.dry_run, profile=args._profile, large=args.large)
+        train_stage(out, dry=args.dry_run, profile=args._profile, large=args.large, moe=args.moe)
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
@@ -397,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     timeouts = DRY_TIMEOUTS if dry else TIMEOUTS
     py, me = sys.executable, [sys.executable, str(Path(__file__).resolve())]
     flags = (
-        ["--out", str(out)] + (["--dry-run"] if dry else []) + (["--large"] if args.large else [])
+        ["--out", str(out)]
+        + (["--dry-run"] if dry else [])
+        + (["--large"] if args.large else [])
+        + (["--moe"] if args.moe else [])
     )
     stages: list[dict[str, Any]] = []
 

@@ -4,8 +4,10 @@
 scores the experts of each token (softmax, or sigmoid as DeepSeek-V3), keeps the top k, and the
 token's output is the weighted sum of those routed SwiGLU experts, plus the shared experts every
 token goes through (DeepSeek-MoE, Dai et al. 2024). Routing is dropless (every routed copy is
-computed, Megatron-Core's default): the copies are sorted by expert and each expert runs one
-matmul on its contiguous rows (a loop over the local experts instead of a grouped GEMM kernel).
+computed, Megatron-Core's default): the copies are sorted by expert and the local experts run
+as grouped GEMMs over their contiguous rows (`grouped_mm`: ``torch._grouped_mm``, one kernel for
+all experts as torchtitan and Megatron-Core's ``--moe-grouped-gemm`` run them, and a loop of
+matmuls where that kernel does not take the dtype or the device).
 The experts are stored stacked, ``w1, w3: [E, d, f]`` and ``w2: [E, f, d]``, so that expert
 parallelism shards them on the expert dimension.
 
@@ -143,14 +145,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of `x` sorted by expert, `counts[e]` rows for local expert e."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        outs = [
-            (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e]
-            for e, rows in enumerate(x.split(counts))
-        ]
-        return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
+        hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+        return grouped_mm(hidden, w2, counts)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -166,6 +165,38 @@ class Experts(nn.Module):
                 gen = torch.Generator(device=local.device).manual_seed(base + offset[0] + e)
                 full = torch.empty(w.shape[1:], device=local.device).normal_(0.0, s, generator=gen)
                 local[e].copy_(full[window])  # this rank's etp slice (FSDP shards dim 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e] @ w[e]`` for each expert e, rows grouped by expert (`counts[e]` each):
+    ``x [M, k]``, ``w [E, k, n]`` -> ``[M, n]``. One ``torch._grouped_mm`` kernel where it takes
+    the operands (any float dtype on CPU; bf16 with 16-byte aligned widths on CUDA GPUs of
+    compute capability 9.0 or later, as torchtitan uses it), else a loop of matmuls. Under
+    autocast both run in the autocast dtype (``_grouped_mm`` is not on autocast's lists)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, w = x.to(dtype), w.to(dtype)
+    if _grouped_mm_takes(x, w):
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    with torch.autocast(device, enabled=False):  # already in the autocast dtype
+        outs = [rows @ w[e] for e, rows in enumerate(x.split(counts.tolist()))]
+    return torch.cat(outs) if outs else x.new_empty((0, w.shape[-1]))
+
+
+def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs these operands (its checks in ATen's Blas.cpp)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.shape[0] == 0:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its meta kernel (what torch.compile traces with) takes bf16 only
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    aligned = all(d % 8 == 0 for d in (*x.shape[1:], *w.shape[1:]))  # 16 bytes of bf16
+    return aligned and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -196,13 +227,10 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-        outs = []
-        for e, rows in enumerate(x.split(counts)):
-            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down[e]))
-        return torch.cat(outs) if outs else x.new_empty((0, x.shape[1]))
+        gate, up = grouped_mm(x, gate_up.transpose(1, 2), counts).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), counts)
 
 
 class MoE(nn.Module):
@@ -322,7 +350,7 @@ class MoE(nn.Module):
     def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group = self.ep_group
         if group is None:
-            return self.experts(rows, counts.tolist())
+            return self.experts(rows, counts)
         ep = dist.get_world_size(group)
         local = self.n_experts // ep
         recv = torch.empty_like(counts)
@@ -333,7 +361,7 @@ class MoE(nn.Module):
         # received by source rank, then expert: regroup by local expert (stable: sources in order)
         expert_of = torch.arange(local, device=rows.device).repeat(ep)
         by_expert = torch.repeat_interleave(expert_of, recv).argsort(stable=True)
-        y = self.experts(got[by_expert], recv.view(ep, local).sum(0).tolist())
+        y = self.experts(got[by_expert], recv.view(ep, local).sum(0))
         back = torch.empty_like(y).index_copy_(0, by_expert, y)
         return AllToAll.apply(back, send_splits, recv_splits, group)
 

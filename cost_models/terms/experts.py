@@ -39,6 +39,7 @@ from cost_models.terms.compute import (
 from cost_models.terms.memory import StageParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.hardware import GemmEfficiency
     from autosearch.core.strategy import Strategy
 
 
@@ -54,6 +55,16 @@ class ExpertLayer(NamedTuple):
     modules_s: float = 0.0  # per-module recompute (`recompute_modules`) of one MoE layer
     modules_comm: float = 0.0  # forwards' worth of MoE traffic it repeats (moe: one)
     dense_modules_s: float = 0.0  # per-module recompute of one dense layer
+
+
+def grouped_gemm_s(
+    gemm: "GemmEfficiency", groups: float, m: float, n: float, k: float, peak: float, key: str
+) -> float:
+    """`groups` GEMMs of m x n x k (one per local expert, m its tokens) as one grouped GEMM: one
+    launch, each group at the profile's efficiency for its shape (small per-expert token counts
+    run far below the ceiling). benchmarks/grouped_gemm.py measures it against
+    ``torch._grouped_mm`` on a GPU."""
+    return gemm.launch_s + groups * (gemm.time_s(m, n, k, peak, key) - gemm.launch_s)
 
 
 def routed_share(s: "Strategy", ctx: Context) -> float:
@@ -87,7 +98,7 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     moe = m.moe
     assert moe is not None
     x = layer_shape(s, ctx)
-    gemm, launch = prof.gemm, prof.gemm.launch_s
+    gemm = prof.gemm
     peak, key = gemm_rate(ctx, x)
     elementwise = elementwise_s(ctx, x)
     h, t, ab, T, n_up = m.hidden_size, s.tp, x.ab, x.T, x.n_up
@@ -101,10 +112,7 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     f_e = moe.ffn_hidden_size / etp
 
     def grouped(n: float, kk: float) -> float:
-        """The local experts' GEMMs as one grouped GEMM: one launch, each expert's shape at the
-        profile's efficiency for it (small per-expert token counts run far below the
-        ceiling)."""
-        return launch + local * (gemm.time_s(per_expert, n, kk, peak, key) - launch)
+        return grouped_gemm_s(gemm, local, per_expert, n, kk, peak, key)
 
     imbalance = routed_share(s, ctx)
     expert_gemm = imbalance * (grouped(n_up * f_e, h) + grouped(h, f_e))
