@@ -79,13 +79,14 @@ def large_model():
 
 
 def moe_model():
-    """Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of width 768, top 8, GQA 32/4) at 4
+    """Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of width 768, top 8; 16 heads of 128
+    (its 32 heads hold 4,096 wide, which the reference transformer does not build), 4 KV) at 4
     layers, 4,096 tokens and a 32k vocabulary: ~2.5 B parameters (2.4 B of them experts), 256
     rows per expert at one sequence, the regime where grouped GEMMs run below their ceiling."""
     from autosearch import ModelSpec
 
     return ModelSpec.load("qwen3-30b-a3b").scaled(
-        name="qwen3-moe-4l-check", n_layers=4, vocab_size=32000, seq_len=4096
+        name="qwen3-moe-4l-check", n_layers=4, n_heads=16, vocab_size=32000, seq_len=4096
     )
 
 

@@ -135,14 +135,15 @@ def _time_one(L: int, m: int, k: int, n: int, device: str, dtype, time_fn):
 
 def predict(row: dict, profiles: dict) -> dict:
     """The cost model's forward and backward of the same grouped GEMMs, per profile."""
-    from cost_models.terms.experts import grouped_gemm_s
+    from cost_models.terms.experts import GROUPED_TILE_ROWS, grouped_gemm_s
 
     out = {}
     for label, (prof, key) in profiles.items():
         gemm, peak = prof.gemm, prof.peak_flops[key]
         for proj in PROJECTIONS:
             k, n = gemm_shape(row, proj)
-            fwd = grouped_gemm_s(gemm, row["L"], row["m"], n, k, peak, key)
+            tile = GROUPED_TILE_ROWS if prof.device_type != "cpu" else 0.0
+            fwd = grouped_gemm_s(gemm, row["L"], row["m"], n, k, peak, key, tile)
             out[f"{label}_{proj}_fwd_s"] = fwd
             out[f"{label}_{proj}_bwd_s"] = gemm.backward_over_forward * fwd
     return out
@@ -152,13 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="small fp32 shapes on CPU")
     p.add_argument("--out", help="output folder (default results/gpu/grouped-gemm)")
+    p.add_argument(
+        "--rescore",
+        metavar="DIR",
+        help="no measurement: price DIR/grouped_gemm.csv again with the cost model as it is",
+    )
     args = p.parse_args(argv)
 
     import pandas as pd
-    import torch
 
-    from autosearch.core.hardware import HardwareProfile, profile_for_device
     from autosearch.core.runtime import RUNTIMES
+
+    if args.rescore:
+        return rescore(Path(args.rescore))
+
+    import torch
 
     dry = args.dry_run or not torch.cuda.is_available()
     if not args.dry_run and dry:
@@ -168,15 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if dry else "cuda"
     dtype, key = (torch.float32, "fp32") if dry else (torch.bfloat16, "bf16")
-    if dry:
-        prof = HardwareProfile.load(str(ROOT / "results/calibration/cpu-local.yaml"))
-        gpu = "cpu"
-    else:
-        gpu = torch.cuda.get_device_name(0)
-        prof = profile_for_device(gpu)
-        if prof is None:
-            print(f"grouped_gemm: no catalog profile for {gpu!r}", file=sys.stderr)
-            return 2
+    gpu = "cpu" if dry else torch.cuda.get_device_name(0)
+    prof = profile_of(gpu)
+    if prof is None:
+        print(f"grouped_gemm: no catalog profile for {gpu!r}", file=sys.stderr)
+        return 2
     profiles = {"profile": (prof, key), "torch": (RUNTIMES["torch"].on(prof), key)}
     time_fn = timer(device)
     rows = []
@@ -208,6 +213,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def profile_of(gpu: str):
+    """The catalog profile of a GPU (by the driver's name), or this machine's calibrated one."""
+    from autosearch.core.hardware import HardwareProfile, profile_for_device
+
+    if gpu == "cpu":
+        return HardwareProfile.load(str(ROOT / "results/calibration/cpu-local.yaml"))
+    return profile_for_device(gpu)
+
+
+def rescore(folder: Path) -> int:
+    """Prices the measured shapes of `folder` again (the cost model changed, not the GPU)."""
+    import pandas as pd
+
+    from autosearch.core.runtime import RUNTIMES
+
+    old = json.loads((folder / "grouped_gemm.json").read_text())
+    prof, key = profile_of(old["gpu"]), old["precision"]
+    assert prof is not None, f"no catalog profile for {old['gpu']!r}"
+    profiles = {"profile": (prof, key), "torch": (RUNTIMES["torch"].on(prof), key)}
+    df = pd.read_csv(folder / "grouped_gemm.csv")
+    df = pd.DataFrame([{**r, **predict(r, profiles)} for r in df.to_dict("records")])
+    df.to_csv(folder / "grouped_gemm.csv", index=False)
+    summary = summarize(
+        df, list(profiles), gpu=old["gpu"], precision=key, peak=prof.peak_flops[key]
+    )
+    summary["seconds"] = old.get("seconds")
+    (folder / "grouped_gemm.json").write_text(json.dumps(summary, indent=1))
+    (folder / "grouped_gemm.md").write_text(markdown(summary))
+    print(markdown(summary))
+    return 0
+
+
 def summarize(df, labels: list[str], *, gpu: str, precision: str, peak: float) -> dict:
     """Predicted over measured, by per-expert token count: the mean error and MAPE over shapes,
     both projections, forward and backward, per profile."""
@@ -235,9 +272,11 @@ def summarize(df, labels: list[str], *, gpu: str, precision: str, peak: float) -
             "bwd_efficiency": round(float(g[g.dir == "bwd"].efficiency.mean()), 3),
             "loop_over_grouped": round(float(f.loop_over_grouped.mean()), 2),
         }
+        rows = ok[ok.m == m]
         for lab in labels:
             entry[f"{lab}_mean_error_pct"] = round(100 * float(g[lab].mean()), 1)
             entry[f"{lab}_mape_pct"] = round(100 * float(g[lab].abs().mean()), 1)
+            entry[f"{lab}_step_error_pct"] = round(100 * float(_step_error(rows, lab).mean()), 1)
         by_m[int(m)] = entry
     bwd_over_fwd = (
         t[t.dir == "bwd"].s.to_numpy() / fwd.s.to_numpy() if len(t) else float("nan")
@@ -249,28 +288,47 @@ def summarize(df, labels: list[str], *, gpu: str, precision: str, peak: float) -
         "measured": int(len(ok)),
         "backward_over_forward_measured": round(float(pd.Series(bwd_over_fwd).mean()), 2),
         **{f"{lab}_mape_pct": round(100 * float(t[lab].abs().mean()), 1) for lab in labels},
+        **{
+            f"{lab}_step_mape_pct": round(100 * float(_step_error(ok, lab).abs().mean()), 1)
+            for lab in labels
+        },
         "by_tokens_per_expert": by_m,
     }
 
 
+def _step_error(rows, label: str):
+    """Predicted over measured time of a shape's whole expert MLP, both projections forward
+    and backward (what a training step spends on it), minus 1."""
+    cols = [f"{p}_{d}_s" for p in PROJECTIONS for d in ("fwd", "bwd")]
+    predicted = sum(rows[f"{label}_{c}"] for c in cols)
+    return predicted / sum(rows[c] for c in cols) - 1
+
+
 def markdown(s: dict) -> str:
-    labels = [k[: -len("_mape_pct")] for k in s if k.endswith("_mape_pct")]
+    labels = [k[: -len("_step_mape_pct")] for k in s if k.endswith("_step_mape_pct")]
     lines = [
         f"# Grouped GEMMs on {s['gpu']} ({s['precision']}): measured against the cost model",
         "",
         f"{s['measured']} of {s['shapes']} shapes measured. Backward over forward, measured: "
         f"{s['backward_over_forward_measured']}. MAPE over shapes, projections, forward and "
-        "backward: " + ", ".join(f"{l} {s[l + '_mape_pct']}%" for l in labels) + ".",
+        "backward: " + ", ".join(f"{l} {s[l + '_mape_pct']}%" for l in labels) + "; of the "
+        "expert MLP's whole time (both projections, forward and backward): "
+        + ", ".join(f"{l} {s[l + '_step_mape_pct']}%" for l in labels)
+        + ".",
         "",
         "| rows per expert | fwd efficiency | bwd efficiency | loop / grouped (fwd) | "
-        + " | ".join(f"{l}: mean error, MAPE" for l in labels)
+        + " | ".join(f"{l}: mean error, MAPE; MLP error" for l in labels)
         + " |",
         "|---|---|---|---|" + "---|" * len(labels),
     ]
     for m, e in s["by_tokens_per_expert"].items():
         cells = [str(m), f"{e['fwd_efficiency']:.3f}", f"{e['bwd_efficiency']:.3f}",
                  f"{e['loop_over_grouped']:.2f}"]  # fmt: skip
-        cells += [f"{e[l + '_mean_error_pct']:+.1f}%, {e[l + '_mape_pct']:.1f}%" for l in labels]
+        cells += [
+            f"{e[l + '_mean_error_pct']:+.1f}%, {e[l + '_mape_pct']:.1f}%; "
+            f"{e[l + '_step_error_pct']:+.1f}%"
+            for l in labels
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

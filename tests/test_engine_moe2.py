@@ -96,9 +96,9 @@ def test_world4_matches_single_process(world4, references, name):
 
 def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():
     """Under fp16 the loss scaler multiplies the loss by S before backward; the auxiliary loss
-    joins in the MoE layer's backward, so its gradient must be S too (`AuxLoss.loss_scale`):
+    joins in the MoE layer's backward, so its gradient must be S too (`set_aux_loss_scale`):
     the router's gradient divided by S is then the unscaled one (S a power of 2: exact)."""
-    from autosearch.engine.moe import AuxLoss, MoE
+    from autosearch.engine.moe import MoE, set_aux_loss_scale
 
     torch.manual_seed(0)
     layer = MoE(dim=16, hidden=8, n_experts=4, top_k=2, aux_loss_coef=0.5)
@@ -109,11 +109,11 @@ def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():
     want = layer.gate.weight.grad.clone()
     layer.zero_grad()
     scale = 2.0**16  # torch.amp.GradScaler's initial scale
-    AuxLoss.loss_scale = scale
+    set_aux_loss_scale(scale)
     try:
         (layer(x).sum() * scale).backward()
     finally:
-        AuxLoss.loss_scale = 1.0
+        set_aux_loss_scale(1.0)
     torch.testing.assert_close(layer.gate.weight.grad / scale, want, rtol=0, atol=0)
 
 

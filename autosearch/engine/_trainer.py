@@ -244,9 +244,9 @@ class Trainer:
     def _scale_aux_losses(self) -> None:
         """Scale the MoE auxiliary losses' gradient as the loss: by the fp16 loss scaler's
         scale, which changes only after a step (`autosearch.engine.moe.AuxLoss`)."""
-        from autosearch.engine.moe import AuxLoss
+        from autosearch.engine.moe import set_aux_loss_scale
 
-        AuxLoss.loss_scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+        set_aux_loss_scale(self.scaler.get_scale() if self.scaler is not None else 1.0)
 
     def _grad_sync(self, part: nn.Module, *, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients once per step (DDP no_sync; FSDP2 sync flag), except for ZeRO-2/3."""

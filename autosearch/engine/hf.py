@@ -510,7 +510,7 @@ def with_hf_aux_loss(model: HFCausalLM, logits: torch.Tensor) -> torch.Tensor:
     aux: Any = load_balancing_loss_func(logits_of, layers[0].n_experts, layers[0].top_k)
     model.aux_loss = aux.detach()
     if model.training and torch.is_grad_enabled():
-        return AuxLoss.apply(logits, aux * model.router_aux_loss_coef)
+        return AuxLoss.add(logits, aux * model.router_aux_loss_coef)
     return logits
 
 

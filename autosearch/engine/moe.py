@@ -63,14 +63,28 @@ if TYPE_CHECKING:  # pragma: no cover
 AUX_LOSS_COEF = 1e-2
 
 
-class AuxLoss(torch.autograd.Function):
-    """Identity on `output` whose backward also sends gradient `loss_scale` to `aux_loss` (a
-    scalar already multiplied by its coefficient): ``loss + aux_loss`` without touching the loss
-    function. Under fp16 the Trainer sets `loss_scale` to the loss scaler's scale before each
-    step, so the auxiliary loss is scaled as the main loss is (Megatron-Core's
-    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+# What the Trainer multiplies the loss by before backward (fp16's loss scale; 1 otherwise): a
+# module global, not an attribute of `AuxLoss`, which torch.compile cannot read.
+_aux_loss_scale = 1.0
 
-    loss_scale = 1.0
+
+def set_aux_loss_scale(scale: float) -> None:
+    global _aux_loss_scale
+    _aux_loss_scale = float(scale)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on `output` whose backward also sends gradient 1 to `aux_loss` (a scalar already
+    multiplied by its coefficient and, through `add`, by the loss scale): ``loss + aux_loss``
+    without touching the loss function. Under fp16 the Trainer sets the loss scale
+    (`set_aux_loss_scale`) to the loss scaler's before each step, so the auxiliary loss is
+    scaled as the main loss is (Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+
+    @staticmethod
+    def add(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        """`output`, with `aux_loss` (times the loss scale) added to the loss its backward
+        sees."""
+        return AuxLoss.apply(output, aux_loss * _aux_loss_scale)
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -80,7 +94,7 @@ class AuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, AuxLoss.loss_scale)
+        return grad_output, torch.ones_like(aux_loss)
 
 
 class AllToAll(torch.autograd.Function):
@@ -334,7 +348,7 @@ class MoE(nn.Module):
             aux = self.balance_loss(experts, probs, shape[0] if len(shape) == 3 else 1)
             self.aux_loss = aux.detach()
             if self.training and torch.is_grad_enabled():
-                out = AuxLoss.apply(out, aux * self.aux_loss_coef)
+                out = AuxLoss.add(out, aux * self.aux_loss_coef)
         return out
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,16 @@ def limit_memory(limit_bytes: int | None, device_type: str) -> None:
     _address_space_cap.append(vm + int(limit_bytes))
 
 
+def adamw(params):
+    """AdamW at lr 1e-4: the fused kernel on a GPU (torchtitan's default `implementation`, one
+    pass over the states, as the cost model's optimizer step prices it), the default on CPU."""
+    import torch
+
+    params = list(params)
+    first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
+    return torch.optim.AdamW(params, lr=1e-4, fused=first.device.type == "cuda" or None)
+
+
 def build_model_factory(config: dict[str, Any]):
     from autosearch.core.model_spec import ModelSpec
 
@@ -112,7 +122,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     # device runs when its strategy shards it (built whole, it would be an "oom").
     engine = Engine(
         factory,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        optimizer=adamw,
         strategy=strategy,
         seed=int(config.get("seed", 0)),
         meta_init=bool(config.get("meta_init", True)),
