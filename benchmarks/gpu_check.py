@@ -429,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--moe", action="store_true", help="train Qwen3-30B-A3B's MoE layers (4 of them) instead"
     )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="no run: price OUT's measured runs again with the cost model as it is",
+    )
     p.add_argument("--_stage", help=argparse.SUPPRESS)  # run one stage in this process
     p.add_argument("--_profile", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -440,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         train_stage(out, dry=args.dry_run, profile=args._profile, large=args.large, moe=args.moe)
         return 0
 
+    if args.rescore:
+        env = json.loads((out / "env.json").read_text())
+        profiles = {"catalog": env["catalog_profile"]} if env.get("catalog_profile") else {}
+        if (out / "calibration" / "gpu.yaml").exists():
+            profiles["calibrated"] = str(out / "calibration" / "gpu.yaml")
+        print(json.dumps(summarize(out, profiles), indent=1))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     dry, skip = args.dry_run, set(filter(None, args.skip.split(",")))
     timeouts = DRY_TIMEOUTS if dry else TIMEOUTS

@@ -172,17 +172,21 @@ class AnalyticCostModel(CostModel):
         optimizer = compute.optimizer_step_s(
             s, ctx, params.total if trainable is None else trainable
         )
-        step, time = self._step(m, micro, bubble, dp, optimizer)
+        casts = compute.autocast_casts_s(
+            s, ctx, params.total, s.dp * s.cp, trainable, (max(ranks), 0.0)
+        )
+        step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         return self._compose(s, step, time, dp, activations)
 
-    def _step(self, m: int, micro, bubble: float, dp, optimizer: float):
+    def _step(self, m: int, micro, bubble: float, dp, optimizer: float, casts: float):
         """The step time and its breakdown: m micro-batches, the bubble, the exposed
-        data-parallel traffic, the optimizer and the runtime's and device's fixed overhead."""
+        data-parallel traffic, the optimizer, autocast's parameter and gradient casts (counted
+        as compute) and the runtime's and device's fixed overhead."""
         other = self.runtime.step_overhead_s + self.profile.step_overhead_s
-        step = m * micro.total_s + bubble + dp.exposed_s + optimizer + other
+        step = m * micro.total_s + bubble + dp.exposed_s + optimizer + casts + other
         time = TimeBreakdown(
-            compute_s=m * micro.compute_s,
+            compute_s=m * micro.compute_s + casts,
             recompute_s=m * micro.recompute_s,
             tp_comm_s=m * micro.tp_comm_s,
             pp_comm_s=m * micro.pp_comm_s,
@@ -244,7 +248,12 @@ class AnalyticCostModel(CostModel):
         optimizer = compute.optimizer_step_s(s, ctx, rest.total) + compute.optimizer_step_s(
             s, ctx, sharded
         )
-        step, time = self._step(m, micro, bubble, dp, optimizer)
+        heaviest = max(range(len(ranks)), key=lambda r: ranks[r])  # the pipeline rank
+        moe_layers = moe_ranks[heaviest]
+        casts = compute.autocast_casts_s(
+            s, ctx, rest.total, s.dp * s.cp, None, (ranks[heaviest] - moe_layers, moe_layers)
+        ) + compute.autocast_casts_s(s, ctx, routed.total, edp[0])
+        step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         activations += experts.activation_bytes(s, ctx, e, moe_ranks)
         return self._compose(s, step, time, dp, activations)

@@ -114,6 +114,13 @@ def _params(cm, s):
 TERMS = {
     compute.layer: _ctx,
     compute.optimizer_step_s: lambda cm, s: (cm._context, _params(cm, s).total),
+    compute.autocast_casts_s: lambda cm, s: (
+        cm._context,
+        _params(cm, s).total,
+        s.dp * s.cp,
+        None,
+        (max(cm._ranks(s)), 0.0),
+    ),
     compute.recompute_repeats: lambda cm, s: (cm._layer(s),),
     compute.recomputed_layers: lambda cm, s: (max(cm._ranks(s)),),
     tensor_parallel.layer_comm: _ctx,

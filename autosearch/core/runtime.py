@@ -42,6 +42,10 @@ class RuntimeOptions:
         low_precision_params: parameters are stored in the 16-bit amp dtype with fp32 master
             copies in the optimizer (Megatron-LM, Micikevicius et al. 2018); otherwise parameters
             are fp32 and autocast casts them per use (PyTorch AMP).
+        autocast_fp32_params: the runtime computes with fp32 parameters under 16-bit autocast
+            (the Engine, where no FSDP2 mixed-precision policy gathers them in the amp dtype):
+            each micro-batch casts the weights and their gradients, and the fp32 activations
+            each linear reads (`cost_models.terms.compute.autocast_casts_s`).
         grad_reduce_bytes: bytes per gradient element in data-parallel reductions.
         pp_scatter_gather: pipeline sends are split over the tp ranks and re-gathered over the
             fast intra-node link (Narayanan et al. 2021, sec. 4.1).
@@ -156,6 +160,7 @@ class RuntimeOptions:
     tp_overlap: float = 0.0
     async_tp_overlap: float = 0.0
     low_precision_params: bool = False
+    autocast_fp32_params: bool = False
     main_grad_fp32: bool = False
     grad_reduce_bytes: int = 4
     param_gather_bytes: int = 0

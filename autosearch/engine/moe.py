@@ -295,8 +295,11 @@ class MoE(nn.Module):
         self.router_logits: torch.Tensor | None = None  # of the last forward, when recorded
         self.record_router_logits = False  # for a model-level aux loss (Hugging Face's)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights [T, k], experts [T, k], probabilities [T, E]) of tokens `x` [T, d]."""
+    def route(
+        self, x: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in `dtype` (default x's), experts [T, k], probabilities [T, E]) of
+        tokens `x` [T, d]."""
         logits = self.gate(x)
         if self.record_router_logits:
             self.router_logits = logits
@@ -311,7 +314,7 @@ class MoE(nn.Module):
             weights, experts = scores.topk(self.top_k, dim=-1)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts, probs
+        return weights.to(dtype or x.dtype), experts, probs
 
     def balance_loss(self, experts: torch.Tensor, probs: torch.Tensor, batch: int) -> torch.Tensor:
         """E * sum_i f_i P_i per sequence, averaged over the `batch` sequences (module
@@ -332,15 +335,20 @@ class MoE(nn.Module):
         return self.n_experts * (f * prob_sums / tokens).sum(1).mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, dtype, device = x.shape, x.dtype, x.device.type
         x = x.reshape(-1, shape[-1])
-        weights, experts, probs = self.route(x)
+        # under autocast the router, the routed rows and the shared experts read one cast of
+        # the (fp32 residual stream's) input, not one each; the combine stays in its dtype
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
+        weights, experts, probs = self.route(x, dtype)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # routed copies grouped by expert, tokens in order
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
         y = self._run_experts(x[token], counts)
-        out = torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[order, None])
+        out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        out.index_add_(0, token, y * weights.flatten()[order, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = out.reshape(shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
+from autosearch.core.dp_modes import dp_mode
 from autosearch.core.errors import SpecError
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, reads
 
@@ -365,6 +366,70 @@ def _embedding_and_logits(ctx: Context, x: _Layer) -> tuple[float, float]:
     if m.final_logit_softcapping is not None:  # one more read and write, forward and backward
         logits += 2 * stream_s(ctx, 2 * T * m.vocab_size / t * ab)
     return emb, logits
+
+
+@reads(
+    "zero_stage",
+    "amp",
+    "fp8",
+    "compile",
+    "micro_batch_size",
+    "global_batch_size",
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+)
+def autocast_casts_s(
+    s: "Strategy",
+    ctx: Context,
+    psi: float,
+    shards: int,
+    trainable: float | None = None,
+    layers: tuple[float, float] = (0.0, 0.0),
+) -> float:
+    """What a step spends on autocast's casts where the runtime computes with fp32 parameters
+    (`autocast_fp32_params`: the Engine, PyTorch AMP), beyond the layers' own work.
+
+    Weights: every micro-batch casts the `psi` local parameters to the amp dtype (read 4
+    bytes, write 2; FSDP2's mixed-precision policy casts only the `shards`-th part it gathers,
+    twice where it gathers again for backward) and their gradients back to fp32 (read 2,
+    write 4), and every micro-batch after the first adds them to the accumulated fp32
+    gradients (read 8, write 4; on the shard where gradients are reduced every micro-batch).
+    Only the `trainable` ones have gradients (LoRA). Float8 linears cast their fp32 weights
+    themselves (`_fp8_scaling`): only the gradient casts count then.
+
+    Activations, `layers` = (dense, MoE) layers of the heaviest rank, eager only (Inductor
+    fuses the cast into the kernel that writes the activation): the residual stream stays fp32,
+    so each linear casts its input (T x h tokens, read 4, write 2): q, k, v and the MLP's
+    first projections (two if gated) in a dense layer; the router, the experts and the shared
+    experts of an Engine MoE layer read one cast of it (`autosearch.engine.moe`); the output
+    layer once. Backward casts each gradient back (read 2, write 4) and sums the gradients of
+    the linears that read the same input in fp32 (read 8, write 4 per addition). None of it
+    under FSDP2's mixed-precision policy, whose bf16 parameters keep the stream in bf16.
+
+    Measured on an H200 (results/gpu/h200-qwen3-moe-4l/profile: 2.6 B parameters, 4
+    micro-batches: the weight casts and the accumulation are 107 ms of a 333 ms step)."""
+    rt, m = ctx.runtime, ctx.model
+    if not rt.autocast_fp32_params or s.amp not in ("bf16", "fp16"):
+        return 0.0
+    mode = dp_mode(zero_stage=s.zero_stage, dp=s.dp * s.cp, tp=s.tp, pp=s.pp, ep=s.ep)
+    mb, grads = s.grad_accum_steps, psi if trainable is None else trainable
+    policy = mode.mixed_precision_policy and mode.wrapper == "fsdp"
+    casts = (2 if mode.reshard_after_forward else 1) * psi / shards if policy else psi
+    accumulated = grads / shards if mode.reduce_every_microbatch else grads
+    weights = 0.0 if s.fp8 != "none" else 6.0 * casts
+    nbytes = mb * (weights + 6.0 * grads) + (mb - 1) * 12.0 * accumulated
+    if not (policy or s.compile):
+        dense, moe = layers
+        th = s.micro_batch_size * m.seq_len / s.cp * m.hidden_size
+        up = 2 if m.ffn_gated else 1
+        # forward casts, backward casts, backward fp32 sums of each layer kind
+        per_dense = (3 + up) * 6 + (3 + up) * 6 + (2 + up - 1) * 12
+        per_moe = 3 * 6 + 3 * 6 + 2 * 12 + 6 + 6
+        nbytes += mb * th * (dense * per_dense + moe * per_moe + 12)
+    return nbytes / ctx.profile.achieved_memory_bandwidth_bytes_per_s
 
 
 @reads("zero_stage", "dp", "amp")
