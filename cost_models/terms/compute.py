@@ -368,6 +368,16 @@ def _embedding_and_logits(ctx: Context, x: _Layer) -> tuple[float, float]:
     return emb, logits
 
 
+def fp32_stream(s: "Strategy", ctx: Context) -> bool:
+    """Whether the runtime computes with fp32 parameters and an fp32 residual stream under
+    16-bit autocast: `autocast_fp32_params`, unless FSDP2's mixed-precision policy gathers the
+    parameters in the amp dtype (zero 2/3 at dp > 1, `autosearch/core/dp_modes.py`)."""
+    if not ctx.runtime.autocast_fp32_params or s.amp not in ("bf16", "fp16"):
+        return False
+    mode = dp_mode(zero_stage=s.zero_stage, dp=s.dp * s.cp, tp=s.tp, pp=s.pp, ep=s.ep)
+    return not (mode.mixed_precision_policy and mode.wrapper == "fsdp")
+
+
 @reads(
     "zero_stage",
     "amp",
@@ -416,7 +426,7 @@ def autocast_casts_s(
         return 0.0
     mode = dp_mode(zero_stage=s.zero_stage, dp=s.dp * s.cp, tp=s.tp, pp=s.pp, ep=s.ep)
     mb, grads = s.grad_accum_steps, psi if trainable is None else trainable
-    policy = mode.mixed_precision_policy and mode.wrapper == "fsdp"
+    policy = not fp32_stream(s, ctx)
     casts = (2 if mode.reshard_after_forward else 1) * psi / shards if policy else psi
     accumulated = grads / shards if mode.reduce_every_microbatch else grads
     weights = 0.0 if s.fp8 != "none" else 6.0 * casts

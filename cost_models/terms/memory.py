@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from cost_models.formulas import layer_activation_bytes, microbatches_in_flight
 from cost_models.terms import context_parallel
 from cost_models.terms._base import ACT_BYTES, Context, reads
-from cost_models.terms.compute import attention_widths, recomputed_layers
+from cost_models.terms.compute import attention_widths, fp32_stream, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
@@ -50,7 +50,20 @@ def stage_params(s: "Strategy", ctx: Context, ranks: tuple[int | float, ...]) ->
     return StageParams(heaviest, layer_params)
 
 
-@reads("tp", "micro_batch_size", "sequence_parallel", "amp", "cp", "fp8", "compile", "recompute")
+@reads(
+    "tp",
+    "micro_batch_size",
+    "sequence_parallel",
+    "amp",
+    "cp",
+    "fp8",
+    "compile",
+    "recompute",
+    "zero_stage",
+    "dp",
+    "pp",
+    "ep",
+)
 def layer_activations(s: "Strategy", ctx: Context) -> LayerActivations:
     """One layer's activations per micro-batch, without recompute and under the strategy's."""
     none = _layer_bytes(s, ctx, "none")
@@ -112,7 +125,20 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         out += 2 * tokens * m.hidden_size * ab * (1 - 1 / tp)
     if m.lora is not None and recompute != "full":
         out += _lora_bytes(s, ctx, tokens)
+    if recompute in ("none", "selective") and not s.compile and fp32_stream(s, ctx):
+        out += tokens * m.hidden_size * AUTOCAST_SAVED_BYTES[m.ffn_gated]
     return out
+
+
+# What eager autocast over an fp32 residual stream saves beyond the layer formula, per token per
+# hidden unit (`compute.fp32_stream`): each linear keeps its own bf16 cast of its input (q, k
+# and v three of the normalized input, a gated MLP's w1 and w3 two), and the norms keep fp32
+# tensors. Measured on an H200 (results/gpu/h200: the tensor peak grows by 18 bytes per token
+# per hidden unit per layer more than the formula's, linear in the micro-batch, 0.53 / 1.11 /
+# 2.25 / 4.54 GiB at micro-batch 1 / 2 / 4 / 8; none under full or op-level recompute); the
+# census of saved tensors on a CPU gives the same 18: (8 - 2) x 2 for the norms, 2 x 2 for
+# q, k, v, 2 for w1 and w3; without a gate 16.
+AUTOCAST_SAVED_BYTES = {True: 18.0, False: 16.0}
 
 
 def _lora_bytes(s: "Strategy", ctx: Context, tokens: float) -> float:
