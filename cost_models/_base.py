@@ -17,3 +17,10 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def estimate(self, strategy: "Strategy", *, validate: bool = True) -> "CostReport":
         """Predict step time and memory of `strategy`; with `validate`, reject invalid ones."""
+
+    @property
+    def version(self) -> str:
+        """What a study records of the model that scored it: a study scored by another version
+        is not resumed (its trials would mix two models' predictions). Override it with a
+        digest of what the predictions depend on; by default the class's name."""
+        return type(self).__qualname__

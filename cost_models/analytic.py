@@ -47,6 +47,24 @@ LAYER_READS = fields_read(compute.layer, tensor_parallel.layer_comm, context_par
 BAND_READS = KIND_READS
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of the files the analytic model's predictions come from: the `cost_models`
+    package (its terms, presets, profiles and bands) and the Engine's ZeRO table it shares."""
+    import hashlib
+    from pathlib import Path
+
+    import autosearch.core.dp_modes as dp_modes
+
+    root = Path(__file__).resolve().parent
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml"))
+    digest = hashlib.sha256()
+    for path in [*files, Path(dp_modes.__file__)]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 class AnalyticCostModel(CostModel):
     """Analytic step time and memory of a decoder-only transformer on a cluster.
 
@@ -107,6 +125,18 @@ class AnalyticCostModel(CostModel):
                 fields_read(experts.stage_params, pipeline.rank_layers),
                 lambda s: experts.stage_params(s, ctx, self._ranks(s), self._moe_ranks(s)),
             )
+
+    @property
+    def version(self) -> str:
+        """A digest of what the predictions depend on besides the model and the cluster's
+        shape: the cost model's code and data (`source_digest`), the hardware profile as
+        loaded (a recalibration changes it) and the runtime preset."""
+        import hashlib
+        import json
+
+        record = [source_digest(), self.cluster.profile.to_dict(), repr(self.runtime)]
+        text = json.dumps(record, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # ---- interconnect ------------------------------------------------------------------------
     def group_link(self, group: int, stride: int) -> tuple[float, float]:

@@ -179,6 +179,31 @@ def test_a_stored_study_for_another_search_is_refused(tmp_path):
         tune(**SMALL, n_trials=5, storage=tmp_path / "study.txt")
 
 
+def test_a_study_scored_by_another_cost_model_is_not_resumed(tmp_path):
+    """Resuming a study after the cost model changed (an update, a recalibrated profile, a
+    preset's constants) would mix two models' predictions in one ranking: refused, with what to
+    do; the same model resumes."""
+    from autosearch.core.hardware import Cluster
+    from autosearch.core.model_spec import ModelSpec
+
+    out = tmp_path / "run"
+    tune(**SMALL, n_trials=4, seed=0, out=out, study_name="s")
+    model, cluster = ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:2x8")
+    same = AnalyticCostModel(model, cluster)
+    assert same.version == AnalyticCostModel(model, cluster).version  # deterministic
+    again = tune(**SMALL, n_trials=6, seed=0, out=out, study_name="s", cost_model=same)
+    assert (again.n_new_trials, again.n_trials) == (2, 6)
+    from cost_models import RUNTIMES
+
+    slower = dataclasses.replace(RUNTIMES["torch"], step_overhead_s=0.5)  # the same name
+    other = AnalyticCostModel(model, cluster, runtime=slower)
+    assert other.version != same.version
+    with pytest.raises(SpecError, match="another version of the cost model") as info:
+        tune(**SMALL, n_trials=8, seed=0, out=out, study_name="s", cost_model=other)
+    assert "another --study-name or --out folder" in str(info.value)
+    assert len(_read_csv(out / "trials.csv")) == 6  # what was scored is still there
+
+
 # ---- nothing fits ------------------------------------------------------------------------------
 def test_no_feasible_strategy_says_how_far_the_least_hungry_one_is(tmp_path):
     out = tmp_path / "run"

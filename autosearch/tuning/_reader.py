@@ -45,6 +45,8 @@ class StudyMeta:
         runtime: the cost model's runtime name (or its class name for another cost model).
         model, cluster: their names; global_batch_size: sequences per step.
         model_spec, cluster_spec: the full specs (`to_dict()`), enough to rebuild both.
+        cost_model: the version of the cost model that scored the trials (`CostModel.version`):
+            a study is resumed only by the same one.
     """
 
     signature: dict[str, Any] = field(default_factory=dict)
@@ -56,6 +58,7 @@ class StudyMeta:
     global_batch_size: int | None = None
     model_spec: dict[str, Any] | None = None
     cluster_spec: dict[str, Any] | None = None
+    cost_model: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

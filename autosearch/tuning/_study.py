@@ -364,6 +364,7 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
         # what `autosearch validate --study` needs to rebuild the model and the cluster
         model_spec=job.model.to_dict(),
         cluster_spec=job.cluster.to_dict(),
+        cost_model=getattr(job.cost_model, "version", type(job.cost_model).__qualname__),
     )
     shadow = optuna.create_study(directions=list(job.objective.directions), sampler=job.sampler)
     runner = _Runner(
@@ -540,6 +541,14 @@ class _Runner:
                 storage.set_study_user_attr(self.study_id, META_ATTR, self.meta.to_dict())
             else:
                 diffs = StudyMeta.from_dict(stored).differences(self.meta)
+                if diffs and all(d.startswith("cost_model:") for d in diffs):
+                    raise SpecError(
+                        f"study {self.study_name!r} in {where} was scored by another version of "
+                        "the cost model (autosearch was updated, or the hardware profile "
+                        "recalibrated), and resuming it would mix two models' predictions; use "
+                        "another --study-name or --out folder, or delete the study to score "
+                        "the search again"
+                    )
                 if diffs:
                     raise SpecError(
                         diffs,
