@@ -89,6 +89,17 @@ ASSUMED = {
     " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
     " and delay_wgrad_compute on, moe_shared_expert_overlap off -> DeepEP dispatcher with the"
     " EP A2A overlap",
+    "Bridge full-iteration CUDA graphs": "the Blackwell MXFP8 presets of Megatron-Bridge 26.06"
+    " (tag v0.5.0, scripts/performance/configs/{qwen,deepseek}/*_workload_base_configs.py:"
+    " Qwen3-30B GB200/GB300/B300, Qwen3-235B V2 GB200/GB300, DeepSeek-V3 GB200/GB300), 26.06.01"
+    " (v0.5.1: also Qwen3-30B and 235B on B200/B300, DeepSeek-V3 B300) and 26.08 (v0.6.0,"
+    " src/megatron/bridge/perf_recipes/*/*: _enable_hybridep_full_iteration_mxfp8,"
+    " _enable_deepseek_full_iteration_mxfp8) set cuda_graph_impl full_iteration and"
+    " moe_a2a_overlap True (overlap_moe_expert_parallel_comm) -> no host time per MoE layer"
+    " (moe_layer_host_s 0: the host launches one graph per iteration) and the A2A overlap; the"
+    " DeepSeek-V3 GB300 MXFP8 preset of these releases sets recompute_modules [] -> none."
+    " Earlier releases' Blackwell presets capture only attn / moe_router / moe_preprocess"
+    " (cuda_graph_impl transformer_engine): the preset's host time stays",
     "Automodel gradient accumulation": "Automodel runs each of its grad_accum local batches"
     " as a whole pipeline schedule (recipes/llm/benchmark.py: the ga_steps loop calls"
     " _forward_backward_step, i.e. schedule.step, once per local batch): a row with pp > 1 is"
@@ -223,6 +234,8 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
     if "up_proj" in rc:
         names.add("mla_up_proj")
     if not names and model.startswith("DeepSeek-V3"):
+        if row.gpu == "gb300" and full_iteration_graph(row):
+            return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
         if rid.startswith("MB"):
             names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
         elif rid.startswith("DGXC"):
@@ -251,6 +264,49 @@ def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
     return False, False
 
 
+# Megatron-Bridge releases whose Blackwell MXFP8 presets capture the whole iteration in one CUDA
+# graph (`ASSUMED["Bridge full-iteration CUDA graphs"]`): release -> {model: GPUs}.
+_FULL_ITERATION = {
+    "26.06": {
+        "Qwen3-30B": "gb200 gb300 b300",
+        "Qwen3-235B": "gb200 gb300",
+        "DeepSeek-V3": "gb200 gb300",
+    },
+    "26.06.01": {
+        "Qwen3-30B": "gb200 gb300 b200 b300",
+        "Qwen3-235B": "gb200 gb300 b200 b300",
+        "DeepSeek-V3": "gb200 gb300 b300",
+    },
+    "26.08": {
+        "Qwen3-30B": "gb200 gb300 b200 b300",
+        "Qwen3-235B": "gb200 gb300 b200",
+        "DeepSeek-V3": "gb200 gb300",
+    },
+}
+
+
+def bridge_release(row: pd.Series) -> str | None:
+    """The Megatron-Bridge release of a row, from its id: MB2606-... -> 26.06, MB260601-... ->
+    26.06.01; None for other sources."""
+    rid = str(row.id).split("-")[0]
+    if not rid.startswith("MB") or len(rid) not in (6, 8):
+        return None
+    digits = rid[2:]
+    return ".".join(digits[i : i + 2] for i in range(0, len(digits), 2))
+
+
+def full_iteration_graph(row: pd.Series) -> bool:
+    """Whether the row's release ran its preset with `cuda_graph_impl="full_iteration"`
+    (`_FULL_ITERATION`; MXFP8 presets only)."""
+    presets = _FULL_ITERATION.get(bridge_release(row) or "", {})
+    if "mxfp8" not in str(row.precision).lower():
+        return False
+    return any(
+        str(row.model).startswith(model) and row.gpu in gpus.split()
+        for model, gpus in presets.items()
+    )
+
+
 def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
@@ -268,8 +324,11 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
     if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
-    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
+    graphed = full_iteration_graph(row)  # ASSUMED["Bridge full-iteration CUDA graphs"]
+    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap or graphed:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
+    if graphed:  # one graph launch per iteration: no host time per MoE layer
+        changes["moe_layer_host_s"] = 0.0
     return dataclasses.replace(rt, name=f"{name}-row", **changes) if changes else rt
 
 
