@@ -69,13 +69,23 @@ ASSUMED = {
     "DeepSeek-V3 / Kimi-K2 recipes": "Megatron-Bridge DeepSeek-V3 rows: selective granularity"
     " with recompute_modules [mla_up_proj, mlp] on H100 and [mla_up_proj] on Blackwell"
     " (scripts/performance/configs/deepseek/deepseek_llm_pretrain.py @013284246); Kimi-K2"
-    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (NeMo 25.04"
-    " scripts/performance/llm/pretrain_deepseek_v3.py: selective, module list from its config"
-    " table, not transcribed) -> layernorm+mla_up_proj, the Bridge deepseek_v3 recipe's default"
-    " (assumed)",
+    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (dgxc-benchmarking"
+    " deepseek_v3/pretraining/launch.sh @1f6d9f4, v25.05.04: --recompute_modules RM, RM"
+    " 'mla_up_proj' on h100 and 'core_attn' on gb200) -> mla_up_proj on H100, the attention core"
+    " (selective) on GB200",
     "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
-    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs) and"
-    " NeMo 2's performance_mode does (DGX Cloud) -> the nemo preset (bf16 gradients)",
+    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs)"
+    " -> the nemo preset (bf16 gradients); DGX Cloud: see its entry",
+    "DGX Cloud 25.04 recipes": "the DGX Cloud rows ran NeMo 25.04 (v2.3.0)"
+    " scripts/performance/llm: pretrain_llama4_e128.py builds pretrain_recipe(performance_mode"
+    "=True), whose pretrain_performance_optimizations (recipes/llama4_e128.py) add"
+    " MegatronTokenDropCallback and set grad_reduce_in_fp32 False -> token drop (capacity"
+    " factor 1.0, padded to capacity: balanced) and the nemo preset (bf16 gradients);"
+    " pretrain_deepseek_v3.py builds pretrain_recipe() without performance_mode (bf16_mixed:"
+    " fp32 gradient reduction -> the megatron-core preset) and adds MegatronTokenDropCallback"
+    " (USE_TOKEN_DROP = True) -> balanced; its DeepSeekConfig sets moe_shared_expert_overlap"
+    " True (gpt/model/deepseek.py) -> the shared experts overlap the dispatch. All at the NeMo"
+    " commit the recipes pin (setup.sh NEMO_COMMIT 7a8f1cc7, llmb-nemo-r2.3.0)",
     "Bridge H100 recipes": "Megatron-Bridge 26.x H100 presets as the Python presets set them"
     " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
     " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
@@ -238,8 +248,10 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
             return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
         if rid.startswith("MB"):
             names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
-        elif rid.startswith("DGXC"):
-            names = {"layernorm", "mla_up_proj"}
+        elif rid.startswith("DGXC"):  # ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]
+            if row.gpu == "gb200":
+                return "selective", "none"
+            names = {"mla_up_proj"}
     elif not names and model.startswith("Kimi-K2") and rid.startswith("MB"):
         names = {"mla_up_proj"}
     modules = "+".join(n for n in _MODULE_ORDER if n in names) or "none"
@@ -312,14 +324,22 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
     name = "automodel" if automodel else "megatron-core"
-    bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
-    if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
+    rid, model = str(row.id), str(row.model)
+    dgxc = rid.startswith("DGXC")  # ASSUMED["DGX Cloud 25.04 recipes"]
+    bf16_grads = (
+        model.startswith("Llama-4") if dgxc else model.startswith(("Qwen3", "DeepSeek-V3"))
+    )
+    if bf16_grads and rid.startswith(("MB", "DGXC")):
         name = "nemo"  # ASSUMED["gradient reduction"]
     rt = (runtimes or {}).get(name, RUNTIMES[name])
     changes: dict = {}
     routing = str(row.moe_routing).lower()
-    if any(w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")):
+    if dgxc or any(
+        w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")
+    ):
         changes["moe_load_imbalance"] = 1.0
+    if dgxc and model.startswith("DeepSeek-V3"):
+        changes["moe_shared_expert_overlap"] = True
     text = f"{row.other} {row.note}".lower()
     deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
     if "deepep" in text or deepep:
