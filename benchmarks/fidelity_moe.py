@@ -110,6 +110,10 @@ ASSUMED = {
     " DeepSeek-V3 GB300 MXFP8 preset of these releases sets recompute_modules [] -> none."
     " Earlier releases' Blackwell presets capture only attn / moe_router / moe_preprocess"
     " (cuda_graph_impl transformer_engine): the preset's host time stays",
+    "Bridge 26.04.01 DeepSeek-V3 B200": "the release's preset (tag v0.4.2,"
+    " deepseek_workload_base_configs.py DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2: pp8 vp2"
+    " ep32): moe_flex_dispatcher_backend deepep, moe_a2a_overlap True, recompute_modules"
+    " [mla_up_proj, mlp] -> DeepEP with the A2A overlap, those modules",
     "Automodel gradient accumulation": "Automodel runs each of its grad_accum local batches"
     " as a whole pipeline schedule (recipes/llm/benchmark.py: the ga_steps loop calls"
     " _forward_backward_step, i.e. schedule.step, once per local batch): a row with pp > 1 is"
@@ -247,7 +251,9 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
         if row.gpu == "gb300" and full_iteration_graph(row):
             return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
         if rid.startswith("MB"):
-            names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
+            h100 = row.gpu == "h100-sxm"
+            b200_2604 = rid.startswith("MB260401-") and row.gpu == "b200"  # v0.4.2 FP8_MX_V2
+            names = {"mla_up_proj", "mlp"} if h100 or b200_2604 else {"mla_up_proj"}
         elif rid.startswith("DGXC"):  # ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]
             if row.gpu == "gb200":
                 return "selective", "none"
@@ -258,11 +264,14 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
     return "none", modules
 
 
-def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
-    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
-    row ran (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09 DeepSeek-V3 H100"]`)."""
+def _bridge_recipe(row: pd.Series) -> tuple[bool, bool]:
+    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge recipe a row ran
+    where its ep crosses nodes (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09
+    DeepSeek-V3 H100"]`, `ASSUMED["Bridge 26.04.01 DeepSeek-V3 B200"]`)."""
     rid = str(row.id)
     if rid.startswith("MB2509-DEEPSEEKV3") and row.gpu == "h100-sxm":
+        return True, True
+    if rid.startswith("MB260401-DEEPSEEKV3") and row.gpu == "b200":
         return True, True
     if not rid.startswith("MB26") or row.gpu != "h100-sxm":
         return False, False
@@ -341,7 +350,7 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     if dgxc and model.startswith("DeepSeek-V3"):
         changes["moe_shared_expert_overlap"] = True
     text = f"{row.other} {row.note}".lower()
-    deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
+    deepep, overlap = _bridge_recipe(row)  # ASSUMED["Bridge H100 recipes"]
     if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
     graphed = full_iteration_graph(row)  # ASSUMED["Bridge full-iteration CUDA graphs"]

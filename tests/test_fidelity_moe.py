@@ -78,6 +78,8 @@ def test_recipes_recompute_modules_are_read_from_the_rows():
         "MB2509-DEEPSEEKV3DROPLESS-H100-1024-FP8": ("none", "mla_up_proj+mlp"),
         "MZOO-QWEN3-235BINTRANODEEPFSDP-H100-256": ("full", "none"),
         "MB2606-QWEN330BA3B-H100-16-FP8": ("none", "none"),
+        "MB260401-DEEPSEEKV3-B200-256-MXFP8": ("none", "mla_up_proj+mlp"),  # v0.4.2 preset
+        "MB260401-DEEPSEEKV3-GB200-256-MXFP8": ("none", "mla_up_proj"),
     }
     for rid, want in expect.items():
         assert bench.recompute_of(rows.loc[rid]) == want, rid
@@ -178,3 +180,14 @@ def test_dgx_cloud_rows_ran_their_nemo_2504_recipes():
     assert runtime.moe_shared_expert_overlap
     assert bench.recompute_of(dsv3) == ("none", "mla_up_proj")
     assert bench.recompute_of(rows.loc["DGXC250504-DSV3-GB200-256-BF16"]) == ("selective", "none")
+
+
+def test_bridge_2604_01_deepseek_b200_ran_deepep_with_the_a2a_overlap():
+    """The 26.04.01 preset for DeepSeek-V3 on B200 (tag v0.4.2, FP8_MX_V2: pp8 vp2 ep32 over
+    4 nodes) sets moe_flex_dispatcher_backend deepep and moe_a2a_overlap True
+    (ASSUMED["Bridge 26.04.01 DeepSeek-V3 B200"]): -55% as the alltoall dispatcher, -7% so."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
+    runtime = bench.runtime_of(rows.loc["MB260401-DEEPSEEKV3-B200-256-MXFP8"])
+    assert runtime.moe_dispatcher == "deepep"
+    assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
