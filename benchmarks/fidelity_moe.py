@@ -354,7 +354,8 @@ def runtime_of(row: pd.Series, runtimes: dict | None = None):
     if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
     graphed = full_iteration_graph(row)  # ASSUMED["Bridge full-iteration CUDA graphs"]
-    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap or graphed:
+    stated = ("moe_a2a_overlap true", "1f1b overlap", "a2a_overlap=1")
+    if any(w in text for w in stated) or overlap or graphed:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
     if graphed:  # one graph launch per iteration: no host time per MoE layer
         changes["moe_layer_host_s"] = 0.0
