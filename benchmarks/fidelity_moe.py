@@ -69,13 +69,23 @@ ASSUMED = {
     "DeepSeek-V3 / Kimi-K2 recipes": "Megatron-Bridge DeepSeek-V3 rows: selective granularity"
     " with recompute_modules [mla_up_proj, mlp] on H100 and [mla_up_proj] on Blackwell"
     " (scripts/performance/configs/deepseek/deepseek_llm_pretrain.py @013284246); Kimi-K2"
-    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (NeMo 25.04"
-    " scripts/performance/llm/pretrain_deepseek_v3.py: selective, module list from its config"
-    " table, not transcribed) -> layernorm+mla_up_proj, the Bridge deepseek_v3 recipe's default"
-    " (assumed)",
+    " [mla_up_proj] (kimi recipe); DGX Cloud DeepSeek-V3 (dgxc-benchmarking"
+    " deepseek_v3/pretraining/launch.sh @1f6d9f4, v25.05.04: --recompute_modules RM, RM"
+    " 'mla_up_proj' on h100 and 'core_attn' on gb200) -> mla_up_proj on H100, the attention core"
+    " (selective) on GB200",
     "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
-    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs) and"
-    " NeMo 2's performance_mode does (DGX Cloud) -> the nemo preset (bf16 gradients)",
+    " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs)"
+    " -> the nemo preset (bf16 gradients); DGX Cloud: see its entry",
+    "DGX Cloud 25.04 recipes": "the DGX Cloud rows ran NeMo 25.04 (v2.3.0)"
+    " scripts/performance/llm: pretrain_llama4_e128.py builds pretrain_recipe(performance_mode"
+    "=True), whose pretrain_performance_optimizations (recipes/llama4_e128.py) add"
+    " MegatronTokenDropCallback and set grad_reduce_in_fp32 False -> token drop (capacity"
+    " factor 1.0, padded to capacity: balanced) and the nemo preset (bf16 gradients);"
+    " pretrain_deepseek_v3.py builds pretrain_recipe() without performance_mode (bf16_mixed:"
+    " fp32 gradient reduction -> the megatron-core preset) and adds MegatronTokenDropCallback"
+    " (USE_TOKEN_DROP = True) -> balanced; its DeepSeekConfig sets moe_shared_expert_overlap"
+    " True (gpt/model/deepseek.py) -> the shared experts overlap the dispatch. All at the NeMo"
+    " commit the recipes pin (setup.sh NEMO_COMMIT 7a8f1cc7, llmb-nemo-r2.3.0)",
     "Bridge H100 recipes": "Megatron-Bridge 26.x H100 presets as the Python presets set them"
     " (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, H100 V1/V2):"
     " Qwen3-235B moe_a2a_overlap True with the alltoall dispatcher -> A2A overlap (as the 25.11"
@@ -89,6 +99,21 @@ ASSUMED = {
     " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
     " and delay_wgrad_compute on, moe_shared_expert_overlap off -> DeepEP dispatcher with the"
     " EP A2A overlap",
+    "Bridge full-iteration CUDA graphs": "the Blackwell MXFP8 presets of Megatron-Bridge 26.06"
+    " (tag v0.5.0, scripts/performance/configs/{qwen,deepseek}/*_workload_base_configs.py:"
+    " Qwen3-30B GB200/GB300/B300, Qwen3-235B V2 GB200/GB300, DeepSeek-V3 GB200/GB300), 26.06.01"
+    " (v0.5.1: also Qwen3-30B and 235B on B200/B300, DeepSeek-V3 B300) and 26.08 (v0.6.0,"
+    " src/megatron/bridge/perf_recipes/*/*: _enable_hybridep_full_iteration_mxfp8,"
+    " _enable_deepseek_full_iteration_mxfp8) set cuda_graph_impl full_iteration and"
+    " moe_a2a_overlap True (overlap_moe_expert_parallel_comm) -> no host time per MoE layer"
+    " (moe_layer_host_s 0: the host launches one graph per iteration) and the A2A overlap; the"
+    " DeepSeek-V3 GB300 MXFP8 preset of these releases sets recompute_modules [] -> none."
+    " Earlier releases' Blackwell presets capture only attn / moe_router / moe_preprocess"
+    " (cuda_graph_impl transformer_engine): the preset's host time stays",
+    "Bridge 26.04.01 DeepSeek-V3 B200": "the release's preset (tag v0.4.2,"
+    " deepseek_workload_base_configs.py DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2: pp8 vp2"
+    " ep32): moe_flex_dispatcher_backend deepep, moe_a2a_overlap True, recompute_modules"
+    " [mla_up_proj, mlp] -> DeepEP with the A2A overlap, those modules",
     "Automodel gradient accumulation": "Automodel runs each of its grad_accum local batches"
     " as a whole pipeline schedule (recipes/llm/benchmark.py: the ga_steps loop calls"
     " _forward_backward_step, i.e. schedule.step, once per local batch): a row with pp > 1 is"
@@ -223,21 +248,30 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
     if "up_proj" in rc:
         names.add("mla_up_proj")
     if not names and model.startswith("DeepSeek-V3"):
+        if row.gpu == "gb300" and full_iteration_graph(row):
+            return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
         if rid.startswith("MB"):
-            names = {"mla_up_proj", "mlp"} if row.gpu == "h100-sxm" else {"mla_up_proj"}
-        elif rid.startswith("DGXC"):
-            names = {"layernorm", "mla_up_proj"}
+            h100 = row.gpu == "h100-sxm"
+            b200_2604 = rid.startswith("MB260401-") and row.gpu == "b200"  # v0.4.2 FP8_MX_V2
+            names = {"mla_up_proj", "mlp"} if h100 or b200_2604 else {"mla_up_proj"}
+        elif rid.startswith("DGXC"):  # ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]
+            if row.gpu == "gb200":
+                return "selective", "none"
+            names = {"mla_up_proj"}
     elif not names and model.startswith("Kimi-K2") and rid.startswith("MB"):
         names = {"mla_up_proj"}
     modules = "+".join(n for n in _MODULE_ORDER if n in names) or "none"
     return "none", modules
 
 
-def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
-    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge H100 recipe a
-    row ran (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09 DeepSeek-V3 H100"]`)."""
+def _bridge_recipe(row: pd.Series) -> tuple[bool, bool]:
+    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge recipe a row ran
+    where its ep crosses nodes (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09
+    DeepSeek-V3 H100"]`, `ASSUMED["Bridge 26.04.01 DeepSeek-V3 B200"]`)."""
     rid = str(row.id)
     if rid.startswith("MB2509-DEEPSEEKV3") and row.gpu == "h100-sxm":
+        return True, True
+    if rid.startswith("MB260401-DEEPSEEKV3") and row.gpu == "b200":
         return True, True
     if not rid.startswith("MB26") or row.gpu != "h100-sxm":
         return False, False
@@ -251,25 +285,80 @@ def _h100_recipe(row: pd.Series) -> tuple[bool, bool]:
     return False, False
 
 
+# Megatron-Bridge releases whose Blackwell MXFP8 presets capture the whole iteration in one CUDA
+# graph (`ASSUMED["Bridge full-iteration CUDA graphs"]`): release -> {model: GPUs}.
+_FULL_ITERATION = {
+    "26.06": {
+        "Qwen3-30B": "gb200 gb300 b300",
+        "Qwen3-235B": "gb200 gb300",
+        "DeepSeek-V3": "gb200 gb300",
+    },
+    "26.06.01": {
+        "Qwen3-30B": "gb200 gb300 b200 b300",
+        "Qwen3-235B": "gb200 gb300 b200 b300",
+        "DeepSeek-V3": "gb200 gb300 b300",
+    },
+    "26.08": {
+        "Qwen3-30B": "gb200 gb300 b200 b300",
+        "Qwen3-235B": "gb200 gb300 b200",
+        "DeepSeek-V3": "gb200 gb300",
+    },
+}
+
+
+def bridge_release(row: pd.Series) -> str | None:
+    """The Megatron-Bridge release of a row, from its id: MB2606-... -> 26.06, MB260601-... ->
+    26.06.01; None for other sources."""
+    rid = str(row.id).split("-")[0]
+    if not rid.startswith("MB") or len(rid) not in (6, 8):
+        return None
+    digits = rid[2:]
+    return ".".join(digits[i : i + 2] for i in range(0, len(digits), 2))
+
+
+def full_iteration_graph(row: pd.Series) -> bool:
+    """Whether the row's release ran its preset with `cuda_graph_impl="full_iteration"`
+    (`_FULL_ITERATION`; MXFP8 presets only)."""
+    presets = _FULL_ITERATION.get(bridge_release(row) or "", {})
+    if "mxfp8" not in str(row.precision).lower():
+        return False
+    return any(
+        str(row.model).startswith(model) and row.gpu in gpus.split()
+        for model, gpus in presets.items()
+    )
+
+
 def runtime_of(row: pd.Series, runtimes: dict | None = None):
     """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
     overlap): inputs of the row, not constants chosen for it."""
     automodel = str(row.id).startswith("AUTO")
     name = "automodel" if automodel else "megatron-core"
-    bf16_grads = str(row.model).startswith(("Qwen3", "DeepSeek-V3"))
-    if bf16_grads and str(row.id).startswith(("MB", "DGXC")):
+    rid, model = str(row.id), str(row.model)
+    dgxc = rid.startswith("DGXC")  # ASSUMED["DGX Cloud 25.04 recipes"]
+    bf16_grads = (
+        model.startswith("Llama-4") if dgxc else model.startswith(("Qwen3", "DeepSeek-V3"))
+    )
+    if bf16_grads and rid.startswith(("MB", "DGXC")):
         name = "nemo"  # ASSUMED["gradient reduction"]
     rt = (runtimes or {}).get(name, RUNTIMES[name])
     changes: dict = {}
     routing = str(row.moe_routing).lower()
-    if any(w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")):
+    if dgxc or any(
+        w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")
+    ):
         changes["moe_load_imbalance"] = 1.0
+    if dgxc and model.startswith("DeepSeek-V3"):
+        changes["moe_shared_expert_overlap"] = True
     text = f"{row.other} {row.note}".lower()
-    deepep, overlap = _h100_recipe(row)  # ASSUMED["Bridge H100 recipes"]
+    deepep, overlap = _bridge_recipe(row)  # ASSUMED["Bridge H100 recipes"]
     if "deepep" in text or deepep:
         changes["moe_dispatcher"] = "deepep"
-    if "moe_a2a_overlap true" in text or "1f1b overlap" in text or overlap:
+    graphed = full_iteration_graph(row)  # ASSUMED["Bridge full-iteration CUDA graphs"]
+    stated = ("moe_a2a_overlap true", "1f1b overlap", "a2a_overlap=1")
+    if any(w in text for w in stated) or overlap or graphed:
         changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
+    if graphed:  # one graph launch per iteration: no host time per MoE layer
+        changes["moe_layer_host_s"] = 0.0
     return dataclasses.replace(rt, name=f"{name}-row", **changes) if changes else rt
 
 

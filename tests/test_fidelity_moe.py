@@ -1,8 +1,8 @@
 """Golden figures: the cost model against the published MoE runs on H100
 (benchmarks/fidelity_moe.py; sources in benchmarks/reference/README.md).
 
-Two H100 groups meet issue 19's targets (throughput MAPE <= 10%, no row beyond 25%, every run
-predicted to fit): DGX Cloud and NeMo Automodel are held to them. The others are held to their
+One H100 group meets issue 19's targets (throughput MAPE <= 10%, no row beyond 25%, every run
+predicted to fit): NeMo Automodel is held to them. The others are held to their
 current figure plus a small margin, so that a change that makes them worse fails here, and the
 targets replace these bounds as groups reach them. The figures are those of
 results/fidelity_moe.csv, rounded up.
@@ -41,8 +41,11 @@ BOUNDS = {
     # 26.1%, worst +179% (MB2511 Qwen3-30B at 5,275 tokens/s, where 25.09 ran the same
     # layout at 10,494); 11.1%, worst +33.4%, without the two rows flagged AMBIGUOUS
     "Megatron-Bridge H100": (15, 0.27, 1.80, True),
-    # 8.7%, worst +11.2%: the Llama 4 rows at their 48 layers (moe_runs.csv correction)
-    "DGX Cloud H100": (4, *TARGETS),
+    # 18.1%, worst +38.1% (DeepSeek-V3 on 1,024 H100s): the rows ran NeMo 25.04's token drop
+    # (balanced) and its DeepSeek-V3 recipe fp32 gradients with the shared-expert overlap
+    # (fidelity_moe.py ASSUMED["DGX Cloud 25.04 recipes"]); the Llama 4 rows -3% and +1%. Was
+    # 8.7% when the DeepSeek-V3 rows were scored as dropless with bf16 gradients.
+    "DGX Cloud H100": (4, 0.19, 0.39, True),
     # 7.6%, worst -17.1%, all fit: the automodel preset's bf16 states, one local batch per
     # pipeline schedule
     "NeMo Automodel H100": (4, *TARGETS),
@@ -75,6 +78,8 @@ def test_recipes_recompute_modules_are_read_from_the_rows():
         "MB2509-DEEPSEEKV3DROPLESS-H100-1024-FP8": ("none", "mla_up_proj+mlp"),
         "MZOO-QWEN3-235BINTRANODEEPFSDP-H100-256": ("full", "none"),
         "MB2606-QWEN330BA3B-H100-16-FP8": ("none", "none"),
+        "MB260401-DEEPSEEKV3-B200-256-MXFP8": ("none", "mla_up_proj+mlp"),  # v0.4.2 preset
+        "MB260401-DEEPSEEKV3-GB200-256-MXFP8": ("none", "mla_up_proj"),
     }
     for rid, want in expect.items():
         assert bench.recompute_of(rows.loc[rid]) == want, rid
@@ -123,5 +128,66 @@ def test_bridge_2509_deepseek_h100_ran_deepep_with_the_a2a_overlap():
     bench = _bench()
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     runtime = bench.runtime_of(rows.loc["MB2509-DEEPSEEKV3DROPLESS-H100-1024-FP8"])
+    assert runtime.moe_dispatcher == "deepep"
+    assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+
+
+def test_bridge_full_iteration_graph_presets_have_no_host_time():
+    """Megatron-Bridge 26.06+ Blackwell MXFP8 presets capture the whole iteration in one CUDA
+    graph with the EP A2A overlap (recipes at v0.5.0 / v0.5.1 / v0.6.0,
+    ASSUMED["Bridge full-iteration CUDA graphs"]): those rows have no per-layer host time;
+    the same layout in 26.04 (partial graphs) keeps the preset's."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
+    graphed = bench.runtime_of(rows.loc["MB2606-QWEN330BA3B-GB200-8-MXFP8"])
+    assert graphed.moe_layer_host_s == 0.0
+    assert graphed.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+    before = bench.runtime_of(rows.loc["MB2604-QWEN330BA3B-GB200-8-MXFP8"])
+    assert before.moe_layer_host_s == bench.RUNTIMES["nemo"].moe_layer_host_s > 0
+    # 26.06's DeepSeek-V3 B300 preset kept partial graphs (pp8 mb2, transformer_engine scope)
+    assert bench.runtime_of(rows.loc["MB2606-DEEPSEEKV3-B300-256-MXFP8"]).moe_layer_host_s > 0
+    # the GB300 DeepSeek-V3 MXFP8 preset of these releases recomputes nothing
+    assert bench.recompute_of(rows.loc["MB2608-DEEPSEEKV3-GB300-256-MXFP8"]) == ("none", "none")
+    assert bench.bridge_release(rows.loc["MB260601-QWEN330BA3B-GB300-8-MXFP8"]) == "26.06.01"
+
+
+def test_full_iteration_graph_rows_meet_the_targets():
+    """The 20 Bridge rows that ran full-iteration CUDA graphs (26.06, 26.06.01, 26.08 on
+    GB200, GB300, B300): MAPE within issue 19's 10% (5.8% at this commit), worst -10.8%
+    (Qwen3-235B GB300), bounded at 12%."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE)
+    rows = rows[rows.apply(bench.full_iteration_graph, axis=1)]
+    table = pd.DataFrame([bench.predict(r) for _, r in rows.iterrows()])
+    ok = table[table.expressible]
+    assert len(ok) == 20
+    err = ok.throughput_error.abs()
+    assert err.mean() <= TARGETS[0] and err.max() <= 0.12 and ok.fits.all(), ok
+
+
+def test_dgx_cloud_rows_ran_their_nemo_2504_recipes():
+    """NeMo 25.04 at the commit the DGX Cloud recipes pin (ASSUMED["DGX Cloud 25.04 recipes"]):
+    both models with token drop (balanced); Llama 4 in performance mode (bf16 gradients: the
+    nemo preset), DeepSeek-V3 without it (fp32 gradients) with the shared-expert overlap and
+    its launch.sh recompute modules (mla_up_proj on H100, core_attn on GB200)."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
+    llama = bench.runtime_of(rows.loc["DGXC2505-LLAMA4MAV-H100-512-BF16"])
+    assert llama.moe_load_imbalance == 1.0 and llama.grad_reduce_bytes == 2
+    dsv3 = rows.loc["DGXC250504-DSV3-H100-1024-BF16"]
+    runtime = bench.runtime_of(dsv3)
+    assert runtime.moe_load_imbalance == 1.0 and runtime.grad_reduce_bytes == 4
+    assert runtime.moe_shared_expert_overlap
+    assert bench.recompute_of(dsv3) == ("none", "mla_up_proj")
+    assert bench.recompute_of(rows.loc["DGXC250504-DSV3-GB200-256-BF16"]) == ("selective", "none")
+
+
+def test_bridge_2604_01_deepseek_b200_ran_deepep_with_the_a2a_overlap():
+    """The 26.04.01 preset for DeepSeek-V3 on B200 (tag v0.4.2, FP8_MX_V2: pp8 vp2 ep32 over
+    4 nodes) sets moe_flex_dispatcher_backend deepep and moe_a2a_overlap True
+    (ASSUMED["Bridge 26.04.01 DeepSeek-V3 B200"]): -55% as the alltoall dispatcher, -7% so."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
+    runtime = bench.runtime_of(rows.loc["MB260401-DEEPSEEKV3-B200-256-MXFP8"])
     assert runtime.moe_dispatcher == "deepep"
     assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
