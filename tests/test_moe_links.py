@@ -10,9 +10,9 @@ Ranks of an 8-GPU H100 node share its 8 NICs, one per GPU (h100-sxm.yaml, rail-o
   ring per NIC), so a group with k members per node moves at k NICs' bandwidth.
 Both follow from the bytes each link must carry; the second is what multi-node nccl-tests
 report (all_reduce bus bandwidth on H100 nodes with 8 NDR NICs: 400-450 GB/s, i.e. the node's 8
-NICs, Saturn Cloud "Validating Multi-Node GPU Clusters with NCCL Tests"). Tolerances at 1 GB: the all-to-all within 10%
-(one latency per peer), the ring up to 1.3x its bandwidth term (NCCL's protocol and per-step
-latency, `formulas.nccl_ring_time_s`: 1.24x for 256 ranks).
+NICs, Saturn Cloud "Validating Multi-Node GPU Clusters with NCCL Tests"). Tolerances at 1 GB:
+the all-to-all within 10% (one latency per peer), the ring up to 1.3x its bandwidth term
+(NCCL's protocol and per-step latency, `formulas.nccl_ring_time_s`: 1.24x for 256 ranks).
 """
 
 from __future__ import annotations
