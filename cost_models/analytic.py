@@ -191,19 +191,19 @@ class AnalyticCostModel(CostModel):
         if ctx.model.moe is not None:
             return self._estimate_moe(s, layer, ranks)
         micro = pipeline.microbatch(s, ctx, layer, ranks)
-        t_mb = micro.total_s
         m = s.grad_accum_steps
-        bubble = pipeline.bubble_s(s, t_mb)
         params = self._params(s)
         trainable = self._trainable(s, ranks)
+        # autocast's casts run inside each micro-batch: the bubble idles for them too
+        casts = compute.autocast_casts_s(
+            s, ctx, params.total, s.dp * s.cp, trainable, (max(ranks), 0.0)
+        )
+        bubble = pipeline.bubble_s(s, micro.total_s + casts / m)
         dp = data_parallel.cost(
             s, ctx, params, ranks, layer, micro.recompute_layer_s, trainable=trainable
         )
         optimizer = compute.optimizer_step_s(
             s, ctx, params.total if trainable is None else trainable
-        )
-        casts = compute.autocast_casts_s(
-            s, ctx, params.total, s.dp * s.cp, trainable, (max(ranks), 0.0)
         )
         step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
@@ -264,9 +264,7 @@ class AnalyticCostModel(CostModel):
         moe_ranks = self._moe_ranks(s)
         e = self._expert_layer(s)
         micro = pipeline.microbatch(s, ctx, layer, ranks, moe=(e, moe_ranks))
-        t_mb = micro.total_s
         m = s.grad_accum_steps
-        bubble = pipeline.bubble_s(s, t_mb)
         rest, routed = self._moe_params(s)
         rc = micro.recompute_layer_s
         dense = data_parallel.cost(s, ctx, rest, ranks, layer, rc)
@@ -283,6 +281,7 @@ class AnalyticCostModel(CostModel):
         casts = compute.autocast_casts_s(
             s, ctx, rest.total, s.dp * s.cp, None, (ranks[heaviest] - moe_layers, moe_layers)
         ) + compute.autocast_casts_s(s, ctx, routed.total, edp[0])
+        bubble = pipeline.bubble_s(s, micro.total_s + casts / m)  # casts inside each micro-batch
         step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         activations += experts.activation_bytes(s, ctx, e, moe_ranks)
