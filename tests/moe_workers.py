@@ -37,13 +37,21 @@ HF_MOE = {
     ),
 }
 
+# "<kind>_aux": transformers' load-balancing loss at 0.1 instead of the configs' 1e-3, which moves
+# 3 steps' losses by less than the fp32 tolerance (2.6e-4 for Qwen3-MoE): a lost aux gradient
+# must show (the pipeline runs, whose stages pass the loss's sums on).
+AUX_COEF = 0.1
+
 
 def make_model(kind: str):
     torch.manual_seed(1234)
-    if kind in HF_MOE:
+    base = kind.removesuffix("_aux")
+    if base in HF_MOE:
         import transformers
 
-        config_name, model_name, extra = HF_MOE[kind]
+        config_name, model_name, extra = HF_MOE[base]
+        if kind != base:
+            extra = {**extra, "router_aux_loss_coef": AUX_COEF}
         config = getattr(transformers, config_name)(
             **W.HF_SHAPE, num_experts_per_tok=2, output_router_logits=True, **extra
         )

@@ -1,6 +1,6 @@
 """Mixture-of-experts in the Engine, second part: ZeRO-1 under expert parallelism, fp16 with the
 load-balancing loss, expert tensor parallelism (etp = tp), transformers' Mixtral and Qwen3-MoE
-under tensor parallelism, and what the search proposes to the Engine for an MoE model.
+under tensor and pipeline parallelism, and what the search proposes to the Engine for an MoE model.
 
 The equivalence runs are those of tests/test_engine_moe.py (same tiny model, seed, data order and
 tolerances: fp32 2e-5 over the first two steps, 1e-3 over three, from
@@ -42,6 +42,9 @@ WORLD4 = {
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
+    # ... and under pp, with transformers' aux loss carried over the stages (at 0.1)
+    "hf_qwen3_moe_pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B1}", "hf_qwen3_moe_aux"),
+    "hf_mixtral_pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral_aux"),
 }
 
 
@@ -53,6 +56,7 @@ def references():
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
         "moe_clip": M.train_losses(B1, "moe", clip=CLIP),
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
+        **{f"{kind}_aux": M.train_losses(B1, f"{kind}_aux") for kind in M.HF_MOE},
     }
 
 
