@@ -23,6 +23,7 @@ MOE = W.MODELS["llama"].scaled(
 )
 MODELS = {
     "moe": MOE,
+    "moe_kv4": MOE.scaled(n_kv_heads=4),  # tp=4 (1 < etp < tp) needs tp to divide the kv heads
     "moe_sigmoid": W.MODELS["llama"].scaled(
         moe={"n_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "router": "sigmoid"}
     ),

@@ -221,7 +221,7 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
 @pytest.mark.parametrize(
     "strategy, model, message",
     [
-        ("dp=2,ep=2,etp=2,tp=4", "moe", "set etp=4 or 1"),
+        ("dp=2,ep=2,etp=4,tp=6", "moe", "etp=4 must divide tp=6"),
         ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp*cp = 2*1"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
     ],

@@ -1,6 +1,7 @@
 """Mixture-of-experts in the Engine, second part: ZeRO-1 under expert parallelism, fp16 with the
-load-balancing loss, expert tensor parallelism (etp = tp), transformers' Mixtral and Qwen3-MoE
-under tensor and pipeline parallelism, and what the search proposes to the Engine for an MoE model.
+load-balancing loss, expert tensor parallelism (etp = tp, and 1 < etp < tp), transformers'
+Mixtral and Qwen3-MoE under tensor and pipeline parallelism, and what the search proposes to the
+Engine for an MoE model.
 
 The equivalence runs are those of tests/test_engine_moe.py (same tiny model, seed, data order and
 tolerances: fp32 2e-5 over the first two steps, 1e-3 over three, from
@@ -39,6 +40,10 @@ WORLD4 = {
         f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
         "moe",
     ),
+    # 1 < etp < tp (Megatron-Core's folding; `etp_below_tp`): each expert split over 2 of the 4
+    # tp ranks, the two pairs computing the same experts; the norm over (ep, etp) counts each once
+    "tp4_etp2": (f"tp=4,etp=2,{B1}", "moe_kv4"),
+    "tp4_etp2_sp_clip": (f"tp=4,etp=2,sequence_parallel=true,{B1}", "moe_kv4_clip"),
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
@@ -55,6 +60,8 @@ def references():
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
         "moe_clip": M.train_losses(B1, "moe", clip=CLIP),
+        "moe_kv4": M.train_losses(B1, "moe_kv4"),
+        "moe_kv4_clip": M.train_losses(B1, "moe_kv4", clip=CLIP),
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
         **{f"{kind}_aux": M.train_losses(B1, f"{kind}_aux") for kind in M.HF_MOE},
     }
@@ -90,7 +97,7 @@ def test_world4_matches_single_process(world4, references, name):
         f" two steps and {gap:.2e} overall"
     )
     if name.endswith("_clip"):  # the norm before clipping, the same on every rank
-        norms, want = world4[0][name]["grad_norm"], references["moe_clip"]["grad_norm"]
+        norms, want = world4[0][name]["grad_norm"], references[WORLD4[name][1]]["grad_norm"]
         assert all(r[name]["grad_norm"] == norms for r in world4)
         # the first step's weights are the single process's: fp32 sums reordered only; after
         # an Adam step they differ as the losses do (etp2 observed 1.1e-5 relative at step 3)
