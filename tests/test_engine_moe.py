@@ -313,7 +313,8 @@ def test_a_checkpoint_saved_under_ep_loads_under_other_strategies():
     import tempfile
 
     with tempfile.TemporaryDirectory() as workdir:
-        r0, r1 = M.launch(2, "moe_checkpoint", workdir)
+        others = {"dp2": "dp=2", "ep2_zero3": "dp=2,ep=2,zero_stage=3"}
+        r0, r1 = M.launch(2, "moe_checkpoint", workdir, "dp=2,ep=2", others, 4)
     assert r0 == r1
     for name in ("dp2", "ep2_zero3"):
         assert r0[f"{name}_fresh"] != pytest.approx(r0["saved"], abs=1e-3)  # loading changes it

@@ -204,10 +204,9 @@ def test_a_checkpoint_saved_under_etp_loads_under_other_layouts():
     whole: dp4 and dp2 x tp2 x ep2 (etp 1) engines load it and evaluate to the saved loss."""
     import tempfile
 
-    import moe2_workers
-
     with tempfile.TemporaryDirectory() as workdir:
-        results = moe2_workers.launch(4, "etp_checkpoint", workdir)
+        others = {"dp4": "dp=4", "tp2_ep2": "dp=2,tp=2,ep=2"}
+        results = M.launch(4, "moe_checkpoint", workdir, "dp=2,tp=2,ep=2,etp=2", others, 8)
     assert all(r == results[0] for r in results)
     r0 = results[0]
     for name in ("dp4", "tp2_ep2"):

@@ -300,7 +300,6 @@ class HFCausalLM(nn.Module):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
-            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -343,19 +342,12 @@ class HFCausalLM(nn.Module):
                 }
             )
             if moe_blocks:  # one entry per block: the MoE ones also hand back their shard
+                from autosearch.engine.moe import sequence_parallel_style
+
                 dense = plan.pop(layer + "mlp")
                 for name, is_moe in moe_blocks.items():
                     plan[f"model.layers.{name}.mlp"] = (
-                        PrepareModuleInputOutput(
-                            input_layouts=(Shard(1),),
-                            desired_input_layouts=(Replicate(),),
-                            use_local_input=True,
-                            output_layouts=(Replicate(),),
-                            desired_output_layouts=(Shard(1),),
-                            use_local_output=True,
-                        )
-                        if is_moe
-                        else dense
+                        sequence_parallel_style() if is_moe else dense
                     )
         return plan
 

@@ -410,6 +410,23 @@ def moe_of(spec: "ModelSpec", *, aux_loss_coef: float = AUX_LOSS_COEF) -> MoE:
     )
 
 
+def sequence_parallel_style():
+    """The tensor-parallel style of an MoE layer under sequence parallel: it gathers the
+    sequence shards (the tp ranks route the whole sequence and run the same experts, or their
+    etp slices) and hands back this rank's shard of its output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,
+    )
+
+
 # ---- expert parallelism -------------------------------------------------------------------------
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
