@@ -124,15 +124,16 @@ def test_world4_matches_single_process(world4, references, name):
 @pytest.mark.parametrize("shape", [(37, 5), (64, 64), (3, 3), (17,), (33, 16), (128, 3, 5)])
 @pytest.mark.parametrize("block", [1, 40, 1 << 20])
 def test_a_shards_normal_draw_is_its_window_of_the_whole_weights(shape, block):
-    """`normal_window` draws the whole weight in blocks of rows and keeps a window: bitwise the
+    """`normal_window_` draws the whole weight in blocks of rows and keeps a window: bitwise the
     window of one whole draw, and the generator ends where the whole draw leaves it (so the
     next weight draws the same values too), whatever the block size."""
-    from autosearch.engine.build import normal_window
+    from autosearch.engine.build import normal_window_
 
     window = [slice(shape[0] // 3, shape[0] - shape[0] // 4)] + [slice(1, n) for n in shape[1:]]
     whole_gen, gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     whole = torch.empty(shape).normal_(0.0, 0.5, generator=whole_gen)
-    got = normal_window(torch.Size(shape), window, mean=0.0, std=0.5, generator=gen, block=block)
+    got = torch.empty(whole[tuple(window)].shape)
+    normal_window_(got, torch.Size(shape), window, mean=0.0, std=0.5, generator=gen, block=block)
     assert torch.equal(got, whole[tuple(window)])
     assert torch.equal(gen.get_state(), whole_gen.get_state())
 

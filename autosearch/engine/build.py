@@ -186,7 +186,7 @@ def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
 class WholeWeightNormal(torch.overrides.TorchFunctionMode):
     """``normal_`` of a DTensor shard on a CPU mesh (where DTensor has no distributed RNG: its
     offset-based tracker needs CUDA's Philox generator) as its window of the values the
-    generator draws for the whole weight (`normal_window`). Left alone, every rank draws the
+    generator draws for the whole weight (`normal_window_`). Left alone, every rank draws the
     same values for its shard: repeated blocks in each weight, and another start than one
     process's. So a model built on the meta device starts as one process builds it, whatever
     the layout (the experts draw per expert, `Experts.init_weights`)."""
@@ -210,52 +210,49 @@ class WholeWeightNormal(torch.overrides.TorchFunctionMode):
                 w.shape, w.device_mesh, w.placements
             )
             window = [slice(o, o + n) for o, n in zip(offset, shape)]
-            drawn = normal_window(
-                w.shape,
-                window,
-                mean=given.get("mean", 0.0),
-                std=given.get("std", 1.0),
-                generator=given.get("generator"),
-                dtype=w.dtype,
-            )
             with torch.no_grad():
-                w.to_local().copy_(drawn)
+                normal_window_(
+                    w.to_local(),
+                    w.shape,
+                    window,
+                    mean=given.get("mean", 0.0),
+                    std=given.get("std", 1.0),
+                    generator=given.get("generator"),
+                )
             return w
         return func(*args, **kwargs)
 
 
-def normal_window(
+def normal_window_(
+    out: torch.Tensor,
     shape: "torch.Size",
     window: list[slice],
     *,
     mean: float,
     std: float,
     generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
     block: int = 1 << 20,
 ) -> torch.Tensor:
-    """``torch.empty(shape).normal_(mean, std)[window]`` on the CPU (`window`: a slice with
-    start and stop per dim), drawing the whole tensor in
-    blocks of rows of about `block` elements, so that only one block is held. ATen's CPU
-    ``normal_`` draws one uniform per element in order and transforms them 16 at a time (the
-    last 16 drawn again when the size is not a multiple of 16): blocks of a multiple of 16
-    elements, the last one at least 16, give the whole draw's values bit for bit
-    (tests/test_engine_moe2.py checks it)."""
+    """Fill `out` with ``torch.empty(shape).normal_(mean, std)[window]`` on the CPU (`window`: a
+    slice with start and stop per dim), drawing the whole tensor in blocks of rows of about
+    `block` elements, so that only one block is held besides `out`. ATen's CPU ``normal_`` draws
+    one uniform per element in order and transforms them 16 at a time (the last 16 drawn again
+    when the size is not a multiple of 16): blocks of a multiple of 16 elements, the last one at
+    least 16, give the whole draw's values bit for bit (tests/test_engine_moe2.py checks it)."""
     rows, per_row = shape[0], math.prod(shape[1:])
     unit = 16 // math.gcd(per_row, 16)  # rows of a multiple of 16 elements
     step = unit * max(1, block // (unit * per_row))
     first, last = window[0].start, window[0].stop
-    parts, start = [], 0
+    start = 0
     while start < rows:
         stop = start + step
         if (rows - stop) * per_row < 16:  # the rest joins this block
             stop = rows
-        drawn = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        drawn = torch.empty((stop - start, *shape[1:]), dtype=out.dtype)
         drawn.normal_(mean, std, generator=generator)
         lo, hi = max(start, first), min(stop, last)
         if lo < hi:
-            parts.append(drawn[tuple([slice(lo - start, hi - start)] + window[1:])].clone())
+            rows_in = tuple([slice(lo - start, hi - start)] + window[1:])
+            out[lo - first : hi - first].copy_(drawn[rows_in])
         start = stop
-    if not parts:  # an empty shard
-        return torch.empty([len(range(n)[s]) for n, s in zip(shape, window)], dtype=dtype)
-    return torch.cat(parts)
+    return out
