@@ -36,7 +36,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
-from autosearch.engine.moe import AUX_LOSS_COEF, Experts, MoE, moe_of
+from autosearch.engine.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
 from autosearch.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -298,7 +298,6 @@ class Transformer(nn.Module):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
-            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -332,16 +331,9 @@ class Transformer(nn.Module):
                     "layers.*.feed_forward": PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                     ),
-                    # experts are whole on every tp rank (etp = 1): they route the whole
-                    # sequence and hand back this rank's shard of it
-                    "layers.*.moe": PrepareModuleInputOutput(
-                        input_layouts=(Shard(1),),
-                        desired_input_layouts=(Replicate(),),
-                        use_local_input=True,
-                        output_layouts=(Replicate(),),
-                        desired_output_layouts=(Shard(1),),
-                        use_local_output=True,
-                    ),
+                    # the MoE layers route the whole sequence on every tp rank and hand back
+                    # this rank's shard of it
+                    "layers.*.moe": sequence_parallel_style(),
                 }
             )
         return plan

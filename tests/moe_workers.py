@@ -1,4 +1,5 @@
-"""Multi-process helpers for the mixture-of-experts Engine tests (tests/test_engine_moe.py).
+"""Multi-process helpers for the mixture-of-experts Engine tests (tests/test_engine_moe.py and
+tests/test_engine_moe2.py).
 
 The jobs run in the gloo workers of `engine_workers` (its launcher, with these jobs added):
 tiny MoE models of the reference transformer and of transformers' Mixtral and Qwen3-MoE.
@@ -23,6 +24,7 @@ MOE = W.MODELS["llama"].scaled(
 )
 MODELS = {
     "moe": MOE,
+    "moe_kv4": MOE.scaled(n_kv_heads=4),  # tp=4 (1 < etp < tp) needs tp to divide the kv heads
     "moe_sigmoid": W.MODELS["llama"].scaled(
         moe={"n_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "router": "sigmoid"}
     ),
@@ -37,13 +39,21 @@ HF_MOE = {
     ),
 }
 
+# "<kind>_aux": transformers' load-balancing loss at 0.1 instead of the configs' 1e-3, which moves
+# 3 steps' losses by less than the fp32 tolerance (2.6e-4 for Qwen3-MoE): a lost aux gradient
+# must show (the pipeline runs, whose stages pass the loss's sums on).
+AUX_COEF = 0.1
+
 
 def make_model(kind: str):
     torch.manual_seed(1234)
-    if kind in HF_MOE:
+    base = kind.removesuffix("_aux")
+    if base in HF_MOE:
         import transformers
 
-        config_name, model_name, extra = HF_MOE[kind]
+        config_name, model_name, extra = HF_MOE[base]
+        if kind != base:
+            extra = {**extra, "router_aux_loss_coef": AUX_COEF}
         config = getattr(transformers, config_name)(
             **W.HF_SHAPE, num_experts_per_tok=2, output_router_logits=True, **extra
         )
@@ -90,9 +100,10 @@ def job_equivalence(cases: list[dict]) -> dict:
     }
 
 
-def job_checkpoint(workdir: str) -> dict:
-    """Train 2 steps under ep=2 and save; an ep=1 engine (and an ep=2 ZeRO-3 one) loads the
-    checkpoint and must evaluate to the same loss (the experts are whole in the checkpoint)."""
+def job_checkpoint(workdir: str, saved: str, others: dict, global_batch: int) -> dict:
+    """Train 2 steps under strategy `saved` and save; engines of the `others` strategies ({name:
+    strategy}) load the checkpoint and must evaluate to the same loss (the experts, DTensors
+    over ep or (ep, etp), are whole weights in the checkpoint)."""
     import os
 
     from autosearch import Engine
@@ -100,27 +111,24 @@ def job_checkpoint(workdir: str) -> dict:
 
     data = SyntheticTokens.for_model(W.MODELS["llama"], 16, seed=0)
     valid = SyntheticTokens.for_model(W.MODELS["llama"], 8, seed=7)
-    batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
+    batch = f"micro_batch_size=2,global_batch_size={global_batch},amp=fp32"
 
     def engine(strategy):
         return Engine(
             lambda: make_model("moe"),
             optimizer=lambda p: torch.optim.AdamW(p, lr=W.LR),
-            strategy=strategy,
+            strategy=f"{strategy},{batch}",
             seed=0,
         )
 
-    e = engine(f"dp=2,ep=2,{batch}")
+    e = engine(saved)
     e.fit(data, steps_per_epoch=2, verbose=0)
-    e.save(os.path.join(workdir, "ep2"))
+    e.save(os.path.join(workdir, "saved"))
     out = {"saved": e.evaluate(valid, verbose=0)["loss"]}
-    for name, strategy in (
-        ("dp2", f"dp=2,{batch}"),
-        ("ep2_zero3", f"dp=2,ep=2,zero_stage=3,{batch}"),
-    ):
+    for name, strategy in others.items():
         other = engine(strategy)
         out[f"{name}_fresh"] = other.evaluate(valid, verbose=0)["loss"]
-        other.load(os.path.join(workdir, "ep2"))
+        other.load(os.path.join(workdir, "saved"))
         out[name] = other.evaluate(valid, verbose=0)["loss"]
     return out
 

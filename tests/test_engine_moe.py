@@ -9,7 +9,9 @@ error that moved a router logit across a top-k boundary would show as a jump, no
 observed: at most 2e-6 (tables below). The reference transformer's load-balancing loss is
 computed per sequence (`autosearch.engine.moe`), so it does not depend on how the sequences are
 dealt to the dp ranks and micro-batches; transformers' Mixtral and Qwen3-MoE keep their own loss
-over the micro-batch, so they run one sequence per micro-batch here.
+over the micro-batch, so they run one sequence per micro-batch here; under pp their stages pass
+that loss's running sums on with the hidden states (`autosearch.engine.hf.balance_sums`), and
+the losses equal one process's bitwise (observed: 0.0).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import moe_workers as M  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 
-from autosearch import SpecError, Strategy  # noqa: E402
+from autosearch import Strategy  # noqa: E402
 from autosearch.engine.moe import MoE, ep_problems  # noqa: E402
 from autosearch.transformer import Transformer  # noqa: E402
 
@@ -49,6 +51,10 @@ WORLD2 = {
     "hf_mixtral_ep2": (f"dp=2,ep=2,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_ep2": (f"dp=2,ep=2,{B1}", "hf_qwen3_moe"),
     "hf_qwen3_moe_ep2_zero3": (f"dp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
+    # transformers' aux loss (at 0.1: moe_workers.AUX_COEF) over both stages' routers: the
+    # first stage's sums travel with the hidden states, their gradient back with theirs
+    "hf_mixtral_pp2": (f"pp=2,{B1}", "hf_mixtral_aux"),
+    "hf_qwen3_moe_pp2": (f"pp=2,{B1}", "hf_qwen3_moe_aux"),
 }
 CLIP = 0.3  # engine_workers.CLIP_NORM: below the tiny models' gradient norms, clipping acts
 WORLD4 = {
@@ -85,6 +91,7 @@ def references():
     refs["moe_bf16"] = M.train_losses(B.replace("fp32", "bf16"), "moe")
     for kind in M.HF_MOE:
         refs[kind] = M.train_losses(B1, kind)
+        refs[f"{kind}_aux"] = M.train_losses(B1, f"{kind}_aux")
     return refs
 
 
@@ -214,7 +221,7 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
 @pytest.mark.parametrize(
     "strategy, model, message",
     [
-        ("dp=2,ep=2,etp=2,tp=4", "moe", "set etp=4 or 1"),
+        ("dp=2,ep=2,etp=4,tp=6", "moe", "etp=4 must divide tp=6"),
         ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp*cp = 2*1"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
     ],
@@ -259,10 +266,44 @@ def test_a_transformers_moe_model_keeps_its_weights_logits_and_aux_loss(kind):
     assert (
         float(ref.aux_loss.detach()) > 1.0
     )  # top-2 of 4: transformers' f sums to k, so balanced is 2
-    with pytest.raises(SpecError, match="pp=2: the Engine runs a transformers"):
-        from autosearch.engine.hf import moe_problems
 
-        raise SpecError(moe_problems(wrapped, Strategy.parse("pp=2"))[0])
+
+@pytest.mark.parametrize("kind", list(M.HF_MOE))
+def test_transformers_aux_loss_carried_over_pipeline_stages_is_bitwise_its_own(kind):
+    """Under pp each stage continues the running sums of transformers'
+    ``load_balancing_loss_func`` over its layers and hands them on with the hidden states; the
+    last stage's loss is bitwise the function's on all layers' router logits, and so is the
+    router's gradient through the sums (one process, the model cut by hand after layer 2)."""
+    import copy
+
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from autosearch.engine.hf import HFCausalLM
+    from autosearch.engine.moe import moe_layers
+
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    whole = HFCausalLM(M.make_model(kind)).train()
+    first, last = copy.deepcopy(whole), copy.deepcopy(whole)
+    for name in ("2", "3"):
+        del first.model.layers[name]
+    for name in ("0", "1"):
+        del last.model.layers[name]
+    first.model.norm = first.lm_head = last.model.embed_tokens = None
+    h, sums = first(x)
+    logits = last(h, sums)
+    # transformers' function on the same router logits, the layers of both stages in order
+    gates = tuple(m.router_logits for m in moe_layers(first) + moe_layers(last))
+    want = load_balancing_loss_func(gates, 4, 2)
+    assert torch.equal(last.aux_loss, want.detach())
+    whole(x)
+    assert torch.equal(whole.aux_loss, want.detach())
+    # the routers' gradients, the first stage's through the carried sums, are transformers'
+    (logits.sum() * 0).backward()  # the aux loss only (AuxLoss adds it in backward)
+    gates = tuple(m.router_logits for m in moe_layers(whole))
+    (load_balancing_loss_func(gates, 4, 2) * whole.router_aux_loss_coef).backward()
+    for a, b in zip(moe_layers(first) + moe_layers(last), moe_layers(whole)):
+        assert a.gate.weight.grad is not None
+        torch.testing.assert_close(a.gate.weight.grad, b.gate.weight.grad, rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -272,7 +313,8 @@ def test_a_checkpoint_saved_under_ep_loads_under_other_strategies():
     import tempfile
 
     with tempfile.TemporaryDirectory() as workdir:
-        r0, r1 = M.launch(2, "moe_checkpoint", workdir)
+        others = {"dp2": "dp=2", "ep2_zero3": "dp=2,ep=2,zero_stage=3"}
+        r0, r1 = M.launch(2, "moe_checkpoint", workdir, "dp=2,ep=2", others, 4)
     assert r0 == r1
     for name in ("dp2", "ep2_zero3"):
         assert r0[f"{name}_fresh"] != pytest.approx(r0["saved"], abs=1e-3)  # loading changes it

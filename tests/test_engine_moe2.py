@@ -1,6 +1,7 @@
 """Mixture-of-experts in the Engine, second part: ZeRO-1 under expert parallelism, fp16 with the
-load-balancing loss, expert tensor parallelism (etp = tp), transformers' Mixtral and Qwen3-MoE
-under tensor parallelism, and what the search proposes to the Engine for an MoE model.
+load-balancing loss, expert tensor parallelism (etp = tp, and 1 < etp < tp), transformers'
+Mixtral and Qwen3-MoE under tensor and pipeline parallelism, and what the search proposes to the
+Engine for an MoE model.
 
 The equivalence runs are those of tests/test_engine_moe.py (same tiny model, seed, data order and
 tolerances: fp32 2e-5 over the first two steps, 1e-3 over three, from
@@ -39,9 +40,28 @@ WORLD4 = {
         f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
         "moe",
     ),
+    # 1 < etp < tp (Megatron-Core's folding; `etp_below_tp`): each expert split over 2 of the 4
+    # tp ranks, the two pairs computing the same experts; the norm over (ep, etp) counts each once
+    "tp4_etp2": (f"tp=4,etp=2,{B1}", "moe_kv4"),
+    "tp4_etp2_sp_clip": (f"tp=4,etp=2,sequence_parallel=true,{B1}", "moe_kv4_clip"),
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
+    # built on the meta device (`meta_init`, as validation runs): each shard of a tp or FSDP
+    # DTensor takes its window of the whole weight's draw, so the run starts as one process's
+    # meta-initialised model (before: 0.14-0.51 apart by step 3, repeated blocks in every weight)
+    "dp2_tp2_ep2_etp2_sp_zero3_meta": (
+        f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
+        "moe_meta",
+    ),
+    "tp4_etp2_meta": (f"tp=4,etp=2,{B1}", "moe_kv4_meta"),
+    "hf_qwen3_moe_dp2_tp2_ep2_zero3_meta": (
+        f"dp=2,tp=2,ep=2,zero_stage=3,{B1}",
+        "hf_qwen3_moe_meta",
+    ),
+    # ... and under pp, with transformers' aux loss carried over the stages (at 0.1)
+    "hf_qwen3_moe_pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B1}", "hf_qwen3_moe_aux"),
+    "hf_mixtral_pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral_aux"),
 }
 
 
@@ -52,7 +72,14 @@ def references():
         "moe": M.train_losses(B1, "moe"),
         "moe_fp16": M.train_losses(B1.replace("fp32", "fp16"), "moe"),
         "moe_clip": M.train_losses(B1, "moe", clip=CLIP),
+        "moe_kv4": M.train_losses(B1, "moe_kv4"),
+        "moe_kv4_clip": M.train_losses(B1, "moe_kv4", clip=CLIP),
+        **{
+            f"{kind}_meta": M.train_losses(B1, kind, meta_init=True)
+            for kind in ("moe", "moe_kv4", "hf_qwen3_moe")
+        },
         **{kind: M.train_losses(B1, kind) for kind in M.HF_MOE},
+        **{f"{kind}_aux": M.train_losses(B1, f"{kind}_aux") for kind in M.HF_MOE},
     }
 
 
@@ -62,8 +89,8 @@ def world4():
         dict(
             name=n,
             strategy=s,
-            model=m.removesuffix("_fp16").removesuffix("_clip"),
-            meta=False,
+            model=m.removesuffix("_fp16").removesuffix("_clip").removesuffix("_meta"),
+            meta=m.endswith("_meta"),
             clip=CLIP if m.endswith("_clip") else None,
         )
         for n, (s, m) in WORLD4.items()
@@ -86,12 +113,29 @@ def test_world4_matches_single_process(world4, references, name):
         f" two steps and {gap:.2e} overall"
     )
     if name.endswith("_clip"):  # the norm before clipping, the same on every rank
-        norms, want = world4[0][name]["grad_norm"], references["moe_clip"]["grad_norm"]
+        norms, want = world4[0][name]["grad_norm"], references[WORLD4[name][1]]["grad_norm"]
         assert all(r[name]["grad_norm"] == norms for r in world4)
         # the first step's weights are the single process's: fp32 sums reordered only; after
         # an Adam step they differ as the losses do (etp2 observed 1.1e-5 relative at step 3)
         assert norms[0] == pytest.approx(want[0], rel=1e-5), (norms, want)
         assert norms == pytest.approx(want, rel=1e-4), (norms, want)
+
+
+@pytest.mark.parametrize("shape", [(37, 5), (64, 64), (3, 3), (17,), (33, 16), (128, 3, 5)])
+@pytest.mark.parametrize("block", [1, 40, 1 << 20])
+def test_a_shards_normal_draw_is_its_window_of_the_whole_weights(shape, block):
+    """`normal_window_` draws the whole weight in blocks of rows and keeps a window: bitwise the
+    window of one whole draw, and the generator ends where the whole draw leaves it (so the
+    next weight draws the same values too), whatever the block size."""
+    from autosearch.engine.build import normal_window_
+
+    window = [slice(shape[0] // 3, shape[0] - shape[0] // 4)] + [slice(1, n) for n in shape[1:]]
+    whole_gen, gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    whole = torch.empty(shape).normal_(0.0, 0.5, generator=whole_gen)
+    got = torch.empty(whole[tuple(window)].shape)
+    normal_window_(got, torch.Size(shape), window, mean=0.0, std=0.5, generator=gen, block=block)
+    assert torch.equal(got, whole[tuple(window)])
+    assert torch.equal(gen.get_state(), whole_gen.get_state())
 
 
 def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():
@@ -161,10 +205,9 @@ def test_a_checkpoint_saved_under_etp_loads_under_other_layouts():
     whole: dp4 and dp2 x tp2 x ep2 (etp 1) engines load it and evaluate to the saved loss."""
     import tempfile
 
-    import moe2_workers
-
     with tempfile.TemporaryDirectory() as workdir:
-        results = moe2_workers.launch(4, "etp_checkpoint", workdir)
+        others = {"dp4": "dp=4", "tp2_ep2": "dp=2,tp=2,ep=2"}
+        results = M.launch(4, "moe_checkpoint", workdir, "dp=2,tp=2,ep=2,etp=2", others, 8)
     assert all(r == results[0] for r in results)
     r0 = results[0]
     for name in ("dp4", "tp2_ep2"):

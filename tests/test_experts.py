@@ -111,8 +111,8 @@ def test_model_flops_count_active_parameters_and_ep_is_priced():
     assert r.model_flops_per_step == pytest.approx(QWEN.flops_per_token() * 4096 * 256)
     assert QWEN.flops_per_token() < 6.2 * QWEN.n_active_params + 1e11  # active, not total
     assert cm.estimate(Strategy(dp=32, ep=1, global_batch_size=256)).step_time_s != (r.step_time_s)
-    # every runtime with experts runs ep and etp; the Engine (torch) and torchtitan with etp 1
-    # or etp = tp only, megatron-core also below tp (the `etp_below_tp` feature)
+    # every runtime with experts runs ep and etp; torchtitan with etp 1 or etp = tp only,
+    # megatron-core and the Engine (torch) also below tp (the `etp_below_tp` feature)
     for name in ("megatron-core", "torchtitan", "torch"):
         assert {"ep", "etp"} <= set(RUNTIMES[name].supports)
     assert AnalyticCostModel(QWEN, H100_4).estimate(s).step_time_s > 0
@@ -120,7 +120,7 @@ def test_model_flops_count_active_parameters_and_ep_is_priced():
     assert AnalyticCostModel(QWEN, H100_4).estimate(etp_tp).step_time_s > 0
     below = Strategy(dp=8, tp=4, ep=8, etp=2, global_batch_size=256)
     with pytest.raises(SpecError, match="cannot run etp=2 below tp=4"):
-        AnalyticCostModel(QWEN, H100_4).estimate(below)
+        AnalyticCostModel(QWEN, H100_4, runtime="torchtitan").estimate(below)
     assert AnalyticCostModel(QWEN, H100_4, runtime="megatron-core").estimate(below).step_time_s > 0
 
 

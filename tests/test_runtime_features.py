@@ -5,8 +5,8 @@ asking for one is refused naming a runtime that runs it.
 - ``lora_tp`` (on tp): LoRA adapters under tensor parallelism. Megatron-Core (NeMo /
   Megatron-Bridge) splits the adapters over tp as their base linears; the Engine's peft layers
   wrap the nn.Linear its tp plan shards.
-- ``etp_below_tp`` (on etp): experts split over 1 < etp < tp ranks. Megatron-Core takes any
-  divisor of tp; torchtitan and the Engine split experts over all tp ranks or none."""
+- ``etp_below_tp`` (on etp): experts split over 1 < etp < tp ranks. Megatron-Core and the
+  Engine take any divisor of tp; torchtitan splits experts over all tp ranks or none."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_a_space_pinning_tp_for_lora_is_refused_naming_a_runtime_that_runs_it():
     assert "use --runtime megatron-core (it runs it), or keep tp to [1]" in problems[0]
 
 
-def test_the_engines_space_splits_experts_over_all_tp_ranks_or_none():
-    for runtime, below in (("torch", False), ("torchtitan", False), ("megatron-core", True)):
+def test_torchtitans_space_splits_experts_over_all_tp_ranks_or_none():
+    for runtime, below in (("torch", True), ("torchtitan", False), ("megatron-core", True)):
         space = SearchSpace(
             "mixtral-8x7b", "h100-sxm:2x8", global_batch_size=64, runtime=runtime, cp=1
         )
@@ -69,6 +69,6 @@ def test_the_engines_space_splits_experts_over_all_tp_ranks_or_none():
         assert any(1 < etp < tp for tp, etp in pairs) == below, (runtime, sorted(pairs))
     s = Strategy(dp=4, tp=4, ep=2, etp=2, global_batch_size=64)
     mixtral, cluster = ModelSpec.load("mixtral-8x7b"), Cluster.parse("h100-sxm:2x8")
-    model = AnalyticCostModel(mixtral, cluster, runtime="torch")
+    model = AnalyticCostModel(mixtral, cluster, runtime="torchtitan")
     with pytest.raises(SpecError, match="etp=2 below tp=4"):
         model.estimate(s)

@@ -5,6 +5,7 @@ initialise meta-device parts once parallelized."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -165,15 +166,93 @@ def device_label(device: torch.device) -> str:
 
 def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
     """Allocate a meta-device part on `device` (this rank's shards only) and initialise it with
-    its ``init_weights()``, else each submodule's ``reset_parameters()``, seeded by `seed`."""
+    its ``init_weights()``, else each submodule's ``reset_parameters()``, seeded by `seed`.
+    Normal draws into DTensor shards on a mesh without DTensor's random-number tracker take
+    their window of the whole weight's draw (`WholeWeightNormal`)."""
     part.to_empty(device=device)
     torch.manual_seed(seed)
     init = getattr(part, "init_weights", None)
-    if callable(init):
-        init()
-        return
-    with torch.no_grad():
-        for module in part.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+    with WholeWeightNormal():
+        if callable(init):
+            init()
+            return
+        with torch.no_grad():
+            for module in part.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+
+
+class WholeWeightNormal(torch.overrides.TorchFunctionMode):
+    """``normal_`` of a DTensor shard on a CPU mesh (where DTensor has no distributed RNG: its
+    offset-based tracker needs CUDA's Philox generator) as its window of the values the
+    generator draws for the whole weight (`normal_window_`). Left alone, every rank draws the
+    same values for its shard: repeated blocks in each weight, and another start than one
+    process's. So a model built on the meta device starts as one process builds it, whatever
+    the layout (the experts draw per expert, `Experts.init_weights`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        # (tensor, mean, std) by position or name: Tensor.normal_ and nn.init.normal_
+        given = {**dict(zip(("tensor", "mean", "std"), args)), **kwargs}
+        w = given.get("tensor")
+        if (
+            func in (torch.nn.init.normal_, torch.Tensor.normal_)
+            and isinstance(w, DTensor)
+            and w.device_mesh.device_type == "cpu"
+            and w.dim() > 0
+        ):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(
+                w.shape, w.device_mesh, w.placements
+            )
+            window = [slice(o, o + n) for o, n in zip(offset, shape)]
+            with torch.no_grad():
+                normal_window_(
+                    w.to_local(),
+                    w.shape,
+                    window,
+                    mean=given.get("mean", 0.0),
+                    std=given.get("std", 1.0),
+                    generator=given.get("generator"),
+                )
+            return w
+        return func(*args, **kwargs)
+
+
+def normal_window_(
+    out: torch.Tensor,
+    shape: "torch.Size",
+    window: list[slice],
+    *,
+    mean: float,
+    std: float,
+    generator: torch.Generator | None = None,
+    block: int = 1 << 20,
+) -> torch.Tensor:
+    """Fill `out` with ``torch.empty(shape).normal_(mean, std)[window]`` on the CPU (`window`: a
+    slice with start and stop per dim), drawing the whole tensor in blocks of rows of about
+    `block` elements, so that only one block is held besides `out`. ATen's CPU ``normal_`` draws
+    one uniform per element in order and transforms them 16 at a time (the last 16 drawn again
+    when the size is not a multiple of 16): blocks of a multiple of 16 elements, the last one at
+    least 16, give the whole draw's values bit for bit (tests/test_engine_moe2.py checks it)."""
+    rows, per_row = shape[0], math.prod(shape[1:])
+    unit = 16 // math.gcd(per_row, 16)  # rows of a multiple of 16 elements
+    step = unit * max(1, block // (unit * per_row))
+    first, last = window[0].start, window[0].stop
+    start = 0
+    while start < rows:
+        stop = start + step
+        if (rows - stop) * per_row < 16:  # the rest joins this block
+            stop = rows
+        drawn = torch.empty((stop - start, *shape[1:]), dtype=out.dtype)
+        drawn.normal_(mean, std, generator=generator)
+        lo, hi = max(start, first), min(stop, last)
+        if lo < hi:
+            rows_in = tuple([slice(lo - start, hi - start)] + window[1:])
+            out[lo - first : hi - first].copy_(drawn[rows_in])
+        start = stop
+    return out

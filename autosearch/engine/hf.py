@@ -173,11 +173,19 @@ class HFCausalLM(nn.Module):
                 attn.core = AttentionCore(attn.num_key_value_groups)
         self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
         self.router_aux_loss_coef = use_autosearch_moe(self)
+        layers = moe_layers_of(self)  # of the whole model (kept on every pipeline stage)
+        self.n_moe_layers = len(layers)
+        self.n_experts: int = layers[0].n_experts if layers else 0
+        self.top_k: int = layers[0].top_k if layers else 0
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, balance: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
-        states to hidden states."""
+        states to hidden states. With transformers' auxiliary loss (`router_aux_loss_coef`) a
+        stage before the last also passes on the running sums of that loss (`balance_sums`),
+        and takes them as `balance` after the first."""
         m = self.model
         layers = list(m.layers.values())
         if m.embed_tokens is not None:
@@ -208,9 +216,12 @@ class HFCausalLM(nn.Module):
             h = m.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
-        if self.router_aux_loss_coef and m.embed_tokens is not None and self.lm_head is not None:
-            h = with_hf_aux_loss(self, h)
-        return h
+        if not self.router_aux_loss_coef:
+            return h
+        balance = balance_sums(self, balance)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return h, balance
+        return with_hf_aux_loss(self, h, balance, rows=self.n_moe_layers * h.shape[0] * seq)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -255,7 +266,7 @@ class HFCausalLM(nn.Module):
         return window
 
     def _check_strategy(self, strategy) -> list[str]:
-        problems = strategy.problems(self.spec) + moe_problems(self, strategy)
+        problems = strategy.problems(self.spec)
         hub_kernels = importlib.util.find_spec("kernels") is not None
         if (
             strategy.compile
@@ -289,7 +300,6 @@ class HFCausalLM(nn.Module):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
-            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -332,19 +342,12 @@ class HFCausalLM(nn.Module):
                 }
             )
             if moe_blocks:  # one entry per block: the MoE ones also hand back their shard
+                from autosearch.engine.moe import sequence_parallel_style
+
                 dense = plan.pop(layer + "mlp")
                 for name, is_moe in moe_blocks.items():
                     plan[f"model.layers.{name}.mlp"] = (
-                        PrepareModuleInputOutput(
-                            input_layouts=(Shard(1),),
-                            desired_input_layouts=(Replicate(),),
-                            use_local_input=True,
-                            output_layouts=(Replicate(),),
-                            desired_output_layouts=(Shard(1),),
-                            use_local_output=True,
-                        )
-                        if is_moe
-                        else dense
+                        sequence_parallel_style() if is_moe else dense
                     )
         return plan
 
@@ -497,17 +500,53 @@ def use_autosearch_moe(model: HFCausalLM) -> float:
     return float(config.router_aux_loss_coef) if config.output_router_logits else 0.0
 
 
-def with_hf_aux_loss(model: HFCausalLM, logits: torch.Tensor) -> torch.Tensor:
+def moe_layers_of(model: nn.Module) -> list:
+    """The `autosearch.engine.moe.MoE` layers of `model`, in order."""
+    from autosearch.engine.moe import moe_layers
+
+    return moe_layers(model)
+
+
+def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (attention mask None) up to its last lines:
+    the running sums ``[2, E]`` of routed top-k slots per expert (row 0, no gradient) and of
+    router probabilities per expert (row 1), continued from `sums` (a previous pipeline stage's)
+    over the router logits this forward recorded in `model`'s MoE layers, layer by layer with
+    the same operations, so that the sums carried over pipeline stages are bitwise those of the
+    whole model."""
+    layers = moe_layers_of(model)
+    if sums is not None:
+        counts, probs = sums[0].detach(), sums[1]
+    else:
+        device = next(model.parameters()).device
+        counts = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
+        probs = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
+    # transformers' choice: histc counts in float on CPU and MPS, int32 elsewhere
+    histc_dtype = torch.float32 if counts.device.type in ("cpu", "mps") else torch.int32
+    for layer in layers:
+        weights = torch.nn.functional.softmax(layer.router_logits.to(counts.device), dim=-1)
+        _, chosen = torch.topk(weights, model.top_k, dim=-1)
+        counts = counts + torch.histc(
+            chosen.reshape(-1).to(histc_dtype), bins=model.n_experts, min=0, max=model.n_experts
+        )
+        probs = probs + weights.float().sum(dim=0)
+    return torch.stack([counts, probs])
+
+
+def with_hf_aux_loss(
+    model: HFCausalLM, logits: torch.Tensor, sums: torch.Tensor, *, rows: int
+) -> torch.Tensor:
     """`logits`, whose backward also adds ``router_aux_loss_coef`` x transformers'
-    ``load_balancing_loss_func`` over the router logits of every layer (Switch Transformer's
-    loss over all layers' tokens together, as ``MixtralForCausalLM.forward`` adds it)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    ``load_balancing_loss_func`` over every layer's router logits (Switch Transformer's loss
+    over all layers' tokens together, as ``MixtralForCausalLM.forward`` adds it): its last lines
+    on the `balance_sums` of all layers, `rows` = layers x tokens. Under pipeline parallelism
+    the earlier stages' sums came with the hidden states, and the gradient of the probability
+    sums goes back with the hidden states' gradient."""
+    from autosearch.engine.moe import AuxLoss
 
-    from autosearch.engine.moe import AuxLoss, moe_layers
-
-    layers = moe_layers(model)
-    logits_of: Any = tuple(m.router_logits for m in layers)  # recorded by this forward
-    aux: Any = load_balancing_loss_func(logits_of, layers[0].n_experts, layers[0].top_k)
+    tokens_per_expert = sums[0].detach() / float(rows)
+    router_prob_per_expert = sums[1] / float(rows)
+    aux = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * model.n_experts
     model.aux_loss = aux.detach()
     if model.training and torch.is_grad_enabled():
         return AuxLoss.add(logits, aux * model.router_aux_loss_coef)
@@ -523,16 +562,3 @@ def init_moe(model: HFCausalLM) -> None:
         if isinstance(module, FusedExperts):
             for w in (module.gate_up_proj, module.down_proj):
                 torch.nn.init.normal_(w, mean=0.0, std=model.config.initializer_range)
-
-
-def moe_problems(model: HFCausalLM, strategy) -> list[str]:
-    """What the Engine does not run for a transformers MoE model: pp (it runs dp, tp, ep and
-    ZeRO)."""
-    if model.config.model_type not in MOE_LIKE or strategy.pp == 1:
-        return []
-    return [
-        f"pp={strategy.pp}: the Engine runs a transformers {model.config.model_type} model "
-        "under dp, tp, ep and zero, not split into pipeline stages (its auxiliary loss is over "
-        "every layer's router at once); set pp=1, or use autosearch.transformer.Transformer "
-        "with the model's ModelSpec"
-    ]

@@ -215,9 +215,9 @@ class HFGPTCausalLM(HFCausalLM):
         compile runs with every recompute kind."""
         return strategy.problems(self.spec)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, balance: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
-        states to hidden states."""
+        states to hidden states (`balance`: the base class's MoE loss sums, never given here)."""
         if self.config.model_type == "gpt2":
             h = self._gpt2_embed(tokens)
             for layer in getattr(self.model, self.layers_name).values():

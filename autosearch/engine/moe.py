@@ -23,13 +23,15 @@ share a micro-batch: a run under dp trains exactly as one process does. Each MoE
 the auxiliary loss, so no loss function or pipeline schedule needs to know about it. The value
 of the last forward is kept in ``MoE.aux_loss``.
 
-Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding restricted to
-``etp = 1`` or ``etp = tp`` (torchtitan's two choices): the expert layers run ``ep x edp`` over
-the data-parallel ranks of attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``;
-each rank keeps ``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the
-ep mesh, and with ``etp = tp`` also on their width over the tp ranks (w1, w3 by columns, w2 by
-rows, as Megatron-LM splits an MLP): the tp ranks route the same tokens, and the gradient of the
-rows and the experts' partial outputs are summed over tp (`CopyToGroup`, `ReduceFromGroup`).
+Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding with ep taken from the
+data-parallel ranks only: the expert layers run ``ep x edp`` over the data-parallel ranks of
+attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps
+``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the ep mesh, and
+with ``etp > 1`` also on their width over etp consecutive tp ranks (w1, w3 by columns, w2 by
+rows, as Megatron-LM splits an MLP; etp = tp is torchtitan's choice, any divisor of tp
+Megatron-Core's): the tp ranks route the same tokens, the gradient of the rows and the experts'
+partial outputs are summed over each etp group (`CopyToGroup`, `ReduceFromGroup`), and the
+tp / etp groups compute the same experts (as all tp ranks do at etp = 1).
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
 whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
@@ -416,6 +418,23 @@ def moe_of(spec: "ModelSpec", *, aux_loss_coef: float = AUX_LOSS_COEF) -> MoE:
     )
 
 
+def sequence_parallel_style():
+    """The tensor-parallel style of an MoE layer under sequence parallel: it gathers the
+    sequence shards (the tp ranks route the whole sequence and run the same experts, or their
+    etp slices) and hands back this rank's shard of its output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,
+    )
+
+
 # ---- expert parallelism -------------------------------------------------------------------------
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
@@ -436,11 +455,10 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
             " built from a ModelSpec with moe, or a Mixtral / Qwen3-MoE transformers model); "
             "set ep=1 and etp=1"
         )
-    if etp > 1 and etp != strategy.tp:
+    if strategy.tp % etp:
         out.append(
-            f"etp={etp}: the Engine splits each expert over all tp={strategy.tp} ranks (etp = "
-            f"tp, as torchtitan) or over none (etp = 1); set etp={strategy.tp} or 1, or export "
-            "the strategy to megatron"
+            f"etp={etp} must divide tp={strategy.tp} (each expert is split over etp of the tp "
+            "ranks); use a divisor of tp"
         )
     if etp > 1 and any(not m.experts.hidden_dims for m in layers):
         out.append(
@@ -465,29 +483,33 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
 
 
 def expert_mesh(
-    mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int
+    mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int, etp: int = 1
 ) -> "DeviceMesh":
     """The mesh of the expert layers over the same ranks as `mesh` (pp, dp, cp, tp order):
-    ``(pp, edp, ep, tp)`` with dp x cp = edp x ep, ep innermost (the cp ranks hold different
-    tokens, so they fold into ep and edp as the dp ranks do)."""
+    ``(pp, edp, ep, etr, etp)`` with dp x cp = edp x ep, ep innermost (the cp ranks hold
+    different tokens, so they fold into ep and edp as the dp ranks do), and the tp ranks as
+    tp / etp replicas (``etr``) of etp consecutive ranks that split each expert's width."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(pp, dp * cp // ep, ep, tp)
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
+    ranks = mesh.mesh.reshape(pp, dp * cp // ep, ep, tp // etp, etp)
+    names = ("pp", "edp", "ep", "etr", "etp")
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
 
 
 def apply_ep(module: nn.Module, emesh: "DeviceMesh", *, etp: int = 1) -> None:
     """Keep this rank's ``n_experts / ep`` experts of every MoE layer, as DTensors sharded on
     the expert dimension over the ep mesh (so checkpoints, gradient norms and FSDP2 see whole
-    weights, as in torchtitan), and route over ep. With ``etp`` (= tp) each expert's width is
-    split over the tp ranks too (w1, w3 column-wise, w2 row-wise: Megatron-LM's MLP split), a
-    DTensor over (ep, tp); the tp ranks route the same tokens and sum their partial outputs."""
+    weights, as in torchtitan), and route over ep. With ``etp`` > 1 each expert's width is
+    split over etp consecutive tp ranks too (w1, w3 column-wise, w2 row-wise: Megatron-LM's MLP
+    split), a DTensor over (ep, etp); the tp ranks route the same tokens, each group of etp
+    sums its partial outputs, and the tp / etp groups (``etr``) compute the same experts, as
+    the tp ranks all do at etp = 1."""
     from torch.distributed.tensor import DTensor, Shard
 
     names = emesh.mesh_dim_names or ()
     size = {n: emesh.size(names.index(n)) for n in names}
     group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
-    t = emesh.get_local_rank("tp") if etp > 1 else 0
+    t = emesh.get_local_rank("etp") if etp > 1 else 0
     for layer in moe_layers(module):
         local = layer.n_experts // size["ep"]
         experts = layer.experts
@@ -499,13 +521,13 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh", *, etp: int = 1) -> None:
                 dim = experts.hidden_dims[name]
                 width = w.shape[dim] // etp
                 keep = keep.narrow(dim, t * width, width)
-                mesh, placements = emesh["ep", "tp"], [Shard(0), Shard(dim)]
+                mesh, placements = emesh["ep", "etp"], [Shard(0), Shard(dim)]
             shard = DTensor.from_local(
                 keep.clone(), mesh, placements, run_check=False, shape=w.shape, stride=w.stride()
             )
             setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
         layer.ep_group = group if size["ep"] > 1 else None
-        layer.etp_group = emesh.get_group("tp") if etp > 1 else None
+        layer.etp_group = emesh.get_group("etp") if etp > 1 else None
         layer.edp_mesh = emesh["edp"]
         layer.grad_divide = size["edp"] * size["ep"]  # dp x cp
 

@@ -379,7 +379,13 @@ def parallelize(
         from autosearch.engine.moe import expert_mesh
 
         ep_mesh = expert_mesh(
-            world_mesh(mesh), ep=strategy.ep, pp=dims.pp, dp=dims.dp, cp=dims.cp, tp=dims.tp
+            world_mesh(mesh),
+            ep=strategy.ep,
+            pp=dims.pp,
+            dp=dims.dp,
+            cp=dims.cp,
+            tp=dims.tp,
+            etp=strategy.etp,
         )
     out: list[tuple[int | None, nn.Module]] = []
     for stage, part in parts:
