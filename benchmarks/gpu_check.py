@@ -90,38 +90,35 @@ def moe_model():
     )
 
 
-def moe_strategies() -> list:
-    """7 strategies of 8 sequences on one GPU: micro-batches (rows per expert), recompute,
-    compile, ZeRO-3."""
+def one_gpu_strategies(**extra) -> list:
+    """Strategies of 8 bf16 sequences on one GPU: micro-batches, recompute kinds, compile, and
+    `extra` (name -> Strategy fields) after them."""
     from autosearch import Strategy
 
-    one = lambda **kw: Strategy(global_batch_size=8, amp="bf16", **kw)  # noqa: E731
-    return [
-        one(micro_batch_size=1),
-        one(micro_batch_size=2),
-        one(micro_batch_size=4),
-        one(micro_batch_size=4, recompute="full"),
-        one(micro_batch_size=2, recompute="selective_op"),
-        one(micro_batch_size=2, compile=True),
-        one(micro_batch_size=2, zero_stage=3),  # FSDP2's mixed-precision policy on one GPU
+    runs = [
+        dict(micro_batch_size=1),
+        dict(micro_batch_size=2),
+        dict(micro_batch_size=4),
+        dict(micro_batch_size=4, recompute="full"),
+        dict(micro_batch_size=2, recompute="selective_op"),
+        dict(micro_batch_size=2, compile=True),
+        *extra.values(),
     ]
+    return [Strategy(global_batch_size=8, amp="bf16", **fields) for fields in runs]
+
+
+def moe_strategies() -> list:
+    """7 strategies: the one-GPU set and ZeRO-3 (at dp 1 no FSDP2 wrapper applies: the same
+    run as none, which the cost model must say too)."""
+    return one_gpu_strategies(zero3=dict(micro_batch_size=2, zero_stage=3))
 
 
 def large_strategies() -> list:
-    """8 strategies of 8 sequences on one GPU: micro-batches, recompute kinds, compile, float8."""
-    from autosearch import Strategy
-
-    one = lambda **kw: Strategy(global_batch_size=8, amp="bf16", **kw)  # noqa: E731
-    return [
-        one(micro_batch_size=1),
-        one(micro_batch_size=2),
-        one(micro_batch_size=4),
-        one(micro_batch_size=4, recompute="full"),
-        one(micro_batch_size=2, recompute="selective_op"),
-        one(micro_batch_size=2, compile=True),
-        one(micro_batch_size=2, compile=True, fp8="tensorwise"),
-        one(micro_batch_size=4, compile=True, recompute="selective_op"),
-    ]
+    """8 strategies: the one-GPU set, float8 under compile, op-level SAC under compile."""
+    return one_gpu_strategies(
+        fp8=dict(micro_batch_size=2, compile=True, fp8="tensorwise"),
+        sac=dict(micro_batch_size=4, compile=True, recompute="selective_op"),
+    )
 
 
 def strategies(n_devices: int, *, dry: bool) -> list:
