@@ -219,9 +219,11 @@ def test_expert_parallel_rules_say_what_to_do():
     assert Strategy(dp=8, ep=2, global_batch_size=8).short().startswith("dp8-tp1-pp1-ep2-")
     assert "ep" in dimensions.parallel_axes(Strategy(dp=8, ep=2))
     assert Strategy(dp=8, ep=2).world_size == 8
-    torch_lacks = RuntimeOptions.get("torch").lacks  # the Engine runs ep, with etp 1 or tp
+    torch_lacks = RuntimeOptions.get("torch").lacks  # the Engine runs ep, with any etp | tp
     assert not torch_lacks(dense) and not torch_lacks(Strategy(tp=2, etp=2))
-    assert any("etp=2 below tp=4" in m for m in torch_lacks(Strategy(tp=4, etp=2)))
+    assert not torch_lacks(Strategy(tp=4, etp=2))
+    titan_lacks = RuntimeOptions.get("torchtitan").lacks  # torchtitan: etp 1 or tp only
+    assert any("etp=2 below tp=4" in m for m in titan_lacks(Strategy(tp=4, etp=2)))
 
 
 def test_a_runtime_without_ep_over_tp_keeps_expert_groups_on_data_and_context_ranks():

@@ -218,7 +218,8 @@ def test_torch_preset_declares_what_the_engine_runs_and_on_which_devices():
         "recompute_num_layers",
         "uneven_pp",
         "ep",  # autosearch/engine/moe.py (over the dp x cp ranks)
-        "etp",  # etp 1 or tp (experts' width split over the tp ranks), not below tp
+        "etp",  # the experts' width split over etp of the tp ranks
+        "etp_below_tp",  # 1 < etp < tp: etp consecutive tp ranks (Megatron-Core's folding)
     }
     s = Strategy(tp=2, async_tp=True, compile=True, fp8="rowwise")
     assert torch_rt.unsupported(s) == {}
