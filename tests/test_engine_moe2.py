@@ -26,27 +26,21 @@ FP32 = (2e-5, 1e-3)  # tests/test_engine_parallel.py: (first two steps, all step
 AMP16 = (1e-2, 1e-2)  # the same file's 16-bit tolerance (2^-8 relative rounding)
 CLIP = 0.3  # engine_workers.CLIP_NORM: below the tiny models' gradient norms, clipping acts
 
+# One 4-process launch (the suite's longest single setup): a layout run with meta init or with
+# clipping is not run again without, since the same losses against one process show it too.
 WORLD4 = {
-    "dp4_ep2_zero1": (f"dp=4,ep=2,zero_stage=1,{B1}", "moe"),  # experts sharded over edp = 2
     "dp4_ep4_zero1": (f"dp=4,ep=4,zero_stage=1,{B1}", "moe"),  # edp = 1: experts whole
     # the gradient norm before clipping: FSDP2's expert reduction over edp divides once
     "dp4_ep2_zero1_clip": (f"dp=4,ep=2,zero_stage=1,{B1}", "moe_clip"),
     # fp16 autocast with the loss scaler: the aux loss's gradient is scaled as the loss's
     "dp4_ep2_fp16": (f"dp=4,ep=2,{B1.replace('fp32', 'fp16')}", "moe_fp16"),
     # expert tensor parallel (etp = tp): each expert's width split over the tp ranks
-    "dp2_tp2_ep2_etp2": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe"),
     "dp2_tp2_ep2_etp2_clip": (f"dp=2,tp=2,ep=2,etp=2,{B1}", "moe_clip"),  # norm over (ep, tp)
-    "dp2_tp2_ep2_etp2_sp_zero3": (
-        f"dp=2,tp=2,ep=2,etp=2,sequence_parallel=true,zero_stage=3,{B1}",
-        "moe",
-    ),
     # 1 < etp < tp (Megatron-Core's folding; `etp_below_tp`): each expert split over 2 of the 4
     # tp ranks, the two pairs computing the same experts; the norm over (ep, etp) counts each once
-    "tp4_etp2": (f"tp=4,etp=2,{B1}", "moe_kv4"),
     "tp4_etp2_sp_clip": (f"tp=4,etp=2,sequence_parallel=true,{B1}", "moe_kv4_clip"),
     # transformers' Mixtral / Qwen3-MoE under tp: experts whole on each tp rank (etp 1)
     "hf_mixtral_dp2_tp2_sp": (f"dp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral"),
-    "hf_qwen3_moe_dp2_tp2_ep2_zero3": (f"dp=2,tp=2,ep=2,zero_stage=3,{B1}", "hf_qwen3_moe"),
     # built on the meta device (`meta_init`, as validation runs): each shard of a tp or FSDP
     # DTensor takes its window of the whole weight's draw, so the run starts as one process's
     # meta-initialised model (before: 0.14-0.51 apart by step 3, repeated blocks in every weight)
