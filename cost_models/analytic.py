@@ -195,9 +195,7 @@ class AnalyticCostModel(CostModel):
         params = self._params(s)
         trainable = self._trainable(s, ranks)
         # autocast's casts run inside each micro-batch: the bubble idles for them too
-        casts = compute.autocast_casts_s(
-            s, ctx, params.total, s.dp * s.cp, trainable, (max(ranks), 0.0)
-        )
+        casts = compute.autocast_casts_s(s, ctx, params.total, trainable, (max(ranks), 0.0))
         bubble = pipeline.bubble_s(s, micro.total_s + casts / m)
         dp = data_parallel.cost(
             s, ctx, params, ranks, layer, micro.recompute_layer_s, trainable=trainable
@@ -279,8 +277,8 @@ class AnalyticCostModel(CostModel):
         heaviest = max(range(len(ranks)), key=lambda r: ranks[r])  # the pipeline rank
         moe_layers = moe_ranks[heaviest]
         casts = compute.autocast_casts_s(
-            s, ctx, rest.total, s.dp * s.cp, None, (ranks[heaviest] - moe_layers, moe_layers)
-        ) + compute.autocast_casts_s(s, ctx, routed.total, edp[0])
+            s, ctx, rest.total, None, (ranks[heaviest] - moe_layers, moe_layers)
+        ) + compute.autocast_casts_s(s, ctx, routed.total)
         bubble = pipeline.bubble_s(s, micro.total_s + casts / m)  # casts inside each micro-batch
         step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))

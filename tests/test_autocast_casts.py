@@ -21,7 +21,7 @@ def _model(runtime: str = "torch") -> AnalyticCostModel:
 def _casts(s: Strategy, runtime: str = "torch") -> float:
     cm = _model(runtime)
     psi = cm._params(s).total
-    return compute.autocast_casts_s(s, cm._context, psi, s.dp, None, (max(cm._ranks(s)), 0.0))
+    return compute.autocast_casts_s(s, cm._context, psi, None, (max(cm._ranks(s)), 0.0))
 
 
 def test_the_casts_are_the_bytes_autocast_moves_at_the_achieved_bandwidth():

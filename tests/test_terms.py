@@ -117,7 +117,6 @@ TERMS = {
     compute.autocast_casts_s: lambda cm, s: (
         cm._context,
         _params(cm, s).total,
-        s.dp * s.cp,
         None,
         (max(cm._ranks(s)), 0.0),
     ),

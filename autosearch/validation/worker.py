@@ -85,7 +85,8 @@ def adamw(params):
 
     params = list(params)
     first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
-    return torch.optim.AdamW(params, lr=1e-4, fused=first.device.type == "cuda" or None)
+    fused = True if first.device.type == "cuda" else None  # None: torch's default choice
+    return torch.optim.AdamW(params, lr=1e-4, fused=fused)
 
 
 def build_model_factory(config: dict[str, Any]):

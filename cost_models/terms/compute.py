@@ -395,7 +395,6 @@ def autocast_casts_s(
     s: "Strategy",
     ctx: Context,
     psi: float,
-    shards: int,
     trainable: float | None = None,
     layers: tuple[float, float] = (0.0, 0.0),
 ) -> float:
@@ -404,8 +403,8 @@ def autocast_casts_s(
 
     Weights: every micro-batch casts the `psi` local parameters to the amp dtype (read 4
     bytes, write 2) and their gradients back to fp32 (read 2, write 4), and every micro-batch
-    after the first adds them to the accumulated fp32 gradients (read 8, write 4; on the
-    `shards`-th part where gradients are reduced every micro-batch).
+    after the first adds them to the accumulated fp32 gradients (read 8, write 4: whole, since
+    only FSDP2's zero 2/3, which this leaves out, reduces every micro-batch).
     Only the `trainable` ones have gradients (LoRA). Float8 linears cast their fp32 weights
     themselves (`_fp8_scaling`): only the gradient casts count then.
 
@@ -426,11 +425,9 @@ def autocast_casts_s(
     m = ctx.model
     if not fp32_stream(s, ctx):
         return 0.0
-    mode = dp_mode(zero_stage=s.zero_stage, dp=s.dp * s.cp, tp=s.tp, pp=s.pp, ep=s.ep)
     mb, grads = s.grad_accum_steps, psi if trainable is None else trainable
-    accumulated = grads / shards if mode.reduce_every_microbatch else grads
     weights = 0.0 if s.fp8 != "none" else 6.0 * psi
-    nbytes = mb * (weights + 6.0 * grads) + (mb - 1) * 12.0 * accumulated
+    nbytes = mb * (weights + 6.0 * grads) + (mb - 1) * 12.0 * grads
     if not s.compile:
         dense, moe = layers
         th = s.micro_batch_size * m.seq_len / s.cp * m.hidden_size
