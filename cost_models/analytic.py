@@ -265,17 +265,23 @@ class AnalyticCostModel(CostModel):
         m = s.grad_accum_steps
         rest, routed = self._moe_params(s)
         rc = micro.recompute_layer_s
-        dense = data_parallel.cost(s, ctx, rest, ranks, layer, rc)
+        heaviest = max(range(len(ranks)), key=lambda r: ranks[r])  # the pipeline rank
+        moe_layers = moe_ranks[heaviest]
+        # data-parallel collectives hide behind the rank's layers as they run: its MoE layers'
+        # expert compute too (their share of the rank's layers), not only the dense part
+        share = moe_layers / ranks[heaviest] if ranks[heaviest] else 0.0
+        window = layer._replace(
+            fwd_s=layer.fwd_s + share * e.fwd_s, bwd_s=layer.bwd_s + share * e.bwd_s
+        )
+        dense = data_parallel.cost(s, ctx, rest, ranks, window, rc)
         edp = experts.expert_data_parallel(s)
-        expert = data_parallel.cost(s, ctx, routed, ranks, layer, rc, group=edp)
+        expert = data_parallel.cost(s, ctx, routed, ranks, window, rc, group=edp)
         dp = data_parallel.DataParallelCost(*(a + b for a, b in zip(dense, expert)))
         # the optimizer steps over the routed experts' shard of edp (ZeRO >= 1)
         sharded = routed.total * s.dp / edp[0] if s.zero_stage >= 1 else routed.total
         optimizer = compute.optimizer_step_s(s, ctx, rest.total) + compute.optimizer_step_s(
             s, ctx, sharded
         )
-        heaviest = max(range(len(ranks)), key=lambda r: ranks[r])  # the pipeline rank
-        moe_layers = moe_ranks[heaviest]
         casts = compute.autocast_casts_s(
             s, ctx, rest.total, None, (ranks[heaviest] - moe_layers, moe_layers)
         ) + compute.autocast_casts_s(s, ctx, routed.total)
