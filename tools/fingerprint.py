@@ -7,7 +7,10 @@ Four spaces (the shipped ``default`` and ``megatron``, today's full space of
 `benchmarks/search_default.py --extended`, and a space with every recompute kind, N-layer
 recompute, cp and uneven pipelines open) over four (model, cluster, global batch) cases, each
 strategy scored under the ``torch`` and ``torchtitan`` runtimes (about `target` strategies
-spread over each space, so that the largest spaces stay a few seconds). Each estimate
+spread over each space, so that the largest spaces stay a few seconds). Mixture-of-experts
+models have their own fingerprint (`MOE_CASES`: the default and megatron spaces, which open ep
+and etp for them, under ``torch``, ``torchtitan`` and ``megatron-core``), so a change to the
+expert terms shows without moving the dense one. Each estimate
 contributes its strategy's fields and every number of its CostReport (floats by ``repr``:
 bit-exact). Fields a later version
 adds to Strategy or CostReport are left out of the hash while they keep their defaults, so the
@@ -50,6 +53,13 @@ SPACES = {
     ),
 }
 RUNTIMES = ("torch", "torchtitan")
+MOE_CASES = (
+    ("qwen3-30b-a3b", "h100-sxm:2x8", 256),
+    ("mixtral-8x7b", "h100-sxm:4x8", 256),
+    ("deepseek-v3", "h100-sxm:32x8", 2048),
+)
+MOE_SPACES = ("default", "megatron")
+MOE_RUNTIMES = ("torch", "torchtitan", "megatron-core")
 # The Strategy fields of the version that introduced this tool (Dec 2026); later fields are
 # hashed only when they differ from their default.
 BASE_FIELDS = (
@@ -124,13 +134,18 @@ def sampled(space: SearchSpace, target: int):
                 yield s.replace(recompute_num_layers=1)
 
 
-def fingerprint(target: int) -> dict:
+def fingerprint(target: int, moe: bool = False) -> dict:
+    """The hash of about `target` estimates per (case, space, runtime): the dense cases, or
+    with `moe` the mixture-of-experts ones."""
+    cases, spaces = (MOE_CASES, MOE_SPACES) if moe else (CASES, tuple(SPACES))
+    runtimes = MOE_RUNTIMES if moe else RUNTIMES
     digest, per_part, n = hashlib.sha256(), {}, 0
     t0 = time.perf_counter()
-    for model, cluster, gbs in CASES:
-        for space_name, config in SPACES.items():
-            space = SearchSpace(model, cluster, global_batch_size=gbs, config=config())
-            for runtime in RUNTIMES:
+    for model, cluster, gbs in cases:
+        for space_name in spaces:
+            config = SPACES[space_name]()
+            space = SearchSpace(model, cluster, global_batch_size=gbs, config=config)
+            for runtime in runtimes:
                 cm = AnalyticCostModel(space.model, space.cluster, runtime=runtime)
                 part = hashlib.sha256()
                 for s in sampled(space, target):
@@ -153,12 +168,13 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=4000, help="strategies per part")
     parser.add_argument("--json", action="store_true", help="every part's hash too")
     args = parser.parse_args()
-    out = fingerprint(args.target)
+    dense, moe = fingerprint(args.target), fingerprint(args.target // 4, moe=True)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps({**dense, "moe": moe}, indent=2))
     else:
-        n, digest = out["estimates"], out["fingerprint"]
-        print(f"{n:,} estimates, fingerprint {digest} ({out['seconds']} s)")
+        for label, out in (("", dense), ("MoE: ", moe)):
+            n, digest = out["estimates"], out["fingerprint"]
+            print(f"{label}{n:,} estimates, fingerprint {digest} ({out['seconds']} s)")
 
 
 if __name__ == "__main__":
