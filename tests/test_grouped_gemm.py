@@ -109,3 +109,63 @@ def test_the_grouped_gemm_benchmark_measures_and_rescores_on_cpu(tmp_path):
     again = pd.read_csv(tmp_path / "grouped_gemm.csv")
     assert again.profile_up_fwd_s.tolist() == pytest.approx(before.tolist(), rel=1e-12)
     assert again.up_fwd_s.tolist() == table.up_fwd_s.tolist()  # measurements kept as they were
+
+
+def test_op_level_recompute_runs_every_expert_gemm_again_as_the_cost_model_prices():
+    """Op-level selective recompute saves mm outputs (every other one) but no grouped GEMM: the
+    experts' forward GEMMs all run again in backward (as in torchtitan, whose save list has
+    none either), which `experts.layer` prices (op_recompute_s holds every expert GEMM)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autosearch import ModelSpec, Strategy
+    from autosearch.core.model_spec import MoESpec
+    from autosearch.engine import Engine
+    from autosearch.engine.data import SyntheticTokens
+    from autosearch.transformer import build
+
+    spec = ModelSpec.load("tiny-llama").scaled(
+        name="tiny-moe", n_layers=2, seq_len=32, moe=MoESpec(n_experts=4, top_k=2)
+    )
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    grouped = {}
+    for recompute in ("none", "selective_op"):
+        strategy = Strategy.parse(f"micro_batch_size=2,global_batch_size=2,recompute={recompute}")
+        engine = Engine(lambda: build(spec), optimizer=torch.optim.SGD, strategy=strategy)
+        engine.prepare(mode="train")
+        data = SyntheticTokens.for_model(spec, n_samples=2, seed=0)
+        batch = next(iter(engine.dataloader(data, batch_size=2, mode="train")))
+        with Calls() as calls:
+            engine.run(batch, mode="train")
+        grouped[recompute] = calls.n[torch.ops.aten._grouped_mm.default]
+    # 2 MoE layers x 3 expert GEMMs (w1, w3, w2): forward 6, backward 12 (dX, dW each)
+    assert grouped["none"] == 18
+    assert grouped["selective_op"] == 18 + 6  # every forward expert GEMM, again
+
+    from autosearch.core.hardware import Cluster
+    from cost_models.analytic import AnalyticCostModel
+    from cost_models.terms import experts
+
+    model = ModelSpec.load("qwen3-30b-a3b")  # 128 experts of 768, top 8, hidden 2048
+    cm = AnalyticCostModel(model, Cluster.parse("h100-sxm:1x8"), runtime="torchtitan")
+    s = Strategy(dp=8, ep=8, micro_batch_size=1, global_batch_size=64, recompute="selective_op")
+    ctx = cm._context
+    e = experts.layer(s, ctx)
+    # the routed experts' forward GEMMs: 16 local experts of 4,096 x 8 / 16 rows each
+    gemm, rows = ctx.profile.gemm, model.seq_len * 8 / 16
+    peak = ctx.profile.peak_flops["bf16"]
+    expert_fwd = ctx.runtime.moe_load_imbalance * (
+        grouped_gemm_s(gemm, 16, rows, 2 * 768, 2048, peak, "bf16", GROUPED_TILE_ROWS)
+        + grouped_gemm_s(gemm, 16, rows, 2048, 768, peak, "bf16", GROUPED_TILE_ROWS)
+    )
+    assert e.op_recompute_s >= expert_fwd

@@ -157,10 +157,15 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     fp8_fwd, fp8_bwd = _fp8_scaling_s(s, ctx, rows * imbalance, f_e, shared_width)
     fwd = gemms + elem + fp8_fwd
     bwd = bof * gemms + 2.0 * elem + fp8_bwd
-    # selective op recompute repeats the gate projection of a gated MLP (w3: half of fc1, a
-    # third of the MLP's GEMMs), as the dense one
-    op_recompute = elem + fp8_fwd
-    op_recompute += (expert_gemm + shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0
+    # selective op recompute (torchtitan's SAC, the Engine's) repeats the elementwise work and
+    # every routed expert GEMM: its save list is the partitioner's compute-intensive ops (mm,
+    # addmm, bmm, _scaled_mm, attention) and linear, with no grouped GEMM in it (torch 2.13
+    # `get_default_op_list`; torchtitan activation_checkpoint.py `_get_default_save_ops` @
+    # b5bcd76), so the experts' forward runs twice (counted on the Engine: 6 more
+    # `_grouped_mm` calls per step of a 2-MoE-layer model, tests/test_grouped_gemm.py); the shared
+    # experts repeat the gate projection of a gated MLP (a third of its GEMMs), as a dense MLP
+    op_recompute = elem + fp8_fwd + expert_gemm
+    op_recompute += (shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0
     comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
     names = modules(s)
     if not names:
