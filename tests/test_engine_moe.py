@@ -31,6 +31,9 @@ B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 B1 = "micro_batch_size=1,global_batch_size=8,amp=fp32"
 FP32 = (2e-5, 1e-3)  # tests/test_engine_parallel.py: (first two steps, all steps)
 AMP16 = (1e-2, 1e-2)  # the same file's bf16 tolerance (bf16 rounding, 2^-8 relative)
+# bf16 MoE: AMP16 for two steps; at the third a top-2 choice flips on rounding (routed rows
+# combined in bf16): dp2 and ep2 are both 1.4e-2 from one process and 4e-4 from each other
+MOE_BF16 = (AMP16[0], 2e-2)
 
 WORLD2 = {
     "dp2": (f"dp=2,{B}", "moe"),
@@ -113,7 +116,7 @@ def _check(results, table, name, references):
     assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
     early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
     gap = max(abs(a - b) for a, b in zip(got, ref))
-    tol = AMP16 if model.endswith("_bf16") else FP32
+    tol = MOE_BF16 if model.endswith("_bf16") else FP32
     assert early <= tol[0] and gap <= tol[1], (
         f"{name}: losses {got} differ from single-process {ref} by {early:.2e} in the first"
         f" two steps and {gap:.2e} overall"
@@ -161,6 +164,35 @@ def test_the_moe_layer_is_the_weighted_sum_of_its_top_k_experts():
             h = flat[t]
             want[t] += w * ((torch.nn.functional.silu(h @ e.w1[i]) * (h @ e.w3[i])) @ e.w2[i])
     torch.testing.assert_close(out.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)  # fp32 sums
+
+
+def test_under_autocast_the_routed_rows_are_permuted_and_combined_in_bf16():
+    """The gathered rows, the weighted rows and the combine stay in the autocast dtype: no
+    fp32 tensor of T*k rows (as torchtitan permutes), and the output is in bf16 (as a dense
+    MLP's under autocast) and the fp32 layer's within bf16 rounding."""
+    from torch.overrides import TorchFunctionMode
+
+    rows = 2 * 5 * 2  # tokens x top_k
+    made = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == rows:
+                made.append((getattr(func, "__name__", str(func)), out.dtype, out.shape[1]))
+            return out
+
+    layer = _layer(shared_hidden=8)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Record():
+        out = layer(x)
+    wide = [m for m in made if m[2] > 2]  # not the [T*k, 1] routing weights
+    assert wide and all(d == torch.bfloat16 for _, d, _ in wide), wide
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    # bf16 operands and roundings (2^-8 relative) through three GEMMs and the combine
+    torch.testing.assert_close(out.float(), layer(x), rtol=5e-2, atol=5e-2)
 
 
 def test_the_load_balancing_loss_is_switch_transformers_per_sequence():

@@ -337,20 +337,22 @@ class MoE(nn.Module):
         return self.n_experts * (f * prob_sums / tokens).sum(1).mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype, device = x.shape, x.dtype, x.device.type
+        shape, device = x.shape, x.device.type
         x = x.reshape(-1, shape[-1])
         # under autocast the router, the routed rows and the shared experts read one cast of
-        # the (fp32 residual stream's) input, not one each; the combine stays in its dtype
+        # the (fp32 residual stream's) input, not one each, and the routed rows are permuted,
+        # weighted and combined in that dtype, as torchtitan does (its output is in the autocast
+        # dtype, as a dense MLP's is): no [T*k, d] tensor in fp32
         if torch.is_autocast_enabled(device):
             x = x.to(torch.get_autocast_dtype(device))
-        weights, experts, probs = self.route(x, dtype)
+        weights, experts, probs = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # routed copies grouped by expert, tokens in order
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
-        y = self._run_experts(x[token], counts)
-        out = torch.zeros(x.shape, dtype=dtype, device=x.device)
-        out.index_add_(0, token, y * weights.flatten()[order, None])
+        # index_select: its backward is index_add_ (not index_put_ with accumulate, which sorts)
+        y = self._run_experts(x.index_select(0, token), counts)
+        out = torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[order, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = out.reshape(shape)
