@@ -23,23 +23,31 @@ share a micro-batch: a run under dp trains exactly as one process does. Each MoE
 the auxiliary loss, so no loss function or pipeline schedule needs to know about it. The value
 of the last forward is kept in ``MoE.aux_loss``.
 
-Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding with ep taken from the
-data-parallel ranks only: the expert layers run ``ep x edp`` over the data-parallel ranks of
-attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps
-``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the ep mesh, and
-with ``etp > 1`` also on their width over etp consecutive tp ranks (w1, w3 by columns, w2 by
-rows, as Megatron-LM splits an MLP; etp = tp is torchtitan's choice, any divisor of tp
-Megatron-Core's): the tp ranks route the same tokens, the gradient of the rows and the experts'
-partial outputs are summed over each etp group (`CopyToGroup`, `ReduceFromGroup`), and the
-tp / etp groups compute the same experts (as all tp ranks do at etp = 1).
+The routed rows are gathered, weighted and combined in the activation dtype (the autocast
+dtype under autocast, as torchtitan permutes in bf16), never as fp32 copies of the T*k rows.
+
+Expert parallelism (`apply_ep`) is Megatron-Core's parallel folding (Liu et al. 2025, "MoE
+Parallel Folding"; ``parallel_state.initialize_model_parallel``'s expert groups): the expert
+layers run ``etp x ep x edp`` over the ranks attention runs ``tp x cp x dp`` on, etp innermost,
+then ep, so ep may span tp, cp and dp ranks (``etp x ep`` divides ``tp x cp x dp``, as
+`Strategy.problems` says for every runtime). Under tensor parallelism each tp rank routes its own
+tokens: under sequence parallel the shard it holds (no all-gather of the MoE input), without it
+its slice of the replicated input, the outputs gathered after the layer (Megatron-Core refuses
+MoE with tp > 1 without sequence parallel; the Engine runs it at the cost of that all-gather, so
+that every strategy the cost model prices runs). Each rank keeps ``n_experts / ep`` experts, as
+DTensors sharded on the expert dimension over the ep mesh, and with ``etp > 1`` also on their
+width over etp consecutive ranks (w1, w3 by columns, w2 by rows, as Megatron-LM splits an MLP).
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
-whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
-over the tp ranks, which route the same tokens (the MoE input is gathered from the sequence
-shards under sequence parallel). Expert gradients are summed over edp (the dp ranks holding the
-same experts) and divided by dp x cp, as the data-parallel wrappers divide dense gradients:
-under DDP by `reduce_expert_grads` once per step; under FSDP2 the experts are sharded over edp
-(``fully_shard`` with that divide factor, as torchtitan does).
+whose backward is the reverse all-to-all); under etp the rows the etp group received are
+gathered over it, each rank computes its slice of every expert's width, and the partial outputs
+are reduce-scattered back (``MoEAlltoAllTokenDispatcher``'s order). Expert gradients are summed
+over edp (the ranks holding the same experts, which may be tp ranks) and divided by dp x cp, as
+the data-parallel wrappers divide dense gradients: by `reduce_moe_grads` once per step, or under
+FSDP2 by sharding the experts over edp (``fully_shard`` with that divide factor, as torchtitan
+does). The router's and the shared experts' gradients, partial on each tp rank, are summed over
+tp by `reduce_moe_grads` (as Megatron-LM sums the sequence-parallel weights'), and the
+load-balancing loss sums its counts and probabilities over the tp shards as over cp.
 """
 
 from __future__ import annotations
