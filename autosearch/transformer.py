@@ -331,8 +331,7 @@ class Transformer(nn.Module):
                     "layers.*.feed_forward": PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                     ),
-                    # the MoE layers route the whole sequence on every tp rank and hand back
-                    # this rank's shard of it
+                    # each tp rank's MoE layers route its own shard (parallel folding)
                     "layers.*.moe": sequence_parallel_style(),
                 }
             )

@@ -228,7 +228,7 @@ def test_expert_parallel_rules_say_what_to_do():
 
 def test_a_runtime_without_ep_over_tp_keeps_expert_groups_on_data_and_context_ranks():
     """Megatron-Core and torchtitan (etp 1) let ep groups take tensor-parallel ranks; a runtime
-    that folds experts over dp x cp only (the Engine) gets a space where ep divides dp x cp, and
+    that folds experts over dp x cp only gets a space where ep divides dp x cp, and
     a strategy asking more is refused naming the feature."""
     import dataclasses
 

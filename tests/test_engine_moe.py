@@ -50,6 +50,12 @@ WORLD2 = {
     # bf16 autocast, as the single process (ZeRO-2/3 gather bf16 weights instead: their router
     # decisions differ from autocast's, with or without ep; observed 1.9e-2 at step 3)
     "ep2_bf16": (f"dp=2,ep=2,{B.replace('fp32', 'bf16')}", "moe_bf16"),
+    # parallel folding (Megatron-Core): each tp rank routes its own tokens, ep over tp ranks
+    "tp2_sp_ep2": (f"tp=2,ep=2,sequence_parallel=true,{B}", "moe"),
+    "tp2_ep2": (f"tp=2,ep=2,{B}", "moe"),  # without sp: its slice of the replicated input
+    "tp2_sp": (f"tp=2,sequence_parallel=true,{B}", "moe"),  # ep 1: experts reduced over tp
+    "hf_mixtral_tp2_sp_ep2": (f"tp=2,ep=2,sequence_parallel=true,{B1}", "hf_mixtral_aux"),
+    "hf_qwen3_moe_tp2_sp_ep2": (f"tp=2,ep=2,sequence_parallel=true,{B1}", "hf_qwen3_moe_aux"),
     "hf_mixtral_dp2": (f"dp=2,{B1}", "hf_mixtral"),
     "hf_mixtral_ep2": (f"dp=2,ep=2,{B1}", "hf_mixtral"),
     "hf_qwen3_moe_ep2": (f"dp=2,ep=2,{B1}", "hf_qwen3_moe"),
@@ -64,7 +70,10 @@ WORLD4 = {
     "dp4_ep2": (f"dp=4,ep=2,{B}", "moe"),
     "dp4_ep4_zero2": (f"dp=4,ep=4,zero_stage=2,{B}", "moe"),
     "dp2_tp2_ep2": (f"dp=2,tp=2,ep=2,{B}", "moe"),
+    # ep over tp and dp ranks: ep4 = tp2 x dp2 (edp 1), and with FSDP2 over edp
+    "dp2_tp2_ep4_sp": (f"dp=2,tp=2,ep=4,sequence_parallel=true,{B}", "moe"),
     "dp2_tp2_ep2_sp_zero3": (f"dp=2,tp=2,ep=2,sequence_parallel=true,zero_stage=3,{B}", "moe"),
+    "pp2_tp2_ep2_sp": (f"pp=2,tp=2,ep=2,sequence_parallel=true,{B}", "moe"),
     "pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B}", "moe"),
     "pp2_dp2_ep2_zero3": (f"pp=2,dp=2,ep=2,zero_stage=3,{B}", "moe"),
     "dp2_cp2_ep2": (f"dp=2,cp=2,ep=2,{B}", "moe"),  # experts reduced over edp (dp ranks)
@@ -254,7 +263,8 @@ def test_a_model_spec_with_moe_builds_its_layers_on_cpu_and_on_meta():
     "strategy, model, message",
     [
         ("dp=2,ep=2,etp=4,tp=6", "moe", "etp=4 must divide tp=6"),
-        ("dp=2,tp=2,ep=4", "moe", "ep=4 must divide dp*cp = 2*1"),
+        ("dp=2,tp=2,ep=8", "moe", "ep*etp = 8*1 must divide tp*dp*cp = 4"),
+        ("dp=2,tp=2,ep=4,etp=2", "moe", "ep*etp = 4*2 must divide tp*dp*cp = 4"),
         ("dp=2,ep=2", "dense", "no autosearch MoE layers"),
     ],
 )
@@ -273,9 +283,10 @@ def test_the_engines_strategy_check_includes_the_expert_parallel_refusals():
     from autosearch.engine.build import plan_for, strategy_problems
 
     model = Transformer(M.MOE)
-    problems = strategy_problems(Strategy.parse("dp=2,tp=2,ep=4"), plan_for(model, None), model)
-    assert any("ep=4 must divide dp*cp" in p for p in problems), problems
-    assert strategy_problems(Strategy.parse("dp=2,ep=2"), plan_for(model, None), model) == []
+    problems = strategy_problems(Strategy.parse("dp=2,tp=2,ep=8"), plan_for(model, None), model)
+    assert any("ep*etp = 8*1 must divide tp*dp*cp" in p for p in problems), problems
+    for ok in ("dp=2,ep=2", "tp=2,ep=2,sequence_parallel=true", "tp=2,ep=2"):  # ep over tp
+        assert strategy_problems(Strategy.parse(ok), plan_for(model, None), model) == []
 
 
 @pytest.mark.parametrize("kind", list(M.HF_MOE))

@@ -263,10 +263,11 @@ class Trainer:
         self.last_grad_norm = None
         if self.tied is not None:
             self.tied.sync_grads()
-        if (self.strategy.ep > 1 or self.strategy.etp > 1) and self.dims.mode.wrapper == "ddp":
-            from autosearch.engine.moe import reduce_expert_grads
+        if self.strategy.ep > 1 or self.strategy.etp > 1 or self.dims.tp > 1:
+            from autosearch.engine.moe import reduce_moe_grads
 
-            reduce_expert_grads(self.model_parts)  # DDP leaves the expert-parallel weights
+            # DDP (or no wrapper) leaves the experts; tp ranks routed different tokens
+            reduce_moe_grads(self.model_parts, experts=self.dims.mode.wrapper != "fsdp")
         if self.grad_clip_norm is not None:
             if self.scaler is not None:
                 for opt in self.optimizers:

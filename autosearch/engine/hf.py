@@ -292,9 +292,8 @@ class HFCausalLM(nn.Module):
         Column-wise: q/k/v_proj, gate/up_proj; row-wise: o_proj, down_proj (one all-reduce, or a
         reduce-scatter with sequence parallel, per sub-layer). Embeddings split by vocabulary rows,
         lm_head by vocabulary columns. Mixture-of-experts MLPs (`moe_blocks`: {block name: its
-        MLP is one}) keep their experts whole on every tp rank (etp = 1), as the
-        reference transformer's: under sequence parallel they route the whole sequence and hand
-        back this rank's shard of it.
+        MLP is one}) route this rank's shard of the sequence (parallel folding,
+        `autosearch.engine.moe.apply_ep`), as the reference transformer's.
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -515,12 +514,12 @@ def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.T
     the same operations, so that the sums carried over pipeline stages are bitwise those of the
     whole model."""
     layers = moe_layers_of(model)
-    if sums is not None:
+    group = layers[0].tp_group if layers else None  # each tp rank routed its own tokens
+    device = next(model.parameters()).device
+    counts = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
+    if sums is not None and group is None:
         counts, probs = sums[0].detach(), sums[1]
-    else:
-        device = next(model.parameters()).device
-        counts = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
-        probs = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
     # transformers' choice: histc counts in float on CPU and MPS, int32 elsewhere
     histc_dtype = torch.float32 if counts.device.type in ("cpu", "mps") else torch.int32
     for layer in layers:
@@ -530,6 +529,15 @@ def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.T
             chosen.reshape(-1).to(histc_dtype), bins=model.n_experts, min=0, max=model.n_experts
         )
         probs = probs + weights.float().sum(dim=0)
+    if group is not None:  # this stage's sums over the tp ranks' tokens, then the carried ones
+        import torch.distributed as dist
+
+        from autosearch.engine.moe import ReduceFromGroup
+
+        dist.all_reduce(counts, group=group)
+        probs = ReduceFromGroup.apply(probs, group)  # the router's gradient: `reduce_moe_grads`
+        if sums is not None:
+            counts, probs = sums[0].detach() + counts, sums[1] + probs
     return torch.stack([counts, probs])
 
 

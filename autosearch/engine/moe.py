@@ -23,23 +23,31 @@ share a micro-batch: a run under dp trains exactly as one process does. Each MoE
 the auxiliary loss, so no loss function or pipeline schedule needs to know about it. The value
 of the last forward is kept in ``MoE.aux_loss``.
 
-Expert parallelism (`apply_ep`) follows Megatron-Core's parallel folding with ep taken from the
-data-parallel ranks only: the expert layers run ``ep x edp`` over the data-parallel ranks of
-attention (dp x cp), ep innermost, so ``ep`` divides ``dp x cp``; each rank keeps
-``n_experts / ep`` experts, as DTensors sharded on the expert dimension over the ep mesh, and
-with ``etp > 1`` also on their width over etp consecutive tp ranks (w1, w3 by columns, w2 by
-rows, as Megatron-LM splits an MLP; etp = tp is torchtitan's choice, any divisor of tp
-Megatron-Core's): the tp ranks route the same tokens, the gradient of the rows and the experts'
-partial outputs are summed over each etp group (`CopyToGroup`, `ReduceFromGroup`), and the
-tp / etp groups compute the same experts (as all tp ranks do at etp = 1).
+The routed rows are gathered, weighted and combined in the activation dtype (the autocast
+dtype under autocast, as torchtitan permutes in bf16), never as fp32 copies of the T*k rows.
+
+Expert parallelism (`apply_ep`) is Megatron-Core's parallel folding (Liu et al. 2025, "MoE
+Parallel Folding"; ``parallel_state.initialize_model_parallel``'s expert groups): the expert
+layers run ``etp x ep x edp`` over the ranks attention runs ``tp x cp x dp`` on, etp innermost,
+then ep, so ep may span tp, cp and dp ranks (``etp x ep`` divides ``tp x cp x dp``, as
+`Strategy.problems` says for every runtime). Under tensor parallelism each tp rank routes its own
+tokens: under sequence parallel the shard it holds (no all-gather of the MoE input), without it
+its slice of the replicated input, the outputs gathered after the layer (Megatron-Core refuses
+MoE with tp > 1 without sequence parallel; the Engine runs it at the cost of that all-gather, so
+that every strategy the cost model prices runs). Each rank keeps ``n_experts / ep`` experts, as
+DTensors sharded on the expert dimension over the ep mesh, and with ``etp > 1`` also on their
+width over etp consecutive ranks (w1, w3 by columns, w2 by rows, as Megatron-LM splits an MLP).
 Tokens reach the rank that owns their expert with ``all_to_all_single`` (gloo has it on CPU,
 uneven splits included): the per-expert counts are exchanged first, then the rows (`AllToAll`,
-whose backward is the reverse all-to-all). Under tensor parallelism the experts are replicated
-over the tp ranks, which route the same tokens (the MoE input is gathered from the sequence
-shards under sequence parallel). Expert gradients are summed over edp (the dp ranks holding the
-same experts) and divided by dp x cp, as the data-parallel wrappers divide dense gradients:
-under DDP by `reduce_expert_grads` once per step; under FSDP2 the experts are sharded over edp
-(``fully_shard`` with that divide factor, as torchtitan does).
+whose backward is the reverse all-to-all); under etp the rows the etp group received are
+gathered over it, each rank computes its slice of every expert's width, and the partial outputs
+are reduce-scattered back (``MoEAlltoAllTokenDispatcher``'s order). Expert gradients are summed
+over edp (the ranks holding the same experts, which may be tp ranks) and divided by dp x cp, as
+the data-parallel wrappers divide dense gradients: by `reduce_moe_grads` once per step, or under
+FSDP2 by sharding the experts over edp (``fully_shard`` with that divide factor, as torchtitan
+does). The router's and the shared experts' gradients, partial on each tp rank, are summed over
+tp by `reduce_moe_grads` (as Megatron-LM sums the sequence-parallel weights'), and the
+load-balancing loss sums its counts and probabilities over the tp shards as over cp.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ from torch import nn
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Sequence
+
     from torch.distributed.device_mesh import DeviceMesh
 
     from autosearch.core.model_spec import ModelSpec
@@ -118,20 +128,43 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-class CopyToGroup(torch.autograd.Function):
-    """Identity whose backward sums the gradient over `group`: the input of work split over
-    the group's ranks (Megatron-LM's ``copy_to_tensor_model_parallel_region``)."""
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _own_seq(x: torch.Tensor, group) -> torch.Tensor:
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim=1)[rank].contiguous()
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """This rank's slice of a sequence replicated over `group` (dim 1), whose backward gathers
+    the slices' gradients (Megatron-LM's ``scatter_to_sequence_parallel_region``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        return x
+        return _own_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _gather_seq(grad, ctx.group), None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """The whole sequence from its slices over `group` (dim 1), whose backward keeps this
+    rank's slice of the (replicated) gradient (``gather_from_sequence_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own_seq(grad, ctx.group), None
 
 
 class ReduceFromGroup(torch.autograd.Function):
@@ -291,6 +324,8 @@ class MoE(nn.Module):
         # set by apply_ep: the ep group, the ranks holding the same experts, dp x cp
         self.ep_group: dist.ProcessGroup | None = None
         self.etp_group: dist.ProcessGroup | None = None  # the ranks splitting each expert
+        self.tp_group: dist.ProcessGroup | None = None  # the ranks sharing out each sequence
+        self.sequence_parallel = True  # whether the input is this rank's shard already
         self.edp_mesh: "DeviceMesh | None" = None
         self.grad_divide = 1
         self.aux_loss: torch.Tensor | None = None  # of the last forward, detached
@@ -325,6 +360,12 @@ class MoE(nn.Module):
         counts = torch.zeros(batch, self.n_experts, device=probs.device, dtype=probs.dtype)
         counts.scatter_add_(1, experts, torch.ones_like(experts, dtype=probs.dtype))
         tokens, prob_sums = probs.shape[1], probs.sum(1)
+        if self.tp_group is not None:  # the sequence's shards over tp (parallel folding)
+            dist.all_reduce(counts, group=self.tp_group)
+            # the gradient of each shard's probabilities stays on its rank, and the router's
+            # gradient is summed over tp after backward (`reduce_moe_grads`)
+            prob_sums = ReduceFromGroup.apply(prob_sums, self.tp_group)
+            tokens *= dist.get_world_size(self.tp_group)
         cp = self.context_parallel
         if cp is not None:  # the whole sequence's: summed over the cp ranks (with autograd)
             from torch.distributed.nn.functional import all_reduce
@@ -337,6 +378,21 @@ class MoE(nn.Module):
         return self.n_experts * (f * prob_sums / tokens).sum(1).mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.tp_group
+        if group is None or self.sequence_parallel:
+            return self._forward(x)
+        # tp > 1 without sequence parallel: the input is the whole sequence on every tp rank;
+        # each routes its own slice (parallel folding) and the slices are gathered again
+        n = dist.get_world_size(group)
+        if x.dim() != 3 or x.shape[1] % n:
+            raise ValueError(
+                f"the MoE layer splits each sequence over the tp={n} ranks (parallel folding): "
+                f"input of shape {tuple(x.shape)} has a sequence length not divisible by {n}; "
+                "use a sequence length divisible by tp"
+            )
+        return GatherFromSequence.apply(self._forward(ScatterToSequence.apply(x, group)), group)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, device = x.shape, x.device.type
         x = x.reshape(-1, shape[-1])
         # under autocast the router, the routed rows and the shared experts read one cast of
@@ -365,31 +421,59 @@ class MoE(nn.Module):
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of `rows` (sorted by expert, `counts` per expert), the experts held
-        here or, under expert parallelism, on the ranks of ``ep_group``; under expert tensor
-        parallelism each rank of ``etp_group`` computes its slice of every expert's width, the
-        partial outputs summed over them."""
-        if self.etp_group is None:
-            return self._dispatch(rows, counts)
-        rows = CopyToGroup.apply(rows, self.etp_group)
-        return ReduceFromGroup.apply(self._dispatch(rows, counts), self.etp_group)
-
-    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        group = self.ep_group
-        if group is None:
+        here or, under expert parallelism, on the ranks of ``ep_group`` (Megatron-Core's
+        ``MoEAlltoAllTokenDispatcher``): the rows go to the ranks holding their experts over
+        ep, and under expert tensor parallelism the rows received by the ranks of
+        ``etp_group`` are gathered over it, each rank computes its slice of every expert's
+        width, and the partial outputs are reduce-scattered back to the rows' ranks."""
+        ep_group, etp_group = self.ep_group, self.etp_group
+        if ep_group is None and etp_group is None:
             return self.experts(rows, counts)
-        ep = dist.get_world_size(group)
+        ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         local = self.n_experts // ep
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=group)  # [source rank, local expert]
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        recv_splits = recv.view(ep, local).sum(1).tolist()
-        got = AllToAll.apply(rows, recv_splits, send_splits, group)
+        got, recv = rows, counts
+        splits: tuple[list[int], list[int]] = ([], [])
+        if ep_group is not None:
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=ep_group)  # [source rank, local expert]
+            splits = (recv.view(ep, local).sum(1).tolist(), counts.view(ep, local).sum(1).tolist())
+            got = AllToAll.apply(rows, *splits, ep_group)
+        sizes: list[int] = []
+        if etp_group is not None:
+            got, recv, sizes = _gather_rows(got, recv, etp_group)
         # received by source rank, then expert: regroup by local expert (stable: sources in order)
-        expert_of = torch.arange(local, device=rows.device).repeat(ep)
+        expert_of = torch.arange(local, device=rows.device).repeat(recv.numel() // local)
         by_expert = torch.repeat_interleave(expert_of, recv).argsort(stable=True)
-        y = self.experts(got[by_expert], recv.view(ep, local).sum(0))
+        y = self.experts(got[by_expert], recv.view(-1, local).sum(0))
         back = torch.empty_like(y).index_copy_(0, by_expert, y)
-        return AllToAll.apply(back, send_splits, recv_splits, group)
+        if etp_group is not None:
+            back = _reduce_scatter_rows(back, sizes, etp_group)
+        if ep_group is not None:
+            back = AllToAll.apply(back, splits[1], splits[0], ep_group)
+        return back
+
+
+def _gather_rows(
+    x: torch.Tensor, counts: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The rows of every rank of `group` (in rank order) and their per-expert counts, and how
+    many rows each rank sent: an all-gather of uneven sizes, as an all-to-all of `x` repeated
+    (gloo has no uneven all-gather); its backward sums each rank's rows' gradients."""
+    n = dist.get_world_size(group)
+    all_counts = [torch.empty_like(counts) for _ in range(n)]
+    dist.all_gather(all_counts, counts, group=group)
+    sizes = [int(c.sum()) for c in all_counts]
+    got = AllToAll.apply(x.repeat(n, 1), sizes, [x.shape[0]] * n, group)
+    return got, torch.cat(all_counts), sizes
+
+
+def _reduce_scatter_rows(y: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Each rank's rows of `y` (`sizes[r]` rows for rank r, in rank order) summed over the
+    ranks of `group` and sent to it: the reverse of `_gather_rows`."""
+    n = dist.get_world_size(group)
+    mine = sizes[dist.get_rank(group)]
+    parts = AllToAll.apply(y, [mine] * n, sizes, group)
+    return parts.view(n, mine, *y.shape[1:]).sum(0)
 
 
 class _SwiGLU(nn.Module):
@@ -421,17 +505,17 @@ def moe_of(spec: "ModelSpec", *, aux_loss_coef: float = AUX_LOSS_COEF) -> MoE:
 
 
 def sequence_parallel_style():
-    """The tensor-parallel style of an MoE layer under sequence parallel: it gathers the
-    sequence shards (the tp ranks route the whole sequence and run the same experts, or their
-    etp slices) and hands back this rank's shard of its output."""
-    from torch.distributed.tensor import Replicate, Shard
+    """The tensor-parallel style of an MoE layer under sequence parallel: it takes this rank's
+    shard of the sequence as a local tensor and hands back its output for that shard (each tp
+    rank routes its own tokens: Megatron-Core's parallel folding; `apply_ep`)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
     return PrepareModuleInputOutput(
         input_layouts=(Shard(1),),
-        desired_input_layouts=(Replicate(),),
+        desired_input_layouts=(Shard(1),),
         use_local_input=True,
-        output_layouts=(Replicate(),),
+        output_layouts=(Shard(1),),
         desired_output_layouts=(Shard(1),),
         use_local_output=True,
     )
@@ -471,11 +555,11 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
         width = {getattr(m.experts, n).shape[d] for n, d in m.experts.hidden_dims.items()}
         if etp > 1 and any(w % etp for w in width):
             out.append(f"etp={etp} must divide the experts' width {min(width)}; use one that does")
-    if (strategy.dp * strategy.cp) % ep:
+    ranks = strategy.tp * strategy.dp * strategy.cp
+    if ranks % (ep * etp):
         out.append(
-            f"ep={ep} must divide dp*cp = {strategy.dp}*{strategy.cp} in the Engine "
-            "(expert-parallel groups are taken from the data- and context-parallel ranks, as "
-            "torchtitan does; the tp ranks route the same tokens); use an ep that divides it"
+            f"ep*etp = {ep}*{etp} must divide tp*dp*cp = {ranks} (the expert layers run etp x "
+            "ep x edp over the ranks attention runs tp x dp x cp on); use an ep that divides it"
         )
     for layer in layers:
         if layer.n_experts % ep:
@@ -488,30 +572,38 @@ def expert_mesh(
     mesh: "DeviceMesh", *, ep: int, pp: int, dp: int, cp: int, tp: int, etp: int = 1
 ) -> "DeviceMesh":
     """The mesh of the expert layers over the same ranks as `mesh` (pp, dp, cp, tp order):
-    ``(pp, edp, ep, etr, etp)`` with dp x cp = edp x ep, ep innermost (the cp ranks hold
-    different tokens, so they fold into ep and edp as the dp ranks do), and the tp ranks as
-    tp / etp replicas (``etr``) of etp consecutive ranks that split each expert's width."""
+    ``(pp, edp, ep, etp)`` with etp x ep x edp = tp x cp x dp, etp innermost, then ep
+    (Megatron-Core's parallel folding, ``parallel_state.initialize_model_parallel``'s expert
+    groups): every rank of tp x cp x dp routes its own tokens, so ep may span tp, cp and dp
+    ranks, and etp consecutive ranks split each expert's width."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(pp, dp * cp // ep, ep, tp // etp, etp)
-    names = ("pp", "edp", "ep", "etr", "etp")
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    ranks = mesh.mesh.reshape(pp, dp * cp * tp // (ep * etp), ep, etp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "etp"))
 
 
-def apply_ep(module: nn.Module, emesh: "DeviceMesh", *, etp: int = 1) -> None:
+def apply_ep(
+    module: nn.Module,
+    emesh: "DeviceMesh",
+    *,
+    etp: int = 1,
+    tp_mesh: "DeviceMesh | None" = None,
+    sequence_parallel: bool = True,
+) -> None:
     """Keep this rank's ``n_experts / ep`` experts of every MoE layer, as DTensors sharded on
     the expert dimension over the ep mesh (so checkpoints, gradient norms and FSDP2 see whole
     weights, as in torchtitan), and route over ep. With ``etp`` > 1 each expert's width is
-    split over etp consecutive tp ranks too (w1, w3 column-wise, w2 row-wise: Megatron-LM's MLP
-    split), a DTensor over (ep, etp); the tp ranks route the same tokens, each group of etp
-    sums its partial outputs, and the tp / etp groups (``etr``) compute the same experts, as
-    the tp ranks all do at etp = 1."""
+    split over etp consecutive ranks too (w1, w3 column-wise, w2 row-wise: Megatron-LM's MLP
+    split), a DTensor over (ep, etp). Under tensor parallelism (`tp_mesh`) each tp rank routes
+    its own shard of the sequence: the shard sequence parallel hands it, or (without sequence
+    parallel) its slice of the replicated input, gathered again after the layer."""
     from torch.distributed.tensor import DTensor, Shard
 
     names = emesh.mesh_dim_names or ()
     size = {n: emesh.size(names.index(n)) for n in names}
     group, rank = emesh.get_group("ep"), emesh.get_local_rank("ep")
     t = emesh.get_local_rank("etp") if etp > 1 else 0
+    tp = tp_mesh.size() if tp_mesh is not None else 1
     for layer in moe_layers(module):
         local = layer.n_experts // size["ep"]
         experts = layer.experts
@@ -530,8 +622,10 @@ def apply_ep(module: nn.Module, emesh: "DeviceMesh", *, etp: int = 1) -> None:
             setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
         layer.ep_group = group if size["ep"] > 1 else None
         layer.etp_group = emesh.get_group("etp") if etp > 1 else None
+        layer.tp_group = tp_mesh.get_group() if tp > 1 and tp_mesh is not None else None
+        layer.sequence_parallel = sequence_parallel
         layer.edp_mesh = emesh["edp"]
-        layer.grad_divide = size["edp"] * size["ep"]  # dp x cp
+        layer.grad_divide = size["edp"] * size["ep"] * size["etp"] // tp  # dp x cp
 
 
 def shard_experts(module: nn.Module, **fsdp) -> None:
@@ -562,22 +656,35 @@ def expert_param_names(module: nn.Module) -> list[str]:
     ]
 
 
-def reduce_expert_grads(parts: list[nn.Module]) -> None:
-    """Under DDP: sum the expert gradients over edp and divide them by dp x cp, once per step,
-    as DDP averages the dense ones over dp x cp (FSDP2's sharded experts do it themselves)."""
+def reduce_moe_grads(parts: list[nn.Module], *, experts: bool) -> None:
+    """Once per step, after backward: with `experts` (unless FSDP2 shards them) sum
+    the expert gradients over edp and divide them by dp x cp, as DDP averages the dense ones
+    over dp x cp (FSDP2's sharded experts do it themselves); and under tensor parallelism sum
+    the router's and the shared experts' gradients over tp (each tp rank routed its own tokens:
+    Megatron-LM sums the sequence-parallel weights' gradients over tp the same way)."""
     for part in parts:
         for layer in moe_layers(part):
-            if layer.edp_mesh is None:
-                continue
-            grads = [_local(w.grad) for w in _expert_weights(layer) if w.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.flatten() for g in grads])
-            if layer.edp_mesh.size() > 1:
-                dist.all_reduce(flat, group=layer.edp_mesh.get_group())
-            flat.div_(layer.grad_divide)
-            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(reduced.view_as(g))
+            if experts and layer.edp_mesh is not None:
+                group = layer.edp_mesh.get_group() if layer.edp_mesh.size() > 1 else None
+                _reduce(_expert_weights(layer), group, layer.grad_divide)
+            if layer.tp_group is not None:
+                routed = {id(w) for w in _expert_weights(layer)}
+                rest = [w for w in layer.parameters() if id(w) not in routed]
+                _reduce(rest, layer.tp_group, 1)
+
+
+def _reduce(weights: "Sequence[torch.Tensor]", group, divide: int) -> None:
+    """Sum the (local) gradients of `weights` over `group` (None: no collective), then divide."""
+    grads = [_local(w.grad) for w in weights if w.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat.div_(divide)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
 
 
 def _expert_weights(layer: MoE) -> list[torch.Tensor]:

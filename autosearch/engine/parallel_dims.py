@@ -39,8 +39,9 @@ class ParallelDims:
         degrees: every mesh degree (``dims.dp``, ``dims.cp`` ... read them as attributes).
         world_size: the processes of the run.
         zero_stage: the ZeRO stage (how data parallelism shards: `mode`).
-        ep: the expert-parallel degree (folded into dp x cp: no mesh axis of its own; it
-            decides how ZeRO-1 runs, `mode`).
+        ep: the expert-parallel degree (folded with etp into tp x cp x dp,
+            `autosearch.engine.moe.expert_mesh`: no axis of this mesh; it decides how ZeRO-1
+            runs, `mode`).
     """
 
     degrees: Mapping[str, int] = field(default_factory=dict)

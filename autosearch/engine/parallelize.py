@@ -374,10 +374,10 @@ def parallelize(
     if dims.pp > 1:
         pp_rank = world_mesh(mesh).get_local_rank("pp")
         parts = split_pipeline(model, plan, strategy, pp_rank=pp_rank)
-    ep_mesh = None
-    if strategy.ep > 1 or strategy.etp > 1:
-        from autosearch.engine.moe import expert_mesh
+    from autosearch.engine.moe import apply_ep, expert_mesh, moe_layers
 
+    ep_mesh = None  # parallel folding: under tp, each tp rank routes its own tokens too
+    if moe_layers(model) and (strategy.ep > 1 or strategy.etp > 1 or dims.tp > 1):
         ep_mesh = expert_mesh(
             world_mesh(mesh),
             ep=strategy.ep,
@@ -390,9 +390,13 @@ def parallelize(
     out: list[tuple[int | None, nn.Module]] = []
     for stage, part in parts:
         if ep_mesh is not None:
-            from autosearch.engine.moe import apply_ep
-
-            apply_ep(part, ep_mesh, etp=strategy.etp)
+            apply_ep(
+                part,
+                ep_mesh,
+                etp=strategy.etp,
+                tp_mesh=world_mesh(mesh)["tp"] if dims.tp > 1 else None,
+                sequence_parallel=strategy.sequence_parallel,
+            )
         if dims.cp > 1:
             apply_cp(part, world_mesh(mesh)["cp"])
         if strategy.fp8 != "none":
