@@ -112,9 +112,10 @@ def test_the_grouped_gemm_benchmark_measures_and_rescores_on_cpu(tmp_path):
 
 
 def test_op_level_recompute_runs_every_expert_gemm_again_as_the_cost_model_prices():
-    """Op-level selective recompute saves mm outputs (every other one) but no grouped GEMM: the
-    experts' forward GEMMs all run again in backward (as in torchtitan, whose save list has
-    none either), which `experts.layer` prices (op_recompute_s holds every expert GEMM)."""
+    """Op-level selective recompute saves mm outputs (every other one) and the router's top-k
+    but no grouped GEMM: the experts' forward GEMMs all run again in backward (as in
+    torchtitan, whose save list has none either), which `experts.layer` prices (op_recompute_s
+    holds every expert GEMM)."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,7 +139,7 @@ def test_op_level_recompute_runs_every_expert_gemm_again_as_the_cost_model_price
             self.n[func] += 1
             return func(*args, **(kwargs or {}))
 
-    grouped = {}
+    grouped, topk = {}, {}
     for recompute in ("none", "selective_op"):
         strategy = Strategy.parse(f"micro_batch_size=2,global_batch_size=2,recompute={recompute}")
         engine = Engine(lambda: build(spec), optimizer=torch.optim.SGD, strategy=strategy)
@@ -148,9 +149,12 @@ def test_op_level_recompute_runs_every_expert_gemm_again_as_the_cost_model_price
         with Calls() as calls:
             engine.run(batch, mode="train")
         grouped[recompute] = calls.n[torch.ops.aten._grouped_mm.default]
+        topk[recompute] = calls.n[torch.ops.aten.topk.default]
     # 2 MoE layers x 3 expert GEMMs (w1, w3, w2): forward 6, backward 12 (dX, dW each)
     assert grouped["none"] == 18
     assert grouped["selective_op"] == 18 + 6  # every forward expert GEMM, again
+    # the routing is saved, not recomputed: backward uses the experts the forward chose
+    assert topk["none"] == topk["selective_op"] == 2
 
     from autosearch.core.hardware import Cluster
     from cost_models.analytic import AnalyticCostModel

@@ -202,7 +202,9 @@ def _op_sac_save_list() -> frozenset:
     """Ops whose outputs op-level selective recompute keeps (torchtitan 0.3's
     ``_get_default_save_ops``): the partitioner's compute-intensive ops (matmuls, attention
     kernels), the attention kernels of every SDPA backend (the CPU one included), the maximum
-    that float8 scaling reads, and the reduce-scatter of sequence parallel."""
+    that float8 scaling reads, the reduce-scatter of sequence parallel, and the router's top-k,
+    so that the recompute routes each token to the experts its forward chose (torchtitan saves
+    it for that reason: `_get_default_save_ops` @ b5bcd76)."""
     from torch._functorch.partitioners import get_default_op_list
 
     aten = torch.ops.aten
@@ -213,6 +215,7 @@ def _op_sac_save_list() -> frozenset:
         aten._scaled_dot_product_cudnn_attention.default,
         aten.max.default,
         aten.linear.default,
+        aten.topk.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
     return frozenset(ops)
