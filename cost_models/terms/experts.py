@@ -455,6 +455,7 @@ def _module_savings(
     r = max(range(s.pp), key=lambda i: moe_ranks[i])
     chunks = s.layers_per_chunk(m.n_layers)
     layers = sum(size for c, size in enumerate(chunks) if c % s.pp == r)
+    layers += m.mtp_layers if r == s.pp - 1 else 0  # `pipeline.rank_layers`
     per_layer = 0.0
     if "layernorm" in names:
         per_layer += 2 * T * m.hidden_size * ab / sp_div
