@@ -138,6 +138,27 @@ ASSUMED = {
     "Automodel runtime": "PyTorch FSDP2 + TE + DeepEP -> the automodel preset (torchtitan's"
     " torch stack with TE kernels, DeepEP, and bf16 parameters and Adam moments as its"
     " benchmark configs build the model)",
+    "multi-token prediction": "DeepSeek-V3 rows train one MTP module where their recipe"
+    " does: Megatron-Bridge's deepseek_v3 recipe (mtp_num_layers=1 at every tag from v0.1.0rc4"
+    " to v0.6.0; no performance preset changes it) except the rows labelled 'w/o MTP'; NeMo"
+    " 25.04's pretrain_recipe(use_mtp=True) (recipes/deepseek_v3.py @7a8f1cc7) for DGX Cloud;"
+    " other sources (Automodel, Kimi-K2: kimi_provider mtp_num_layers None) -> none",
+    "pipeline layout": "DeepSeek-V3 rows split their 61 layers as their recipe does"
+    " (Strategy.pipeline_split, layers per chunk): Megatron-Bridge's"
+    " set_deepseek_v3_pipeline_model_parallel_layout map (recipes/deepseek/deepseek_v3.py, the"
+    " same from v0.1.0rc4 to v0.6.0): 16 chunks (pp16; pp8 vp2; pp4 vp4; pp2 vp8, also the"
+    " GB300 preset's 'Et*4|(t*4|)*14tmL') [E+4][4]x14[1+mtp+loss], pp8 [E+8][8]x6[5+mtp+loss],"
+    " pp4 [E+16][16][16][13+mtp+loss]; the 25.09 rows' deepseek_v3_llm_pretrain.yaml @fa0315ae2"
+    " and the 25.11 H100 preset set 'Et|(tt|)*30mL' (32 chunks: [E+1][2]x30[mtp+loss]),"
+    " whose vp Megatron-Core takes from the layout (32 / pp: the B200 row's pp16 runs vp2, the"
+    " GB200 pp4 vp8; the table prints vp 1 and 4); an empty chunk takes one layer of the"
+    " previous chunk on its rank (per-rank layers unchanged). DGX Cloud (NeMo 25.04"
+    " pretrain_deepseek_v3.py @7a8f1cc7): num_layers_in_first_pipeline_stage 64/pp - 1,"
+    " last 64/pp - 2. Other rows: the even split",
+    "Bridge 25.09 DeepSeek-V3 Blackwell recompute": "run_script.py @fa0315ae2 sets"
+    " recompute_modules [mla_up_proj, mlp, moe_act] on gb200 and none on b200, where the"
+    " recipe leaves Megatron-Core's default ([core_attn], selective granularity) -> the"
+    " attention core on B200",
     "model FLOPs": "rows published as model TFLOP/s without a step time are converted to"
     " tokens/s with Megatron-LM's num_floating_point_operations (causal-halved attention):"
     " ModelSpec.flops_per_token less half its attention term",
@@ -178,7 +199,55 @@ def model_of(row: pd.Series) -> ModelSpec:
     else:
         raise SpecError(f"{row.model}: architecture not transcribed in the table")
     layers = int(row.n_layers) if not pd.isna(row.n_layers) else model.n_layers
-    return model.scaled(n_layers=layers, seq_len=int(row.seq_len))
+    return model.scaled(n_layers=layers, seq_len=int(row.seq_len), mtp_layers=mtp_of(row))
+
+
+def mtp_of(row: pd.Series) -> int:
+    """Multi-token prediction modules the row trained (`ASSUMED["multi-token prediction"]`)."""
+    rid, model = str(row.id), str(row.model)
+    if not model.startswith("DeepSeek-V3") or "w/o MTP" in model:
+        return 0
+    return 1 if rid.startswith(("MB", "DGXC")) else 0
+
+
+# Megatron-Bridge's DeepSeek-V3 layouts, decoder layers per chunk by (pp, vp)
+# (`ASSUMED["pipeline layout"]`); 0: a chunk of MTP and loss only.
+_LAYOUT_16 = (4,) * 15 + (1,)  # [E+4][4]x14[1+mtp+loss]
+_BRIDGE_LAYOUTS = {
+    (16, 1): _LAYOUT_16,
+    (8, 2): _LAYOUT_16,
+    (4, 4): _LAYOUT_16,
+    (2, 8): _LAYOUT_16,  # the GB300 presets' pp_layout 'Et*4|(t*4|)*14tmL'
+    (8, 1): (8,) * 7 + (5,),
+    (4, 2): (8,) * 7 + (5,),
+    (4, 1): (16, 16, 16, 13),
+}
+_LAYOUT_32 = (1,) + (2,) * 30 + (0,)  # 'Et|(tt|)*30mL'
+
+
+def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None, int]:
+    """(pipeline_split, virtual stages) of a DeepSeek-V3 row as its recipe laid the layers
+    out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
+    rid, release = str(row.id), bridge_release(row)
+    if not str(row.model).startswith("DeepSeek-V3") or pp == 1 or _int(row.n_layers, 61) != 61:
+        return None, v
+    if rid.startswith("DGXC") and v == 1 and 64 % pp == 0:
+        m = 64 // pp
+        return (m - 1,) + (m,) * (pp - 2) + (m - 2,), 1
+    if not rid.startswith("MB"):
+        return None, v
+    if release == "25.09" or (release == "25.11" and row.gpu == "h100-sxm"):
+        split, v = _LAYOUT_32, 32 // pp
+    else:
+        split = _BRIDGE_LAYOUTS.get((pp, v))  # type: ignore[assignment]
+        if split is None:
+            return None, v
+    out = list(split)
+    for c, n in enumerate(out):  # an empty chunk borrows a layer of its rank's previous one
+        if n == 0:
+            out[c - pp] -= 1
+            out[c] = 1
+    return tuple(out), v
 
 
 def _int(value, default: int) -> int:
@@ -189,6 +258,7 @@ def strategy_of(row: pd.Series) -> Strategy:
     n, tp, pp, cp = int(row.n_gpus), _int(row.tp, 1), _int(row.pp, 1), _int(row.cp, 1)
     dp = n // (tp * pp * cp)
     v = _int(row.vp, 1) if pp > 1 else 1  # a vp given with pp 1 (DGX Cloud Llama 4) is moot
+    split, v = pipeline_of(row, pp, v)
     fsdp = str(row.fsdp).lower()
     zero = 3 if ("fsdp" in fsdp and "ddp" not in fsdp) or str(row.id).startswith("AUTO") else 1
     if "sharding degree" in fsdp:
@@ -209,6 +279,7 @@ def strategy_of(row: pd.Series) -> Strategy:
         global_batch_size=gbs,
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
+        pipeline_split=split,
         recompute=recompute,
         recompute_modules=modules,
         sequence_parallel=tp > 1,
@@ -250,7 +321,11 @@ def recompute_of(row: pd.Series) -> tuple[str, str]:
     if not names and model.startswith("DeepSeek-V3"):
         if row.gpu == "gb300" and full_iteration_graph(row):
             return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
-        if rid.startswith("MB"):
+        if rid.startswith("MB2509-") and row.gpu in ("gb200", "b200"):
+            if row.gpu == "b200":  # ASSUMED["Bridge 25.09 DeepSeek-V3 Blackwell recompute"]
+                return "selective", "none"
+            names = {"mla_up_proj", "mlp", "moe_act"}
+        elif rid.startswith("MB"):
             h100 = row.gpu == "h100-sxm"
             b200_2604 = rid.startswith("MB260401-") and row.gpu == "b200"  # v0.4.2 FP8_MX_V2
             names = {"mla_up_proj", "mlp"} if h100 or b200_2604 else {"mla_up_proj"}

@@ -86,9 +86,12 @@ class AnalyticCostModel(CostModel):
         runtime: "str | RuntimeOptions | None" = None,
     ):
         check_priced(model)  # MoE, MLA, ... are refused until priced (model_spec.unpriced)
+        self.runtime = RuntimeOptions.get(runtime)
+        self._untrained_mtp = model.mtp_layers if not self.runtime.mtp else 0
+        if self._untrained_mtp:  # the runtime trains the model without its MTP modules
+            model = model.scaled(mtp_layers=0)
         self.model = model
         self.cluster = cluster
-        self.runtime = RuntimeOptions.get(runtime)
         self.profile = self.runtime.on(cluster.profile)
         self._flops_per_sample = model.flops_per_token() * model.seq_len
         self._link_cache: dict[tuple, tuple[float, float]] = {}
@@ -331,6 +334,12 @@ class AnalyticCostModel(CostModel):
                     f"tp={strategy.tp} spans nodes ({self.cluster.nvlink_domain} devices per"
                     " node): tensor-parallel traffic goes over the network"
                 ),
+            )
+        if self._untrained_mtp:
+            notes += (
+                f"runtime {self.runtime.name} does not train multi-token prediction: "
+                f"{model.name}'s {self._untrained_mtp} MTP module(s) are left out (a runtime"
+                " with mtp, megatron-core or nemo, trains them)",
             )
         return CostReport(
             band=self._band(strategy),

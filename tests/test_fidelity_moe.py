@@ -38,14 +38,16 @@ BOUNDS = {
     # 8.1%, worst -35.6% (Megatron-FSDP dp128: its exposed ZeRO-3 traffic); 2 rows not
     # expressible (pp32 x vp3 > 94 layers, Qwen3-Next's hybrid attention)
     "MoE Model Zoo H100": (12, 0.09, 0.36, True),
-    # 26.1%, worst +179% (MB2511 Qwen3-30B at 5,275 tokens/s, where 25.09 ran the same
-    # layout at 10,494); 11.1%, worst +33.4%, without the two rows flagged AMBIGUOUS
-    "Megatron-Bridge H100": (15, 0.27, 1.80, True),
+    # 25.0%, worst +179% (MB2511 Qwen3-30B at 5,275 tokens/s, where 25.09 ran the same
+    # layout at 10,494); 9.9%, worst +33.4%, without the two rows flagged AMBIGUOUS. Was 26.1%
+    # before the DeepSeek-V3 rows trained MTP with their recipe's layout (+16/+14% -> +6/+9%)
+    "Megatron-Bridge H100": (15, 0.26, 1.80, True),
     # 18.1%, worst +38.1% (DeepSeek-V3 on 1,024 H100s): the rows ran NeMo 25.04's token drop
     # (balanced) and its DeepSeek-V3 recipe fp32 gradients with the shared-expert overlap
     # (fidelity_moe.py ASSUMED["DGX Cloud 25.04 recipes"]); the Llama 4 rows -3% and +1%. Was
-    # 8.7% when the DeepSeek-V3 rows were scored as dropless with bf16 gradients.
-    "DGX Cloud H100": (4, 0.19, 0.39, True),
+    # 8.7% when the DeepSeek-V3 rows were scored as dropless with bf16 gradients. 17.4%, worst
+    # +36.2%, with their MTP module and NeMo 25.04's first / last stage split.
+    "DGX Cloud H100": (4, 0.18, 0.37, True),
     # 7.6%, worst -17.1%, all fit: the automodel preset's bf16 states, one local batch per
     # pipeline schedule
     "NeMo Automodel H100": (4, *TARGETS),
@@ -191,3 +193,29 @@ def test_bridge_2604_01_deepseek_b200_ran_deepep_with_the_a2a_overlap():
     runtime = bench.runtime_of(rows.loc["MB260401-DEEPSEEKV3-B200-256-MXFP8"])
     assert runtime.moe_dispatcher == "deepep"
     assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+
+
+def test_deepseek_v3_rows_train_mtp_and_split_as_their_recipes():
+    """ASSUMED["multi-token prediction"] and ["pipeline layout"]: Megatron-Bridge's DeepSeek-V3
+    layout map puts one decoder layer with the MTP module and the loss in the last of 16
+    chunks; the 25.09 'Et|(tt|)*30mL' runs 32 chunks (vp from the layout), its empty last chunk
+    taking a layer from the previous chunk of its rank; NeMo 25.04 puts 64/pp - 1 layers first
+    and 64/pp - 2 last."""
+    bench = _bench()
+    rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
+    b200 = rows.loc["MB2602-DEEPSEEKV3-B200-256-MXFP8"]  # pp16
+    s = bench.strategy_of(b200)
+    assert s.pipeline_split == (4,) * 15 + (1,) and bench.mtp_of(b200) == 1
+    assert bench.model_of(b200).mtp_layers == 1
+    s = bench.strategy_of(rows.loc["MB2509-DEEPSEEKV3TOKENDROP-B200-256-FP8"])
+    assert s.virtual_stages == 2 and s.pipeline_split[14:16] == (2, 1)
+    assert s.pipeline_split[-1] == 1 and s.pipeline_split[-17] == 1  # rank 15: 2 + 0 as 1 + 1
+    assert [sum(s.pipeline_split[r::16]) for r in (0, 1, 15)] == [3, 4, 2]
+    dgxc = bench.strategy_of(rows.loc["DGXC250504-DSV3-H100-1024-BF16"])
+    assert dgxc.pipeline_split == (3,) + (4,) * 14 + (2,)
+    assert bench.mtp_of(rows.loc["MB2511-DEEPSEEKV3WOMTP-GB300-256-BF16"]) == 0
+    assert bench.mtp_of(rows.loc["AUTOMODEL-DEEPSEEKV3671B-H100-256"]) == 0
+    assert bench.recompute_of(rows.loc["MB2509-DEEPSEEKV3TOKENDROP-GB200-256-FP8"]) == (
+        "none",
+        "mla_up_proj+mlp+moe_act",
+    )

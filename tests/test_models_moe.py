@@ -406,7 +406,7 @@ def test_moe_flops_count_active_experts():
 
 
 def test_mla_and_sliding_window_flops():
-    v3 = ModelSpec.load("deepseek-v3")
+    v3 = ModelSpec.load("deepseek-v3").scaled(mtp_layers=0)  # MTP: tests/test_mtp.py
     attn = 2 * v3.n_heads * (192 + 128) * v3.seq_len * v3.n_layers  # scores + values, forward
     without_core = v3.flops_per_token(training=False) - attn
     assert without_core == 2 * (v3.n_active_params - v3.vocab_size * v3.hidden_size) - 2 * (

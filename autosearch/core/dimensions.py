@@ -165,6 +165,7 @@ RECOMPUTE_MODULE_SETS = (
     "layernorm+mla_up_proj",  # Megatron-Bridge deepseek_v3 recipe default
     "mla_up_proj+mlp",  # Megatron-Bridge DeepSeek-V3 H100 recipe
     "mlp+moe_act",  # Megatron-Bridge DeepSeek-V3 (up_proj recompute removed)
+    "mla_up_proj+mlp+moe_act",  # Megatron-Bridge 25.09 DeepSeek-V3 GB200 (run_script.py)
 )
 
 

@@ -19,7 +19,8 @@ nemotron                               ``relu2`` (squared ReLU, two matrices); `
                                        ``kv_channels``
 mixtral, qwen2_moe, qwen3_moe,         ``moe`` (`MoESpec`): experts, top-k, expert width,
 deepseek_v2, deepseek_v3, llama4       shared experts, leading dense layers, the layer step,
-(text_config), llama4_text, gpt_oss    the router; DeepSeek's ``mla`` (`MLASpec`)
+(text_config), llama4_text, gpt_oss    the router; DeepSeek's ``mla`` (`MLASpec`) and
+                                       ``mtp_layers`` (``num_nextn_predict_layers``)
 gpt2, gpt_neox                         ``gelu`` (GPT style)
 =====================================  =======================================================
 
@@ -27,8 +28,7 @@ What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v bia
 kv_h per layer, under 0.1% of Qwen2-7B), Qwen3's and Gemma 3's q/k norms and Gemma 2/3's extra
 post-attention and post-MLP norms (h or head_dim weights each), Nemotron's LayerNorm biases,
 gpt-oss's attention and expert biases and attention sinks (0.03% of gpt-oss-120b), Qwen2-MoE's
-shared-expert gate (h weights), DeepSeek-V3's multi-token prediction module
-(``num_nextn_predict_layers``), Llama 4's chunked attention (``attention_chunk_size``: counted as
+shared-expert gate (h weights), Llama 4's chunked attention (``attention_chunk_size``: counted as
 full attention, an upper bound) and GPT-NeoX's rotary positions (the GPT style counts learned
 positions, seq_len * h parameters, 0.2% of Pythia-1B at 2,048 tokens).
 """
@@ -422,6 +422,8 @@ def _moe_fields(
             router=cfg.get("scoring_func") or "softmax",
             load_balancing="aux_loss_free" if cfg.get("topk_method") == "noaux_tc" else "aux_loss",
         )
+        # the multi-token prediction modules the checkpoint holds (DeepSeek-V3: 1)
+        out["mtp_layers"] = cfg.get("num_nextn_predict_layers") or 0
         out["mla"] = dict(
             q_lora_rank=cfg.get("q_lora_rank"),
             kv_lora_rank=need("kv_lora_rank"),

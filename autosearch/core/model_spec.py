@@ -39,6 +39,7 @@ FFN_ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu2")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # three matrices: act(x W1) * (x W3), then W2
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 _HEAD_DIM_LIMIT = 1 << 16
+_MTP_LIMIT = 64  # prediction depths; DeepSeek-V3 trains 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,13 @@ class ModelSpec:
             grouped-query attention.
         lora: low-rank adapters on a frozen model (`LoraSpec`: rank, targets), or None to
             train every weight.
+        mtp_layers: multi-token prediction modules trained with the model (DeepSeek-V3 tech
+            report, sec. 2.2: D = 1; Hugging Face ``num_nextn_predict_layers``; Megatron
+            ``--mtp-num-layers``). Each is one more block of the last layer's kind, a norm and
+            2h -> h projection and a second output head with its loss, on the last pipeline
+            stage, sharing the embedding and output matrices (the last stage keeps an embedding
+            copy under pp). Priced only under a runtime that trains it (`RuntimeOptions.mtp`);
+            0: none.
     """
 
     name: str = "custom"
@@ -101,6 +109,7 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     lora: LoraSpec | None = None
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -145,6 +154,14 @@ class ModelSpec:
         if self.ffn_activation not in FFN_ACTIVATIONS:
             problems.append(
                 f"ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}"
+            )
+        try:
+            value = positive_int(self.mtp_layers, "mtp_layers", minimum=0, maximum=_MTP_LIMIT)
+            object.__setattr__(self, "mtp_layers", value)
+        except SpecError as exc:
+            problems.append(
+                str(exc) + " (multi-token prediction modules trained with the model: DeepSeek-V3"
+                " 1; 0 for none)"
             )
         if not isinstance(self.tied_embeddings, bool):
             problems.append(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
@@ -396,10 +413,22 @@ class ModelSpec:
         return norm + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
     @property
+    def mtp_layer_params(self) -> int:
+        """Parameters of one multi-token prediction module besides the embedding and output
+        matrices it shares with the model: a block of the last layer's kind, its two input
+        norms and final norm, and the 2h -> h projection (Megatron-Core
+        ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj, the layer, final_layernorm;
+        DeepSeek-V3 tech report, sec. 2.2, eq. 21)."""
+        h = self.hidden_size
+        block = self.moe_layer_params if self.moe_layers[-1] else self.layer_params
+        return block + 3 * h + 2 * h * h
+
+    @property
     def n_params(self) -> int:
         """All parameters: every block (each expert of a MoE block), embeddings and head.
 
-        DeepSeek-V3's multi-token prediction module (14B) is not part of the model here.
+        The multi-token prediction modules are not counted (`mtp_layer_params`), as the
+        published sizes leave them out (DeepSeek-V3: 671B, the 14B of its MTP module apart).
         """
         n_moe = self.n_moe_layers
         blocks = (self.n_layers - n_moe) * self.layer_params + n_moe * self.moe_layer_params
@@ -428,7 +457,10 @@ class ModelSpec:
         top-k routed and shared experts, not all experts (Megatron-LM
         ``num_floating_point_operations``; DeepSeek-V3 tech report, sec. 3.1: 37B activated
         parameters per token); MLA counts its five projections (DeepSeek-V2 eqs. 9-19) and
-        scores over qk_nope + qk_rope channels, values over v_head_dim.
+        scores over qk_nope + qk_rope channels, values over v_head_dim. Each multi-token
+        prediction module (`mtp_layers`) counts one more block of the last layer's kind, its
+        2h -> h projection and its output head (Megatron-Bridge
+        ``num_floating_point_operations`` counts MTP so).
         """
         if self.mla is not None:
             per_key = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
@@ -440,8 +472,15 @@ class ModelSpec:
             matmuls += n_moe * (
                 self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
             )
-        gemms = 2 * matmuls + 2 * self.vocab_size * self.hidden_size
-        attention = 2 * per_key * sum(self.attention_keys)
+        h, keys = self.hidden_size, self.attention_keys
+        if self.mtp_layers:
+            if self.moe_layers[-1]:
+                block = self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
+            else:
+                block = self.layer_matmul_params
+            matmuls += self.mtp_layers * (block + 2 * h * h + self.vocab_size * h)
+        gemms = 2 * matmuls + 2 * self.vocab_size * h
+        attention = 2 * per_key * (sum(keys) + self.mtp_layers * keys[-1])
         if training and self.lora is not None:
             # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
             # the frozen GEMMs run forward and input gradient only, 2/3 of 3x; the attention

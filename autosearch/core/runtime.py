@@ -125,6 +125,9 @@ class RuntimeOptions:
         moe_shared_expert_overlap: the shared experts' forward and backward run while the
             all-to-all dispatch and combine are in flight (Megatron-Core
             ``--moe-shared-expert-overlap``).
+        mtp: the runtime trains a model's multi-token prediction modules
+            (`ModelSpec.mtp_layers`: Megatron-Core ``--mtp-num-layers``); a runtime without
+            them trains the model alone, and the cost model prices it so.
         moe_probs_in_activation: the routing probabilities multiply the experts' activation
             (Megatron-Core 0.13+: ``activation_func_with_probs``), so the combine is a plain
             scatter that keeps no copy of the experts' output for backward; False: they
@@ -187,6 +190,7 @@ class RuntimeOptions:
     moe_layer_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
     moe_probs_in_activation: bool = False
+    mtp: bool = False
     step_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     zero3_gathers_per_layer: float = 1.0

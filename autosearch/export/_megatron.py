@@ -81,6 +81,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     # mixture of experts (Megatron-LM `_add_moe_args`; each copied into the config field named)
     "--num-experts": ("int", "TransformerConfig.num_moe_experts"),
     "--moe-router-topk": ("int", "TransformerConfig.moe_router_topk"),
+    "--mtp-num-layers": ("int", "TransformerConfig.mtp_num_layers (_add_mtp_args)"),
     "--moe-ffn-hidden-size": ("int", "TransformerConfig.moe_ffn_hidden_size"),
     "--moe-shared-expert-intermediate-size": (
         "int",
@@ -373,6 +374,8 @@ def model_flags(model) -> list[str]:
         ]
     if model.moe is not None:
         flags += moe_flags(model)
+    if model.mtp_layers:  # multi-token prediction modules, on the last pipeline stage
+        flags.append(f"--mtp-num-layers {model.mtp_layers}")
     return flags
 
 

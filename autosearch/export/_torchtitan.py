@@ -251,6 +251,12 @@ class TorchTitanExporter(Exporter):
                 "torchtitan's MoE models (deepseek_v3, qwen3, llama4) take their experts from "
                 "their own flavors: pick the one with this model's shape in [model]"
             )
+        if model is not None and model.mtp_layers:
+            notes.append(
+                f"{model.name}'s {model.mtp_layers} multi-token prediction module(s) are not "
+                "trained (the cost model prices torchtitan without them; its deepseek_v3 "
+                "num_mtp_layers, pytorch/torchtitan#3392, is 0 by default)"
+            )
         return Exported(
             self.name,
             tomli_w.dumps(doc).rstrip(),

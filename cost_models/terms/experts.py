@@ -36,7 +36,7 @@ from cost_models.terms.compute import (
     layer_shape,
     stream_s,
 )
-from cost_models.terms.memory import StageParams
+from cost_models.terms.memory import StageParams, mtp_head_params
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import GemmEfficiency
@@ -317,13 +317,16 @@ def recompute_repeats(s: "Strategy", e: ExpertLayer) -> tuple[float, float]:
 @reads("pp", "virtual_stages", "pipeline_split")
 def rank_moe_layers(s: "Strategy", ctx: Context) -> tuple[int, ...]:
     """MoE layers of each pipeline rank (`ModelSpec.moe_layers`; chunk c of consecutive layers
-    runs on rank c mod pp)."""
+    runs on rank c mod pp); the multi-token prediction modules count on the last rank where
+    the last layer is a MoE layer (`pipeline.rank_layers`)."""
     flags, p = ctx.model.moe_layers, s.pp
     counts = [0] * p
     start = 0
     for c, size in enumerate(s.layers_per_chunk(ctx.model.n_layers)):
         counts[c % p] += sum(flags[start : start + size])
         start += size
+    if flags[-1]:
+        counts[-1] += ctx.model.mtp_layers
     return tuple(counts)
 
 
@@ -348,7 +351,7 @@ def stage_params(
     expert = routed_params(ctx) / (s.etp * s.ep)
     emb = m.embedding_params / t
     tied = m.vocab_size * m.hidden_size if m.tied_embeddings and p > 1 else 0
-    head = (m.head_params + tied) / t
+    head = (m.head_params + tied + mtp_head_params(m, p)) / t
     best = None
     for r, (Lr, n) in enumerate(zip(ranks, moe_ranks)):
         rest = (Lr - n) * dense + n * moe_rest
@@ -457,6 +460,7 @@ def _module_savings(
     r = max(range(s.pp), key=lambda i: moe_ranks[i])
     chunks = s.layers_per_chunk(m.n_layers)
     layers = sum(size for c, size in enumerate(chunks) if c % s.pp == r)
+    layers += m.mtp_layers if r == s.pp - 1 else 0  # `pipeline.rank_layers`
     per_layer = 0.0
     if "layernorm" in names:
         per_layer += 2 * T * m.hidden_size * ab / sp_div

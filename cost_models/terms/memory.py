@@ -12,6 +12,7 @@ from cost_models.terms._base import ACT_BYTES, Context, reads
 from cost_models.terms.compute import attention_widths, fp32_stream, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
 
@@ -20,6 +21,18 @@ class StageParams(NamedTuple):
 
     total: float  # the heaviest pipeline stage
     per_layer: float
+
+
+def mtp_head_params(model: "ModelSpec", p: int) -> int:
+    """What the multi-token prediction modules add to the last stage besides their blocks
+    (counted as layers, `pipeline.rank_layers`): norms and 2h -> h projections, and under
+    pipeline parallelism a copy of the input embedding they share (Megatron-Core's GPTModel
+    builds the embedding on the stage that runs MTP, as for tied embeddings)."""
+    if not model.mtp_layers:
+        return 0
+    h = model.hidden_size
+    copy = model.vocab_size * h if p > 1 and not model.tied_embeddings else 0
+    return model.mtp_layers * (3 * h + 2 * h * h) + copy
 
 
 class LayerActivations(NamedTuple):
@@ -38,7 +51,7 @@ def stage_params(s: "Strategy", ctx: Context, ranks: tuple[int | float, ...]) ->
     # the last stage keeps its own copy of tied embeddings for the logits (Megatron-LM,
     # torchtitan)
     tied_copy = model.vocab_size * model.hidden_size if model.tied_embeddings and p > 1 else 0
-    head_params = (model.head_params + tied_copy) / t
+    head_params = (model.head_params + tied_copy + mtp_head_params(model, p)) / t
     if p == 1:
         return StageParams(model.n_layers * layer_params + emb_params + head_params, layer_params)
     if len(set(ranks)) == 1:
@@ -208,6 +221,8 @@ def activation_peak_bytes(
         last_in_flight = 1.0 + (in_flight - 1.0) * (v - 1) / v
     logits = tokens * model.vocab_size / t  # of one micro-batch, on this rank
     logits_bytes = logits * _loss_peak_bytes_per_logit(s, ctx)
+    if model.mtp_layers:  # each prediction depth's logits and loss live until its backward
+        logits_bytes *= 1 + model.mtp_layers
     last_act = last_in_flight * held(ranks[-1]) + logits_bytes
     if p > 1:
         # torch.distributed.pipelining's last stage appends every micro-batch's output (the

@@ -11,6 +11,7 @@ from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, all_gather_s
 from cost_models.terms.compute import recompute_repeats, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
     from cost_models.terms.experts import ExpertLayer
 
@@ -31,12 +32,23 @@ class MicrobatchTime(NamedTuple):
 
 @reads("pp", "virtual_stages", "pipeline_split")
 def rank_layers(s: "Strategy", ctx: Context) -> tuple[int | float, ...]:
-    """Layers each pipeline rank holds (chunk c runs on rank c mod pp)."""
-    p, L = s.pp, ctx.model.n_layers
+    """Layers each pipeline rank holds (chunk c runs on rank c mod pp). The last rank also
+    runs the multi-token prediction modules (`ModelSpec.mtp_layers`), each a layer of the
+    last layer's kind (Megatron-Core puts them with the loss, on the last stage)."""
+    p, L, mtp = s.pp, ctx.model.n_layers, ctx.model.mtp_layers
     if s.pipeline_split is None and L % (p * s.virtual_stages) == 0:
-        return (L / p,) * p
-    chunks = s.layers_per_chunk(L)
-    return tuple(sum(chunks[r::p]) for r in range(p))
+        ranks: tuple[int | float, ...] = (L / p,) * p
+    else:
+        chunks = s.layers_per_chunk(L)
+        ranks = tuple(sum(chunks[r::p]) for r in range(p))
+    return ranks[:-1] + (ranks[-1] + mtp,) if mtp else ranks
+
+
+def heads(model: "ModelSpec") -> float:
+    """Output heads of the last rank, in units of the logits' work: the model's, and for each
+    multi-token prediction module its own head with its loss and its 2h -> h projection
+    (2h^2 weights against the head's V h: 2h / V of a head; DeepSeek-V3 tech report, eq. 21)."""
+    return 1.0 + model.mtp_layers * (1.0 + 2.0 * model.hidden_size / model.vocab_size)
 
 
 @reads(
@@ -65,6 +77,7 @@ def microbatch(
     p = s.pp
     tp_fwd = layer.tp_comm_fwd_s
     rc_layer, rc_tp = recompute_repeats(s, layer)
+    n_heads = heads(ctx.model) if ctx.model.mtp_layers else 1
     best = None
     seen = set()  # ranks alike (layers, first, last, MoE layers) cost alike: each kind once
     for r, Lr in enumerate(ranks):
@@ -79,7 +92,7 @@ def microbatch(
         compute = (
             Lr * (layer.fwd_s + layer.bwd_s)
             + (layer.embedding_s if first else 0.0)
-            + (layer.logits_s if last else 0.0)
+            + (n_heads * layer.logits_s if last else 0.0)
         )
         if n_rc == Lr:
             tp = Lr * ((2.0 + rc_tp) * tp_fwd)
@@ -88,7 +101,7 @@ def microbatch(
         if first:
             tp += layer.embedding_comm_s
         if last:
-            tp += layer.logits_comm_s
+            tp += (1 + ctx.model.mtp_layers) * layer.logits_comm_s
         recompute = n_rc * rc_layer
         if moe is not None:
             compute, recompute, tp = compute + extra[0], recompute + extra[1], tp + extra[2]
