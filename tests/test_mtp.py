@@ -153,3 +153,18 @@ def test_the_2509_recompute_set_is_priced_as_its_modules():
     assert both.modules_s == pytest.approx(up.modules_s + act.modules_s, rel=1e-12)
     assert both.dense_modules_s == up.dense_modules_s
     assert r_both.memory.activations_bytes < r_up.memory.activations_bytes
+
+
+def test_the_reference_transformer_refuses_modules_it_does_not_build():
+    """The Engine's reference model has no MTP module: it says so instead of training the model
+    without one (the ``torch`` runtime prices the model without it, as torchtitan's)."""
+    from autosearch.core.model_spec import unbuilt
+
+    assert unbuilt(toy(mtp=0)) == []
+    assert unbuilt(toy(mtp=2)) == ["multi-token prediction (mtp_layers 2; 0 trains without it)"]
+    pytest.importorskip("torch")
+    from autosearch.transformer import build
+
+    with pytest.raises(SpecError, match="mtp_layers 2"):
+        build(toy(mtp=2))
+    build(toy(mtp=0))

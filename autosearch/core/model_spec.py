@@ -661,6 +661,8 @@ def unbuilt(model: ModelSpec) -> list[str]:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(model, name) is not None:
             out.append(f"{name} {getattr(model, name)}")
+    if model.mtp_layers:
+        out.append(f"multi-token prediction (mtp_layers {model.mtp_layers}; 0 trains without it)")
     return out
 
 
