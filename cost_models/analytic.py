@@ -18,7 +18,7 @@ from autosearch.core.bands import KIND_READS, error_bands, kind_of
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import check_priced
 from autosearch.core.report import CostReport, MemoryBreakdown, TimeBreakdown
-from autosearch.core.runtime import RuntimeOptions
+from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from cost_models._base import CostModel
 from cost_models.terms import (
     Context,
@@ -336,10 +336,11 @@ class AnalyticCostModel(CostModel):
                 ),
             )
         if self._untrained_mtp:
+            training = ", ".join(name for name, r in RUNTIMES.items() if r.mtp)
             notes += (
                 f"runtime {self.runtime.name} does not train multi-token prediction: "
-                f"{model.name}'s {self._untrained_mtp} MTP module(s) are left out (a runtime"
-                " with mtp, megatron-core or nemo, trains them)",
+                f"{model.name}'s {self._untrained_mtp} MTP module(s) are left out (runtimes"
+                f" that train them: {training})",
             )
         return CostReport(
             band=self._band(strategy),

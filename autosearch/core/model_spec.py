@@ -466,19 +466,12 @@ class ModelSpec:
             per_key = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
         else:
             per_key = 2 * self.attention_hidden_size
-        n_moe = self.n_moe_layers
-        matmuls = (self.n_layers - n_moe) * self.layer_matmul_params
-        if n_moe:
-            matmuls += n_moe * (
-                self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
-            )
+        n_moe, dense = self.n_moe_layers, self.layer_matmul_params
+        moe = self.attention_matmul_params + self._expert_params(self.moe.top_k) if n_moe else 0  # type: ignore[union-attr]
+        matmuls = (self.n_layers - n_moe) * dense + n_moe * moe
         h, keys = self.hidden_size, self.attention_keys
-        if self.mtp_layers:
-            if self.moe_layers[-1]:
-                block = self.attention_matmul_params + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
-            else:
-                block = self.layer_matmul_params
-            matmuls += self.mtp_layers * (block + 2 * h * h + self.vocab_size * h)
+        last = moe if n_moe and self.moe_layers[-1] else dense  # an MTP module's block
+        matmuls += self.mtp_layers * (last + 2 * h * h + self.vocab_size * h)
         gemms = 2 * matmuls + 2 * self.vocab_size * h
         attention = 2 * per_key * (sum(keys) + self.mtp_layers * keys[-1])
         if training and self.lora is not None:

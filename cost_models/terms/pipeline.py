@@ -77,7 +77,7 @@ def microbatch(
     p = s.pp
     tp_fwd = layer.tp_comm_fwd_s
     rc_layer, rc_tp = recompute_repeats(s, layer)
-    n_heads = heads(ctx.model) if ctx.model.mtp_layers else 1
+    n_heads = heads(ctx.model)
     best = None
     seen = set()  # ranks alike (layers, first, last, MoE layers) cost alike: each kind once
     for r, Lr in enumerate(ranks):
