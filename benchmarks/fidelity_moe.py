@@ -122,8 +122,10 @@ ASSUMED = {
     "Automodel DeepSeek-V3 1,024 GPUs": "recompute not stated -> full, as the 256-GPU row's"
     " benchmark config (deepseek_v3_te_deepep.yaml, activation_checkpointing: true)",
     "routing": "forced balance, fake balanced gate, token-drop (capacity factor 1 in the"
-    " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); 'dropless, real routing'"
-    " and not stated -> the runtime's moe_load_imbalance",
+    " Bridge tokendrop recipes) -> balanced (moe_load_imbalance 1); the Model Zoo's 4k H100"
+    " Qwen3-235B rows -> forced balance (moe_runs.csv: --moe-router-force-load-balancing in"
+    " every command of examples/qwen3/run_235b.sh @31c5686, committed with their table);"
+    " 'dropless, real routing' and not stated -> the runtime's moe_load_imbalance",
     "dispatcher": "DeepEP where the row or its recipe says so (Model Zoo, Bridge: see the"
     " recipe entries) -> moe_dispatcher deepep; else the preset's (megatron-core alltoall,"
     " automodel deepep)",
@@ -152,7 +154,11 @@ ASSUMED = {
     " and the 25.11 H100 preset set 'Et|(tt|)*30mL' (32 chunks: [E+1][2]x30[mtp+loss]),"
     " whose vp Megatron-Core takes from the layout (32 / pp: the B200 row's pp16 runs vp2, the"
     " GB200 pp4 vp8; the table prints vp 1 and 4); an empty chunk takes one layer of the"
-    " previous chunk on its rank (per-rank layers unchanged). DGX Cloud (NeMo 25.04"
+    " previous chunk on its rank (per-rank layers unchanged). Megatron-MoE Model Zoo"
+    " Qwen3-235B-A22B rows: --account-for-embedding-in-pipeline-split and"
+    " --account-for-loss-in-pipeline-split (model_configs/benchmarking/Qwen3-235B-A22B.yaml,"
+    " every version b06a6d8 to 798dfb5): the 94 layers + 2 split evenly (pp8 vp4:"
+    " [E+2][3]x30[2+L]; pp32 vp3: [E][1]x94[L]). DGX Cloud (NeMo 25.04"
     " pretrain_deepseek_v3.py @7a8f1cc7): num_layers_in_first_pipeline_stage 64/pp - 1,"
     " last 64/pp - 2. Other rows: the even split",
     "Bridge 25.09 DeepSeek-V3 Blackwell recompute": "run_script.py @fa0315ae2 sets"
@@ -229,6 +235,8 @@ def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None
     """(pipeline_split, virtual stages) of a DeepSeek-V3 row as its recipe laid the layers
     out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
     rid, release = str(row.id), bridge_release(row)
+    if rid.startswith("MZOO") and str(row.model).startswith("Qwen3-235B") and pp > 1:
+        return _borrow(_account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), pp), v
     if not str(row.model).startswith("DeepSeek-V3") or pp == 1 or _int(row.n_layers, 61) != 61:
         return None, v
     if rid.startswith("DGXC") and v == 1 and 64 % pp == 0:
@@ -242,12 +250,32 @@ def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None
         split = _BRIDGE_LAYOUTS.get((pp, v))  # type: ignore[assignment]
         if split is None:
             return None, v
+    return _borrow(split, pp), v
+
+
+def _account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...]:
+    """Decoder layers per chunk under Megatron-Core's --account-for-embedding-in-pipeline-split
+    and --account-for-loss-in-pipeline-split (`ASSUMED["pipeline layout"]`): the embedding and
+    the loss each count as one layer, the n_layers + 2 split evenly over the chunks."""
+    per, rest = divmod(n_layers + 2, chunks)
+    if rest:
+        raise ValueError(
+            f"{n_layers} layers + embedding + loss do not split over {chunks} pipeline chunks"
+        )
+    return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
+
+
+def _borrow(split: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """`split` with each empty chunk (embedding, MTP or loss only) given one layer of its rank's
+    previous chunk: Strategy.pipeline_split needs a layer in every chunk, and the rank's layers
+    are unchanged. A chunk whose rank has no layer to spare stays empty (Strategy refuses it:
+    the row is not expressible)."""
     out = list(split)
-    for c, n in enumerate(out):  # an empty chunk borrows a layer of its rank's previous one
-        if n == 0:
+    for c, n in enumerate(out):
+        if n == 0 and out[c - pp] > 1:
             out[c - pp] -= 1
             out[c] = 1
-    return tuple(out), v
+    return tuple(out)
 
 
 def _int(value, default: int) -> int:
@@ -547,10 +575,59 @@ def summarize(table: pd.DataFrame) -> dict:
 # The constants chosen against the table, each with the value it falls back to when left out
 # (a runtime field of the megatron-core and nemo presets, or the benchmark's EP overlap).
 CHOSEN = {
-    "moe_load_imbalance": 1.0,  # the Model Zoo's forced / dropless pairs, DGX Cloud DeepSeek-V3
+    "moe_load_imbalance": 1.0,  # the Model Zoo's forced / dropless pairs (choose_load_imbalance)
     "moe_layer_host_s": 0.0,  # the Bridge's Qwen3-30B-A3B pp2 ep8 rows
     "a2a_overlap": 0.0,  # the rows that turn Megatron's EP A2A overlap on
 }
+
+
+# The Model Zoo's long-context Qwen3-235B runs, each twice: forced load balance and dropless
+# with real routing, the same layout otherwise (best_practice/qwen3/readme.md)
+IMBALANCE_PAIRS = tuple(
+    (f"MZOO-QWEN3-235B-LC{n}K-FORCEDBALANCE-H100-256", f"MZOO-QWEN3-235B-LC{n}K-DROPLESS-H100-256")
+    for n in (16, 32, 64, 128)
+)
+
+
+def choose_load_imbalance(rows: pd.DataFrame) -> dict:
+    """The `moe_load_imbalance` of megatron-core (and nemo) that makes the model's forced /
+    dropless throughput ratio match the published one on `IMBALANCE_PAIRS` (scipy's bounded
+    scalar minimiser, least squares on the log of the ratios' ratio). A ratio of one layout's
+    two runs cancels what the two share (attention, tp, pp, dp terms and their errors), so
+    only the routing's cost is fitted; the shipped preset's value is this one, rounded."""
+    from scipy.optimize import minimize_scalar
+
+    pairs = [(rows[rows.id == f].iloc[0], rows[rows.id == d].iloc[0]) for f, d in IMBALANCE_PAIRS]
+
+    def ratios(imbalance: float) -> list[tuple[float, float]]:
+        runtimes = {
+            n: dataclasses.replace(RUNTIMES[n], moe_load_imbalance=imbalance)
+            for n in ("megatron-core", "nemo")
+        }
+        out = []
+        for forced, dropless in pairs:
+            a, b = predict(forced, runtimes=runtimes), predict(dropless, runtimes=runtimes)
+            published = a["published_tokens_per_s_per_gpu"] / b["published_tokens_per_s_per_gpu"]
+            out.append(
+                (
+                    published,
+                    a["predicted_tokens_per_s_per_gpu"] / b["predicted_tokens_per_s_per_gpu"],
+                )
+            )
+        return out
+
+    def loss(imbalance: float) -> float:
+        return sum(math.log(m / p) ** 2 for p, m in ratios(imbalance))
+
+    best = minimize_scalar(loss, bounds=(1.0, 3.0), method="bounded", options={"xatol": 1e-3})
+    shipped = RUNTIMES["megatron-core"].moe_load_imbalance
+    return {
+        "chosen": float(best.x),
+        "shipped": shipped,
+        "pairs": [f.removesuffix("-FORCEDBALANCE-H100-256") for f, _ in IMBALANCE_PAIRS],
+        "published_ratios": [p for p, _ in ratios(shipped)],
+        "model_ratios_at_shipped": [m for _, m in ratios(shipped)],
+    }
 
 
 def leave_one_group_out(rows: pd.DataFrame) -> dict:
@@ -625,6 +702,14 @@ def main() -> None:
                 f" 25%: {clear['rows_beyond_25pct']}"
             )
     logo = leave_one_group_out(rows)
+    imbalance = choose_load_imbalance(pd.read_csv(TABLE))
+    print(
+        f"moe_load_imbalance: the forced / dropless pairs choose {imbalance['chosen']:.3f}"
+        f" (shipped {imbalance['shipped']}): published ratios "
+        + ", ".join(f"{p:.3f}" for p in imbalance["published_ratios"])
+        + "; the model's "
+        + ", ".join(f"{m:.3f}" for m in imbalance["model_ratios_at_shipped"])
+    )
     for left_out, by_group in logo.items():
         for name, g in by_group.items():
             print(
@@ -635,6 +720,7 @@ def main() -> None:
     summary = {
         "groups": groups,
         "leave_one_group_out": logo,
+        "load_imbalance_choice": imbalance,
         "assumed": ASSUMED,
         "constants": {
             "megatron-core moe_load_imbalance": RUNTIMES["megatron-core"].moe_load_imbalance,

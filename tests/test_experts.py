@@ -103,6 +103,14 @@ def test_load_imbalance_slows_the_experts_and_the_all_to_all():
     capped = dataclasses.replace(QWEN, moe=dataclasses.replace(QWEN.moe, capacity_factor=1.0))
     c = experts.layer(s, AnalyticCostModel(capped, H100_4, runtime=skewed)._context)
     assert c.comm_fwd_s == pytest.approx(a.comm_fwd_s)  # capacity 1: never above the share
+    # without expert parallelism each rank computes its own tokens' rows on every expert:
+    # no busier rank to wait for, whatever the routing
+    alone = s.replace(ep=1)
+    a, b = (
+        experts.layer(alone, AnalyticCostModel(QWEN, H100_4, runtime=rt)._context)
+        for rt in (balanced, skewed)
+    )
+    assert (a.fwd_s, a.bwd_s) == (b.fwd_s, b.bwd_s)
 
 
 def test_model_flops_count_active_parameters_and_ep_is_priced():
@@ -149,11 +157,12 @@ def test_recompute_modules_trade_memory_for_recompute_time():
     assert activations[0] > activations[1] > activations[2]
     assert recompute[0] == 0.0 < recompute[1] < recompute[2]
     # moe_act drops the experts' activation output: rows = T k (top-8 of a 4,096-token
-    # micro-batch) x the preset's dropless imbalance 1.3, width 768, bf16; layernorm two norm
+    # micro-batch) x the preset's dropless imbalance, width 768, bf16; layernorm two norm
     # outputs of T x h; on 48 layers, less the one layer being recomputed, which holds its
     # activation output once
-    e = experts.layer(base, AnalyticCostModel(QWEN, H100_4, runtime="megatron-core")._context)
-    act = e.rows * 1.3 * 768 * 2
+    ctx = AnalyticCostModel(QWEN, H100_4, runtime="megatron-core")._context
+    e = experts.layer(base, ctx)
+    act = e.rows * ctx.runtime.moe_load_imbalance * 768 * 2
     norms = 2 * 4096 * QWEN.hidden_size * 2
     assert activations[0] - activations[1] == pytest.approx(48 * (act + norms) - act, rel=1e-9)
     # the moe set repeats the MoE forward: more than the elementwise work of moe_act, and the
@@ -205,6 +214,6 @@ def test_megatron_core_keeps_no_expert_output():
     other = dataclasses.replace(mc, name="mc-probs-at-combine", moe_probs_in_activation=False)
     a = _estimate(QWEN, s, runtime=mc).memory.activations_bytes
     b = _estimate(QWEN, s, runtime=other).memory.activations_bytes
-    # one micro-batch's routed rows on one rank, times the preset's dropless imbalance 1.3
-    rows = 4096 * 8 * 1.3
+    # one micro-batch's routed rows on one rank, times the preset's dropless imbalance
+    rows = 4096 * 8 * mc.moe_load_imbalance
     assert b - a == pytest.approx(48 * rows * QWEN.hidden_size * 2, rel=1e-9)

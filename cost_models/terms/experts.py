@@ -86,9 +86,13 @@ def grouped_gemm_s(
 def routed_share(s: "Strategy", ctx: Context) -> float:
     """Routed rows the busiest rank computes, over its even share: `moe_load_imbalance` for
     dropless routing, capped by the capacity factor when experts drop tokens (Fedus et al.
-    2022: an expert takes at most capacity_factor x its even share)."""
+    2022: an expert takes at most capacity_factor x its even share). Without expert
+    parallelism every rank holds every expert and computes exactly its own tokens' T k rows:
+    no rank waits for a busier one (1)."""
     moe = ctx.model.moe
     assert moe is not None  # only MoE models reach here
+    if s.ep == 1:
+        return 1.0
     share = ctx.runtime.moe_load_imbalance
     cap = moe.capacity_factor
     return share if cap is None else min(share, cap)
