@@ -120,8 +120,13 @@ def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     rng = random.Random(1234)
     seen: dict[int, tuple] = {}
     delays = []
-    for k in range(KILLS):
-        delay = rng.uniform(0.0, max_delay_s)
+    # KILLS seeded delays; on a starved machine (a loaded CI runner) where none of them came
+    # late enough to store a trial, more kills at 2x, 4x ... the longest delay, until one does
+    extra = (max_delay_s * 2**i for i in range(1, 6))
+    for k in range(KILLS + 5):
+        if k >= KILLS and seen:
+            break
+        delay = rng.uniform(0.0, max_delay_s) if k < KILLS else next(extra)
         delays.append(round(delay, 3))
         pid = _run_child(out, storage, n_trials, seed=k)
         time.sleep(delay)
