@@ -90,20 +90,9 @@ NEMO_LORA = {
         "targets": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
     }
 }
-# Rows of nemo_dense_runs.csv the benchmark does not score, and why.
-NEMO_LEFT_OUT = {
-    **{
-        f"DGXC2504-LLAMA31-405B-H100-64-{p}": "a 30-layer proxy on pp=4 x vp=8 = 32 chunks:"
-        " Megatron's account_for_embedding/loss_in_pipeline_split (set by NeMo's 405B recipe)"
-        " leaves the first chunk with the embedding alone and the last with the loss alone"
-        " (ranks of 7, 8, 8, 7 layers), which a Strategy's pipeline_split cannot express (every"
-        " chunk holds at least one layer: Strategy, the Engine's pipeline split and the"
-        " exporters would all have to accept empty end chunks). The cost model's pipeline"
-        " terms price such ranks: forced through (rank_layers (7, 8, 8, 7)) the rows come out"
-        " BF16 +0.4%, FP8 -14.3%, both fitting (docs/lora.md)"
-        for p in ("BF16", "FP8")
-    },
-}
+# Rows of nemo_dense_runs.csv the benchmark does not score, and why (none since a Strategy
+# takes empty pipeline chunks: the 30-layer 405B proxies' embedding- and loss-only chunks).
+NEMO_LEFT_OUT: dict[str, str] = {}
 # NeMo's 405B recipe as DGX Cloud v24.11.1 ran it (llama3.1_405b.yaml @ 35a9aec):
 # num_query_groups 16, where the released model (the table's row) has 8.
 NEMO_KV_HEADS = {"DGXC24111-LLAMA31-405B": 16}

@@ -153,8 +153,8 @@ ASSUMED = {
     " pp4 [E+16][16][16][13+mtp+loss]; the 25.09 rows' deepseek_v3_llm_pretrain.yaml @fa0315ae2"
     " and the 25.11 H100 preset set 'Et|(tt|)*30mL' (32 chunks: [E+1][2]x30[mtp+loss]),"
     " whose vp Megatron-Core takes from the layout (32 / pp: the B200 row's pp16 runs vp2, the"
-    " GB200 pp4 vp8; the table prints vp 1 and 4); an empty chunk takes one layer of the"
-    " previous chunk on its rank (per-rank layers unchanged). Megatron-MoE Model Zoo"
+    " GB200 pp4 vp8; the table prints vp 1 and 4); empty chunks as they are"
+    " (Strategy.pipeline_split takes 0). Megatron-MoE Model Zoo"
     " Qwen3-235B-A22B rows: --account-for-embedding-in-pipeline-split and"
     " --account-for-loss-in-pipeline-split (model_configs/benchmarking/Qwen3-235B-A22B.yaml,"
     " every version b06a6d8 to 798dfb5): the 94 layers + 2 split evenly (pp8 vp4:"
@@ -217,7 +217,7 @@ def mtp_of(row: pd.Series) -> int:
 
 
 # Megatron-Bridge's DeepSeek-V3 layouts, decoder layers per chunk by (pp, vp)
-# (`ASSUMED["pipeline layout"]`); 0: a chunk of MTP and loss only.
+# (`ASSUMED["pipeline layout"]`); 0: a chunk of the embedding, MTP or loss alone.
 _LAYOUT_16 = (4,) * 15 + (1,)  # [E+4][4]x14[1+mtp+loss]
 _BRIDGE_LAYOUTS = {
     (16, 1): _LAYOUT_16,
@@ -236,7 +236,7 @@ def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None
     out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
     rid, release = str(row.id), bridge_release(row)
     if rid.startswith("MZOO") and str(row.model).startswith("Qwen3-235B") and pp > 1:
-        return _borrow(_account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), pp), v
+        return _account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), v
     if not str(row.model).startswith("DeepSeek-V3") or pp == 1 or _int(row.n_layers, 61) != 61:
         return None, v
     if rid.startswith("DGXC") and v == 1 and 64 % pp == 0:
@@ -250,7 +250,7 @@ def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None
         split = _BRIDGE_LAYOUTS.get((pp, v))  # type: ignore[assignment]
         if split is None:
             return None, v
-    return _borrow(split, pp), v
+    return tuple(split), v
 
 
 def _account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...]:
@@ -263,19 +263,6 @@ def _account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ..
             f"{n_layers} layers + embedding + loss do not split over {chunks} pipeline chunks"
         )
     return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
-
-
-def _borrow(split: tuple[int, ...], pp: int) -> tuple[int, ...]:
-    """`split` with each empty chunk (embedding, MTP or loss only) given one layer of its rank's
-    previous chunk: Strategy.pipeline_split needs a layer in every chunk, and the rank's layers
-    are unchanged. A chunk whose rank has no layer to spare stays empty (Strategy refuses it:
-    the row is not expressible)."""
-    out = list(split)
-    for c, n in enumerate(out):
-        if n == 0 and out[c - pp] > 1:
-            out[c - pp] -= 1
-            out[c] = 1
-    return tuple(out)
 
 
 def _int(value, default: int) -> int:

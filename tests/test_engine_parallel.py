@@ -52,6 +52,14 @@ WORLD2 = {
         "gpt",
         EXACT,
     ),
+    # Megatron-Core's "E|tt|tt|L" layout: the first chunk holds the embedding alone, the last
+    # the output alone (each rank still runs two chunks of the interleaved schedule)
+    "pp2_interleaved_empty_ends": (
+        f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,pipeline_split=0/2/2/0,{B},"
+        "amp=fp32",
+        "gpt",
+        EXACT,
+    ),
     "zero1": (f"dp=2,zero_stage=1,{B},amp=fp32", "gpt", FP32),
     "zero2": (f"dp=2,zero_stage=2,{B},amp=fp32", "gpt", FP32),
     "zero3": (f"dp=2,zero_stage=3,{B},amp=fp32", "gpt", FP32),
@@ -233,6 +241,16 @@ INVALID = [
         strategy=f"pp=2,{B}",
         model=dict(n_layers=1),
         expect="n_layers=1 is fewer than pp*virtual_stages = 2*1 = 2 pipeline chunks",
+    ),
+    dict(
+        name="pipeline_split_idle_rank",
+        strategy=f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,pipeline_split=2/0/2/0,{B}",
+        expect="gives pipeline rank 1 no layer",
+    ),
+    dict(
+        name="pipeline_split_empty_middle",
+        strategy=f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,pipeline_split=2/0/1/1,{B}",
+        expect="pipeline chunk 1 of [2, 0, 1, 1] holds no block",
     ),
     dict(
         name="strategy_batch",

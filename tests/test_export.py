@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -218,6 +219,21 @@ def megatron_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def megatron_layout(text: str) -> list[str]:
+    """The stages of a --pipeline-model-parallel-layout, as Megatron-Core parses it
+    (transformer/pipeline_parallel_layer_layout.py `parse_str_to_list`: commas dropped,
+    "(...)*n" then "x*n" unrolled, stages split by "|"); checks what `validate_layer_layout`
+    asserts of the embedding, the loss and the MTP modules."""
+    text = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), text)
+    assert set(text) <= set("ELtm|"), text
+    flat = text.replace("|", "")
+    assert flat[0] == "E" and flat[-1] == "L" and flat.count("E") == flat.count("L") == 1
+    assert "t" not in flat[flat.find("m") :] if "m" in flat else True  # MTP after the decoder
+    return text.split("|")
+
+
 def megatron_round_trip(text: str, world_size: int):
     """The ModelSpec and Strategy that Megatron-LM would run with these arguments."""
     argv = shlex.split(text.replace("\\\n", " "))
@@ -249,6 +265,10 @@ def megatron_round_trip(text: str, world_size: int):
     if a.num_layers_per_virtual_pipeline_stage:
         v = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
     split = None
+    if a.pipeline_model_parallel_layout:
+        stages = megatron_layout(a.pipeline_model_parallel_layout)
+        v = len(stages) // pp
+        split = tuple(stage.count("t") for stage in stages)
     first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
     if first or last:  # Megatron: the given first/last stages, the other layers evenly
         middle = pp - (first is not None) - (last is not None)
@@ -679,3 +699,41 @@ def test_deepspeed_says_what_it_has_no_equivalent_for():
     lost = dict(out.unsupported)
     assert {"ep", "etp", "recompute_modules"} <= set(lost)
     assert "deepspeed.moe.layer.MoE" in lost["ep"]
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "v", "split"),
+    [
+        ("llama3-8b", 2, 2, (0, 16, 16, 0)),  # "E|t*16|t*16|L": empty ends
+        ("llama3-8b", 4, 2, (3, 4, 5, 4, 4, 4, 4, 4)),  # uneven with virtual stages
+        ("deepseek-v3", 8, 2, (4,) * 15 + (1,)),  # Megatron-Bridge's, with its MTP module
+        ("deepseek-v3", 16, 2, (1,) + (2,) * 30 + (0,)),  # 25.09's 'Et|(tt|)*30mL'
+    ],
+)
+def test_megatron_pipeline_layout_carries_any_split(name, pp, v, split):
+    """A split the older flags cannot give (virtual stages, empty chunks, more than the first
+    and last chunk differing) goes out as Megatron-Core's --pipeline-model-parallel-layout,
+    with the MTP modules before the loss, and reads back as the same split."""
+    model = ModelSpec.load(name)
+    world = pp * 8
+    s = Strategy(
+        dp=world // pp,
+        pp=pp,
+        global_batch_size=world * 2,
+        pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
+        virtual_stages=v,
+        pipeline_split=split,
+        ep=8 if model.moe else 1,
+    )
+    cluster = Cluster(gpu="h100-sxm", n_nodes=world // 8)
+    out = export(s, to="megatron", model=model, cluster=cluster)
+    assert "pipeline_split" not in {f for f, _ in out.unsupported}
+    argv = shlex.split(out.text.replace("\\\n", " "))[5:]
+    a = megatron_parser().parse_args(argv)
+    assert a.num_layers_per_virtual_pipeline_stage is None  # Megatron refuses both at once
+    assert a.decoder_first_pipeline_num_layers is None
+    stages = megatron_layout(a.pipeline_model_parallel_layout)
+    assert tuple(stage.count("t") for stage in stages) == split and len(stages) == pp * v
+    assert stages[-1].count("m") == model.mtp_layers
+    if not model.moe:
+        assert megatron_round_trip(out.text, world)[1].pipeline_split == split

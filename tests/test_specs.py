@@ -384,6 +384,27 @@ def test_uneven_pipeline_splits():
     assert Strategy.parse("pp=2,pipeline_split=10/22").pipeline_split == (10, 22)
 
 
+def test_pipeline_chunks_may_be_empty_but_not_a_whole_rank():
+    """A chunk may hold no layer (Megatron-Core's layouts: the embedding, the loss or the MTP
+    modules alone, 'E|t*16|t*16|L'); a pipeline rank with no layer in any of its chunks is
+    refused, with the rank and its chunks; recompute_num_layers is bounded by the smallest
+    chunk that has layers."""
+    model = ModelSpec.load("llama3-8b")
+    interleaved = dict(pp=2, virtual_stages=2, pipeline_schedule="interleaved_1f1b")
+    ends = Strategy(dp=4, **interleaved, global_batch_size=64, pipeline_split=(0, 16, 16, 0))
+    assert ends.problems(model) == []
+    idle = ends.replace(pipeline_split=(16, 0, 16, 0))
+    assert any(
+        "gives pipeline rank 1 no layer (its chunks are [1, 3]" in p for p in idle.problems(model)
+    )
+    alone = Strategy.parse("pp=2,global_batch_size=8,pipeline_split=0/32").problems(model)
+    assert any("gives pipeline rank 0 no layer" in p for p in alone)  # no vp: a rank, empty
+    with pytest.raises(SpecError, match="pipeline_split entry must be >= 0, got -1"):
+        Strategy(pp=2, pipeline_split=(-1, 33))
+    block = ends.replace(recompute="full", recompute_num_layers=16)
+    assert block.problems(model) == []
+
+
 def test_new_dimensions_have_rules():
     model = ModelSpec.load("llama3-8b")
     h100, a100 = Cluster.parse("h100-sxm:1x8"), Cluster.parse("a100-sxm4-80gb:1x8")

@@ -78,7 +78,9 @@ def layers_problem(
 def pipeline_split_problem(
     split: tuple[int, ...], pp: int, virtual_stages: int, n_layers: int | None
 ) -> str | None:
-    """An explicit split names one layer count per chunk and covers every layer."""
+    """An explicit split names one layer count per chunk, covers every layer and gives every
+    pipeline rank (chunks r, r + pp, ...) at least one; a chunk may be empty (0: the embedding,
+    the loss or the MTP modules alone, as Megatron-Core's layouts put them)."""
     chunks = pp * virtual_stages
     if len(split) != chunks:
         return (
@@ -87,6 +89,13 @@ def pipeline_split_problem(
         )
     if n_layers is not None and sum(split) != n_layers:
         return f"pipeline_split {list(split)} sums to {sum(split)} layers, not n_layers={n_layers}"
+    idle = [r for r in range(pp) if not sum(split[r::pp])]
+    if idle:
+        return (
+            f"pipeline_split {list(split)} gives pipeline rank {idle[0]} no layer (its chunks"
+            f" are {list(range(idle[0], chunks, pp))}, chunk c runs on rank c mod pp={pp}); give"
+            " every rank at least one layer, or use a smaller pp"
+        )
     return None
 
 
@@ -315,7 +324,7 @@ def _microbatches(v: Mapping[str, Any], _model, _cluster) -> str | None:
 
 
 def _recompute_layers(v: Mapping[str, Any], model, _cluster) -> str | None:
-    chunks = _chunks(v, model)
+    chunks = [c for c in _chunks(v, model) or () if c]  # an empty chunk recomputes nothing
     return recompute_layers_problem(
         v["recompute"], v["recompute_num_layers"], min(chunks) if chunks else None
     )

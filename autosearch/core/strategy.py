@@ -162,7 +162,9 @@ class Strategy:
                 parts = split.replace("/", ",").split(",")
                 split = tuple(int(p) if p.strip().isdigit() else p for p in parts if p.strip())
             try:
-                split = tuple(positive_int(n, f"{name} entry") for n in split)
+                # an empty chunk (0) holds only the embedding, the loss or the MTP modules, as
+                # in Megatron-Core's --pipeline-model-parallel-layout ("E|t*4|...|mL")
+                split = tuple(positive_int(n, f"{name} entry", minimum=0) for n in split)
                 object.__setattr__(self, name, split)
             except (SpecError, TypeError) as exc:
                 problems.append(f"{name} must be a list of layer counts: {exc}")

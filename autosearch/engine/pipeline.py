@@ -45,11 +45,18 @@ def pipeline_bounds(
     if plan.split_points is not None:
         return plan.chunk_bounds(n_blocks, n_chunks)
     sizes = list(strategy.layers_per_chunk(n_blocks))
-    if len(sizes) != n_chunks or min(sizes) < 1 or sum(sizes) != n_blocks:
+    if len(sizes) != n_chunks or min(sizes) < 0 or sum(sizes) != n_blocks:
         return (
             f"{n_blocks} blocks do not split into pp*virtual_stages = {n_chunks} chunks of "
-            f"{sizes} blocks; every chunk needs at least one block and the sizes must add up "
-            f"to {n_blocks}"
+            f"{sizes} blocks; the sizes must add up to {n_blocks}"
+        )
+    # the first chunk may hold the embedding alone and the last the output alone (Megatron-
+    # Core's "E|..." and "...|L" layouts); a chunk between them would hold no parameter
+    empty = [c for c in range(1, n_chunks - 1) if not sizes[c]]
+    if empty:
+        return (
+            f"pipeline chunk {empty[0]} of {sizes} holds no block; the Engine runs an empty chunk"
+            " only first (the embedding alone) or last (the output alone): move a block into it"
         )
     edges = [sum(sizes[:i]) for i in range(n_chunks + 1)]
     return list(zip(edges, edges[1:]))

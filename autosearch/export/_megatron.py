@@ -22,6 +22,8 @@ installed with `pip install --no-deps` and read, not imported):
 
 from __future__ import annotations
 
+import itertools
+
 from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
 
 # flag -> (value kind, where the name comes from). tests/test_export.py builds an argparse parser
@@ -62,6 +64,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--sequence-parallel": ("switch", "ModelParallelConfig.sequence_parallel"),
     "--context-parallel-size": ("int", "ModelParallelConfig.context_parallel_size"),
     "--decoder-first-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_first_..."),
+    "--pipeline-model-parallel-layout": (
+        "str",
+        "TransformerConfig.pipeline_model_parallel_layout (megatron-core >= 0.13)",
+    ),
     "--decoder-last-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_last_..."),
     "--fp8-format": ("str", "TransformerConfig.fp8 (e4m3, hybrid)"),
     "--fp8-recipe": ("str", "TransformerConfig.fp8_recipe (tensorwise, delayed, ...)"),
@@ -185,7 +191,23 @@ class MegatronExporter(Exporter):
         else:
             mapped.add("pipeline_schedule")
         chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
-        if s.virtual_stages > 1:
+        even = chunks is None or (len(set(chunks)) == 1 and chunks[0] > 0)
+        # the split as --decoder-first / -last-pipeline-num-layers: no vp, the middle even
+        ends = (
+            not even
+            and s.virtual_stages == 1
+            and len(set(chunks[1:-1])) <= 1  # type: ignore[index]
+            and min(chunks) > 0  # type: ignore[arg-type]
+        )
+        if not even and not ends:
+            # any other split, empty chunks included: Megatron-Core's custom layout (0.13+)
+            assert chunks is not None and model is not None
+            flags.append(f"--pipeline-model-parallel-layout {layout(chunks, model.mtp_layers)}")
+            notes.append(
+                "--pipeline-model-parallel-layout needs megatron-core >= 0.13 (June 2025);"
+                " it sets the virtual stages too"
+            )
+        elif s.virtual_stages > 1:
             if chunks is not None:
                 flags.append(f"--num-layers-per-virtual-pipeline-stage {chunks[0]}")
             else:
@@ -194,28 +216,14 @@ class MegatronExporter(Exporter):
                     "older Megatron-LM releases take --num-layers-per-virtual-pipeline-stage "
                     "n_layers/(pp*virtual_stages) instead (pass --model to get it)"
                 )
-        mapped.add("virtual_stages")
-        split_ok = chunks is None or len(set(chunks)) == 1
-        if chunks is not None and not split_ok and s.virtual_stages == 1:
-            middle = set(chunks[1:-1])
-            if len(middle) <= 1:  # Megatron: first and last given, the rest split evenly
-                even = next(iter(middle), None)
-                if chunks[0] != even:
-                    flags.append(f"--decoder-first-pipeline-num-layers {chunks[0]}")
-                if chunks[-1] != even:
-                    flags.append(f"--decoder-last-pipeline-num-layers {chunks[-1]}")
-                split_ok = True
-        if split_ok:
-            mapped.add("pipeline_split")
-        else:
-            unsupported.append(
-                (
-                    "pipeline_split",
-                    f"Megatron-LM splits layers evenly, with only the first and last pipeline "
-                    f"stage allowed to differ (and not with virtual stages); {list(chunks or ())} "
-                    "is not expressible",
-                )
-            )
+        elif ends:
+            assert chunks is not None  # Megatron: first and last given, the rest even
+            middle = next(iter(set(chunks[1:-1])), None)
+            if chunks[0] != middle:
+                flags.append(f"--decoder-first-pipeline-num-layers {chunks[0]}")
+            if chunks[-1] != middle:
+                flags.append(f"--decoder-last-pipeline-num-layers {chunks[-1]}")
+        mapped.update(("virtual_stages", "pipeline_split"))
         if s.sequence_parallel:
             flags.append("--sequence-parallel")
         mapped.add("sequence_parallel")
@@ -429,3 +437,19 @@ def _layer_pattern(layers: tuple[bool, ...]) -> str:
 
 # ModelSpec.position_embedding -> GPTModel(position_embedding_type=...); Megatron has no ALiBi.
 _POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
+
+
+def layout(chunks: tuple[int, ...], mtp_layers: int = 0) -> str:
+    """Megatron-Core's --pipeline-model-parallel-layout of layers per chunk (megatron-core
+    transformer/pipeline_parallel_layer_layout.py): the chunks in pipeline order split by "|",
+    "t" a decoder layer, "E" the embedding (first), "m" a multi-token prediction module and "L"
+    the loss (last); "t*4" four layers, "(t*4|)*14" fourteen such chunks. For 61 layers over
+    pp16 with one MTP module: "Et*4|(t*4|)*14t*1mL"."""
+    parts = [f"t*{n}" if n else "" for n in chunks]
+    parts[0] = "E" + parts[0]
+    parts[-1] += "m" * mtp_layers + "L"
+    if len(parts) <= 2:
+        return "|".join(parts)
+    runs = ((part, len(list(same))) for part, same in itertools.groupby(parts[1:-1]))
+    body = "".join(f"({part}|)*{n}" if n > 1 else f"{part}|" for part, n in runs)
+    return f"{parts[0]}|{body}{parts[-1]}"
