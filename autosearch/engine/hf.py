@@ -184,8 +184,9 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states. With transformers' auxiliary loss (`router_aux_loss_coef`) a
-        stage before the last also passes on the running sums of that loss (`balance_sums`),
-        and takes them as `balance` after the first."""
+        stage before the last also passes on the running sums of that loss (`balance_sums`,
+        over the whole sequences under tp and cp), and takes them as `balance` after the
+        first."""
         m = self.model
         layers = list(m.layers.values())
         if m.embed_tokens is not None:
@@ -563,7 +564,8 @@ def with_hf_aux_loss(
     """`logits`, whose backward also adds ``router_aux_loss_coef`` x transformers'
     ``load_balancing_loss_func`` over every layer's router logits (Switch Transformer's loss
     over all layers' tokens together, as ``MixtralForCausalLM.forward`` adds it): its last lines
-    on the `balance_sums` of all layers, `rows` = layers x tokens. Under pipeline parallelism
+    on the `balance_sums` of all layers, `rows` = layers x tokens of the micro-batch (the whole
+    sequences: under cp and tp the sums are over every rank's tokens). Under pipeline parallelism
     the earlier stages' sums came with the hidden states, and the gradient of the probability
     sums goes back with the hidden states' gradient."""
     from autosearch.engine.moe import AuxLoss
