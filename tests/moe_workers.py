@@ -67,9 +67,11 @@ def train_losses(
     strategy: str, kind: str, *, meta_init: bool = False, clip: float | None = None
 ) -> dict:
     """Per-step losses (and gradient norms, before clipping at `clip`) of `W.STEPS` AdamW steps
-    from a fixed seed and data order, and the load-balancing losses of the last forward."""
+    from a fixed seed and data order, and the load-balancing losses of the last forward (the
+    reference transformer's per layer, "aux"; transformers' whole-model one, "hf_aux")."""
     from autosearch import Engine
     from autosearch.engine import SyntheticTokens
+    from autosearch.engine.hf import HFCausalLM
     from autosearch.engine.moe import moe_layers
 
     kwargs = dict(
@@ -90,7 +92,19 @@ def train_losses(
         for m in moe_layers(p)
         if m.aux_loss is not None
     ]
-    return {"loss": losses, "aux": aux, "grad_norm": [r.get("grad_norm") for r in logs]}
+    # transformers' aux loss of the last forward (on the last pipeline stage only)
+    hf_aux = [
+        float(m.aux_loss)
+        for p in engine.model_parts_
+        for m in p.modules()
+        if isinstance(m, HFCausalLM) and hasattr(m, "aux_loss")
+    ]
+    return {
+        "loss": losses,
+        "aux": aux,
+        "hf_aux": hf_aux,
+        "grad_norm": [r.get("grad_norm") for r in logs],
+    }
 
 
 def job_equivalence(cases: list[dict]) -> dict:

@@ -184,8 +184,9 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states. With transformers' auxiliary loss (`router_aux_loss_coef`) a
-        stage before the last also passes on the running sums of that loss (`balance_sums`),
-        and takes them as `balance` after the first."""
+        stage before the last also passes on the running sums of that loss (`balance_sums`,
+        over the whole sequences under tp and cp), and takes them as `balance` after the
+        first."""
         m = self.model
         layers = list(m.layers.values())
         if m.embed_tokens is not None:
@@ -221,7 +222,7 @@ class HFCausalLM(nn.Module):
         balance = balance_sums(self, balance)
         if self.lm_head is None:  # a pipeline stage before the last
             return h, balance
-        return with_hf_aux_loss(self, h, balance, rows=self.n_moe_layers * h.shape[0] * seq)
+        return with_hf_aux_loss(self, h, balance, rows=self.n_moe_layers * h.shape[0] * whole)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -512,13 +513,22 @@ def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.T
     router probabilities per expert (row 1), continued from `sums` (a previous pipeline stage's)
     over the router logits this forward recorded in `model`'s MoE layers, layer by layer with
     the same operations, so that the sums carried over pipeline stages are bitwise those of the
-    whole model."""
+    whole model.
+
+    Each tp rank routed its own tokens (parallel folding) and each cp rank holds its chunks of
+    the sequence, so this stage's sums are summed over tp and cp before the carried ones are
+    added: over tp with an identity backward (each rank's router gradient is its tokens', summed
+    over tp by `reduce_moe_grads`), over cp with a summing backward (every cp rank adds the same
+    loss, and the data-parallel reduction averages the gradients over dp x cp), as the reference
+    transformer's `MoE.balance_loss` reduces its per-sequence sums."""
     layers = moe_layers_of(model)
-    group = layers[0].tp_group if layers else None  # each tp rank routed its own tokens
+    tp_group = layers[0].tp_group if layers else None
+    cp = model.context_parallel
+    reduced = tp_group is not None or cp is not None
     device = next(model.parameters()).device
     counts = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(model.n_experts, dtype=torch.float32, device=device)
-    if sums is not None and group is None:
+    if sums is not None and not reduced:
         counts, probs = sums[0].detach(), sums[1]
     # transformers' choice: histc counts in float on CPU and MPS, int32 elsewhere
     histc_dtype = torch.float32 if counts.device.type in ("cpu", "mps") else torch.int32
@@ -529,15 +539,22 @@ def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.T
             chosen.reshape(-1).to(histc_dtype), bins=model.n_experts, min=0, max=model.n_experts
         )
         probs = probs + weights.float().sum(dim=0)
-    if group is not None:  # this stage's sums over the tp ranks' tokens, then the carried ones
-        import torch.distributed as dist
+    if not reduced:
+        return torch.stack([counts, probs])
+    import torch.distributed as dist
 
-        from autosearch.engine.moe import ReduceFromGroup
+    from autosearch.engine.moe import ReduceFromGroup
 
-        dist.all_reduce(counts, group=group)
-        probs = ReduceFromGroup.apply(probs, group)  # the router's gradient: `reduce_moe_grads`
-        if sums is not None:
-            counts, probs = sums[0].detach() + counts, sums[1] + probs
+    if tp_group is not None:
+        dist.all_reduce(counts, group=tp_group)
+        probs = ReduceFromGroup.apply(probs, tp_group)
+    if cp is not None:
+        from torch.distributed.nn.functional import all_reduce
+
+        dist.all_reduce(counts, group=cp.mesh.get_group())
+        probs = all_reduce(probs, group=cp.mesh.get_group())
+    if sums is not None:
+        counts, probs = sums[0].detach() + counts, sums[1] + probs
     return torch.stack([counts, probs])
 
 
@@ -547,7 +564,8 @@ def with_hf_aux_loss(
     """`logits`, whose backward also adds ``router_aux_loss_coef`` x transformers'
     ``load_balancing_loss_func`` over every layer's router logits (Switch Transformer's loss
     over all layers' tokens together, as ``MixtralForCausalLM.forward`` adds it): its last lines
-    on the `balance_sums` of all layers, `rows` = layers x tokens. Under pipeline parallelism
+    on the `balance_sums` of all layers, `rows` = layers x tokens of the micro-batch (the whole
+    sequences: under cp and tp the sums are over every rank's tokens). Under pipeline parallelism
     the earlier stages' sums came with the hidden states, and the gradient of the probability
     sums goes back with the hidden states' gradient."""
     from autosearch.engine.moe import AuxLoss
