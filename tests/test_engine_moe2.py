@@ -56,6 +56,13 @@ WORLD4 = {
     # ... and under pp, with transformers' aux loss carried over the stages (at 0.1)
     "hf_qwen3_moe_pp2_dp2_ep2": (f"pp=2,dp=2,ep=2,{B1}", "hf_qwen3_moe_aux"),
     "hf_mixtral_pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B1}", "hf_mixtral_aux"),
+    # Megatron-Core's 'E|tt|tt|L': the last chunk holds the final norm and the head alone, and
+    # counts the aux loss's tokens from its sequence-sharded input
+    "hf_mixtral_pp2_v2_tp2_sp_empty_ends": (
+        "pp=2,tp=2,sequence_parallel=true,pipeline_schedule=interleaved_1f1b,virtual_stages=2,"
+        f"pipeline_split=0/2/2/0,{B1}",
+        "hf_mixtral_aux",
+    ),
 }
 
 

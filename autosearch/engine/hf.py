@@ -194,7 +194,10 @@ class HFCausalLM(nn.Module):
             h = m.embed_tokens(tokens)
         else:  # a later pipeline stage: its input is the previous stage's hidden states
             h = tokens
-            seq = h.shape[1] * (_sequence_shards(layers[0].input_layernorm) if layers else 1)
+            # the first norm this stage applies tells whether its input is sequence-sharded (an
+            # empty last pipeline chunk has only the final norm and the head)
+            norm = layers[0].input_layernorm if layers else m.norm
+            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
         cp = self.context_parallel
         window = self.sliding_window()
         whole = seq * (cp.cp if cp is not None else 1)
