@@ -28,6 +28,7 @@ import pandas as pd
 
 from autosearch import Cluster
 from autosearch.core import ModelSpec, SpecError, Strategy
+from autosearch.core.rules import account_for_embedding_and_loss
 from cost_models import AnalyticCostModel
 
 HERE = Path(__file__).resolve().parent
@@ -228,11 +229,9 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
         schedule = "interleaved_1f1b"
     split = None
     layers, chunks = int(row.n_layers), pp * v
-    if runtime in MEGATRON and layers % chunks and (layers + 2) % chunks == 0:
-        # account_for_embedding/loss_in_pipeline_split: the embedding and the loss count as a
-        # layer each (docs/runtimes.md [3.4])
-        per = (layers + 2) // chunks
-        split = (per - 1, *(per,) * (chunks - 2), per - 1)
+    if runtime in MEGATRON and layers % chunks:
+        # account_for_embedding/loss_in_pipeline_split (docs/runtimes.md [3.4])
+        split = account_for_embedding_and_loss(layers, chunks)
     fp8 = str(row.fp8).lower()
     fp8 = "rowwise" if "rowwise" in fp8 else ("none" if fp8 in ("none", "nan") else "tensorwise")
     async_tp = str(row.async_tp).lower() == "true"

@@ -28,6 +28,7 @@ import pandas as pd
 
 from autosearch import Cluster
 from autosearch.core import RUNTIMES, HardwareProfile, ModelSpec, SpecError, Strategy
+from autosearch.core.rules import account_for_embedding_and_loss
 from cost_models import AnalyticCostModel
 
 HERE = Path(__file__).resolve().parent
@@ -232,11 +233,11 @@ _LAYOUT_32 = (1,) + (2,) * 30 + (0,)  # 'Et|(tt|)*30mL'
 
 
 def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None, int]:
-    """(pipeline_split, virtual stages) of a DeepSeek-V3 row as its recipe laid the layers
-    out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
+    """(pipeline_split, virtual stages) of a DeepSeek-V3 or Model Zoo Qwen3-235B row as its
+    recipe laid the layers out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
     rid, release = str(row.id), bridge_release(row)
     if rid.startswith("MZOO") and str(row.model).startswith("Qwen3-235B") and pp > 1:
-        return _account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), v
+        return account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), v
     if not str(row.model).startswith("DeepSeek-V3") or pp == 1 or _int(row.n_layers, 61) != 61:
         return None, v
     if rid.startswith("DGXC") and v == 1 and 64 % pp == 0:
@@ -251,18 +252,6 @@ def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None
         if split is None:
             return None, v
     return tuple(split), v
-
-
-def _account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...]:
-    """Decoder layers per chunk under Megatron-Core's --account-for-embedding-in-pipeline-split
-    and --account-for-loss-in-pipeline-split (`ASSUMED["pipeline layout"]`): the embedding and
-    the loss each count as one layer, the n_layers + 2 split evenly over the chunks."""
-    per, rest = divmod(n_layers + 2, chunks)
-    if rest:
-        raise ValueError(
-            f"{n_layers} layers + embedding + loss do not split over {chunks} pipeline chunks"
-        )
-    return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
 
 
 def _int(value, default: int) -> int:

@@ -112,6 +112,18 @@ def split_layers(n_layers: int, chunks: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...] | None:
+    """Layers per pipeline chunk under Megatron-Core's --account-for-embedding-in-pipeline-split
+    and --account-for-loss-in-pipeline-split: the embedding and the loss count as one layer
+    each, n_layers + 2 split evenly, so the first and the last chunk hold one layer fewer (0:
+    the embedding or the loss alone); None when n_layers + 2 does not divide (docs/runtimes.md
+    3.4)."""
+    per, rest = divmod(n_layers + 2, chunks)
+    if rest or chunks < 2:
+        return None
+    return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
+
+
 def context_parallel_problem(cp: int, seq_len: int | None) -> str | None:
     """Load-balanced ring attention cuts the sequence into 2 * cp pieces (torch's context
     parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks)."""

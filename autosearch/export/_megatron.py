@@ -64,11 +64,11 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--sequence-parallel": ("switch", "ModelParallelConfig.sequence_parallel"),
     "--context-parallel-size": ("int", "ModelParallelConfig.context_parallel_size"),
     "--decoder-first-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_first_..."),
+    "--decoder-last-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_last_..."),
     "--pipeline-model-parallel-layout": (
         "str",
         "TransformerConfig.pipeline_model_parallel_layout (megatron-core >= 0.13)",
     ),
-    "--decoder-last-pipeline-num-layers": ("int", "TransformerConfig.num_layers_in_last_..."),
     "--fp8-format": ("str", "TransformerConfig.fp8 (e4m3, hybrid)"),
     "--fp8-recipe": ("str", "TransformerConfig.fp8_recipe (tensorwise, delayed, ...)"),
     "--tp-comm-overlap": ("switch", "ModelParallelConfig.tp_comm_overlap"),
@@ -191,38 +191,28 @@ class MegatronExporter(Exporter):
         else:
             mapped.add("pipeline_schedule")
         chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
-        even = chunks is None or (len(set(chunks)) == 1 and chunks[0] > 0)
-        # the split as --decoder-first / -last-pipeline-num-layers: no vp, the middle even
-        ends = (
-            not even
-            and s.virtual_stages == 1
-            and len(set(chunks[1:-1])) <= 1  # type: ignore[index]
-            and min(chunks) > 0  # type: ignore[arg-type]
-        )
-        if not even and not ends:
-            # any other split, empty chunks included: Megatron-Core's custom layout (0.13+)
-            assert chunks is not None and model is not None
-            flags.append(f"--pipeline-model-parallel-layout {layout(chunks, model.mtp_layers)}")
-            notes.append(
-                "--pipeline-model-parallel-layout needs megatron-core >= 0.13 (June 2025);"
-                " it sets the virtual stages too"
-            )
-        elif s.virtual_stages > 1:
-            if chunks is not None:
+        if chunks is None or (len(set(chunks)) == 1 and chunks[0] > 0):  # the even split
+            if s.virtual_stages > 1 and chunks is not None:
                 flags.append(f"--num-layers-per-virtual-pipeline-stage {chunks[0]}")
-            else:
+            elif s.virtual_stages > 1:
                 flags.append(f"--num-virtual-stages-per-pipeline-rank {s.virtual_stages}")
                 notes.append(
                     "older Megatron-LM releases take --num-layers-per-virtual-pipeline-stage "
                     "n_layers/(pp*virtual_stages) instead (pass --model to get it)"
                 )
-        elif ends:
-            assert chunks is not None  # Megatron: first and last given, the rest even
-            middle = next(iter(set(chunks[1:-1])), None)
+        elif s.virtual_stages == 1 and len(set(chunks[1:-1])) <= 1 and min(chunks) > 0:
+            middle = next(iter(set(chunks[1:-1])), None)  # first and last given, the rest even
             if chunks[0] != middle:
                 flags.append(f"--decoder-first-pipeline-num-layers {chunks[0]}")
             if chunks[-1] != middle:
                 flags.append(f"--decoder-last-pipeline-num-layers {chunks[-1]}")
+        else:  # any other split, empty chunks included: Megatron-Core's custom layout (0.13+)
+            assert model is not None
+            flags.append(f"--pipeline-model-parallel-layout {layout(chunks, model.mtp_layers)}")
+            notes.append(
+                "--pipeline-model-parallel-layout needs megatron-core >= 0.13 (June 2025);"
+                " it sets the virtual stages too"
+            )
         mapped.update(("virtual_stages", "pipeline_split"))
         if s.sequence_parallel:
             flags.append("--sequence-parallel")
