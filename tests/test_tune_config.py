@@ -17,7 +17,7 @@ import yaml
 
 from autosearch import Cluster, SpecError, TuneConfig, tune
 from autosearch.cli import build_parser, main
-from autosearch.tuning._config import flag_of
+from autosearch.core.schema import flag_of
 
 # A small job that runs in a few seconds: 6 random trials with a fixed seed are the same trials
 # in every process, so two runs of it can be compared file by file.

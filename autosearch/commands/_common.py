@@ -62,11 +62,11 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
 
 def lora_arg(args: argparse.Namespace) -> dict | None:
     """The ``lora`` of `ModelSpec.load` that --lora-rank / --lora-targets give."""
-    from autosearch.tuning._config import _lora_targets, lora_of
+    from autosearch.core.schema import lora_of, read_lora_targets
 
     targets = getattr(args, "lora_targets", None)
     if targets is not None:
-        targets = _lora_targets(targets, "--lora-targets")
+        targets = read_lora_targets(targets, "--lora-targets")
     return lora_of(getattr(args, "lora_rank", None), targets)
 
 

@@ -49,10 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def margin_arg(text: str) -> float:
     """argparse type: a fraction of device memory (0.1 or 10%), read as `tune` reads it."""
     from autosearch.core.errors import SpecError
-    from autosearch.tuning._config import _margin
+    from autosearch.core.schema import read_margin
 
     try:
-        return _margin(text, "--memory-margin")
+        return read_margin(text, "--memory-margin")
     except SpecError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--memory-margin")) from None
 

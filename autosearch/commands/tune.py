@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any
 
 from autosearch.commands._common import (
     check_text,
@@ -20,15 +19,10 @@ from autosearch.commands._common import (
     load_model,
     quiet_interrupted_trials,
 )
+from autosearch.commands._schema import add_flags, add_presentation_flags, read_args
 from autosearch.core.errors import SpecError
-from autosearch.tuning._config import (
-    TuneConfig,
-    _required,
-    _switch,
-    flag_of,
-    lora_of,
-    settings_of,
-)
+from autosearch.core.schema import flag_of, lora_of, required
+from autosearch.tuning._config import TuneConfig, settings_of
 
 EPILOG = """\
 storage (--storage):
@@ -78,21 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # Absent flags stay absent (SUPPRESS), so that a --config file's values are not overridden.
-    for f in dataclasses.fields(TuneConfig):
-        s = f.metadata["setting"]
-        kw: dict[str, Any] = dict(dest=f.name, help=s.help, default=argparse.SUPPRESS)
-        if s.negate:
-            kw.update(action="store_false")
-        elif s.switch:
-            kw.update(action="store_true")
-        else:
-            kw.update(action="append" if s.repeat else "store", metavar=s.metavar)
-            kw.update(choices=s.choices)
-        p.add_argument(flag_of(f), **kw)
-    for name, text in PRESENTATION.items():
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+    add_flags(p, TuneConfig)
+    add_presentation_flags(p, PRESENTATION)
     p.add_argument(
         "--config",
         metavar="FILE.yaml",
@@ -128,26 +109,15 @@ def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
     from autosearch.core._io import read_yaml_mapping
     from autosearch.tuning import default_study_name
 
-    values: dict[str, Any] = {}
-    shown = dict.fromkeys(PRESENTATION, False)
+    data = None
     if args.config is not None:
         path = check_text(args.config, "--config")
-        what = f"--config {path!r}"
         data = settings_of(read_yaml_mapping(path, what="config"))
-        for key in list(data):
-            name = str(key).replace("-", "_")
-            if name in PRESENTATION:
-                shown[name] = _switch(data.pop(key), f"{what}: {key}")
-        values = TuneConfig.read(data, what=what)
-    fields = dataclasses.fields(TuneConfig)
-    flags = TuneConfig.read(
-        {f.name: getattr(args, f.name) for f in fields if f.name in args}, flags=True
+    values, shown = read_args(
+        args, [TuneConfig], data=data, what=f"--config {args.config!r}", presentation=PRESENTATION
     )
-    if "pin" in flags and "pin" in values:
-        flags["pin"] = {**values["pin"], **flags["pin"]}
-    values.update(flags)
-    shown.update({k: True for k in PRESENTATION if getattr(args, k, False)})
-    missing = [flag_of(f) for f in fields if _required(f) and f.name not in values]
+    fields = dataclasses.fields(TuneConfig)
+    missing = [flag_of(f) for f in fields if required(f) and f.name not in values]
     if missing:
         raise SpecError(
             f"tune needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config file"
