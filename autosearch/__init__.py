@@ -24,7 +24,7 @@ _EXPORTS = {
     "tune": "autosearch.tuning._study",
     "TuneConfig": "autosearch.tuning._config",
     "TuneResult": "autosearch.tuning._result",
-    "Engine": "autosearch.engine",
+    "Engine": "autosearch.autotune",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from autosearch import Engine, ModelSpec
+from autosearch.autotune import local_cluster
 from autosearch.core.errors import SpecError
 from autosearch.engine import SyntheticTokens
-from autosearch.engine._tune import local_cluster
 from autosearch.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,12 +151,12 @@ def test_validation_and_engine_do_not_import_each_other_in_a_loop():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    tree = ast.parse((ROOT / "autosearch" / "engine" / "_tune.py").read_text())
+    tree = ast.parse((ROOT / "autosearch" / "autotune.py").read_text())
     used = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert {m for m in used if m and m.startswith("autosearch.validation")} == {
         "autosearch.validation"
     }
-    engine_tune = ast.parse((ROOT / "autosearch" / "engine" / "_engine.py").read_text())
+    engine_tune = ast.parse((ROOT / "autosearch" / "autotune.py").read_text())
     tune = next(
         n for n in ast.walk(engine_tune) if isinstance(n, ast.FunctionDef) and n.name == "tune"
     )

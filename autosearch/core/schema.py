@@ -328,11 +328,7 @@ class Schema:
     def from_dict(cls, data: Mapping[str, Any], *, what: str = "config") -> Any:
         """A schema from its dict form; a missing required key is refused naming it."""
         values = cls.read(data, what=what)
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if required(f) and f.name not in values
-        ]
+        missing = [f.name for f in dataclasses.fields(cls) if required(f) and f.name not in values]
         if missing:
             raise SpecError(f"{what}: missing key(s) {', '.join(missing)}; add them")
         return cls(**values)

@@ -82,6 +82,9 @@ def _from_trainer(name: str, doc: str) -> Any:
 class Engine:
     """Train, evaluate and predict a model under a parallel Strategy.
 
+    ``autosearch.Engine`` is this class with `tune` (`autosearch.autotune.Engine`): the search
+    composes the training engine from above, so nothing here imports the search.
+
     Args:
         model: an ``nn.Module``, or a zero-argument factory that builds one. Pass a factory when
             the Engine may have to build the model more than once (after `tune` picks another
@@ -124,7 +127,8 @@ class Engine:
         global_step_: optimizer steps taken, counted over `fit` calls and resumes (`prepare`).
         history_: per-step and per-epoch logs of the last `fit` (also ``history``).
         cost_report_: the CostReport of the last `cost`.
-        best_strategy_, best_report_, tuned_cluster_, tune_result_, validation_: see `tune`.
+        best_strategy_, best_report_, tuned_cluster_, tune_result_, validation_: see
+            `autosearch.Engine.tune`.
 
     Example (under ``torchrun --nproc_per_node=2``; see examples/train_gpt.py)::
 
@@ -807,94 +811,6 @@ class Engine:
         )
         self.cost_report_ = report
         return report.step_time_s, report.peak_memory_bytes
-
-    def tune(
-        self,
-        train_data=None,
-        *,
-        batch_size: int | None = None,
-        cluster=None,
-        n_trials: int = 200,
-        validate_top_k: int = 0,
-        steps: int = 10,
-        warmup: int = 3,
-        timeout_s: float = 600.0,
-        factory: str | None = None,
-        out: str | None = None,
-        calibration_dir: str | None = None,
-        wait_timeout_s: float | None = None,
-        verbose: int = 1,
-        **tune_kwargs,
-    ):
-        """Find the fastest strategy for this model and train with it (sets ``strategy_``).
-
-        Args:
-            train_data: the training dataset; its samples' length must match the ModelSpec's
-            seq_len.
-            batch_size: the global batch (sequences per optimizer step) to search for; default the
-                current strategy's.
-            cluster: the cluster to search for; default the engine's, else this machine: its
-                calibrated profile (results/calibration/<device>-local.yaml), calibrated quickly
-                first if there is none or if it fails its quality checks.
-            n_trials: finished trials of the Optuna study (see `autosearch.tune`).
-            validate_top_k: run the best k candidates for `warmup + steps` real steps on this
-                machine (`autosearch.validation`) and keep the fastest measured one.
-            factory: for validation of a model other than the reference transformer,
-                ``"module:function"`` building it from its ModelSpec.
-            out: folder of the study, best_strategy.yaml and validation (default results/<study>).
-            wait_timeout_s: under torchrun, how long ranks > 0 wait for rank 0's search.
-            tune_kwargs: passed to `autosearch.tune` (objective, sampler, space, storage, seed,
-            ...).
-
-        Returns:
-            The TuneResult on rank 0 (None on other ranks). Every rank ends with the same learned
-            attributes: ``strategy_`` (what `fit` trains with) and ``best_strategy_`` (the same),
-            ``best_report_`` (its predicted CostReport), ``tuned_cluster_`` (the cluster and
-            hardware profile searched); on rank 0 also ``tune_result_`` and ``validation_`` (the
-            real runs, if any). The constructor's ``strategy`` and ``cluster`` are not changed.
-
-        Example:
-            >>> engine = Engine(lambda: Transformer(spec), optimizer=...)          # doctest: +SKIP
-            >>> engine.tune(data, batch_size=16, n_trials=50, validate_top_k=2)   # doctest: +SKIP
-            >>> engine.fit(data)                                                   # doctest: +SKIP
-        """
-        from autosearch.engine import distributed as D
-        from autosearch.engine._tune import TuneRequest, tune_engine
-
-        if self._prepared and _is_module(self.model):
-            raise SpecError(
-                "the engine was prepared with a model instance, which cannot be rebuilt for the"
-                " tuned strategy; pass a zero-argument model factory to Engine"
-            )
-        log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
-        request = TuneRequest(
-            cluster=self.cluster if cluster is None else cluster,
-            batch_size=batch_size,
-            settings=dict(tune_kwargs, n_trials=n_trials, out=out),
-            validate_top_k=validate_top_k,
-            steps=steps,
-            warmup=warmup,
-            timeout_s=timeout_s,
-            factory=factory,
-            calibration_dir=calibration_dir,
-            wait_timeout_s=wait_timeout_s,
-        )
-        outcome = tune_engine(
-            request,
-            model_spec=self._model_spec(),
-            model=self.model,
-            strategy=getattr(self, "best_strategy_", None) or self.strategy,
-            world_size=D.launched_world_size(),
-            train_data=train_data,
-            log=log,
-        )
-        self.strategy_ = self.best_strategy_ = outcome.strategy
-        self.best_report_ = outcome.report
-        self.tuned_cluster_ = outcome.cluster
-        self.tune_result_ = outcome.result
-        self.validation_ = outcome.validation
-        self._prepared = False
-        return outcome.result
 
 
 def _is_module(obj: object) -> bool:

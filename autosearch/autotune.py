@@ -1,11 +1,13 @@
-"""`Engine.tune`: search the strategy for the machine the engine runs on, optionally check the best
-candidates in real runs, and hand the winner back.
+"""`Engine.tune`: the search, composed with the training Engine from above.
 
-It takes plain values (a `TuneRequest`, the ModelSpec, the current strategy, the model factory,
-the world size), never the Engine itself, and composes from above the two layers below it: the
-search (`autosearch.tune`, the same job and output folder as ``autosearch tune``) and the real
-runs (`autosearch.validation.validate`, torch-free: it starts the worker, which runs the Engine,
-as a module by name in new processes).
+`autosearch.Engine` is the training Engine (`autosearch.engine.Engine`: fit, evaluate, predict,
+save, load, cost, dataloader, prepare, run) with `tune`, which searches the strategy for the
+machine the engine runs on (or a cluster it names), optionally checks the best candidates in
+real runs, and trains with the winner. The search is `autosearch.tune`, run from the same
+`TuneConfig` as ``autosearch tune`` and ``autosearch sweep``, so every door gives the same pick
+for the same case. This module sits above the engine, the search and validation and composes
+them, as torchtitan keeps its trainer below its launcher: nothing in `autosearch.engine` imports
+the search or validation, and nothing below imports this module.
 
 Under torchrun, rank 0 describes the machine, calibrates it if needed, searches and validates; the
 other ranks wait, at most ``wait_timeout_s``, for the chosen strategy, so every rank ends with
@@ -14,6 +16,7 @@ the same one or with the same error.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Callable
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
+from autosearch.engine._engine import Engine as TrainingEngine
+from autosearch.tuning._config import TuneConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster, HardwareProfile
@@ -32,6 +37,117 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CALIBRATION_DIR_ENV = "AUTOSEARCH_CALIBRATION_DIR"
 DEFAULT_CALIBRATION_DIR = os.path.join("results", "calibration")
+
+
+class Engine(TrainingEngine):
+    """The training Engine (`autosearch.engine.Engine`) with `tune`: PaddlePaddle's
+    auto-parallel Engine API in full. ``from autosearch import Engine`` gives this class."""
+
+    def tune(
+        self,
+        train_data=None,
+        config: TuneConfig | None = None,
+        *,
+        validate_top_k: int = 0,
+        steps: int = 10,
+        warmup: int = 3,
+        timeout_s: float = 600.0,
+        factory: str | None = None,
+        calibration_dir: str | None = None,
+        wait_timeout_s: float | None = None,
+        verbose: int = 1,
+        **settings: Any,
+    ):
+        """Find the fastest strategy for this model and train with it (sets ``strategy_``).
+
+        The search is `autosearch.tune`, from a `TuneConfig` as ``autosearch tune`` and
+        ``autosearch sweep`` run it: the same budget, seed and local search, so the same case
+        gives the same pick through every door.
+
+        Args:
+            train_data: the training dataset; its samples' length must match the ModelSpec's
+                seq_len.
+            config: the search as a TuneConfig (its model must be this engine's ModelSpec); or
+                give its fields as keywords (`settings`).
+            validate_top_k: run the best k candidates for `warmup + steps` real steps on this
+                machine (`autosearch.validation`) and keep the fastest measured one.
+            factory: for validation of a model other than the reference transformer,
+                ``"module:function"`` building it from its ModelSpec.
+            calibration_dir: where this machine's calibrated profile is kept (searched with
+                when no cluster is given).
+            wait_timeout_s: under torchrun, how long ranks > 0 wait for rank 0's search.
+            settings: without `config`, TuneConfig fields as keywords: ``cluster`` (default the
+                engine's, else this machine: its calibrated profile, calibrated quickly first
+                if there is none or if it fails its quality checks), ``global_batch_size`` (or
+                ``batch_size``; default the current strategy's), ``out`` (default
+                results/<study>), n_trials, time_budget, objective, space, seed, ... (`space`,
+                `sampler` and `storage` may also be objects, as `autosearch.tune` takes them).
+
+        Returns:
+            The TuneResult on rank 0 (None on other ranks). Every rank ends with the same learned
+            attributes: ``strategy_`` (what `fit` trains with) and ``best_strategy_`` (the same),
+            ``best_report_`` (its predicted CostReport), ``tuned_cluster_`` (the cluster and
+            hardware profile searched); on rank 0 also ``tune_result_`` and ``validation_`` (the
+            real runs, if any). The constructor's ``strategy`` and ``cluster`` are not changed.
+
+        Example:
+            >>> engine = Engine(lambda: Transformer(spec), optimizer=...)      # doctest: +SKIP
+            >>> engine.tune(data, batch_size=16, validate_top_k=2)             # doctest: +SKIP
+            >>> engine.fit(data)                                               # doctest: +SKIP
+        """
+        from autosearch.engine import distributed as D
+        from autosearch.engine.build import is_module
+
+        if self._prepared and is_module(self.model):
+            raise SpecError(
+                "the engine was prepared with a model instance, which cannot be rebuilt for the"
+                " tuned strategy; pass a zero-argument model factory to Engine"
+            )
+        if config is not None and not isinstance(config, TuneConfig):
+            raise SpecError(
+                f"config must be a TuneConfig, got {type(config).__name__}; or give its fields "
+                "as keywords (engine.tune(data, cluster=..., global_batch_size=...))"
+            )
+        if config is not None and settings:
+            raise SpecError(
+                f"Engine.tune(config) takes its settings from the TuneConfig, not also "
+                f"{', '.join(sorted(settings))}; change the config with config.replace(...)"
+            )
+        batch_size = settings.pop("batch_size", None)
+        if batch_size is not None and "global_batch_size" in settings:
+            raise SpecError("give batch_size or global_batch_size, not both (they are one)")
+        batch_size = settings.pop("global_batch_size", batch_size)
+        cluster = settings.pop("cluster", None)
+        log = print if (verbose and D.is_rank0()) else (lambda _msg: None)
+        request = TuneRequest(
+            config=config,
+            cluster=self.cluster if cluster is None else cluster,
+            batch_size=batch_size,
+            settings=settings,
+            validate_top_k=validate_top_k,
+            steps=steps,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            factory=factory,
+            calibration_dir=calibration_dir,
+            wait_timeout_s=wait_timeout_s,
+        )
+        outcome = tune_engine(
+            request,
+            model_spec=self._model_spec(),
+            model=self.model,
+            strategy=getattr(self, "best_strategy_", None) or self.strategy,
+            world_size=D.launched_world_size(),
+            train_data=train_data,
+            log=log,
+        )
+        self.strategy_ = self.best_strategy_ = outcome.strategy
+        self.best_report_ = outcome.report
+        self.tuned_cluster_ = outcome.cluster
+        self.tune_result_ = outcome.result
+        self.validation_ = outcome.validation
+        self._prepared = False
+        return outcome.result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +175,8 @@ class TuneRequest:
     """What `Engine.tune` asks for, besides the engine's own model and strategy.
 
     Attributes:
+        config: the whole search as a `TuneConfig` (its model must be the engine's); or None,
+            and the search is built from `cluster`, `batch_size` and `settings`.
         cluster: the cluster to search for (a Cluster or its text); None: this machine.
         batch_size: the global batch to search for; None: the current strategy's.
         settings: `autosearch.TuneConfig` fields (n_trials, out, objective, space, seed, ...;
@@ -70,6 +188,7 @@ class TuneRequest:
             calibration, the search and every validation run at its timeout).
     """
 
+    config: TuneConfig | None = None
     cluster: Any = None
     batch_size: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
@@ -182,7 +301,18 @@ def _search(
 ) -> TuneOutcome:
     spec = model_spec
     check_sequence_length(train_data, spec.seq_len)
-    batch_size = request.batch_size
+    config = request.config
+    batch_size: int | None = request.batch_size
+    if config is not None:
+        _check_config_model(config, spec)
+        batch_size = config.global_batch_size
+        from autosearch.core.hardware import Cluster
+
+        cluster = Cluster.parse(
+            config.cluster, strict=True, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node
+        )
+        config = config.replace(cluster=cluster, nnodes=None, gpus_per_node=None)
+        request = dataclasses.replace(request, cluster=cluster)
     if batch_size is None:
         current = as_strategy(strategy)
         if current is None:
@@ -192,7 +322,7 @@ def _search(
             )
         batch_size = current.global_batch_size
     cluster = _cluster_to_search(request, world_size, log)
-    result = _run_search(spec, cluster, batch_size, request.settings, log)
+    result = _run_search(spec, cluster, batch_size, config, request.settings, log)
     best, report = result.best_strategy, result.best_report
     validation = None
     if request.validate_top_k:
@@ -235,28 +365,34 @@ def _cluster_to_search(request: TuneRequest, world: int, log: Callable[[str], No
     return cluster
 
 
-def _run_search(spec, cluster, batch_size: int, settings: dict[str, Any], log) -> "TuneResult":
-    """`autosearch.tune` with the engine's settings: the same job, checks and output folder as
-    ``autosearch tune`` (default folder results/<study name>)."""
+def _run_search(
+    spec, cluster, batch_size: int, config: TuneConfig | None, settings: dict[str, Any], log
+) -> "TuneResult":
+    """`autosearch.tune` for the engine's model: the same job, checks and output folder as
+    ``autosearch tune`` (default folder results/<study name>), from the engine's TuneConfig
+    or from its keywords."""
     from autosearch.tuning import default_study_name
     from autosearch.tuning._config import OBJECTIVE_ALIASES
     from autosearch.tuning._study import tune
 
-    settings = dict(settings)
+    settings = dict(config.to_dict() if config is not None else settings)
     objective = settings.get("objective") or "throughput"
     name = settings.pop("study_name", None) or default_study_name(
         spec.name, cluster.name, batch_size, OBJECTIVE_ALIASES.get(objective, objective)
     )
     out = settings.pop("out", None) or os.path.join("results", name)
-    result = tune(
-        spec,
-        cluster,
-        global_batch_size=batch_size,
-        study_name=name,
-        out=out,
-        progress=False,
-        **settings,
-    )
+    if config is not None:
+        result = tune(config.replace(model=spec, cluster=cluster, study_name=name, out=out))
+    else:
+        result = tune(
+            spec,
+            cluster,
+            global_batch_size=batch_size,
+            study_name=name,
+            out=out,
+            progress=False,
+            **settings,
+        )
     best, report = result.best_strategy, result.best_report
     if best is None or report is None:  # tune raises NoFeasibleStrategyError first; say it anyway
         raise SpecError(f"no strategy of {spec.name} fits {cluster.name}; nothing to train with")
@@ -265,6 +401,21 @@ def _run_search(spec, cluster, batch_size: int, settings: dict[str, Any], log) -
         f"study and best_strategy.yaml in {out}"
     )
     return result
+
+
+def _check_config_model(config: TuneConfig, spec: "ModelSpec") -> None:
+    """A TuneConfig given to Engine.tune must describe the engine's model (the search prices
+    the config's; the engine trains its own)."""
+    from autosearch.tuning._study import _load_model
+
+    planned = _load_model(config.model, seq_len=config.seq_len, lora=config.lora())
+    if planned != spec:
+        raise SpecError(
+            f"the TuneConfig's model ({planned.name}, seq {planned.seq_len}) is not the "
+            f"engine's ({spec.name}, seq {spec.seq_len}); give TuneConfig(model=<the engine's "
+            "ModelSpec>, ...), or tune with keywords (engine.tune(data, cluster=..., "
+            "global_batch_size=...)) to search for the engine's model"
+        )
 
 
 def _validate(request: TuneRequest, spec, model, cluster, result, log) -> "ValidationResult":
