@@ -60,6 +60,8 @@ class TuneResult:
             how many of them the study's trials hold.
         plan: one line: what the search did (exhaustive or sampled, and why) and how much of
             the space the study covers.
+        search: what the search did, in a few words (``exhaustive``, ``tpe + local search``,
+            ``tpe + local search, stopped at the time budget``).
         out_dir: where the outputs were written (None when not asked).
         message: a one-line summary for people.
         price_per_gpu_hour: dollars per device-hour when given (then every report also shows
@@ -88,6 +90,7 @@ class TuneResult:
     n_units: int = 0
     n_units_covered: int = 0
     plan: str = ""
+    search: str = ""
     price_per_gpu_hour: float | None = None
     config: "TuneConfig | None" = None
     opened: tuple = ()

@@ -392,7 +392,10 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     try:
         n_new = runner.run(job.target, progress=bar)
         if job.plan is not None and job.plan.local:
-            n_new += runner.local_search()
+            local_bar = bar if isinstance(bar, _ProgressBar) else None  # its total is unknown
+            if local_bar is not None:
+                local_bar.phase(f"local search (budget {job.plan.budget_s:g} s)")
+            n_new += runner.local_search(progress=local_bar)
     finally:
         if isinstance(bar, _ProgressBar):
             bar.close()
@@ -707,7 +710,7 @@ class _Runner:
             self.shadow.add_trial(frozen)
         return frozen, attrs
 
-    def local_search(self) -> int:
+    def local_search(self, *, progress=None) -> int:
         """Climb from the best layouts of the study's sampled trials to local optima
         (`_local.py`), scoring each neighbour no trial holds yet as a trial of the study (marked
         `ATTR_LOCAL`). The climbs go best first: of the climbs not ended, the one standing on
@@ -749,6 +752,8 @@ class _Runner:
             around = index.neighbours(index.by_key[here])
             scored, done = self._score_layouts(around, covered, value)
             new += scored
+            if progress is not None:
+                progress(self.local_layouts, 0, self._best)
             if not done:  # the budget is spent: what is scored stays in the study
                 break
             best = max(
@@ -1065,11 +1070,23 @@ def _collect(
         n_units=job.n_units,
         n_units_covered=covered,
         plan=runner.plan.format(covered=covered),
+        search=_search_kind(job, runner),
         price_per_gpu_hour=runner.price_per_gpu_hour,
         config=config,
         opened=job.opened,
         margin=job.margin,
     )
+
+
+def _search_kind(job: TuneJob, runner: _Runner) -> str:
+    """What the search did, in a few words (a sweep's `search` column)."""
+    if job.sampler_name == "exhaustive":
+        return "exhaustive" if runner.n_covered >= job.n_units else "exhaustive, partial"
+    if job.plan is not None and job.plan.local:
+        if runner.stopped:
+            return f"{job.sampler_name} + local search, stopped at the time budget"
+        return f"{job.sampler_name} + local search"
+    return job.sampler_name
 
 
 def _tokens_per_s(c: Candidate) -> float:
@@ -1298,27 +1315,58 @@ def _describe(space) -> str:
 
 
 class _ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most 10 times per second."""
+    """Progress on stderr: on a terminal, one line redrawn at most 10 times per second; in a
+    log (not a terminal), a plain line at most every `LOG_EVERY_S` seconds and at the end of
+    each phase, so a log holds no carriage-return frames. `phase` starts the next phase (the
+    local search, whose total is not known ahead: ``total`` 0)."""
+
+    LOG_EVERY_S = 5.0
 
     def __init__(self, total: int, *, stream=None):
         self.total, self.stream = total, stream or sys.stderr
         self.start = time.perf_counter()
         self._last = 0.0
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._name = "trials"
+        self._line = ""
+        self._state: tuple[int, int, float | None] | None = None  # the last figures given
+        self._drawn: tuple[int, int, float | None] | None = None  # the last figures shown
+
+    def phase(self, name: str) -> None:
+        self._end_line()
+        self._name, self._last = name, 0.0
 
     def __call__(self, done: int, total: int, best: float | None) -> None:
         now = time.perf_counter()
-        if now - self._last < 0.1 and done < total:
+        self._state = (done, total, best)
+        final = bool(total) and done >= total
+        if now - self._last < (0.1 if self._tty else self.LOG_EVERY_S) and not final:
             return
         self._last = now
-        width = 30
-        filled = int(width * done / max(total, 1))
+        self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        assert self._state is not None
+        done, total, best = self._state
         best_txt = f"best {best:,.0f} tok/s" if best is not None else "nothing fits yet"
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials  {best_txt}  "
-            f"{now - self.start:.1f} s "
-        )
+        if total:
+            width = 30
+            filled = int(width * done / max(total, 1))
+            head = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {self._name}"
+        else:
+            head = f"{self._name}: {done} layouts scored"
+        self._line = f"{head}  {best_txt}  {now - self.start:.1f} s"
+        self.stream.write(f"\r{self._line} " if self._tty else self._line + "\n")
         self.stream.flush()
+        self._drawn = self._state
+
+    def _end_line(self) -> None:
+        if self._state is not None and self._drawn != self._state:
+            self._draw(time.perf_counter())  # the phase's last figures
+        if self._tty and self._line:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._line, self._state, self._drawn = "", None, None
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        self._end_line()
