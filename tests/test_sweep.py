@@ -102,6 +102,6 @@ def test_sweep_rows_carry_every_strategy_dimension(tmp_path):
     import dataclasses
 
     from autosearch import Strategy
-    from autosearch.commands.sweep import COLUMNS
+    from autosearch.tuning._sweep import COLUMNS
 
     assert {f.name for f in dataclasses.fields(Strategy)} <= set(COLUMNS)

@@ -54,34 +54,34 @@ def read_args(
     presentation: Iterable[str] = (),
 ) -> tuple[dict[str, Any], dict[str, bool]]:
     """The checked values of a command line: ``{field: value}`` over the fields of `schemas`
-    (a command may take the fields of several: a sweep's own and a tuning job's), and the
-    presentation switches given. `data` is the ``--config`` file's mapping, read first; a key
-    that no schema knows is refused there, with a "did you mean" when it is close to one."""
+    (a command may take the fields of several: a sweep's own and a tuning job's; where two
+    declare a field, the later one reads it), and the presentation switches given. `data` is
+    the ``--config`` file's mapping, read first; a key that no schema knows is refused there,
+    with a "did you mean" when it is close to one."""
     from autosearch.core.errors import SpecError
 
-    schemas = tuple(schemas)
+    owner = {f.name: schema for schema in schemas for f in dataclasses.fields(schema)}
+    renamed = {k: v[0] for schema in schemas for k, v in schema.RENAMED.items()}
     shown = dict.fromkeys(presentation, False)
     values: dict[str, Any] = {}
     if data is not None:
-        data = dict(data)
-        for key in list(data):
-            name = str(key).replace("-", "_")
-            if name in shown:
-                shown[name] = read_switch(data.pop(key), f"{what}: {key}")
-        owner = {f.name: schema for schema in schemas for f in dataclasses.fields(schema)}
-        renamed = {k: v[0] for schema in schemas for k, v in schema.RENAMED.items()}
-        split: dict[type, dict[str, Any]] = {schema: {} for schema in schemas}
+        split: dict[type[Schema], dict[str, Any]] = {}
         for key, value in data.items():
             name = str(key).replace("-", "_")
+            if name in shown:
+                shown[name] = read_switch(value, f"{what}: {key}")
+                continue
             schema = owner.get(renamed.get(name, name))
             if schema is None:
                 raise SpecError(f"{what}: unknown key {key!r}" + did_you_mean(str(key), owner))
-            split[schema][key] = value
-        for schema in schemas:
-            values.update(schema.read(split[schema], what=what))
-    for schema in schemas:
-        fields = dataclasses.fields(schema)
-        given = {f.name: getattr(args, f.name) for f in fields if f.name in args}
+            split.setdefault(schema, {})[key] = value
+        for schema, given in split.items():
+            values.update(schema.read(given, what=what))
+    split = {}
+    for name, schema in owner.items():
+        if name in args:
+            split.setdefault(schema, {})[name] = getattr(args, name)
+    for schema, given in split.items():
         flags = schema.read(given, flags=True)
         if "pin" in flags and "pin" in values:
             flags["pin"] = {**values["pin"], **flags["pin"]}

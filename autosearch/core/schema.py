@@ -289,7 +289,7 @@ class Schema:
             value = getattr(self, f.name)
             if f.default_factory is dict and not value:  # None or {}: an empty mapping
                 object.__setattr__(self, f.name, {})
-            elif value is not None:
+            elif value is not None and not (type(value) is type(f.default) and value == f.default):
                 object.__setattr__(self, f.name, f.metadata["setting"].read(value, f.name))
 
     @classmethod

@@ -1,0 +1,152 @@
+"""A sweep's report: report.md with the capacity answers, the table and two plots (matplotlib,
+Agg backend): tokens/s per device and dollars per million tokens against the cluster size, one
+panel per GPU type, a line per model and batch, with the 90% band where the error bands have runs
+of that kind."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.tuning._sweep import SweepConfig
+
+SHOWN = (  # the report's table: what a planner reads first
+    ("model", "model"),
+    ("seq_len", "seq"),
+    ("cluster", "cluster"),
+    ("global_batch_size", "batch"),
+    ("strategy", "strategy"),
+    ("tokens_per_s", "tokens/s"),
+    ("tokens_per_s_per_gpu", "per GPU"),
+    ("mfu", "MFU"),
+    ("peak_memory_gib", "GiB"),
+    ("usd_per_million_tokens", "$/M tok"),
+    ("days_for_tokens", "days"),
+    ("note", "note"),
+)
+
+
+def write_report(rows: list[dict[str, Any]], answers: list[dict[str, Any]], sweep: "SweepConfig"):
+    """Write ``<stem>_report/report.md`` and its plots; the report's path."""
+    from autosearch.core._files import atomic_write
+    from autosearch.tuning._sweep import capacity_lines
+
+    folder = sweep.report_dir
+    os.makedirs(folder, exist_ok=True)
+    ok = [r for r in rows if r["status"] == "ok"]
+    plots = [
+        _plot(ok, folder, "tokens_per_gpu.png", _per_gpu, "tokens/s per device", band=True),
+        _plot(ok, folder, "usd_per_million_tokens.png", _usd, "$ per million tokens", band=True),
+    ]
+    models = sorted(
+        {(r["model"], r["params_b"], r["active_params_b"], r["seq_len"]) for r in rows}
+    )
+    lines = [
+        "# Sweep: "
+        + ", ".join(
+            f"{m} ({p} B" + (f", {a} B active" if a else "") + f", seq {int(s):,})"
+            for m, p, a, s in models
+        ),
+        "",
+        f"{len(rows)} combinations, {len(ok)} with a strategy that fits; each row is what "
+        "`autosearch tune` picks for that case (the same search, budget and seed). "
+        + (f"Tokens to train: {sweep.tokens:,.0f}. " if sweep.tokens else "")
+        + (f"Deadline: {sweep.deadline_days:g} days. " if sweep.deadline_days else "")
+        + (_prices(sweep) if sweep.price_per_gpu_hour else "No prices given."),
+        "",
+        "## Capacity",
+        "",
+        *(f"- {line}" for line in capacity_lines(answers, sweep)),
+        "",
+        "## Plots",
+        "",
+        *(f"![{name}]({name})" for name in plots if name),
+        "",
+        "Shaded: the 90% band of the prediction, from published and measured runs of the same "
+        "kind; a line without one is an extrapolation (no run of its runtime and hardware).",
+        "",
+        "## Table",
+        "",
+        "| " + " | ".join(title for _, title in SHOWN) + " |",
+        "|" + "---|" * len(SHOWN),
+        *("| " + " | ".join(_cell(r, key) for key, _ in SHOWN) + " |" for r in rows),
+        "",
+    ]
+    path = os.path.join(folder, "report.md")
+    atomic_write(path, "\n".join(lines))
+    return path
+
+
+def _prices(sweep: "SweepConfig") -> str:
+    prices = sweep.price_per_gpu_hour
+    if set(prices) == {"*"}:
+        return f"Price: ${prices['*']:g} per device-hour."
+    return "Prices per device-hour: " + ", ".join(f"{g} ${p:g}" for g, p in prices.items()) + "."
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    value = row.get(key, "")
+    if key == "strategy" and not value:
+        return f"{row['status']}: {str(row['reason'])[:80]}"
+    if key in ("tokens_per_s", "tokens_per_s_per_gpu") and value != "":
+        return f"{float(value):,.0f}"
+    if key == "mfu" and value != "":
+        return f"{float(value):.1%}"
+    return str(value).replace("|", "/")
+
+
+def _per_gpu(row: dict[str, Any], value: str) -> float:
+    return float(row[value]) / int(row["n_gpus"])
+
+
+def _usd(row: dict[str, Any], value: str) -> float | None:
+    if row["price_per_gpu_hour"] == "" or row[value] in ("", "0"):
+        return None
+    return float(row["price_per_gpu_hour"]) * int(row["n_gpus"]) / 3600 / float(row[value]) * 1e6
+
+
+def _plot(rows, folder: str, name: str, y_of, ylabel: str, *, band: bool) -> str | None:
+    """One panel per GPU type: y against devices, a line per (model, batch); the band shaded."""
+    from autosearch.core._files import atomic_write
+
+    if not rows or y_of(rows[0], "tokens_per_s") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = sorted({r["gpu"] for r in rows})
+    fig, axes = plt.subplots(1, len(gpus), figsize=(5.5 * len(gpus), 4), squeeze=False)
+    for ax, gpu in zip(axes[0], gpus):
+        lines: dict[tuple, list[dict[str, Any]]] = {}
+        for r in rows:
+            if r["gpu"] == gpu:
+                lines.setdefault((r["model"], r["global_batch_size"]), []).append(r)
+        for (model, gbs), group in sorted(lines.items()):
+            group.sort(key=lambda r: int(r["n_gpus"]))
+            x = [int(r["n_gpus"]) for r in group]
+            y = [y_of(r, "tokens_per_s") for r in group]
+            (line,) = ax.plot(x, y, marker="o", label=f"{model}, batch {gbs}")
+            if band and all(r["tokens_per_s_low"] != "" for r in group):
+                lo = [y_of(r, "tokens_per_s_low") for r in group]
+                hi = [y_of(r, "tokens_per_s_high") for r in group]
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+            for xi, yi, r in zip(x, y, group):
+                if r["note"]:
+                    ax.annotate("!", (xi, yi), textcoords="offset points", xytext=(4, 4))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(ylabel)
+        ax.set_title(gpu)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{ylabel} against cluster size ('!': a note in the table)", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(folder, name)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
+    return name
