@@ -255,7 +255,7 @@ def _finished_trials(out: str, name: str) -> int:
 
 
 def summary(result) -> str:
-    lines = []
+    lines = [f"case      {result.case()}"]
     ran = (
         f"{result.n_new_trials} new"
         if result.n_new_trials

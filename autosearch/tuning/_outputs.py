@@ -182,6 +182,7 @@ def write_outputs(
         os.remove(best_path)
     study_doc = {
         **meta,
+        "case": result.case(),
         "n_trials": result.n_trials,
         "n_new_trials": result.n_new_trials,
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
@@ -314,11 +315,7 @@ def _write_report(
     except ImportError as exc:  # matplotlib is a dependency; keep the report if it is broken
         notes.append(f"plots skipped: {exc}")
     priced = result.price_per_gpu_hour is not None
-    lines = [
-        f"# Strategy search: {meta['model']} on {meta['cluster']}, "
-        f"global batch {meta['global_batch_size']}",
-        "",
-    ]
+    lines = [f"# Strategy search: {result.case()}", ""]
     lines += [
         f"- objective: {meta['objective']} (memory limit as a constraint), "
         f"sampler {meta['sampler']}, "
@@ -594,14 +591,27 @@ def _plot_throughput_memory(
 
     cap_bytes = rows[0].get("memory_capacity_bytes") if rows else None
     cap = cap_bytes / GiB if cap_bytes else None
+    # what fits is decided within the capacity less the margin: the line is drawn there
+    held = result.margin.fraction if result.margin is not None else 0.0
+    usable = cap * (1 - held) if cap else None
     x_hi, y_hi = plot_limits(pts, cap)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ok = [(m, t) for m, t, f in pts if f]
     bad = [(m, t) for m, t, f in pts if not f and m <= x_hi and t <= y_hi]
     outside = sum(1 for m, t, f in pts if not f and (m > x_hi or t > y_hi))
-    if cap:
-        ax.axvspan(cap, max(x_hi, cap) * 1.01, color="0.92", zorder=0)
-        ax.axvline(cap, c="tab:red", ls="--", lw=1, label=f"device memory ({cap:.0f} GiB)")
+    if cap and usable:
+        ax.axvspan(usable, max(x_hi, cap) * 1.01, color="0.92", zorder=0)
+        ax.axvline(
+            usable,
+            c="tab:red",
+            ls="--",
+            lw=1,
+            label=f"usable ({usable:.1f} GiB: {cap:.0f} GiB less a {held:.1%} margin)"
+            if held
+            else f"device memory ({cap:.0f} GiB)",
+        )
+        if held:
+            ax.axvline(cap, c="tab:red", ls=":", lw=0.8)
     if bad or outside:
         label = "does not fit" + (f" ({outside} beyond the axes)" if outside else "")
         xs, ys = zip(*bad) if bad else ((), ())

@@ -96,6 +96,11 @@ class TuneResult:
     opened: tuple = ()
     margin: Any = None
 
+    def case(self) -> str:
+        """The case searched, in one line: the model (size, layers, experts, sequence length),
+        the cluster and the batch (the summary's and the report's title)."""
+        return case_line(self.space.model, self.space.cluster, self.space.global_batch_size)
+
     def memory_line(self, report: "CostReport") -> str:
         """``57.9 GiB peak, within the 70.1 GiB usable = 80.0 GiB less a 9.9 GiB margin``."""
         GiB = float(1 << 30)
@@ -119,6 +124,24 @@ class TuneResult:
         return usd_per_million_tokens(
             report, self.price_per_gpu_hour, self.space.cluster.world_size
         )
+
+
+def case_line(model, cluster, global_batch_size: int) -> str:
+    """``llama3-70b (70.6 B parameters, 80 layers, seq 8,192) on h100-sxm:16x8 (128 devices),
+    global batch 512 (4.19 M tokens per step)``."""
+    tokens = global_batch_size * model.seq_len
+    return (
+        f"{_model_line(model)} on {cluster.name} ({cluster.world_size:,} devices), global batch "
+        f"{global_batch_size:,} ({tokens / 1e6:.3g} M tokens per step)"
+    )
+
+
+def _model_line(model) -> str:
+    active = f", {model.n_active_params / 1e9:.1f} B active" if model.moe is not None else ""
+    return (
+        f"{model.name} ({model.n_params / 1e9:.1f} B parameters{active}, {model.n_layers} "
+        f"layers, seq {model.seq_len:,})"
+    )
 
 
 class NoFeasibleStrategyError(SpecError):

@@ -137,6 +137,10 @@ def _plot(rows, folder: str, name: str, y_of, ylabel: str, *, band: bool) -> str
                 if r["note"]:
                     ax.annotate("!", (xi, yi), textcoords="offset points", xytext=(4, 4))
         ax.set_xscale("log", base=2)
+        sizes = sorted({int(r["n_gpus"]) for r in rows if r["gpu"] == gpu})
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("devices")
         ax.set_ylabel(ylabel)
         ax.set_title(gpu)
