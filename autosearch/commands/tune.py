@@ -229,6 +229,14 @@ def dry_run(config: TuneConfig) -> str:
         lines.append(f"           {layout.label()}")
     if len(layouts) > shown:
         lines.append(f"           ... and {len(layouts) - shown} more")
+    if not todo:
+        lines.append(
+            f"expected   no trial to run: the study in {out}/ already holds its {done:,} "
+            "trials (the same command reports it again"
+            + (", and goes on with its local search if that was stopped" if plan else "")
+            + f"; --n-trials above {done:,} or another --out searches more)"
+        )
+        return "\n".join(lines)
     lines.append(
         f"expected   about {todo * per_trial:,.1f} s of search for {todo} trials"
         + (" (and the local search after them)" if plan is not None and plan.local else "")

@@ -146,13 +146,18 @@ def tune(
     """
     import optuna
 
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     config, objects = _config_of(config, cluster, options, settings)
     job = prepare(config, cost_model=cost_model, **objects)
     with storage_errors(describe_storage(job.storage)):
-        return _run(job, progress=progress, setup_s=time.perf_counter() - t_start)
+        return _run(
+            job,
+            progress=progress,
+            setup_s=time.perf_counter() - t_start,
+            setup_cpu_s=time.process_time() - cpu_start,
+        )
 
 
 def _config_of(
@@ -345,7 +350,7 @@ def _record(config: TuneConfig, *, model, cluster, study_name: str, out: str | N
     return ran.to_dict()
 
 
-def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
+def _run(job: TuneJob, *, progress, setup_s: float, setup_cpu_s: float) -> TuneResult:
     """Open the study, run the trials, write the outputs (the body of `tune`)."""
     import optuna
 
@@ -387,8 +392,9 @@ def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
             shadow.enqueue_trial(params, skip_if_exists=True)
     bar = _ProgressBar(job.target) if progress is True else (progress or None)
     if job.plan is not None and job.plan.budget_s:  # counted from the start of `tune`, less
-        # what collecting the results takes after it (30-60 ms measured at load 4)
-        runner.deadline = t0 - setup_s + job.plan.budget_s - FINISH_RESERVE_S
+        # what collecting the results takes after it (30-60 ms measured at load 4), in this
+        # process's CPU seconds (`budget_clock`)
+        runner.deadline = budget_clock() - setup_cpu_s + job.plan.budget_s - FINISH_RESERVE_S
     try:
         n_new = runner.run(job.target, progress=bar)
         if job.plan is not None and job.plan.local:
@@ -494,7 +500,7 @@ class _Runner:
         self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
         self._group_size: dict[tuple, int] = {}
         self.local_layouts = 0  # layouts the local search scored
-        # the default plan's time budget (`time.perf_counter()` seconds), which stops the local
+        # the default plan's time budget (`budget_clock()` seconds), which stops the local
         # search, and whether it did
         self.deadline: float | None = None
         self.stopped = False
@@ -654,7 +660,7 @@ class _Runner:
 
     def _spent(self) -> bool:
         """Whether the time budget is spent (and if so, note that the search stopped)."""
-        self.stopped = self.deadline is not None and time.perf_counter() >= self.deadline
+        self.stopped = self.deadline is not None and budget_clock() >= self.deadline
         return self.stopped
 
     def _renew_shadow_if_due(self) -> None:
@@ -898,6 +904,16 @@ PLAN_PROBES = 12  # units timed, after one untimed unit that warms the cost mode
 PLAN_PROBES_CLEAR, PLAN_CLEAR = 4, 4.0
 
 
+def budget_clock() -> float:
+    """The clock of the time budget: this process's CPU seconds (`time.process_time`), not the
+    wall clock. The plan's measurement and the local search's deadline are then the same on a
+    busy machine as on a quiet one (other processes take wall time, not this process's CPU
+    time), so `tune`, a sweep running combinations in parallel processes and `Engine.tune`
+    plan and stop alike and pick the same strategy for the same case. The search itself is
+    single-threaded, so on a quiet machine CPU and wall seconds agree."""
+    return time.process_time()
+
+
 @dataclass(frozen=True)
 class SearchPlan:
     """What the budget rule chose: `exhaustive` over every unit, or `n_trials` of a sampler,
@@ -947,9 +963,9 @@ def plan_search(
     t0 = 0.0
     for i, trial in enumerate(trials):
         if i == 1:  # the first unit pays for imports and cold caches once: not counted
-            t0 = time.perf_counter()
+            t0 = budget_clock()
         elif i > PLAN_PROBES_CLEAR and (
-            (time.perf_counter() - t0) / (i - 1) * n_units > PLAN_CLEAR * limit
+            (budget_clock() - t0) / (i - 1) * n_units > PLAN_CLEAR * limit
         ):  # far over the budget already: the rest would not change the plan
             n_probes = i - 1
             break
@@ -959,7 +975,7 @@ def plan_search(
                 cost_model.estimate(s, validate=False)
             except ValueError:
                 pass
-    per_unit = (time.perf_counter() - t0) / n_probes if n_probes > 0 else 0.0
+    per_unit = (budget_clock() - t0) / n_probes if n_probes > 0 else 0.0
     kind = _storage_kind_of(storage)
     estimate = n_units * (per_unit + PERSIST_S[kind])
     what = "layouts" if unit == "layout" else "strategies"
