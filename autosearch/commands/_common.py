@@ -273,17 +273,6 @@ def batch_size_arg(text: str) -> int:
     return value
 
 
-def finite_float_arg(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 class _DropInterruptedTrials(logging.Filter):
     """Drops Optuna's two warnings about a trial that a Ctrl-C stopped: the one with the
     KeyboardInterrupt traceback and the "failed with value None" that follows it (the CLI says

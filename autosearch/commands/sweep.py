@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autosearch.commands._common import check_text, load_cluster, load_model
+from autosearch.commands._common import (
+    check_text,
+    load_cluster,
+    load_model,
+    quiet_interrupted_trials,
+)
 from autosearch.commands._schema import add_flags, add_presentation_flags, read_args
 from autosearch.core.errors import SpecError
 from autosearch.core.schema import flag_of, required
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         load_model=lambda m, **kw: load_model(m, flag="--models", **kw),
         load_cluster=lambda c: load_cluster(c, flag="--clusters"),
     )
+    quiet_interrupted_trials()
     log = None if shown["quiet"] else (lambda line: print(line, file=sys.stderr, flush=True))
     result = sweep(config, cases=cases, log=log)
     for line in capacity_lines(result.answers, config):

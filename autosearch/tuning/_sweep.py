@@ -451,12 +451,8 @@ def case_row(config: TuneConfig, settings_digest: str) -> dict[str, Any]:
     return row
 
 
-def _case_row_in_worker(config: TuneConfig, settings_digest: str) -> dict[str, Any]:
-    """`case_row` in a worker process (Optuna's logging quieted there too)."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return case_row(config, settings_digest)
+def _case_row_in_worker(work: tuple[TuneConfig, str]) -> dict[str, Any]:
+    return case_row(*work)
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -653,7 +649,6 @@ def _append_rows(
 ) -> int:
     """Search every combination of `todo`, `jobs` at a time, appending each row as soon as it
     is done (flushed and synced to the disk); the number of rows written."""
-    import concurrent.futures
     import multiprocessing
 
     from autosearch.core._files import DISK_HINTS
@@ -665,7 +660,7 @@ def _append_rows(
     pool = None
     if jobs > 1:  # spawned workers: nothing of this process (threads, locks) is inherited
         context = multiprocessing.get_context("spawn")
-        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context)
+        pool = context.Pool(jobs, initializer=_worker_init)
     try:
         f = open(out, "a", newline="", encoding="utf-8")
     except OSError as exc:
@@ -697,23 +692,32 @@ def _append_rows(
     finally:
         with contextlib.suppress(OSError):  # a flush that failed: said once, above
             f.close()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:  # done, failed or interrupted: no search goes on behind
+            pool.terminate()
+            pool.join()
     return written
 
 
 def _rows_as_done(todo: list[Case], settings_digest: str, pool) -> Iterable[dict[str, Any]]:
     """Each combination's row as soon as its search ends (in this process when `pool` is
     None)."""
-    import concurrent.futures
-
     if pool is None:
         for case in todo:
             yield case_row(case.config, settings_digest)
         return
-    futures = [pool.submit(_case_row_in_worker, c.config, settings_digest) for c in todo]
-    for future in concurrent.futures.as_completed(futures):
-        yield future.result()
+    work = [(c.config, settings_digest) for c in todo]
+    yield from pool.imap_unordered(_case_row_in_worker, work)
+
+
+def _worker_init() -> None:
+    """A worker leaves Ctrl-C to the sweep, which stops every worker at once (no traceback
+    from each), and logs only Optuna's warnings."""
+    import signal
+
+    import optuna
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def _first_line(text: str) -> str:
