@@ -102,12 +102,15 @@ def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None =
     """A catalog model, a model YAML file or a Hugging Face config.json, at `seq_len` tokens
     when given (``--seq-len``); a message about a file names its path. A config.json without
     `seq_len` trains at its maximum positions: above 32k tokens that is said in one note line
-    on stderr (not a Python warning with a file and line)."""
+    on stderr; a key its family does not know (a typo, often) in a warning line there (not
+    Python warnings with a file and line)."""
     import sys
     import warnings
 
-    from autosearch.core.hf_config import LongSequenceWarning
+    from autosearch.core.hf_config import LongSequenceWarning, UnknownConfigKeyWarning
     from autosearch.core.model_spec import ModelSpec
+
+    lines = {LongSequenceWarning: "note", UnknownConfigKeyWarning: "warning"}
 
     if isinstance(text, dict):  # from a config file: the fields of a ModelSpec
         spec = ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
@@ -115,15 +118,16 @@ def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None =
     text = check_text(text, flag)
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", LongSequenceWarning)
+            for category in lines:
+                warnings.simplefilter("always", category)
             spec = ModelSpec.load(text, seq_len=seq_len, lora=lora)
     except SpecError as exc:
         if os.path.isfile(text) and text not in str(exc):
             raise SpecError(f"model file {text!r}: {exc}") from None
         raise
     for w in caught:
-        if issubclass(w.category, LongSequenceWarning):
-            print(f"note: {w.message}", file=sys.stderr)
+        if w.category in lines:
+            print(f"{lines[w.category]}: {w.message}", file=sys.stderr)
         else:  # not ours to reword
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return spec

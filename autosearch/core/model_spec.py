@@ -506,9 +506,11 @@ class ModelSpec:
     def from_hf_config(
         cls, source, *, name: str | None = None, seq_len: int | None = None
     ) -> "ModelSpec":
-        """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig
-        (`autosearch.core.hf_config`). Without `seq_len`, the config's maximum positions are the
-        training length, with a `LongSequenceWarning` above 32,768 tokens."""
+        """A ModelSpec from a Hugging Face config.json (or its folder), dict or PretrainedConfig
+        (`autosearch.core.hf_config`): the keys it leaves out take transformers' defaults, and a
+        key its family does not know warns (`UnknownConfigKeyWarning`). Without `seq_len`, the
+        config's maximum positions are the training length, with a `LongSequenceWarning` above
+        32,768 tokens."""
         from autosearch.core.hf_config import spec_fields
 
         fields = spec_fields(source, name=name, seq_len=seq_len)
