@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -314,6 +315,36 @@ def test_reading_needs_neither_transformers_nor_torch(monkeypatch):
     assert out.stdout.strip() == "[]"
 
 
+# ---- a model's folder --------------------------------------------------------------------------
+def test_a_models_folder_reads_as_its_config_json(tmp_path, monkeypatch):
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    shutil.copy(DATA / "qwen3-8b.json", folder / "config.json")
+    spec = ModelSpec.load(str(folder), seq_len=4096)
+    assert spec.name == "Qwen3-8B"  # the folder's name
+    assert spec == ModelSpec.from_hf_config(DATA / "qwen3-8b.json", name="Qwen3-8B", seq_len=4096)
+    assert ModelSpec.load(f"{folder}/", seq_len=4096) == spec  # a trailing slash
+    with pytest.raises(SpecError, match="holds no config.json"):
+        ModelSpec.load(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a folder named like a catalog model: the catalog, unless a path
+    assert ModelSpec.load("Qwen3-8B") == ModelSpec.load("qwen3-8b")
+    assert ModelSpec.load("./Qwen3-8B", seq_len=4096).name == "Qwen3-8B"
+
+
+def test_the_cli_reads_a_folder_and_says_what_is_missing(tmp_path):
+    from autosearch.commands._common import load_model
+
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    with pytest.raises(SpecError, match=r"model folder .*Qwen3-8B' holds no config\.json"):
+        load_model(str(folder))
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(SpecError, match=r"Qwen3-8B/config\.json' is not valid JSON"):
+        load_model(str(folder))
+    shutil.copy(DATA / "qwen3-8b.json", folder / "config.json")
+    assert load_model(str(folder), seq_len=4096).name == "Qwen3-8B"
+
+
 # ---- keys a family does not know ---------------------------------------------------------------
 def _renamed(name: str, key: str, typo: str) -> dict:
     config = json.loads((DATA / name).read_text())
@@ -362,6 +393,11 @@ def test_the_cli_says_an_unknown_key_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("warning: ")  # one line, no file and line number
     assert "num_key_value_head is not a key" in err[0]
     assert "did you mean 'num_key_value_heads'?" in err[0]
+    config["num_hiden_layers"] = config.pop("num_hidden_layers")  # the warnings come first
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match="did you mean 'num_hidden_layers'"):
+        load_model(str(tmp_path / "config.json"))
+    assert len(capsys.readouterr().err.splitlines()) == 2
 
 
 @pytest.mark.filterwarnings("ignore::autosearch.core.hf_config.UnknownConfigKeyWarning")

@@ -528,7 +528,8 @@ class ModelSpec:
         lora: "LoraSpec | dict | None" = None,
     ) -> "ModelSpec":
         """A catalog model by name (``llama3-70b``), a YAML file with the fields above, or a
-        Hugging Face ``config.json`` (`from_hf_config`).
+        Hugging Face ``config.json`` or the model's folder holding one (`from_hf_config`). A
+        catalog name comes first: write a folder named like one as a path (``./Qwen3-8B``).
 
         Args:
             name_or_path: the model.
@@ -555,6 +556,14 @@ class ModelSpec:
         if key.lower() in catalog:
             return catalog[key.lower()]
         if key.endswith(".json"):  # a Hugging Face config.json
+            return cls.from_hf_config(key, seq_len=seq_len)
+        if os.path.isdir(key):  # a Hugging Face model's folder
+            if not os.path.isfile(os.path.join(key, "config.json")):
+                raise SpecError(
+                    f"model folder {key!r} holds no config.json; pass a Hugging Face model's "
+                    "folder (the one holding its config.json), a config.json, a model YAML file "
+                    "or a catalog name (`autosearch models`)"
+                )
             return cls.from_hf_config(key, seq_len=seq_len)
         if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
             data = read_yaml_mapping(key, what="model")
