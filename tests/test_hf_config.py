@@ -417,3 +417,27 @@ def test_a_misspelt_key_the_reader_needs_is_an_error(name, key, typo, container)
     model[typo] = model.pop(key)
     with pytest.raises(SpecError, match=f"gives '{container}{typo}': did you mean '{key}'"):
         ModelSpec.from_hf_config(config, seq_len=4096)
+
+
+# ---- one line for summaries --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, line",
+    [
+        (
+            "qwen3-30b-a3b.json",
+            "qwen3-30b-a3b: 30.5 B parameters (3.4 B active), 48 layers, 128 experts top-8, "
+            "seq 4,096",
+        ),
+        ("llama3-8b.json", "llama3-8b: 8.0 B parameters, 32 layers, seq 4,096"),
+        (
+            "deepseek-v3.json",
+            "deepseek-v3: 671.0 B parameters (37.6 B active), 61 layers, 256 experts top-8 + 1 "
+            "shared, seq 4,096",
+        ),
+        # learned positions for 1,024 tokens: GPT-2's 124 M (n_positions)
+        ("gpt2.json", "gpt2: 124.4 M parameters, 12 layers, seq 1,024"),
+    ],
+)
+def test_describe_gives_the_model_in_one_line(name, line):
+    seq_len = int(line.rsplit(" ", 1)[1].replace(",", ""))
+    assert ModelSpec.from_hf_config(DATA / name, seq_len=seq_len).describe() == line

@@ -482,6 +482,27 @@ class ModelSpec:
         forward = gemms + attention
         return 3.0 * forward if training else float(forward)
 
+    def describe(self) -> str:
+        """The model in one line, for summaries: its name, parameters (and, with experts, those
+        a token uses: `n_active_params`), layers, experts and top-k, and sequence length.
+
+        Example:
+            >>> print(ModelSpec.load("mixtral-8x7b").describe())
+            mixtral-8x7b: 46.7 B parameters (12.9 B active), 32 layers, 8 experts top-2, seq 32,768
+        """
+        parts = [f"{_in_units(self.n_params)} parameters"]
+        if self.n_active_params != self.n_params:
+            parts[0] += f" ({_in_units(self.n_active_params)} active)"
+        parts.append(f"{self.n_layers} layers")
+        if self.moe is not None:
+            shared = self.moe.n_shared_experts
+            parts.append(
+                f"{self.moe.n_experts} experts top-{self.moe.top_k}"
+                + (f" + {shared} shared" if shared else "")
+            )
+        parts.append(f"seq {self.seq_len:,}")
+        return f"{self.name}: {', '.join(parts)}"
+
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "model") -> "ModelSpec":
@@ -613,6 +634,13 @@ class ModelSpec:
         ):
             changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
+
+
+def _in_units(n: int) -> str:
+    """A parameter count to one decimal of its unit: ``30.5 B``, ``124.4 M``, ``8,192``."""
+    if n >= 1e9:
+        return f"{n / 1e9:,.1f} B"
+    return f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
 def unpriced(model: ModelSpec) -> list[str]:
