@@ -2,16 +2,27 @@
 its README). Parameter counts are compared with the published sizes: exact families (Llama,
 Mistral) within 0.5% (the published figures are rounded to 3 digits), Qwen2 within 0.5% (its
 q/k/v biases, which a ModelSpec does not count, are 0.01%), GPT-NeoX within 1% (a ModelSpec
-counts learned positions where Pythia has rotary ones)."""
+counts learned positions where Pythia has rotary ones).
+
+Keys a config leaves out take transformers' defaults (autosearch/core/hf_config_keys.yaml, written
+from transformers without importing it at run time): checked here against transformers' own
+config objects and, for Gemma 3 27B, the model transformers builds. Unknown keys warn with the
+closest known key, and a near miss of a key the reader needs is an error."""
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from autosearch import ModelSpec, SpecError
+from autosearch.core.hf_config import LongSequenceWarning, UnknownConfigKeyWarning
 
 DATA = Path(__file__).parent / "data" / "hf_configs"
 
@@ -68,6 +79,7 @@ def test_llama3_8b_fields_and_seq_len_override():
         ("qwen1.5-moe-a2.7b.json", 14.3, 2.7, True),
         ("deepseek-v2-lite.json", 15.7, 2.4, False),
         ("mixtral-8x7b-v0.1.json", 46.7, 12.9, True),
+        ("qwen3-30b-a3b.json", 30.5, 3.3, True),  # model card: 30.5B total, 3.3B activated
     ],
 )
 def test_mixture_of_experts_configs_read_with_their_sizes(name, total, active, with_embedding):
@@ -83,7 +95,11 @@ def test_mixture_of_experts_configs_read_with_their_sizes(name, total, active, w
     "config, expect",
     [
         ({"model_type": "t5"}, "model_type 't5' .*is not a supported family"),
-        ({"model_type": "llama", "hidden_size": 64}, "lacks 'num_hidden_layers'"),
+        (  # a near miss of a key the reader needs is an error, not transformers' default
+            {"model_type": "llama", "num_hiden_layers": 2, "hidden_size": 64},
+            "lacks 'num_hidden_layers' but gives 'num_hiden_layers': did you mean "
+            "'num_hidden_layers'",
+        ),
         (
             {
                 "model_type": "gpt2",
@@ -96,7 +112,10 @@ def test_mixture_of_experts_configs_read_with_their_sizes(name, total, active, w
             },
             "head_dim 32 x 4 heads != hidden_size 64",
         ),
-        ({"model_type": "qwen2_moe", "num_experts": 60}, "lacks 'num_hidden_layers'"),
+        (
+            {"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tk": 4},
+            "did you mean 'num_experts_per_tok'",
+        ),
         (
             {
                 "model_type": "gemma2",
@@ -112,6 +131,7 @@ def test_mixture_of_experts_configs_read_with_their_sizes(name, total, active, w
         ),
     ],
 )
+@pytest.mark.filterwarnings("ignore::autosearch.core.hf_config.UnknownConfigKeyWarning")
 def test_bad_configs_say_what_is_wrong(config, expect):
     with pytest.raises(SpecError, match=expect):
         ModelSpec.from_hf_config(config)
@@ -152,3 +172,272 @@ def test_counts_match_transformers_models():
         assert ModelSpec.from_hf_config(config).n_params == sum(
             p.numel() for p in model.parameters()
         )
+
+
+# ---- Gemma 3 27B: a multimodal config whose text_config leaves out what transformers fills in ---
+GEMMA3 = DATA / "gemma-3-27b.json"
+# What a ModelSpec leaves out of Gemma 3 (hf_config's docstring): per layer the q and k norms
+# (head_dim each) and the pre- and post-feedforward norms (h each); 62 x 11,008 = 682,496
+# parameters, 0.0025% of the model.
+GEMMA3_LEFT_OUT = 62 * (2 * 128 + 2 * 5376)
+
+
+def test_gemma3_27b_reads_with_transformers_defaults():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownConfigKeyWarning)  # every key known
+        spec = ModelSpec.from_hf_config(GEMMA3, seq_len=4096)
+    assert (spec.name, spec.vocab_size, spec.n_layers, spec.hidden_size) == (
+        "gemma-3-27b",
+        262_208,  # Gemma3TextConfig's default: the file gives none
+        62,
+        5376,
+    )
+    assert (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn_hidden_size) == (
+        32,
+        16,
+        128,
+        21504,
+    )
+    assert (spec.ffn_activation, spec.tied_embeddings) == ("geglu", True)
+    # 5 sliding layers of 1,024 tokens to each global one (transformers' default pattern, 6)
+    assert (spec.sliding_window, spec.sliding_window_pattern, spec.sliding_layers) == (
+        1024,
+        6,
+        52,
+    )
+    # Gemma 3 report, Table 1: 25,600 M non-embedding parameters (to 1 M, 4e-5 of it; the
+    # report's 1,416 M of embedding parameters hold the 1152 x 5376 vision projection too);
+    # the ModelSpec leaves out GEMMA3_LEFT_OUT (2.7e-5): 1e-4 holds both.
+    non_embedding = spec.n_params - spec.vocab_size * spec.hidden_size
+    assert non_embedding == pytest.approx(25_600e6, rel=1e-4)
+    with pytest.warns(LongSequenceWarning, match="131,072 tokens"):  # its default positions
+        assert ModelSpec.from_hf_config(GEMMA3).seq_len == 131_072
+
+
+def test_gemma3_27b_count_matches_the_model_transformers_builds():
+    """Exact, but for the norms a ModelSpec leaves out (GEMMA3_LEFT_OUT)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    raw = json.loads(GEMMA3.read_text())
+    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config.text_config)
+    built = sum(p.numel() for p in model.parameters())
+    assert type(model).__name__ == "Gemma3ForCausalLM" and built == 27_009_346_304
+    assert ModelSpec.from_hf_config(GEMMA3, seq_len=4096).n_params == built - GEMMA3_LEFT_OUT
+
+
+# ---- the reader against transformers' own config classes ---------------------------------------
+# Where the reader and transformers differ on purpose: Nemotron's kv_channels (Megatron's head
+# size) is read as head_dim, which transformers' NemotronConfig ignores (it derives hidden /
+# heads); the published config gives both equal, so they differ only once hidden_size or the
+# heads are left out.
+KNOWN_DIFFERENCES = {("nemotron-4b.json", key) for key in ("hidden_size", "num_attention_heads")}
+
+
+def _variants():
+    """Each published config, and each with one key of its (text) model left out."""
+    for path in sorted(DATA.glob("*.json")):
+        raw = json.loads(path.read_text())
+        model = raw.get("text_config", raw)
+        yield path.name, None, raw
+        for key in model:
+            if key != "model_type" and (path.name, key) not in KNOWN_DIFFERENCES:
+                variant = copy.deepcopy(raw)
+                variant.get("text_config", variant).pop(key)
+                yield path.name, key, variant
+
+
+@pytest.mark.filterwarnings("error::autosearch.core.hf_config.UnknownConfigKeyWarning")
+def test_reader_takes_the_defaults_transformers_takes():
+    """A config read by the reader equals the same config read once transformers' config class
+    has filled in every key (``to_dict``): same defaults, aliases and derived values; and every
+    key transformers writes is known."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    transformers.logging.set_verbosity_error()  # its own remarks on rope settings
+
+    def read(config):
+        try:
+            return ModelSpec.from_hf_config(config, name="m", seq_len=4096)
+        except SpecError:  # both refuse a key without a default (DeepseekV2Config's top-k)
+            return "refused"
+
+    differ, read_both = [], 0
+    for name, left_out, raw in _variants():
+        rest = {k: v for k, v in raw.items() if k != "model_type"}
+        filled = transformers.AutoConfig.for_model(raw["model_type"], **rest).to_dict()
+        ours = read(raw)
+        if ours != read(filled):
+            differ.append((name, left_out))
+        read_both += ours != "refused"
+    assert differ == [] and read_both > 500
+
+
+def test_keys_table_is_the_installed_transformers():
+    """hf_config_keys.yaml is what tools/hf_config_keys.py writes from the transformers it was
+    written from (another version may declare other keys: run the tool)."""
+    transformers = pytest.importorskip("transformers")
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    table = yaml.safe_load((root / "autosearch" / "core" / "hf_config_keys.yaml").read_text())
+    if table["transformers"] != transformers.__version__:
+        pytest.skip(f"written from transformers {table['transformers']}")
+    tool = [sys.executable, str(root / "tools" / "hf_config_keys.py"), "--check"]
+    assert subprocess.run(tool, capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.json")))
+def test_published_configs_raise_no_unknown_key_warning(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownConfigKeyWarning)
+        ModelSpec.from_hf_config(DATA / name, seq_len=4096)
+
+
+def test_reading_needs_neither_transformers_nor_torch(monkeypatch):
+    """Without transformers (its import fails) every config reads the same, Gemma 3's too; and
+    reading one imports neither (the cost model's side never imports torch)."""
+
+    def read_all():
+        return {p.name: ModelSpec.from_hf_config(p, seq_len=4096) for p in DATA.glob("*.json")}
+
+    specs = read_all()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ImportError):
+        import transformers  # noqa: F401
+    assert read_all() == specs and specs["gemma-3-27b.json"].vocab_size == 262_208
+    code = (
+        "import sys; from autosearch import ModelSpec; "
+        f"ModelSpec.load({str(GEMMA3)!r}, seq_len=4096); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- a model's folder --------------------------------------------------------------------------
+def test_a_models_folder_reads_as_its_config_json(tmp_path, monkeypatch):
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    shutil.copy(DATA / "qwen3-8b.json", folder / "config.json")
+    spec = ModelSpec.load(str(folder), seq_len=4096)
+    assert spec.name == "Qwen3-8B"  # the folder's name
+    assert spec == ModelSpec.from_hf_config(DATA / "qwen3-8b.json", name="Qwen3-8B", seq_len=4096)
+    assert ModelSpec.load(f"{folder}/", seq_len=4096) == spec  # a trailing slash
+    with pytest.raises(SpecError, match="holds no config.json"):
+        ModelSpec.load(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a folder named like a catalog model: the catalog, unless a path
+    assert ModelSpec.load("Qwen3-8B") == ModelSpec.load("qwen3-8b")
+    assert ModelSpec.load("./Qwen3-8B", seq_len=4096).name == "Qwen3-8B"
+
+
+def test_the_cli_reads_a_folder_and_says_what_is_missing(tmp_path):
+    from autosearch.commands._common import load_model
+
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    with pytest.raises(SpecError, match=r"model folder .*Qwen3-8B' holds no config\.json"):
+        load_model(str(folder))
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(SpecError, match=r"Qwen3-8B/config\.json' is not valid JSON"):
+        load_model(str(folder))
+    shutil.copy(DATA / "qwen3-8b.json", folder / "config.json")
+    assert load_model(str(folder), seq_len=4096).name == "Qwen3-8B"
+
+
+# ---- keys a family does not know ---------------------------------------------------------------
+def _renamed(name: str, key: str, typo: str) -> dict:
+    config = json.loads((DATA / name).read_text())
+    config[typo] = config.pop(key)
+    return config
+
+
+def test_a_misspelt_optional_key_warns_and_reads_as_transformers_would():
+    """Qwen3-30B-A3B with ``num_key_value_head``: the key is ignored, with a warning naming the
+    right one, and the heads are Qwen3MoeConfig's default, 4 (one per query head, as this
+    reader read it before it took transformers' defaults, gave 31.24 B parameters)."""
+    typo = _renamed("qwen3-30b-a3b.json", "num_key_value_heads", "num_key_value_head")
+    with pytest.warns(UnknownConfigKeyWarning, match="did you mean 'num_key_value_heads'") as w:
+        spec = ModelSpec.from_hf_config(typo, seq_len=4096)
+    assert len(w) == 1 and "num_key_value_head is not a key of model_type 'qwen3_moe'" in str(
+        w[0].message
+    )
+    right = ModelSpec.from_hf_config(DATA / "qwen3-30b-a3b.json", seq_len=4096)
+    assert (spec.n_kv_heads, spec.n_params) == (4, right.n_params) == (4, 30_532_110_336)
+    # LlamaConfig's default is one key/value head per query head: 8.03 B becomes 8.84 B
+    llama = _renamed("llama3-8b.json", "num_key_value_heads", "num_key_value_head")
+    with pytest.warns(UnknownConfigKeyWarning, match="did you mean 'num_key_value_heads'"):
+        assert ModelSpec.from_hf_config(llama, seq_len=4096).n_kv_heads == 32
+
+
+def test_an_unknown_key_beside_the_right_one_changes_nothing():
+    config = json.loads((DATA / "qwen3-30b-a3b.json").read_text())
+    right = ModelSpec.from_hf_config(config, name="m", seq_len=4096)
+    for extra, hint in (
+        ("num_key_value_head", "did you mean 'num_key_value_heads'?"),
+        ("flux_capacitor", "no known key is close to it"),
+    ):
+        with pytest.warns(UnknownConfigKeyWarning, match=hint):
+            spec = ModelSpec.from_hf_config({**config, extra: 1}, name="m", seq_len=4096)
+        assert spec == right
+
+
+def test_the_cli_says_an_unknown_key_in_one_line(tmp_path, capsys):
+    from autosearch.commands._common import load_model
+
+    config = json.loads((DATA / "qwen3-8b.json").read_text())
+    config["num_key_value_head"] = config.pop("num_key_value_heads")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_model(str(tmp_path / "config.json"), seq_len=4096).n_layers == 36
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ")  # one line, no file and line number
+    assert "num_key_value_head is not a key" in err[0]
+    assert "did you mean 'num_key_value_heads'?" in err[0]
+    config["num_hiden_layers"] = config.pop("num_hidden_layers")  # the warnings come first
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match="did you mean 'num_hidden_layers'"):
+        load_model(str(tmp_path / "config.json"))
+    assert len(capsys.readouterr().err.splitlines()) == 2
+
+
+@pytest.mark.filterwarnings("ignore::autosearch.core.hf_config.UnknownConfigKeyWarning")
+@pytest.mark.parametrize(
+    "name, key, typo, container",
+    [
+        ("qwen3-8b.json", "num_hidden_layers", "num_hiden_layers", ""),
+        ("mixtral-8x7b-v0.1.json", "num_local_experts", "num_local_expert", ""),
+        ("gpt2.json", "n_embd", "n_emb", ""),
+        ("gemma-3-27b.json", "hidden_size", "hiden_size", "text_config."),
+    ],
+)
+def test_a_misspelt_key_the_reader_needs_is_an_error(name, key, typo, container):
+    """Not transformers' default in its place: the error names both keys."""
+    config = json.loads((DATA / name).read_text())
+    model = config.get("text_config", config)
+    model[typo] = model.pop(key)
+    with pytest.raises(SpecError, match=f"gives '{container}{typo}': did you mean '{key}'"):
+        ModelSpec.from_hf_config(config, seq_len=4096)
+
+
+# ---- one line for summaries --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, line",
+    [
+        (
+            "qwen3-30b-a3b.json",
+            "qwen3-30b-a3b: 30.5 B parameters (3.4 B active), 48 layers, 128 experts top-8, "
+            "seq 4,096",
+        ),
+        ("llama3-8b.json", "llama3-8b: 8.0 B parameters, 32 layers, seq 4,096"),
+        (
+            "deepseek-v3.json",
+            "deepseek-v3: 671.0 B parameters (37.6 B active), 61 layers, 256 experts top-8 + 1 "
+            "shared, seq 4,096",
+        ),
+        # learned positions for 1,024 tokens: GPT-2's 124 M (n_positions)
+        ("gpt2.json", "gpt2: 124.4 M parameters, 12 layers, seq 1,024"),
+    ],
+)
+def test_describe_gives_the_model_in_one_line(name, line):
+    seq_len = int(line.rsplit(" ", 1)[1].replace(",", ""))
+    assert ModelSpec.from_hf_config(DATA / name, seq_len=seq_len).describe() == line

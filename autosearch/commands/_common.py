@@ -31,7 +31,8 @@ def add_model_cluster_args(
     p.add_argument(
         "--model",
         required=required,
-        help="catalog name (see `autosearch models`) or a model YAML file"
+        help="catalog name (see `autosearch models`), a model YAML file, or a Hugging Face "
+        "config.json or the model's folder holding one"
         + ("" if required else " (required, here or in the config file)"),
     )
     p.add_argument(
@@ -99,33 +100,40 @@ def load_model_cluster(args: argparse.Namespace):
 
 
 def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None = None, lora=None):
-    """A catalog model, a model YAML file or a Hugging Face config.json, at `seq_len` tokens
-    when given (``--seq-len``); a message about a file names its path. A config.json without
-    `seq_len` trains at its maximum positions: above 32k tokens that is said in one note line
-    on stderr (not a Python warning with a file and line)."""
+    """A catalog model, a model YAML file, or a Hugging Face config.json or the folder holding
+    one, at `seq_len` tokens when given (``--seq-len``); a message about a file or folder names
+    its path. A config.json without `seq_len` trains at its maximum positions: above 32k tokens
+    that is said in one note line on stderr; a key its family does not know (a typo, often) in
+    a warning line there (not Python warnings with a file and line)."""
     import sys
     import warnings
 
-    from autosearch.core.hf_config import LongSequenceWarning
+    from autosearch.core.hf_config import LongSequenceWarning, UnknownConfigKeyWarning
     from autosearch.core.model_spec import ModelSpec
+
+    lines = {LongSequenceWarning: "note", UnknownConfigKeyWarning: "warning"}
 
     if isinstance(text, dict):  # from a config file: the fields of a ModelSpec
         spec = ModelSpec.from_dict(text, what=f"{flag} (a mapping)")
         return ModelSpec.load(spec, seq_len=seq_len, lora=lora)
     text = check_text(text, flag)
+    caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", LongSequenceWarning)
+            for category in lines:
+                warnings.simplefilter("always", category)
             spec = ModelSpec.load(text, seq_len=seq_len, lora=lora)
     except SpecError as exc:
-        if os.path.isfile(text) and text not in str(exc):
-            raise SpecError(f"model file {text!r}: {exc}") from None
+        if os.path.exists(text) and text not in str(exc):
+            kind = "folder" if os.path.isdir(text) else "file"
+            raise SpecError(f"model {kind} {text!r}: {exc}") from None
         raise
-    for w in caught:
-        if issubclass(w.category, LongSequenceWarning):
-            print(f"note: {w.message}", file=sys.stderr)
-        else:  # not ours to reword
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    finally:  # before an error too: an unknown key may be why
+        for w in caught:
+            if w.category in lines:
+                print(f"{lines[w.category]}: {w.message}", file=sys.stderr)
+            else:  # not ours to reword
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return spec
 
 

@@ -31,15 +31,42 @@ gpt-oss's attention and expert biases and attention sinks (0.03% of gpt-oss-120b
 shared-expert gate (h weights), Llama 4's chunked attention (``attention_chunk_size``: counted as
 full attention, an upper bound) and GPT-NeoX's rotary positions (the GPT style counts learned
 positions, seq_len * h parameters, 0.2% of Pythia-1B at 2,048 tokens).
+
+Keys a config leaves out take the default that transformers' config class of the family gives
+them, as transformers reads the file: a published config.json often gives only what differs from
+those defaults (Gemma 3 27B's ``text_config`` has no ``vocab_size``: Gemma3TextConfig's
+262,208; a Mistral config without ``num_key_value_heads`` has 8 key/value heads, not one per
+head). The defaults, the keys each class declares and its aliases (``attribute_map``) are read
+from hf_config_keys.yaml, which tools/hf_config_keys.py writes from transformers: importing a
+transformers config class imports torch (transformers.configuration_utils imports
+modeling_rope_utils, which imports torch when it is installed), and the cost model's side of
+autosearch never imports torch, so this module never imports transformers and reads the same
+with or without it. What a class derives in its ``__post_init__`` (``num_key_value_heads`` and
+``head_dim`` from the heads when null, Gemma 3's layer pattern) is derived here as it is there;
+tests/test_hf_config.py checks the result against transformers' own config objects and models.
+
+Keys a family does not know. Each key of the config (and of a multimodal config's
+``text_config``) that its family does not know is ignored with an `UnknownConfigKeyWarning`
+naming the closest known key, where one is close (``num_key_value_head``: did you mean
+``num_key_value_heads``?). A key this reader needs that the config leaves out while giving a
+near miss of it (``num_hiden_layers``) is an error saying so, not the default. A family knows the
+keys its transformers config class declares, the keys this reader reads (`READ_KEYS`) and the
+keys published configs carry that transformers 5 reads without declaring them
+(`UNDECLARED_KEYS`); keys starting with ``_`` (a writer's own state) are not checked.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 import os
 import warnings
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
+
+import yaml
 
 from autosearch.core._io import name_from, read_regular_file
 from autosearch.core.errors import SpecError
@@ -65,10 +92,52 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 GELU_NAMES = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
 # A training length above this is rarely meant: warn when it comes from max_position_embeddings.
 LONG_SEQ_LEN = 32768
+# Every key this reader reads, in some family (a family's own keys are in hf_config_keys.yaml).
+READ_KEYS = frozenset(
+    {
+        "model_type", "_name_or_path", "text_config", "vocab_size", "tie_word_embeddings",
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+        "intermediate_size", "intermediate_size_mlp", "head_dim", "kv_channels",
+        "max_position_embeddings", "n_positions", "n_ctx", "n_layer", "n_embd", "n_head",
+        "n_inner", "activation_function", "hidden_act", "hidden_activation",
+        "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+        "use_sliding_window", "layer_types", "sliding_window_pattern", "num_experts_per_tok",
+        "experts_per_token", "decoder_sparse_step", "shared_expert_intermediate_size",
+        "mlp_only_layers", "interleave_moe_layer_step", "moe_layers", "moe_layer_freq",
+        "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "scoring_func",
+        "topk_method", "num_nextn_predict_layers", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *MOE_KEYS,
+    }
+)  # fmt: skip
+# Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
+# as fields of a config class, so hf_config_keys.yaml does not list them.
+UNDECLARED_KEYS = frozenset(
+    {
+        # read by PreTrainedConfig itself (__post_init__, from_dict) or written with the model
+        "name_or_path", "torch_dtype", "num_labels", "output_attentions",
+        "attn_implementation", "auto_map", "quantization_config", "cache_implementation",
+        "task_specific_params",
+        # PreTrainedConfig's token ids in transformers 4 (in 5, declared family by family)
+        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        # transformers 4's rotary keys, which transformers 5 folds into rope_parameters
+        "rope_theta", "rope_scaling", "partial_rotary_factor", "rotary_pct", "rotary_emb_base",
+        "rope_local_base_freq",
+        # keys of the checkpoints' own code (DeepSeek-V3's configuration_deepseek.py), or
+        # that their configs carry undeclared: gpt-oss, Llama 4, phi-4 (Phi3Config has no
+        # attention_bias field), Qwen3-MoE (Qwen3MoeConfig none for max_window_layers);
+        # tests/data/hf_configs holds each
+        "ep_size", "initial_context_length", "for_llm_compressor", "attention_bias",
+        "max_window_layers",
+    }
+)  # fmt: skip
 
 
 class LongSequenceWarning(UserWarning):
     """The training sequence length came from a config's maximum positions and is long."""
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """A key of a Hugging Face config that its family does not know (often a typo): ignored."""
 
 
 def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[str, Any]:
@@ -164,9 +233,14 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             (``max_position_embeddings`` / ``n_positions``), which is often longer than one
             trains: above 32,768 tokens a `LongSequenceWarning` says how to set it.
 
+    Keys the config leaves out take the defaults of the family's transformers config class;
+    each key the family does not know is ignored with an `UnknownConfigKeyWarning` (module
+    docstring).
+
     Raises:
         SpecError: an unsupported family (named, with the supported ones), a layout a ModelSpec
-            cannot describe (named), or missing keys.
+            cannot describe (named), a key it needs that the config misspells (did you mean), or
+            one without a default that the config leaves out.
 
     Example:
         >>> fields = spec_fields({"model_type": "llama", "num_hidden_layers": 2,
@@ -175,13 +249,9 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
         >>> fields["ffn_activation"], fields["n_kv_heads"]
         ('swiglu', 4)
     """
-    cfg = read_config(source)
+    raw = read_config(source)
+    cfg = _text_model(raw)
     model_type = cfg.get("model_type")
-    if model_type in NESTED and isinstance(cfg.get("text_config"), Mapping):
-        outer = cfg
-        cfg = {"model_type": NESTED[model_type], **cfg["text_config"]}
-        cfg.setdefault("_name_or_path", outer.get("_name_or_path"))
-        model_type = cfg["model_type"]
     label = _label(cfg, source, name)
     experts = [k for k in MOE_KEYS if cfg.get(k)]
     if model_type not in SUPPORTED:
@@ -191,38 +261,10 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             f"supported: {', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, "
             "n_heads, vocab_size, seq_len; moe and mla as nested mappings) for other models"
         )
-
-    def need(*keys: str):
-        for key in keys:
-            if cfg.get(key) is not None:
-                return cfg[key]
-        raise SpecError(
-            f"Hugging Face config of {label!r} (model_type {model_type!r}) lacks {keys[0]!r}"
-        )
-
-    if model_type in GPT_LIKE:
-        fields = _gpt_fields(cfg, model_type, need, label)
-    else:
-        fields = dict(
-            n_layers=need("num_hidden_layers"),
-            hidden_size=need("hidden_size"),
-            n_heads=need("num_attention_heads"),
-            n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
-            ffn_hidden_size=need("intermediate_size"),
-            ffn_activation=_activation(cfg, model_type, label),
-            vocab_size=need("vocab_size"),
-            tied_embeddings=_flag(cfg, "tie_word_embeddings", model_type in GEMMA_LIKE, label),
-        )
-        if model_type == "llama4_text":
-            fields["ffn_hidden_size"] = need("intermediate_size_mlp")  # the dense layers' MLP
-        head_dim = _count(cfg, "head_dim", label) or _count(cfg, "kv_channels", label)
-        if head_dim is not None and model_type not in ("deepseek_v2", "deepseek_v3"):
-            fields["head_dim"] = head_dim
-        fields.update(_attention_variants(cfg, model_type, fields["n_layers"], label))
-        if model_type in MOE_FAMILIES:
-            fields.update(_moe_fields(cfg, model_type, fields["n_layers"], need, label))
+    config = _Config(cfg, model_type, label, near_misses=_check_keys(raw, cfg, label))
+    fields = _read(config, model_type, label)
     if seq_len is None:
-        seq_len = need("max_position_embeddings", "n_positions", "n_ctx")
+        seq_len = config.need("max_position_embeddings", "n_positions", "n_ctx")
         if isinstance(seq_len, int) and seq_len > LONG_SEQ_LEN:
             warnings.warn(
                 f"{label!r}: the training sequence length is the config's maximum positions, "
@@ -233,6 +275,120 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
                 stacklevel=3,
             )
     return {"name": str(label), **fields, "seq_len": seq_len}
+
+
+def _text_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model: `raw` itself, or a multimodal config's ``text_config``
+    with its model_type (and the outer config's name)."""
+    model_type = raw.get("model_type")
+    if model_type not in NESTED or not isinstance(raw.get("text_config"), Mapping):
+        return raw
+    cfg = {"model_type": NESTED[model_type], **raw["text_config"]}
+    cfg.setdefault("_name_or_path", raw.get("_name_or_path"))
+    return cfg
+
+
+class _Config:
+    """A config's keys as transformers reads them: the keys given (an alias under the name of
+    the field it stands for) over the defaults of the family's config class
+    (hf_config_keys.yaml), in `merged`."""
+
+    def __init__(
+        self, given: Mapping[str, Any], model_type: str, label: str, *, near_misses: dict[str, str]
+    ):
+        family = _declared()[1].get(model_type, {})
+        aliases = family.get("aliases", {})
+        self.given = {aliases.get(key, key): value for key, value in given.items()}
+        self.defaults: dict[str, Any] = family.get("defaults", {})
+        self.merged = {**self.defaults, **self.given}
+        self.what = f"Hugging Face config of {label!r} (model_type {model_type!r})"
+        self.near_misses = near_misses
+
+    def need(self, *keys: str) -> Any:
+        """The first of `keys` the config gives, else its default; an error naming the key
+        given in its place where one looks like a typo of it (not its default then)."""
+        for key in keys:
+            if self.given.get(key) is not None:
+                return self.given[key]
+        typo = next((key for key in keys if key in self.near_misses), None)
+        if typo is not None:
+            raise SpecError(
+                f"{self.what} lacks {typo!r} but gives {self.near_misses[typo]!r}: did you "
+                f"mean {typo!r}? Correct the key's name"
+            )
+        for key in keys:
+            if self.defaults.get(key) is not None:
+                return self.defaults[key]
+        raise SpecError(f"{self.what} lacks {keys[0]!r}")
+
+
+def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
+    """The ModelSpec fields of `config`, less name and seq_len."""
+    cfg, need = config.merged, config.need
+    if model_type in GPT_LIKE:
+        return _gpt_fields(cfg, model_type, need, label)
+    fields = dict(
+        n_layers=need("num_hidden_layers"),
+        hidden_size=need("hidden_size"),
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation=_activation(cfg, model_type, label),
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", model_type in GEMMA_LIKE, label),
+    )
+    if model_type == "llama4_text":
+        fields["ffn_hidden_size"] = need("intermediate_size_mlp")  # the dense layers' MLP
+    head_dim = _count(cfg, "head_dim", label) or _count(cfg, "kv_channels", label)
+    if head_dim is not None and model_type not in ("deepseek_v2", "deepseek_v3"):
+        fields["head_dim"] = head_dim
+    fields.update(_attention_variants(cfg, model_type, fields["n_layers"], label))
+    if model_type in MOE_FAMILIES:
+        fields.update(_moe_fields(cfg, model_type, fields["n_layers"], need, label))
+    return fields
+
+
+@functools.cache
+def _declared() -> tuple[frozenset[str], dict[str, dict[str, Any]]]:
+    """What transformers declares (hf_config_keys.yaml): the keys of every family, and each
+    family's defaults, aliases and derived keys."""
+    text = resources.files("autosearch.core").joinpath("hf_config_keys.yaml")
+    data = yaml.safe_load(text.read_text(encoding="utf-8"))
+    return frozenset(data["common"]), data["families"]
+
+
+def known_keys(model_type: str) -> frozenset[str]:
+    """The config keys a family knows: those transformers declares for it, those this reader
+    reads and those published configs carry undeclared (module docstring)."""
+    common, families = _declared()
+    family = families.get(model_type, {})
+    own = {*family.get("defaults", ()), *family.get("aliases", ()), *family.get("derived", ())}
+    return common | READ_KEYS | UNDECLARED_KEYS | own
+
+
+def _check_keys(raw: dict[str, Any], cfg: dict[str, Any], label: str) -> dict[str, str]:
+    """Warn (`UnknownConfigKeyWarning`) on each key its family does not know; return
+    ``{known key: key given}`` for those close to a known key (the likely typos)."""
+    scopes = [("", cfg, cfg["model_type"])]
+    if cfg is not raw:  # a multimodal config: its own keys, then its text_config's
+        scopes = [("", raw, raw["model_type"]), ("text_config.", raw["text_config"], scopes[0][2])]
+    near_misses: dict[str, str] = {}
+    for prefix, keys, model_type in scopes:
+        known = known_keys(model_type)
+        for key in keys:
+            if key in known or key.startswith("_"):  # "_...": the writer's own state
+                continue
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            hint = f"did you mean {close[0]!r}?" if close else "no known key is close to it"
+            warnings.warn(
+                f"Hugging Face config of {label!r}: {prefix}{key} is not a key of model_type "
+                f"{model_type!r} and is ignored; {hint}",
+                UnknownConfigKeyWarning,
+                stacklevel=4,
+            )
+            if close:
+                near_misses[close[0]] = f"{prefix}{key}"
+    return near_misses
 
 
 def _label(cfg: Mapping[str, Any], source: Any, name: str | None) -> str:

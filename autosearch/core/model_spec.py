@@ -482,6 +482,27 @@ class ModelSpec:
         forward = gemms + attention
         return 3.0 * forward if training else float(forward)
 
+    def describe(self) -> str:
+        """The model in one line, for summaries: its name, parameters (and, with experts, those
+        a token uses: `n_active_params`), layers, experts and top-k, and sequence length.
+
+        Example:
+            >>> print(ModelSpec.load("mixtral-8x7b").describe())
+            mixtral-8x7b: 46.7 B parameters (12.9 B active), 32 layers, 8 experts top-2, seq 32,768
+        """
+        parts = [f"{_in_units(self.n_params)} parameters"]
+        if self.n_active_params != self.n_params:
+            parts[0] += f" ({_in_units(self.n_active_params)} active)"
+        parts.append(f"{self.n_layers} layers")
+        if self.moe is not None:
+            shared = self.moe.n_shared_experts
+            parts.append(
+                f"{self.moe.n_experts} experts top-{self.moe.top_k}"
+                + (f" + {shared} shared" if shared else "")
+            )
+        parts.append(f"seq {self.seq_len:,}")
+        return f"{self.name}: {', '.join(parts)}"
+
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "model") -> "ModelSpec":
@@ -506,9 +527,11 @@ class ModelSpec:
     def from_hf_config(
         cls, source, *, name: str | None = None, seq_len: int | None = None
     ) -> "ModelSpec":
-        """A ModelSpec from a Hugging Face config.json, dict or PretrainedConfig
-        (`autosearch.core.hf_config`). Without `seq_len`, the config's maximum positions are the
-        training length, with a `LongSequenceWarning` above 32,768 tokens."""
+        """A ModelSpec from a Hugging Face config.json (or its folder), dict or PretrainedConfig
+        (`autosearch.core.hf_config`): the keys it leaves out take transformers' defaults, and a
+        key its family does not know warns (`UnknownConfigKeyWarning`). Without `seq_len`, the
+        config's maximum positions are the training length, with a `LongSequenceWarning` above
+        32,768 tokens."""
         from autosearch.core.hf_config import spec_fields
 
         fields = spec_fields(source, name=name, seq_len=seq_len)
@@ -526,7 +549,8 @@ class ModelSpec:
         lora: "LoraSpec | dict | None" = None,
     ) -> "ModelSpec":
         """A catalog model by name (``llama3-70b``), a YAML file with the fields above, or a
-        Hugging Face ``config.json`` (`from_hf_config`).
+        Hugging Face ``config.json`` or the model's folder holding one (`from_hf_config`). A
+        catalog name comes first: write a folder named like one as a path (``./Qwen3-8B``).
 
         Args:
             name_or_path: the model.
@@ -553,6 +577,14 @@ class ModelSpec:
         if key.lower() in catalog:
             return catalog[key.lower()]
         if key.endswith(".json"):  # a Hugging Face config.json
+            return cls.from_hf_config(key, seq_len=seq_len)
+        if os.path.isdir(key):  # a Hugging Face model's folder
+            if not os.path.isfile(os.path.join(key, "config.json")):
+                raise SpecError(
+                    f"model folder {key!r} holds no config.json; pass a Hugging Face model's "
+                    "folder (the one holding its config.json), a config.json, a model YAML file "
+                    "or a catalog name (`autosearch models`)"
+                )
             return cls.from_hf_config(key, seq_len=seq_len)
         if key.endswith((".yaml", ".yml")) or os.path.sep in key or os.path.exists(key):
             data = read_yaml_mapping(key, what="model")
@@ -602,6 +634,13 @@ class ModelSpec:
         ):
             changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
+
+
+def _in_units(n: int) -> str:
+    """A parameter count to one decimal of its unit: ``30.5 B``, ``124.4 M``, ``8,192``."""
+    if n >= 1e9:
+        return f"{n / 1e9:,.1f} B"
+    return f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
 def unpriced(model: ModelSpec) -> list[str]:

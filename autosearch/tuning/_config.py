@@ -80,8 +80,8 @@ class TuneConfig(Schema):
 
     model: "ModelSpec | dict | str" = setting(
         read=read_model,
-        help="catalog name (see `autosearch models`) or a model YAML file (required, here or "
-        "in the config file)",
+        help="catalog name (see `autosearch models`), a model YAML file, or a Hugging Face "
+        "config.json or the model's folder holding one (required, here or in the config file)",
     )
     cluster: "Cluster | dict | str" = setting(
         read=read_cluster,

@@ -127,20 +127,12 @@ class TuneResult:
 
 
 def case_line(model, cluster, global_batch_size: int) -> str:
-    """``llama3-70b (70.6 B parameters, 80 layers, seq 8,192) on h100-sxm:16x8 (128 devices),
+    """``llama3-70b: 70.6 B parameters, 80 layers, seq 8,192; on h100-sxm:16x8 (128 devices),
     global batch 512 (4.19 M tokens per step)``."""
     tokens = global_batch_size * model.seq_len
     return (
-        f"{_model_line(model)} on {cluster.name} ({cluster.world_size:,} devices), global batch "
+        f"{model.describe()}; on {cluster.name} ({cluster.world_size:,} devices), global batch "
         f"{global_batch_size:,} ({tokens / 1e6:.3g} M tokens per step)"
-    )
-
-
-def _model_line(model) -> str:
-    active = f", {model.n_active_params / 1e9:.1f} B active" if model.moe is not None else ""
-    return (
-        f"{model.name} ({model.n_params / 1e9:.1f} B parameters{active}, {model.n_layers} "
-        f"layers, seq {model.seq_len:,})"
     )
 
 
