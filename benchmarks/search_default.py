@@ -248,7 +248,6 @@ def main() -> None:
                     "layouts_scored": result.n_units_covered,
                     "plan": result.plan.split(":")[0],
                     "search_s": round(wall, 3),
-                    # the budget's clock (tuning._study.budget_clock): the same at any load
                     "search_cpu_s": round(cpu, 3),
                     "load_average": round(load, 2),
                 }

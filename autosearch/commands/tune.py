@@ -172,17 +172,9 @@ def dry_run(config: TuneConfig) -> str:
     per_trial = (time.perf_counter() - t0) / k
     n_trials, plan = config.n_trials, None
     if n_trials is None and config.sampler is None:  # tune's own budget rule
-        from autosearch.tuning._study import _resolve_cost_model, plan_search
+        from autosearch.tuning._study import plan_search
 
-        cm = _resolve_cost_model(None, model, cluster, config.runtime)
-        plan = plan_search(
-            space,
-            cm,
-            unit=unit,
-            multi=multi,
-            storage=config.storage,
-            budget_s=config.time_budget,
-        )
+        plan = plan_search(space, unit=unit, multi=multi, budget_s=config.time_budget)
         n_trials = plan.n_trials
     elif n_trials is None:
         n_trials = DEFAULT_N_TRIALS

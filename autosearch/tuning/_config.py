@@ -135,12 +135,12 @@ class TuneConfig(Schema):
         10.0,
         read=read_seconds,
         metavar="SECONDS",
-        help="seconds of computing the default search aims at (no --n-trials, no --sampler): "
-        "every layout when scoring them all is estimated within them, else 100 sampled trials "
-        "and a local search from the best layouts that stops when the budget is spent (the "
-        "same command again goes on from there); 0: the local search runs to its end (default "
-        "10). Counted in this process's CPU time, so a busy machine plans and stops as a quiet "
-        "one does and picks the same strategy (it takes longer)",
+        help="seconds the default search aims at (no --n-trials, no --sampler): every layout "
+        "when scoring them all is priced within them, else 100 sampled trials and a local "
+        "search from the best layouts that stops when the budget is spent (the same command "
+        "again goes on from there); 0: the local search runs to its end (default 10). Counted "
+        "in priced work (the cost model's time per estimate), not on a clock, so every machine "
+        "and every door picks the same strategy",
     )
     sampler: str | None = setting(
         None,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import itertools
 import math
 import os
 import re
@@ -146,18 +145,13 @@ def tune(
     """
     import optuna
 
-    t_start, cpu_start = time.perf_counter(), time.process_time()
+    t_start = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     config, objects = _config_of(config, cluster, options, settings)
     job = prepare(config, cost_model=cost_model, **objects)
     with storage_errors(describe_storage(job.storage)):
-        return _run(
-            job,
-            progress=progress,
-            setup_s=time.perf_counter() - t_start,
-            setup_cpu_s=time.process_time() - cpu_start,
-        )
+        return _run(job, progress=progress, setup_s=time.perf_counter() - t_start)
 
 
 def _config_of(
@@ -291,9 +285,7 @@ def prepare(
     n_trials, plan = config.n_trials, None
     sampler_arg: Any = sampler if sampler is not None else config.sampler
     if n_trials is None and sampler_arg is None:
-        plan = plan_search(
-            space, cm, unit=unit, multi=obj.is_multi, storage=storage, budget_s=config.time_budget
-        )
+        plan = plan_search(space, unit=unit, multi=obj.is_multi, budget_s=config.time_budget)
         n_trials = plan.n_trials
         if plan.exhaustive:
             sampler_arg = "exhaustive"
@@ -350,7 +342,7 @@ def _record(config: TuneConfig, *, model, cluster, study_name: str, out: str | N
     return ran.to_dict()
 
 
-def _run(job: TuneJob, *, progress, setup_s: float, setup_cpu_s: float) -> TuneResult:
+def _run(job: TuneJob, *, progress, setup_s: float) -> TuneResult:
     """Open the study, run the trials, write the outputs (the body of `tune`)."""
     import optuna
 
@@ -391,10 +383,8 @@ def _run(job: TuneJob, *, progress, setup_s: float, setup_cpu_s: float) -> TuneR
             params = job.space.params_of(s, group=job.unit == "layout")
             shadow.enqueue_trial(params, skip_if_exists=True)
     bar = _ProgressBar(job.target) if progress is True else (progress or None)
-    if job.plan is not None and job.plan.budget_s:  # counted from the start of `tune`, less
-        # what collecting the results takes after it (30-60 ms measured at load 4), in this
-        # process's CPU seconds (`budget_clock`)
-        runner.deadline = budget_clock() - setup_cpu_s + job.plan.budget_s - FINISH_RESERVE_S
+    if job.plan is not None and job.plan.budget_s:  # priced work, not a clock (`work_price`)
+        runner.budget_s = job.plan.budget_s
     try:
         n_new = runner.run(job.target, progress=bar)
         if job.plan is not None and job.plan.local:
@@ -500,9 +490,11 @@ class _Runner:
         self._best_of: dict[tuple, tuple[Any, Any]] = {}  # unit -> its best (strategy, report)
         self._group_size: dict[tuple, int] = {}
         self.local_layouts = 0  # layouts the local search scored
-        # the default plan's time budget (`budget_clock()` seconds), which stops the local
-        # search, and whether it did
-        self.deadline: float | None = None
+        # the default plan's time budget, which stops the local search, and whether it did;
+        # the work done so far, priced in seconds (`work_price`: not read off a clock)
+        self.budget_s: float | None = None
+        self.work_s = 0.0
+        self.price = work_price(space.model)
         self.stopped = False
 
     @property
@@ -660,7 +652,7 @@ class _Runner:
 
     def _spent(self) -> bool:
         """Whether the time budget is spent (and if so, note that the search stopped)."""
-        self.stopped = self.deadline is not None and budget_clock() >= self.deadline
+        self.stopped = self.budget_s is not None and self.work_s >= self.budget_s
         return self.stopped
 
     def _renew_shadow_if_due(self) -> None:
@@ -836,6 +828,7 @@ class _Runner:
                     best_s, best_r = s, r
             if best_s is None or best_r is None:  # recorded as a failed trial
                 raise ValueError("the trial's group of strategies is empty")
+            self.work_s += self.price(len(group))
             if not self.exhaustive:  # an exhaustive run scores each unit once
                 self._best_of[unit] = (best_s, best_r)
                 self._group_size[unit] = len(group)
@@ -886,114 +879,88 @@ class _Runner:
 
 # ---- the budget rule ----------------------------------------------------------------------------
 EXHAUSTIVE_BUDGET_S = 10.0
-FINISH_RESERVE_S = 0.2  # of the time budget, kept for reading the study's trials back
 EXHAUSTIVE_BATCH = 64  # units scored per turn of the study lock (one fsync each turn)
 DEFAULT_TRIALS = 200
 # TPE trials before the local search (`_local.py`): the climbs reach the optimum from the basins
 # 100 trials find (benchmarks/search_default.py: the misses of 200 trials alone in issue 10 all
 # came from the right basin but the wrong layout)
 CLIMB_TRIALS = 100
-# Seconds Optuna and the storage add per finished trial, around the cost model (measured with
-# benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded). The journal
-# figure is for the exhaustive path, which flushes to the disk once per EXHAUSTIVE_BATCH trials
-# (one fsync per trial, as sampled trials do, costs 2-5 ms); SQLite commits every trial.
-PERSIST_S = {"memory": 0.001, "journal": 0.002, "sqlite": 0.015, "rdb": 0.02}
-PLAN_PROBES = 12  # units timed, after one untimed unit that warms the cost model's caches
-# The probe stops after PLAN_PROBES_CLEAR units when they put the whole space beyond PLAN_CLEAR
-# times the budget (a space of 30,000 layouts is not exhaustive whatever the other probes say).
-PLAN_PROBES_CLEAR, PLAN_CLEAR = 4, 4.0
+# Seconds Optuna and the default storage (a journal file) add per finished trial, around the
+# cost model (benchmarks/storage_scale.py on the 2-core CI machine, rounded up: it was loaded;
+# the exhaustive path flushes once per EXHAUSTIVE_BATCH trials). The budget prices every trial
+# at this whatever the storage (in memory ~1 ms, SQLite ~15 ms, a database ~20 ms), so the
+# same case plans and stops alike whichever storage holds it.
+TRIAL_S = 0.002
+# Seconds of one cost-model estimate as a trial spends them (every strategy of a layout in a
+# row), dense and mixture-of-experts models: the medians of benchmarks/estimate_rate.py
+# (results/estimate_rate.csv, 4 cases each: 44-52 us dense, 76-82 us MoE) on a 2-core Intel
+# Xeon (Sapphire Rapids, AVX-512) at load 2.
+ESTIMATE_S = {"dense": 47e-6, "moe": 78e-6}
 
 
-def budget_clock() -> float:
-    """The clock of the time budget: this process's CPU seconds (`time.process_time`), not the
-    wall clock. The plan's measurement and the local search's deadline are then the same on a
-    busy machine as on a quiet one (other processes take wall time, not this process's CPU
-    time), so `tune`, a sweep running combinations in parallel processes and `Engine.tune`
-    plan and stop alike and pick the same strategy for the same case. The search itself is
-    single-threaded, so on a quiet machine CPU and wall seconds agree."""
-    return time.process_time()
+def work_price(model):
+    """``price(n) -> seconds``: what scoring one unit of `n` strategies costs the time budget.
+
+    The budget is counted in work, priced with `ESTIMATE_S` and `TRIAL_S`, not read off a
+    clock: the plan (exhaustive or sampled) and where the local search stops are then the same
+    on every machine, busy or quiet, so `tune`, a sweep running its combinations in parallel
+    processes and `Engine.tune` pick the same strategy for the same case, and the same command
+    picks the same strategy every time. On a machine as fast as the reference, 10 s of budget
+    take about 10 s; on a slower or busier one, longer.
+    """
+    per_estimate = ESTIMATE_S["moe" if getattr(model, "moe", None) is not None else "dense"]
+    return lambda n: n * per_estimate + TRIAL_S
 
 
 @dataclass(frozen=True)
 class SearchPlan:
     """What the budget rule chose: `exhaustive` over every unit, or `n_trials` of a sampler,
-    and why (`reason`, one line with the measured estimate)."""
+    and why (`reason`, one line with the priced estimate)."""
 
     exhaustive: bool
     n_trials: int
     estimate_s: float
     reason: str
     local: bool = False  # the sampled trials are followed by the local search (`_local.py`)
-    budget_s: float = 0.0  # the local search stops when the search has run this long (0: never)
+    budget_s: float = 0.0  # the local search stops when the search's work reaches this (0: never)
 
 
 def plan_search(
-    space,
-    cost_model,
-    *,
-    unit: str,
-    multi: bool,
-    storage: Any = None,
-    budget_s: float = EXHAUSTIVE_BUDGET_S,
+    space, *, unit: str, multi: bool, budget_s: float = EXHAUSTIVE_BUDGET_S
 ) -> SearchPlan:
-    """Every layout when scoring them all is cheap, else a sampler with `DEFAULT_TRIALS`.
+    """Every layout when scoring them all fits the budget, else a sampler with `DEFAULT_TRIALS`.
 
-    "Cheap" is measured, not assumed: a few units drawn at random are scored with this cost
-    model, and the time of all units is that average times their number, plus what Optuna and
-    the storage add per trial (`PERSIST_S`). Within `budget_s` (`TuneConfig.time_budget`; 0
-    takes `EXHAUSTIVE_BUDGET_S`) and one objective, the search is exhaustive: exact, and no
-    slower than the default number of sampled trials. Beyond it, with layouts as units, the
-    sampled trials are followed by the local search, which stops when the search has run
-    `budget_s`. The exhaustive scan and the sampled trials run to their end: the one is exact,
-    the other reproducible from its seed; the climb is what grows with the space.
+    The price of scoring every unit is the space's strategies at `ESTIMATE_S` each plus
+    `TRIAL_S` per trial (`work_price`): exact counts at a measured price, so the plan is the
+    same wherever it runs and whatever storage holds the study. Within `budget_s`
+    (`TuneConfig.time_budget`; 0 takes `EXHAUSTIVE_BUDGET_S`) and one objective, the search is
+    exhaustive: exact, and no slower than the default number of sampled trials. Beyond it,
+    with layouts as units, the sampled trials are followed by the local search, which stops
+    when the search's priced work reaches `budget_s`. The exhaustive scan and the sampled
+    trials run to their end: the one is exact, the other reproducible from its seed; the climb
+    is what grows with the space.
     """
-    import optuna
-
     limit = budget_s or EXHAUSTIVE_BUDGET_S
     n_units = space.n_groups if unit == "layout" else space.size
-    trials: list[Any]
-    if unit == "layout":  # units spread evenly over the exhaustive order
-        spread = space.group_params(every=max(1, n_units // PLAN_PROBES))
-        trials = [optuna.trial.FixedTrial(p) for p in itertools.islice(spread, PLAN_PROBES + 1)]
-    else:  # too many strategies to list them just to plan: drawn at random
-        sampler = optuna.samplers.RandomSampler(seed=0)
-        probe = optuna.create_study(sampler=sampler)
-        trials = [probe.ask() for _ in range(min(PLAN_PROBES + 1, n_units))]
-    n_probes = len(trials) - 1
-    t0 = 0.0
-    for i, trial in enumerate(trials):
-        if i == 1:  # the first unit pays for imports and cold caches once: not counted
-            t0 = budget_clock()
-        elif i > PLAN_PROBES_CLEAR and (
-            (budget_clock() - t0) / (i - 1) * n_units > PLAN_CLEAR * limit
-        ):  # far over the budget already: the rest would not change the plan
-            n_probes = i - 1
-            break
-        group = space.suggest_group(trial) if unit == "layout" else (space.suggest(trial),)
-        for s in group:
-            try:
-                cost_model.estimate(s, validate=False)
-            except ValueError:
-                pass
-    per_unit = (budget_clock() - t0) / n_probes if n_probes > 0 else 0.0
-    kind = _storage_kind_of(storage)
-    estimate = n_units * (per_unit + PERSIST_S[kind])
+    estimate = space.size * ESTIMATE_S[_kind(space)] + n_units * TRIAL_S
     what = "layouts" if unit == "layout" else "strategies"
+    price = (
+        f"{space.size:,} strategies at {ESTIMATE_S[_kind(space)] * 1e6:.0f} us each + "
+        f"{TRIAL_S * 1e3:.0f} ms per trial"
+    )
     if not multi and (estimate <= limit or n_units <= DEFAULT_TRIALS):
         return SearchPlan(
             exhaustive=True,
             n_trials=n_units,
             estimate_s=estimate,
-            reason=f"exhaustive: every one of the {n_units:,} {what} (all of them estimated at "
-            f"{estimate:.1f} s, {per_unit * 1e3:.1f} ms each measured on this cost model + "
-            f"{PERSIST_S[kind] * 1e3:.0f} ms per trial for the {kind} storage; budget "
-            f"{limit:g} s)",
+            reason=f"exhaustive: every one of the {n_units:,} {what} (all of them priced at "
+            f"{estimate:.1f} s: {price}; budget {limit:g} s)",
         )
     why = (
         "two objectives"
         if multi
-        else f"scoring all {n_units:,} {what} was estimated at {estimate:.0f} s, over the "
-        f"{limit:g} s budget"
+        else f"scoring all {n_units:,} {what} is priced at {estimate:.0f} s ({price}), over "
+        f"the {limit:g} s budget"
     )
     local = unit == "layout" and not multi
     n_trials = CLIMB_TRIALS if local else DEFAULT_TRIALS
@@ -1009,17 +976,8 @@ def plan_search(
     )
 
 
-def _storage_kind_of(storage: Any) -> str:
-    if storage is None:
-        return "journal"  # with --out the default; in memory it is cheaper, so this is safe
-    if isinstance(storage, OpenedStorage):
-        return storage.kind if storage.kind in PERSIST_S else "rdb"
-    text = os.fspath(storage) if isinstance(storage, (str, os.PathLike)) else ""
-    if text.endswith((".journal", ".log", ".jsonl")):
-        return "journal"
-    if text.startswith("sqlite:") or text.endswith((".db", ".sqlite", ".sqlite3")):
-        return "sqlite"
-    return "rdb"
+def _kind(space) -> str:
+    return "moe" if getattr(space.model, "moe", None) is not None else "dense"
 
 
 def _coverage_line(sampler_name, target, plan, runner, unit, n_units) -> str:
