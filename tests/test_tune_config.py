@@ -82,7 +82,8 @@ def test_the_cli_flags_are_the_schema_fields():
     ).choices["tune"]
     flags = {a.option_strings[-1]: a.dest for a in tune_parser._actions if a.option_strings}
     schema = {flag_of(f): f.name for f in dataclasses.fields(TuneConfig)}
-    presentation = {"--quiet": "quiet", "--dry-run": "dry_run", "--config": "config"}
+    presentation = {"--quiet": "quiet", "--dry-run": "dry_run", "--plan-only": "plan_only"}
+    presentation["--config"] = "config"
     assert flags == {**schema, **presentation, "--help": "help"}
     # every flag keeps the spelling it had before the schema
     assert {"--nnodes", "--gpus-per-node", "--price-per-gpu-hour", "--no-recipes"} <= set(flags)

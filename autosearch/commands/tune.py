@@ -55,6 +55,8 @@ PRESENTATION = {
     "quiet": "no progress bar",
     "dry_run": "print the space size, its layouts and the expected search time, then stop "
     "(runs a few trials in memory to time them; writes nothing)",
+    "plan_only": "print this runtime's plan alone: skip the searches that give each other "
+    "framework's own pick for the case (Megatron-Core, torchtitan, DeepSpeed)",
 }
 DRY_RUN_TRIALS = 20  # trials run in memory by --dry-run to measure the time per trial
 # tune's default number of sampled trials (tuning/_study.py), shown by --dry-run when a sampler
@@ -98,7 +100,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"trials and the report are in {config.out}/")
         raise
     print(summary(result))
+    if not shown["plan_only"] and result.best_strategy is not None:
+        print("\n".join(framework_lines(config, result)))
     return 0
+
+
+def framework_lines(config: TuneConfig, result) -> list[str]:
+    """Which runtime the plan is for, and each other framework's own pick for the case (what
+    `autosearch tune --runtime R` picks there) next to what this plan does there: nobody
+    should launch Megatron with a plan made for the Engine."""
+    from autosearch.tuning._export_check import FRAMEWORK_RUNTIME, check_export, framework_picks
+
+    runtime = config.runtime or "torch"
+    lines = [
+        f"runtime   this plan is for {runtime}"
+        + (" (the Engine)" if runtime == "torch" else "")
+        + "; each framework's own pick for this case (`autosearch tune --runtime R`):"
+    ]
+    picks = framework_picks(config)
+    model, cluster = result.space.model, result.space.cluster
+    for name, rt in FRAMEWORK_RUNTIME.items():
+        if rt == runtime:
+            lines.append(f"  {name:<10} this plan ({rt})")
+            continue
+        pick = picks[name]
+        here = check_export(result.best_strategy, target=name, model=model, cluster=cluster)
+        there = (
+            f"{here.report.tokens_per_s:,.0f} tokens/s"
+            + ("" if here.report.fits else ", does not fit")
+            if here.report is not None
+            else "cannot run it"
+        )
+        lines.append(f"  {name:<10} {pick.line()} ({rt}; this plan there: {there})")
+    return lines
 
 
 def config_from(args: argparse.Namespace) -> tuple[TuneConfig, dict[str, bool]]:
