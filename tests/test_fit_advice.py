@@ -198,7 +198,8 @@ def test_the_floor_is_below_every_strategy_and_lean_finds_the_least(
 def test_the_smallest_cluster_is_the_smallest():
     """llama3.1-405b at global batch 32: the least memory-hungry strategy fits on 16 nodes of 8
     H100s and not on 15 (nor on fewer: the floor is above the usable memory up to 11 nodes,
-    and the lean space of 12-15 nodes holds none that fits)."""
+    and the lean space of 12-15 nodes holds none that fits); the strategy named is the fastest
+    of the lean space that fits there, and it fits when estimated again."""
     m, c = ModelSpec.load("llama3.1-405b"), Cluster.parse("h100-sxm:1x8")
     config, _ = SpaceConfig.default().resolved(runtime=None, model=m, cluster=c)
     fit = smallest_cluster(m, c, 32, config=config, runtime=None, margin_fraction=MARGIN)
@@ -232,7 +233,7 @@ def test_tune_says_nothing_fits_with_the_smallest_cluster():
         tune(TuneConfig(**BIG, memory_margin=MARGIN))
     text = str(exc.value)
     assert "no strategy fits in memory" in text and "Any strategy needs at least" in text
-    assert "fits on h100-sxm:16x8 (128 devices)" in text and "on h100-sxm:15x8 it does not" in text
+    assert "needs 16 nodes (on h100-sxm:15x8 it does not fit): on h100-sxm:16x8 (128" in text
     # the least memory-hungry strategy already uses ZeRO-3 and full recompute: not advised
     assert "zero_stage 3" not in text and "recompute full" not in text
     assert "-z3-" in text and "-rc-full-" in text
@@ -338,3 +339,16 @@ def test_fit_advice_to_dict_has_the_same_suggestions_as_the_text():
     ]
     assert data["smallest_cluster"] is None  # not looked for: a nearby change fits
     assert memory_margin(None, cm.cluster, override=MARGIN).fraction == MARGIN
+
+
+def test_when_more_nodes_cannot_help_the_search_for_a_cluster_stops():
+    """llama3-8b on sequences of 131,072 tokens with tp, pp and cp pinned to 1: only dp grows
+    with the nodes, and the global batch of 8 bounds it by 8, so two nodes already hold no
+    layout; the doubling stops there (None) instead of going on to the largest cluster."""
+    m, c = ModelSpec.load("llama3-8b", seq_len=131072), Cluster.parse("h100-sxm:1x8")
+    config, _ = SpaceConfig.default().resolved(runtime=None, model=m, cluster=c)
+    config = config.narrowed(tp=1, pp=1, cp=1)
+    assert not least_memory(
+        m, c, 8, config=config, cost_model=AnalyticCostModel(m, c), margin_fraction=MARGIN
+    )[1].fits
+    assert smallest_cluster(m, c, 8, config=config, runtime=None, margin_fraction=MARGIN) is None

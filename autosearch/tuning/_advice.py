@@ -19,6 +19,7 @@ Three answers, each found with the cost model and each a strategy or a cluster o
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,10 +84,11 @@ class ClusterFit:
     report: "CostReport"
 
     def describe(self) -> str:
+        """``h100-sxm:16x8 (128 devices): dp=1,tp=8,... fits at 56.8 GiB per device, ...``."""
         return (
-            f"{self.cluster.name} ({self.cluster.world_size:,} devices), with "
-            f"{strategy_text(self.strategy)} at {self.report.peak_memory_bytes / GiB:,.1f} GiB "
-            f"per device"
+            f"{self.cluster.name} ({self.cluster.world_size:,} devices): "
+            f"{strategy_text(self.strategy)} fits at {self.report.peak_memory_bytes / GiB:,.1f} "
+            f"GiB per device, {self.report.tokens_per_s:,.0f} tokens/s"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -261,15 +263,16 @@ class FitAdvice:
                 f"{head}; no strategy within two changes fits, nor the least memory-hungry "
                 "strategy on any number of these nodes: use GPUs with more memory"
             )
-        where = (
-            "this cluster"
-            if fit.cluster.n_nodes == self.n_nodes
-            else f"{fit.cluster.n_nodes} nodes at least"
-        )
+        if fit.cluster.n_nodes == self.n_nodes:
+            where = "the least memory-hungry strategy fits on this cluster"
+        else:
+            where = (
+                f"the least memory-hungry strategy needs {fit.cluster.n_nodes} nodes (on "
+                f"{fit.cluster.n_nodes - 1} it does not fit)"
+            )
         return "\n".join(
             [
-                f"{head}; no strategy within two changes fits; the least memory-hungry strategy "
-                f"needs {where}: {fit.describe()}",
+                f"{head}; nothing within two changes fits, and {where}: on {fit.describe()}",
                 f'  --cluster {fit.cluster.name} --strategy "{strategy_text(fit.strategy)}"',
             ]
         )
@@ -386,6 +389,17 @@ def least_memory(
 ) -> tuple[Strategy, "CostReport"] | None:
     """The strategy of `lean_config(config)` on `cluster` with the least peak memory (the
     fastest of equals), with its report; None when that space is empty."""
+    return _lean_scan(model, cluster, global_batch_size, config, cost_model, margin_fraction).least
+
+
+@dataclass(frozen=True)
+class _Lean:
+    least: tuple[Strategy, "CostReport"] | None  # the least peak memory
+    fastest_fit: tuple[Strategy, "CostReport"] | None  # the fastest that fits
+
+
+def _lean_scan(model, cluster, global_batch_size, config, cost_model, margin_fraction) -> _Lean:
+    """Every strategy of `lean_config(config)` on `cluster`, estimated once."""
     from search_spaces import SearchSpace
 
     try:
@@ -393,17 +407,20 @@ def least_memory(
             model, cluster, global_batch_size=global_batch_size, config=lean_config(config)
         )
     except SpecError:  # no layout of these devices splits the batch
-        return None
-    best: tuple[Strategy, CostReport] | None = None
+        return _Lean(None, None)
+    least: tuple[Strategy, CostReport] | None = None
+    fastest: tuple[Strategy, CostReport] | None = None
     for s in space.enumerate():
         r = cost_model.estimate(s, validate=False)
         r = r.with_margin(margin_fraction * r.memory_capacity_bytes)
-        if best is None or (r.peak_memory_bytes, -r.tokens_per_s) < (
-            best[1].peak_memory_bytes,
-            -best[1].tokens_per_s,
+        if least is None or (r.peak_memory_bytes, -r.tokens_per_s) < (
+            least[1].peak_memory_bytes,
+            -least[1].tokens_per_s,
         ):
-            best = (s, r)
-    return best
+            least = (s, r)
+        if r.fits and (fastest is None or r.tokens_per_s > fastest[1].tokens_per_s):
+            fastest = (s, r)
+    return _Lean(least, fastest)
 
 
 def smallest_cluster(
@@ -416,35 +433,39 @@ def smallest_cluster(
     margin_fraction: float,
 ) -> ClusterFit | None:
     """The fewest nodes like `cluster`'s (its GPU, devices per node and NVLink domain) on which
-    the least memory-hungry strategy (`least_memory`) fits: `cluster` itself if it fits there,
-    else by doubling the node count until it fits, then bisecting between the last node count
-    that did not and the first that did (so one node fewer than the answer does not fit). A
-    node count whose `memory_floor_bytes` is above the usable memory is refused without a
-    search. None when nothing fits up to the largest cluster autosearch models."""
+    the least memory-hungry strategy (`least_memory`) fits, with the fastest strategy of the
+    lean space (`lean_config`) that fits there: `cluster` itself if one fits there, else by
+    doubling the node count until one fits, then bisecting between the last node count that
+    did not and the first that did (so one node fewer than the answer does not fit).
+
+    A node count whose `memory_floor_bytes` is above the usable memory is passed without a
+    search. None when it fits on no node count up to the largest cluster autosearch models, or
+    when doubling the nodes no longer lowers the least peak once the floor is below the usable
+    memory (what is left is activations that more devices do not split: the global batch,
+    the sequence and the layers bound the degrees)."""
     from autosearch.core._io import MAX_DEVICES
     from cost_models import AnalyticCostModel
 
     usable = (1.0 - margin_fraction) * cluster.profile.memory_capacity_bytes
 
-    def fit_on(n_nodes: int) -> ClusterFit | None:
+    def scan(n_nodes: int) -> tuple[ClusterFit | None, float | None]:
+        """(the fastest lean strategy that fits on `n_nodes`, the least peak there); the least
+        peak is None when the floor says no, inf when no layout splits the batch."""
         c = dataclasses.replace(cluster, n_nodes=n_nodes)
         if memory_floor_bytes(model, c, runtime) > usable:
-            return None
+            return None, None
         cm = AnalyticCostModel(model, c, runtime=runtime)
-        found = least_memory(
-            model,
-            c,
-            global_batch_size,
-            config=config,
-            cost_model=cm,
-            margin_fraction=margin_fraction,
-        )
-        if found is None or not found[1].fits:
-            return None
-        return ClusterFit(cluster=c, strategy=found[0], report=found[1])
+        lean = _lean_scan(model, c, global_batch_size, config, cm, margin_fraction)
+        if lean.least is None:
+            return None, math.inf
+        fit = lean.fastest_fit
+        least_peak = lean.least[1].peak_memory_bytes
+        if fit is None:
+            return None, least_peak
+        return ClusterFit(cluster=c, strategy=fit[0], report=fit[1]), least_peak
 
     low = cluster.n_nodes
-    fit = fit_on(low)
+    fit, peak = scan(low)
     if fit is not None:
         return fit
     max_nodes = MAX_DEVICES // cluster.gpus_per_node
@@ -453,10 +474,14 @@ def smallest_cluster(
         if high >= max_nodes:
             return None
         low, high = high, min(2 * high, max_nodes)
-        fit = fit_on(high)
+        before = peak
+        fit, peak = scan(high)
+        if fit is None and peak is not None:  # searched (the floor did not pass it)
+            if peak == math.inf or (before is not None and peak >= before):
+                return None  # no layout splits the batch, or more nodes no longer help
     while high - low > 1:  # low does not fit, high does
         mid = (low + high) // 2
-        found = fit_on(mid)
+        found, _ = scan(mid)
         if found is None:
             low = mid
         else:
@@ -540,8 +565,9 @@ def no_fit_message(
         return " ".join(lines + [f"Use more nodes, or GPUs with more memory{advice}."])
     fewer = dataclasses.replace(cluster, n_nodes=fit.cluster.n_nodes - 1)
     lines.append(
-        f"The least memory-hungry strategy fits on {fit.describe()}; on {fewer.name} it does "
-        f"not. Use {fit.cluster.n_nodes} nodes or more, or GPUs with more memory{advice}."
+        f"The least memory-hungry strategy needs {fit.cluster.n_nodes} nodes (on {fewer.name} it "
+        f"does not fit): on {fit.describe()}. Use {fit.cluster.n_nodes} nodes or more, or GPUs "
+        f"with more memory{advice}."
     )
     return " ".join(lines)
 
