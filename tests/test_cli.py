@@ -224,7 +224,9 @@ def test_console_script_exit_code():
 def test_cluster_forms_agree(capsys):
     """GPU:NODESxGPUS, --nnodes/--gpus-per-node and a cluster YAML name the same cluster; the
     short name h100 is read as h100-sxm with a note."""
-    strategy = ["--strategy", "dp=16", "--global-batch-size", "64", "--json"]
+    # a strategy that fits (estimate exits 1 for one that does not)
+    strategy = ["--strategy", "dp=16,zero_stage=3,recompute=full", "--global-batch-size", "64"]
+    strategy.append("--json")
     outs = []
     for cluster in (
         ["--cluster", "h100-sxm:2x8"],
@@ -241,8 +243,9 @@ def test_cluster_forms_agree(capsys):
 
 def test_estimate_global_batch_flag_equals_the_strategy_field(capsys):
     base = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--json"]
-    code1, out1, _ = run(capsys, *base, "--strategy", "dp=8,global_batch_size=256")
-    code2, out2, _ = run(capsys, *base, "--strategy", "dp=8", "--global-batch-size", "256")
+    fits = "dp=8,zero_stage=3,recompute=full"  # (estimate exits 1 for one that does not fit)
+    code1, out1, _ = run(capsys, *base, "--strategy", f"{fits},global_batch_size=256")
+    code2, out2, _ = run(capsys, *base, "--strategy", fits, "--global-batch-size", "256")
     assert code1 == code2 == 0 and json.loads(out1) == json.loads(out2)
     assert json.loads(out1)["report"]["samples_per_s"] > 0
 

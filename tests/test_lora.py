@@ -233,7 +233,7 @@ def test_estimate_cli_takes_lora_flags(tmp_path):
         "--cluster",
         "h100-sxm:1x8",
         "--strategy",
-        "dp=8",
+        "dp=8,zero_stage=3,recompute=full",  # fits (estimate exits 1 for one that does not)
         "--global-batch-size",
         "8",
     ]

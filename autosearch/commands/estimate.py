@@ -1,18 +1,46 @@
-"""`autosearch estimate`: one strategy through the cost model, as a table or JSON."""
+"""`autosearch estimate`: one strategy through the cost model, as a table or JSON.
+
+The flags and the keys of a ``--config`` file derive from `EstimateConfig`'s fields (their
+`Setting`s). A strategy that does not fit exits with status 1 and names the least change that
+makes it fit (`autosearch.tuning._advice.nearby_fixes`), else the smallest cluster on which the
+least memory-hungry strategy fits (`smallest_cluster`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from autosearch.commands._common import (
-    add_model_cluster_args,
-    batch_size_arg,
+    check_text,
     fmt_bytes,
     fmt_s,
-    load_model_cluster,
+    load_cluster,
+    load_model,
     load_strategy,
     print_json,
 )
+from autosearch.commands._schema import add_flags, add_presentation_flags, read_args
+from autosearch.core.errors import SpecError
+from autosearch.core.schema import flag_of, lora_of, required
+from autosearch.tuning._estimate import EstimateConfig
+
+DOES_NOT_FIT = 1  # the exit status of a strategy that does not fit (2: a bad input)
+PRESENTATION = {"json": "print the CostReport as JSON (with fits_with when it does not fit)"}
+EPILOG = """\
+exit status: 0 the strategy fits; 1 it does not fit (the least change that makes it fit is
+  printed, or the smallest cluster on which the least memory-hungry strategy fits); 2 a bad
+  input (one message on stderr).
+
+config files (--config): a YAML mapping with the flags' names as keys (global_batch_size or
+  global-batch-size; model and cluster may be mappings of their fields; json: true); flags on
+  the command line override it.
+
+examples:
+  autosearch estimate --model llama3-70b --cluster h100-sxm:32x8 --global-batch-size 512 \\
+      --strategy "dp=8,tp=8,pp=4,recompute=full,sequence_parallel=true"
+  autosearch estimate --config estimate.yaml --json
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,54 +48,68 @@ def register(sub: argparse._SubParsersAction) -> None:
         "estimate",
         help="predict step time, throughput and memory of one strategy",
         description="Predict step time, throughput and memory of one strategy with the analytic "
-        "cost model.",
+        "cost model; when it does not fit, name the least change that makes it fit.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_cluster_args(p)
+    add_flags(p, EstimateConfig)
+    add_presentation_flags(p, PRESENTATION)
     p.add_argument(
-        "--strategy",
-        required=True,
-        help='a strategy YAML file (naming dp, tp and pp), or "dp=8,tp=8,pp=4,micro_batch_size=1,'
-        'global_batch_size=512,..." (degrees not named are 1)',
+        "--config",
+        metavar="FILE.yaml",
+        help="read the settings from a YAML file (keys as the flags; flags given here override "
+        "it)",
     )
-    p.add_argument(
-        "--global-batch-size",
-        type=batch_size_arg,
-        help="sequences per optimizer step, if the strategy does not give global_batch_size",
-    )
-    p.add_argument(
-        "--memory-margin",
-        type=margin_arg,
-        metavar="FRACTION",
-        help="device memory held back: the strategy fits when its peak is at most (1 - "
-        "FRACTION) x capacity, e.g. 0.1 or 10%%; default: from the measured memory error of runs "
-        "of this kind (cost_models/memory_bands.yaml), as tune holds back",
-    )
-    p.add_argument("--json", action="store_true", help="print the CostReport as JSON")
     p.set_defaults(func=run)
 
 
-def margin_arg(text: str) -> float:
-    """argparse type: a fraction of device memory (0.1 or 10%), read as `tune` reads it."""
-    from autosearch.core.errors import SpecError
-    from autosearch.core.schema import read_margin
+def config_from(args: argparse.Namespace):
+    """(model, cluster, strategy, config, presentation) of a command line: the --config file's
+    settings overridden by the flags given, the model and cluster read as the CLI reads them
+    (`Cluster.parse` strict, messages naming the flags)."""
+    from autosearch.core._io import read_yaml_mapping
 
-    try:
-        return read_margin(text, "--memory-margin")
-    except SpecError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--memory-margin")) from None
+    data = None
+    if args.config is not None:
+        data = read_yaml_mapping(check_text(args.config, "--config"), what="config")
+    values, shown = read_args(
+        args,
+        [EstimateConfig],
+        data=data,
+        what=f"--config {args.config!r}",
+        presentation=PRESENTATION,
+    )
+    fields = dataclasses.fields(EstimateConfig)
+    missing = [flag_of(f) for f in fields if required(f) and f.name not in values]
+    if missing:
+        raise SpecError(
+            f"estimate needs {', '.join(missing)}: give the flag(s), or the key(s) in a --config "
+            "file"
+        )
+    lora = lora_of(values.get("lora_rank"), values.get("lora_targets"))
+    model = load_model(values["model"], seq_len=values.get("seq_len"), lora=lora)
+    cluster = load_cluster(
+        values["cluster"], nnodes=values.get("nnodes"), gpus_per_node=values.get("gpus_per_node")
+    )
+    strategy = load_strategy(values["strategy"], global_batch_size=values.get("global_batch_size"))
+    config = EstimateConfig(**{**values, "model": model, "cluster": cluster})
+    return model, cluster, strategy, config, shown
 
 
 def run(args: argparse.Namespace) -> int:
+    from autosearch.tuning._advice import fit_advice
     from autosearch.tuning._margin import memory_margin
     from cost_models.analytic import AnalyticCostModel
 
-    model, cluster = load_model_cluster(args)
-    strategy = load_strategy(args.strategy, global_batch_size=args.global_batch_size)
-    cm = AnalyticCostModel(model, cluster, runtime=args.runtime)
-    margin = memory_margin(cm.runtime, cluster, override=args.memory_margin)
+    model, cluster, strategy, config, shown = config_from(args)
+    cm = AnalyticCostModel(model, cluster, runtime=config.runtime)
+    margin = memory_margin(cm.runtime, cluster, override=config.memory_margin)
     report = cm.estimate(strategy)
     report = report.with_margin(margin.bytes_of(report.memory_capacity_bytes))
-    if args.json:
+    advice = None
+    if not report.fits:
+        advice = fit_advice(cm, strategy, report, margin_fraction=margin.fraction)
+    if shown["json"]:
         print_json(
             {
                 "model": model.name,
@@ -77,12 +119,16 @@ def run(args: argparse.Namespace) -> int:
                 "strategy": strategy.to_dict(),
                 "memory_margin": {"fraction": margin.fraction, "why": margin.why},
                 "report": report.to_dict(flat=False),
+                **(advice.to_dict() if advice is not None else {}),
             }
         )
-        return 0
+        return 0 if report.fits else DOES_NOT_FIT
     print(render_report(model, cluster, strategy, report, runtime=cm.runtime.name))
     if report.memory_margin_bytes:
         print(f"note: the memory margin is {margin.fraction:.1%} of the device: {margin.why}")
+    if advice is not None:
+        print(advice.describe())
+        return DOES_NOT_FIT
     return 0
 
 

@@ -458,9 +458,20 @@ def _load_profile(key: str, mtime: float | None = None) -> HardwareProfile:
             complete=_written_by_calibration(key),
         )
     raise SpecError(
-        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}. Pass one of these"
-        " names, or the path of a profile YAML (e.g. one written by `autosearch calibrate`)."
+        f"unknown GPU {key!r}; known profiles: {', '.join(profile_names())}.{_close_gpus(key)}"
+        " Pass one of these names (`autosearch hardware` lists them), or the path of a profile"
+        " YAML (e.g. one written by `autosearch calibrate`)."
     )
+
+
+def _close_gpus(name: str) -> str:
+    """' Did you mean X?' for a near miss of a profile name or of a short name (``h100sxm``,
+    ``H100-SXM5``), else nothing."""
+    import difflib
+
+    known = profile_names() + sorted(profile_aliases())
+    close = difflib.get_close_matches(name.lower(), known, n=2, cutoff=0.6)
+    return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def _written_by_calibration(path: str) -> bool:
@@ -621,6 +632,7 @@ class Cluster:
                 f"{what} {text!r} is not GPU:NODESxGPUS (example: h100-sxm:32x8) nor a YAML file"
             )
         gpu = _gpu_name(text, what, strict)
+        HardwareProfile.load(gpu)  # an unknown GPU is named before the node shape is asked for
         if strict and nnodes is None and not os.path.exists(text):
             raise SpecError(
                 f"{what} {text!r} does not say how many nodes and devices: write {gpu}:1x8 for "
@@ -636,7 +648,33 @@ class Cluster:
         if gpus_per_node is None:  # the profile's own devices per node
             return cls(gpu=gpu, n_nodes=n_nodes)
         positive_int(gpus_per_node, f"{what}: gpus_per_node")
-        return cls(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
+        return cls(gpu=gpu, n_nodes=n_nodes, gpus_per_node=gpus_per_node)._node_checked(what)
+
+    def _node_checked(self, what: str) -> "Cluster":
+        """This cluster, refused when its nodes hold more GPUs than the profile's node does
+        (``h100-sxm:8x9``: an HGX board holds 8). Fewer is a partial node, and is fine; a CPU
+        profile's node is processes sharing cores, and a calibrated profile's node is what was
+        measured, so neither bounds it."""
+        profile, gpn = self.profile, self.gpus_per_node
+        if profile.device_type == "cpu" or profile.calibration or gpn <= profile.gpus_per_node:
+            return self
+        world, per = self.world_size, profile.gpus_per_node
+        same = (
+            f"{profile.name}:{world // per}x{per} for the same {world:,} GPUs"
+            if world % per == 0
+            else f"{profile.name}:NODESx{per}"
+        )
+        domain = (
+            f" ({profile.nvlink_domain} GPUs, {profile.nvlink_domain // per} nodes, share one "
+            "NVLink domain)"
+            if profile.nvlink_domain > per
+            else ""
+        )
+        raise SpecError(
+            f"{what} {self.gpu}:{self.n_nodes}x{gpn} puts {gpn} GPUs in a node, but one "
+            f"{profile.name} node holds {per}{domain}; write {same}, or fewer GPUs per node "
+            "(a partial node)"
+        )
 
     @classmethod
     def _from_fields(
@@ -649,7 +687,7 @@ class Cluster:
             )
         if isinstance(data.get("gpu"), str):
             data["gpu"] = _gpu_name(data["gpu"], f"{what}: gpu", strict)
-        return cls.from_dict(data, what=what)
+        return cls.from_dict(data, what=what)._node_checked(what)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":

@@ -1079,40 +1079,17 @@ def _pareto(cands: list[Candidate], objective: Objective) -> list[Candidate]:
 
 
 def _no_fit_message(runner: _Runner, result: TuneResult) -> str:
-    """How far the least hungry strategy of the whole space is from fitting (exhaustive scan of
-    peak memory when the space is small enough, else the least hungry strategy tried)."""
-    space = runner.space
-    cluster = space.cluster
-    where = "tried"
-    least_s, least_r = (
-        (result.least_hungry.strategy, result.least_hungry.report)
-        if result.least_hungry
-        else (None, None)
-    )
-    n_fit = 0
-    if space.size <= 2_000_000:
-        where = f"of all {space.size:,} in the space"
-        for s in space.enumerate():
-            r = runner.estimate(s)
-            n_fit += r.fits
-            if least_r is None or r.peak_memory_bytes < least_r.peak_memory_bytes:
-                least_s, least_r = s, r
-    if n_fit:
-        return (
-            f"none of the {result.n_trials} trials found a strategy that fits, but {n_fit:,} "
-            "strategies of the space fit; run more trials (--n-trials) or the exhaustive sampler"
-        )
-    if least_s is None or least_r is None:
-        return "no trial finished; nothing to report"
-    return (
-        f"no strategy fits in memory: {space.model.name} ({space.model.n_params / 1e9:.1f} B "
-        f"parameters) on {cluster.name} at global batch {space.global_batch_size}. The least "
-        f"memory-hungry strategy {where}, {least_s.short()}, needs "
-        f"{least_r.peak_memory_bytes / GiB:.1f} GiB per device: "
-        f"{least_r.memory_excess_bytes / GiB:.1f} GiB over the "
-        f"{least_r.memory_capacity_bytes / GiB:.1f} GiB of a {cluster.profile.name} "
-        f"(x{least_r.peak_memory_bytes / least_r.memory_capacity_bytes:.2f}). Use more nodes, "
-        "GPUs with more memory, or widen the space (zero_stage 3, recompute full, larger pp)"
+    """Why nothing fits, how far the least memory-hungry strategy is, and the smallest cluster
+    on which it fits (`autosearch.tuning._advice.no_fit_message`)."""
+    from autosearch.tuning._advice import no_fit_message
+
+    least = result.least_hungry
+    return no_fit_message(
+        runner.space,
+        runner.cost_model,
+        runner.margin,
+        n_trials=result.n_trials,
+        least_hungry=(least.strategy, least.report) if least and least.report else None,
     )
 
 
