@@ -8,7 +8,6 @@ before anything runs or is written.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -21,54 +20,6 @@ from autosearch.tuning._checks import check_output_file as check_output_file
 from autosearch.tuning._checks import check_output_folder as check_output_folder
 
 GiB = float(1 << 30)
-
-
-def add_model_cluster_args(
-    p: argparse.ArgumentParser, *, required: bool = True, cluster_required: bool | None = None
-) -> None:
-    """--model, --cluster (with --nnodes, --gpus-per-node) and --runtime. `required=False` for a
-    command that can take them from a config file (it then checks them itself)."""
-    p.add_argument(
-        "--model",
-        required=required,
-        help="catalog name (see `autosearch models`), a model YAML file, or a Hugging Face "
-        "config.json or the model's folder holding one"
-        + ("" if required else " (required, here or in the config file)"),
-    )
-    p.add_argument(
-        "--seq-len",
-        type=seq_len_arg,
-        help="training sequence length in tokens, replacing the model's (a Hugging Face "
-        "config.json gives its maximum positions, often far longer than one trains)",
-    )
-    add_lora_args(p)
-    add_cluster_args(p, required=required if cluster_required is None else cluster_required)
-    p.add_argument(
-        "--runtime",
-        default="torch",
-        help="runtime the cost model assumes (cost_models/runtimes.yaml): torch (the Engine, "
-        "default), torchtitan, megatron-core, composer-fsdp, deepspeed, or megatron-sc21 "
-        "(Megatron-LM as in Narayanan et al. 2021)",
-    )
-
-
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """--lora-rank and --lora-targets, with TuneConfig's help texts (one declaration)."""
-    from autosearch.tuning._config import TuneConfig
-
-    fields = {f.name: f.metadata["setting"] for f in dataclasses.fields(TuneConfig)}
-    p.add_argument("--lora-rank", type=positive_int_arg, help=fields["lora_rank"].help)
-    p.add_argument("--lora-targets", metavar="NAMES", help=fields["lora_targets"].help)
-
-
-def lora_arg(args: argparse.Namespace) -> dict | None:
-    """The ``lora`` of `ModelSpec.load` that --lora-rank / --lora-targets give."""
-    from autosearch.core.schema import lora_of, read_lora_targets
-
-    targets = getattr(args, "lora_targets", None)
-    if targets is not None:
-        targets = read_lora_targets(targets, "--lora-targets")
-    return lora_of(getattr(args, "lora_rank", None), targets)
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -87,15 +38,6 @@ def add_cluster_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
         "--gpus-per-node",
         type=positive_int_arg,
         help="devices per node, with --cluster GPU and --nnodes",
-    )
-
-
-def load_model_cluster(args: argparse.Namespace):
-    model = load_model(args.model, seq_len=getattr(args, "seq_len", None), lora=lora_arg(args))
-    return model, load_cluster(
-        args.cluster,
-        nnodes=getattr(args, "nnodes", None),
-        gpus_per_node=getattr(args, "gpus_per_node", None),
     )
 
 
@@ -135,17 +77,6 @@ def load_model(text: str | None, *, flag: str = "--model", seq_len: int | None =
             else:  # not ours to reword
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return spec
-
-
-def seq_len_arg(text: str) -> int:
-    """argparse type for a sequence length in tokens: within `INT_LIMITS`."""
-    from autosearch.core._io import INT_LIMITS
-
-    value = positive_int_arg(text)
-    limit = INT_LIMITS["seq_len"]
-    if value > limit:
-        raise argparse.ArgumentTypeError(f"{value:,} tokens is above the limit of {limit:,}")
-    return value
 
 
 def load_cluster(
@@ -306,8 +237,3 @@ def quiet_interrupted_trials() -> None:
     for handler in logging.getLogger("optuna").handlers:
         if not any(isinstance(f, _DropInterruptedTrials) for f in handler.filters):
             handler.addFilter(_DropInterruptedTrials())
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise SpecError(message)
