@@ -83,6 +83,9 @@ def run_scripts(folder) -> None:
         path.write_text("#!/bin/sh\nexit 0\n")
         path.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(folder)}
+    # the launch scripts' placeholders and their smoke-run switch (autosearch/export/_launch.py)
+    env.update(MOCK_DATA="1", TRAIN_ITERS="1", LR="1e-4", CHECKPOINT_DIR=str(folder))
+    env.update(MEGATRON_LM=str(bin_dir), TORCHTITAN=str(bin_dir), TRAIN_SCRIPT="train.py")
     for name in os.listdir(folder):
         if name.endswith(".sh"):
             script = folder / name

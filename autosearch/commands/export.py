@@ -21,6 +21,8 @@ OUTPUT_FILES = (
     "ds_config.json",
     "deepspeed_launch.sh",
     "torchtitan.toml",
+    "torchtitan.sh",
+    "torchtitan_flavor.py",
 )
 
 
@@ -53,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out",
         help="write the files into this folder (megatron.sh, ds_config.json and "
         "deepspeed_launch.sh, torchtitan.toml) instead of printing",
+    )
+    p.add_argument(
+        "--allow-unsupported",
+        action="store_true",
+        help="export even where the framework cannot build a field of the model as planned "
+        "(the files then say which); without it such an export is refused",
     )
     p.set_defaults(func=run)
 
@@ -88,11 +96,32 @@ def run(args: argparse.Namespace) -> int:
     targets = list(EXPORTERS) if to == "all" else [to]
     if args.out is not None:
         check_output_folder(args.out, files=OUTPUT_FILES)
-        paths = write_exports(args.out, strategy, model=model, cluster=cluster, to=tuple(targets))
+        for target in targets:  # refuses a model the framework cannot build, before writing
+            export(
+                strategy,
+                to=target,
+                model=model,
+                cluster=cluster,
+                allow_unsupported=args.allow_unsupported,
+            )
+        paths = write_exports(
+            args.out,
+            strategy,
+            model=model,
+            cluster=cluster,
+            to=tuple(targets),
+            allow_unsupported=args.allow_unsupported,
+        )
         print("wrote " + " ".join(paths))
         return 0
     for i, target in enumerate(targets):
-        out = export(strategy, to=target, model=model, cluster=cluster)
+        out = export(
+            strategy,
+            to=target,
+            model=model,
+            cluster=cluster,
+            allow_unsupported=args.allow_unsupported,
+        )
         if len(targets) > 1:
             print(("\n" if i else "") + f"==> {out.runtime}")
             print(out.render(), end="")

@@ -11,12 +11,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
 from autosearch.core._files import atomic_write, own_folder
 from autosearch.core.errors import SpecError
-from autosearch.export._base import Exported, Exporter
+from autosearch.export._architecture import MODEL_FIELDS, Architecture, architecture_of
+from autosearch.export._base import Exported, Exporter, refusal
 from autosearch.export._deepspeed import DeepSpeedExporter
 from autosearch.export._megatron import MegatronExporter
 from autosearch.export._torchtitan import TorchTitanExporter
@@ -37,16 +39,27 @@ def export(
     to: str,
     model: "ModelSpec | None" = None,
     cluster: "Cluster | None" = None,
+    allow_unsupported: bool = False,
 ) -> Exported:
     """`strategy` in the words of runtime `to` (``megatron``, ``deepspeed`` or ``torchtitan``);
-    `model` adds the model's shape, `cluster` the launch command."""
+    `model` adds the model's shape, `cluster` the launch command.
+
+    Raises:
+        SpecError: the runtime cannot build a field of `model` as planned (`Exported.refused`:
+            each field and why), unless `allow_unsupported`, which returns the export with
+            those fields listed in a warning on top of its caveats.
+    """
     try:
         exporter = EXPORTERS[to.lower()]
     except KeyError:
         raise SpecError(
             f"unknown runtime {to!r} to export to; choose one of {', '.join(EXPORTERS)}"
         ) from None
-    return exporter.export(strategy, model=model, cluster=cluster)
+    out = exporter.export(strategy, model=model, cluster=cluster)
+    if out.refused and not allow_unsupported:
+        assert model is not None  # only model fields are refused
+        raise SpecError(refusal(out.runtime, model.name, out.refused))
+    return out
 
 
 def megatron_args(
@@ -84,13 +97,19 @@ def write_exports(
     model: "ModelSpec | None" = None,
     cluster: "Cluster | None" = None,
     to: "tuple[str, ...] | None" = None,
+    allow_unsupported: bool = False,
 ) -> list[str]:
-    """Write what each runtime takes, next to best_strategy.yaml: `megatron.sh`,
-    `ds_config.json` with `deepspeed_launch.sh`, `torchtitan.toml`. Shell and TOML files carry
-    the caveats as comments, one line each; the configs are written by serializers (JSON, TOML)
-    and the commands quoted for the shell, so no name becomes code. Each file is written whole
-    (`atomic_write`: an unpredictable temporary name, then renamed), into a folder that is new,
-    empty, or autosearch's own (`own_folder`).
+    """Write what each runtime takes, next to best_strategy.yaml: the launch script
+    `megatron.sh`; `torchtitan.toml` with `torchtitan.sh` (and `torchtitan_flavor.py` where
+    torchtitan ships no flavor of the model's shape); `ds_config.json` with
+    `deepspeed_launch.sh`. The configs are written by serializers (JSON, TOML), the scripts
+    quote every word for the shell, and caveats are comments of one line each, so no name
+    becomes code. Each file is written whole (`atomic_write`: an unpredictable temporary name,
+    then renamed), into a folder that is new, empty, or autosearch's own (`own_folder`).
+
+    A runtime that cannot build the model as planned (`Exported.refused`) still gets its files
+    (tune writes them all beside its pick), but its launch script stops with the refused
+    fields until run with ALLOW_UNSUPPORTED=1, unless `allow_unsupported`.
 
     Returns:
         the paths written.
@@ -98,23 +117,43 @@ def write_exports(
     folder = own_folder(out_dir, kind="export", what=f"--out {os.fspath(out_dir)!r}", accept=OWN)
     written = []
     for name in to or tuple(EXPORTERS):
-        out = export(strategy, to=name, model=model, cluster=cluster)
-        files = {}
+        out = export(strategy, to=name, model=model, cluster=cluster, allow_unsupported=True)
+        if allow_unsupported and out.refused:  # asked to go on: the warning, not the guard
+            out = dataclasses.replace(
+                out, script=out.script.replace('"${ALLOW_UNSUPPORTED:-0}" != 1', "false", 1)
+            )
+        files = dict(out.files)
         if name == "megatron":
-            files["megatron.sh"] = "#!/usr/bin/env bash\n" + out.render()
+            files["megatron.sh"] = _with_caveats(out.script, out)
         elif name == "deepspeed":
             files["ds_config.json"] = out.text.rstrip() + "\n"
-            caveats = "\n".join(out.caveats(comment="#")).strip("\n")
-            files["deepspeed_launch.sh"] = (
-                "#!/usr/bin/env bash\n" + caveats + "\n" + out.command + "\n"
-            )
+            files["deepspeed_launch.sh"] = _with_caveats(out.script, out)
         else:
             files[out.filename] = out.render()
+            files["torchtitan.sh"] = _with_caveats(out.script, out)
         for filename, text in files.items():
             path = os.path.join(folder, filename)
             atomic_write(path, text, mode=0o755 if filename.endswith(".sh") else 0o644)
             written.append(path)
     return written
+
+
+def _with_caveats(script: str, out: Exported) -> str:
+    """The launch script with the export's caveats as comment lines after its first line."""
+    first, rest = script.split("\n", 1)
+    caveats = "\n".join(out.caveats(comment="#")).strip("\n")
+    return f"{first}\n{caveats}\n{rest}" if caveats else script
+
+
+# What write_exports may write (tune checks that none is a folder before it starts).
+EXPORT_FILES = (
+    "megatron.sh",
+    "ds_config.json",
+    "deepspeed_launch.sh",
+    "torchtitan.toml",
+    "torchtitan.sh",
+    "torchtitan_flavor.py",
+)
 
 
 # Files that mark a folder written by autosearch before it wrote a marker: a study's outputs.
@@ -123,6 +162,10 @@ OWN = ("study.yaml", "best_strategy.yaml")
 
 __all__ = [
     "EXPORTERS",
+    "EXPORT_FILES",
+    "MODEL_FIELDS",
+    "Architecture",
+    "architecture_of",
     "DeepSpeedExporter",
     "Exported",
     "Exporter",

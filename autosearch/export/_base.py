@@ -30,6 +30,12 @@ class Exported:
         command: the command that launches training with `text` (empty when the text is the
             command itself, as Megatron-LM's arguments are).
         filename: the file name `text` is written to next to best_strategy.yaml.
+        model_fields: (field, setting) for each model field (`MODEL_FIELDS`) the text gives the
+            framework: its flag, key or model argument and value.
+        refused: (field, why) for each model field the framework has no setting for: the
+            export builds another model there (`export` refuses it unless asked to go on).
+        script: the launch script (bash): rendezvous, placeholders, the mock-data switch.
+        files: other files the script needs, (file name, text).
     """
 
     runtime: str
@@ -39,6 +45,10 @@ class Exported:
     notes: tuple[str, ...] = ()
     command: str = ""
     filename: str = ""
+    model_fields: tuple[tuple[str, str], ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
+    script: str = ""
+    files: tuple[tuple[str, str], ...] = ()
 
     def render(self, *, comment: str | None = None) -> str:
         """The text followed by the caveats, as comment lines (``#``, or ``//`` after JSON)."""
@@ -51,6 +61,12 @@ class Exported:
         """What `text` cannot say, as comment lines: each note is made one line
         (`one_line`), so no text can end a comment and start a line of code."""
         lines = []
+        if self.refused:
+            lines += [
+                "",
+                f"{comment} WARNING: {self.runtime} builds another model: no setting for",
+            ]
+            lines += [f"{comment}   {one_line(f'{field}: {why}')}" for field, why in self.refused]
         if self.unsupported:
             lines += ["", f"{comment} no equivalent in {self.runtime}:"]
             lines += [
@@ -80,6 +96,33 @@ class Exporter(abc.ABC):
     ) -> Exported:
         """The runtime's configuration for `strategy`; `model` adds the model's shape, `cluster`
         the launch command (nodes and devices per node)."""
+
+
+class FieldMap:
+    """What an exporter does with each model field: the framework setting it writes, or why
+    there is none."""
+
+    def __init__(self) -> None:
+        self.exported: dict[str, str] = {}
+        self.refused: dict[str, str] = {}
+
+    def set(self, fields: "str | Iterable[str]", setting: str) -> None:
+        for f in (fields,) if isinstance(fields, str) else fields:
+            self.exported[f] = setting
+
+    def refuse(self, field: str, why: str) -> None:
+        self.refused[field] = why
+        self.exported.pop(field, None)
+
+
+def refusal(runtime: str, model_name: str, refused: Iterable[tuple[str, str]]) -> str:
+    """The message of the SpecError an export raises for fields `runtime` cannot build."""
+    lines = "; ".join(f"{field} ({why})" for field, why in refused)
+    return (
+        f"{runtime} cannot build {model_name} as planned: no setting for {lines}. Export "
+        "anyway with allow_unsupported=True (autosearch export --allow-unsupported), and the "
+        "files say what differs; or plan a model without these features"
+    )
 
 
 def one_line(text: object) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
+from autosearch.export._architecture import MODEL_FIELDS, architecture_of, field_values
 from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
+from autosearch.export._launch import PLACEHOLDERS, require, script
 
 # Config key path -> where DeepSpeed defines it. tests/test_export.py checks that every key an
 # export writes is here.
@@ -161,7 +163,13 @@ class DeepSpeedExporter(Exporter):
         _, declared, cannot = declared_mappings(self.name, s)
         mapped |= declared
         unsupported += cannot
+        fields: tuple[tuple[str, str], ...] = ()
         if model is not None:
+            values = field_values(model, architecture_of(model))
+            fields = tuple(
+                (f, f"TRAIN_SCRIPT's model: {values[f]!r} (DeepSpeed has no model keys)")
+                for f in MODEL_FIELDS
+            )
             notes.append(
                 f"the model ({model.name}: {model.n_layers} layers, hidden {model.hidden_size}, "
                 f"{model.n_heads} heads, seq {model.seq_len}) is built by your training script; "
@@ -175,6 +183,8 @@ class DeepSpeedExporter(Exporter):
             tuple(notes),
             command=launch_command(s, cluster),
             filename="ds_config.json",
+            model_fields=fields,
+            script=launch_script(s, model=model, cluster=cluster),
         )
 
 
@@ -188,4 +198,45 @@ def launch_command(strategy, cluster=None) -> str:
     return shell_words(
         ["deepspeed", "--num_nodes", nodes, "--num_gpus", per_node, *hostfile, "TRAIN_SCRIPT.py"]
         + ["--deepspeed", "--deepspeed_config", "ds_config.json"]
+    )
+
+
+def launch_script(strategy, *, model=None, cluster=None) -> str:
+    """deepspeed_launch.sh: the user's DeepSpeed training script under torchrun's c10d
+    rendezvous (deepspeed.init_distributed reads torchrun's environment), with ds_config.json.
+    The data, tokenizer, steps, learning rate and checkpoint folder are placeholders passed on
+    in the environment, as is MOCK_DATA=1 for a smoke run on the script's own mock data:
+    DeepSpeed has no data loader of its own to switch."""
+    nodes = 1 if cluster is None else cluster.n_nodes
+    per_node = strategy.world_size if cluster is None else cluster.gpus_per_node
+    setup = [
+        require(
+            "TRAIN_SCRIPT",
+            "set TRAIN_SCRIPT to your DeepSpeed training script, which builds the model and "
+            "calls deepspeed.initialize with the config",
+        ),
+        require("TRAIN_ITERS", PLACEHOLDERS["TRAIN_ITERS"]),
+        require("LR", PLACEHOLDERS["LR"]),
+        require("CHECKPOINT_DIR", PLACEHOLDERS["CHECKPOINT_DIR"]),
+        'if [ "${MOCK_DATA:-0}" != 1 ]; then',
+        "    " + require("DATA_PATH", PLACEHOLDERS["DATA_PATH"].format(data="your script's")),
+        "    " + require("TOKENIZER", PLACEHOLDERS["TOKENIZER"].format(tokenizer="your script's")),
+        "fi",
+        "export MOCK_DATA DATA_PATH TOKENIZER TRAIN_ITERS LR CHECKPOINT_DIR  # for TRAIN_SCRIPT",
+    ]
+    what = f"{model.name} " if model is not None else ""
+    return script(
+        title=f"DeepSpeed for {what}with {strategy.short()}, by autosearch",
+        comments=[
+            "Smoke run: MOCK_DATA=1 TRAIN_SCRIPT=train.py TRAIN_ITERS=10 LR=3e-4 "
+            "CHECKPOINT_DIR=/tmp/ckpt bash deepspeed_launch.sh",
+            "TRAIN_SCRIPT reads MOCK_DATA, DATA_PATH, TOKENIZER, TRAIN_ITERS, LR and "
+            "CHECKPOINT_DIR from the environment.",
+        ],
+        nnodes=nodes,
+        gpus_per_node=per_node,
+        setup=setup,
+        program=['"$TRAIN_SCRIPT"'],
+        args=[],
+        tail=['--deepspeed --deepspeed_config "$HERE/ds_config.json"'],
     )

@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import itertools
 
-from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
+from autosearch.export._architecture import architecture_of
+from autosearch.export._base import (
+    Exported,
+    Exporter,
+    FieldMap,
+    declared_mappings,
+    refusal,
+    shell_words,
+)
+from autosearch.export._launch import PLACEHOLDERS, require, script
 
 # flag -> (value kind, where the name comes from). tests/test_export.py builds an argparse parser
 # from this table and parses every exported argument list with it.
@@ -115,6 +124,29 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--qk-pos-emb-head-dim": ("int", "MLATransformerConfig.qk_pos_emb_head_dim"),
     "--v-head-dim": ("int", "MLATransformerConfig.v_head_dim"),
     "--recompute-modules": ("list", "TransformerConfig.recompute_modules"),
+    # the rest of the model's shape (issue 31): TransformerConfig fields, whose flags Megatron-LM
+    # 0.16 generates (ArgumentGroupFactory; --norm-epsilon is layernorm_epsilon's alias), and
+    # Megatron-LM's own network-size arguments (megatron/training/arguments.py)
+    "--kv-channels": ("int", "TransformerConfig.kv_channels"),
+    "--norm-epsilon": ("float", "TransformerConfig.layernorm_epsilon (argparse alias)"),
+    "--add-qkv-bias": ("switch", "TransformerConfig.add_qkv_bias"),
+    "--qk-layernorm": ("switch", "TransformerConfig.qk_layernorm"),
+    "--qk-l2-norm": ("switch", "TransformerConfig.qk_l2_norm"),
+    "--window-size": ("str", "TransformerConfig.window_size (a tuple: left, right)"),
+    "--window-attn-skip-freq": ("str", "TransformerConfig.window_attn_skip_freq"),
+    "--softmax-type": ("str", "TransformerConfig.softmax_type (vanilla, off-by-one, learnable)"),
+    "--moe-shared-expert-gate": ("switch", "TransformerConfig.moe_shared_expert_gate"),
+    "--no-rope-freq": ("str", "TransformerConfig.no_rope_freq"),
+    "--squared-relu": ("switch", "Megatron-LM arguments.py (activation_func = squared_relu)"),
+    "--make-vocab-size-divisible-by": ("int", "Megatron-LM arguments.py (vocabulary padding)"),
+    "--rotary-base": ("int", "Megatron-LM arguments.py -> GPTModel(rotary_base=...)"),
+    "--rotary-percent": ("float", "Megatron-LM arguments.py -> GPTModel(rotary_percent=...)"),
+    "--use-rope-scaling": ("switch", "Megatron-LM arguments.py -> GPTModel(rope_scaling=...)"),
+    "--rope-scaling-factor": ("float", "Megatron-LM arguments.py (Llama 3.1 scaling factor)"),
+    "--rope-type": ("str", "MLATransformerConfig.rope_type (rope, yarn)"),
+    "--rotary-scaling-factor": ("float", "MLATransformerConfig.rotary_scaling_factor"),
+    "--mscale": ("float", "MLATransformerConfig.mscale"),
+    "--mscale-all-dim": ("float", "MLATransformerConfig.mscale_all_dim"),
 }
 
 # Load balancing: ours -> (Megatron's type, coefficient, expert bias). The coefficients are the
@@ -144,23 +176,20 @@ class MegatronExporter(Exporter):
         s = strategy
         flags: list[str] = []
         notes: list[str] = []
+        fields = FieldMap()
         if model is not None:
-            flags += model_flags(model)
+            model_part, fields, notes = model_flags(model, tp=s.tp)
+            flags += model_part
             if model.moe is not None:
                 notes.append(
                     "--moe-aux-loss-coeff is the published coefficient of this balancing "
                     "(autosearch does not model it); set your own"
                 )
-            if model.position_embedding not in _POSITIONS:
-                notes.append(
-                    f"{model.name} uses {model.position_embedding} positions, which Megatron-LM "
-                    "does not have; rope is given instead"
-                )
             notes.append(
-                "vocabulary: --tokenizer-type NullTokenizer --vocab-size sets the size only; "
-                "for real text give your tokenizer (e.g. --tokenizer-type HuggingFaceTokenizer "
-                "--tokenizer-model PATH), whose size Megatron pads to a multiple of "
-                "--make-vocab-size-divisible-by x tp"
+                "vocabulary: NullTokenizer has vocab-size + 1 tokens (it appends an "
+                "end-of-document token), so --vocab-size is one less than the model's; with "
+                "your tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH) "
+                "Megatron pads its size to a multiple of --make-vocab-size-divisible-by x tp"
             )
         else:
             notes.append("pass --model to add the model's flags (layers, hidden size, heads, ...)")
@@ -327,38 +356,204 @@ class MegatronExporter(Exporter):
                 )
         # Every word quoted for the shell (they are numbers and fixed names; quoting keeps it so).
         text = " \\\n  ".join(shell_words(x.split()) for x in [" ".join(launcher)] + flags)
-        return Exported(self.name, text, frozenset(mapped), tuple(unsupported), tuple(notes))
+        return Exported(
+            self.name,
+            text,
+            frozenset(mapped),
+            tuple(unsupported),
+            tuple(notes),
+            filename="megatron.sh",
+            model_fields=tuple(fields.exported.items()),
+            refused=tuple(fields.refused.items()),
+            script=launch_script(flags, s, model=model, cluster=cluster, refused=fields.refused),
+        )
 
 
-def model_flags(model) -> list[str]:
-    """The flags that give Megatron-LM the shape of `model`: SwiGLU with RMSNorm (Llama style)
-    or GeLU with LayerNorm (GPT style), the position embedding, biases and dropout as the spec
-    says."""
+def launch_script(flags, strategy, *, model=None, cluster=None, refused=None) -> str:
+    """megatron.sh: Megatron-LM's pretrain_gpt.py under torchrun's c10d rendezvous, with the
+    data, tokenizer, iterations, learning rate and checkpoint folder as placeholders;
+    MOCK_DATA=1 trains on Megatron's mock dataset (--mock-data) with the NullTokenizer."""
+    nodes, per_node = (
+        (1, strategy.world_size) if cluster is None else (cluster.n_nodes, cluster.gpus_per_node)
+    )
+    what = f"{model.name} " if model is not None else ""
+    setup = [
+        require(
+            "MEGATRON_LM",
+            "set MEGATRON_LM to your Megatron-LM checkout, the folder with pretrain_gpt.py",
+        ),
+        require("TRAIN_ITERS", PLACEHOLDERS["TRAIN_ITERS"]),
+        require("LR", PLACEHOLDERS["LR"]),
+        require("CHECKPOINT_DIR", PLACEHOLDERS["CHECKPOINT_DIR"]),
+        'if [ "${MOCK_DATA:-0}" = 1 ]; then  # smoke run: Megatron\'s mock dataset',
+        "    DATA=(--mock-data)",
+        "else",
+        "    "
+        + require(
+            "DATA_PATH",
+            PLACEHOLDERS["DATA_PATH"].format(
+                data="a Megatron indexed dataset prefix, the path without .bin or .idx"
+            ),
+        ),
+        "    "
+        + require(
+            "TOKENIZER",
+            PLACEHOLDERS["TOKENIZER"].format(tokenizer="a Hugging Face tokenizer name or folder"),
+        ),
+        '    DATA=(--data-path "$DATA_PATH" --split 99,1,0'
+        ' --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")',
+        "fi",
+    ]
+    guard = ""
+    if refused:
+        guard = refusal("Megatron-LM", model.name if model else "the model", refused.items())
+        guard += "; run with ALLOW_UNSUPPORTED=1 to train it anyway"
+    return script(
+        title=f"Megatron-LM pretrain_gpt.py for {what}with {strategy.short()}, by autosearch",
+        comments=[
+            "Smoke run on mock data: MOCK_DATA=1 TRAIN_ITERS=10 LR=3e-4 "
+            "CHECKPOINT_DIR=/tmp/ckpt MEGATRON_LM=/path/to/Megatron-LM bash megatron.sh",
+            "Several nodes: run it on each (srun --ntasks-per-node 1 bash megatron.sh), or set "
+            "MASTER_ADDR to the first node on each.",
+        ],
+        nnodes=nodes,
+        gpus_per_node=per_node,
+        setup=setup,
+        program=['"$MEGATRON_LM/pretrain_gpt.py"'],
+        args=flags,
+        tail=[
+            '"${DATA[@]}"',
+            '--train-iters "$TRAIN_ITERS" --lr "$LR"',
+            '--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR"',
+        ],
+        guard=guard,
+    )
+
+
+def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, list[str]]:
+    """The flags that give Megatron-LM the shape of `model` with the published settings `arch`
+    (`architecture_of`), what each model field became, and notes. Every flag is a field of
+    Megatron-Core's TransformerConfig (Megatron-LM 0.16 generates ``--field-name`` from each,
+    `megatron/training/arguments.py` ArgumentGroupFactory) or one of Megatron-LM's own."""
+    from autosearch.export._architecture import ARCH_FIELDS, MODEL_FIELDS, padded_vocab
+
+    arch = arch if arch is not None else architecture_of(model)
+    m = FieldMap()
+    notes: list[str] = []
     flags = [
         f"--num-layers {model.n_layers}",
         f"--hidden-size {model.hidden_size}",
         f"--num-attention-heads {model.n_heads}",
     ]
+    m.set(("n_layers", "hidden_size", "n_heads"), " ".join(flags))
     if model.n_kv_heads != model.n_heads:
         flags += ["--group-query-attention", f"--num-query-groups {model.n_kv_heads}"]
+    m.set("n_kv_heads", f"--num-query-groups {model.n_kv_heads}")
+    if model.mla is None:  # MLA's heads are its own (--qk-head-dim, --v-head-dim)
+        flags.append(f"--kv-channels {model.head_dim}")
+        m.set("head_dim", f"--kv-channels {model.head_dim}")
+    else:
+        m.set("head_dim", "MLA: --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim")
+    flags.append(f"--ffn-hidden-size {model.ffn_hidden_size}")
+    m.set("ffn_hidden_size", f"--ffn-hidden-size {model.ffn_hidden_size}")
+    activation = {"swiglu": ["--swiglu"], "relu2": ["--squared-relu"], "gelu": []}
+    if model.ffn_activation in activation:
+        flags += activation[model.ffn_activation]
+        m.set("ffn_activation", " ".join(activation[model.ffn_activation]) or "gelu (default)")
+    else:
+        m.refuse(
+            "ffn_activation",
+            f"{model.ffn_activation}: Megatron-LM's gated MLPs are --swiglu (SiLU) and "
+            "--quick-geglu (x * sigmoid(1.702 x)), not GeGLU's tanh GELU",
+        )
+    flags += [f"--seq-length {model.seq_len}", f"--max-position-embeddings {model.seq_len}"]
+    m.set("seq_len", f"--seq-length {model.seq_len}")
+    # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp
+    # (Megatron-LM training/tokenizer `_vocab_size_with_padding`); 128 is its default.
+    padded = padded_vocab(model.vocab_size, 128 * tp)
     flags += [
-        f"--ffn-hidden-size {model.ffn_hidden_size}",
-        f"--seq-length {model.seq_len}",
-        f"--max-position-embeddings {model.seq_len}",
-        "--tokenizer-type NullTokenizer",
-        f"--vocab-size {model.vocab_size}",
+        "--tokenizer-type NullTokenizer",  # it appends an end-of-document token: V - 1 gives V
+        f"--vocab-size {model.vocab_size - 1}",
+        "--make-vocab-size-divisible-by 128",
     ]
+    m.set("vocab_size", f"--vocab-size {model.vocab_size} --make-vocab-size-divisible-by 128")
+    if padded != model.vocab_size:
+        notes.append(
+            f"Megatron pads the vocabulary of {model.vocab_size} to {padded} (a multiple of "
+            f"128 x tp = {128 * tp}): {padded - model.vocab_size} unused rows, "
+            f"{(padded - model.vocab_size) * model.hidden_size:,} parameters per embedding "
+            "matrix more than planned"
+        )
     if model.is_gpt_style:
         flags.append("--normalization LayerNorm")
     else:
-        flags += ["--swiglu", "--normalization RMSNorm"]
-    flags.append(f"--position-embedding-type {_POSITIONS.get(model.position_embedding, 'rope')}")
+        flags.append("--normalization RMSNorm")
+    flags.append(f"--norm-epsilon {arch.norm_eps:g}")
+    m.set("arch.norm_eps", f"--norm-epsilon {arch.norm_eps:g}")
+    position = _POSITIONS.get(model.position_embedding)
+    if position is None:
+        m.refuse("position_embedding", f"{model.position_embedding}: Megatron-LM has no ALiBi")
+        position = "rope"
+    else:
+        m.set("position_embedding", f"--position-embedding-type {position}")
+    flags.append(f"--position-embedding-type {position}")
+    flags += _rope_flags(model, arch, m, notes)
     if not model.linear_bias:
         flags.append("--disable-bias-linear")
+    m.set("linear_bias", "--disable-bias-linear" if not model.linear_bias else "biases (default)")
+    if arch.qkv_bias:
+        flags.append("--add-qkv-bias")
+    m.set("arch.qkv_bias", "--add-qkv-bias" if arch.qkv_bias else "off (default)")
     if not model.dropout:
         flags += ["--hidden-dropout 0.0", "--attention-dropout 0.0"]
+    m.set(
+        "dropout", "--hidden-dropout 0.0 --attention-dropout 0.0" if not model.dropout else "0.1"
+    )
     if not model.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    m.set(
+        "tied_embeddings",
+        "tied (default)" if model.tied_embeddings else "--untie-embeddings-and-output-weights",
+    )
+    if arch.qk_norm == "rmsnorm":
+        flags.append("--qk-layernorm")  # the --normalization kind, on each head's q and k
+        m.set("arch.qk_norm", "--qk-layernorm")
+    elif arch.qk_norm == "l2":
+        flags.append("--qk-l2-norm")
+        m.set("arch.qk_norm", "--qk-l2-norm")
+    else:
+        m.set("arch.qk_norm", "off (default)")
+    if model.sliding_layers:
+        # TransformerConfig.window_size (left, right): Megatron-Bridge's gpt-oss and Gemma
+        # providers give (window, 0); window_attn_skip_freq p: every p-th layer attends fully
+        flags.append(f"--window-size ({model.sliding_window},0)")
+        m.set("sliding_window", f"--window-size ({model.sliding_window},0)")
+        if model.sliding_window_pattern:
+            flags.append(f"--window-attn-skip-freq {model.sliding_window_pattern}")
+        m.set("sliding_window_pattern", f"--window-attn-skip-freq {model.sliding_window_pattern}")
+        notes.append("sliding-window attention runs in TransformerEngine's or flash attention")
+    else:
+        m.set(("sliding_window", "sliding_window_pattern"), "full attention (default)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model, name) is not None:
+            m.refuse(name, "TransformerConfig has no logit soft-capping")
+        else:
+            m.set(name, "none (default)")
+    if arch.post_norms:
+        m.refuse("arch.post_norms", "GPTModel's blocks have no norms after attention and MLP")
+    if arch.attention_chunk is not None:
+        m.refuse("arch.attention_chunk", "Megatron-LM has no chunked (local-block) attention")
+    if arch.attention_sinks:
+        flags.append("--softmax-type learnable")
+        m.set("arch.attention_sinks", "--softmax-type learnable")
+    if arch.swiglu_limit is not None:
+        m.refuse(
+            "arch.swiglu_limit",
+            "activation_func_clamp_value clamps quick-GELU only, not --swiglu",
+        )
+    if arch.shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
+        m.set("arch.shared_expert_gate", "--moe-shared-expert-gate")
     if model.mla is not None:
         mla = model.mla
         flags.append("--multi-latent-attention")
@@ -370,10 +565,97 @@ def model_flags(model) -> list[str]:
             f"--qk-pos-emb-head-dim {mla.qk_rope_head_dim}",
             f"--v-head-dim {mla.v_head_dim}",
         ]
+        for name, flag in (
+            ("q_lora_rank", "--q-lora-rank"),
+            ("kv_lora_rank", "--kv-lora-rank"),
+            ("qk_nope_head_dim", "--qk-head-dim"),
+            ("qk_rope_head_dim", "--qk-pos-emb-head-dim"),
+            ("v_head_dim", "--v-head-dim"),
+        ):
+            m.set(f"mla.{name}", f"{flag} {getattr(mla, name)}")
+    else:
+        m.set([x for x in MODEL_FIELDS if x.startswith("mla.")], "no MLA (default)")
     if model.moe is not None:
         flags += moe_flags(model)
+        m.set([x for x in MODEL_FIELDS if x.startswith("moe.")], "--num-experts ... (MoE flags)")
+    else:
+        m.set([x for x in MODEL_FIELDS if x.startswith("moe.")], "dense MLP (default)")
     if model.mtp_layers:  # multi-token prediction modules, on the last pipeline stage
         flags.append(f"--mtp-num-layers {model.mtp_layers}")
+    m.set("mtp_layers", f"--mtp-num-layers {model.mtp_layers}" if model.mtp_layers else "none")
+    if model.lora is not None:
+        m.refuse(
+            "lora",
+            "pretrain_gpt.py trains every weight; LoRA is Megatron-Bridge's PEFT "
+            "(megatron.bridge.peft.lora.LoRA), not a Megatron-LM flag",
+        )
+    else:
+        m.set("lora", "full training")
+    for name in ARCH_FIELDS:  # the rest, at their off values
+        if name not in m.exported and name not in m.refused:
+            m.set(name, "off (default)")
+    if not arch.known:
+        notes.append(
+            f"{model.name} is not a catalog model: its RoPE base, norm epsilon and QK norm "
+            "are not in its ModelSpec, so Megatron's defaults are given (--rotary-base 10000, "
+            "--norm-epsilon 1e-5, no QK norm); set your model's"
+        )
+    return flags, m, notes
+
+
+def _rope_flags(model, arch, m: FieldMap, notes: list[str]) -> list[str]:
+    """RoPE's base, scaling, share of channels and the layers without it."""
+    if model.position_embedding != "rotary":
+        m.set(("arch.rope_base", "arch.rope_scaling", "arch.rotary_percent"), "no RoPE")
+        if arch.nope_layer_step:
+            m.refuse("arch.nope_layer_step", "RoPE is off: no NoPE layers to give")
+        return []
+    base = arch.rope_base if arch.rope_base is not None else 10000
+    flags = [f"--rotary-base {base:.0f}"]  # an int in Megatron-LM (type=int)
+    m.set("arch.rope_base", f"--rotary-base {base:.0f}")
+    if arch.rotary_percent != 1.0:
+        flags.append(f"--rotary-percent {arch.rotary_percent:g}")
+    m.set("arch.rotary_percent", f"--rotary-percent {arch.rotary_percent:g}")
+    scaling = arch.scaling
+    kind = scaling.get("type")
+    if kind == "llama3" and {k: v for k, v in scaling.items() if k not in ("type", "factor")} == {
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }:
+        # GPTModel(rope_scaling=True): Llama 3.1's scaling with low 1, high 4, 8192 built in
+        # (megatron/core/models/common/embeddings/rotary_pos_embedding.py _apply_scaling)
+        flags += ["--use-rope-scaling", f"--rope-scaling-factor {scaling['factor']:g}"]
+        m.set(
+            "arch.rope_scaling", f"--use-rope-scaling --rope-scaling-factor {scaling['factor']:g}"
+        )
+    elif kind == "yarn" and model.mla is not None:
+        # MLATransformerConfig: rope_type yarn with rotary_scaling_factor, mscale,
+        # mscale_all_dim; beta_fast 32, beta_slow 1 and 4096 original positions are its defaults
+        rest = {
+            k: scaling[k] for k in ("original_max_position_embeddings", "beta_fast", "beta_slow")
+        }
+        if rest != {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}:
+            m.refuse("arch.rope_scaling", f"YaRN with {rest}: Megatron-LM sets 4096, 32, 1 only")
+        else:
+            flags += [
+                "--rope-type yarn",
+                f"--rotary-scaling-factor {scaling['factor']:g}",
+                f"--mscale {scaling['mscale']:g}",
+                f"--mscale-all-dim {scaling['mscale_all_dim']:g}",
+            ]
+            m.set("arch.rope_scaling", "--rope-type yarn --rotary-scaling-factor ...")
+    elif kind is not None:
+        m.refuse(
+            "arch.rope_scaling",
+            f"{kind} RoPE scaling {scaling}: Megatron-LM's GPTModel has Llama 3.1's (factor; "
+            "low 1, high 4, 8192) and YaRN for multi-latent attention only",
+        )
+    else:
+        m.set("arch.rope_scaling", "none (default)")
+    if arch.nope_layer_step:
+        flags.append(f"--no-rope-freq {arch.nope_layer_step}")
+        m.set("arch.nope_layer_step", f"--no-rope-freq {arch.nope_layer_step}")
     return flags
 
 

@@ -21,7 +21,17 @@ from typing import Any
 
 import tomli_w
 
-from autosearch.export._base import Exported, Exporter, declared_mappings, shell_words
+from autosearch.export._architecture import architecture_of
+from autosearch.export._base import (
+    Exported,
+    Exporter,
+    FieldMap,
+    declared_mappings,
+    refusal,
+    shell_words,
+)
+from autosearch.export._launch import PLACEHOLDERS, require, script
+from autosearch.export._torchtitan_models import model_section
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -29,6 +39,7 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # section -> keys this exporter may write, all fields of torchtitan 0.2.2 job_config.py.
 KEYS: dict[str, tuple[str, ...]] = {
     "model": ("name", "flavor", "converters"),
+    "experimental": ("custom_import",),  # Experimental.custom_import: imported by train.py
     "parallelism": (
         "data_parallel_replicate_degree",
         "data_parallel_shard_degree",
@@ -52,20 +63,12 @@ KEYS: dict[str, tuple[str, ...]] = {
 # The class of each section in job_config.py (for the check against the installed package).
 SECTION_CLASSES = {
     "model": "Model",
+    "experimental": "Experimental",
     "parallelism": "Parallelism",
     "training": "Training",
     "activation_checkpoint": "ActivationCheckpoint",
     "compile": "Compile",
     "quantize.linear.float8": "Float8Linear",
-}
-
-# torchtitan's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args): dim, layers,
-# heads, kv heads, and the MLP width its formula gives (multiple_of * ceil(multiplier * 8 dim/3
-# / multiple_of), torchtitan/models/llama3/model/model.py FeedForward).
-LLAMA3_FLAVORS = {
-    "8B": (4096, 32, 32, 8, 14336),
-    "70B": (8192, 80, 64, 8, 28672),
-    "405B": (16384, 126, 128, 8, 53248),
 }
 
 
@@ -90,26 +93,20 @@ class TorchTitanExporter(Exporter):
             "virtual_stages",
         }
         doc: dict[str, Any] = {}  # section -> keys, written by tomli_w (no TOML by hand)
+        fields, module = FieldMap(), ""
         if model is not None:
-            flavor = llama3_flavor(model)
-            if flavor is not None:
-                doc["model"] = {"name": "llama3", "flavor": flavor}
-                if s.fp8 != "none":
-                    doc["model"]["converters"] = ["quantize.linear.float8"]
-            else:
+            arch = architecture_of(model)
+            doc["model"], module, fields, model_notes = model_section(model, arch)
+            notes += model_notes
+            if s.fp8 != "none":
+                doc["model"]["converters"] = ["quantize.linear.float8"]
+            if module:
+                doc["experimental"] = {"custom_import": "torchtitan_flavor"}
                 notes.append(
-                    f"no torchtitan model flavor has the shape of {model.name}: add one to "
-                    "torchtitan/models/llama3/__init__.py (llama3_args) with "
-                    f"dim={model.hidden_size}, n_layers={model.n_layers}, "
-                    f"n_heads={model.n_heads}, n_kv_heads={model.n_kv_heads} and an MLP of "
-                    f"{model.ffn_hidden_size}, and name it in [model] flavor"
-                    + (
-                        "; torchtitan's Llama blocks are SwiGLU/RMSNorm/RoPE, not GPT style"
-                        if model.is_gpt_style
-                        else ""
-                    )
+                    f"torchtitan ships no flavor of {model.name}'s shape: torchtitan_flavor.py "
+                    f"registers one in {doc['model']['name']}_args, imported through "
+                    "[experimental] custom_import (torchtitan.sh puts its folder on PYTHONPATH)"
                 )
-            notes.append("the vocabulary comes from the tokenizer ([model] hf_assets_path)")
         shard, replicate = (s.dp, 1) if s.zero_stage >= 2 else (1, s.dp)
         par: dict[str, Any] = {
             "data_parallel_replicate_degree": replicate,
@@ -221,7 +218,7 @@ class TorchTitanExporter(Exporter):
         mapped.add("compile")
         if s.fp8 != "none":
             doc["quantize"] = {"linear": {"float8": {"recipe_name": s.fp8}}}
-            if model is None or llama3_flavor(model) is None:
+            if model is None:
                 notes.append('fp8: add "quantize.linear.float8" to [model] converters')
         mapped.add("fp8")
         notes.append(
@@ -246,17 +243,6 @@ class TorchTitanExporter(Exporter):
             unsupported.append(
                 ("etp", f"torchtitan runs etp = 1 or etp = tp ({s.tp}) only, not {s.etp}")
             )
-        if model is not None and model.moe is not None:
-            notes.append(
-                "torchtitan's MoE models (deepseek_v3, qwen3, llama4) take their experts from "
-                "their own flavors: pick the one with this model's shape in [model]"
-            )
-        if model is not None and model.mtp_layers:
-            notes.append(
-                f"{model.name}'s {model.mtp_layers} multi-token prediction module(s) are not "
-                "trained (the cost model prices torchtitan without them; its deepseek_v3 "
-                "num_mtp_layers, pytorch/torchtitan#3392, is 0 by default)"
-            )
         return Exported(
             self.name,
             tomli_w.dumps(doc).rstrip(),
@@ -265,6 +251,10 @@ class TorchTitanExporter(Exporter):
             tuple(notes),
             command=command,
             filename="torchtitan.toml",
+            model_fields=tuple(fields.exported.items()),
+            refused=tuple(fields.refused.items()),
+            script=launch_script(s, model=model, cluster=cluster, refused=fields.refused),
+            files=(("torchtitan_flavor.py", module),) if module else (),
         )
 
 
@@ -283,18 +273,65 @@ def module_fqns(chunks) -> list[list[str]]:
     return parts
 
 
-def llama3_flavor(model) -> str | None:
-    """The torchtitan Llama 3 flavor with the shape of `model`, or None."""
-    if model.is_gpt_style:
-        return None
-    shape = (
-        model.hidden_size,
-        model.n_layers,
-        model.n_heads,
-        model.n_kv_heads,
-        model.ffn_hidden_size,
+def launch_script(strategy, *, model=None, cluster=None, refused=None) -> str:
+    """torchtitan.sh: `torchtitan.train` under torchrun's c10d rendezvous with torchtitan.toml
+    beside it; the data, tokenizer, steps, learning rate and checkpoint folder are placeholders
+    given as command-line overrides (torchtitan's ConfigManager: ``--section.key value`` after
+    the file). MOCK_DATA=1 runs torchtitan's own smoke set-up from its checkout: the c4_test
+    dataset and the test tokenizer in tests/assets (what its run_train.sh uses)."""
+    nodes = 1 if cluster is None else cluster.n_nodes
+    per_node = strategy.world_size if cluster is None else cluster.gpus_per_node
+    setup = [
+        require("TRAIN_ITERS", PLACEHOLDERS["TRAIN_ITERS"]),
+        require("LR", PLACEHOLDERS["LR"]),
+        require("CHECKPOINT_DIR", PLACEHOLDERS["CHECKPOINT_DIR"]),
+        'export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"  # torchtitan_flavor.py, if any',
+        'if [ "${MOCK_DATA:-0}" = 1 ]; then  # smoke run: torchtitan\'s test data and tokenizer',
+        "    "
+        + require(
+            "TORCHTITAN",
+            "set TORCHTITAN to a torchtitan checkout for MOCK_DATA=1: its tests/assets hold "
+            "the c4_test data and the test tokenizer",
+        ),
+        '    cd "$TORCHTITAN"',
+        "    DATA=(--training.dataset c4_test --model.hf_assets_path ./tests/assets/tokenizer)",
+        "else",
+        "    "
+        + require(
+            "DATA_PATH",
+            PLACEHOLDERS["DATA_PATH"].format(data="a Hugging Face dataset folder of c4 form"),
+        ),
+        "    "
+        + require(
+            "TOKENIZER",
+            PLACEHOLDERS["TOKENIZER"].format(tokenizer="a folder with tokenizer.json"),
+        ),
+        '    DATA=(--training.dataset c4 --training.dataset_path "$DATA_PATH"'
+        ' --model.hf_assets_path "$TOKENIZER")',
+        "fi",
+    ]
+    guard = ""
+    if refused:
+        guard = refusal("torchtitan", model.name if model else "the model", refused.items())
+        guard += "; run with ALLOW_UNSUPPORTED=1 to train it anyway"
+    what = f"{model.name} " if model is not None else ""
+    return script(
+        title=f"torchtitan for {what}with {strategy.short()}, by autosearch",
+        comments=[
+            "Smoke run: MOCK_DATA=1 TORCHTITAN=/path/to/torchtitan TRAIN_ITERS=10 LR=3e-4 "
+            "CHECKPOINT_DIR=/tmp/ckpt bash torchtitan.sh",
+            "Several nodes: run it on each (srun --ntasks-per-node 1 bash torchtitan.sh), or "
+            "set MASTER_ADDR to the first node on each.",
+        ],
+        nnodes=nodes,
+        gpus_per_node=per_node,
+        setup=setup,
+        program=["-m torchtitan.train", '--job.config_file "$HERE/torchtitan.toml"'],
+        args=[],
+        tail=[
+            '"${DATA[@]}"',
+            '--training.steps "$TRAIN_ITERS" --optimizer.lr "$LR"',
+            '--checkpoint.enable --checkpoint.folder "$CHECKPOINT_DIR"',
+        ],
+        guard=guard,
     )
-    for flavor, dims in LLAMA3_FLAVORS.items():
-        if dims == shape:
-            return flavor
-    return None
