@@ -34,7 +34,10 @@ ONE = Strategy(dp=1, global_batch_size=1)
 
 
 def installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is not there either
+        return False
 
 
 def few_layers(model: ModelSpec) -> ModelSpec:
