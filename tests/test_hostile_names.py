@@ -159,7 +159,7 @@ def test_names_derived_from_a_path_are_made_plain_and_tune_writes_them_as_data(t
     best = yaml.safe_load((out / "best_strategy.yaml").read_text())
     assert best["model"] == model.name
     report = (out / "report.md").read_text()
-    assert report.splitlines()[0].startswith(f"# Strategy search: {model.name} on ")
+    assert report.splitlines()[0].startswith(f"# Strategy search: {model.name}: ")
     parsed(out)
     run_scripts(out)
     assert no_mark(tmp_path)
