@@ -16,15 +16,6 @@ from autosearch.commands._common import (
 )
 from autosearch.core.errors import SpecError
 
-OUTPUT_FILES = (
-    "megatron.sh",
-    "ds_config.json",
-    "deepspeed_launch.sh",
-    "torchtitan.toml",
-    "torchtitan.sh",
-    "torchtitan_flavor.py",
-)
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -57,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "deepspeed_launch.sh, torchtitan.toml) instead of printing",
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="write (or print) a strategy that does not fit, or cannot run, under the target "
+        "framework's runtime, with that warning on top; without it such an export is refused "
+        "(exit status 2)",
+    )
+    p.add_argument(
         "--allow-unsupported",
         action="store_true",
         help="export even where the framework cannot build a field of the model as planned "
@@ -66,16 +64,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autosearch.export import EXPORTERS, export, write_exports
+    from autosearch.export import EXPORT_FILES, EXPORTERS, export, write_exports
 
     strategy = load_strategy(args.strategy, global_batch_size=args.global_batch_size)
     model_src, cluster_src = args.model, args.cluster
-    if os.path.isfile(args.strategy) and (model_src is None or cluster_src is None):
-        recorded_model, recorded_cluster = _recorded_model_cluster(args.strategy)
+    recorded: dict = {}
+    if os.path.isfile(args.strategy):
+        recorded = _recorded(args.strategy)
         if model_src is None:
-            model_src = recorded_model
+            model_src = recorded.get("model")
         if cluster_src is None and args.nnodes is None:
-            cluster_src = recorded_cluster
+            cluster_src = recorded.get("cluster")
     model = load_model(model_src) if model_src is not None else None
     cluster = None
     if cluster_src is not None:
@@ -94,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(EXPORTERS)} or all"
         )
     targets = list(EXPORTERS) if to == "all" else [to]
+    warnings = _checked(strategy, targets, model, cluster, recorded, force=args.force)
     if args.out is not None:
-        check_output_folder(args.out, files=OUTPUT_FILES)
+        check_output_folder(args.out, files=EXPORT_FILES)
         for target in targets:  # refuses a model the framework cannot build, before writing
             export(
                 strategy,
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             cluster=cluster,
             to=tuple(targets),
             allow_unsupported=args.allow_unsupported,
+            warnings=warnings,
         )
         print("wrote " + " ".join(paths))
         return 0
@@ -122,10 +123,13 @@ def run(args: argparse.Namespace) -> int:
             cluster=cluster,
             allow_unsupported=args.allow_unsupported,
         )
+        warned = "".join(f"# WARNING: {line}\n" for line in warnings.get(target, ()))
         if len(targets) > 1:
             print(("\n" if i else "") + f"==> {out.runtime}")
-            print(out.render(), end="")
+            print(warned + out.render(), end="")
             continue
+        if warned:
+            print(warned, end="", file=sys.stderr)
         # One runtime: the config alone on stdout (`> ds_config.json` is valid), caveats on stderr.
         print(out.text)
         caveats = out.render()[len(out.text.rstrip()) :].strip("\n")
@@ -134,18 +138,71 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded_model_cluster(path: str):
-    """The model and cluster of the study a best_strategy.yaml comes from: the full specs from
-    the study.yaml beside it, else the names the file records (None where there is nothing)."""
+def _checked(strategy, targets, model, cluster, recorded: dict, *, force: bool):
+    """Each target's check before anything is written (`check_export`): the strategy priced
+    under the framework's runtime, said on stderr; one that does not fit or cannot run there
+    is refused unless `force`, and then its warning lines go on top of the files
+    ({target: lines}). With a best_strategy.yaml tuned for another runtime, that framework's
+    own pick is searched and named."""
+    from autosearch.tuning._config import TuneConfig
+    from autosearch.tuning._export_check import check_export
+
+    if model is None or cluster is None:
+        print(
+            "note: not priced under the target frameworks (no model or cluster): give --model "
+            "and --cluster, or a best_strategy.yaml written by tune",
+            file=sys.stderr,
+        )
+        return {}
+    search = recorded.get("config") or TuneConfig(
+        model=model, cluster=cluster, global_batch_size=strategy.global_batch_size
+    )
+    search = search.replace(model=model, cluster=cluster, nnodes=None, gpus_per_node=None)
+    warnings, refused = {}, []
+    for target in targets:
+        check = check_export(
+            strategy,
+            target=target,
+            model=model,
+            cluster=cluster,
+            tuned_for=recorded.get("runtime"),
+            search=search,
+        )
+        for line in check.lines():
+            print(line, file=sys.stderr)
+        if not check.ok:
+            refused.append(target)
+            warnings[target] = check.lines()
+    if refused and not force:
+        raise SpecError(
+            f"{strategy.short()} does not fit, or cannot run, under "
+            f"{', '.join(refused)} (above); export the framework's own pick, tune with "
+            "--runtime for it, or --force to write it anyway with the warning on top"
+        )
+    return warnings
+
+
+def _recorded(path: str) -> dict:
+    """What a best_strategy.yaml's study records: the model and cluster (their full specs from
+    the study.yaml beside it, else the names the file records), the runtime it was tuned for,
+    and the study's TuneConfig (for the target framework's own pick); keys absent where there
+    is nothing."""
     from autosearch.core._io import read_yaml_mapping
+    from autosearch.tuning._config import TuneConfig
 
     doc = read_yaml_mapping(path, what="strategy")
-    model, cluster = doc.get("model"), doc.get("cluster")
+    out = {k: doc[k] for k in ("model", "cluster", "runtime") if doc.get(k) is not None}
     study = os.path.join(os.path.dirname(os.path.abspath(path)), "study.yaml")
     if "strategy" in doc and os.path.isfile(study):
         meta = read_yaml_mapping(study, what="study record")
-        if meta.get("model") == model and isinstance(meta.get("model_spec"), dict):
-            model = meta["model_spec"]
-        if meta.get("cluster") == cluster and isinstance(meta.get("cluster_spec"), dict):
-            cluster = meta["cluster_spec"]
-    return model, cluster
+        if meta.get("model") == out.get("model") and isinstance(meta.get("model_spec"), dict):
+            out["model"] = meta["model_spec"]
+        if meta.get("cluster") == out.get("cluster") and isinstance(
+            meta.get("cluster_spec"), dict
+        ):
+            out["cluster"] = meta["cluster_spec"]
+        try:
+            out["config"] = TuneConfig.from_dict(meta, what=f"study record {study!r}")
+        except SpecError:  # an older or edited record: the pick is searched from the case
+            pass
+    return out

@@ -328,8 +328,11 @@ def summary(result) -> str:
         n = len(result.pareto)
         lines.append(f"Pareto front: {n} strateg{'y' if n == 1 else 'ies'} (pareto.csv)")
     if result.out_dir:
+        from autosearch.export import EXPORT_FILES
+
+        exports = [f for f in EXPORT_FILES if os.path.exists(os.path.join(result.out_dir, f))]
         lines.append(
             f"wrote {result.out_dir}/: trials.csv top_k.csv best_strategy.yaml report.md, and "
-            "for other runtimes megatron.sh ds_config.json deepspeed_launch.sh torchtitan.toml"
+            f"for other runtimes {' '.join(exports)}"
         )
     return "\n".join(lines)

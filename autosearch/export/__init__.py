@@ -98,6 +98,7 @@ def write_exports(
     cluster: "Cluster | None" = None,
     to: "tuple[str, ...] | None" = None,
     allow_unsupported: bool = False,
+    warnings: "dict[str, list[str]] | None" = None,
 ) -> list[str]:
     """Write what each runtime takes, next to best_strategy.yaml: the launch script
     `megatron.sh`; `torchtitan.toml` with `torchtitan.sh` (and `torchtitan_flavor.py` where
@@ -109,7 +110,9 @@ def write_exports(
 
     A runtime that cannot build the model as planned (`Exported.refused`) still gets its files
     (tune writes them all beside its pick), but its launch script stops with the refused
-    fields until run with ALLOW_UNSUPPORTED=1, unless `allow_unsupported`.
+    fields until run with ALLOW_UNSUPPORTED=1, unless `allow_unsupported`. `warnings` puts
+    lines on top of a runtime's scripts and TOML as comments ({runtime: lines}: a strategy
+    written although it does not fit there, `autosearch export --force`).
 
     Returns:
         the paths written.
@@ -131,7 +134,10 @@ def write_exports(
         else:
             files[out.filename] = out.render()
             files["torchtitan.sh"] = _with_caveats(out.script, out)
+        warned = [f"# WARNING: {line}" for line in (warnings or {}).get(name, ())]
         for filename, text in files.items():
+            if warned and filename.endswith((".sh", ".toml")):
+                text = _with_lines(text, warned)
             path = os.path.join(folder, filename)
             atomic_write(path, text, mode=0o755 if filename.endswith(".sh") else 0o644)
             written.append(path)
@@ -143,6 +149,14 @@ def _with_caveats(script: str, out: Exported) -> str:
     first, rest = script.split("\n", 1)
     caveats = "\n".join(out.caveats(comment="#")).strip("\n")
     return f"{first}\n{caveats}\n{rest}" if caveats else script
+
+
+def _with_lines(text: str, lines: list[str]) -> str:
+    """`lines` on top of a file, after its shebang line if it has one."""
+    if text.startswith("#!"):
+        first, rest = text.split("\n", 1)
+        return "\n".join([first, *lines, rest])
+    return "\n".join([*lines, text])
 
 
 # What write_exports may write (tune checks that none is a folder before it starts).

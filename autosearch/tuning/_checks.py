@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterator
 
 from autosearch.core.errors import SpecError
+from autosearch.export import EXPORT_FILES
 
 # What `tune` writes into its output folder (checked before the search: none may be a folder),
 # with the files for other runtimes that `autosearch.export.write_exports` puts beside them.
-EXPORT_FILES = ("megatron.sh", "ds_config.json", "deepspeed_launch.sh", "torchtitan.toml")
 OUTPUT_FILES = (
     "trials.csv",
     "top_k.csv",

@@ -130,9 +130,10 @@ def case_line(model, cluster, global_batch_size: int) -> str:
     """``llama3-70b: 70.6 B parameters, 80 layers, seq 8,192; on h100-sxm:16x8 (128 devices),
     global batch 512 (4.19 M tokens per step)``."""
     tokens = global_batch_size * model.seq_len
+    per_step = f"{tokens / 1e6:.3g} M" if tokens >= 1e6 else f"{tokens:,}"
     return (
         f"{model.describe()}; on {cluster.name} ({cluster.world_size:,} devices), global batch "
-        f"{global_batch_size:,} ({tokens / 1e6:.3g} M tokens per step)"
+        f"{global_batch_size:,} ({per_step} tokens per step)"
     )
 
 
