@@ -107,7 +107,8 @@ def _usd(row: dict[str, Any], value: str) -> float | None:
 
 
 def _plot(rows, folder: str, name: str, y_of, ylabel: str, *, band: bool) -> str | None:
-    """One panel per GPU type: y against devices, a line per (model, batch); the band shaded."""
+    """A panel per model (rows) and GPU type (columns), sharing the model's y axis: y against
+    devices, a line per global batch; the band shaded; '!' where the table has a note."""
     from autosearch.core._files import atomic_write
 
     if not rows or y_of(rows[0], "tokens_per_s") is None:
@@ -117,40 +118,52 @@ def _plot(rows, folder: str, name: str, y_of, ylabel: str, *, band: bool) -> str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    models = list(dict.fromkeys(r["model"] for r in rows))
     gpus = sorted({r["gpu"] for r in rows})
-    fig, axes = plt.subplots(1, len(gpus), figsize=(5.5 * len(gpus), 4), squeeze=False)
-    for ax, gpu in zip(axes[0], gpus):
-        lines: dict[tuple, list[dict[str, Any]]] = {}
-        for r in rows:
-            if r["gpu"] == gpu:
-                lines.setdefault((r["model"], r["global_batch_size"]), []).append(r)
-        for (model, gbs), group in sorted(lines.items()):
-            group.sort(key=lambda r: int(r["n_gpus"]))
-            x = [int(r["n_gpus"]) for r in group]
-            y = [y_of(r, "tokens_per_s") for r in group]
-            (line,) = ax.plot(x, y, marker="o", label=f"{model}, batch {gbs}")
-            if band and all(r["tokens_per_s_low"] != "" for r in group):
-                lo = [y_of(r, "tokens_per_s_low") for r in group]
-                hi = [y_of(r, "tokens_per_s_high") for r in group]
-                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
-            for xi, yi, r in zip(x, y, group):
-                if r["note"]:
-                    ax.annotate("!", (xi, yi), textcoords="offset points", xytext=(4, 4))
-        ax.set_xscale("log", base=2)
-        sizes = sorted({int(r["n_gpus"]) for r in rows if r["gpu"] == gpu})
-        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
-        ax.minorticks_off()
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("devices")
-        ax.set_ylabel(ylabel)
-        ax.set_title(gpu)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{ylabel} against cluster size ('!': a note in the table)", fontsize=10)
+    fig, axes = plt.subplots(
+        len(models),
+        len(gpus),
+        figsize=(4.6 * len(gpus), 3.2 * len(models)),
+        squeeze=False,
+        sharey="row",
+    )
+    for i, model in enumerate(models):
+        for j, gpu in enumerate(gpus):
+            ax = axes[i][j]
+            lines: dict[str, list[dict[str, Any]]] = {}
+            for r in rows:
+                if r["gpu"] == gpu and r["model"] == model:
+                    lines.setdefault(str(r["global_batch_size"]), []).append(r)
+            for gbs, group in sorted(lines.items(), key=lambda kv: int(kv[0])):
+                group.sort(key=lambda r: int(r["n_gpus"]))
+                x = [int(r["n_gpus"]) for r in group]
+                y = [y_of(r, "tokens_per_s") for r in group]
+                (line,) = ax.plot(x, y, marker="o", label=f"batch {gbs}")
+                if band and all(r["tokens_per_s_low"] != "" for r in group):
+                    lo = [y_of(r, "tokens_per_s_low") for r in group]
+                    hi = [y_of(r, "tokens_per_s_high") for r in group]
+                    ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+                for xi, yi, r in zip(x, y, group):
+                    if r["note"]:
+                        ax.annotate("!", (xi, yi), textcoords="offset points", xytext=(4, 4))
+            sizes = sorted({int(r["n_gpus"]) for r in rows if r["gpu"] == gpu})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{model} on {gpu}", fontsize=9)
+            if i == len(models) - 1:
+                ax.set_xlabel("devices")
+            if j == 0:
+                ax.set_ylabel(ylabel)
+            if lines:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"{ylabel} against cluster size (shaded: 90% band; '!': a note)", fontsize=10)
     fig.tight_layout()
     path = os.path.join(folder, name)
     try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     finally:
         plt.close(fig)
     return name
