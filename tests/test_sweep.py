@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,3 +108,65 @@ def test_sweep_rows_carry_every_strategy_dimension(tmp_path):
     from autosearch.tuning._sweep import COLUMNS
 
     assert {f.name for f in dataclasses.fields(Strategy)} <= set(COLUMNS)
+
+
+def test_capacity_answers_follow_from_the_rows(tmp_path):
+    """Prices per GPU type, a token target and a deadline: each row's days and dollars are the
+    arithmetic of its tokens/s and price; the smallest cluster in time is the smallest row that
+    meets the deadline, and the cheapest the row of least dollars per token."""
+    from autosearch.tuning._sweep import SweepConfig, sweep
+
+    prices = {"h100-sxm": 2.5, "b200-sxm": 4.5}
+    config = SweepConfig(
+        models=["llama3-8b"],
+        gpus=["h100-sxm", "b200-sxm"],
+        nodes=[1, 2, 4],
+        global_batch_sizes=[256],
+        price_per_gpu_hour=",".join(f"{g}={p}" for g, p in prices.items()),
+        tokens="300B",
+        deadline_days=20,
+        settings={"n_trials": 12},
+        jobs=1,
+        out=str(tmp_path / "s.csv"),
+    )
+    result = sweep(config)
+    assert len(result.rows) == 6 and all(r["status"] == "ok" for r in result.rows)
+    for r in result.rows:
+        tps, n, price = float(r["tokens_per_s"]), int(r["n_gpus"]), prices[r["gpu"]]
+        days = 300e9 / tps / 86400
+        assert float(r["days_for_tokens"]) == pytest.approx(days, rel=5e-3)  # 3 digits kept
+        assert float(r["usd_for_tokens"]) == pytest.approx(days * 24 * n * price, rel=5e-3)
+        assert r["meets_deadline"] == ("yes" if days <= 20 else "no")
+        if r["tokens_per_s_low"] != "":  # the band holds the prediction
+            assert float(r["tokens_per_s_low"]) <= tps <= float(r["tokens_per_s_high"])
+    for answer in result.answers:
+        group = [r for r in result.rows if r["gpu"] == answer["gpu"]]
+        in_time = [r for r in group if r["meets_deadline"] == "yes"]
+        smallest = answer["smallest_in_time"]
+        assert smallest == (min(in_time, key=lambda r: int(r["n_gpus"])) if in_time else None)
+        cheapest = min(group, key=lambda r: float(r["usd_per_million_tokens"]))
+        assert answer["cheapest"] is cheapest
+    report = (tmp_path / "s_report" / "report.md").read_text()
+    assert "## Capacity" in report and "(tokens_per_gpu.png)" in report
+    assert (tmp_path / "s_report" / "usd_per_million_tokens.png").stat().st_size > 10_000
+
+
+def test_a_larger_cluster_slower_per_device_is_noted_with_the_term_that_grew():
+    from autosearch.tuning._sweep import SweepConfig, complete
+
+    def row(n, tps, shares):
+        return {
+            "model": "m", "seq_len": 4096, "gpu": "h100-sxm", "global_batch_size": 64,
+            "cluster": f"h100-sxm:{n // 8}x8", "n_gpus": n, "status": "ok", "tokens_per_s": tps,
+            "step_shares": json.dumps(shares),
+        }  # fmt: skip
+
+    small = row(8, 80_000, {"compute_s": 0.9, "dp_comm_exposed_s": 0.1})
+    big = row(64, 400_000, {"compute_s": 0.6, "dp_comm_exposed_s": 0.4})
+    config = SweepConfig(models=["m"], clusters=["h100-sxm:1x8"], global_batch_sizes=[64])
+    rows = complete([small, big], config)
+    assert rows[0]["note"] == ""
+    assert rows[1]["note"] == (
+        "-38% per device than 8 GPUs: exposed data-parallel communication 10% -> 40% of the "
+        "step (64 sequences over 64 GPUs)"
+    )
