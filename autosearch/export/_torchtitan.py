@@ -31,7 +31,7 @@ from autosearch.export._base import (
     shell_words,
 )
 from autosearch.export._launch import PLACEHOLDERS, require, script
-from autosearch.export._torchtitan_models import model_section
+from autosearch.export._torchtitan_models import ARGS_DICT, model_section
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -104,7 +104,7 @@ class TorchTitanExporter(Exporter):
                 doc["experimental"] = {"custom_import": "torchtitan_flavor"}
                 notes.append(
                     f"torchtitan ships no flavor of {model.name}'s shape: torchtitan_flavor.py "
-                    f"registers one in {doc['model']['name']}_args, imported through "
+                    f"registers one in {ARGS_DICT[doc['model']['name']]}, imported through "
                     "[experimental] custom_import (torchtitan.sh puts its folder on PYTHONPATH)"
                 )
         shard, replicate = (s.dp, 1) if s.zero_stage >= 2 else (1, s.dp)

@@ -6,7 +6,7 @@ torchtitan 0.2.2 (`torchtitan/models/<name>/__init__.py`, `<name>_args`) ships l
 qwen3, deepseek_v3 and gpt_oss; a job names one by ``[model] name`` and ``flavor``, and the
 flavor's model arguments fix the whole shape (the TOML holds no model argument).
 `torchtitan/train.py` imports ``experimental.custom_import`` before it looks the flavor up, so a
-module that adds an entry to ``qwen3_args`` or ``deepseek_v3_args`` gives any shape those
+module that adds an entry to ``qwen3_args`` or ``deepseekv3_args`` gives any shape those
 families can build. tests/test_export_frameworks.py builds each on the meta device and counts
 its parameters against the ModelSpec's.
 """
@@ -18,6 +18,9 @@ from typing import Any
 from autosearch.export._architecture import MODEL_FIELDS, Architecture
 from autosearch.export._base import FieldMap, one_line
 
+# The dict of flavors of each family torchtitan 0.2.2 looks a flavor up in
+# (`torchtitan/models/<family>/__init__.py`): note deepseek_v3's has no underscore.
+ARGS_DICT = {"qwen3": "qwen3_args", "deepseek_v3": "deepseekv3_args"}
 # The flavor torchtitan_flavor.py registers: a fixed name, so the model's name is only ever in
 # comments of the files written.
 FLAVOR = "autosearch"
@@ -201,7 +204,7 @@ def model_section(model, arch: Architecture) -> tuple[dict[str, Any], str, Field
     else:
         name, flavor = family, FLAVOR
         module = flavor_module(model, arch, family, m)
-        where = f"{family}_args[{FLAVOR!r}] in torchtitan_flavor.py"
+        where = f"{ARGS_DICT[family]}[{FLAVOR!r}] in torchtitan_flavor.py"
     for field in MODEL_FIELDS:
         if field not in m.refused:
             m.set(field, where)
@@ -350,10 +353,10 @@ def flavor_module(model, arch: Architecture, family: str, m: FieldMap) -> str:
     module_path = {"qwen3": "qwen3.model.args", "deepseek_v3": "deepseek_v3.model.args"}[family]
     return (
         f"# torchtitan flavor {FLAVOR!r}: the shape planned for {one_line(model.name)}\n"
-        f"# registered in {family}_args before torchtitan/train.py looks it up\n"
+        f"# registered in {ARGS_DICT[family]} before torchtitan/train.py looks it up\n"
         "# ([experimental] custom_import in torchtitan.toml).\n\n"
         "from torchtitan.models.moe import MoEArgs  # noqa: F401\n"
-        f"from torchtitan.models.{family} import {family}_args\n"
+        f"from torchtitan.models.{family} import {ARGS_DICT[family]}\n"
         f"from torchtitan.models.{module_path} import {cls}\n\n"
-        f"{family}_args[{FLAVOR!r}] = {cls}(\n{body}\n)\n"
+        f"{ARGS_DICT[family]}[{FLAVOR!r}] = {cls}(\n{body}\n)\n"
     )
