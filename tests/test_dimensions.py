@@ -10,13 +10,13 @@ import itertools
 import pytest
 
 from autosearch import Cluster, ModelSpec, SpecError, Strategy
-from autosearch.commands.sweep import COLUMNS
 from autosearch.core import dimensions, rules
 from autosearch.core.bands import kind_of
 from autosearch.core.runtime import RUNTIMES, RuntimeOptions
 from autosearch.core.strategy import FILE_FIELDS
 from autosearch.tuning._params import PLAIN_DIMENSIONS
 from autosearch.tuning._ranking import n_parallel_axes
+from autosearch.tuning._sweep import COLUMNS
 from search_spaces import LAYOUT_FIELDS, SearchSpace, SpaceConfig
 
 EVERYTHING = Strategy(

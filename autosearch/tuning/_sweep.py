@@ -68,9 +68,11 @@ SHARED = (
     "seed",
     "use_recipes",
 )
-SLOWER_PER_GPU = (
-    0.10  # a larger cluster this much slower per device than the next smaller is noted
-)
+# The shared settings that change how a combination is searched (a CSV computed with others is not
+# resumed); the sequence length and LoRA adapters are in a row's key (its seq_len and model).
+SEARCH_SETTINGS = tuple(n for n in SHARED if n not in ("seq_len", "lora_rank", "lora_targets"))
+# a larger cluster this much slower per device than the next smaller one gets a note
+SLOWER_PER_GPU = 0.10
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -301,9 +303,9 @@ def label(model: "ModelSpec") -> str:
 
 
 def digest(sweep: SweepConfig) -> str:
-    """The shared settings, which decide the picks, as a short hash (each row's `settings`
-    column): a CSV computed with other values is not resumed."""
-    picked = {k: sweep.settings.get(k) for k in SHARED}
+    """The shared settings that decide how each combination is searched, as a short hash
+    (each row's `settings` column): a CSV computed with other values is not resumed."""
+    picked = {k: sweep.settings.get(k) for k in SEARCH_SETTINGS}
     text = json.dumps(picked, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -764,15 +766,17 @@ def _rows_kept(path: str, settings_digest: str) -> set[tuple]:
 
 
 def _rows_of(path: str, keys: list[tuple], settings_digest: str) -> list[dict[str, Any]]:
-    """The rows of the CSV for `keys`, in their order, each once (the last written wins), and
-    the rows of other combinations after them (a sweep that names fewer keeps the others)."""
+    """The rows of the CSV, each key once (the last written wins): the rows of other sweeps
+    into the same file first, in their order, then this sweep's in its combinations' order."""
     by_key: dict[tuple, dict[str, Any]] = {}
     for row in _read_rows(path):
         key = _key_of(row)
         if key is not None and row.get("settings") == settings_digest:
             by_key[key] = {c: row.get(c, "") for c in PICK_COLUMNS}
-    ordered = [by_key.pop(k) for k in keys if k in by_key]
-    return ordered + list(by_key.values())
+    ours = set(keys)
+    return [r for k, r in by_key.items() if k not in ours] + [
+        by_key[k] for k in keys if k in by_key
+    ]
 
 
 def _rewrite(path: str, rows: list[dict[str, Any]]) -> None:

@@ -95,7 +95,8 @@ def test_a_disk_that_fills_during_tune_ends_in_one_message_and_keeps_the_trials(
 
 
 def test_a_disk_that_fills_during_export_ends_in_one_message(tmp_path):
-    args = ["export", "--strategy", "dp=8,global_batch_size=64", "--to", "all"]
+    strategy = "dp=8,global_batch_size=64,zero_stage=3,recompute=full"  # fits everywhere
+    args = ["export", "--strategy", strategy, "--to", "all"]
     args += ["--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--out", "e"]
     res = autosearch(args, cwd=tmp_path, fsize=600)
     assert res.returncode == 2 and "cannot write" in res.stderr, res.stderr

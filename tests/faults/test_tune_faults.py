@@ -22,6 +22,8 @@ import traceback
 
 import pytest
 
+from autosearch.export import EXPORT_FILES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KILLS = 20
 SMALL = dict(model="llama3-8b", cluster="h100-sxm:2x8", global_batch_size=64)
@@ -37,10 +39,7 @@ EXPECTED = {
     ".lock",
     ".autosearch",  # the marker of a folder autosearch made
     # what each runtime takes, written beside best_strategy.yaml (as `autosearch tune` does)
-    "megatron.sh",
-    "ds_config.json",
-    "deepspeed_launch.sh",
-    "torchtitan.toml",
+    *EXPORT_FILES,
 }
 
 
