@@ -149,7 +149,10 @@ def _check(results, table, name, references):
     if name.endswith("_clip"):  # the norm before clipping, the same on every rank
         norms, want = results[0][name]["grad_norm"], references[model]["grad_norm"]
         assert all(r[name]["grad_norm"] == norms for r in results)
-        assert norms == pytest.approx(want, rel=1e-5), (norms, want)  # fp32 sums reordered
+        # the losses' tolerances: fp32 sums reordered for two steps (2e-5), then the weights
+        # drift as the losses do (at step 3: 2.1e-5 on a Xeon Sapphire Rapids, AMX)
+        assert norms[:2] == pytest.approx(want[:2], rel=FP32[0]), (norms, want)
+        assert norms == pytest.approx(want, rel=FP32[1]), (norms, want)
 
 
 @pytest.mark.slow
