@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from autosearch.core._io import read_yaml_mapping
     from autosearch.tuning._config import TuneConfig
-    from autosearch.tuning._sweep import SweepConfig, capacity_lines, plan_cases, sweep
+    from autosearch.tuning._sweep import SweepConfig, plan_cases, sweep
+    from autosearch.tuning._sweep_report import capacity_lines
 
     data = None
     if args.config is not None:

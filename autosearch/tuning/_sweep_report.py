@@ -30,7 +30,6 @@ SHOWN = (  # the report's table: what a planner reads first
 def write_report(rows: list[dict[str, Any]], answers: list[dict[str, Any]], sweep: "SweepConfig"):
     """Write ``<stem>_report/report.md`` and its plots; the report's path."""
     from autosearch.core._files import atomic_write
-    from autosearch.tuning._sweep import capacity_lines
 
     folder = sweep.report_dir
     os.makedirs(folder, exist_ok=True)
@@ -76,6 +75,36 @@ def write_report(rows: list[dict[str, Any]], answers: list[dict[str, Any]], swee
     path = os.path.join(folder, "report.md")
     atomic_write(path, "\n".join(lines))
     return path
+
+
+def capacity_lines(answers: list[dict[str, Any]], sweep: SweepConfig) -> list[str]:
+    lines = []
+    for a in answers:
+        head = f"{a['model']} on {a['gpu']}, batch {a['global_batch_size']}:"
+        parts = []
+        if "smallest_in_time" in a:
+            r = a["smallest_in_time"]
+            parts.append(
+                f"smallest in {sweep.deadline_days:g} days: "
+                + (
+                    f"{r['cluster']} ({r['days_for_tokens']} days"
+                    + (f", ${float(r['usd_for_tokens']):,.0f}" if r["usd_for_tokens"] else "")
+                    + ")"
+                    if r is not None
+                    else "none of the swept clusters"
+                )
+            )
+        if "cheapest" in a:
+            r = a["cheapest"]
+            parts.append(
+                f"cheapest {r['cluster']} (${r['usd_per_million_tokens']}/M tokens"
+                + (f", ${float(r['usd_for_tokens']):,.0f} in all" if r["usd_for_tokens"] else "")
+                + ")"
+            )
+        r = a["fastest"]
+        parts.append(f"fastest {r['cluster']} ({float(r['tokens_per_s']):,.0f} tokens/s)")
+        lines.append(f"{head} " + "; ".join(parts))
+    return lines
 
 
 def _prices(sweep: "SweepConfig") -> str:
