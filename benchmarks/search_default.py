@@ -68,6 +68,16 @@ CASES = [  # (model, cluster, global batch)
     ("llama3.1-405b", "h100-sxm:2048x8", 16384),
 ]
 
+# With --moe, mixture-of-experts models under the runtimes that train them (expert parallelism,
+# its folding over tp, grouped GEMMs): the climb's expert-degree moves are what these test.
+MOE_CASES = [  # (model, cluster, global batch, runtime)
+    ("qwen3-30b-a3b", "h100-sxm:2x8", 256, "torch"),
+    ("qwen3-30b-a3b", "h100-sxm:2x8", 256, "torchtitan"),
+    ("qwen3-30b-a3b", "h100-sxm:8x8", 512, "megatron-core"),
+    ("mixtral-8x7b", "h100-sxm:4x8", 256, "torch"),
+    ("mixtral-8x7b", "h100-sxm:8x8", 512, "megatron-core"),
+    ("qwen2-57b-a14b", "h100-sxm:8x8", 512, "torchtitan"),
+]
 EXTENDED_CASES = [
     ("gpt3-1.3b", "a100-sxm4-40gb:1x8", 256),
     ("gpt3-2.7b", "h100-sxm:2x8", 256),
@@ -197,22 +207,26 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--extended", action="store_true", help="the space of today's stacks")
+    parser.add_argument("--moe", action="store_true", help="mixture-of-experts models")
     parser.add_argument("--optima-only", action="store_true", help="only fill the optima cache")
     parser.add_argument("--rescore", action="store_true", help="score every optimum again")
     parser.add_argument("--cases", default=None, help="only these case numbers (0-based, a,b)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
-    battery = "extended" if ext else "default"
-    cases = EXTENDED_CASES if ext else CASES
+    battery = "moe" if args.moe else "extended" if ext else "default"
+    cases: list[tuple] = MOE_CASES if args.moe else EXTENDED_CASES if ext else CASES
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     settings = EXTENDED if ext else {}
     out = args.out or f"results/search_{battery.replace('-', '_')}.csv"
     rows = []
-    for model, cluster, gbs in cases:
+    for model, cluster, gbs, *rest in cases:
+        runtime = rest[0] if rest else None
+        if runtime is not None:  # the MoE battery: one runtime per case, in the cache's key
+            settings = {"runtime": runtime}
         ref = cached_optimum(
-            (battery, model, cluster, gbs),
+            (battery + (f"-{runtime}" if runtime else ""), model, cluster, gbs),
             job(model, cluster, gbs, settings),
             rescore=args.rescore,
         )
@@ -235,6 +249,7 @@ def main() -> None:
                     "model": model,
                     "cluster": cluster,
                     "global_batch_size": gbs,
+                    "runtime": settings.get("runtime", "torch"),
                     "seed": seed,
                     "space_size": ref["space_size"],
                     "layouts": result.n_units,

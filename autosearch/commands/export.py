@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             cluster=cluster,
             to=tuple(targets),
             allow_unsupported=args.allow_unsupported,
-            warnings=warnings,
+            headers={t: [f"WARNING: {x}" for x in lines] for t, lines in warnings.items()},
         )
         print("wrote " + " ".join(paths))
         return 0

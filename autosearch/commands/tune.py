@@ -107,15 +107,18 @@ def run(args: argparse.Namespace) -> int:
 
 def framework_lines(config: TuneConfig, result) -> list[str]:
     """Which runtime the plan is for, and each other framework's own pick for the case (what
-    `autosearch tune --runtime R` picks there) next to what this plan does there: nobody
-    should launch Megatron with a plan made for the Engine."""
+    `autosearch tune --runtime R` picks there) next to what this plan does there; that pick
+    replaces the plan in the framework's files beside best_strategy.yaml (megatron.sh ...),
+    so nobody launches Megatron with a plan made for the Engine."""
+    from autosearch.export import write_exports
     from autosearch.tuning._export_check import FRAMEWORK_RUNTIME, check_export, framework_picks
 
     runtime = config.runtime or "torch"
     lines = [
         f"runtime   this plan is for {runtime}"
         + (" (the Engine)" if runtime == "torch" else "")
-        + "; each framework's own pick for this case (`autosearch tune --runtime R`):"
+        + "; each framework's own pick for this case (`autosearch tune --runtime R`), "
+        "written to its files:"
     ]
     picks = framework_picks(config)
     model, cluster = result.space.model, result.space.cluster
@@ -132,6 +135,19 @@ def framework_lines(config: TuneConfig, result) -> list[str]:
             else "cannot run it"
         )
         lines.append(f"  {name:<10} {pick.line()} ({rt}; this plan there: {there})")
+        if pick.strategy is not None and result.out_dir:
+            header = [
+                f"the {rt} pick for this case (autosearch tune --runtime {rt}): "
+                f"{pick.line()}; best_strategy.yaml beside it is the {runtime} plan"
+            ]
+            write_exports(
+                result.out_dir,
+                pick.strategy,
+                model=model,
+                cluster=cluster,
+                to=(name,),
+                headers={name: header},
+            )
     return lines
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from autosearch.core._files import atomic_write, own_folder
 from autosearch.core.errors import SpecError
 from autosearch.export._architecture import MODEL_FIELDS, Architecture, architecture_of
-from autosearch.export._base import Exported, Exporter, refusal
+from autosearch.export._base import Exported, Exporter, one_line, refusal
 from autosearch.export._deepspeed import DeepSpeedExporter
 from autosearch.export._megatron import MegatronExporter
 from autosearch.export._torchtitan import TorchTitanExporter
@@ -98,7 +98,7 @@ def write_exports(
     cluster: "Cluster | None" = None,
     to: "tuple[str, ...] | None" = None,
     allow_unsupported: bool = False,
-    warnings: "dict[str, list[str]] | None" = None,
+    headers: "dict[str, list[str]] | None" = None,
 ) -> list[str]:
     """Write what each runtime takes, next to best_strategy.yaml: the launch script
     `megatron.sh`; `torchtitan.toml` with `torchtitan.sh` (and `torchtitan_flavor.py` where
@@ -110,9 +110,10 @@ def write_exports(
 
     A runtime that cannot build the model as planned (`Exported.refused`) still gets its files
     (tune writes them all beside its pick), but its launch script stops with the refused
-    fields until run with ALLOW_UNSUPPORTED=1, unless `allow_unsupported`. `warnings` puts
-    lines on top of a runtime's scripts and TOML as comments ({runtime: lines}: a strategy
-    written although it does not fit there, `autosearch export --force`).
+    fields until run with ALLOW_UNSUPPORTED=1, unless `allow_unsupported`. `headers` puts
+    lines on top of a runtime's scripts and TOML as comments ({runtime: lines}: the warning of
+    a strategy written although it does not fit there, `autosearch export --force`; whose pick
+    it is, `autosearch tune`).
 
     Returns:
         the paths written.
@@ -134,7 +135,7 @@ def write_exports(
         else:
             files[out.filename] = out.render()
             files["torchtitan.sh"] = _with_caveats(out.script, out)
-        warned = [f"# WARNING: {line}" for line in (warnings or {}).get(name, ())]
+        warned = [f"# {one_line(line)}" for line in (headers or {}).get(name, ())]
         for filename, text in files.items():
             if warned and filename.endswith((".sh", ".toml")):
                 text = _with_lines(text, warned)
