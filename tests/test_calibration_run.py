@@ -9,6 +9,7 @@ and usable by the cost model."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -139,3 +140,28 @@ def test_import_cost_models_does_not_import_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_calibrate_reads_the_load_first_and_records_the_machine(tmp_path, monkeypatch):
+    """Before measuring, calibrate reads the load (a loaded machine is warned about, not
+    refused) and records it; the profile records the machine it measured (CPU model, cores,
+    ISA flags) and its header names it. The measurements are the example's, so nothing runs."""
+    from cost_models.calibration import _calibrate
+    from cost_models.calibration.machine import Load, recorded_machine, this_cpu
+
+    root = Path(__file__).resolve().parents[1]
+    example = pd.read_csv(root / "results" / "calibration" / "example-amd-epyc-2c.csv")
+    monkeypatch.setattr(_calibrate, "run_microbenchmarks", lambda *a, **k: example)
+    monkeypatch.setattr(_calibrate, "read_load", lambda: Load(cores=2, other_cores=1.5))
+    lines: list[str] = []
+    out = tmp_path / "cpu.yaml"
+    result = _calibrate.calibrate(
+        device="cpu", world_sizes=[1, 2], out=str(out), accept_untrusted=True, log=lines.append
+    )
+    text = "\n".join(lines)
+    assert "before measuring, other processes keep 1.5 of 2 cores busy" in text
+    assert "WARNING other processes keep 1.5 of 2 cores busy" in text
+    machine = result.profile.calibration["machine"]
+    assert machine["other_busy_cores_at_start"] == 1.5
+    assert recorded_machine(result.profile.calibration, "cpu") == this_cpu()
+    assert f"# Machine: {this_cpu().describe()}" in out.read_text().splitlines()[1]

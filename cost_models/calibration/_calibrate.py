@@ -20,7 +20,7 @@ import pandas as pd
 from autosearch.core._io import read_yaml_mapping
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
-from cost_models.calibration.machine import load_average, recorded_machine
+from cost_models.calibration.machine import load_average, read_load, recorded_machine
 from cost_models.calibration.profile import build_profile
 from cost_models.calibration.runner import (
     cpu_cores,
@@ -134,6 +134,15 @@ def calibrate(
             f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
             f"{', quick' if quick else ''}; load average {machine['load_average_at_start']}"
         )
+        load = read_load()
+        machine["other_busy_cores_at_start"] = load.other_cores
+        log(f"calibrate: before measuring, {load.describe()}")
+        if load.loaded:
+            log(
+                f"calibrate: WARNING {load.describe()}: the benchmarks share the cores, so the "
+                "rates they measure will be too low; if the load lasts, the load check refuses "
+                "the profile (calibrate on a quiet machine)"
+            )
         timeout_s = timeout_s if timeout_s is not None else (600.0 if quick else 3600.0)
         df = run_microbenchmarks(
             make_plan(device, quick=quick), world_sizes, timeout_s=timeout_s, log=log
