@@ -129,8 +129,10 @@ def test_the_cost_model_and_cli_use_the_calibrated_profile(quick_profile, capsys
 def test_calibrate_user_errors_exit_2(tmp_path, capsys):
     assert main(["calibrate", "--device", "cpu", "--out", str(tmp_path / "x.txt")]) == 2
     assert "must be a .yaml file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--world-sizes", "0,2", "--out", str(tmp_path / "x.yaml")])
+    assert main(["calibrate", "--world-sizes", "0,2", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--world-sizes: world sizes must be integers >= 1, got '0,2'" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cpu"]) == 2
+    assert "calibrate needs --out" in capsys.readouterr().err
 
 
 def test_import_cost_models_does_not_import_torch():
@@ -165,3 +167,27 @@ def test_calibrate_reads_the_load_first_and_records_the_machine(tmp_path, monkey
     assert machine["other_busy_cores_at_start"] == 1.5
     assert recorded_machine(result.profile.calibration, "cpu") == this_cpu()
     assert f"# Machine: {this_cpu().describe()}" in out.read_text().splitlines()[1]
+
+
+def test_calibrate_takes_a_config_file_of_its_flags(tmp_path, capsys):
+    """`autosearch calibrate --config FILE.yaml`: the flags' names as keys (CalibrateConfig),
+    a flag given next to it overriding the file; here a refit of the example's measurements."""
+    import shutil
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "results" / "calibration"
+    for ext in ("csv", "yaml"):
+        shutil.copy(root / f"example-amd-epyc-2c.{ext}", tmp_path / f"example.{ext}")
+    config = tmp_path / "calibrate.yaml"
+    config.write_text(
+        yaml.safe_dump({"from-csv": str(tmp_path / "example.csv"), "out": "unused.yaml"})
+    )
+    out = tmp_path / "refit.yaml"
+    assert main(["calibrate", "--config", str(config), "--out", str(out)]) == 0
+    assert (
+        HardwareProfile.load(str(out)).name == "refit" and not (tmp_path / "unused.yaml").exists()
+    )
+    config.write_text(yaml.safe_dump({"out": str(out), "world_sizes": "1,x"}))
+    assert main(["calibrate", "--config", str(config)]) == 2
+    assert "is not a comma-separated list of integers" in capsys.readouterr().err
