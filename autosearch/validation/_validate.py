@@ -233,13 +233,13 @@ def validate(
             submitted with `slurm` options; a job pending too long is cancelled and recorded
             as "pending".
 
-    Before the first run on this machine, the load is read (`cost_models.calibration.machine`:
-    the CPU time other processes take over one second, and the load average) and printed; a
-    loaded machine is warned about, not refused (CI machines are loaded). Each row records the
-    load before and during its run (``load_average_before``, ``load_average_after``,
-    ``other_busy_cores_before``, ``other_busy_cores``, ``cores``) and ``under_load``: other
-    processes kept more than `UNDER_LOAD_SHARE` of the cores busy, so its measured time is the
-    load's as much as the model's, and its line says so.
+    Before each run on this machine, the load is read (`cost_models.calibration.machine`: the
+    CPU time other processes take over one second, and the load average; printed before the
+    first); a loaded machine is warned about, not refused (CI machines are loaded). Each row
+    records the load before and during its run (``load_average_before``,
+    ``load_average_after``, ``other_busy_cores_before``, ``other_busy_cores``, ``cores``) and
+    ``under_load``: other processes kept more than `UNDER_LOAD_SHARE` of the cores busy, so
+    its measured time is the load's as much as the model's, and its line says so.
 
     Returns:
         A ValidationResult; failures (OOM, crash, timeout) are rows, not exceptions.
@@ -346,6 +346,8 @@ def validate(
         else:
             cores = n_devices if target is None else (slurm.cpus_per_task if slurm else 0) or 1
             n_threads = threads or max(1, (cores if device_type == "cpu" else 1) // world)
+            if load is not None and i > 0:  # the load of now, not of the first run's start
+                load = read_load()
             if device_type == "cpu" and load is not None:
                 n_threads, note = threads_for(world, threads, load)
                 if note and verbose:
