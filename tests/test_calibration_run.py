@@ -191,3 +191,30 @@ def test_calibrate_takes_a_config_file_of_its_flags(tmp_path, capsys):
     config.write_text(yaml.safe_dump({"out": str(out), "world_sizes": "1,x"}))
     assert main(["calibrate", "--config", str(config)]) == 2
     assert "is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_the_machine_a_profile_records_is_compared_with_this_one():
+    """A CPU profile is this machine's when its CPU model, cores and the ISA flags that bound
+    its matmul rate agree (flags a profile did not record are not compared); a GPU profile when
+    the GPU name and count agree."""
+    from cost_models.calibration.machine import Machine, recorded_machine
+
+    epyc = {"machine": {"host_cpu": "AMD EPYC", "cpu_cores": 2, "cpu_capability": "AVX2"}}
+    xeon = Machine(device="cpu", name="Intel(R) Xeon(R) Processor", count=2, isa=("avx2",))
+    old = recorded_machine(epyc, "cpu")
+    assert old == Machine(device="cpu", name="AMD EPYC", count=2, isa=None)
+    assert old.describe() == "AMD EPYC (cpu, 2 cores, ISA flags not recorded)"
+    assert old.differences(xeon) == ["'AMD EPYC' against 'Intel(R) Xeon(R) Processor'"]
+    assert old.slug() == "amd-epyc-2c" and xeon.slug() == "intel-xeon-processor-2c"
+    same_name = Machine(device="cpu", name="AMD  EPYC", count=2, isa=("avx2", "avx512f"))
+    assert old.differences(same_name) == []  # no flags recorded: model and cores decide
+    assert same_name.differences(Machine(device="cpu", name="AMD EPYC", count=2, isa=("avx2",)))
+    assert same_name.differences(Machine(device="cpu", name="AMD EPYC", count=4, isa=None)) == [
+        "2 cores against 4"
+    ]
+    gpus = {"machine": {"device_name": "NVIDIA H100 80GB HBM3", "device_count": 8}}
+    h100 = recorded_machine(gpus, "cuda")
+    assert h100 == Machine(device="cuda", name="NVIDIA H100 80GB HBM3", count=8)
+    assert h100.differences(Machine(device="cuda", name="NVIDIA H100 80GB HBM3", count=4))
+    assert h100.slug() == "nvidia-h100-80gb-hbm3-x8" and "8 GPUs" in h100.describe()
+    assert recorded_machine({}, "cpu") is None  # a datasheet profile records no machine
