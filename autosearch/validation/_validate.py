@@ -222,8 +222,8 @@ def validate(
             checked) before any run, then on every rank of every run.
         threads: intra-op threads per process (default: the cores other processes leave free,
             divided by the processes, at least 1: two threads on two cores with one core busy
-            ran a step 13x slower than one thread). Said when load lowers it, and warned when
-            a given value oversubscribes the cores.
+            ran a step 13-17x slower than on the quiet machine). Said when load lowers it, and
+            warned when a given value oversubscribes the cores.
         study: an Optuna study whose trials get the measured figures as user attributes.
         runtime: the cost model's runtime options for candidates scored here.
         force: on CPU, run candidates even with more than 4 processes per core or more memory
