@@ -222,7 +222,7 @@ def validate(
             checked) before any run, then on every rank of every run.
         threads: intra-op threads per process (default: the cores other processes leave free,
             divided by the processes, at least 1: two threads on two cores with one core busy
-            ran a step 13-17x slower than on the quiet machine). Said when load lowers it, and
+            ran a step 8-17x slower than on the quiet machine). Said when load lowers it, and
             warned when a given value oversubscribes the cores.
         study: an Optuna study whose trials get the measured figures as user attributes.
         runtime: the cost model's runtime options for candidates scored here.

@@ -7,10 +7,10 @@ is this machine's only when the machine it records (`calibration.machine`, writt
 `runner.describe_machine`) is the one running: `Machine`, `recorded_machine`, `this_cpu`.
 
 What others run on the cores changes every measurement: a training step with two threads on two
-cores, one of them kept busy by another process, ran 13x slower than on a quiet machine (24 ms
-against 327 ms, Intel Xeon with AMX, 2 cores). `read_load` samples the CPU time other processes
-take (/proc/stat busy time minus this process tree's own, over a short window), `Load` says
-whether that is load and how many threads per process still fit in the cores left.
+cores, one of them kept busy by another process, ran 8-17x slower than on a quiet machine
+(294-514 ms against 24-37 ms, Intel Xeon with AMX, 2 cores). `read_load` samples the CPU time
+other processes take (/proc/stat busy time minus this process tree's own, over a short window),
+`Load` says whether that is load and how many threads per process still fit in the cores left.
 
 Torch-free and pandas-free: the validation launcher and the calibration both read it before they
 start their workers. A GPU's name and count come from the caller (who has torch).
