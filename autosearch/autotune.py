@@ -490,15 +490,19 @@ def local_cluster(
 ) -> "Cluster":
     """The machine this process runs on, as a Cluster of `world_size` devices.
 
-    Uses the calibrated profile ``<calibration_dir>/<device>-local.yaml`` when it exists and passes
-    its quality checks (default folder results/calibration, or $AUTOSEARCH_CALIBRATION_DIR);
-    otherwise runs a quick calibration into that file first (and says so), or, with
+    Uses the calibrated profile ``<calibration_dir>/<device>-local.yaml`` (default folder
+    results/calibration, or $AUTOSEARCH_CALIBRATION_DIR) when the machine it records is this one
+    (CPU model, cores and ISA flags; GPU name and count: `cost_models.calibration.machine`) and
+    it passes its quality checks. Otherwise it says why (whose profile it is, or what failed) and
+    runs a quick calibration of this machine into that file (another machine's files are first
+    moved to ``other-machines/<that machine>/`` beside it), or, with
     ``calibrate_if_missing=False``, falls back to the shipped profile of a known GPU. A profile
     that fails its checks, even after calibrating again, is never used: SpecError.
     """
     import torch
 
     from autosearch.core.hardware import Cluster, HardwareProfile
+    from cost_models.calibration.machine import Machine, recorded_machine, this_cpu
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     count = torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
@@ -507,27 +511,51 @@ def local_cluster(
             f"{world_size} processes but this machine has {count} GPUs; launch at most "
             f"{count} per node"
         )
+    here = (
+        Machine(device="cuda", name=torch.cuda.get_device_name(0), count=count)
+        if device == "cuda"
+        else this_cpu()
+    )
+    count = here.count or 1
     folder = calibration_dir or os.environ.get(CALIBRATION_DIR_ENV) or DEFAULT_CALIBRATION_DIR
     path = os.path.join(folder, f"{device}-local.yaml")
-    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-    units = "GPUs" if device == "cuda" else "cores"
     why = f"no calibrated profile at {path}"
+    other: "Machine | None" = None
     if os.path.exists(path):
-        problems = profile_problems(HardwareProfile.load(path))
-        if not problems:
+        profile = HardwareProfile.load(path)
+        measured_on = recorded_machine(profile.calibration, profile.device_type)
+        differences = (
+            ["it records no machine (not written by `autosearch calibrate`)"]
+            if measured_on is None
+            else measured_on.differences(here)
+        )
+        problems = [] if differences else profile_problems(profile)
+        whose = measured_on.describe() if measured_on else "an unknown machine"
+        if differences:
+            other = measured_on
+            why = (
+                f"the profile at {path} was measured on {whose}, not on this machine "
+                f"({'; '.join(differences)})"
+            )
+        elif problems:
+            why = f"the profile at {path} is not trusted ({'; '.join(problems)})"
+        else:
             log(
-                f"tune: this machine: {name} ({device}, {count} {units}), {world_size} "
-                f"process(es); calibrated profile {path}"
+                f"tune: this machine: {here.describe()}, {world_size} process(es); its "
+                f"calibrated profile {path} (measured on {whose}, "
+                f"{profile.calibration.get('machine', {}).get('date', 'date not recorded')})"
             )
             return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
-        why = f"the profile at {path} is not trusted ({'; '.join(problems)})"
     if calibrate_if_missing:
         from cost_models.calibration import calibrate
 
         log(
-            f"tune: this machine: {name} ({device}); {why}: calibrating it quickly "
+            f"tune: this machine: {here.describe()}; {why}: calibrating it quickly "
             "(`autosearch calibrate` without --quick measures it properly)"
         )
+        if other is not None:
+            kept = _set_aside(path, os.path.join(folder, "other-machines", other.slug()))
+            log(f"tune: the other machine's profile moved to {kept}")
         sizes = sorted({1, world_size} | ({2} if device == "cpu" and count >= 2 else set()))
         # A calibration that fails its checks may write under another name (<out>.untrusted).
         calibration = calibrate(device=device, world_sizes=sizes, quick=True, out=path, log=log)
@@ -542,13 +570,34 @@ def local_cluster(
         return Cluster(gpu=calibration.profile_path, n_nodes=1, gpus_per_node=world_size)
     from cost_models.calibration.profile import catalog_profile_for
 
-    base = catalog_profile_for(name) if device == "cuda" else None
+    base = catalog_profile_for(here.name) if device == "cuda" else None
     if base is None:
         raise SpecError(
-            f"{why} for this {device}; run `autosearch calibrate --out {path}` or pass cluster=..."
+            f"{why}; this machine is {here.describe()}: run `autosearch calibrate --out {path}` "
+            "on it, or pass cluster=..."
         )
-    log(f"tune: this machine: {name}; {why}, using the datasheet profile {base.name}")
+    log(f"tune: this machine: {here.describe()}; {why}, using the datasheet profile {base.name}")
     return Cluster(gpu=base.path or base.name, n_nodes=1, gpus_per_node=world_size)
+
+
+def _set_aside(path: str, folder: str) -> str:
+    """Move a calibration of another machine (its profile, the variants it lists and its
+    measurements CSV) into `folder`, names unchanged, so that calibrating this machine into
+    `path` loses nothing measured; returns where the profile went."""
+    import shutil
+
+    from autosearch.core._io import read_yaml_mapping
+
+    record = read_yaml_mapping(path, what="calibrated profile").get("calibration") or {}
+    names = [os.path.basename(path)]
+    names += [str(v) for v in (record.get("variants") or {}).values()]
+    names += [str((record.get("machine") or {}).get("measurements_csv") or "")]
+    os.makedirs(folder, exist_ok=True)
+    here = os.path.dirname(path)
+    for name in dict.fromkeys(n for n in names if n and os.sep not in n):
+        if os.path.exists(os.path.join(here, name)):
+            shutil.move(os.path.join(here, name), os.path.join(folder, name))
+    return os.path.join(folder, os.path.basename(path))
 
 
 def check_sequence_length(data: Any, seq_len: int) -> None:

@@ -65,7 +65,7 @@ def evidence() -> list[tuple[dict[str, str], float, str]]:
             (kind_of(modern.strategy_of(row, runtime), cluster, framework), ratio, "modern")
         )
     local = pd.read_csv(ROOT / "results" / "fidelity_local.csv")
-    profile = ROOT / "results" / "calibration" / "cpu-local.yaml"
+    profile = ROOT / "results" / "calibration" / "example-amd-epyc-2c.yaml"
     for _, run in local.iterrows():
         if not (run.measured_step_time_s > 0):
             continue

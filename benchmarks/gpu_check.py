@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not n_gpus:
         print("[gpu_check] no CUDA GPU visible: run with --dry-run on CPU", file=sys.stderr)
     catalog = env.get("catalog_profile") or ("h100-sxm" if not dry else None)
-    fallback = str(ROOT / "results/calibration/cpu-local.yaml")
+    fallback = str(ROOT / "results/calibration/example-amd-epyc-2c.yaml")
     stage("train", me + flags + ["--_stage", "train", "--_profile", catalog or fallback])
     calibrated = out / "calibration" / ("cpu.yaml" if dry else "gpu.yaml")
     calibrated.parent.mkdir(parents=True, exist_ok=True)

@@ -218,7 +218,7 @@ def profile_of(gpu: str):
     from autosearch.core.hardware import HardwareProfile, profile_for_device
 
     if gpu == "cpu":
-        return HardwareProfile.load(str(ROOT / "results/calibration/cpu-local.yaml"))
+        return HardwareProfile.load(str(ROOT / "results/calibration/example-amd-epyc-2c.yaml"))
     return profile_for_device(gpu)
 
 

@@ -9,6 +9,7 @@ and usable by the cost model."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -128,8 +129,10 @@ def test_the_cost_model_and_cli_use_the_calibrated_profile(quick_profile, capsys
 def test_calibrate_user_errors_exit_2(tmp_path, capsys):
     assert main(["calibrate", "--device", "cpu", "--out", str(tmp_path / "x.txt")]) == 2
     assert "must be a .yaml file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--world-sizes", "0,2", "--out", str(tmp_path / "x.yaml")])
+    assert main(["calibrate", "--world-sizes", "0,2", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--world-sizes: world sizes must be integers >= 1, got '0,2'" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cpu"]) == 2
+    assert "calibrate needs --out" in capsys.readouterr().err
 
 
 def test_import_cost_models_does_not_import_torch():
@@ -139,3 +142,79 @@ def test_import_cost_models_does_not_import_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_calibrate_reads_the_load_first_and_records_the_machine(tmp_path, monkeypatch):
+    """Before measuring, calibrate reads the load (a loaded machine is warned about, not
+    refused) and records it; the profile records the machine it measured (CPU model, cores,
+    ISA flags) and its header names it. The measurements are the example's, so nothing runs."""
+    from cost_models.calibration import _calibrate
+    from cost_models.calibration.machine import Load, recorded_machine, this_cpu
+
+    root = Path(__file__).resolve().parents[1]
+    example = pd.read_csv(root / "results" / "calibration" / "example-amd-epyc-2c.csv")
+    monkeypatch.setattr(_calibrate, "run_microbenchmarks", lambda *a, **k: example)
+    monkeypatch.setattr(_calibrate, "read_load", lambda: Load(cores=2, other_cores=1.5))
+    lines: list[str] = []
+    out = tmp_path / "cpu.yaml"
+    result = _calibrate.calibrate(
+        device="cpu", world_sizes=[1, 2], out=str(out), accept_untrusted=True, log=lines.append
+    )
+    text = "\n".join(lines)
+    assert "before measuring, other processes keep 1.5 of 2 cores busy" in text
+    assert "WARNING other processes keep 1.5 of 2 cores busy" in text
+    machine = result.profile.calibration["machine"]
+    assert machine["other_busy_cores_at_start"] == 1.5
+    assert recorded_machine(result.profile.calibration, "cpu") == this_cpu()
+    assert f"# Machine: {this_cpu().describe()}" in out.read_text().splitlines()[1]
+
+
+def test_calibrate_takes_a_config_file_of_its_flags(tmp_path, capsys):
+    """`autosearch calibrate --config FILE.yaml`: the flags' names as keys (CalibrateConfig),
+    a flag given next to it overriding the file; here a refit of the example's measurements."""
+    import shutil
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "results" / "calibration"
+    for ext in ("csv", "yaml"):
+        shutil.copy(root / f"example-amd-epyc-2c.{ext}", tmp_path / f"example.{ext}")
+    config = tmp_path / "calibrate.yaml"
+    config.write_text(
+        yaml.safe_dump({"from-csv": str(tmp_path / "example.csv"), "out": "unused.yaml"})
+    )
+    out = tmp_path / "refit.yaml"
+    assert main(["calibrate", "--config", str(config), "--out", str(out)]) == 0
+    assert (
+        HardwareProfile.load(str(out)).name == "refit" and not (tmp_path / "unused.yaml").exists()
+    )
+    config.write_text(yaml.safe_dump({"out": str(out), "world_sizes": "1,x"}))
+    assert main(["calibrate", "--config", str(config)]) == 2
+    assert "is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_the_machine_a_profile_records_is_compared_with_this_one():
+    """A CPU profile is this machine's when its CPU model, cores and the ISA flags that bound
+    its matmul rate agree (flags a profile did not record are not compared); a GPU profile when
+    the GPU name and count agree."""
+    from cost_models.calibration.machine import Machine, recorded_machine
+
+    epyc = {"machine": {"host_cpu": "AMD EPYC", "cpu_cores": 2, "cpu_capability": "AVX2"}}
+    xeon = Machine(device="cpu", name="Intel(R) Xeon(R) Processor", count=2, isa=("avx2",))
+    old = recorded_machine(epyc, "cpu")
+    assert old == Machine(device="cpu", name="AMD EPYC", count=2, isa=None)
+    assert old.describe() == "AMD EPYC (cpu, 2 cores, ISA flags not recorded)"
+    assert old.differences(xeon) == ["'AMD EPYC' against 'Intel(R) Xeon(R) Processor'"]
+    assert old.slug() == "amd-epyc-2c" and xeon.slug() == "intel-xeon-processor-2c"
+    same_name = Machine(device="cpu", name="AMD  EPYC", count=2, isa=("avx2", "avx512f"))
+    assert old.differences(same_name) == []  # no flags recorded: model and cores decide
+    assert same_name.differences(Machine(device="cpu", name="AMD EPYC", count=2, isa=("avx2",)))
+    assert same_name.differences(Machine(device="cpu", name="AMD EPYC", count=4, isa=None)) == [
+        "2 cores against 4"
+    ]
+    gpus = {"machine": {"device_name": "NVIDIA H100 80GB HBM3", "device_count": 8}}
+    h100 = recorded_machine(gpus, "cuda")
+    assert h100 == Machine(device="cuda", name="NVIDIA H100 80GB HBM3", count=8)
+    assert h100.differences(Machine(device="cuda", name="NVIDIA H100 80GB HBM3", count=4))
+    assert h100.slug() == "nvidia-h100-80gb-hbm3-x8" and "8 GPUs" in h100.describe()
+    assert recorded_machine({}, "cpu") is None  # a datasheet profile records no machine

@@ -25,18 +25,33 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def profiles_with_quality(folder: Path, *, ok: bool, problems=()) -> Path:
-    """The committed CPU calibration of this kind of machine, with a calibration quality record
-    (scratch/INTERFACES.md item 2) saying it passed or failed its checks."""
+EXAMPLE = ROOT / "results" / "calibration" / "example-amd-epyc-2c"  # another machine's profile
+
+
+def profiles_with_quality(folder: Path, *, ok: bool, problems=(), of_this_machine=True) -> Path:
+    """The committed example CPU calibration (an AMD EPYC, 2 cores) copied as this machine's
+    (``cpu-local.yaml`` and its 1-process variant), with a calibration quality record
+    (scratch/INTERFACES.md item 2) saying it passed or failed its checks, and recording this
+    machine as the one it measured (or, with ``of_this_machine=False``, the EPYC it did)."""
+    from cost_models.calibration.machine import this_cpu
+
+    here = this_cpu()
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("cpu-local.yaml", "cpu-local-np1.yaml"):
-        data = yaml.safe_load((ROOT / "results" / "calibration" / name).read_text())
-        data.setdefault("calibration", {})["quality"] = {
-            "ok": ok,
-            "problems": list(problems),
-            "warnings": [],
-        }
-        (folder / name).write_text(yaml.safe_dump(data, sort_keys=False))
+    for suffix in ("", "-np1"):
+        data = yaml.safe_load(Path(f"{EXAMPLE}{suffix}.yaml").read_text())
+        data["name"] = f"cpu-local{suffix}"
+        calibration = data.setdefault("calibration", {})
+        calibration["quality"] = {"ok": ok, "problems": list(problems), "warnings": []}
+        if "variants" in calibration:
+            calibration["variants"] = {1: "cpu-local-np1.yaml"}
+        calibration["machine"]["measurements_csv"] = "cpu-local.csv"
+        if of_this_machine:
+            calibration["machine"].update(
+                host_cpu=here.name, device_name=here.name, cpu_cores=here.count,
+                cpu_flags=list(here.isa or ()),
+            )  # fmt: skip
+        (folder / f"cpu-local{suffix}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (folder / "cpu-local.csv").write_text(Path(f"{EXAMPLE}.csv").read_text())
     return folder
 
 
@@ -61,6 +76,7 @@ def test_tune_validates_the_top_candidates_and_trains_with_the_fastest(tmp_path,
     printed = capsys.readouterr().out
     assert "best measured" in printed and "calibrating" not in printed
     assert f"tune: hardware profile cpu-local-np1 ({folder}" in printed
+    assert "its calibrated profile" in printed and "measured on" in printed
     assert engine.best_strategy_.world_size == 1 and engine.strategy_ == engine.best_strategy_
     assert engine.strategy is None  # the constructor's argument is kept (sklearn style)
     assert engine.best_strategy_ in [c.strategy for c in result.top_k[:2]]
@@ -140,6 +156,68 @@ def test_tune_never_searches_with_a_profile_that_failed_its_checks(tmp_path):
     good = profiles_with_quality(tmp_path / "good", ok=True)
     cluster = local_cluster(1, calibration_dir=str(good), calibrate_if_missing=False, log=print)
     assert cluster.profile.path.startswith(str(good))
+
+
+def test_the_profile_of_another_machine_is_not_this_machines(tmp_path, capsys):
+    """The committed example (an AMD EPYC) in the calibration folder as ``cpu-local.yaml`` is
+    not taken for this machine: without calibrating, tune refuses and names whose profile it
+    is; this machine's ISA flags or core count differing is enough."""
+    from cost_models.calibration.machine import this_cpu
+
+    other = profiles_with_quality(tmp_path / "other", ok=True, of_this_machine=False)
+    with pytest.raises(SpecError, match="measured on AMD EPYC .*not on this machine") as refused:
+        local_cluster(1, calibration_dir=str(other), calibrate_if_missing=False, log=print)
+    assert this_cpu().name in str(refused.value) and "autosearch calibrate" in str(refused.value)
+    assert "calibrated profile" not in capsys.readouterr().out
+    here = this_cpu()
+    for field, value in (("cpu_cores", (here.count or 1) + 2), ("cpu_flags", ["avx", "avx2"])):
+        folder = profiles_with_quality(tmp_path / field, ok=True)
+        data = yaml.safe_load((folder / "cpu-local.yaml").read_text())
+        data["calibration"]["machine"][field] = value
+        (folder / "cpu-local.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        if field == "cpu_flags" and set(here.isa or ()) == {"avx2"}:
+            continue  # an AVX2-only machine: these flags are its own
+        with pytest.raises(SpecError, match="not on this machine"):
+            local_cluster(1, calibration_dir=str(folder), calibrate_if_missing=False, log=print)
+
+
+def test_another_machines_profile_is_set_aside_and_this_machine_calibrated(tmp_path, monkeypatch):
+    """With calibration allowed, the other machine's files move to
+    other-machines/<that machine>/ (nothing measured is lost) and this machine is calibrated
+    into cpu-local.yaml, which tune then uses; the log names both machines."""
+    import cost_models.calibration as calibration
+
+    folder = profiles_with_quality(tmp_path / "calibration", ok=True, of_this_machine=False)
+    mine = profiles_with_quality(tmp_path / "mine", ok=True)
+    asked = {}
+
+    def fake_calibrate(*, out, world_sizes, **kwargs):  # this machine, measured (a copy)
+        asked.update(out=out, world_sizes=world_sizes, **kwargs)
+        for name in ("cpu-local.yaml", "cpu-local-np1.yaml", "cpu-local.csv"):
+            (Path(out).parent / name).write_text((mine / name).read_text())
+        from autosearch.core.hardware import HardwareProfile
+
+        return type("Result", (), {"profile": HardwareProfile.load(out), "profile_path": out})
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate, raising=False)
+    lines: list[str] = []
+    cluster = local_cluster(1, calibration_dir=str(folder), log=lines.append)
+    text = "\n".join(lines)
+    assert "measured on AMD EPYC (cpu, 2 cores" in text and "calibrating it quickly" in text
+    assert asked["out"] == str(folder / "cpu-local.yaml") and asked["quick"]
+    kept = folder / "other-machines" / "amd-epyc-2c"
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "cpu-local-np1.yaml",
+        "cpu-local.csv",
+        "cpu-local.yaml",
+    ]
+    assert "AMD EPYC" in (kept / "cpu-local.yaml").read_text()
+    assert cluster.profile.path == str(folder / "cpu-local-np1.yaml")
+    lines.clear()
+    again = local_cluster(
+        1, calibration_dir=str(folder), calibrate_if_missing=False, log=lines.append
+    )
+    assert again.profile.path == cluster.profile.path and "its calibrated profile" in lines[0]
 
 
 def test_validation_and_engine_do_not_import_each_other_in_a_loop():

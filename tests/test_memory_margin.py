@@ -47,7 +47,7 @@ def test_the_bands_file_is_what_the_fidelity_runs_give():
 def test_the_margin_comes_from_the_kind_of_run_or_the_nearest_evidence():
     h100, cpu = (
         Cluster.parse("h100-sxm:1x8"),
-        Cluster.parse("results/calibration/cpu-local.yaml:1x2"),
+        Cluster.parse("results/calibration/example-amd-epyc-2c.yaml:1x2"),
     )
     tt = memory_margin("torchtitan", h100)
     high = {(k["runtime"], k["device"]): k["high"] for k in memory_bands()}
@@ -96,7 +96,8 @@ def test_the_torch_preset_reserves_what_torchtitan_reserves_on_cuda_only():
     reserved = gpu.profile.reserved_memory_bytes
     assert m.other_bytes == pytest.approx(reserved + torch.allocator_reserve_fraction * tensors)
     cpu = AnalyticCostModel(
-        ModelSpec.load("tiny-gpt"), Cluster.parse("results/calibration/cpu-local.yaml:1x2")
+        ModelSpec.load("tiny-gpt"),
+        Cluster.parse("results/calibration/example-amd-epyc-2c.yaml:1x2"),
     )
     m = cpu.estimate(Strategy(dp=2, global_batch_size=8, amp="fp32")).memory
     assert m.other_bytes == cpu.profile.reserved_memory_bytes

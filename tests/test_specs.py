@@ -334,7 +334,7 @@ def test_profile_numbers_are_checked(path, value, words):
 
 def test_calibration_profile_cut_short_is_refused(tmp_path):
     text = (
-        pathlib.Path(__file__).parents[1] / "results" / "calibration" / "cpu-local.yaml"
+        pathlib.Path(__file__).parents[1] / "results" / "calibration" / "example-amd-epyc-2c.yaml"
     ).read_text()
     cut = text[: text.index("\nkernel_launch_s:")]  # the case: cut before this key
     (tmp_path / "cut.yaml").write_text(cut)

@@ -278,3 +278,50 @@ def test_validation_picks_distinct_kinds_not_near_duplicates():
     picked = distinct_kinds(ranked, 3)
     assert picked == [ranked[0], ranked[3], ranked[4]]
     assert distinct_kinds(ranked, 5) == [ranked[0], ranked[3], ranked[4], ranked[1], ranked[2]]
+
+
+def test_validate_flags_and_config_file_come_from_one_schema(tmp_path, capsys):
+    """`autosearch validate`'s flags and its --config keys are ValidateConfig's fields; the
+    model, cluster and runtime are TuneConfig's own (one reader, one help text); a flag given
+    next to --config overrides the file; --study and --strategies are one or the other."""
+    import dataclasses
+
+    import yaml
+
+    from autosearch.cli import build_parser, main
+    from autosearch.commands.validate import config_from
+    from autosearch.tuning._config import TuneConfig
+    from autosearch.validation._config import ValidateConfig
+
+    def parse(*argv):
+        return config_from(build_parser().parse_args(["validate", *argv]))
+
+    flags = parse("--strategies", "a.yaml", "b.yaml", "--model", "tiny-gpt", "--steps", "2")
+    flags = flags.replace(warmup=0, threads=1, sbatch_arg=("--constraint=x",))
+    data = {
+        "strategies": ["a.yaml", "b.yaml"],
+        "model": "tiny-gpt",
+        "steps": 5,
+        "warmup": 0,
+        "threads": 1,
+        "sbatch-arg": ["--constraint=x"],
+    }
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(data))
+    assert parse("--config", str(tmp_path / "v.yaml"), "--steps", "2") == flags
+    assert flags.strategies == ("a.yaml", "b.yaml") and flags.memory_limit_bytes() is None
+    tune = {f.name: f.metadata["setting"] for f in dataclasses.fields(TuneConfig)}
+    validate_ = {f.name: f.metadata["setting"] for f in dataclasses.fields(ValidateConfig)}
+    for name in ("model", "cluster", "runtime", "nnodes", "gpus_per_node"):
+        assert validate_[name].read is tune[name].read
+        assert validate_[name].help.startswith(tune[name].help.split(" (required")[0])
+    assert "(required" not in validate_["model"].help
+    assert main(["validate", "--model", "tiny-gpt"]) == 2
+    assert "validate needs --study or --strategies" in capsys.readouterr().err
+    assert main(["validate", "--study", "s", "--strategies", "a.yaml", "--model", "m"]) == 2
+    assert "not both" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("strategies: [a.yaml]\nmodel: tiny-gpt\nsteps: 0\n")
+    assert main(["validate", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "steps must be a positive integer" in capsys.readouterr().err
+    (tmp_path / "typo.yaml").write_text("strategies: [a.yaml]\nmodel: tiny-gpt\ntop_kk: 2\n")
+    assert main(["validate", "--config", str(tmp_path / "typo.yaml")]) == 2
+    assert "did you mean 'top_k'" in capsys.readouterr().err

@@ -27,7 +27,9 @@ SPEC = ModelSpec.load("tiny-gpt").scaled(n_layers=2, seq_len=64)
 S1 = Strategy(micro_batch_size=2, global_batch_size=4, amp="fp32")
 S2 = Strategy(dp=2, micro_batch_size=2, global_batch_size=4, amp="fp32")
 # A CPU profile: the jobs ask for no GPUs, and dp=2 runs as one node of two processes.
-CLUSTER = str(Path(__file__).resolve().parent.parent / "results/calibration/cpu-local.yaml:1x2")
+CLUSTER = str(
+    Path(__file__).resolve().parent.parent / "results/calibration/example-amd-epyc-2c.yaml:1x2"
+)
 FAST = SlurmOptions(poll_s=0.5)
 
 

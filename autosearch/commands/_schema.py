@@ -34,7 +34,7 @@ def add_flags(
             kw.update(action="store_true")
         else:
             kw.update(action="append" if s.repeat else "store", metavar=s.metavar)
-            kw.update(choices=s.choices)
+            kw.update(choices=s.choices, nargs=s.nargs)
         p.add_argument(flag_of(f), **kw)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autosearch.commands._common import fmt_s
+from autosearch.commands._common import check_text, fmt_s
+from autosearch.commands._schema import add_flags, read_args
 from autosearch.core.errors import SpecError
+from cost_models.calibration._config import CalibrateConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,73 +17,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure this machine (GEMM, memory, attention, collectives) into a hardware profile",
         description="Run microbenchmarks on the device present (CUDA + NCCL, or CPU + gloo), fit "
         "them into the terms of a hardware profile, and write it (usable as --cluster "
-        "FILE:1xN). The raw measurements go to a CSV next to it. The measurements are checked "
-        "(spread, machine load, "
-        "fit quality, physical plausibility); a profile that fails is written as "
-        "<out>.untrusted.yaml and the command exits with status 3.",
+        "FILE:1xN). The raw measurements go to a CSV next to it, and the profile records the "
+        "machine it measured (CPU model, cores, ISA flags; GPU name and count). The load is "
+        "read before measuring (a loaded machine is warned about). The measurements are "
+        "checked (spread, machine load, fit quality, physical plausibility); a profile that "
+        "fails is written as <out>.untrusted.yaml and the command exits with status 3.",
     )
+    add_flags(p, CalibrateConfig)
     p.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cuda", "cpu"),
-        help="device to measure (default: cuda if torch sees one, else cpu)",
-    )
-    p.add_argument(
-        "--world-sizes",
-        type=_world_sizes,
-        default=None,
-        metavar="N,N,...",
-        help="process counts to measure, e.g. 1,2 (collectives need 2 or more; "
-        "default 1,2 on CPU, 1 and the GPU count on GPU)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="small grids and messages (seconds instead of minutes)",
-    )
-    p.add_argument(
-        "--statistic",
-        default="median",
-        choices=("median", "min"),
-        help="statistic of the timed calls of each point (default median)",
-    )
-    p.add_argument("--name", default=None, help="profile name (default: the --out file name)")
-    p.add_argument(
-        "--from-csv",
-        metavar="CSV",
-        help="fit the measurements of an earlier calibration instead of "
-        "measuring again (the profile YAML written with it must sit next to it)",
-    )
-    p.add_argument(
-        "--accept-untrusted",
-        action="store_true",
-        help="write a profile that failed its quality checks under the --out name and exit 0 "
-        "(the problems stay in the profile; by default it is written as <out>.untrusted.yaml "
-        "and the command exits with status 3)",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="on CPU, run world sizes of more than 4 processes per core (refused by default)",
-    )
-    p.add_argument(
-        "--out",
-        required=True,
-        help="profile YAML to write, e.g. results/calibration/cpu-local.yaml",
+        "--config",
+        metavar="FILE.yaml",
+        help="read the settings from a YAML file (keys as the flags; flags given here override "
+        "it)",
     )
     p.set_defaults(func=run)
 
 
-def _world_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers (example: 1,2)"
-        ) from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"world sizes must be integers >= 1, got {text!r}")
-    return sizes
+def config_from(args: argparse.Namespace) -> CalibrateConfig:
+    """The CalibrateConfig of a command line: the --config file's settings, overridden by the
+    flags given; --out is required, here or in the file."""
+    from autosearch.core._io import read_yaml_mapping
+
+    data = None
+    if args.config is not None:
+        data = read_yaml_mapping(check_text(args.config, "--config"), what="config")
+    values, _ = read_args(args, [CalibrateConfig], data=data, what=f"--config {args.config!r}")
+    if "out" not in values:
+        raise SpecError(
+            "calibrate needs --out (the profile YAML to write, e.g. "
+            "results/calibration/cpu-local.yaml): give the flag, or the key in a --config file"
+        )
+    return CalibrateConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,25 +55,16 @@ def run(args: argparse.Namespace) -> int:
     written as <out>.untrusted.yaml; 0 with --accept-untrusted), 2 for a user error."""
     from cost_models.calibration._calibrate import calibrate
 
+    config = config_from(args)
     try:
-        result = calibrate(
-            device=args.device,
-            world_sizes=args.world_sizes,
-            quick=args.quick,
-            out=args.out,
-            name=args.name,
-            statistic=args.statistic,
-            from_csv=args.from_csv,
-            accept_untrusted=args.accept_untrusted,
-            force=args.force,
-        )
+        result = calibrate(**config.to_kwargs())
     except RuntimeError as exc:  # a worker failed: its traceback tail is in the message
         raise SpecError(str(exc)) from None
     print(summary(result.profile))
     for ws, path in sorted(result.variants.items()):
         print(f"variant for {ws} process(es) per node: {path}")
     print(verdict(result))
-    if not result.trusted and not args.accept_untrusted:
+    if not result.trusted and not config.accept_untrusted:
         print(
             f"calibrate: REFUSED: the measurements failed {len(result.problems)} check(s); "
             f"written as {result.profile_path} so that no search uses it. Calibrate again on a "

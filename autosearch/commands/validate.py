@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any
 
-from autosearch.commands._common import fmt_bytes, fmt_s, positive_int_arg
+from autosearch.commands._common import check_text, fmt_bytes, fmt_s, load_cluster, load_model
+from autosearch.commands._schema import add_flags, read_args
+from autosearch.validation._config import SLURM_FIELDS, ValidateConfig
 
 EPILOG = """\
 examples:
@@ -21,6 +25,12 @@ A run that runs out of memory, crashes (a signal such as SIGSEGV is named) or ou
 rewritten after every run. On CPU, candidates with more than 4 processes per core, or needing
 more memory than the machine has (by the cost model's estimate), are refused unless --force.
 Stopping validate (Ctrl-C, SIGTERM, even SIGKILL) stops torchrun and every worker it started.
+
+Before the runs, validate reads this machine's load (the CPU time other processes take over one
+second, and the load average). A loaded machine is warned about, not refused: on CPU each run
+gets the threads per process that fit in the cores left free, and validation.csv records the load
+before and during every run (other_busy_cores, under_load); the table marks the errors of runs
+taken under load with *. --config FILE.yaml takes the flags' names as keys.
 
 On a SLURM cluster (--launcher slurm), each candidate is a batch job at its real scale: as many
 nodes as its dp*tp*pp fills at the cluster's GPUs per node, one torchrun per node through srun
@@ -38,150 +48,100 @@ def register(sub: argparse._SubParsersAction) -> None:
         "validate",
         help="run top candidates for a few real steps; measured vs predicted",
         description="Run candidate strategies with the Engine for a few steps and record measured "
-        "step time and peak memory next to the cost model's predictions.",
+        "step time and peak memory next to the cost model's predictions, with the load the "
+        "machine was under.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--study",
-        help="a tuner output folder (holding study.journal), or a study name with --storage",
-    )
-    src.add_argument("--strategies", nargs="+", metavar="FILE", help="strategy YAML files")
-    p.add_argument("--storage", help="Optuna storage of --study when it is a study name")
-    p.add_argument("--model", help="model (catalog name or YAML); default: the study's")
-    p.add_argument("--cluster", help="cluster the predictions are for; default: the study's")
+    main = [f.name for f in dataclasses.fields(ValidateConfig) if f.name not in SLURM_FIELDS]
+    add_flags(p, ValidateConfig, only=main)
+    add_flags(p.add_argument_group("SLURM (--launcher slurm)"), ValidateConfig, only=SLURM_FIELDS)
     p.add_argument(
-        "--runtime",
-        default=None,
-        help="cost-model runtime for candidates scored here (default torch)",
-    )
-    p.add_argument("--top-k", type=positive_int_arg, default=3)
-    p.add_argument(
-        "--steps", type=positive_int_arg, default=10, help="measured steps (median taken)"
-    )
-    p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
-    p.add_argument(
-        "--timeout-s", type=float, default=600.0, help="a run not done by then is killed (a hang)"
-    )
-    p.add_argument(
-        "--memory-limit-gib", type=float, help="emulate a smaller device: per-process memory cap"
-    )
-    p.add_argument(
-        "--factory",
-        help='"module:function" or "file.py:function" building the model from its '
-        "ModelSpec (default: the reference transformer). This runs your code: it is imported "
-        "once here (and checked) before any run, then on every rank of every run; give only "
-        "code you trust",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="on CPU, run candidates even with more than 4 processes per core or more memory "
-        "than this machine has available (by the cost model's estimate)",
-    )
-    p.add_argument(
-        "--out", help="output folder (default: <study folder>/validation or results/validation)"
-    )
-    g = p.add_argument_group("SLURM (--launcher slurm)")
-    g.add_argument(
-        "--launcher",
-        choices=("local", "slurm"),
-        default="local",
-        help="local: torchrun on this machine (default); slurm: one sbatch job per candidate "
-        "at the cluster's nodes x GPUs per node",
-    )
-    g.add_argument("--slurm-partition", help="sbatch --partition")
-    g.add_argument("--slurm-account", help="sbatch --account")
-    g.add_argument("--slurm-qos", help="sbatch --qos")
-    g.add_argument(
-        "--slurm-pending-timeout-s",
-        type=float,
-        default=1800.0,
-        help="cancel a job still pending after this long and record it as pending (default 1800)",
-    )
-    g.add_argument(
-        "--slurm-cpus-per-task", type=positive_int_arg, help="sbatch --cpus-per-task (per node)"
-    )
-    g.add_argument(
-        "--slurm-cpu",
-        action="store_true",
-        help="run the jobs on CPU (gloo) without asking for GPUs, whatever the cluster's profile",
-    )
-    g.add_argument(
-        "--sbatch-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more sbatch argument, e.g. --sbatch-arg=--constraint=h100 (repeatable)",
+        "--config",
+        metavar="FILE.yaml",
+        help="read the settings from a YAML file (keys as the flags; flags given here override "
+        "it)",
     )
     p.set_defaults(func=run)
 
 
+def config_from(args: argparse.Namespace) -> ValidateConfig:
+    """The ValidateConfig of a command line: the --config file's settings, overridden by the
+    flags given."""
+    from autosearch.core._io import read_yaml_mapping
+
+    data = None
+    if args.config is not None:
+        data = read_yaml_mapping(check_text(args.config, "--config"), what="config")
+    values, _ = read_args(args, [ValidateConfig], data=data, what=f"--config {args.config!r}")
+    return ValidateConfig(**values)
+
+
 def run(args: argparse.Namespace) -> int:
     from autosearch.core.errors import SpecError
-    from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
     from autosearch.tuning import Candidate
     from autosearch.validation import validate
 
+    config = config_from(args)
+    cluster: Any = config.cluster
+    if config.nnodes is not None or config.gpus_per_node is not None:
+        cluster = load_cluster(cluster, nnodes=config.nnodes, gpus_per_node=config.gpus_per_node)
     study = None
-    if args.study:
+    if config.study:
         from autosearch.tuning import load_study
         from autosearch.validation import candidates_from_study
 
-        loaded = load_study(args.study, storage=args.storage)
+        loaded = load_study(config.study, storage=config.storage)
         study, meta = loaded.study, loaded.meta
 
-        candidates = candidates_from_study(study, top_k=args.top_k)
+        candidates = candidates_from_study(study, top_k=config.top_k)
         if not candidates:
             raise SpecError(
                 f"study {study.study_name!r} has no completed trial that fits in memory; "
                 "nothing to validate"
             )
-        model = ModelSpec.load(args.model) if args.model else meta.load_model()
-        cluster = args.cluster or meta.load_cluster()
-        runtime = args.runtime or meta.runtime
-        out = args.out or (
-            os.path.join(args.study, "validation")
-            if os.path.isdir(args.study)
+        model = _model(config.model) if config.model else meta.load_model()
+        cluster = cluster or meta.load_cluster()
+        runtime = config.runtime or meta.runtime
+        out = config.out or (
+            os.path.join(config.study, "validation")
+            if os.path.isdir(config.study)
             else "results/validation"
         )
     else:
-        if not args.model:
-            raise SpecError("--strategies needs --model (the model to train)")
-        model = ModelSpec.load(args.model)
-        candidates = [Candidate(Strategy.from_yaml(path)) for path in args.strategies]
-        cluster, runtime = args.cluster, args.runtime
-        out = args.out or "results/validation"
-    limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else None
+        model = _model(config.model)
+        candidates = [Candidate(Strategy.from_yaml(path)) for path in config.strategies or ()]
+        runtime = config.runtime
+        out = config.out or "results/validation"
     slurm = None
-    if args.launcher == "slurm":
+    if config.launcher == "slurm":
         from autosearch.validation._slurm import SlurmOptions
 
         slurm = SlurmOptions(
-            partition=args.slurm_partition,
-            account=args.slurm_account,
-            qos=args.slurm_qos,
-            pending_timeout_s=args.slurm_pending_timeout_s,
-            cpus_per_task=args.slurm_cpus_per_task,
-            gpus=False if args.slurm_cpu else None,
-            sbatch_args=tuple(args.sbatch_arg),
+            partition=config.slurm_partition,
+            account=config.slurm_account,
+            qos=config.slurm_qos,
+            pending_timeout_s=config.slurm_pending_timeout_s,
+            cpus_per_task=config.slurm_cpus_per_task,
+            gpus=False if config.slurm_cpu else None,
+            sbatch_args=tuple(config.sbatch_arg),
         )
     result = validate(
         model,
         candidates,
         cluster=cluster,
-        steps=args.steps,
-        warmup=args.warmup,
-        timeout_s=args.timeout_s,
+        steps=config.steps,
+        warmup=config.warmup,
+        timeout_s=config.timeout_s,
         out=out,
-        memory_limit_bytes=limit,
-        factory=args.factory,
+        memory_limit_bytes=config.memory_limit_bytes(),
+        factory=config.factory,
+        threads=config.threads,
         study=study,
         runtime=runtime,
-        force=args.force,
-        launcher=args.launcher,
+        force=config.force,
+        launcher=config.launcher,
         slurm=slurm,
     )
     print(summary(result, out))
@@ -194,24 +154,45 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.best is not None else 1
 
 
+def _model(value: Any):
+    """The ModelSpec of --model (a ModelSpec from Python, a name, a file or a mapping)."""
+    from autosearch.core.model_spec import ModelSpec
+
+    return value if isinstance(value, ModelSpec) else load_model(value)
+
+
 def summary(result, out: str) -> str:
+    """The table of runs, measured next to predicted; a run taken under load is marked (its
+    error is the load's as much as the model's) and its load shown."""
     lines = [
         f"{'strategy':<44} {'status':<8} {'measured':>10} {'predicted':>10} {'error':>7} "
-        f"{'memory':>11} {'predicted':>11}"
+        f"{'memory':>11} {'predicted':>11} {'load':>8}"
     ]
+    loaded = 0
     for _, r in result.table.iterrows():
         if r.status == "ok":
             pred = r.get("predicted_step_time_s")
             err = r.get("step_time_error_pct")
             has_pred = pred is not None and pred == pred
+            under = bool(r.get("under_load", False))
+            loaded += under
+            busy, cores = r.get("other_busy_cores"), r.get("cores")
+            load = f"{busy:.1f}/{cores:.0f}" if busy == busy and busy is not None else "-"
+            error = f"{err:+.0f}%{'*' if under else ''}" if has_pred else "-"
             lines.append(
                 f"{r.strategy:<44} {r.status:<8} {fmt_s(r.measured_step_time_s):>10} "
-                f"{fmt_s(pred) if has_pred else '-':>10} {f'{err:+.0f}%' if has_pred else '-':>7} "
+                f"{fmt_s(pred) if has_pred else '-':>10} {error:>7} "
                 f"{fmt_bytes(r.measured_peak_memory_bytes):>11} "
-                f"{fmt_bytes(r.predicted_peak_memory_bytes) if has_pred else '-':>11}"
+                f"{fmt_bytes(r.predicted_peak_memory_bytes) if has_pred else '-':>11} {load:>8}"
             )
         else:
             lines.append(f"{r.strategy:<44} {r.status:<8} {r.reason}")
+    if loaded:
+        lines.append(
+            f"* {loaded} run(s) under load (load: cores other processes kept busy / cores, "
+            "during the run): their measured time is the load's as much as the model's; "
+            "validate again on a quiet machine to measure the model"
+        )
     if result.best is not None:
         lines.append(
             f"best measured: {result.best.strategy.short()} "

@@ -253,6 +253,7 @@ class Setting:
         repeat: the flag may be given several times (its values form a list).
         negate: the flag sets the field to False (``--no-recipes``).
         switch: the flag sets the field to True (``--fp8``).
+        nargs: the flag takes several values at once (argparse's ``"+"``: ``--strategies a b``).
     """
 
     help: str
@@ -263,6 +264,7 @@ class Setting:
     repeat: bool = False
     negate: bool = False
     switch: bool = False
+    nargs: str | None = None
 
 
 def setting(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
@@ -270,6 +272,19 @@ def setting(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
     if isinstance(default, dict):
         return field(default_factory=dict, metadata={"setting": Setting(**meta)})
     return field(default=default, metadata={"setting": Setting(**meta)})
+
+
+def shared_setting(
+    schema: "type[Schema]", name: str, *, default: Any = None, note: str = ""
+) -> Any:
+    """A field that is `schema`'s field `name` in another schema (``autosearch validate`` takes
+    TuneConfig's model, cluster and runtime): the same reader, flag and help, written once; the
+    help loses a "(required ...)" that holds only in `schema`, and gains `note`."""
+    import re
+
+    declared = {f.name: f for f in dataclasses.fields(schema)}[name].metadata["setting"]
+    text = re.sub(r"\s*\(required[^)]*\)$", "", declared.help) + (f"; {note}" if note else "")
+    return field(default=default, metadata={"setting": dataclasses.replace(declared, help=text)})
 
 
 class Schema:

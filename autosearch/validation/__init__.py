@@ -6,7 +6,7 @@ Example:
     >>> result = validate(  # doctest: +SKIP
     ...     ModelSpec.load("tiny-gpt"),
     ...     [Strategy(dp=2, global_batch_size=8)],
-    ...     cluster="results/calibration/cpu-local.yaml:1x2",
+    ...     cluster="results/calibration/example-amd-epyc-2c.yaml:1x2",
     ...     out="results/val",
     ... )
     >>> result.best.strategy  # doctest: +SKIP

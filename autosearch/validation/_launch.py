@@ -64,6 +64,8 @@ def launch(config: dict[str, Any], *, nproc: int, run_dir: Path, timeout_s: floa
     else:
         cmd = [sys.executable, *worker]
     env = {"PYTHONUNBUFFERED": "1", **os.environ}
+    if config.get("threads"):  # the worker sets torch's too; this covers OpenMP and torchrun's
+        env["OMP_NUM_THREADS"] = str(config["threads"])
     log_path = run_dir / "log.txt"
     log_path.write_text("")
     start = time.perf_counter()

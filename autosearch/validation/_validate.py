@@ -17,6 +17,14 @@ from autosearch.tuning import Candidate  # the one candidate record (tuning/_res
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
 from autosearch.validation._slurm import launch_slurm
+from cost_models.calibration.machine import (
+    UNDER_LOAD_SHARE,
+    Load,
+    cpu_time_sample,
+    load_average,
+    load_between,
+    read_load,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -212,7 +220,10 @@ def validate(
         factory: ``"module:function"`` or ``"file.py:function"`` building the model from its
             ModelSpec, instead of the reference. It is user code: imported here once (and
             checked) before any run, then on every rank of every run.
-        threads: intra-op threads per process (default: cores / processes, at least 1).
+        threads: intra-op threads per process (default: the cores other processes leave free,
+            divided by the processes, at least 1: two threads on two cores with one core busy
+            ran a step 8-17x slower than on the quiet machine). Said when load lowers it, and
+            warned when a given value oversubscribes the cores.
         study: an Optuna study whose trials get the measured figures as user attributes.
         runtime: the cost model's runtime options for candidates scored here.
         force: on CPU, run candidates even with more than 4 processes per core or more memory
@@ -221,6 +232,14 @@ def validate(
             at its real scale (nodes x GPUs per node of `cluster`, which is then required),
             submitted with `slurm` options; a job pending too long is cancelled and recorded
             as "pending".
+
+    Before each run on this machine, the load is read (`cost_models.calibration.machine`: the
+    CPU time other processes take over one second, and the load average; printed before the
+    first); a loaded machine is warned about, not refused (CI machines are loaded). Each row
+    records the load before and during its run (``load_average_before``,
+    ``load_average_after``, ``other_busy_cores_before``, ``other_busy_cores``, ``cores``) and
+    ``under_load``: other processes kept more than `UNDER_LOAD_SHARE` of the cores busy, so
+    its measured time is the load's as much as the model's, and its line says so.
 
     Returns:
         A ValidationResult; failures (OOM, crash, timeout) are rows, not exceptions.
@@ -280,6 +299,9 @@ def validate(
                 "smaller device with --memory-limit-gib, or pass --force / force=True to run "
                 "them anyway)",
             )
+    load = read_load() if launcher == "local" else None
+    if load is not None and verbose:
+        print(_load_line(load, device_type), flush=True)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "validation.csv"
@@ -324,6 +346,12 @@ def validate(
         else:
             cores = n_devices if target is None else (slurm.cpus_per_task if slurm else 0) or 1
             n_threads = threads or max(1, (cores if device_type == "cpu" else 1) // world)
+            if load is not None and i > 0:  # the load of now, not of the first run's start
+                load = read_load()
+            if device_type == "cpu" and load is not None:
+                n_threads, note = threads_for(world, threads, load)
+                if note and verbose:
+                    print(f"    {note}", flush=True)
             config = {
                 "model": model.to_dict(),
                 "strategy": s.to_dict(),
@@ -350,7 +378,9 @@ def validate(
                 )
                 row.update({f"slurm_{k}": v for k, v in outcome.slurm.items()})
             else:
+                average, before = load_average(), cpu_time_sample()
                 outcome = launch(config, nproc=world, run_dir=run_dir, timeout_s=timeout_s)
+                row.update(_load_columns(load, before, average))
             row.update(
                 status=outcome.status,
                 reason=outcome.reason,
@@ -466,7 +496,75 @@ def _one_line(row: dict[str, Any]) -> str:
             f" (predicted {row['predicted_step_time_s'] * 1e3:.1f} ms, "
             f"{row['predicted_peak_memory_bytes'] / 2**20:.0f} MiB)"
         )
+    if row.get("under_load"):
+        error = row.get("step_time_error_pct")
+        text += (
+            f"; UNDER LOAD: other processes kept {row['other_busy_cores']:.1f} of "
+            f"{row['cores']} cores busy during the run, so the measured time is the load's as "
+            "much as the model's"
+            + (f" (step time error {error:+.0f}%)" if error is not None else "")
+        )
     return text
+
+
+def _load_line(load: Load, device_type: str) -> str:
+    """What validate says of the machine's load before its runs."""
+    if not load.loaded:
+        return f"validate: load: {load.describe()}: quiet enough to measure"
+    where = "their CPU work" if device_type == "cuda" else "every step"
+    return (
+        f"validate: WARNING load: {load.describe()} ({load.busy_cores / load.cores:.0%} of the "
+        f"cores, more than {UNDER_LOAD_SHARE:.0%}): the runs share the cores, so {where} will "
+        "be slower than on a quiet machine and than the model predicts; each row says whether "
+        "its run was under load (validation.csv: under_load, other_busy_cores)"
+    )
+
+
+def threads_for(world: int, threads: int | None, load: Load) -> tuple[int, str]:
+    """Intra-op threads per process of a CPU run of `world` processes, and what to say about
+    it: processes x threads fit in the cores others leave free (`Load.threads_per_process`),
+    unless `threads` was given (kept, with a warning when it oversubscribes)."""
+    free = load.free_cores()
+    if threads:
+        if world * threads > free:
+            return threads, (
+                f"threads: {world} process(es) x {threads} thread(s) oversubscribe the {free} "
+                f"free core(s) ({load.describe()}): kept as asked; the measured times will "
+                "show it"
+            )
+        return threads, ""
+    fit, quiet = load.threads_per_process(world), max(1, load.cores // world)
+    if world * fit > free:
+        return fit, (
+            f"threads: 1 per process; {world} processes oversubscribe the {free} free core(s) "
+            f"of {load.cores} ({load.describe()})"
+        )
+    if fit < quiet:
+        return fit, (
+            f"threads: {fit} per process, not {quiet}: {load.describe()}, and {world} x "
+            f"{quiet} threads would oversubscribe the {free} free core(s)"
+        )
+    return fit, ""
+
+
+def _load_columns(
+    load: Load | None, before: dict[str, float], average: list[float] | None
+) -> dict[str, Any]:
+    """The load before and during one run (`cpu_time_sample` and the load average taken just
+    before it), as validation.csv's columns."""
+    during = load_between(before, cpu_time_sample())
+    after = load_average()
+    other = round(during["load_other_cores"], 2) if during else None
+    cores = load.cores if load is not None else int(during.get("load_cores", 0)) or None
+    busy = other if other is not None else (load.busy_cores if load is not None else None)
+    return {
+        "cores": cores,
+        "load_average_before": average[0] if average else None,
+        "load_average_after": after[0] if after else None,
+        "other_busy_cores_before": load.other_cores if load is not None else None,
+        "other_busy_cores": other,
+        "under_load": bool(cores and busy is not None and busy > UNDER_LOAD_SHARE * cores),
+    }
 
 
 def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, Any]) -> None:
@@ -490,6 +588,9 @@ def _record_in_study(study: "optuna.Study", trial_number: int, row: dict[str, An
         "device",
         "threads",
         "torch_version",
+        "under_load",
+        "other_busy_cores",
+        "cores",
     )
     record = {
         k: row[k]

@@ -20,9 +20,9 @@ import pandas as pd
 from autosearch.core._io import read_yaml_mapping
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
+from cost_models.calibration.machine import load_average, read_load, recorded_machine
 from cost_models.calibration.profile import build_profile
 from cost_models.calibration.runner import (
-    _loadavg,
     cpu_cores,
     describe_machine,
     make_plan,
@@ -134,11 +134,20 @@ def calibrate(
             f"calibrate: {machine['device_name']} ({device}), world sizes {world_sizes}"
             f"{', quick' if quick else ''}; load average {machine['load_average_at_start']}"
         )
+        load = read_load()
+        machine["other_busy_cores_at_start"] = load.other_cores
+        log(f"calibrate: before measuring, {load.describe()}")
+        if load.loaded:
+            log(
+                f"calibrate: WARNING {load.describe()}: the benchmarks share the cores, so the "
+                "rates they measure will be too low; if the load lasts, the load check refuses "
+                "the profile (calibrate on a quiet machine)"
+            )
         timeout_s = timeout_s if timeout_s is not None else (600.0 if quick else 3600.0)
         df = run_microbenchmarks(
             make_plan(device, quick=quick), world_sizes, timeout_s=timeout_s, log=log
         )
-        machine["load_average_at_end"] = _loadavg()
+        machine["load_average_at_end"] = load_average()
         machine["world_sizes"] = world_sizes
         machine["quick"] = quick
 
@@ -311,8 +320,10 @@ def write_profile(profile: HardwareProfile, path: str) -> None:
     defaults = cal.get("defaults", {})
     machine = cal.get("machine", {})
     quality = cal.get("quality") or {}
+    measured_on = recorded_machine(cal, profile.device_type)
     lines = [
         f"{PROFILE_MARKER} on {machine.get('date')}.",
+        f"# Machine: {measured_on.describe() if measured_on else 'not recorded'}",
         f"# Device: {profile.description}",
         f"# torch {machine.get('torch')}, python {machine.get('python')}, backend "
         f"{machine.get('backend')}; load average {machine.get('load_average_at_start')} -> "

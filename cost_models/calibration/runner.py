@@ -19,13 +19,21 @@ import json
 import os
 import platform
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import pandas as pd
 
 from autosearch.core.errors import SpecError
+from cost_models.calibration.machine import (  # noqa: F401 - re-exported: the runner's names
+    ISA_FLAGS,
+    cpu_cores,
+    cpu_isa,
+    cpu_model_name,
+    cpu_time_sample,
+    load_average,
+    load_between,
+)
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,26 +167,20 @@ def with_compute_world_size(
     return [1, *world_sizes]
 
 
-def cpu_cores() -> int:
-    return (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    )
-
-
 def describe_machine(device: str) -> dict[str, Any]:
     """Device, software and load, for the profile's `calibration` record."""
     import torch
 
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpu": _cpu_model(),
+        "host_cpu": cpu_model_name(),
         "cpu_cores": cpu_cores(),
         "memory_total_bytes": _meminfo_bytes("MemTotal"),
         "last_level_cache_bytes": _llc_bytes(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "load_average_at_start": _loadavg(),
+        "load_average_at_start": load_average(),
         **cpu_isa(),
     }
     if device == "cuda":
@@ -210,17 +212,6 @@ def _nccl_version(torch) -> str:
     return ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _meminfo_bytes(key: str) -> float | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -247,112 +238,6 @@ def _llc_bytes() -> float | None:
     except (OSError, ValueError):
         return best
     return best
-
-
-# Instruction-set flags that bound a CPU's matmul rate (what `lscpu` lists under Flags).
-ISA_FLAGS = (
-    "avx",
-    "fma",
-    "avx2",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_fp16",
-)
-
-
-def cpu_isa() -> dict[str, Any]:
-    """The matmul-relevant ISA flags of cpu0 and its clock (/proc/cpuinfo "cpu MHz" and, where the
-    kernel exposes it, the maximum boost clock from cpufreq), for the plausibility checks."""
-    flags: set[str] = set()
-    mhz = None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "flags" and not flags:
-                    flags = set(value.split())
-                elif key == "cpu MHz" and mhz is None:
-                    mhz = float(value)
-    except (OSError, ValueError):
-        pass
-    max_mhz = None
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq", encoding="ascii") as f:
-            max_mhz = float(f.read()) / 1000.0
-    except (OSError, ValueError):
-        pass
-    return {
-        "cpu_flags": [f for f in ISA_FLAGS if f in flags] if flags else None,
-        "cpu_mhz": mhz,
-        "cpu_max_mhz": max_mhz,
-    }
-
-
-def cpu_time_sample() -> dict[str, float]:
-    """Busy and stolen CPU seconds of the cores this process may run on (/proc/stat, summed over
-    the CPUs of its affinity mask), this process's own CPU seconds and its reaped children's
-    (getrusage), and a monotonic clock. Two samples give the load others put on those cores
-    (`load_between`). Empty where /proc/stat is missing."""
-    import resource
-
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    busy = steal = 0.0
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            for line in f:
-                name, *fields = line.split()
-                if not name.startswith("cpu") or name == "cpu":
-                    continue
-                if not name[3:].isdigit() or (
-                    allowed is not None and int(name[3:]) not in allowed
-                ):
-                    continue
-                v = [float(x) for x in fields]
-                # user nice system idle iowait irq softirq steal ...: busy excludes idle, iowait
-                busy += v[0] + v[1] + v[2] + v[5] + v[6]
-                steal += v[7] if len(v) > 7 else 0.0
-    except (OSError, ValueError, IndexError):
-        return {}
-    own = sum(
-        r.ru_utime + r.ru_stime
-        for r in (
-            resource.getrusage(resource.RUSAGE_SELF),
-            resource.getrusage(resource.RUSAGE_CHILDREN),
-        )
-    )
-    return {
-        "wall_s": time.monotonic(),
-        "busy_s": busy / tick,
-        "steal_s": steal / tick,
-        "own_s": own,
-        "cores": float(len(allowed)) if allowed is not None else float(os.cpu_count() or 1),
-    }
-
-
-def load_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Average number of cores that other processes kept busy (and that the hypervisor stole)
-    between two `cpu_time_sample`s: (busy - this process tree's CPU time) / wall time."""
-    if not before or not after:
-        return {}
-    wall = max(after["wall_s"] - before["wall_s"], 1e-9)
-    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
-    return {
-        "load_other_cores": max(0.0, others / wall),
-        "load_steal_cores": max(0.0, (after["steal_s"] - before["steal_s"]) / wall),
-        "load_cores": after["cores"],
-    }
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +273,7 @@ def run_microbenchmarks(
             f"calibrate: world size {ws}: {', '.join(suites)}"
             + (f" ({threads} thread(s) per process)" if threads else "")
         )
-        load_average, before = _loadavg(), cpu_time_sample()
+        load_average_1m, before = load_average(), cpu_time_sample()
         rows = _launch(
             plan.worker_plan(suites=suites, threads=threads), ws, threads, timeout_s, launcher
         )
@@ -396,7 +281,7 @@ def run_microbenchmarks(
         frame = pd.DataFrame(rows)
         for key, value in load.items():
             frame[key] = value
-        frame["load_average_1m"] = load_average[0] if load_average else None
+        frame["load_average_1m"] = load_average_1m[0] if load_average_1m else None
         frames.append(frame)
         if load:
             log(
