@@ -110,7 +110,8 @@ def main() -> None:
         )
     print(
         f"identical: {same} of {len(rows)}; tune one by one {tune_s:.1f} s; the sweep "
-        f"{swept.wall_s:.1f} s with {swept.jobs} processes (the default 10 s budget of priced work per case); "
+        f"{swept.wall_s:.1f} s with {swept.jobs} processes (the default 10 s budget of priced "
+        "work per case); "
         f"load {os.getloadavg()[0]:.1f}"
     )
     path = os.path.join(RESULTS, "doors.csv")
