@@ -24,6 +24,8 @@ _EXPORTS = {
     "tune": "autosearch.tuning._study",
     "TuneConfig": "autosearch.tuning._config",
     "TuneResult": "autosearch.tuning._result",
+    "SweepConfig": "autosearch.tuning._sweep",
+    "sweep": "autosearch.tuning._sweep",
     "Engine": "autosearch.autotune",
 }
 

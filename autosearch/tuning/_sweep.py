@@ -134,8 +134,15 @@ def read_tokens(value: Any, where: str) -> float:
 
 
 def read_days(value: Any, where: str) -> float:
-    value = read_price(value, where) if not isinstance(value, (int, float)) else value
-    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+    """A number of days > 0 (a number, or its text)."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise SpecError(f"{where}: {value!r} is not a number of days (e.g. 30)") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where} must be a number of days, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
         raise SpecError(f"{where} must be a number of days > 0, got {value!r}")
     return float(value)
 
@@ -385,7 +392,6 @@ def sig(x: float, digits: int = 4) -> float:
 
 def case_row(config: TuneConfig, settings_digest: str) -> dict[str, Any]:
     """The row of one combination: what `tune(config)` picks, or why nothing is picked."""
-    from autosearch.core.errors import SpecError as Refused
     from autosearch.tuning._result import NoFeasibleStrategyError
     from autosearch.tuning._study import tune
 
@@ -417,7 +423,7 @@ def case_row(config: TuneConfig, settings_digest: str) -> dict[str, Any]:
                 space_size=partial.space.size, trials=partial.n_trials, search=partial.search
             )
         return row
-    except Refused as exc:  # e.g. no (dp, tp, pp) split of this batch on this cluster
+    except SpecError as exc:  # e.g. no (dp, tp, pp) split of this batch on this cluster
         row.update(status="invalid", reason=str(exc))
         return row
     s, r = result.best_strategy, result.best_report
