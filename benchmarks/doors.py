@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import time
 
 from autosearch import TuneConfig, tune
 from autosearch.tuning._sweep import SweepConfig, sweep
+from cost_models.calibration.machine import this_cpu
 
 MODELS = ("llama3-8b", "llama3-70b", "qwen3-30b-a3b", "gemma3-27b")
 CLUSTERS = ("h100-sxm:4x8", "h100-sxm:16x8", "b200-sxm:8x8")
@@ -27,23 +27,14 @@ SEQ_LEN = 8192
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    cpu = this_cpu()
+    isa = ", ".join(cpu.isa or ())
+    print(f"CPU: {cpu.name} ({isa}), {cpu.count} cores, load {os.getloadavg()[0]:.1f}")
 
     alone = {}
     t0 = time.perf_counter()

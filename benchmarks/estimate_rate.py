@@ -17,11 +17,11 @@ from __future__ import annotations
 import csv
 import itertools
 import os
-import platform
 import time
 
 from autosearch import TuneConfig
 from autosearch.tuning._study import ESTIMATE_S, prepare
+from cost_models.calibration.machine import this_cpu
 
 CASES = [  # (model, cluster, global batch, runtime)
     ("llama3-8b", "h100-sxm:4x8", 512, None),
@@ -38,15 +38,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def main() -> None:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    print(f"CPU: {cpu}, load {os.getloadavg()[0]:.1f}")
+    cpu = this_cpu()
+    print(f"CPU: {cpu.name} ({', '.join(cpu.isa or ())}), load {os.getloadavg()[0]:.1f}")
     rows = []
     for model, cluster, gbs, runtime in CASES:
         config = TuneConfig(
