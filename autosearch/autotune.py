@@ -621,7 +621,7 @@ def check_sequence_length(data: Any, seq_len: int) -> None:
 def reference_factory(model: Any) -> str | None:
     """Validation runs rebuild the model in new processes: the reference transformer needs no
     factory (None); another model must be importable as "module:function" (spec -> module)."""
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     if isinstance(model, Transformer):
         return None
@@ -633,6 +633,6 @@ def reference_factory(model: Any) -> str | None:
                 return None
     raise SpecError(
         "validate_top_k rebuilds the model in new processes; for a model other than "
-        "autosearch.transformer.Transformer pass factory='package.module:function' "
+        "autosearch.models.transformer.Transformer pass factory='package.module:function' "
         "(ModelSpec -> nn.Module)"
     )

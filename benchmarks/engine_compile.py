@@ -58,7 +58,7 @@ def measure(model_name: str, amp: str, steps: int, warmup: int) -> dict:
 
     from autosearch import Engine, ModelSpec
     from autosearch.engine import SyntheticTokens
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     spec = ModelSpec.load(model_name)
     strategy = f"micro_batch_size=8,global_batch_size=8,amp={amp}"

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from autosearch.core.model_spec import MoESpec
     from autosearch.engine import Engine
     from autosearch.engine.data import SyntheticTokens
-    from autosearch.transformer import build
+    from autosearch.models.transformer import build
     from autosearch.validation.worker import adamw
 
     if args.dry_run:

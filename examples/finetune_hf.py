@@ -143,7 +143,7 @@ def main() -> int:
         batch_size=args.batch_size,
         n_trials=args.n_trials,
         validate_top_k=args.validate_top_k,
-        factory="autosearch.engine.hf:llama_from_spec",
+        factory="autosearch.models.hf.causal_lm:llama_from_spec",
         steps=2,
         warmup=1,
         seed=0,

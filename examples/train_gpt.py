@@ -39,7 +39,7 @@ def main() -> int:
 
     from autosearch import Engine, ModelSpec
     from autosearch.engine import Accuracy, SyntheticTokens
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     spec = ModelSpec.load(args.model)
     changes = {k: v for k, v in (("n_layers", args.layers), ("hidden_size", args.hidden)) if v}

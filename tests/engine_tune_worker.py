@@ -15,7 +15,7 @@ import torch
 from autosearch import Engine, ModelSpec, autotune
 from autosearch.engine import SyntheticTokens, run_main
 from autosearch.engine import distributed as D
-from autosearch.transformer import Transformer
+from autosearch.models.transformer import Transformer
 
 SPEC = ModelSpec.load("tiny-gpt").scaled(n_layers=2, seq_len=32)
 

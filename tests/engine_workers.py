@@ -99,7 +99,7 @@ def make_model(kind: str):
     torch.manual_seed(1234)
     if is_hf(kind):
         return hf_model(kind)
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     return Transformer(MODELS[kind])
 
@@ -159,7 +159,7 @@ def job_predict(cases: list[dict]) -> dict:
 def job_invalid(cases: list[dict]) -> dict:
     """Each case must raise SpecError before any step; record the message (or what happened)."""
     from autosearch import Engine, SpecError
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     out = {}
     for case in cases:
@@ -308,7 +308,7 @@ RESUME_STRATEGY = "dp=2,zero_stage=3,micro_batch_size=2,global_batch_size=8,amp=
 def _resume_engine():
     from autosearch import Engine
     from autosearch.engine import WarmupDecay
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     def factory():
         torch.manual_seed(1234)
@@ -387,7 +387,7 @@ def job_setup_memory(meta_init: bool) -> dict:
     import torch.distributed as dist
 
     from autosearch import Engine
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     world = dist.get_world_size()
     zero = f"dp={world},zero_stage=3," if world > 1 else ""

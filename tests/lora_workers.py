@@ -33,7 +33,7 @@ def lora_spec(kind: str = "llama", targets=None):
 def make_model(kind: str = "llama", targets=None):
     """The reference transformer of `kind` with LoRA in its spec, or (``hf_llama``) a Hugging
     Face Llama of the same shape, whose adapters come from the Engine's `model_spec`."""
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     torch.manual_seed(1234)
     return W.hf_model(kind) if W.is_hf(kind) else Transformer(lora_spec(kind, targets))

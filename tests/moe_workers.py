@@ -58,7 +58,7 @@ def make_model(kind: str):
             **W.HF_SHAPE, num_experts_per_tok=2, output_router_logits=True, **extra
         )
         return getattr(transformers, model_name)(config)
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     return Transformer(MODELS[kind])
 
@@ -71,8 +71,8 @@ def train_losses(
     reference transformer's per layer, "aux"; transformers' whole-model one, "hf_aux")."""
     from autosearch import Engine
     from autosearch.engine import SyntheticTokens
-    from autosearch.engine.hf import HFCausalLM
-    from autosearch.engine.moe import moe_layers
+    from autosearch.models.hf.causal_lm import HFCausalLM
+    from autosearch.models.moe import moe_layers
 
     kwargs = dict(
         optimizer=lambda p: torch.optim.AdamW(p, lr=W.LR), strategy=strategy, grad_clip_norm=clip

@@ -26,7 +26,7 @@ def test_the_engine_trains_on_cuda_0():
     torch = _torch()
     from autosearch import Engine
     from autosearch.engine import SyntheticTokens
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     engine = Engine(
         lambda: Transformer(SPEC),
@@ -63,7 +63,7 @@ def test_more_processes_than_gpus_is_one_message(tmp_path):
             import torch
             from autosearch import Engine, ModelSpec, Strategy
             from autosearch.engine.distributed import run_main
-            from autosearch.transformer import Transformer
+            from autosearch.models.transformer import Transformer
 
             spec = ModelSpec.load("tiny-gpt").scaled(n_layers=2, seq_len=64)
 

@@ -114,7 +114,7 @@ def test_engine_tune_picks_what_tune_picks(picks, tmp_path):
     """Engine.tune from a TuneConfig and from keywords: the same search, the same pick."""
     pytest.importorskip("torch")
     from autosearch import Engine, ModelSpec
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     case = CASES["exhaustive"]
     spec = ModelSpec.load(case["model"])
@@ -135,7 +135,7 @@ def test_engine_tune_picks_what_tune_picks(picks, tmp_path):
 def test_engine_tune_refuses_a_config_of_another_model(tmp_path):
     pytest.importorskip("torch")
     from autosearch import Engine, ModelSpec, SpecError
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     spec = ModelSpec.load("tiny-gpt")
     engine = Engine(lambda: Transformer(spec), model_spec=spec)

@@ -55,9 +55,9 @@ def test_engine_applies_the_table(zero, dp, tp, pp, amp, monkeypatch):
     import torch.distributed.fsdp as fsdp
     import torch.nn.parallel as parallel
 
+    from autosearch.distributed.plan import ParallelPlan
     from autosearch.engine.parallel_dims import ParallelDims
     from autosearch.engine.parallelize import apply_data_parallel
-    from autosearch.engine.plan import ParallelPlan
 
     calls = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append(("fsdp", kw)))

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from autosearch import Engine, ModelSpec, SpecError, Strategy  # noqa: E402
 from autosearch.engine import Accuracy, ParallelPlan, SyntheticTokens  # noqa: E402
 from autosearch.engine.data import _DpShard, build_loader  # noqa: E402
-from autosearch.transformer import Transformer  # noqa: E402
+from autosearch.models.transformer import Transformer  # noqa: E402
 
 SPEC = ModelSpec.load("tiny-gpt").scaled(n_layers=2, hidden_size=64, vocab_size=128, seq_len=32)
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and GPT-NeoX under the Engine (autosearch/engine/hf_gpt.py), on CPU.
+"""Hugging Face GPT-2 and GPT-NeoX under the Engine (autosearch/models/hf/gpt.py), on CPU.
 
 Single process: the wrapper computes what transformers computes (GPT-2's Conv1D as nn.Linear,
 its fused q/k/v permuted per head), converts back to transformers bitwise, gives every tp rank
@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 import engine_workers as W  # noqa: E402
 
 from autosearch import Engine, ModelSpec, SpecError  # noqa: E402
-from autosearch.engine.hf_gpt import HFGPTCausalLM, interleave_qkv, is_gpt_model  # noqa: E402
+from autosearch.models.hf.gpt import HFGPTCausalLM, interleave_qkv, is_gpt_model  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 EXACT, FP32 = 0.0, (2e-5, 1e-3)

@@ -7,10 +7,11 @@ explains the set-up); the losses of 3 AdamW steps must match within that file's 
 (2e-5 for the first two steps, 1e-3 over three). Routing is a discrete choice, so a parallel
 error that moved a router logit across a top-k boundary would show as a jump, not as drift;
 observed: at most 2e-6 (tables below). The reference transformer's load-balancing loss is
-computed per sequence (`autosearch.engine.moe`), so it does not depend on how the sequences are
+computed per sequence (`autosearch.models.moe`), so it does not depend on how the sequences are
 dealt to the dp ranks and micro-batches; transformers' Mixtral and Qwen3-MoE keep their own loss
 over the micro-batch, so they run one sequence per micro-batch here; under pp their stages pass
-that loss's running sums on with the hidden states (`autosearch.engine.hf.balance_sums`), and
+that loss's running sums on with the hidden states
+(`autosearch.models.hf.causal_lm.balance_sums`), and
 the losses equal one process's bitwise (observed: 0.0); under tp and cp the sums are summed over
 the ranks' tokens (observed: within 4.2e-6, tp2 x cp2 x ep2), and a run whose ranks see one
 process's micro-batches (dp 1) ends with transformers' aux loss of one process too.
@@ -24,8 +25,8 @@ torch = pytest.importorskip("torch")
 import moe_workers as M  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 
 from autosearch import Strategy  # noqa: E402
-from autosearch.engine.moe import MoE, ep_problems  # noqa: E402
-from autosearch.transformer import Transformer  # noqa: E402
+from autosearch.models.moe import MoE, ep_problems  # noqa: E402
+from autosearch.models.transformer import Transformer  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
 # transformers' load-balancing loss is over the whole micro-batch (not per sequence): with one
@@ -314,7 +315,7 @@ def test_a_transformers_moe_model_keeps_its_weights_logits_and_aux_loss(kind):
     parameter names and tensors, the same logits and auxiliary loss as transformers' forward."""
     import copy
 
-    from autosearch.engine.hf import HFCausalLM
+    from autosearch.models.hf.causal_lm import HFCausalLM
 
     hf = M.make_model(kind).train()
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -340,8 +341,8 @@ def test_transformers_aux_loss_carried_over_pipeline_stages_is_bitwise_its_own(k
 
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from autosearch.engine.hf import HFCausalLM
-    from autosearch.engine.moe import moe_layers
+    from autosearch.models.hf.causal_lm import HFCausalLM
+    from autosearch.models.moe import moe_layers
 
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     whole = HFCausalLM(M.make_model(kind)).train()

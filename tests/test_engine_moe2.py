@@ -17,7 +17,7 @@ import moe_workers as M  # noqa: E402  (tests/ is on sys.path under pytest's roo
 
 from autosearch import Strategy  # noqa: E402
 from autosearch.engine.parallel_dims import ParallelDims  # noqa: E402
-from autosearch.transformer import Transformer  # noqa: E402
+from autosearch.models.transformer import Transformer  # noqa: E402
 
 # one sequence per micro-batch: each dp rank of dp=4 runs 2 micro-batches, so the once-per-step
 # gradient reduction of ZeRO-1 is exercised
@@ -143,7 +143,7 @@ def test_the_load_balancing_loss_is_scaled_as_the_fp16_loss():
     """Under fp16 the loss scaler multiplies the loss by S before backward; the auxiliary loss
     joins in the MoE layer's backward, so its gradient must be S too (`set_aux_loss_scale`):
     the router's gradient divided by S is then the unscaled one (S a power of 2: exact)."""
-    from autosearch.engine.moe import MoE, set_aux_loss_scale
+    from autosearch.models.moe import MoE, set_aux_loss_scale
 
     torch.manual_seed(0)
     layer = MoE(dim=16, hidden=8, n_experts=4, top_k=2, aux_loss_coef=0.5)

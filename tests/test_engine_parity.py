@@ -217,7 +217,7 @@ def test_torch_preset_declares_what_the_engine_runs_and_on_which_devices():
         "selective_op",
         "recompute_num_layers",
         "uneven_pp",
-        "ep",  # autosearch/engine/moe.py (parallel folding: over tp x cp x dp)
+        "ep",  # autosearch/models/moe.py (parallel folding: over tp x cp x dp)
         "ep_over_tp",  # ep groups that take tp ranks (each tp rank routes its own tokens)
         "etp",  # the experts' width split over etp of the tp ranks
         "etp_below_tp",  # 1 < etp < tp: etp consecutive tp ranks (Megatron-Core's folding)

@@ -15,7 +15,7 @@ from autosearch import Engine, ModelSpec
 from autosearch.autotune import local_cluster
 from autosearch.core.errors import SpecError
 from autosearch.engine import SyntheticTokens
-from autosearch.transformer import Transformer
+from autosearch.models.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ModelSpec.load("tiny-gpt").scaled(n_layers=2, seq_len=32)

@@ -1,4 +1,4 @@
-"""Grouped GEMMs of the experts: the Engine's kernel (`autosearch.engine.moe.grouped_mm`) against a
+"""Grouped GEMMs of the experts: the Engine's kernel (`autosearch.models.moe.grouped_mm`) against a
 loop of matmuls, the cost model's term (`cost_models.terms.experts.grouped_gemm_s`), and the
 GPU benchmarks' MoE model, which must build before a GPU lease is spent on it."""
 
@@ -40,7 +40,7 @@ def _loop(x, w, counts):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_grouped_mm_equals_a_loop_of_matmuls_with_empty_groups(transposed):
-    from autosearch.engine.moe import grouped_mm
+    from autosearch.models.moe import grouped_mm
 
     torch.manual_seed(0)
     x = torch.randn(20, 16, requires_grad=True)
@@ -60,7 +60,7 @@ def test_grouped_mm_equals_a_loop_of_matmuls_with_empty_groups(transposed):
 
 
 def test_grouped_mm_runs_in_the_autocast_dtype():
-    from autosearch.engine.moe import grouped_mm
+    from autosearch.models.moe import grouped_mm
 
     x, w, counts = torch.randn(12, 16), torch.randn(3, 16, 8), torch.tensor([4, 4, 4])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -77,7 +77,7 @@ def test_the_gpu_checks_models_build_in_the_reference_transformer():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
 
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     for make in (gpu_check.gpu_model, gpu_check.large_model, gpu_check.moe_model):
         spec = make()
@@ -124,7 +124,7 @@ def test_op_level_recompute_runs_every_expert_gemm_again_as_the_cost_model_price
     from autosearch.core.model_spec import MoESpec
     from autosearch.engine import Engine
     from autosearch.engine.data import SyntheticTokens
-    from autosearch.transformer import build
+    from autosearch.models.transformer import build
 
     spec = ModelSpec.load("tiny-llama").scaled(
         name="tiny-moe", n_layers=2, seq_len=32, moe=MoESpec(n_experts=4, top_k=2)

@@ -59,7 +59,7 @@ def test_only_adapters_train_and_b_zero_keeps_the_model():
             assert torch.equal(p, frozen[n]), f"frozen {n} moved"
     # the same model without adapters: B = 0 adds exactly zero to every targeted output
     from autosearch import Engine
-    from autosearch.transformer import Transformer
+    from autosearch.models.transformer import Transformer
 
     torch.manual_seed(1234)
     dense = Transformer(W.MODELS["llama"])

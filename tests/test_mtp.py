@@ -165,7 +165,7 @@ def test_the_reference_transformer_refuses_modules_it_does_not_build():
     assert unbuilt(toy(mtp=0)) == []
     assert unbuilt(toy(mtp=2)) == ["multi-token prediction (mtp_layers 2; 0 trains without it)"]
     pytest.importorskip("torch")
-    from autosearch.transformer import build
+    from autosearch.models.transformer import build
 
     with pytest.raises(SpecError, match="mtp_layers 2"):
         build(toy(mtp=2))

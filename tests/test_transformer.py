@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from autosearch import ModelSpec, Strategy  # noqa: E402
+from autosearch.distributed.plan import ParallelPlan  # noqa: E402
 from autosearch.engine.parallelize import apply_ac  # noqa: E402
 from autosearch.engine.pipeline import split_pipeline, stage_indices  # noqa: E402
-from autosearch.engine.plan import ParallelPlan  # noqa: E402
-from autosearch.transformer import Transformer  # noqa: E402
+from autosearch.models.transformer import Transformer  # noqa: E402
 
 # Catalog models shrunk for a CPU, keeping their style (GPT / Llama, tied, GQA ratio).
 SHRUNK = {

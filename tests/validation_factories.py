@@ -3,7 +3,7 @@
 import os
 import time
 
-from autosearch.transformer import build
+from autosearch.models.transformer import build
 
 
 def reference(spec):

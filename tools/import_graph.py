@@ -44,7 +44,7 @@ LAYERS = (
     # validation's torch-free side (launch runs, record them) sits below the Engine, which
     # composes the search and the runs; its torch side (the worker) runs the Engine, above it
     ("launch", ("autosearch.validation",)),
-    ("runtime", ("autosearch.engine", "autosearch.transformer")),
+    ("runtime", ("autosearch.engine", "autosearch.models.transformer")),
     (
         "run",
         (

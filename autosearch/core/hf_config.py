@@ -71,7 +71,8 @@ import yaml
 from autosearch.core._io import name_from, read_regular_file
 from autosearch.core.errors import SpecError
 
-# The Llama-shaped families the Engine's Hugging Face plans know (`autosearch.engine.hf`).
+# The Llama-shaped families the Engine's Hugging Face plans know
+# (`autosearch.models.hf.causal_lm`).
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SWIGLU_DENSE = LLAMA_LIKE + ("qwen3", "phi3")
 GEMMA_LIKE = ("gemma", "gemma2", "gemma3_text")

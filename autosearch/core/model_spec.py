@@ -1,7 +1,7 @@
 """ModelSpec: the shape of a decoder-only transformer, and the catalog of real models.
 
 Two styles, chosen by `ffn_activation`, matching the reference transformer in
-`autosearch.transformer` and the published architectures:
+`autosearch.models.transformer` and the published architectures:
 
 * ``gelu``  -> GPT style (Radford et al. 2019; Brown et al. 2020): LayerNorm with bias, biases in
   every linear layer, learned position embeddings, dropout.
@@ -664,8 +664,8 @@ def check_priced(model: ModelSpec) -> None:
 
 
 def unbuilt(model: ModelSpec) -> list[str]:
-    """What `autosearch.transformer.Transformer` (the reference model the Engine trains) does
-    not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
+    """What `autosearch.models.transformer.Transformer` (the reference model the Engine trains)
+    does not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
     blocks of multi-head / grouped-query attention with head size hidden / heads, and dropless
     SwiGLU mixture-of-experts layers with an auxiliary loss or none."""
     out = []

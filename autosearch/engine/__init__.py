@@ -10,13 +10,13 @@ from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "autosearch.engine._engine",
-    "ParallelPlan": "autosearch.engine.plan",
+    "ParallelPlan": "autosearch.distributed.plan",
     "ParallelDims": "autosearch.engine.parallel_dims",
     "dp_mode": "autosearch.core.dp_modes",
     "SyntheticTokens": "autosearch.engine.data",
     "TokenFile": "autosearch.engine.data",
     "WarmupDecay": "autosearch.engine.lr_schedule",
-    "HFCausalLM": "autosearch.engine.hf",
+    "HFCausalLM": "autosearch.models.hf.causal_lm",
     "Metric": "autosearch.engine.metrics",
     "Accuracy": "autosearch.engine.metrics",
     "run_main": "autosearch.engine.distributed",

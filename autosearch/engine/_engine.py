@@ -31,10 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.report import CostReport
     from autosearch.core.strategy import Strategy
+    from autosearch.distributed.plan import ParallelPlan
     from autosearch.engine._trainer import Trainer
     from autosearch.engine.data import DistributedLoader
     from autosearch.engine.parallel_dims import ParallelDims
-    from autosearch.engine.plan import ParallelPlan
 
 MODES = ("train", "eval", "predict")
 
@@ -89,7 +89,8 @@ class Engine:
         model: an ``nn.Module``, or a zero-argument factory that builds one. Pass a factory when
             the Engine may have to build the model more than once (after `tune` picks another
             strategy); an instance is parallelized in place and can be prepared only once.
-            The reference `autosearch.transformer.Transformer` carries its ModelSpec and plan.
+            The reference `autosearch.models.transformer.Transformer` carries its ModelSpec and
+            plan.
         loss: ``loss(outputs, labels) -> scalar`` averaged over the batch; defaults to token
             cross-entropy.
         optimizer: an optimizer built on the model's parameters (its class, defaults and
@@ -135,7 +136,7 @@ class Engine:
         import torch
         from autosearch import Engine, ModelSpec
         from autosearch.engine import SyntheticTokens
-        from autosearch.transformer import Transformer
+        from autosearch.models.transformer import Transformer
 
         spec = ModelSpec.load("tiny-gpt")
         engine = Engine(lambda: Transformer(spec),
@@ -762,7 +763,7 @@ class Engine:
     def save_pretrained(self, folder: str) -> None:
         """Save a Hugging Face model (Llama / Mistral / Qwen2) in transformers' format, loadable by
         ``AutoModelForCausalLM.from_pretrained(folder)``, from any strategy."""
-        from autosearch.engine.hf import save_pretrained
+        from autosearch.models.hf.causal_lm import save_pretrained
 
         self.prepare()
         save_pretrained(

@@ -225,7 +225,7 @@ class Trainer:
         """Outputs over whole sequences: under context parallel, gathered from the cp ranks."""
         if self.dims.cp == 1:
             return out
-        from autosearch.engine.context_parallel import ContextParallel
+        from autosearch.distributed.context_parallel import ContextParallel
 
         assert self.mesh is not None  # cp > 1 runs on several processes
         return ContextParallel.of(self.mesh["cp"]).gather_sequence(out)
@@ -243,8 +243,8 @@ class Trainer:
 
     def _scale_aux_losses(self) -> None:
         """Scale the MoE auxiliary losses' gradient as the loss: by the fp16 loss scaler's
-        scale, which changes only after a step (`autosearch.engine.moe.AuxLoss`)."""
-        from autosearch.engine.moe import set_aux_loss_scale
+        scale, which changes only after a step (`autosearch.models.moe.AuxLoss`)."""
+        from autosearch.models.moe import set_aux_loss_scale
 
         set_aux_loss_scale(self.scaler.get_scale() if self.scaler is not None else 1.0)
 
@@ -264,7 +264,7 @@ class Trainer:
         if self.tied is not None:
             self.tied.sync_grads()
         if self.strategy.ep > 1 or self.strategy.etp > 1 or self.dims.tp > 1:
-            from autosearch.engine.moe import reduce_moe_grads
+            from autosearch.models.moe import reduce_moe_grads
 
             # DDP (or no wrapper) leaves the experts; tp ranks routed different tokens
             reduce_moe_grads(self.model_parts, experts=self.dims.mode.wrapper != "fsdp")

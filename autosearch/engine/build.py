@@ -13,8 +13,8 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.runtime import engine_lacks
-from autosearch.engine.moe import ep_problems
-from autosearch.engine.plan import ParallelPlan
+from autosearch.distributed.plan import ParallelPlan
+from autosearch.models.moe import ep_problems
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
@@ -28,8 +28,8 @@ def wrap_known(model: nn.Module) -> nn.Module:
     """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM`, a GPT-2 /
     GPT-NeoX one in `HFGPTCausalLM` (their plan and ModelSpec); any other module as it is."""
     if type(model).__module__.startswith("transformers."):
-        from autosearch.engine.hf import HFCausalLM, is_supported_hf_model
-        from autosearch.engine.hf_gpt import HFGPTCausalLM, is_gpt_model
+        from autosearch.models.hf.causal_lm import HFCausalLM, is_supported_hf_model
+        from autosearch.models.hf.gpt import HFGPTCausalLM, is_gpt_model
 
         if is_supported_hf_model(model):
             return HFCausalLM(model)
@@ -142,7 +142,7 @@ def strategy_problems(
         problems.append(
             f"cp={strategy.cp} needs a model whose attention attends over the whole sequence "
             "from a shard of it (a `context_parallel` attribute on its attention core, as "
-            "autosearch.transformer and the Hugging Face families have); use cp=1"
+            "autosearch.models.transformer and the Hugging Face families have); use cp=1"
         )
     if strategy.recompute == "selective" and (
         plan.attention_core is None or blocks_of(model, plan) is None

@@ -4,7 +4,7 @@ Every batch is ``(inputs, labels)``. The global batch of a step is split over th
 the ranks of one tp group and of one pipeline share the same dp rank, so they read the same
 samples (tp peers need identical inputs; pipeline stages other than the first ignore them). The
 ranks of one cp group read the same samples too, and the loader keeps each rank's chunks of the
-sequence (load-balanced: chunks i and 2cp-1-i of 2 cp; `autosearch.engine.context_parallel`).
+sequence (load-balanced: chunks i and 2cp-1-i of 2 cp; `autosearch.distributed.context_parallel`).
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ class _SequenceShard:
     def __call__(self, samples: list) -> tuple[Any, Any]:
         from torch.utils.data import default_collate
 
-        from autosearch.engine.context_parallel import shard_sequence
+        from autosearch.distributed.context_parallel import shard_sequence
 
         inputs, labels = split_batch((self.collate_fn or default_collate)(samples))
         inputs = shard_sequence(inputs, self.cp, self.cp_rank)

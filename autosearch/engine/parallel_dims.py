@@ -40,7 +40,7 @@ class ParallelDims:
         world_size: the processes of the run.
         zero_stage: the ZeRO stage (how data parallelism shards: `mode`).
         ep: the expert-parallel degree (folded with etp into tp x cp x dp,
-            `autosearch.engine.moe.expert_mesh`: no axis of this mesh; it decides how ZeRO-1
+            `autosearch.models.moe.expert_mesh`: no axis of this mesh; it decides how ZeRO-1
             runs, `mode`).
     """
 

@@ -1,6 +1,6 @@
 """Apply a Strategy to a model with torch.distributed: one ``apply_*`` per mechanism, composed
 in `parallelize` (torchtitan style). Order matters and is the one torchtitan uses: pipeline split
-first, then expert parallel (`autosearch.engine.moe`), context parallel (on the attention cores),
+first, then expert parallel (`autosearch.models.moe`), context parallel (on the attention cores),
 float8 linears, tensor parallel, activation checkpointing, per-block compile (with async TP),
 autocast, and data parallel last.
 
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
+from autosearch.distributed.plan import ParallelPlan, get_path
 from autosearch.engine.parallel_dims import ParallelDims
-from autosearch.engine.plan import ParallelPlan, get_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,11 +106,12 @@ def tied_parameters(module: nn.Module) -> list[list[str]]:
 
 
 def apply_cp(module: nn.Module, cp_mesh: "DeviceMesh") -> None:
-    """Context parallel (`autosearch.engine.context_parallel`): every submodule that declares a
+    """Context parallel (`autosearch.distributed.context_parallel`): every submodule that
+    declares a
     ``context_parallel`` attribute (the model, its attention layers and cores) gets the cp group;
     the model then computes global positions and its attention cores attend over the whole
     sequence. The data loader shards the sequences."""
-    from autosearch.engine.context_parallel import ContextParallel
+    from autosearch.distributed.context_parallel import ContextParallel
 
     cp = ContextParallel.of(cp_mesh)
     for sub in module.modules():
@@ -319,7 +320,7 @@ def apply_data_parallel(
     device: torch.device,
 ) -> nn.Module:
     """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring)."""
-    from autosearch.engine import moe
+    from autosearch.models import moe
 
     mode = dims.mode
     if mode.wrapper == "none":
@@ -377,7 +378,7 @@ def parallelize(
     if dims.pp > 1:
         pp_rank = world_mesh(mesh).get_local_rank("pp")
         parts = split_pipeline(model, plan, strategy, pp_rank=pp_rank)
-    from autosearch.engine.moe import apply_ep, expert_mesh, moe_layers
+    from autosearch.models.moe import apply_ep, expert_mesh, moe_layers
 
     ep_mesh = None  # parallel folding: under tp, each tp rank routes its own tokens too
     if moe_layers(model) and (strategy.ep > 1 or strategy.etp > 1 or dims.tp > 1):

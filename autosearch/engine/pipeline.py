@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autosearch.core.errors import SpecError
-from autosearch.engine.plan import ParallelPlan
+from autosearch.distributed.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -67,7 +67,7 @@ def split_pipeline(
 ) -> list[tuple[int | None, nn.Module]]:
     """This rank's stages of `model`, as (stage index, module) pairs."""
     n_chunks = strategy.pp * strategy.virtual_stages
-    from autosearch.engine.plan import get_path, set_path
+    from autosearch.distributed.plan import get_path, set_path
 
     keys = list(get_path(model, plan.blocks).keys())
     bounds = pipeline_bounds(plan, strategy, len(keys))
@@ -154,7 +154,7 @@ class TiedWeights:
         it creates one group per (first, last) pair of pipeline ranks."""
         import torch.distributed as dist
 
-        from autosearch.engine.plan import get_path
+        from autosearch.distributed.plan import get_path
 
         if not groups:
             return None

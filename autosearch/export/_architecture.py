@@ -122,7 +122,8 @@ _LLAMA3_SCALING = (
 )
 _GPT = Architecture(norm_eps=1e-5)  # GPT-2 / GPT-3 and SC'21's Megatron GPT: LayerNorm 1e-5
 _QWEN3 = Architecture(rope_base=1e6, qk_norm="rmsnorm", norm_eps=1e-6)
-# autosearch's own CPU models: the reference transformer's settings (autosearch/transformer.py:
+# autosearch's own CPU models: the reference transformer's settings
+# (autosearch/models/transformer.py:
 # ROPE_THETA 10,000, RMSNorm eps 1e-5; GPT style LayerNorm's default 1e-5)
 _TINY = Architecture(rope_base=10000.0, norm_eps=1e-5)
 

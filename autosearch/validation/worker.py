@@ -98,7 +98,7 @@ def build_model_factory(config: dict[str, Any]):
         from autosearch.validation._factory import load_factory
 
         return spec, (lambda: load_factory(factory_path)(spec))
-    from autosearch.transformer import build
+    from autosearch.models.transformer import build
 
     return spec, (lambda: build(spec))
 

@@ -412,7 +412,7 @@ def autocast_casts_s(
     fuses the cast into the kernel that writes the activation): the residual stream stays fp32,
     so each linear casts its input (T x h tokens, read 4, write 2): q, k, v and the MLP's
     first projections (two if gated) in a dense layer; the router, the experts and the shared
-    experts of an Engine MoE layer read one cast of it (`autosearch.engine.moe`); the output
+    experts of an Engine MoE layer read one cast of it (`autosearch.models.moe`); the output
     layer once. Backward casts each gradient back (read 2, write 4) and sums the gradients of
     the linears that read the same input in fp32 (read 8, write 4 per addition).
 

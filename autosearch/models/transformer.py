@@ -7,7 +7,7 @@ Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.core.model_spec`
 * Llama style (``swiglu``; Touvron et al. 2023): RMSNorm, no biases, rotary positions
   (Su et al. 2021), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
 * Mixture of experts (a Llama-style spec with ``moe``; Mixtral, Qwen3-MoE, DeepSeek-V3): the
-  layers `ModelSpec.moe_layers` names have a `autosearch.engine.moe.MoE` (``moe``) in place of
+  layers `ModelSpec.moe_layers` names have a `autosearch.models.moe.MoE` (``moe``) in place of
   the dense ``feed_forward``; its load-balancing loss joins the training loss.
 
 The layout follows torchtitan so that the Engine can split and shard it by name: ``tok_embeddings``
@@ -18,7 +18,7 @@ any of these that is ``None``, which is how a pipeline stage is made (`ParallelP
 Example:
     >>> import torch
     >>> from autosearch import ModelSpec
-    >>> from autosearch.transformer import Transformer
+    >>> from autosearch.models.transformer import Transformer
     >>> spec = ModelSpec.load("tiny-llama").scaled(n_layers=2, hidden_size=64, seq_len=16)
     >>> model = Transformer(spec)
     >>> model(torch.zeros(2, 16, dtype=torch.long)).shape
@@ -36,11 +36,11 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
-from autosearch.engine.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
-from autosearch.engine.plan import ParallelPlan
+from autosearch.distributed.plan import ParallelPlan
+from autosearch.models.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.engine.context_parallel import ContextParallel
+    from autosearch.distributed.context_parallel import ContextParallel
 
 ROPE_THETA = 10000.0  # Su et al. 2021; Llama 2 uses 10,000 (Llama 3 uses 500,000)
 
@@ -71,7 +71,7 @@ class CoreAttention(nn.Module):
     """
 
     # Under context parallel (set by the Engine): q, k, v hold this rank's tokens and the
-    # attention runs over the whole sequence (`autosearch.engine.context_parallel`).
+    # attention runs over the whole sequence (`autosearch.distributed.context_parallel`).
     context_parallel: "ContextParallel | None" = None
 
     def __init__(self, dropout: float = 0.0):
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
             which keeps runs under different strategies comparable step for step.
         init_std: standard deviation of the normal weight initialisation (GPT-2: 0.02; residual
             output projections are scaled by 1/sqrt(2 n_layers), Radford et al. 2019).
-        aux_loss_coef: weight of the MoE layers' load-balancing loss (`autosearch.engine.moe`;
+        aux_loss_coef: weight of the MoE layers' load-balancing loss (`autosearch.models.moe`;
             used when ``spec.moe.load_balancing`` is ``aux_loss``).
     """
 

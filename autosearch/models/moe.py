@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
-    from autosearch.engine.context_parallel import ContextParallel
+    from autosearch.distributed.context_parallel import ContextParallel
 
 # Switch Transformer's alpha = 1e-2 (Fedus et al. 2022, sec. 2.2), also Megatron-Core examples'
 # --moe-aux-loss-coeff; Hugging Face models bring their own router_aux_loss_coef.
@@ -537,7 +537,8 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
         return out
     if not layers:
         out.append(
-            f"ep={ep}, etp={etp}: this model has no autosearch MoE layers (autosearch.transformer"
+            f"ep={ep}, etp={etp}: this model has no autosearch MoE layers "
+            "(autosearch.models.transformer"
             " built from a ModelSpec with moe, or a Mixtral / Qwen3-MoE transformers model); "
             "set ep=1 and etp=1"
         )

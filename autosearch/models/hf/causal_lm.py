@@ -35,10 +35,10 @@ from torch import nn
 from autosearch.core.errors import SpecError
 from autosearch.core.hf_config import LLAMA_LIKE
 from autosearch.core.model_spec import ModelSpec, unbuilt
-from autosearch.engine.plan import ParallelPlan
+from autosearch.distributed.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autosearch.engine.context_parallel import ContextParallel
+    from autosearch.distributed.context_parallel import ContextParallel
 
 ATTN_IMPLEMENTATION = "autosearch_core"
 
@@ -51,7 +51,7 @@ class AttentionCore(nn.Module):
     """
 
     # Under context parallel (set by the Engine): this rank's queries attend over the whole
-    # sequence (`autosearch.engine.context_parallel`).
+    # sequence (`autosearch.distributed.context_parallel`).
     context_parallel: "ContextParallel | None" = None
 
     def __init__(self, num_key_value_groups: int):
@@ -254,8 +254,8 @@ class HFCausalLM(nn.Module):
         )
 
     def _moe_blocks(self) -> dict[str, bool] | None:
-        """{block name: whether its MLP is an `autosearch.engine.moe.MoE`} (None: none is)."""
-        from autosearch.engine.moe import MoE
+        """{block name: whether its MLP is an `autosearch.models.moe.MoE`} (None: none is)."""
+        from autosearch.models.moe import MoE
 
         blocks = {n: isinstance(b.mlp, MoE) for n, b in self.model.layers.items()}
         return blocks if any(blocks.values()) else None
@@ -297,7 +297,7 @@ class HFCausalLM(nn.Module):
         reduce-scatter with sequence parallel, per sub-layer). Embeddings split by vocabulary rows,
         lm_head by vocabulary columns. Mixture-of-experts MLPs (`moe_blocks`: {block name: its
         MLP is one}) route this rank's shard of the sequence (parallel folding,
-        `autosearch.engine.moe.apply_ep`), as the reference transformer's.
+        `autosearch.models.moe.apply_ep`), as the reference transformer's.
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -345,7 +345,7 @@ class HFCausalLM(nn.Module):
                 }
             )
             if moe_blocks:  # one entry per block: the MoE ones also hand back their shard
-                from autosearch.engine.moe import sequence_parallel_style
+                from autosearch.models.moe import sequence_parallel_style
 
                 dense = plan.pop(layer + "mlp")
                 for name, is_moe in moe_blocks.items():
@@ -397,11 +397,14 @@ def _rebuild_rotary(model: nn.Module) -> None:
 
 def llama_from_spec(spec) -> HFCausalLM:
     """A randomly initialised transformers ``LlamaForCausalLM`` with the shape of a swiglu
-    ModelSpec: the factory ``"autosearch.engine.hf:llama_from_spec"`` that `Engine.tune`'s
+    ModelSpec: the factory ``"autosearch.models.hf.causal_lm:llama_from_spec"`` that
+    `Engine.tune`'s
     validation runs use to time a Llama-style HF model in new processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    moe = ["mixture-of-experts layers (use autosearch.transformer.Transformer)"] * bool(spec.moe)
+    moe = ["mixture-of-experts layers (use autosearch.models.transformer.Transformer)"] * bool(
+        spec.moe
+    )
     if spec.ffn_activation != "swiglu" or unbuilt(spec) or moe:
         raise SpecError(
             f"llama_from_spec builds Llama-style models; {spec.name!r} has ffn_activation "
@@ -418,6 +421,12 @@ def llama_from_spec(spec) -> HFCausalLM:
         tie_word_embeddings=spec.tied_embeddings,
     )
     return HFCausalLM(LlamaForCausalLM(config))
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def save_pretrained(
@@ -442,26 +451,24 @@ def save_pretrained(
 
     import torch.distributed as dist
 
-    from autosearch.engine.distributed import is_rank0
-
     if not isinstance(model, HFCausalLM):
         raise SpecError(
             "save_pretrained needs a transformers model (Llama, Mistral or Qwen2 family); this "
             f"engine runs {type(model).__name__}: use Engine.save for a DCP checkpoint or a "
             "state dict file"
         )
-    tmp: list[Any] = [tempfile.mkdtemp(prefix="autosearch-hf-") if is_rank0() else None]
+    tmp: list[Any] = [tempfile.mkdtemp(prefix="autosearch-hf-") if _is_rank0() else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(tmp, src=0)
     folder_tmp: str = tmp[0]  # rank 0's folder, on every rank
     weights = os.path.join(folder_tmp, "model.pt")
     try:
         save_weights(weights)  # every rank writes its shards; rank 0 merges them
-        if is_rank0():
+        if _is_rank0():
             state = torch.load(weights, map_location="cpu", weights_only=True)
             model.hf_model(state).save_pretrained(folder, safe_serialization=safe_serialization)
     finally:
-        if is_rank0():
+        if _is_rank0():
             shutil.rmtree(folder_tmp, ignore_errors=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -473,12 +480,12 @@ MOE_LIKE = ("mixtral", "qwen3_moe")
 
 def use_autosearch_moe(model: HFCausalLM) -> float:
     """Replace each sparse MLP block (``mlp.gate`` + ``mlp.experts``) by an
-    `autosearch.engine.moe.MoE` holding the same parameters under the same names
+    `autosearch.models.moe.MoE` holding the same parameters under the same names
     (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which
     expert parallelism can shard. Returns the auxiliary-loss coefficient the model trains with:
     the config's ``router_aux_loss_coef`` when ``output_router_logits`` is set (as transformers
     adds it to the loss), else 0."""
-    from autosearch.engine.moe import FusedExperts, MoE
+    from autosearch.models.moe import FusedExperts, MoE
 
     config = model.config
     if config.model_type not in MOE_LIKE:
@@ -504,8 +511,8 @@ def use_autosearch_moe(model: HFCausalLM) -> float:
 
 
 def moe_layers_of(model: nn.Module) -> list:
-    """The `autosearch.engine.moe.MoE` layers of `model`, in order."""
-    from autosearch.engine.moe import moe_layers
+    """The `autosearch.models.moe.MoE` layers of `model`, in order."""
+    from autosearch.models.moe import moe_layers
 
     return moe_layers(model)
 
@@ -546,7 +553,7 @@ def balance_sums(model: HFCausalLM, sums: torch.Tensor | None = None) -> torch.T
         return torch.stack([counts, probs])
     import torch.distributed as dist
 
-    from autosearch.engine.moe import ReduceFromGroup
+    from autosearch.models.moe import ReduceFromGroup
 
     if tp_group is not None:
         dist.all_reduce(counts, group=tp_group)
@@ -571,7 +578,7 @@ def with_hf_aux_loss(
     sequences: under cp and tp the sums are over every rank's tokens). Under pipeline parallelism
     the earlier stages' sums came with the hidden states, and the gradient of the probability
     sums goes back with the hidden states' gradient."""
-    from autosearch.engine.moe import AuxLoss
+    from autosearch.models.moe import AuxLoss
 
     tokens_per_expert = sums[0].detach() / float(rows)
     router_prob_per_expert = sums[1] / float(rows)
@@ -585,7 +592,7 @@ def with_hf_aux_loss(
 def init_moe(model: HFCausalLM) -> None:
     """transformers' init of the experts it no longer recognises: normal(0,
     initializer_range), as ``MixtralPreTrainedModel._init_weights`` does."""
-    from autosearch.engine.moe import FusedExperts
+    from autosearch.models.moe import FusedExperts
 
     for module in model.modules():
         if isinstance(module, FusedExperts):

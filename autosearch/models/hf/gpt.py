@@ -1,7 +1,8 @@
 """Hugging Face GPT-2 and GPT-NeoX causal LMs under the Engine.
 
 `HFGPTCausalLM` wraps a ``GPT2LMHeadModel`` or a ``GPTNeoXForCausalLM`` (or a subclass) as
-`HFCausalLM` wraps the Llama family (`autosearch.engine.hf`): HF's modules taken over, the layers
+`HFCausalLM` wraps the Llama family (`autosearch.models.hf.causal_lm`): HF's modules taken over,
+the layers
 in an ``nn.ModuleDict`` (``transformer.h`` / ``gpt_neox.layers``) so parameter names are HF's on
 every pipeline stage, a forward that skips the modules a stage drops, an attention core per
 layer for selective recompute and context parallel, and a tensor-parallel plan. What differs:
@@ -39,7 +40,8 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec
-from autosearch.engine.hf import (
+from autosearch.distributed.plan import ParallelPlan
+from autosearch.models.hf.causal_lm import (
     ATTN_IMPLEMENTATION,
     AttentionCore,
     HFCausalLM,
@@ -47,7 +49,6 @@ from autosearch.engine.hf import (
     _register_attention,
     _sequence_shards,
 )
-from autosearch.engine.plan import ParallelPlan
 
 # model_type -> (causal LM class, attribute of the base model, attribute of its layer list)
 LAYOUTS = {

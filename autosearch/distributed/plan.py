@@ -1,6 +1,7 @@
 """ParallelPlan: what the Engine must know about a model to shard it (torch-free).
 
-The reference transformer (`autosearch.transformer.Transformer.parallel_plan`) returns one; a user
+The reference transformer (`autosearch.models.transformer.Transformer.parallel_plan`) returns
+one; a user
 model returns its own from a ``parallel_plan()`` method or passes it as ``Engine(..., plan=...)``.
 A model with no plan can still use dp, zero, full recompute (of the whole model) and amp.
 """
@@ -26,7 +27,8 @@ class ParallelPlan:
         last_stage: attributes (or dotted paths) only the last pipeline stage keeps (final
             norm, head). A stage sets the others to ``None``, so the model's ``forward`` must skip
             ``None``
-            modules (as `autosearch.transformer.Transformer.forward` does, torchtitan style).
+            modules (as `autosearch.models.transformer.Transformer.forward` does, torchtitan
+            style).
         split_points: block indices where pipeline chunks 1, 2, ... start (``pp * virtual_stages
             - 1`` of them, increasing); ``None`` splits the blocks evenly.
         tp_plan: ``tp_plan(*, sequence_parallel, loss_parallel) -> {module name pattern:
