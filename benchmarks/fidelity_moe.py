@@ -503,8 +503,9 @@ def _moe_seconds(cost_model: AnalyticCostModel, s: Strategy) -> dict:
     all-to-all, and the runtime's host floor (`moe_layer_host_s` per layer; the GPU work of a
     shorter layer waits for it). Read from the cost model's per-layer terms
     (`experts.layer`), for the diagnosis of a row, not a second estimate."""
-    e = cost_model._expert_layer(s)  # the cached experts.layer(s, ctx)
-    n = s.grad_accum_steps * max(cost_model._moe_ranks(s))
+    moe = cost_model.kind_terms[("attention", "moe")]  # experts.MoELayers
+    e = moe.expert_layer(s)  # the cached experts.layer(s, ctx)
+    n = s.grad_accum_steps * max(moe.counts(s))
     return {
         "time_moe_experts_s": n * (e.fwd_s + e.bwd_s),
         "time_moe_a2a_s": n * 2.0 * e.comm_fwd_s,

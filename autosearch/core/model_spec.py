@@ -34,6 +34,7 @@ from autosearch.core._io import check_keys, check_name, name_from, positive_int,
 from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
 from autosearch.core.errors import SpecError
+from autosearch.core.layers import Layer, parse_pattern, pattern_of
 
 FFN_ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu2")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # three matrices: act(x W1) * (x W3), then W2
@@ -86,6 +87,11 @@ class ModelSpec:
             stage, sharing the embedding and output matrices (the last stage keeps an embedding
             copy under pp). Priced only under a runtime that trains it (`RuntimeOptions.mtp`);
             0: none.
+        layer_pattern: the blocks in Megatron-Core's hybrid layer pattern (`layers`: ``*``
+            attention, ``M`` Mamba-2, ``G`` Gated DeltaNet, ``-`` dense MLP, ``E`` mixture of
+            experts; ``*-*E*E`` is a dense layer then two MoE layers), one block per layer:
+            which MLPs are MoE and which mixers are not attention. None: every block is
+            attention with the MLP `moe` says (`moe.first_dense_layers`, `moe.layer_step`).
     """
 
     name: str = "custom"
@@ -110,6 +116,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     lora: LoraSpec | None = None
     mtp_layers: int = 0
+    layer_pattern: str | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -193,10 +200,47 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
+            if self.layer_pattern is not None and not problems:
+                problems += self._check_pattern()
             if self.lora is not None and not problems:
                 problems += self._check_lora()
         if problems:
             raise SpecError(problems, context=f"model {self.name!r}")
+
+    def _check_pattern(self) -> list[str]:
+        """`layer_pattern` against the other fields: one block per layer, ``E`` where and only
+        where there is a `moe`, and a `moe` placement that says the same or nothing."""
+        try:
+            blocks = parse_pattern(self.layer_pattern)  # type: ignore[arg-type]
+        except SpecError as exc:
+            return exc.problems
+        problems = []
+        if len(blocks) != self.n_layers:
+            problems.append(
+                f"layer_pattern {self.layer_pattern[:40]!r} has {len(blocks)} blocks (a mixer "  # type: ignore[index]
+                f"symbol with the MLP symbol after it, or either alone) but n_layers is "
+                f"{self.n_layers}; give one block per layer"
+            )
+        has_moe = any(mlp == "moe" for _, mlp in blocks)
+        if has_moe and self.moe is None:
+            problems.append(
+                "layer_pattern has mixture-of-experts MLPs (E) but the model has no moe block; "
+                "describe the experts under moe, or write - for dense MLPs"
+            )
+        elif self.moe is not None and not has_moe:
+            problems.append(
+                "the model has a moe block but its layer_pattern no E (mixture-of-experts MLP); "
+                "mark the MoE layers E, or drop moe"
+            )
+        elif self.moe is not None and not problems:
+            placed = (self.moe.first_dense_layers, self.moe.layer_step) != (0, 1)
+            if placed and self._moe_flags_from_fields() != tuple(m == "moe" for _, m in blocks):
+                problems.append(
+                    f"moe.first_dense_layers {self.moe.first_dense_layers} and moe.layer_step "
+                    f"{self.moe.layer_step} place the MoE layers elsewhere than layer_pattern "
+                    "does; drop them (the pattern says where the experts are)"
+                )
+        return problems
 
     def _check_lora(self) -> list[str]:
         """The adapters, resolved for this model (`LoraSpec.check`)."""
@@ -333,10 +377,30 @@ class ModelSpec:
         return n + self._norm_and_bias_params
 
     # ---- mixture of experts --------------------------------------------------------------------
+    @functools.cached_property
+    def layers(self) -> tuple[Layer, ...]:
+        """The model as a sequence of blocks, each a mixer and an MLP (`autosearch.core.layers`):
+        from `layer_pattern`, else attention everywhere with the MLPs `moe` places, each
+        attention layer with the keys its window leaves (`attention_keys`)."""
+        keys = self.attention_keys
+        if self.layer_pattern is not None:
+            blocks = parse_pattern(self.layer_pattern)
+        else:
+            blocks = tuple(
+                ("attention", "moe" if moe else "dense") for moe in self._moe_flags_from_fields()
+            )
+        return tuple(
+            Layer(mixer, mlp, keys[i] if mixer == "attention" else None)
+            for i, (mixer, mlp) in enumerate(blocks)
+        )
+
     @property
-    def moe_layers(self) -> tuple[bool, ...]:
-        """For each layer, whether its MLP is a mixture of experts (`MoESpec`, Hugging Face's
-        layer convention)."""
+    def pattern(self) -> str:
+        """The layers in Megatron's hybrid pattern (``*-*E*E...``): `layer_pattern` as given,
+        or as the fields describe them."""
+        return pattern_of(self.layers)
+
+    def _moe_flags_from_fields(self) -> tuple[bool, ...]:
         moe = self.moe
         if moe is None:
             return (False,) * self.n_layers
@@ -344,6 +408,12 @@ class ModelSpec:
             i >= moe.first_dense_layers and (i + 1) % moe.layer_step == 0
             for i in range(self.n_layers)
         )
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether its MLP is a mixture of experts (`layers`; without a
+        `layer_pattern`, `MoESpec`'s placement: Hugging Face's layer convention)."""
+        return tuple(layer.mlp == "moe" for layer in self.layers)
 
     @property
     def n_moe_layers(self) -> int:
@@ -604,6 +674,8 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        if out["layer_pattern"] is None:  # the fields say it all: files as before the field
+            del out["layer_pattern"]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
             out["lora"]["targets"] = list(self.lora.targets or ())
         return out
@@ -646,9 +718,27 @@ def _in_units(n: int) -> str:
 def unpriced(model: ModelSpec) -> list[str]:
     """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
     it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
-    model gains its term. The term each needs is listed in docs/models.md. Every field of a
-    ModelSpec is priced today (MoE layers by cost_models/terms/experts.py)."""
-    return []
+    model gains its term. The term each needs is listed in docs/models.md. The cost model
+    prices attention blocks with a dense or MoE MLP (`cost_models.terms.layers`); blocks of
+    another kind, which only a `layer_pattern` describes, are not priced yet."""
+    return [f"{what} ({model.pattern[:40]})" for what in _other_blocks(model)]
+
+
+def _other_blocks(model: ModelSpec) -> list[str]:
+    """The blocks of `model` that are not attention with a dense or MoE MLP, by kind."""
+    names = {
+        "mamba": "Mamba-2 mixers (M)",
+        "gdn": "Gated DeltaNet mixers (G)",
+        "none": "blocks without a mixer (an MLP alone)",
+    }
+    out = []
+    kinds = {layer.kind for layer in model.layers}
+    for mixer in ("mamba", "gdn", "none"):
+        if any(k[0] == mixer for k in kinds):
+            out.append(names[mixer])
+    if any(k[0] != "none" and k[1] == "none" for k in kinds):
+        out.append("blocks without an MLP (a mixer alone)")
+    return out
 
 
 def check_priced(model: ModelSpec) -> None:
@@ -668,7 +758,7 @@ def unbuilt(model: ModelSpec) -> list[str]:
     does not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
     blocks of multi-head / grouped-query attention with head size hidden / heads, and dropless
     SwiGLU mixture-of-experts layers with an auxiliary loss or none."""
-    out = []
+    out = _other_blocks(model)
     m = model.moe
     if m is not None and model.ffn_activation != "swiglu":
         out.append(f"mixture-of-experts layers of {model.ffn_activation} experts (SwiGLU only)")

@@ -3,26 +3,38 @@
 parallel and memory. Each term declares the Strategy fields it reads (``@reads(...)``, its
 ``READS``); `AnalyticCostModel` composes the terms into a CostReport and caches their results
 keyed by exactly those fields.
+
+A model is a sequence of blocks (`layers`): the base block (attention + dense MLP) is priced by
+compute, tensor and context parallel and memory; each other kind of block by the module `KINDS`
+names, as what it adds to the base.
 """
 
 from cost_models.terms import (
     compute,
     context_parallel,
     data_parallel,
+    experts,
+    layers,
     memory,
     pipeline,
     tensor_parallel,
 )
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
 
+# (mixer, mlp) of a kind of block -> what prices it (`layers.KindCosts` from its `costs`)
+KINDS = {("attention", "moe"): experts.MoELayers}
+
 __all__ = [
     "ACT_BYTES",
+    "KINDS",
     "Context",
     "LayerCosts",
     "compute",
     "context_parallel",
     "data_parallel",
+    "experts",
     "fields_read",
+    "layers",
     "memory",
     "pipeline",
     "reads",

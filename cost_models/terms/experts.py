@@ -17,14 +17,17 @@ computes T_r k etp rows over its E / ep local experts at width f_e / etp.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import functools
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from cost_models.formulas import microbatches_in_flight
 from cost_models.terms._base import (
     ACT_BYTES,
     Context,
+    LayerCosts,
     all_gather_s,
     all_to_all_s,
+    fields_read,
     reads,
     reduce_scatter_s,
 )
@@ -34,8 +37,10 @@ from cost_models.terms.compute import (
     elementwise_s,
     gemm_rate,
     layer_shape,
+    recomputed_layers,
     stream_s,
 )
+from cost_models.terms.layers import KindCosts
 from cost_models.terms.memory import StageParams, mtp_head_params
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -479,3 +484,64 @@ def expert_data_parallel(s: "Strategy") -> tuple[int, int]:
     """(edp, stride) of the group the routed experts' gradients and states are reduced and
     sharded over: tp x dp x cp / (etp x ep) ranks, `etp * ep` apart."""
     return s.tp * s.dp * s.cp // (s.etp * s.ep), s.etp * s.ep
+
+
+def rank_s(
+    s: "Strategy", layer: LayerCosts, e: ExpertLayer, n_moe: int, rank_layers: float
+) -> tuple[float, float, float]:
+    """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its
+    blocks priced as dense ones; recomputed layers are MoE layers in the rank's proportion. A
+    MoE layer takes at least the runtime's host time (`moe_layer_host_s`): when its GPU work is
+    shorter, the GPU waits for the host's launches. Megatron's per-module recompute
+    (`recompute_modules`) repeats its modules on every layer of the rank."""
+    modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
+    if not n_moe:
+        return 0.0, modules_s, 0.0
+    rc_s, rc_comm = recompute_repeats(s, e)
+    n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
+    compute = e.fwd_s + e.bwd_s
+    gpu = layer.fwd_s + layer.bwd_s + 2.0 * (layer.tp_comm_fwd_s + e.comm_fwd_s) + compute
+    compute += max(0.0, e.host_s - gpu)
+    return (
+        n_moe * compute,
+        n_rc * rc_s + modules_s,
+        n_moe * (2.0 + e.modules_comm) * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
+    )
+
+
+class MoELayers:
+    """The MoE blocks of a model as one kind of block (`cost_models.terms.layers`): their
+    placement on the pipeline ranks, what one adds to a dense block, and the routed experts'
+    parameters in their own expert-data-parallel group. `cached(fields, compute)` caches a term
+    by the strategy fields it reads (the cost model's cache)."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        rank_layers: "Callable[[Strategy], tuple[int | float, ...]]",
+        cached: Callable[..., Any],
+        rank_reads: tuple[str, ...],
+    ):
+        self._ctx = ctx
+        self.counts: Callable[[Strategy], tuple[int, ...]] = cached(
+            fields_read(rank_moe_layers), lambda s: rank_moe_layers(s, ctx)
+        )
+        self.expert_layer: Callable[[Strategy], ExpertLayer] = cached(
+            fields_read(layer), lambda s: layer(s, ctx)
+        )
+        self._params: Callable[[Strategy], tuple[StageParams, StageParams]] = cached(
+            fields_read(stage_params) + rank_reads,
+            lambda s: stage_params(s, ctx, rank_layers(s), self.counts(s)),
+        )
+
+    def costs(self, s: "Strategy", base: LayerCosts) -> KindCosts:
+        e, counts = self.expert_layer(s), self.counts(s)
+        rest, routed = self._params(s)
+        return KindCosts(
+            counts=counts,
+            fwd_s=e.fwd_s,
+            bwd_s=e.bwd_s,
+            rank_s=functools.partial(rank_s, s, base, e),
+            activation_bytes=activation_bytes(s, self._ctx, e, counts),
+            param_groups=((rest, None), (routed, expert_data_parallel(s))),
+        )

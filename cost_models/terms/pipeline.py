@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from cost_models.formulas import bubble_microbatches, p2p_time_s
-from cost_models.terms import experts
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, all_gather_s, reads
 from cost_models.terms.compute import recompute_repeats, recomputed_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
-    from cost_models.terms.experts import ExpertLayer
+    from cost_models.terms.layers import KindCosts
 
 
 class MicrobatchTime(NamedTuple):
@@ -68,26 +67,25 @@ def microbatch(
     ctx: Context,
     layer: LayerCosts,
     ranks: tuple[int | float, ...],
-    *,
-    moe: "tuple[ExpertLayer, tuple[int, ...]] | None" = None,
+    kinds: "tuple[KindCosts, ...]" = (),
 ) -> MicrobatchTime:
-    """One micro-batch on the slowest pipeline rank: its layers, embedding or logits,
-    recompute, tensor-parallel collectives and pipeline sends. `moe`: what a MoE layer adds
-    to a dense one (`experts.layer`) and the MoE layers of each rank."""
+    """One micro-batch on the slowest pipeline rank: its blocks, embedding or logits,
+    recompute, tensor-parallel collectives and pipeline sends. Every block is priced as a base
+    block (`layer`); the blocks of each other kind on a rank add what `kinds` say
+    (`cost_models.terms.layers`)."""
     p = s.pp
     tp_fwd = layer.tp_comm_fwd_s
     rc_layer, rc_tp = recompute_repeats(s, layer)
     n_heads = heads(ctx.model)
     best = None
-    seen = set()  # ranks alike (layers, first, last, MoE layers) cost alike: each kind once
+    seen = set()  # ranks alike (blocks, first, last, blocks of each kind) cost alike: once
+    counts = tuple(zip(*(k.counts for k in kinds))) if kinds else ((),) * p
     for r, Lr in enumerate(ranks):
         first, last = r == 0, r == p - 1
-        kind = (Lr, first, last, moe[1][r] if moe is not None else 0)
+        kind = (Lr, first, last, counts[r])
         if kind in seen:
             continue
         seen.add(kind)
-        if moe is not None:
-            extra = _moe_rank_s(s, layer, moe[0], moe[1][r], Lr)
         n_rc = recomputed_layers(s, Lr)
         compute = (
             Lr * (layer.fwd_s + layer.bwd_s)
@@ -103,7 +101,8 @@ def microbatch(
         if last:
             tp += (1 + ctx.model.mtp_layers) * layer.logits_comm_s
         recompute = n_rc * rc_layer
-        if moe is not None:
+        for k in kinds:
+            extra = k.rank_s(k.counts[r], Lr)
             compute, recompute, tp = compute + extra[0], recompute + extra[1], tp + extra[2]
         total = compute + recompute + tp
         if best is None or total > best[0]:
@@ -111,29 +110,6 @@ def microbatch(
     assert best is not None
     _, stage_compute, stage_rc, stage_tp = best
     return MicrobatchTime(stage_compute, stage_rc, stage_tp, _p2p_s(s, ctx), rc_layer)
-
-
-def _moe_rank_s(
-    s: "Strategy", layer: LayerCosts, e: "ExpertLayer", n_moe: int, rank_layers: float
-) -> tuple[float, float, float]:
-    """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its dense
-    layers; recomputed layers are MoE layers in the rank's proportion. A MoE layer takes at
-    least the runtime's host time (`moe_layer_host_s`): when its GPU work is shorter, the GPU
-    waits for the host's launches. Megatron's per-module recompute (`recompute_modules`)
-    repeats its modules on every layer of the rank."""
-    modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
-    if not n_moe:
-        return 0.0, modules_s, 0.0
-    rc_s, rc_comm = experts.recompute_repeats(s, e)
-    n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
-    compute = e.fwd_s + e.bwd_s
-    gpu = layer.fwd_s + layer.bwd_s + 2.0 * (layer.tp_comm_fwd_s + e.comm_fwd_s) + compute
-    compute += max(0.0, e.host_s - gpu)
-    return (
-        n_moe * compute,
-        n_rc * rc_s + modules_s,
-        n_moe * (2.0 + e.modules_comm) * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
-    )
 
 
 def _p2p_s(s: "Strategy", ctx: Context) -> float:
