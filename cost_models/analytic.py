@@ -14,6 +14,7 @@ import functools
 import operator
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
+from autosearch.core import rules
 from autosearch.core.bands import KIND_READS, error_bands, kind_of
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import check_priced
@@ -228,6 +229,39 @@ class AnalyticCostModel(CostModel):
         for k in kinds:
             activations += k.activation_bytes
         return self._compose(s, step, time, dp, activations)
+
+    def balanced_split(self, strategy: "Strategy") -> tuple[int, ...] | None:
+        """The pipeline split whose slowest chunk is fastest for `strategy`, by the cost of
+        each block (`rules.balanced_split`): a base block's forward, backward, recompute and
+        tensor-parallel traffic, what a block of another kind adds to it (`KindCosts.rank_s`
+        of one block), the embedding on the first chunk and the output heads (and MTP modules)
+        on the last. None where it is the split `strategy` has already, or where pp is 1.
+        Unequal blocks (DeepSeek-V3's dense first layers, Llama 4's alternating MoE) and the
+        embedding and logits are what make an even split of the blocks uneven in time."""
+        s, model = strategy, self.model
+        chunks = s.pp * s.virtual_stages
+        if s.pp == 1 or chunks > model.n_layers:
+            return None
+        layer = self._layer(s)
+        rc_layer, rc_tp = compute.recompute_repeats(s, layer)
+        recomputed = s.recompute != "none" and s.recompute_num_layers is None
+        base = layer.fwd_s + layer.bwd_s + 2.0 * layer.tp_comm_fwd_s
+        if recomputed:
+            base += rc_layer + rc_tp * layer.tp_comm_fwd_s
+        added = {
+            kind: sum(k.rank_s(1, 1.0)) for kind, k in zip(self.kind_terms, self._kinds_of(s))
+        }
+        weights = [base + added.get(block.kind, 0.0) for block in model.layers]
+        first = layer.embedding_s + layer.embedding_comm_s
+        heads = pipeline.heads(model) * layer.logits_s
+        last = heads + (1 + model.mtp_layers) * layer.logits_comm_s
+        last += model.mtp_layers * weights[-1]  # each MTP module: a block of the last's kind
+        split = rules.balanced_split(weights, chunks, first=first, last=last)
+        return None if split == s.layers_per_chunk(model.n_layers) else split
+
+    def _kinds_of(self, s: "Strategy") -> tuple[KindCosts, ...]:
+        layer = self._layer(s)
+        return tuple([k.costs(s, layer) for k in self._kinds]) if self._kinds else ()
 
     def _param_groups(
         self, s: "Strategy", kinds: tuple[KindCosts, ...]

@@ -553,10 +553,17 @@ class SearchSpace(BaseSearchSpace):
             )
         if s.pp == 1 and s.pipeline_schedule != schedule:
             raise SpecError(f"{where}: with pp=1 the space uses the canonical schedule {schedule}")
+        # where the space splits layers unevenly, the search may refine a strategy with the
+        # pipeline split that balances its blocks' cost (`AnalyticCostModel.balanced_split`):
+        # the split is not a parameter of the space, the strategy keeps its parameters
+        refined = ("pipeline_split",) if self.config.uneven_pipeline else ()
         unsearched = [
             d.name
             for d in dimensions.DIMENSIONS
-            if d.level is None and d.kind != dimensions.BATCH and getattr(s, d.name) != d.default
+            if d.level is None
+            and d.kind != dimensions.BATCH
+            and d.name not in refined
+            and getattr(s, d.name) != d.default
         ]
         if unsearched:
             raise SpecError(f"{where}: the space holds no {' or '.join(unsearched)}")

@@ -151,3 +151,85 @@ def test_generic_terms_import_no_kind_of_block(term):
     `cost_models.terms.layers`: none imports the experts' term."""
     imported = _imports(ROOT / "cost_models" / "terms" / f"{term}.py")
     assert not any("experts" in name for name in imported), imported
+
+
+# ---- pipeline splits balanced by the blocks' cost ---------------------------------------------
+def _brute_force_bottleneck(weights, chunks, first, last):
+    import itertools
+
+    n, best = len(weights), None
+    for cuts in itertools.combinations(range(1, n), chunks - 1):
+        bounds = (0, *cuts, n)
+        loads = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        loads[0] += first
+        loads[-1] += last
+        best = max(loads) if best is None else min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_balanced_split_is_the_best_consecutive_split(seed):
+    """Against every split of up to 9 blocks into 2-4 chunks: the same bottleneck (to the
+    bisection's 1e-9 relative), every chunk at least one block, every block placed."""
+    import random
+
+    from autosearch.core.rules import balanced_split
+
+    rng = random.Random(seed)
+    n, chunks = rng.randint(4, 9), rng.randint(2, 4)
+    weights = [rng.choice([1.0, 1.0, 2.5, 0.3]) * rng.uniform(0.8, 1.2) for _ in range(n)]
+    first, last = rng.uniform(0, 2), rng.uniform(0, 3)
+    split = balanced_split(weights, chunks, first=first, last=last)
+    assert len(split) == chunks and sum(split) == n and min(split) >= 1
+    bounds = [0]
+    for size in split:
+        bounds.append(bounds[-1] + size)
+    loads = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+    loads[0] += first
+    loads[-1] += last
+    assert max(loads) == pytest.approx(_brute_force_bottleneck(weights, chunks, first, last), 1e-9)
+
+
+def test_unequal_blocks_get_a_split_balanced_by_cost():
+    """Llama 4 Maverick's MoE blocks alternate with dense ones and its logits are 202k wide:
+    over 8 stages the balanced split moves a block off the last stage, and the cost model
+    predicts it faster than the even split; Llama 3.1 405B's even split (the shorter first and
+    last stages that torchtitan and Megatron-LM use) is already the balanced one."""
+    cluster = Cluster.parse("h100-sxm:16x8")
+    maverick = AnalyticCostModel(ModelSpec.load("llama4-maverick"), cluster)
+    s = Strategy.parse(
+        "dp=2,tp=4,pp=8,cp=2,ep=16,global_batch_size=512,sequence_parallel=true,zero_stage=2,"
+        "recompute=selective_op,compile=true"
+    )
+    split = maverick.balanced_split(s)
+    assert split is not None and split[-1] < 6 and sum(split) == 48
+    even, balanced = (maverick.estimate(x) for x in (s, s.replace(pipeline_split=split)))
+    assert balanced.step_time_s < even.step_time_s
+    big = AnalyticCostModel(ModelSpec.load("llama3.1-405b"), Cluster.parse("h100-sxm:64x8"))
+    s405 = Strategy.parse(
+        "tp=4,pp=32,cp=4,global_batch_size=2048,sequence_parallel=true,zero_stage=2"
+    )
+    assert big.balanced_split(s405) is None
+
+
+def test_the_search_scores_the_balanced_split():
+    """A DeepSeek-style model (two dense blocks, then MoE ones) pinned to two pipeline stages:
+    the pick carries the split that balances its blocks, which the even split does not."""
+    from autosearch import TuneConfig, tune
+
+    model = dataclasses.replace(
+        ModelSpec.load("qwen3-30b-a3b").scaled(n_layers=8, seq_len=1024),
+        layer_pattern="*-*-" + "*E" * 6,
+        name="dense-then-moe",
+    )
+    result = tune(
+        TuneConfig(
+            model=model,
+            cluster="h100-sxm:1x8",
+            global_batch_size=64,
+            pin={"pp": 2, "tp": 1, "cp": 1},
+            sampler="exhaustive",
+        )
+    )
+    best = result.best_strategy
+    assert best.pipeline_split is not None and best.pipeline_split[0] > best.pipeline_split[1]

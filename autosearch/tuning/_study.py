@@ -496,6 +496,12 @@ class _Runner:
         self.work_s = 0.0
         self.price = work_price(space.model)
         self.stopped = False
+        # where the space splits layers unevenly (the runtime can), a layout's best strategy is
+        # scored again with the pipeline split that balances its blocks' cost
+        # (`AnalyticCostModel.balanced_split`): unequal blocks, the embedding and the logits
+        self._balance = bool(getattr(space.config, "uneven_pipeline", False)) and hasattr(
+            cost_model, "balanced_split"
+        )
 
     @property
     def n_finished(self) -> int:
@@ -797,6 +803,14 @@ class _Runner:
                     )
         return new, True
 
+    def _balanced(self, strategy) -> Any:
+        """`strategy` with the pipeline split that balances its blocks' cost, or None (pp 1, the
+        split it has, or a space that keeps pipelines even)."""
+        if not self._balance or strategy.pp == 1 or strategy.pipeline_split is not None:
+            return None
+        split = self.cost_model.balanced_split(strategy)
+        return None if split is None else strategy.replace(pipeline_split=split)
+
     def estimate(self, strategy) -> Any:
         """The cost model's report of `strategy`, with the memory margin held back."""
         r = self.cost_model.estimate(strategy, validate=False)
@@ -828,7 +842,12 @@ class _Runner:
                     best_s, best_r = s, r
             if best_s is None or best_r is None:  # recorded as a failed trial
                 raise ValueError("the trial's group of strategies is empty")
-            self.work_s += self.price(len(group))
+            balanced = self._balanced(best_s)
+            if balanced is not None:
+                r = self.estimate(balanced)
+                if self.objective.better(r, best_r, balanced, best_s):
+                    best_s, best_r = balanced, r
+            self.work_s += self.price(len(group) + (balanced is not None))
             if not self.exhaustive:  # an exhaustive run scores each unit once
                 self._best_of[unit] = (best_s, best_r)
                 self._group_size[unit] = len(group)
