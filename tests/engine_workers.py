@@ -46,6 +46,19 @@ MODELS = {
 }
 MODELS["gpt_tied"] = MODELS["gpt"].scaled(tied_embeddings=True)
 MODELS["llama_tied"] = MODELS["llama"].scaled(tied_embeddings=True)
+# Gemma 2's attention on the Llama shape: GeGLU, heads wider than hidden / heads, every other
+# layer within a window of 8 of the 32 tokens (so cp's chunks cut through windows), soft-capped
+# scores and logits, tied embeddings; and Nemotron's squared-ReLU MLP
+MODELS["gemma"] = MODELS["llama"].scaled(
+    ffn_activation="geglu",
+    head_dim=32,
+    sliding_window=8,
+    sliding_window_pattern=2,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    tied_embeddings=True,
+)
+MODELS["relu2"] = MODELS["llama"].scaled(ffn_activation="relu2")
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]

@@ -64,6 +64,15 @@ WORLD2 = {
     "tp2_sp_compile_llama": (f"tp=2,sequence_parallel=true,compile=true,{B}", "llama", FP32, ""),
     "tp2_compile_full_llama": (f"tp=2,compile=true,recompute=full,{B}", "llama", FP32, ""),
     "pp2_fp8_gpt": (f"pp=2,fp8=tensorwise,{B}", "gpt", EXACT, "fp8=tensorwise"),
+    # the reference transformer's windows and soft-capping (the masked path), GeGLU, relu2
+    "cp2_gemma": (f"cp=2,{B}", "gemma", FP32, ""),
+    "tp2_sp_gemma_selective": (
+        f"tp=2,sequence_parallel=true,recompute=selective,{B}",
+        "gemma",
+        FP32,
+        "",
+    ),
+    "pp2_relu2": (f"pp=2,{B}", "relu2", FP32, ""),
     "hf_llama_cp2": (f"cp=2,{B}", "hf_llama", FP32, ""),
     "hf_qwen2_cp2": (f"cp=2,{B}", "hf_qwen2", FP32, ""),
     "hf_llama_tied_tp2_sp": (f"tp=2,sequence_parallel=true,{B}", "hf_llama_tied", FP32, ""),

@@ -133,3 +133,70 @@ def test_recompute_wraps_blocks_or_attention_core():
     for wrapped in (full, selective):
         wrapped.load_state_dict(reference.state_dict())
         assert torch.equal(wrapped(x), reference(x))
+
+
+# ---- attention with masks: sliding windows, soft-capping (autosearch/models/attention.py) -----
+def _loop_attention(q, k, v, *, window, softcap):
+    """Each query's attention written out key by key: what the masked path must equal."""
+    import math
+
+    import torch
+
+    b, h, s, d = q.shape
+    k = k.repeat_interleave(h // k.shape[1], dim=1)
+    v = v.repeat_interleave(h // v.shape[1], dim=1)
+    out = torch.zeros_like(q)
+    for i in range(s):
+        keys = [j for j in range(i + 1) if window is None or i - j < window]
+        scores = torch.stack([(q[:, :, i] * k[:, :, j]).sum(-1) for j in keys], -1) / math.sqrt(d)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = scores.softmax(-1)
+        out[:, :, i] = sum(weights[..., n, None] * v[:, :, j] for n, j in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(4, None), (None, 5.0), (3, 2.0), (64, None)])
+def test_masked_attention_is_each_querys_attention(window, softcap):
+    import torch
+
+    from autosearch.models.transformer import CoreAttention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 10, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 2, 10, 8, dtype=torch.float64),
+        torch.randn(2, 2, 10, 8, dtype=torch.float64),
+    )
+    got = CoreAttention(window=window, softcap=softcap)(q, k, v)
+    want = _loop_attention(q, k, v, window=window, softcap=softcap)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_gemma_and_nemotron_shapes_build_with_the_planners_parameters():
+    """GeGLU with heads wider than hidden / heads, windows on every other layer, soft-capped
+    scores and logits (Gemma 2); squared ReLU (Nemotron): the reference transformer holds the
+    parameters the cost model counts, and its logits are capped."""
+    import torch
+
+    from autosearch.models.transformer import Transformer
+
+    base = ModelSpec.load("tiny-llama").scaled(
+        n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, vocab_size=128, seq_len=16
+    )
+    gemma = base.scaled(
+        ffn_activation="geglu",
+        head_dim=32,
+        sliding_window=4,
+        sliding_window_pattern=2,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=3.0,
+        tied_embeddings=True,
+    )
+    for spec in (gemma, base.scaled(ffn_activation="relu2")):
+        model = Transformer(spec)
+        assert sum(p.numel() for p in model.parameters()) == spec.n_params
+    model = Transformer(gemma)
+    assert [layer.attention.core.window for layer in model.layers.values()] == [4, None]
+    logits = model(torch.randint(0, 128, (2, 16)))
+    assert logits.abs().max() < 3.0

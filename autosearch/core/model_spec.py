@@ -755,9 +755,10 @@ def check_priced(model: ModelSpec) -> None:
 
 def unbuilt(model: ModelSpec) -> list[str]:
     """What `autosearch.models.transformer.Transformer` (the reference model the Engine trains)
-    does not build in `model`, one phrase each: it builds GPT-style gelu and Llama-style SwiGLU
-    blocks of multi-head / grouped-query attention with head size hidden / heads, and dropless
-    SwiGLU mixture-of-experts layers with an auxiliary loss or none."""
+    does not build in `model`, one phrase each. It builds attention blocks (multi-head or
+    grouped-query, any head size, sliding windows, soft-capped scores and logits) with a GELU,
+    squared-ReLU, SwiGLU or GeGLU MLP, learned or rotary positions, and dropless SwiGLU
+    mixture-of-experts layers with an auxiliary loss or none."""
     out = _other_blocks(model)
     m = model.moe
     if m is not None and model.ffn_activation != "swiglu":
@@ -768,21 +769,8 @@ def unbuilt(model: ModelSpec) -> list[str]:
         out.append("moe.load_balancing aux_loss_free (the expert bias updates)")
     if model.mla is not None:
         out.append("multi-head latent attention (mla)")
-    if model.mla is None and model.attention_hidden_size != model.hidden_size:
-        out.append(
-            f"a head_dim other than hidden_size / n_heads (head_dim {model.head_dim} x "
-            f"{model.n_heads} heads = {model.attention_hidden_size} != hidden_size "
-            f"{model.hidden_size})"
-        )
-    if model.ffn_activation == "relu2":
-        out.append("a squared-ReLU MLP (ffn_activation relu2: two matrices, no gate)")
-    if model.ffn_activation == "geglu":
-        out.append("a GeGLU MLP (ffn_activation geglu)")
-    if model.sliding_layers:
-        out.append(f"sliding_window {model.sliding_window} on {model.sliding_layers} layers")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(model, name) is not None:
-            out.append(f"{name} {getattr(model, name)}")
+    if model.position_embedding == "alibi":
+        out.append("ALiBi position biases (position_embedding alibi)")
     if model.mtp_layers:
         out.append(f"multi-token prediction (mtp_layers {model.mtp_layers}; 0 trains without it)")
     return out

@@ -37,6 +37,7 @@ from torch import nn
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.distributed.plan import ParallelPlan
+from autosearch.models import attention
 from autosearch.models.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,19 +68,36 @@ class CoreAttention(nn.Module):
     """softmax(QK^T / sqrt(d)) V with a causal mask: what selective recompute recomputes.
 
     Korthikanti et al. 2022, sec. 5: this part holds the 5as^2b bytes of activations per layer
-    and is cheap to recompute, so it is the one to checkpoint.
+    and is cheap to recompute, so it is the one to checkpoint. A sliding window (the keys a
+    query attends to, Mistral and Gemma's local layers) or soft-capped scores (Gemma 2) take the
+    masked path of `autosearch.models.attention`, exact under context parallel too.
     """
 
     # Under context parallel (set by the Engine): q, k, v hold this rank's tokens and the
     # attention runs over the whole sequence (`autosearch.distributed.context_parallel`).
     context_parallel: "ContextParallel | None" = None
 
-    def __init__(self, dropout: float = 0.0):
+    def __init__(
+        self, dropout: float = 0.0, *, window: int | None = None, softcap: float | None = None
+    ):
         super().__init__()
         self.dropout = dropout
+        self.window = window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
+        if self.window is not None or self.softcap is not None:
+            k, v, q_pos, k_pos = attention.positions(k, v, q.shape[2], self.context_parallel)
+            return attention.masked_attention(
+                q,
+                k,
+                v,
+                attention.visible(q_pos, k_pos, self.window),
+                scaling=q.shape[-1] ** -0.5,
+                softcap=self.softcap,
+                dropout_p=dropout,
+            )
         if self.context_parallel is not None:
             return self.context_parallel.attention(q, k, v, dropout_p=dropout)
         # Heads come from the shapes, so the same code runs on the heads a tp rank holds.
@@ -96,15 +114,17 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
 
-    def __init__(self, spec: ModelSpec, dropout: float):
+    def __init__(self, spec: ModelSpec, dropout: float, keys: int | None = None):
         super().__init__()
-        bias = spec.is_gpt_style
+        bias = spec.linear_bias
+        h, q = spec.hidden_size, spec.attention_hidden_size
         self.head_dim = spec.head_dim
-        self.wq = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
-        self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=bias)
-        self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=bias)
-        self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
-        self.core = CoreAttention(dropout)
+        self.wq = nn.Linear(h, q, bias=bias)
+        self.wk = nn.Linear(h, spec.kv_hidden_size, bias=bias)
+        self.wv = nn.Linear(h, spec.kv_hidden_size, bias=bias)
+        self.wo = nn.Linear(q, h, bias=bias)
+        window = keys if keys is not None and keys < spec.seq_len else None
+        self.core = CoreAttention(dropout, window=window, softcap=spec.attn_logit_softcapping)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -121,40 +141,49 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """GELU MLP (w1, w2) or SwiGLU (w2(silu(w1 x) * w3 x); Shazeer 2020)."""
+    """The dense MLP of `spec.ffn_activation`: GELU (w2(gelu(w1 x))), squared ReLU (relu2:
+    w2(relu(w1 x)^2), Nemotron; So et al. 2021), or gated: SwiGLU (w2(silu(w1 x) * w3 x);
+    Shazeer 2020) and GeGLU (the tanh GELU as the gate, Gemma)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        bias = spec.is_gpt_style
-        self.swiglu = not spec.is_gpt_style
+        bias = spec.linear_bias
+        self.activation = spec.ffn_activation
         self.w1 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=bias)
         self.w2 = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=bias)
         self.w3 = (
-            nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False) if self.swiglu else None
+            nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=bias)
+            if spec.ffn_gated
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is not None:  # swiglu
+        if self.activation == "swiglu":
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.activation == "geglu":
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        if self.activation == "relu2":
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.gelu(self.w1(x)))
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    return (
-        nn.LayerNorm(spec.hidden_size)
-        if spec.is_gpt_style
-        else nn.RMSNorm(spec.hidden_size, eps=1e-5)
-    )
+    """LayerNorm in GPT style (with a bias where the linear layers have them), else RMSNorm."""
+    if spec.is_gpt_style:
+        return nn.LayerNorm(spec.hidden_size, bias=spec.linear_bias)
+    return nn.RMSNorm(spec.hidden_size, eps=1e-5)
 
 
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP a MoE layer when
     `moe` is given)."""
 
-    def __init__(self, spec: ModelSpec, dropout: float, moe: MoE | None = None):
+    def __init__(
+        self, spec: ModelSpec, dropout: float, moe: MoE | None = None, keys: int | None = None
+    ):
         super().__init__()
         self.attention_norm = _norm(spec)
-        self.attention = Attention(spec, dropout)
+        self.attention = Attention(spec, dropout, keys)
         self.ffn_norm = _norm(spec)
         self.feed_forward = FeedForward(spec) if moe is None else None
         self.moe = moe
@@ -200,23 +229,25 @@ class Transformer(nn.Module):
             dropout = 0.0
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.pos_embeddings = (
-            nn.Embedding(spec.seq_len, spec.hidden_size) if spec.is_gpt_style else None
-        )
+        learned = spec.position_embedding == "learned"
+        self.pos_embeddings = nn.Embedding(spec.seq_len, spec.hidden_size) if learned else None
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(
-                    spec, dropout, moe_of(spec, aux_loss_coef=aux_loss_coef) if m else None
+                    spec,
+                    dropout,
+                    moe_of(spec, aux_loss_coef=aux_loss_coef) if layer.mlp == "moe" else None,
+                    layer.keys,
                 )
-                for i, m in enumerate(spec.moe_layers)
+                for i, layer in enumerate(spec.layers)
             }
         )
         self.norm = _norm(spec)
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:  # one parameter, used by both modules (as transformers ties)
             self.output.weight = self.tok_embeddings.weight
-        if not spec.is_gpt_style:
+        if spec.position_embedding == "rotary":
             self.register_buffer("rope", rope_table(spec.seq_len, spec.head_dim), persistent=False)
         else:
             self.rope = None
@@ -269,6 +300,9 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
+            cap = self.spec.final_logit_softcapping
+            if cap is not None:  # Gemma 2: logits c * tanh(logits / c)
+                h = torch.tanh(h / cap) * cap
         return h
 
     def parallel_plan(self) -> ParallelPlan:
