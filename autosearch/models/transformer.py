@@ -158,9 +158,9 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
+        if self.w3 is not None and self.activation == "swiglu":
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        if self.activation == "geglu":
+        if self.w3 is not None:  # geglu
             return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
         if self.activation == "relu2":
             return self.w2(torch.square(F.relu(self.w1(x))))
