@@ -40,11 +40,15 @@ LAYERS = (
         ),
     ),
     ("model", ("cost_models", "search_spaces")),
+    # the torch side, as pyproject.toml layers it: the parallel building blocks, the models
+    # declared with them, the Engine that trains them
+    ("distributed", ("autosearch.distributed",)),
+    ("models", ("autosearch.models", "autosearch.transformer")),
+    ("engine", ("autosearch.engine",)),
     ("search", ("autosearch.tuning", "autosearch.tuner", "autosearch.export")),
-    # validation's torch-free side (launch runs, record them) sits below the Engine, which
-    # composes the search and the runs; its torch side (the worker) runs the Engine, above it
+    # validation's torch-free side (launch runs, record them); its torch side (the worker)
+    # runs the Engine in processes started by module name
     ("launch", ("autosearch.validation",)),
-    ("runtime", ("autosearch.engine", "autosearch.models.transformer")),
     (
         "run",
         (
@@ -53,6 +57,8 @@ LAYERS = (
             "autosearch.validation.memtrack",
         ),
     ),
+    # Engine.tune: the search, validation and the Engine composed from above
+    ("autotune", ("autosearch.autotune",)),
     ("interface", ("autosearch.commands", "autosearch.cli", "autosearch.__main__")),
 )
 
