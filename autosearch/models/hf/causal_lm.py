@@ -85,12 +85,13 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _core_attention)
 
 
-def has_llama_layout(model) -> bool:
+def has_llama_layout(model, model_types: tuple[str, ...] | None = None) -> bool:
     """Whether `model` is a causal LM of a family `HFCausalLM` runs (a transformers model or a
-    subclass of one: config.model_type llama / mistral / qwen2, ``.model`` and ``.lm_head``)."""
+    subclass of one: config.model_type llama / mistral / qwen2 (or one of `model_types`),
+    ``.model`` and ``.lm_head``)."""
     config = getattr(model, "config", None)
     return (
-        getattr(config, "model_type", None) in LLAMA_LIKE + MOE_LIKE
+        getattr(config, "model_type", None) in (model_types or LLAMA_LIKE + MOE_LIKE)
         and hasattr(model, "model")
         and hasattr(model, "lm_head")
     )
@@ -142,13 +143,14 @@ class HFCausalLM(nn.Module):
     lm_head: Any
     hf_class: Any
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
+    model_types: tuple[str, ...] | None = None  # a family wrapper's own (None: the Llama ones)
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
-        if not has_llama_layout(hf_model):
+        if not has_llama_layout(hf_model, self.model_types):
             raise SpecError(
-                "HFCausalLM runs transformers causal LMs of model_type "
-                f"{', '.join(LLAMA_LIKE)}; got "
+                f"{type(self).__name__} runs transformers causal LMs of model_type "
+                f"{', '.join(self.model_types or LLAMA_LIKE + MOE_LIKE)}; got "
                 f"{type(hf_model).__name__} (model_type "
                 f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
             )
@@ -170,14 +172,23 @@ class HFCausalLM(nn.Module):
             attn = layer.self_attn
             attn.config = self.config
             if not hasattr(attn, "core"):
-                attn.core = AttentionCore(attn.num_key_value_groups)
+                attn.core = self._attention_core(attn)
         self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
-        self.router_aux_loss_coef = use_autosearch_moe(self)
+        self.router_aux_loss_coef = self._use_moe()
         layers = moe_layers_of(self)  # of the whole model (kept on every pipeline stage)
         self.n_moe_layers = len(layers)
         self.n_experts: int = layers[0].n_experts if layers else 0
         self.top_k: int = layers[0].top_k if layers else 0
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
+
+    # ---- what a family wrapper of the same layout changes (autosearch/models/hf/*.py) ----------
+    def _attention_core(self, attn: Any) -> nn.Module:
+        """The attention core module of one of transformers' attention layers."""
+        return AttentionCore(attn.num_key_value_groups)
+
+    def _use_moe(self) -> float:
+        """Swap the sparse MLP blocks for the Engine's MoE layers; the aux-loss coefficient."""
+        return use_autosearch_moe(self)
 
     def forward(
         self, tokens: torch.Tensor, balance: torch.Tensor | None = None
