@@ -116,6 +116,22 @@ class ContextParallel:
             chunks[rank], chunks[2 * self.cp - 1 - rank] = part.chunk(2, dim=dim)
         return torch.cat([c for c in chunks if c is not None], dim=dim)
 
+    def whole_keys(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, query positions, key positions): the keys and values (batch, heads,
+        local sequence, head_dim) of every cp rank's chunks, all-gathered (the backward sums
+        each rank's gradients of them and keeps this rank's part), and the global positions of
+        this rank's queries and of those keys: the CPU path of `attention`, for an attention
+        core that computes its own masks and logits (gpt-oss's sinks and sliding windows)."""
+        group = self.mesh.get_group()
+        local = k.shape[2]
+        q_pos = self.positions(local, k.device)
+        k_pos = torch.cat([self._positions(r, local, k.device) for r in range(self.cp)])
+        k_all = _GatherSequence.apply(k, group, 2)
+        v_all = _GatherSequence.apply(v, group, 2)
+        return k_all, v_all, q_pos, k_pos
+
     def attention(
         self,
         q: torch.Tensor,

@@ -144,6 +144,7 @@ class HFCausalLM(nn.Module):
     hf_class: Any
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
     model_types: tuple[str, ...] | None = None  # a family wrapper's own (None: the Llama ones)
+    hf_attn_implementation = "sdpa"  # the attention kernel of the model `hf_model` returns
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
@@ -367,12 +368,13 @@ class HFCausalLM(nn.Module):
 
     # ---- back to transformers ------------------------------------------------------------------
     def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
-        """A plain transformers model of the same class and config (SDPA attention), holding
+        """A plain transformers model of the same class and config (`hf_attn_implementation`: SDPA
+        unless the family has none), holding
         `state_dict` (full tensors with this module's names, as ``Engine.save(path,
         training=False)`` writes them)
         or this module's weights."""
         config = copy.deepcopy(self.config)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = self.hf_attn_implementation
         with torch.device("meta"):
             model = self.hf_class(config)
         state = state_dict if state_dict is not None else self.state_dict()
@@ -398,12 +400,24 @@ def _rebuild_rotary(model: nn.Module) -> None:
         if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(
             module, "config"
         ):
-            init = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
+            init = getattr(module, "rope_init_fn", None) or _rope_init(module)
             inv_freq, _ = init(module.config)
             device = module.inv_freq.device if not module.inv_freq.is_meta else torch.device("cpu")
             module.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
             if hasattr(module, "original_inv_freq"):
                 module.original_inv_freq = module.inv_freq
+
+
+def _rope_init(module: Any) -> Callable:
+    """The function that computes a transformers rotary embedding's inverse frequencies: its
+    rope type's (``rope_type``: yarn for gpt-oss, llama3 for Llama 3.1), else the default one
+    (transformers 5 keeps it in a local variable of ``__init__``, not on the module)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = getattr(module, "rope_type", "default")
+    if rope_type == "default":
+        return module.compute_default_rope_parameters
+    return ROPE_INIT_FUNCTIONS[rope_type]
 
 
 def llama_from_spec(spec) -> HFCausalLM:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,32 +48,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from autosearch.distributed.plan import ParallelPlan
 from autosearch.models.hf.causal_lm import HFCausalLM
-from autosearch.models.moe import FusedExperts, MoE
-
-
-class RouterMoE(MoE):
-    """The Engine's `MoE` routed by a transformers router module (module doc): the router
-    returns ``(router logits [T, E], weights [T, k], experts [T, k])`` for tokens ``[T, d]``, as
-    DeepSeek's ``*TopkRouter`` do, and is kept under its name ``gate``.
-
-    Args:
-        router: transformers' router module of the sparse block.
-        **moe: the `MoE` arguments; ``aux_loss_coef`` must be 0 (the router gives no
-            probabilities for the Engine's per-sequence balance loss).
-    """
-
-    def __init__(self, *, router: nn.Module, **moe: Any):
-        super().__init__(**{**moe, "aux_loss_coef": 0.0})
-        self.gate = router  # type: ignore[assignment]  # transformers' router, not a Linear
-
-    def route(
-        self, x: torch.Tensor, dtype: torch.dtype | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits, weights, experts = self.gate(x)
-        if self.record_router_logits:
-            self.router_logits = logits
-        # the third value (probabilities) feeds only the balance loss, which this layer lacks
-        return weights.to(dtype or x.dtype), experts, logits
+from autosearch.models.hf.router_moe import RouterMoE
+from autosearch.models.moe import FusedExperts
 
 
 class _SumGradOverGroup(torch.autograd.Function):
