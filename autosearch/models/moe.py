@@ -270,7 +270,7 @@ class FusedExperts(nn.Module):
     ``gate_up_proj: [E, 2f, d]`` (gate rows first) and ``down_proj: [E, d, f]``, applied with
     ``F.linear`` as transformers does, so a Hugging Face model keeps its weights and names."""
 
-    weight_names = ("gate_up_proj", "down_proj")
+    weight_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     hidden_dims: dict[str, int] = {}  # gate and up rows fused in one dim: not split over etp
     no_etp_reason = (
         "transformers' Mixtral / Qwen3-MoE experts hold the gate and up rows in one matrix, "
