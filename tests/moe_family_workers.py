@@ -117,6 +117,13 @@ FAMILIES = {
         ),
     ),
 }
+# Llama 4 without attention temperature tuning: context parallel runs (with it, cp is refused
+# once the sequence reaches floor_scale tokens, 8 above)
+FAMILIES["llama4_text_untuned"] = (
+    "Llama4TextConfig",
+    "Llama4ForCausalLM",
+    {**FAMILIES["llama4_text"][2], "attn_temperature_tuning": False},
+)
 
 
 def make_model(family: str):

@@ -273,8 +273,8 @@ class FusedExperts(nn.Module):
     weight_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     hidden_dims: dict[str, int] = {}  # gate and up rows fused in one dim: not split over etp
     no_etp_reason = (
-        "transformers' Mixtral / Qwen3-MoE experts hold the gate and up rows in one matrix, "
-        "which the Engine does not split over tp"
+        "transformers' fused experts (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3) hold the gate and "
+        "up rows in one matrix, which the Engine does not split over tp"
     )
 
     def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
