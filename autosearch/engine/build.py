@@ -26,15 +26,21 @@ def is_module(obj) -> bool:
 
 def wrap_known(model: nn.Module) -> nn.Module:
     """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM`, a GPT-2 /
-    GPT-NeoX one in `HFGPTCausalLM` (their plan and ModelSpec); any other module as it is."""
+    GPT-NeoX one in `HFGPTCausalLM`, a Qwen2-MoE / DeepSeek-V2/V3 / gpt-oss / Llama 4 one in
+    its family's wrapper (`autosearch.models.hf.moe_families`), with their plan and ModelSpec;
+    any other module as it is."""
     if type(model).__module__.startswith("transformers."):
         from autosearch.models.hf.causal_lm import HFCausalLM, is_supported_hf_model
         from autosearch.models.hf.gpt import HFGPTCausalLM, is_gpt_model
+        from autosearch.models.hf.moe_families import wrapper_class
 
         if is_supported_hf_model(model):
             return HFCausalLM(model)
         if is_gpt_model(model):
             return HFGPTCausalLM(model)
+        family = wrapper_class(model)  # Qwen2-MoE, DeepSeek-V2/V3, gpt-oss, Llama 4 text
+        if family is not None:
+            return family(model)
     return model
 
 

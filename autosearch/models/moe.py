@@ -187,6 +187,7 @@ class Experts(nn.Module):
 
     weight_names = ("w1", "w3", "w2")  # each [n_experts, ...]: expert parallelism slices dim 0
     hidden_dims = {"w1": 2, "w3": 2, "w2": 1}  # the dim of width f: etp slices it
+    no_etp_reason = ""  # why etp cannot split these experts (none: it can)
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -269,8 +270,12 @@ class FusedExperts(nn.Module):
     ``gate_up_proj: [E, 2f, d]`` (gate rows first) and ``down_proj: [E, d, f]``, applied with
     ``F.linear`` as transformers does, so a Hugging Face model keeps its weights and names."""
 
-    weight_names = ("gate_up_proj", "down_proj")
+    weight_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     hidden_dims: dict[str, int] = {}  # gate and up rows fused in one dim: not split over etp
+    no_etp_reason = (
+        "transformers' fused experts (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3) hold the gate and "
+        "up rows in one matrix, which the Engine does not split over tp"
+    )
 
     def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
         super().__init__()
@@ -302,6 +307,9 @@ class MoE(nn.Module):
     """
 
     context_parallel: "ContextParallel | None" = None
+    # Whether the routing weights scale each expert's input rows instead of its output (Llama 4:
+    # ``experts(w * x)``, not ``w * experts(x)``; the same for experts linear in their input).
+    weight_inputs = False
 
     def __init__(
         self,
@@ -407,10 +415,12 @@ class MoE(nn.Module):
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
         # index_select: its backward is index_add_ (not index_put_ with accumulate, which sorts)
-        y = self._run_experts(x.index_select(0, token), counts)
-        out = torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[order, None])
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        rows, w = x.index_select(0, token), weights.flatten()[order, None]
+        if self.weight_inputs:  # Llama 4: the experts see their rows scaled by the weights
+            y = self._run_experts(rows * w, counts)
+        else:
+            y = self._run_experts(rows, counts) * w
+        out = self.add_shared(torch.zeros_like(x).index_add_(0, token, y), x)
         out = out.reshape(shape)
         if self.aux_loss_coef > 0:
             aux = self.balance_loss(experts, probs, shape[0] if len(shape) == 3 else 1)
@@ -418,6 +428,13 @@ class MoE(nn.Module):
             if self.training and torch.is_grad_enabled():
                 out = AuxLoss.add(out, aux * self.aux_loss_coef)
         return out
+
+    def add_shared(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output `routed` plus the shared experts' of the tokens `x`
+        [T, d] (a family with another shared expert overrides it: Qwen2-MoE's gated one)."""
+        if self.shared_experts is None:
+            return routed
+        return routed + self.shared_experts(x)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of `rows` (sorted by expert, `counts` per expert), the experts held
@@ -548,10 +565,8 @@ def ep_problems(strategy: "Strategy", model: nn.Module) -> list[str]:
             "ranks); use a divisor of tp"
         )
     if etp > 1 and any(not m.experts.hidden_dims for m in layers):
-        out.append(
-            f"etp={etp}: transformers' Mixtral / Qwen3-MoE experts hold the gate and up rows in "
-            "one matrix, which the Engine does not split over tp; set etp=1"
-        )
+        reason = next(m.experts.no_etp_reason for m in layers if not m.experts.hidden_dims)
+        out.append(f"etp={etp}: {reason}; set etp=1")
     for m in layers[:1]:
         width = {getattr(m.experts, n).shape[d] for n, d in m.experts.hidden_dims.items()}
         if etp > 1 and any(w % etp for w in width):

@@ -85,12 +85,13 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _core_attention)
 
 
-def has_llama_layout(model) -> bool:
+def has_llama_layout(model, model_types: tuple[str, ...] | None = None) -> bool:
     """Whether `model` is a causal LM of a family `HFCausalLM` runs (a transformers model or a
-    subclass of one: config.model_type llama / mistral / qwen2, ``.model`` and ``.lm_head``)."""
+    subclass of one: config.model_type llama / mistral / qwen2 (or one of `model_types`),
+    ``.model`` and ``.lm_head``)."""
     config = getattr(model, "config", None)
     return (
-        getattr(config, "model_type", None) in LLAMA_LIKE + MOE_LIKE
+        getattr(config, "model_type", None) in (model_types or LLAMA_LIKE + MOE_LIKE)
         and hasattr(model, "model")
         and hasattr(model, "lm_head")
     )
@@ -142,13 +143,15 @@ class HFCausalLM(nn.Module):
     lm_head: Any
     hf_class: Any
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
+    model_types: tuple[str, ...] | None = None  # a family wrapper's own (None: the Llama ones)
+    hf_attn_implementation = "sdpa"  # the attention kernel of the model `hf_model` returns
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
-        if not has_llama_layout(hf_model):
+        if not has_llama_layout(hf_model, self.model_types):
             raise SpecError(
-                "HFCausalLM runs transformers causal LMs of model_type "
-                f"{', '.join(LLAMA_LIKE)}; got "
+                f"{type(self).__name__} runs transformers causal LMs of model_type "
+                f"{', '.join(self.model_types or LLAMA_LIKE + MOE_LIKE)}; got "
                 f"{type(hf_model).__name__} (model_type "
                 f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
             )
@@ -170,14 +173,23 @@ class HFCausalLM(nn.Module):
             attn = layer.self_attn
             attn.config = self.config
             if not hasattr(attn, "core"):
-                attn.core = AttentionCore(attn.num_key_value_groups)
+                attn.core = self._attention_core(attn)
         self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
-        self.router_aux_loss_coef = use_autosearch_moe(self)
+        self.router_aux_loss_coef = self._use_moe()
         layers = moe_layers_of(self)  # of the whole model (kept on every pipeline stage)
         self.n_moe_layers = len(layers)
         self.n_experts: int = layers[0].n_experts if layers else 0
         self.top_k: int = layers[0].top_k if layers else 0
         self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
+
+    # ---- what a family wrapper of the same layout changes (autosearch/models/hf/*.py) ----------
+    def _attention_core(self, attn: Any) -> nn.Module:
+        """The attention core module of one of transformers' attention layers."""
+        return AttentionCore(attn.num_key_value_groups)
+
+    def _use_moe(self) -> float:
+        """Swap the sparse MLP blocks for the Engine's MoE layers; the aux-loss coefficient."""
+        return use_autosearch_moe(self)
 
     def forward(
         self, tokens: torch.Tensor, balance: torch.Tensor | None = None
@@ -356,12 +368,13 @@ class HFCausalLM(nn.Module):
 
     # ---- back to transformers ------------------------------------------------------------------
     def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
-        """A plain transformers model of the same class and config (SDPA attention), holding
+        """A plain transformers model of the same class and config (`hf_attn_implementation`: SDPA
+        unless the family has none), holding
         `state_dict` (full tensors with this module's names, as ``Engine.save(path,
         training=False)`` writes them)
         or this module's weights."""
         config = copy.deepcopy(self.config)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = self.hf_attn_implementation
         with torch.device("meta"):
             model = self.hf_class(config)
         state = state_dict if state_dict is not None else self.state_dict()
@@ -387,12 +400,24 @@ def _rebuild_rotary(model: nn.Module) -> None:
         if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(
             module, "config"
         ):
-            init = getattr(module, "rope_init_fn", None) or module.compute_default_rope_parameters
+            init = getattr(module, "rope_init_fn", None) or _rope_init(module)
             inv_freq, _ = init(module.config)
             device = module.inv_freq.device if not module.inv_freq.is_meta else torch.device("cpu")
             module.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
             if hasattr(module, "original_inv_freq"):
                 module.original_inv_freq = module.inv_freq
+
+
+def _rope_init(module: Any) -> Callable:
+    """The function that computes a transformers rotary embedding's inverse frequencies: its
+    rope type's (``rope_type``: yarn for gpt-oss, llama3 for Llama 3.1), else the default one
+    (transformers 5 keeps it in a local variable of ``__init__``, not on the module)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = getattr(module, "rope_type", "default")
+    if rope_type == "default":
+        return module.compute_default_rope_parameters
+    return ROPE_INIT_FUNCTIONS[rope_type]
 
 
 def llama_from_spec(spec) -> HFCausalLM:
