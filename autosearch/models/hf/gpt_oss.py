@@ -35,11 +35,11 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autosearch.distributed.plan import ParallelPlan
+from autosearch.models import attention
 from autosearch.models.hf.causal_lm import HFCausalLM
 from autosearch.models.hf.router_moe import RouterMoE
 from autosearch.models.moe import FusedExperts, _local, grouped_mm
@@ -61,31 +61,23 @@ class SinkAttentionCore(nn.Module):
 
     def forward(self, query, key, value, attention_mask, **kwargs):
         from torch.distributed.tensor import DTensor
-        from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
 
         sinks = kwargs["s_aux"]
         if isinstance(sinks, DTensor):  # this tp rank's heads' sinks
             sinks = sinks.to_local()
-        window = kwargs.get("sliding_window")
-        if self.context_parallel is not None:
-            key, value, q_pos, k_pos = self.context_parallel.whole_keys(key, value)
-        else:
-            q_pos = k_pos = torch.arange(query.shape[2], device=query.device)
-        distance = q_pos[:, None] - k_pos[None, :]
-        allowed = distance >= 0
-        if window is not None:
-            allowed = allowed & (distance < window)
-        key = repeat_kv(key, self.num_key_value_groups)
-        value = repeat_kv(value, self.num_key_value_groups)
-        logits = torch.matmul(query, key.transpose(2, 3)) * kwargs["scaling"]
-        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
-        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
-        logits = torch.cat([logits, sink.to(logits.dtype)], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-        dropout = kwargs.get("dropout", 0.0) if self.training else 0.0
-        probs = F.dropout(probs, p=dropout, training=self.training).to(value.dtype)
-        return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+        key, value, q_pos, k_pos = attention.positions(
+            key, value, query.shape[2], self.context_parallel
+        )
+        out = attention.masked_attention(
+            query,
+            key,
+            value,
+            attention.visible(q_pos, k_pos, kwargs.get("sliding_window")),
+            scaling=kwargs["scaling"],
+            sinks=sinks,
+            dropout_p=kwargs.get("dropout", 0.0) if self.training else 0.0,
+        )
+        return out.transpose(1, 2).contiguous(), None
 
 
 class ShardedSinks(ParallelStyle):
