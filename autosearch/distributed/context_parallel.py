@@ -146,6 +146,23 @@ class ContextParallel:
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
+    def whole_keys_values(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys and values of the whole sequence, all-gathered over the cp group (the
+        backward sums their gradients and keeps this rank's part), and the global position of
+        each gathered key; k and v are (batch, heads, local sequence, head_dim). For attention
+        kernels the ring cannot run (sliding windows, logit soft-capping): the caller masks by
+        the global positions of its queries (`positions`) and keys, exactly as one process."""
+        group = self.mesh.get_group()
+        local = k.shape[2]
+        key_positions = torch.cat([self._positions(r, local, k.device) for r in range(self.cp)])
+        return (
+            _GatherSequence.apply(k, group, 2),
+            _GatherSequence.apply(v, group, 2),
+            key_positions,
+        )
+
     def _ring_attention(self, q, k, v, *, dropout_p: float, scale: float | None) -> torch.Tensor:
         """torch's ring attention (CUDA): SDPA on DTensors sharded on the sequence, with the
         head-tail load balancing the data loader's sharding matches (torchtitan 0.3's

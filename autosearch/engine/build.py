@@ -35,6 +35,10 @@ def wrap_known(model: nn.Module) -> nn.Module:
             return HFCausalLM(model)
         if is_gpt_model(model):
             return HFGPTCausalLM(model)
+        from autosearch.models.hf.dense import HFDenseCausalLM, is_dense_model
+
+        if is_dense_model(model):  # Qwen3, Gemma 1-3, Phi-3, Nemotron: HFDenseCausalLM
+            return HFDenseCausalLM(model)
     return model
 
 

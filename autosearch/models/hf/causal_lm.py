@@ -142,6 +142,7 @@ class HFCausalLM(nn.Module):
     lm_head: Any
     hf_class: Any
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
+    hf_attention = "sdpa"  # the attention kernel of the transformers model `hf_model` returns
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()
@@ -361,7 +362,7 @@ class HFCausalLM(nn.Module):
         training=False)`` writes them)
         or this module's weights."""
         config = copy.deepcopy(self.config)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = self.hf_attention
         with torch.device("meta"):
             model = self.hf_class(config)
         state = state_dict if state_dict is not None else self.state_dict()
