@@ -16,7 +16,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the `cuda` tests where torch sees no GPU (torch is imported only if there are any)."""
+    """Skip the `extended` tests unless the -m expression names them, and the `cuda` tests where
+    torch sees no GPU (torch is imported only if there are any)."""
+    if "extended" not in (config.option.markexpr or ""):
+        skip_extended = pytest.mark.skip(reason="the extended matrix: run with -m extended")
+        for item in items:
+            if item.get_closest_marker("extended"):
+                item.add_marker(skip_extended)
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda:
         return
