@@ -185,12 +185,33 @@ def job_equivalence(cases: list[dict]) -> dict:
     return out
 
 
+def meta_init_losses(strategy: str, kind: str, *, steps: int = STEPS) -> list[float]:
+    """`train_losses` of a model the Engine builds on the meta device and initialises itself
+    (``meta_init=True``, seed 0): the model's ``init_weights`` on this rank's shards."""
+    from autosearch import Engine
+
+    engine = Engine(
+        lambda: make_model(kind),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+        strategy=strategy,
+        meta_init=True,
+        seed=0,
+    )
+    loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
+    engine.prepare(mode="train")
+    return [engine.run(batch, mode="train")["loss"] for batch in loader]
+
+
 def job_equivalence_each(cases: list[dict]) -> dict:
-    """`job_equivalence`, each case's error (SpecError or not) recorded as its result, a string,
-    so that one failing case does not take the others of its launch with it."""
+    """`job_equivalence` (`meta_init_losses` for a case with ``meta_init``), each case's error
+    (SpecError or not) recorded as its result, a string, so that one failing case does not take
+    the others of its launch with it."""
     out: dict = {}
     for case in cases:
         try:
+            if case.get("meta_init"):
+                out[case["name"]] = meta_init_losses(case["strategy"], case["model"])
+                continue
             out.update(job_equivalence([case]))
         except Exception as exc:  # noqa: BLE001 - reported to the test that reads the case
             out[case["name"]] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

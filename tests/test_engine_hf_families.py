@@ -187,6 +187,17 @@ def test_meta_init_initialises_as_transformers_does(family):
     assert torch.isfinite(model(torch.zeros(1, 32, dtype=torch.long))).all()
 
 
+def test_meta_init_in_one_process_keeps_the_embeddings_tied():
+    """``to_empty`` from the meta device gives each name of a tied plain parameter its own
+    tensor; the Engine ties them again (`autosearch.engine.build.materialize`), so one process
+    trains Gemma's tied embedding and head as one matrix, as tp and FSDP (DTensors) do."""
+    engine = Engine(lambda: W.make_model(KINDS["gemma"]), strategy=B, meta_init=True, seed=0)
+    engine.prepare()
+    (model,) = engine.model_parts_
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.all(model.model.embed_tokens.weight[0] == 0)  # the pad row, zeroed last
+
+
 def test_what_the_dense_families_refuse_says_why():
     """A bidirectional Gemma (an encoder) is not wrapped; Phi-3 under a tp that does not divide
     its MLP width, and any family under a tp that does not divide its key/value heads, are
@@ -273,12 +284,13 @@ DIMENSIONS = {  # name: (strategy, tolerance; pp: bitwise unless the embeddings 
 }
 
 
-def _case(family: str, dimension: str) -> tuple[str, str, tuple | float]:
+def _case(family: str, dimension: str, *, meta_init: bool = False) -> tuple:
+    """(strategy, model, tolerance, built on the meta device and initialised by the Engine)."""
     strategy, tol = DIMENSIONS[dimension]
     kind = KINDS[family]
     if tol == EXACT and kind.endswith("_tied"):  # tied copies summed over the two stages
         tol = FP32
-    return f"{strategy},{B}", kind, tol
+    return f"{strategy},{B}", kind, tol, meta_init
 
 
 # One world of 2 in the default run: each family once or twice, on what is special to it.
@@ -296,20 +308,29 @@ DEFAULT = {
     ]
 }
 MATRIX = {f"{f}/{d}": _case(f, d) for f in KINDS for d in DIMENSIONS}
+# Meta-device init on DTensor shards (tp, FSDP) against one process's meta-device init: the
+# families whose embedding has a pad row, which transformers zeroes on a copy of a DTensor's row
+# (`HFDenseCausalLM.init_weights` zeroes it in the shard).
+MATRIX |= {
+    f"{f}/meta_init_{d}": _case(f, d, meta_init=True)
+    for f in ("gemma", "phi3")
+    for d in ("tp2_sp", "zero3")
+}
 WORLD4 = {
-    "gemma2/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", KINDS["gemma2"], FP32),
-    "phi3/cp2_tp2_sp": (f"cp=2,tp=2,sequence_parallel=true,{B}", KINDS["phi3"], FP32),
+    "gemma2/pp2_tp2_sp": (f"pp=2,tp=2,sequence_parallel=true,{B}", KINDS["gemma2"], FP32, False),
+    "phi3/cp2_tp2_sp": (f"cp=2,tp=2,sequence_parallel=true,{B}", KINDS["phi3"], FP32, False),
     "gemma3/dp2_tp2_zero3_sp": (
         f"dp=2,tp=2,zero_stage=3,sequence_parallel=true,{B}",
         KINDS["gemma3"],
         FP32,
+        False,
     ),
-    "nemotron/pp2_cp2": (f"pp=2,cp=2,{B}", KINDS["nemotron"], FP32),
+    "nemotron/pp2_cp2": (f"pp=2,cp=2,{B}", KINDS["nemotron"], FP32, False),
 }
 
 
 def _launch(world: int, table: dict) -> dict:
-    cases = [dict(name=name, strategy=v[0], model=v[1]) for name, v in table.items()]
+    cases = [dict(name=n, strategy=v[0], model=v[1], meta_init=v[3]) for n, v in table.items()]
     results = W.launch(world, "equivalence_each", cases, timeout_s=900)
     for name in table:
         assert all(r[name] == results[0][name] for r in results), f"{name}: ranks differ"
@@ -318,13 +339,16 @@ def _launch(world: int, table: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def references():
-    """The single-process losses of each family, computed once when first asked."""
-    cache: dict[str, list[float]] = {}
+    """The single-process losses of each family (built as usual, or on the meta device and
+    initialised by the Engine), computed once when first asked."""
+    cache: dict[tuple[str, bool], list[float]] = {}
 
-    def losses(kind: str) -> list[float]:
-        if kind not in cache:
-            cache[kind] = W.reference_losses(B, kind)
-        return cache[kind]
+    def losses(kind: str, meta_init: bool = False) -> list[float]:
+        if (kind, meta_init) not in cache:
+            torch.set_num_threads(1)  # as the workers
+            run = W.meta_init_losses if meta_init else W.reference_losses
+            cache[kind, meta_init] = run(B, kind)
+        return cache[kind, meta_init]
 
     return losses
 
@@ -359,21 +383,21 @@ def _check(got, ref: list[float], name: str, tol) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DEFAULT))
 def test_each_family_matches_one_process(default_world, references, name):
-    _, kind, tol = DEFAULT[name]
-    _check(default_world[name], references(kind), name, tol)
+    _, kind, tol, meta_init = DEFAULT[name]
+    _check(default_world[name], references(kind, meta_init), name, tol)
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_families_by_dimensions_match_one_process(matrix_world, references, name):
-    _, kind, tol = MATRIX[name]
-    _check(matrix_world[name], references(kind), name, tol)
+    _, kind, tol, meta_init = MATRIX[name]
+    _check(matrix_world[name], references(kind, meta_init), name, tol)
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_families_at_world_size_4_match_one_process(world4, references, name):
-    _, kind, tol = WORLD4[name]
-    _check(world4[name], references(kind), name, tol)
+    _, kind, tol, meta_init = WORLD4[name]
+    _check(world4[name], references(kind, meta_init), name, tol)

@@ -173,7 +173,18 @@ def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
     its ``init_weights()``, else each submodule's ``reset_parameters()``, seeded by `seed`.
     Normal draws into DTensor shards on a mesh without DTensor's random-number tracker take
     their window of the whole weight's draw (`WholeWeightNormal`)."""
+    from autosearch.engine.parallelize import tied_parameters
+
+    tied = tied_parameters(part)
     part.to_empty(device=device)
+    # to_empty from the meta device gives each name of a tied plain parameter a tensor of its
+    # own (DTensors keep theirs): tie them again, else one process trains them untied
+    for group in tied:
+        first = part.get_parameter(group[0])
+        for name in group[1:]:
+            if part.get_parameter(name) is not first:
+                owner, _, leaf = name.rpartition(".")
+                setattr(part.get_submodule(owner) if owner else part, leaf, first)
     torch.manual_seed(seed)
     init = getattr(part, "init_weights", None)
     with WholeWeightNormal():

@@ -142,6 +142,22 @@ def masked_attention(
     return torch.matmul(weights, v).transpose(1, 2).contiguous()
 
 
+def zero_row_(weight: torch.Tensor, row: int) -> None:
+    """Zero row `row` of a weight, a plain tensor or this rank's shard of a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        weight[row].zero_()
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        weight.shape, weight.device_mesh, weight.placements
+    )
+    if offset[0] <= row < offset[0] + shape[0]:
+        weight.to_local()[row - offset[0]].zero_()
+
+
 class HFDenseCausalLM(HFCausalLM):
     """A transformers Qwen3, Gemma (1, 2, 3 text), Phi-3 or Nemotron causal LM as the Engine runs
     it (module doc). An `HFCausalLM` for the Engine (``save_pretrained``, the strategy checks)
@@ -262,6 +278,17 @@ class HFDenseCausalLM(HFCausalLM):
             return lambda name: tables[types[int(name)]]
         table = at_positions(rotary(h, position_ids=everywhere))
         return lambda name: table
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """`HFCausalLM.init_weights` (transformers' ``_init_weights``: Gemma's zero (1 + w) norm
+        weights, embedding scale and Gemma 3's rotary tables included), then the pad token's
+        embedding row zeroed in this rank's shard: transformers zeroes
+        ``weight[padding_idx]``, which on a DTensor (tp, FSDP) writes a copy, not the shard."""
+        super().init_weights()
+        embed = self.model.embed_tokens
+        if embed is not None and embed.padding_idx is not None:
+            zero_row_(embed.weight, embed.padding_idx)
 
     # ---- what the Engine asks ------------------------------------------------------------------
     def parallel_plan(self) -> ParallelPlan:
