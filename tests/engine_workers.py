@@ -92,20 +92,63 @@ HF_GPT_FAMILIES = {
 }
 
 
+# The dense families of autosearch/models/hf/dense.py (tests/test_engine_hf_families.py), 2
+# layers of the same width; the Gemmas tie their embeddings by default (use `<family>_tied`).
+# Windows of 8 tokens (sequences of 32): Gemma 2 / 3 alternate sliding and global layers, Phi-3
+# slides on every layer; Gemma 2 soft-caps attention (50) and final logits (30), Gemma 3 the final
+# logits only (its attention takes no cap). Phi-3's pad token inside the tiny vocabulary.
+HF_DENSE_SHAPE = dict(num_hidden_layers=2, head_dim=16)
+HF_DENSE_FAMILIES = {
+    "hf_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", HF_DENSE_SHAPE),
+    "hf_gemma": ("GemmaConfig", "GemmaForCausalLM", HF_DENSE_SHAPE),
+    "hf_gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {**HF_DENSE_SHAPE, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    ),
+    "hf_gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **HF_DENSE_SHAPE,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "hf_phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "num_hidden_layers": 2,
+            "sliding_window": 8,
+            "partial_rotary_factor": 0.5,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    "hf_nemotron": ("NemotronConfig", "NemotronForCausalLM", {"num_hidden_layers": 2}),
+}
+
+
 def hf_model(kind: str):
     """A transformers model of family `kind` with random weights (seeded by the caller);
     ``<family>_tied`` ties lm_head to the embedding."""
     import transformers
 
     family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
-    config_name, model_name, extra = {**HF_FAMILIES, **HF_GPT_FAMILIES}[family]
-    shape = {**HF_SHAPE, "tie_word_embeddings": tied}
-    config = getattr(transformers, config_name)(**shape, **extra)
+    config_name, model_name, extra = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}[
+        family
+    ]
+    shape = {**HF_SHAPE, "tie_word_embeddings": tied, **extra}  # extra may change the shape
+    config = getattr(transformers, config_name)(**shape)
     return getattr(transformers, model_name)(config)
 
 
 def is_hf(kind: str) -> bool:
-    return kind.removesuffix("_tied") in {**HF_FAMILIES, **HF_GPT_FAMILIES}
+    return kind.removesuffix("_tied") in {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}
 
 
 def make_model(kind: str):
@@ -152,6 +195,39 @@ def job_equivalence(cases: list[dict]) -> dict:
             case.get("model", "gpt"),
             loss_parallel=case.get("loss_parallel", False),
         )
+    return out
+
+
+def meta_init_losses(strategy: str, kind: str, *, steps: int = STEPS) -> list[float]:
+    """`train_losses` of a model the Engine builds on the meta device and initialises itself
+    (``meta_init=True``, seed 0): the model's ``init_weights`` on this rank's shards."""
+    from autosearch import Engine
+
+    engine = Engine(
+        lambda: make_model(kind),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+        strategy=strategy,
+        meta_init=True,
+        seed=0,
+    )
+    loader = engine.dataloader(dataset(kind), mode="train", steps_per_epoch=steps)
+    engine.prepare(mode="train")
+    return [engine.run(batch, mode="train")["loss"] for batch in loader]
+
+
+def job_equivalence_each(cases: list[dict]) -> dict:
+    """`job_equivalence` (`meta_init_losses` for a case with ``meta_init``), each case's error
+    (SpecError or not) recorded as its result, a string, so that one failing case does not take
+    the others of its launch with it."""
+    out: dict = {}
+    for case in cases:
+        try:
+            if case.get("meta_init"):
+                out[case["name"]] = meta_init_losses(case["strategy"], case["model"])
+                continue
+            out.update(job_equivalence([case]))
+        except Exception as exc:  # noqa: BLE001 - reported to the test that reads the case
+            out[case["name"]] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     return out
 
 
@@ -452,6 +528,7 @@ def job_meta_load(workdir: str) -> dict:
 
 JOBS = {
     "equivalence": job_equivalence,
+    "equivalence_each": job_equivalence_each,
     "predict": job_predict,
     "invalid": job_invalid,
     "api": job_api,

@@ -1,6 +1,6 @@
 """Multi-process helpers for tests/test_engine_hf_moe_families.py: tiny random transformers
 models of the mixture-of-experts families with their own wrapper (Qwen2-MoE, DeepSeek-V2/V3,
-gpt-oss, Llama 4 text; autosearch/models/hf/moe_families.py), built from their config classes
+gpt-oss, Llama 4 text; autosearch/models/hf/families.py), built from their config classes
 (nothing downloaded), trained for `engine_workers.STEPS` AdamW steps in the gloo workers of
 `engine_workers` (its launcher, with this module's job added).
 """

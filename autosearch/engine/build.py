@@ -25,22 +25,15 @@ def is_module(obj) -> bool:
 
 
 def wrap_known(model: nn.Module) -> nn.Module:
-    """A transformers Llama / Mistral / Qwen2 causal LM wrapped in `HFCausalLM`, a GPT-2 /
-    GPT-NeoX one in `HFGPTCausalLM`, a Qwen2-MoE / DeepSeek-V2/V3 / gpt-oss / Llama 4 one in
-    its family's wrapper (`autosearch.models.hf.moe_families`), with their plan and ModelSpec;
-    any other module as it is."""
+    """A transformers causal LM of a family the Engine trains wrapped in its family's wrapper
+    (`autosearch.models.hf.families`: its plan, ModelSpec and parameter names); any other
+    module as it is."""
     if type(model).__module__.startswith("transformers."):
-        from autosearch.models.hf.causal_lm import HFCausalLM, is_supported_hf_model
-        from autosearch.models.hf.gpt import HFGPTCausalLM, is_gpt_model
-        from autosearch.models.hf.moe_families import wrapper_class
+        from autosearch.models.hf.families import wrapper_class
 
-        if is_supported_hf_model(model):
-            return HFCausalLM(model)
-        if is_gpt_model(model):
-            return HFGPTCausalLM(model)
-        family = wrapper_class(model)  # Qwen2-MoE, DeepSeek-V2/V3, gpt-oss, Llama 4 text
-        if family is not None:
-            return family(model)
+        wrapper = wrapper_class(model)
+        if wrapper is not None:
+            return wrapper(model)
     return model
 
 
@@ -175,7 +168,18 @@ def materialize(part: nn.Module, *, device: torch.device, seed: int) -> None:
     its ``init_weights()``, else each submodule's ``reset_parameters()``, seeded by `seed`.
     Normal draws into DTensor shards on a mesh without DTensor's random-number tracker take
     their window of the whole weight's draw (`WholeWeightNormal`)."""
+    from autosearch.engine.parallelize import tied_parameters
+
+    tied = tied_parameters(part)
     part.to_empty(device=device)
+    # to_empty from the meta device gives each name of a tied plain parameter a tensor of its
+    # own (DTensors keep theirs): tie them again, else one process trains them untied
+    for group in tied:
+        first = part.get_parameter(group[0])
+        for name in group[1:]:
+            if part.get_parameter(name) is not first:
+                owner, _, leaf = name.rpartition(".")
+                setattr(part.get_submodule(owner) if owner else part, leaf, first)
     torch.manual_seed(seed)
     init = getattr(part, "init_weights", None)
     with WholeWeightNormal():

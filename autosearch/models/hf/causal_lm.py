@@ -97,11 +97,6 @@ def has_llama_layout(model, model_types: tuple[str, ...] | None = None) -> bool:
     )
 
 
-def is_supported_hf_model(model) -> bool:
-    """Whether the Engine wraps `model` by itself: a transformers model with `has_llama_layout`."""
-    return type(model).__module__.startswith("transformers.") and has_llama_layout(model)
-
-
 def _sequence_shards(module: nn.Module) -> int:
     """How many tp ranks share the sequence of this module's input (1 without sequence parallel).
 
@@ -145,6 +140,11 @@ class HFCausalLM(nn.Module):
     context_parallel: "ContextParallel | None" = None  # rotary angles at global positions
     model_types: tuple[str, ...] | None = None  # a family wrapper's own (None: the Llama ones)
     hf_attn_implementation = "sdpa"  # the attention kernel of the model `hf_model` returns
+
+    @classmethod
+    def takes(cls, model: nn.Module) -> bool:
+        """Whether this wrapper runs `model` (`autosearch.models.hf.families`)."""
+        return has_llama_layout(model, cls.model_types)
 
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         super().__init__()

@@ -150,6 +150,10 @@ class HFGPTCausalLM(HFCausalLM):
     base: str  # "transformer" (GPT-2) or "gpt_neox"
     layers_name: str  # "h" or "layers"
 
+    @classmethod
+    def takes(cls, model: nn.Module) -> bool:
+        return is_gpt_model(model)
+
     def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
         nn.Module.__init__(self)  # HFCausalLM's __init__ reads the Llama layout
         if not is_gpt_model(hf_model):
