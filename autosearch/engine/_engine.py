@@ -761,8 +761,8 @@ class Engine:
         return self.trainer_.load(path, strict=strict, load_optimizer=load_optimizer)
 
     def save_pretrained(self, folder: str) -> None:
-        """Save a Hugging Face model (Llama / Mistral / Qwen2) in transformers' format, loadable by
-        ``AutoModelForCausalLM.from_pretrained(folder)``, from any strategy."""
+        """Save a Hugging Face model (any family the Engine wraps) in transformers' format,
+        loadable by ``AutoModelForCausalLM.from_pretrained(folder)``, from any strategy."""
         from autosearch.models.hf.causal_lm import save_pretrained
 
         self.prepare()

@@ -1,3 +1,2 @@
 """Adapters that run Hugging Face ``transformers`` causal LMs under the Engine, parameters under
-their own names: `causal_lm` (the Llama layout: Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) and
-`gpt` (GPT-2, GPT-NeoX)."""
+their own names; `families` says which wrapper takes which ``model_type``."""

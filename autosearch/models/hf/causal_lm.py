@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` causal LMs under the Engine: Llama, Mistral and Qwen2 families.
+"""Hugging Face ``transformers`` causal LMs of the Llama layout under the Engine, and the base the
+other families' wrappers build on (`autosearch.models.hf.families`).
 
 `HFCausalLM` wraps a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (or any
 model of those ``model_type``s with the same layout) without copying it, and gives the Engine what
