@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from optuna.trial import TrialState
 
 from autosearch.core.errors import SpecError
+from autosearch.core.schema import read_progress
 from autosearch.tuning._checks import (
     OUTPUT_FILES,
     check_other_study,
@@ -148,6 +149,7 @@ def tune(
     t_start = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    progress = read_progress(progress, "progress")
     config, objects = _config_of(config, cluster, options, settings)
     job = prepare(config, cost_model=cost_model, **objects)
     with storage_errors(describe_storage(job.storage)):
