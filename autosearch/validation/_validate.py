@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
-from autosearch.core.schema import read_count, read_integer
 from autosearch.core.runtime import engine_lacks
+from autosearch.core.schema import read_count, read_integer
 from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
 from autosearch.validation._config import read_positive, read_steps_before
 from autosearch.validation._factory import check_factory
