@@ -85,6 +85,27 @@ def read_text(value: Any, where: str) -> str:
     return value.strip()
 
 
+def read_text_file(value: Any, where: str) -> str:
+    """The path of a text file the job reads (a CSV of measurements): it must be a regular file
+    of UTF-8 text, checked here, before any work, so that a binary file is refused by name
+    rather than deep in a parser (a missing file is left to the reader, which says what it
+    wanted there)."""
+    from autosearch.core._io import read_regular_file
+
+    path = read_text(value, where)
+    if not os.path.lexists(path):
+        return path
+    raw = read_regular_file(path, what=where, limit=64 << 20)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            f"{where} {path!r} is not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x}); "
+            "give the CSV that calibrate wrote"
+        ) from None
+    return path
+
+
 def read_integer(value: Any, where: str, low: int, high: int) -> int:
     value = read_single(value, where)
     if isinstance(value, str):
