@@ -289,6 +289,10 @@ def _os_error(exc: BaseException) -> OSError | None:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         if isinstance(e, RuntimeError) and "PytorchStreamWriter failed" in str(e):
             return OSError(errno.EIO, str(e).splitlines()[0])
+        if isinstance(e, RuntimeError) and "unexpected pos" in str(e):
+            # torch.save's zip writer finding its file shorter than it wrote: a write that the
+            # disk cut short ("[enforce fail at inline_container.cc] unexpected pos 4544 vs 4438")
+            return OSError(errno.EIO, "a write was cut short (is the disk full?)")
     return None
 
 
