@@ -150,6 +150,19 @@ class FitConfig:
         return p
 
 
+def data_problem(data: Any, name: str) -> list[str]:
+    """Why `data` is not a dataset the Engine's loader reads: a map-style dataset (``len`` and
+    ``[i]``) or an iterable one; checked before the loader (torch's sampler says only "object
+    of type 'NoneType' has no len()")."""
+    mapped = hasattr(data, "__getitem__") and hasattr(data, "__len__")
+    if data is None or isinstance(data, (str, bytes)) or not (mapped or hasattr(data, "__iter__")):
+        return [
+            f"{name}={_short(data)}: {name} must be a dataset of (inputs, labels) samples: "
+            "a map-style dataset (len and [i], e.g. TokenFile or a list) or an iterable one"
+        ]
+    return []
+
+
 def loader_problems(
     *,
     batch_size: Any,
