@@ -1036,12 +1036,14 @@ def checked_values(trials: list, runner: "_Runner", top_k: int) -> list:
     while True:
         ranked = read_candidates(trials, top_k=None if multi else top_k)
         shown = _pareto(ranked, runner.objective) if multi else ranked
-        todo = [c for c in shown if c.trial_number not in checked]
+        todo = [c for c in shown if c.trial_number is not None and c.trial_number not in checked]
         if not todo:
             break
         for c in todo:
-            checked.add(c.trial_number)
-            trial = trials[where[c.trial_number]]
+            number = c.trial_number
+            assert number is not None
+            checked.add(number)
+            trial = trials[where[number]]
             report = runner.estimate(c.strategy)
             now = runner.objective.values(report)
             stored = tuple(trial.values or ())
@@ -1052,10 +1054,11 @@ def checked_values(trials: list, runner: "_Runner", top_k: int) -> list:
             fixed = copy.deepcopy(trial)
             fixed.values = list(now)
             fixed.set_user_attr(ATTR_REPORT, report.to_dict(flat=False))
-            trials[where[c.trial_number]] = fixed
+            trials[where[number]] = fixed
+            shown_values = [", ".join(f"{v:,.6g}" for v in vs) for vs in (stored, now)]
             changed.append(
-                f"trial {trial.number} ({c.strategy.short()}): stored "
-                f"{', '.join(f'{v:,.6g}' for v in stored)}, scores {', '.join(f'{v:,.6g}' for v in now)}"
+                f"trial {trial.number} ({c.strategy.short()}): stored {shown_values[0]}, "
+                f"scores {shown_values[1]}"
             )
     if changed:
         warnings.warn(
