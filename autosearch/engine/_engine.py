@@ -18,6 +18,7 @@ from autosearch.core.errors import SpecError
 from autosearch.engine._options import (
     FitConfig,
     call,
+    checkpoint_problem,
     data_problem,
     engine_argument_problems,
     loader_problems,
@@ -759,6 +760,9 @@ class Engine:
         from), or with ``training=False`` a plain inference state dict file (``torch.load``-able,
         full tensors, original parameter names). Replacing an existing checkpoint is crash-safe:
         a kill leaves the previous one or the new one complete (`autosearch.engine.checkpoint`)."""
+        problems = checkpoint_problem(path, loading=False)
+        if problems:
+            raise SpecError(problems, context="save")
         self.prepare()
         self.trainer_.save(path, training=training)
 
@@ -769,6 +773,9 @@ class Engine:
         RNG). Only tensors and plain values are read (no code runs from a checkpoint; see
         `autosearch.engine.checkpoint` for what must still be trusted).
         """
+        problems = checkpoint_problem(path, loading=True)
+        if problems:
+            raise SpecError(problems, context="load")
         self.prepare()
         return self.trainer_.load(path, strict=strict, load_optimizer=load_optimizer)
 
