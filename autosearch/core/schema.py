@@ -156,6 +156,27 @@ def read_price(value: Any, where: str) -> float:
     return float(value)
 
 
+def read_positive(noun: str, example: str):
+    """A finite number > 0 (seconds, GiB), from a number or its text."""
+
+    def read(value: Any, where: str) -> float:
+        value = read_single(value, where)
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise SpecError(f"{where}: {value!r} is not a number of {noun}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where} must be a number of {noun}, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(
+                f"{where} must be a number of {noun} > 0 (e.g. {example}), got {value}"
+            )
+        return float(value)
+
+    return read
+
+
 def read_seq_len(value: Any, where: str) -> int:
     from autosearch.core._io import INT_LIMITS
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
 from autosearch.core.runtime import engine_lacks
-from autosearch.core.schema import read_count, read_integer
+from autosearch.core.schema import read_count, read_integer, read_positive
 from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
-from autosearch.validation._config import read_positive, read_steps_before
+from autosearch.validation._config import read_steps_before
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
 from autosearch.validation._slurm import launch_slurm
