@@ -200,6 +200,23 @@ class TuneRequest:
     calibration_dir: str | None = None
     wait_timeout_s: float | None = None
 
+    def __post_init__(self) -> None:
+        """The numbers of the real runs, checked as ``autosearch validate`` checks its flags,
+        before any search (a negative timeout would run a candidate and record a timeout)."""
+        from autosearch.core.schema import read_integer, read_positive
+
+        seconds = read_positive("seconds", "600")
+        object.__setattr__(
+            self, "validate_top_k", read_integer(self.validate_top_k, "validate_top_k", 0, 1024)
+        )
+        object.__setattr__(self, "steps", read_integer(self.steps, "steps", 1, 1_000_000))
+        object.__setattr__(self, "warmup", read_integer(self.warmup, "warmup", 0, 1_000_000))
+        object.__setattr__(self, "timeout_s", seconds(self.timeout_s, "timeout_s"))
+        if self.wait_timeout_s is not None:
+            object.__setattr__(
+                self, "wait_timeout_s", seconds(self.wait_timeout_s, "wait_timeout_s")
+            )
+
 
 def tune_engine(
     request: TuneRequest,

@@ -180,7 +180,19 @@ class SpaceConfig:
                 f" spaces: {', '.join(shipped_spaces())}"
             )
         data = read_yaml_mapping(path, what="search space")
-        if "space" in data and isinstance(data["space"], dict):
+        if "space" in data:  # a space under `space:`, as a study.yaml records it
+            others = sorted(str(k) for k in data if k != "space")
+            if others or not isinstance(data["space"], dict):
+                raise SpecError(
+                    f"search space file {path!r}: "
+                    + (
+                        f"{', '.join(others)} beside 'space' would be ignored; put every "
+                        "dimension under space:, or write the file without it"
+                        if others
+                        else f"space must be a mapping of dimension: values, got "
+                        f"{type(data['space']).__name__}"
+                    )
+                )
             data = data["space"]
         return cls.from_dict(data, what=f"search space file {path!r}")
 
@@ -188,12 +200,18 @@ class SpaceConfig:
         """A copy with some dimensions pinned (a scalar) or narrowed (a list); ``"all"`` or None
         re-opens an integer dimension. Unknown keys are rejected with the list of valid ones."""
         changes: dict[str, Any] = {}
+        spelled: dict[str, str] = {}
         unknown = []
-        for key, value in pins.items():
-            key = ALIASES.get(key, key)
+        for given, value in pins.items():
+            key = ALIASES.get(given, given)
             if key not in self.KEYS:
                 unknown.append(key)
                 continue
+            if key in spelled:  # mp and tp: one dimension given twice
+                raise SpecError(
+                    f"{what}: {spelled[key]!r} and {given!r} both set {key}; give it once"
+                )
+            spelled[key] = given
             if isinstance(value, str) and value.lower() in _ALL_WORDS:
                 value = None
             if value is None and key in _CHOICE_DIMS:

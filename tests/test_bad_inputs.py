@@ -145,6 +145,8 @@ TUNE = ("tune", "--model", "llama3-8b", "--cluster", "h100-sxm:1x8", "--quiet")
 TUNE_B = TUNE + ("--global-batch-size", "64")
 SWEEP = ("sweep", "--models", "llama3-8b", "--global-batch-sizes", "64", "--quiet")
 EXPORT = ("export", "--to", "megatron", "--strategy")
+VALIDATE = ("validate", "--strategies", "s.yaml", "--model", "llama3-8b")
+CONFIG_OK = "model: llama3-8b\ncluster: h100-sxm:1x8\nglobal_batch_size: 64\n"
 HAS_PSYCOPG = importlib.util.find_spec("psycopg") is not None
 HAS_PYMYSQL = importlib.util.find_spec("pymysql") is not None
 NOBODY = 65534
@@ -1413,11 +1415,406 @@ CASES = [
         api="Engine(ENGINE).dataloader([], num_workers=-1)",
         expect=("num_workers=-1",),
     ),
+    # ---- issue 35: one typed schema at every entry point, the table grown by class -------------
+    # Each class lists the cases that exercise it across every entry point that reads that kind
+    # of input (a CLI flag, a --config file, a YAML / JSON file, the Python API); the ids say the
+    # class: i35.type-, i35.number-, i35.spelling-, i35.engine-, i35.fault-.
+    # -- types: a file or a call gives the wrong kind of value
+    *[
+        Case(f"i35.type-cluster-file-gpu-{name}", cli=est(cluster="c.yaml"), files=files, expect=e)
+        for name, files, e in [
+            (
+                "list",
+                {"c.yaml": "gpu: [h100-sxm]\nn_nodes: 1\ngpus_per_node: 8\n"},
+                ("c.yaml", "gpu", "['h100-sxm'] (a list)"),
+            ),
+            (
+                "int",
+                {"c.yaml": "gpu: 8\nn_nodes: 1\ngpus_per_node: 8\n"},
+                ("c.yaml", "gpu", "8 (an int)"),
+            ),
+        ]
+    ],
+    Case(
+        "i35.type-config-cluster-gpu-list",
+        cli=("tune", "--config", "c.yaml"),
+        files={
+            "c.yaml": "model: llama3-8b\nglobal_batch_size: 64\n"
+            "cluster: {gpu: [h100-sxm], n_nodes: 1, gpus_per_node: 8}\n"
+        },
+        expect=("--cluster", "gpu", "(a list)"),
+    ),
+    *[
+        Case(f"i35.type-api-{name}", api=code, expect=e, raises=raises)
+        for name, code, e, raises in [
+            ("cluster-gpu-list", "Cluster(gpu=['h100-sxm'])", ("gpu", "(a list)"), ("SpecError",)),
+            (
+                "cluster-dict-gpu-int",
+                "Cluster.from_dict({'gpu': 5, 'n_nodes': 1, 'gpus_per_node': 8})",
+                ("gpu", "5 (an int)"),
+                ("SpecError",),
+            ),
+            (
+                "cluster-parse-mapping-gpu-list",
+                "Cluster.parse({'gpu': ['h100-sxm'], 'n_nodes': 1, 'gpus_per_node': 8})",
+                ("gpu", "(a list)"),
+                ("SpecError",),
+            ),
+            (
+                "cluster-from-list",
+                "Cluster.from_dict([1])",
+                ("mapping", "(a list)"),
+                ("SpecError",),
+            ),
+            ("cluster-parse-none", "Cluster.parse(None)", ("cluster", "None"), ("SpecError",)),
+            (
+                "estimate-cluster-none",
+                f"estimate('llama3-8b', None, {OK_STRATEGY!r})",
+                ("cluster", "None"),
+                ("SpecError",),
+            ),
+            (
+                "estimate-model-none",
+                f"estimate(model=None, cluster='h100-sxm:1x8', strategy={OK_STRATEGY!r})",
+                ("model", "None (a NoneType)"),
+                ("TypeError",),
+            ),
+            ("model-load-none", "ModelSpec.load(None)", ("model", "None"), ("TypeError",)),
+            (
+                "strategy-from-list",
+                "Strategy.from_dict([1, 2])",
+                ("strategy", "mapping", "(a list)"),
+                ("SpecError",),
+            ),
+            (
+                "tune-progress-text",
+                "tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, progress='yes')",
+                ("progress", "'yes'", "callable"),
+                ("SpecError",),
+            ),
+            (
+                "tune-pin-int",
+                "tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, pin=5)",
+                ("pin", "KEY=VALUE"),
+                ("SpecError",),
+            ),
+        ]
+    ],
+    # a hardware profile's lists and mappings, through --cluster and through Cluster(gpu=...)
+    *[
+        Case(
+            f"i35.type-profile-{key}", cli=est(cluster="p.yaml:1x8"), files={"p.yaml": p}, expect=e
+        )
+        for key, p, e in [
+            ("sources", PROFILE + "sources: 5\n", ("p.yaml", "sources", "list of texts")),
+            ("measured", PROFILE + "measured: 5\n", ("p.yaml", "measured", "list of texts")),
+            ("calibration", PROFILE + "calibration: [1]\n", ("p.yaml", "calibration", "mapping")),
+            (
+                "op-efficiency",
+                PROFILE.replace("latency_s: 8.0e-6,", "latency_s: 8.0e-6, op_efficiency: [1],"),
+                ("p.yaml", "intra_node.op_efficiency", "mapping"),
+            ),
+            (
+                "attention-kernels",
+                PROFILE.replace("fp32: 0.45}}", "fp32: 0.45}, kernels: 3}"),
+                ("p.yaml", "attention.kernels", "mapping"),
+            ),
+            ("description", PROFILE + "description: [a]\n", ("p.yaml", "description", "text")),
+        ]
+    ],
+    Case(
+        "i35.type-api-profile-measured",
+        api="Cluster(gpu='p.yaml')",
+        files={"p.yaml": PROFILE + "measured: 5\n"},
+        expect=("p.yaml", "measured", "list of texts"),
+    ),
+    # a JSON nested thousands deep, wherever JSON is read
+    Case(
+        "i35.type-hf-config-nested-deep",
+        cli=est(model="config.json"),
+        files={"config.json": '{"a":' * 5000 + "1" + "}" * 5000},
+        expect=("config.json", "nested too deeply"),
+    ),
+    Case(
+        "i35.type-api-hf-config-nested-deep",
+        api="ModelSpec.load('config.json')",
+        files={"config.json": "[" * 5000 + "]" * 5000},
+        expect=("config.json", "nested too deeply"),
+    ),
+    Case(
+        "i35.type-config-json-nested-deep",
+        cli=("tune", "--config", "c.json"),
+        files={"c.json": '{"a":' * 5000 + "1" + "}" * 5000},
+        expect=("c.json", "nested too deeply"),
+    ),
+    Case(
+        "i35.type-space-not-a-mapping",
+        cli=TUNE_B + ("--space", "s.yaml"),
+        files={"s.yaml": "space: [1, 2]\n"},
+        expect=("s.yaml", "space must be a mapping"),
+    ),
+    # binary files where a CSV is read: refused, and left as they are
+    Case(
+        "i35.type-sweep-out-binary",
+        cli=SWEEP + ("--clusters", "h100-sxm:1x8", "--out", "s.csv"),
+        files={"s.csv": bytes(range(128, 256)) * 8},
+        expect=("s.csv", "not UTF-8"),
+    ),
+    Case(
+        "i35.type-calibrate-from-csv-binary",
+        cli=("calibrate", "--from-csv", "m.csv", "--out", "c.yaml"),
+        files={"m.csv": bytes(range(128, 256)) * 8},
+        expect=("--from-csv", "m.csv", "not UTF-8"),
+        timeout_s=120,  # calibrate's imports (slow when the machine is loaded)
+    ),
+    # -- numbers outside their domain: finite, signs, bounds
+    *[
+        Case(f"i35.number-validate-{name}", cli=VALIDATE + flags, expect=e)
+        for name, flags, e in [
+            ("memory-limit-nan", ("--memory-limit-gib", "nan"), ("--memory-limit-gib", "nan")),
+            ("memory-limit-inf", ("--memory-limit-gib", "inf"), ("--memory-limit-gib", "inf")),
+            ("timeout-negative", ("--timeout-s", "-5"), ("--timeout-s", "> 0", "-5")),
+        ]
+    ],
+    Case(
+        "i35.number-validate-config-timeout-negative",
+        cli=("validate", "--config", "c.yaml"),
+        files={"c.yaml": "strategies: [s.yaml]\nmodel: llama3-8b\ntimeout_s: -1\n"},
+        expect=("c.yaml", "timeout_s", "> 0"),
+    ),
+    *[
+        Case(f"i35.number-api-{name}", api=code, expect=e)
+        for name, code, e in [
+            (
+                "validate-timeout-negative",
+                "validate('llama3-8b', [Strategy()], timeout_s=-1)",
+                ("timeout_s", "> 0", "-1"),
+            ),
+            (
+                "validate-memory-limit-nan",
+                "validate('llama3-8b', [Strategy()], memory_limit_bytes=float('nan'))",
+                ("memory_limit_bytes", "nan"),
+            ),
+            ("engine-tune-timeout-negative", "Engine(ENGINE).tune(timeout_s=-5)", ("timeout_s",)),
+            (
+                "engine-tune-validate-top-k-negative",
+                "Engine(ENGINE).tune(validate_top_k=-1)",
+                ("validate_top_k", ">= 0"),
+            ),
+            (
+                "tune-price-1e308",
+                "tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, "
+                "price_per_gpu_hour=1e308)",
+                ("price_per_gpu_hour", "100,000"),
+            ),
+            (
+                "tune-seed-negative",
+                "tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, seed=-1)",
+                ("seed", ">= 0"),
+            ),
+        ]
+    ],
+    *[
+        Case(f"i35.number-{name}", cli=cli, expect=e)
+        for name, cli, e in [
+            ("tune-price-1e308", TUNE_B + ("--price-per-gpu-hour", "1e308"), ("100,000",)),
+            (
+                "sweep-price-1e308",
+                SWEEP + ("--clusters", "h100-sxm:1x8", "--price-per-gpu-hour", "1e308"),
+                ("--price-per-gpu-hour", "100,000"),
+            ),
+            (
+                "sweep-price-per-gpu-1e308",
+                SWEEP + ("--clusters", "h100-sxm:1x8", "--price-per-gpu-hour", "h100-sxm=1e308"),
+                ("--price-per-gpu-hour (h100-sxm)", "100,000"),
+            ),
+            ("tune-seed-negative", TUNE_B + ("--seed", "-1"), ("--seed", ">= 0")),
+            ("tune-seed-huge", TUNE_B + ("--seed", str(1 << 40)), ("--seed", "above the limit")),
+            (
+                "sweep-seed-negative",
+                SWEEP + ("--clusters", "h100-sxm:1x8", "--seed", "-1"),
+                ("--seed", ">= 0"),
+            ),
+        ]
+    ],
+    *[
+        Case(f"i35.number-config-{name}", cli=("tune", "--config", "c.yaml"), files=f, expect=e)
+        for name, f, e in [
+            (
+                "price-1e308",
+                {"c.yaml": CONFIG_OK + "price_per_gpu_hour: 1.0e+308\n"},
+                ("c.yaml", "price_per_gpu_hour", "100,000"),
+            ),
+            ("seed-negative", {"c.yaml": CONFIG_OK + "seed: -1\n"}, ("c.yaml", "seed", ">= 0")),
+            (
+                "seed-float",
+                {"c.yaml": CONFIG_OK + "seed: 1.5\n"},
+                ("c.yaml", "seed", "integer"),
+            ),
+        ]
+    ],
+    # -- two spellings of one thing: refused, naming both
+    *[
+        Case(f"i35.spelling-config-{cmd}", cli=(cmd, "--config", "c.yaml"), files=f, expect=e)
+        for cmd, f, e in [
+            (
+                "tune",
+                {
+                    "c.yaml": CONFIG_OK.replace("global_batch_size", "global-batch-size")
+                    + "global_batch_size: 128\n"
+                },
+                ("'global-batch-size' and 'global_batch_size'", "given twice"),
+            ),
+            (
+                "estimate",
+                {
+                    "c.yaml": "model: llama3-8b\ncluster: h100-sxm:1x8\nstrategy: dp=8\n"
+                    "global-batch-size: 64\nglobal_batch_size: 64\n"
+                },
+                ("'global-batch-size' and 'global_batch_size'", "given twice"),
+            ),
+            (
+                "sweep",
+                {
+                    "c.yaml": "models: llama3-8b\nclusters: h100-sxm:1x8\n"
+                    "global-batch-sizes: 64\nglobal_batch_sizes: 64\n"
+                },
+                ("'global-batch-sizes' and 'global_batch_sizes'", "given twice"),
+            ),
+        ]
+    ],
+    Case(
+        "i35.spelling-pin-through-alias",
+        cli=TUNE_B + ("--pin", "mp=2", "--pin", "tp=4"),
+        expect=("tp is pinned twice", "as mp and as tp"),
+    ),
+    Case(
+        "i35.spelling-api-pin-through-alias",
+        api="tune('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, pin={'mp': 2, 'tp': 4})",
+        expect=("tp is pinned twice",),
+    ),
+    Case(
+        "i35.spelling-api-space-alias",
+        api="SearchSpace('llama3-8b', 'h100-sxm:1x8', global_batch_size=64, mp=2, tp=4)",
+        expect=("'mp' and 'tp' both set tp",),
+    ),
+    Case(
+        "i35.spelling-space-file-alias",
+        cli=TUNE_B + ("--space", "s.yaml"),
+        files={"s.yaml": "mp: [2]\ntp: [4]\n"},
+        expect=("s.yaml", "'mp' and 'tp' both set tp"),
+    ),
+    Case(
+        "i35.spelling-space-file-keys-beside-space",
+        cli=TUNE_B + ("--space", "s.yaml"),
+        files={"s.yaml": "space:\n  tp: [1, 2]\npp: [1]\n"},
+        expect=("s.yaml", "pp beside 'space'"),
+    ),
+    Case(
+        "i35.spelling-strategy-file-alias",
+        cli=est("s.yaml"),
+        files={"s.yaml": "dp: 1\nmp: 8\ntp: 8\npp: 1\nglobal_batch_size: 64\n"},
+        expect=("s.yaml", "'tp' is given twice"),
+    ),
+    Case(
+        "i35.spelling-api-strategy-alias",
+        api="Strategy.from_dict({'mp': 2, 'tp': 2})",
+        expect=("'tp' is given twice",),
+    ),
+    Case(
+        "i35.spelling-hf-dense-family-with-experts",
+        cli=est(model="config.json"),
+        files={"config.json": json.dumps({**HF_TINY, "model_type": "qwen2", "num_experts": 8})},
+        expect=("config.json", "qwen2", "dense family", "num_experts = 8", "qwen2_moe"),
+    ),
+    Case(
+        "i35.spelling-api-hf-dense-family-with-experts",
+        api="ModelSpec.load('config.json')",
+        files={"config.json": json.dumps({**HF_TINY, "n_routed_experts": 4})},
+        expect=("llama", "dense family", "n_routed_experts"),
+    ),
+    *[
+        Case(f"i35.spelling-sweep-{flag.strip('-')}", cli=cli, expect=(flag, "twice") + e)
+        for flag, cli, e in [
+            (
+                "--clusters",
+                SWEEP + ("--clusters", "h100:1x8,h100-sxm:1x8"),
+                ("'h100:1x8' and 'h100-sxm:1x8'",),
+            ),
+            (
+                "--models",
+                ("sweep", "--models", "llama3-8b,llama3-8b", "--global-batch-sizes", "64")
+                + ("--clusters", "h100-sxm:1x8"),
+                (),
+            ),
+            (
+                "--global-batch-sizes",
+                ("sweep", "--models", "llama3-8b", "--global-batch-sizes", "64,64")
+                + ("--clusters", "h100-sxm:1x8"),
+                (),
+            ),
+        ]
+    ],
+    # -- the Engine's inputs, refused before a model is built
+    *[
+        Case(f"i35.engine-{name}", api=code, expect=e, files=files)
+        for name, code, e, files in [
+            ("fit-none", "Engine(ENGINE).fit(None)", ("fit", "train_data=None", "dataset"), {}),
+            ("evaluate-int", "Engine(ENGINE).evaluate(5)", ("valid_data=5", "dataset"), {}),
+            ("predict-text", "Engine(ENGINE).predict('data')", ("test_data='data'",), {}),
+            ("dataloader-none", "Engine(ENGINE).dataloader(None)", ("dataset=None",), {}),
+            (
+                "load-text-file",
+                "Engine(ENGINE).load('t.txt')",
+                ("t.txt", "not a checkpoint"),
+                {"t.txt": "hello world\n"},
+            ),
+            ("load-none", "Engine(ENGINE).load(None)", ("path=None", "checkpoint"), {}),
+            ("save-int", "Engine(ENGINE).save(5)", ("path=5",), {}),
+            *[
+                (
+                    f"world-size-{n}",
+                    f"import os; os.environ['WORLD_SIZE'] = {v!r}; Engine(ENGINE).prepare()",
+                    (f"WORLD_SIZE={v!r}", "torchrun"),
+                    {},
+                )
+                for n, v in (("word", "abc"), ("zero", "0"), ("float", "2.5"))
+            ],
+        ]
+    ],
+    Case(
+        "i35.engine-hf-family-not-wrapped",
+        api="import transformers; c = transformers.OPTConfig(num_hidden_layers=1, hidden_size=32,"
+        " num_attention_heads=2, ffn_dim=64, vocab_size=64, word_embed_proj_dim=32);"
+        " Engine(transformers.OPTForCausalLM(c)).prepare()",
+        expect=("OPTForCausalLM", "'opt'", "llama"),
+        timeout_s=120,  # transformers' import
+    ),
+    # -- faults: paths checked before anything is made
+    *[
+        Case(f"i35.fault-long-out-{name}", cli=cli, expect=("--out", "cannot be made") + e)
+        for name, cli, e in [
+            ("tune-name", TUNE_B + ("--out", "a/" + "x" * 300 + "/o"), ("300 bytes",)),
+            ("export-name", EXPORT + (OK_STRATEGY, "--out", "a/" + "x" * 300), ("300 bytes",)),
+            (
+                "sweep-name",
+                SWEEP + ("--clusters", "h100-sxm:1x8", "--out", "a/" + "x" * 300 + ".csv"),
+                ("304 bytes",),
+            ),
+            (
+                "sweep-report-name",
+                SWEEP + ("--clusters", "h100-sxm:1x8", "--out", "a/" + "x" * 250 + ".csv"),
+                ("_report", "257 bytes"),
+            ),
+            ("tune-path", TUNE_B + ("--out", "/".join(["y" * 200] * 25)), ("over the 4095",)),
+        ]
+    ],
 ]
 
 
 def _api_namespace() -> dict:
     from autosearch import Cluster, Engine, ModelSpec, SpecError, Strategy, estimate, tune
+    from autosearch.validation import validate
     from search_spaces import SearchSpace
 
     def never_built():
@@ -1433,6 +1830,7 @@ def _api_namespace() -> dict:
         SearchSpace=SearchSpace,
         estimate=estimate,
         tune=tune,
+        validate=validate,
     )
 
 

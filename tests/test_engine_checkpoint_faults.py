@@ -271,3 +271,39 @@ def test_a_pickle_in_the_shards_is_refused_in_one_message(tmp_path):
             str(tmp_path / "ckpt")
         )
     assert not marker.exists()
+
+
+def test_a_shard_carrying_a_pickle_is_refused_saying_why(tmp_path):
+    """Issue 35: a DCP shard (not only .metadata) holding a pickle that would run a command is
+    refused in one message that says torch's restricted unpickler refused it, and why."""
+    e = Engine(
+        W.make_model("gpt"), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), strategy=STRATEGY
+    )
+    e.save(str(tmp_path / "ckpt"))
+    marker = tmp_path / "pwned"
+    for shard in (tmp_path / "ckpt").glob("*.distcp"):
+        data = shard.read_bytes()
+        crafted = pickle.dumps(_Marker(str(marker)))
+        shard.write_bytes(crafted + data[len(crafted) :])
+    with pytest.raises(SpecError, match="restricted unpickler refused it: .+") as refused:
+        Engine(
+            W.make_model("gpt"),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+            strategy=STRATEGY,
+        ).load(str(tmp_path / "ckpt"))
+    assert "CheckpointException" not in str(refused.value)
+    assert not marker.exists()
+
+
+def test_a_train_state_cut_short_by_a_full_disk_is_said_as_such():
+    """Issue 35: torch.save's zip writer, finding its file shorter than it wrote (a full disk
+    during the train state of a second save), ends in the checkpoint's one message."""
+    from autosearch.engine.checkpoint import _writing
+
+    def cut_short():
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 4544 vs 4438"
+        )
+
+    with pytest.raises(SpecError, match="cannot save checkpoint 'ck': a write was cut short"):
+        _writing(cut_short, path="ck")

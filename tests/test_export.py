@@ -748,3 +748,44 @@ def test_megatron_pipeline_layout_carries_any_split(name, pp, v, split):
     assert stages[-1].count("m") == model.mtp_layers
     if not model.moe:
         assert megatron_round_trip(out.text, world)[1].pipeline_split == split
+
+
+def test_a_full_disk_during_export_ends_in_one_message_and_leaves_no_half_set(
+    tmp_path, monkeypatch
+):
+    """Issue 35: the disk fills at the third file: one SpecError naming the file and the disk,
+    and none of the files this export added (nor the folder it made) stay behind."""
+    import errno
+
+    import autosearch.export as exporting
+    from autosearch.core import _files
+
+    real, calls = exporting.atomic_write, []
+
+    def filling(path, data, **kw):
+        calls.append(path)
+        if len(calls) == 3:
+            raise SpecError(f"cannot write {path!r}: No space left on device")
+        real(path, data, **kw)
+
+    monkeypatch.setattr(exporting, "atomic_write", filling)
+    strategy = Strategy(dp=8, global_batch_size=64)
+    with pytest.raises(SpecError, match="No space left.*the files this export added were removed"):
+        exporting.write_exports(tmp_path / "e", strategy)
+    assert not (tmp_path / "e").exists()
+
+    # ... and when even the folder's marker cannot be written
+    class FullDisk:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(exporting, "atomic_write", real)
+    monkeypatch.setattr(_files, "os", FullDisk())
+    with pytest.raises(SpecError, match="No space left on device.*disk is full"):
+        exporting.write_exports(tmp_path / "f" / "g", strategy)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []

@@ -417,3 +417,11 @@ def test_new_dimensions_have_rules():
     assert any("needs recompute=full" in p for p in bad)
     odd = model.scaled(seq_len=1000)
     assert any("divisible by 2*cp = 16" in p for p in Strategy(cp=8).problems(odd))
+
+
+def test_an_integer_read_as_a_float_stays_an_integer():
+    """Issue 35: ``zero_stage: 1.0`` is stage 1, an int (it printed as ``z1.0`` before), as a
+    degree of 8.0 is 8."""
+    s = Strategy.from_dict({"dp": 8.0, "zero_stage": 1.0, "global_batch_size": 64})
+    assert type(s.zero_stage) is int and type(s.dp) is int
+    assert "-z1-" in s.short() and "z1.0" not in s.short()

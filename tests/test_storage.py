@@ -289,3 +289,24 @@ def test_random_sampling_keeps_exact_counts_across_shadow_renewals(tmp_path, mon
     trials = load_study(result.study.study_name, storage=str(storage)).study.get_trials()
     assert result.n_trials == len(trials) == 60
     assert sorted(t.number for t in trials) == list(range(60))
+
+
+def test_a_stored_value_edited_by_hand_is_rescored_not_trusted(tmp_path):
+    """Issue 35: a journal whose stored objective of one trial was multiplied by 1000 by hand:
+    the resumed study warns (RescoredTrialWarning, naming the trial) and ranks the trial by
+    what its strategy scores now, so the best stays the real best."""
+    from autosearch.tuning._study import RescoredTrialWarning
+
+    journal = tmp_path / "s.journal"
+    args = dict(global_batch_size=64, n_trials=12, sampler="random", storage=str(journal))
+    first = tune("llama3-8b", "h100-sxm:1x8", **args)
+    lines = journal.read_text().splitlines()
+    scored = [(i, json.loads(ln)) for i, ln in enumerate(lines) if '"value":' in ln]
+    i, record = min(((i, r) for i, r in scored if r.get("value")), key=lambda ir: ir[1]["value"])
+    record["value"] *= 1000
+    lines[i] = json.dumps(record)
+    journal.write_text("\n".join(lines) + "\n")
+    with pytest.warns(RescoredTrialWarning, match="1 trial"):
+        again = tune("llama3-8b", "h100-sxm:1x8", **args)
+    assert again.best_strategy == first.best_strategy
+    assert again.best_report.tokens_per_s == pytest.approx(first.best_report.tokens_per_s)

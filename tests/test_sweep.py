@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -74,6 +77,70 @@ def test_sweep_writes_one_row_per_combination_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     strip = lambda rs: [{k: v for k, v in r.items() if k != "search_s"} for r in rs]  # noqa: E731
     assert strip(_rows(out)) == strip(rows)
+
+
+KILLS = 4  # SIGKILLs of the sweep, each once it has appended a row
+# 12 combinations: 3 models x 2 clusters x 2 batches
+KILLED_SWEEP = (
+    ("--models", "llama3-8b,llama3-70b,gpt3-175b"),
+    ("--clusters", "h100-sxm:1x8,h100-sxm:4x8"),
+    ("--global-batch-sizes", "64,128"),
+    ("--n-trials", "6"),
+    ("--jobs", "1"),
+)
+
+
+def _records(path) -> int:
+    try:
+        return open(path, "rb").read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_again_and_again_has_each_combination_once(tmp_path):
+    """Issue 35: the sweep is killed (SIGKILL, no clean-up of any kind) as soon as it has
+    appended a row, `KILLS` times, with a record torn mid-write left once; the same command then
+    finishes, and each of the 12 combinations is in the CSV exactly once (the resume is keyed
+    by the combination)."""
+    out = tmp_path / "sweep.csv"
+    cmd = [sys.executable, "-m", "autosearch", "sweep", "--out", str(out), "--quiet"]
+    cmd += [x for pair in KILLED_SWEEP for x in pair]
+    kills = 0
+    for i in range(KILLS):
+        before = _records(out)
+        run = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while run.poll() is None and _records(out) <= before + (before == 0):
+            assert time.monotonic() < deadline, "the sweep appended no row in 120 s"
+            time.sleep(0.01)
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)  # the sweep and any worker, mid-run
+            kills += 1
+        run.wait()
+        run.stderr.close()
+        if i == 1:  # what a kill inside a write leaves: half a record, a newline in its quotes
+            with open(out, "a") as f:
+                f.write(
+                    'llama3-70b,70.55,,8192,h100-sxm:4x8,h100-sxm,4,8,32,128,1048576,invalid,,"a'
+                )
+                f.write("\nreason cut sh")
+    final = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    rows = _rows(out)
+    count = collections.Counter((r["model"], r["cluster"], r["global_batch_size"]) for r in rows)
+    print(
+        f"sweep killed {kills} times: {len(count)} combinations, "
+        f"{sum(n - 1 for n in count.values())} written twice"
+    )
+    assert kills >= KILLS - 1, "the sweep ended before it could be killed"
+    assert len(count) == 12 and set(count.values()) == {1}, count
 
 
 def test_sweep_user_errors(tmp_path):

@@ -261,13 +261,19 @@ def own_folder(
     folder = os.path.abspath(os.fspath(path))
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise SpecError(f"{what} is a file, not a folder; give a folder path")
+    made = None  # the first folder this call makes (removed again if marking it fails)
     if not os.path.isdir(folder):
         if not create:
             return folder
+        made = folder
+        while not os.path.lexists(os.path.dirname(made)):
+            made = os.path.dirname(made)
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
-            raise SpecError(f"cannot create {what}: {exc.strerror}") from None
+            raise SpecError(
+                f"cannot create {what}: {exc.strerror}{DISK_HINTS.get(exc.errno or 0, '')}"
+            ) from None
     try:
         names = os.listdir(folder)
     except OSError as exc:
@@ -280,7 +286,17 @@ def own_folder(
             "into a new or empty folder, or one it made itself (with a .autosearch file), so "
             "it never overwrites or removes your files. Give another path"
         )
-    mark_folder(folder, kind=kind, what=what)
+    try:
+        mark_folder(folder, kind=kind, what=what)
+    except SpecError:
+        empty = folder
+        while made is not None:  # a full disk: leave none of the folders made here behind
+            with contextlib.suppress(OSError):
+                os.rmdir(empty)  # removes only an empty folder
+            if empty == made:
+                break
+            empty = os.path.dirname(empty)
+        raise
     return folder
 
 
@@ -298,11 +314,19 @@ def mark_folder(folder: str, *, kind: str, what: str) -> None:
             ) from None
         return
     except OSError as exc:
-        raise SpecError(f"cannot write into {what}: {exc.strerror}") from None
+        raise SpecError(
+            f"cannot write into {what}: {exc.strerror}{DISK_HINTS.get(exc.errno or 0, '')}"
+        ) from None
     try:
         os.write(fd, f"written by autosearch: {kind}\n".encode())
-    finally:
+    except OSError as exc:  # a full disk: no marker at all, rather than an empty one
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+        raise SpecError(
+            f"cannot write into {what}: {exc.strerror}{DISK_HINTS.get(exc.errno or 0, '')}"
+        ) from None
+    os.close(fd)
 
 
 def remove_owned(path: str | os.PathLike) -> None:

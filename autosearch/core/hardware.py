@@ -32,6 +32,7 @@ from autosearch.core._io import (
     read_yaml_mapping,
 )
 from autosearch.core.errors import SpecError
+from autosearch.core.schema import kind_of, read_mapping, read_names, read_path
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 # Backward time over forward time, the defaults of a profile that does not measure them:
@@ -221,9 +222,17 @@ class HardwareProfile:
     def _from_dict(
         cls, data: dict[str, Any], what: str, path: str | None, complete: bool
     ) -> "HardwareProfile":
+        data = read_mapping(data, what, fix="a mapping of key: value (a profile YAML)")
+        # the kinds of the lists and mappings first: `measured` or `calibration` mark a file
+        # written by calibration, and a wrong kind there is named as such, not as missing keys
+        sources = read_names(data.get("sources"), f"{what}: sources")
+        measured = read_names(data.get("measured"), f"{what}: measured")
+        calibration = read_mapping(
+            data.get("calibration"), f"{what}: calibration", fix="a mapping (what calibrate ran)"
+        )
         required = ["name", "gpus_per_node", "peak_flops", "memory", "intra_node", "inter_node"]
         required += ["gemm", "attention"]
-        written_by_calibration = complete or bool(data.get("measured") or data.get("calibration"))
+        written_by_calibration = complete or bool(measured or calibration)
         if written_by_calibration:  # everything `to_dict` writes
             required += ["kernel_launch_s", "step_overhead_s", "measured", "calibration"]
         missing = [k for k in required if k not in data]
@@ -250,7 +259,11 @@ class HardwareProfile:
                 efficiency=num(d.get("efficiency", 1.0), f"{name}.efficiency", high=1.0),
                 op_efficiency={
                     str(k): num(v, f"{name}.op_efficiency.{k}", high=10.0)
-                    for k, v in (d.get("op_efficiency") or {}).items()
+                    for k, v in read_mapping(
+                        d.get("op_efficiency"),
+                        f"{what}: {name}.op_efficiency",
+                        fix="a mapping of collective: factor (e.g. {reduce_scatter: 0.5})",
+                    ).items()
                 },
             )
 
@@ -282,9 +295,9 @@ class HardwareProfile:
         }
         return cls(
             name=check_name(str(data["name"]), f"{what}: name"),
-            description=str(data.get("description", "")),
-            device_type=str(data.get("device_type", "cuda")),
-            architecture=str(data.get("architecture", "")),
+            description=_text(data.get("description", ""), what, "description"),
+            device_type=_text(data.get("device_type", "cuda"), what, "device_type"),
+            architecture=_text(data.get("architecture", ""), what, "architecture"),
             gpus_per_node=positive_int(data["gpus_per_node"], f"{what}: gpus_per_node"),
             peak_flops=peak,
             memory_capacity_bytes=capacity,
@@ -310,7 +323,9 @@ class HardwareProfile:
             attention_efficiency=att,
             attention_kernels={
                 str(k): num(v, f"attention.kernels.{k}", high=1.0)
-                for k, v in (attention.get("kernels") or {}).items()
+                for k, v in read_mapping(
+                    attention.get("kernels"), f"{what}: attention.kernels"
+                ).items()
             },
             attention_backward_over_forward=num(
                 attention.get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD),
@@ -326,9 +341,9 @@ class HardwareProfile:
             nvlink_domain=_nvlink_domain(data.get("nvlink_domain", 0), what),
             aliases=_names(data.get("aliases"), what, "aliases"),
             device_names=_names(data.get("device_names"), what, "device_names"),
-            sources=tuple(data.get("sources", ()) or ()),
-            measured=tuple(data.get("measured", ()) or ()),
-            calibration=dict(data.get("calibration", {}) or {}),
+            sources=sources,
+            measured=measured,
+            calibration=calibration,
             path=path,
         )
 
@@ -389,7 +404,12 @@ class HardwareProfile:
         """A profile by catalog name (``h100-sxm``) or by the path of a YAML file."""
         if isinstance(name_or_path, HardwareProfile):
             return name_or_path
-        key = os.fspath(name_or_path)
+        key = read_path(
+            name_or_path,
+            "gpu",
+            fix="a profile name (`autosearch hardware` lists them), the path of a profile YAML, "
+            "or a HardwareProfile",
+        )
         # a file rewritten since it was read (calibrate, then tune, in one process) is read again
         mtime = os.path.getmtime(key) if os.path.isfile(key) else None
         return _load_profile(key, mtime)
@@ -502,7 +522,7 @@ class Cluster:
     profile: HardwareProfile = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        profile = HardwareProfile.load(self.gpu)
+        profile = HardwareProfile.load(self.gpu)  # refuses a gpu of another kind, naming it
         if isinstance(self.gpu, HardwareProfile):
             object.__setattr__(self, "gpu", profile.path or profile.name)
         else:
@@ -600,7 +620,12 @@ class Cluster:
             )
         if isinstance(value, Mapping):
             return cls._from_fields(dict(value), f"{what} (a mapping)", strict, nnodes)
-        text = value if isinstance(value, str) else os.fspath(value)
+        text = read_path(
+            value,
+            what,
+            fix="GPU:NODESxGPUS (e.g. h100-sxm:1x8), a cluster or profile YAML path, a mapping "
+            "of gpu, n_nodes and gpus_per_node, or a Cluster",
+        )
         if not text.strip():
             raise SpecError(f"{what} is empty; give a cluster such as h100-sxm:1x8")
         text = text.strip()
@@ -691,7 +716,10 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "cluster") -> "Cluster":
+        data = read_mapping(data, what, fix="a mapping of gpu, n_nodes and gpus_per_node")
         kwargs = check_keys(data, cls, what=what)
+        if "gpu" in kwargs and not isinstance(kwargs["gpu"], (str, os.PathLike)):
+            read_path(kwargs["gpu"], f"{what}: gpu", fix="a profile name or a profile YAML path")
         if "gpu" in kwargs and "gpus_per_node" not in kwargs:
             raise SpecError(
                 f"{what}: missing key 'gpus_per_node' (devices per node, e.g. 8); it is not "
@@ -779,5 +807,13 @@ class _NumberReader:
 
 def _mapping(value: Any, what: str, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise SpecError(f"{what}: {name} must be a mapping of key: value, got {value!r}")
+        raise SpecError(f"{what}: {name} must be a mapping of key: value, got {kind_of(value)}")
+    return value
+
+
+def _text(value: Any, what: str, name: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise SpecError(f"{what}: {name} must be a text, got {kind_of(value)}")
     return value

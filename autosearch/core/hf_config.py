@@ -176,6 +176,11 @@ def read_config(source: "str | os.PathLike | Mapping[str, Any] | Any") -> dict[s
             f"Hugging Face config {path!r} is not valid JSON (line {exc.lineno}, column "
             f"{exc.colno}: {exc.msg})"
         ) from None
+    except RecursionError:  # thousands of nested [ or {: a config nests a few levels
+        raise SpecError(
+            f"Hugging Face config {path!r} is nested too deeply for a config (thousands of "
+            "levels of [ or {); check that the path names the model's config.json"
+        ) from None
     if not isinstance(data, dict):
         raise SpecError(
             f"Hugging Face config {path!r} must hold a JSON object, got {type(data).__name__}"
@@ -261,6 +266,14 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             f"Hugging Face model_type {model_type!r} ({label!r}) is not a supported {what}; "
             f"supported: {', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, "
             "n_heads, vocab_size, seq_len; moe and mla as nested mappings) for other models"
+        )
+    if experts and model_type not in MOE_FAMILIES:  # read as dense, its experts dropped
+        given = ", ".join(f"{k} = {cfg[k]!r}" for k in experts)
+        raise SpecError(
+            f"Hugging Face config of {label!r}: model_type {model_type!r} is a dense family, "
+            f"but the config gives experts ({given}); give the model_type of its "
+            f"mixture-of-experts family ({', '.join(sorted(MOE_FAMILIES))}), or drop the "
+            "expert keys for the dense model"
         )
     config = _Config(cfg, model_type, label, near_misses=_check_keys(raw, cfg, label))
     fields = _read(config, model_type, label)

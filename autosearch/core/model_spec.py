@@ -642,6 +642,13 @@ class ModelSpec:
     ) -> "ModelSpec":
         if isinstance(name_or_path, ModelSpec):
             return name_or_path
+        if not isinstance(name_or_path, (str, os.PathLike)):  # None, a number: named, not fspath's
+            from autosearch.core.schema import kind_of
+
+            raise TypeError(
+                "model must be a catalog name, the path of a model YAML or config.json, or a "
+                f"ModelSpec; got {kind_of(name_or_path)}"
+            )
         key = os.fspath(name_or_path)
         catalog = model_catalog()
         if key.lower() in catalog:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.model_spec import ModelSpec
 
 MAX_SEED = 2**32 - 1  # numpy's RandomState, which Optuna's samplers seed, takes 0 .. 2**32 - 1
+# Dollars per device-hour: the dearest rented accelerator lists near $100 an hour; a thousand
+# times that is a typo (or 1e308, which turns every cost into inf), not a price.
+MAX_PRICE_PER_HOUR = 1e5
 
 
 # ---- how one value is read and checked: each reader is (value, where) -> value ------------------
@@ -37,6 +40,42 @@ def read_single(value: Any, where: str) -> Any:
     return value
 
 
+def kind_of(value: Any) -> str:
+    """How a message names what a value is: ``['h100-sxm'] (a list)`` (cut to one line)."""
+    from autosearch.core._io import _short
+
+    kind = type(value).__name__
+    return f"{_short(value, 60)} ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
+
+
+def read_path(value: Any, where: str, *, fix: str = "a name or the path of a file") -> str:
+    """A name or a path (a text or an `os.PathLike`), never a list, number or None: the type
+    is checked before any file is looked up, so the message names the field, not `os.fspath`."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise SpecError(f"{where} must be {fix}, got {kind_of(value)}")
+    return value
+
+
+def read_mapping(value: Any, where: str, *, fix: str = "a mapping of key: value") -> dict:
+    """A mapping (a YAML block, a dict), as a dict; None is an empty one."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where} must be {fix}, got {kind_of(value)}")
+    return dict(value)
+
+
+def read_names(value: Any, where: str) -> tuple[str, ...]:
+    """A list of non-empty texts (a profile's sources, the fields it measured); None: none."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise SpecError(f"{where} must be a list of texts, got {kind_of(value)}")
+    return tuple(value)
+
+
 def read_text(value: Any, where: str) -> str:
     value = read_single(value, where)
     if isinstance(value, os.PathLike):
@@ -44,6 +83,27 @@ def read_text(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SpecError(f"{where} must be a non-empty text, got {value!r}")
     return value.strip()
+
+
+def read_text_file(value: Any, where: str) -> str:
+    """The path of a text file the job reads (a CSV of measurements): it must be a regular file
+    of UTF-8 text, checked here, before any work, so that a binary file is refused by name
+    rather than deep in a parser (a missing file is left to the reader, which says what it
+    wanted there)."""
+    from autosearch.core._io import read_regular_file
+
+    path = read_text(value, where)
+    if not os.path.lexists(path):
+        return path
+    raw = read_regular_file(path, what=where, limit=64 << 20)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            f"{where} {path!r} is not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x}); "
+            "give the CSV that calibrate wrote"
+        ) from None
+    return path
 
 
 def read_integer(value: Any, where: str, low: int, high: int) -> int:
@@ -88,12 +148,33 @@ def read_price(value: Any, where: str) -> float:
             raise SpecError(f"{where}: {value!r} is not a number") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(f"{where} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and 0 < value <= MAX_PRICE_PER_HOUR):
         raise SpecError(
-            f"{where} must be a finite number of dollars per device-hour > 0, got {value!r} "
-            "(e.g. 2.5)"
+            f"{where} must be a number of dollars per device-hour > 0 and at most "
+            f"{MAX_PRICE_PER_HOUR:,.0f}, got {value!r} (e.g. 2.5)"
         )
     return float(value)
+
+
+def read_positive(noun: str, example: str):
+    """A finite number > 0 (seconds, GiB), from a number or its text."""
+
+    def read(value: Any, where: str) -> float:
+        value = read_single(value, where)
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise SpecError(f"{where}: {value!r} is not a number of {noun}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where} must be a number of {noun}, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(
+                f"{where} must be a number of {noun} > 0 (e.g. {example}), got {value}"
+            )
+        return float(value)
+
+    return read
 
 
 def read_seq_len(value: Any, where: str) -> int:
@@ -173,6 +254,16 @@ def read_switch(value: Any, where: str) -> bool:
     return value
 
 
+def read_progress(value: Any, where: str) -> Any:
+    """True / False, or a ``callable(done, total, best_tokens_per_s)`` (`autosearch.tune`)."""
+    if isinstance(value, bool) or callable(value):
+        return value
+    raise SpecError(
+        f"{where} must be True, False or a callable(done, total, best_tokens_per_s), got "
+        f"{kind_of(value)}"
+    )
+
+
 def read_choice(noun: str, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None):
     def read(value: Any, where: str) -> str:
         text = read_text(value, where)
@@ -205,7 +296,7 @@ def read_cluster(value: Any, where: str) -> "Cluster | dict | str":
 def read_pins(value: Any, where: str) -> dict[str, Any]:
     """Pins as ``{dimension: value or [values]}``, from a mapping or from ``KEY=VALUE`` texts
     (``tp=8``, ``zero_stage=0,1``: the `--pin` form); a dimension pinned twice is refused."""
-    from autosearch.core.strategy import _parse_scalar
+    from autosearch.core.strategy import ALIASES, _parse_scalar
 
     def values_of(text: str) -> Any:
         parts = [_parse_scalar(v.strip()) for v in text.split(",") if v.strip()]
@@ -227,14 +318,17 @@ def read_pins(value: Any, where: str) -> dict[str, Any]:
             key, rest = (x.strip() for x in text.split("=", 1))
             items.append((key, values_of(rest)))
     pins: dict[str, Any] = {}
-    for key, v in items:
+    spelled: dict[str, str] = {}
+    for given, v in items:
+        key = ALIASES.get(given, given)  # Paddle's mp is tp: one dimension, one pin
         v = list(v) if isinstance(v, tuple) else v
         if key in pins:
+            alias = "" if given == spelled[key] else f" (as {spelled[key]} and as {given})"
             raise SpecError(
-                f"{where}: {key} is pinned twice ({pins[key]!r} and {v!r}); pin it once, with "
-                f"every value it may take (e.g. --pin {key}=1,2)"
+                f"{where}: {key} is pinned twice{alias} ({pins[key]!r} and {v!r}); pin it "
+                f"once, with every value it may take (e.g. --pin {key}=1,2)"
             )
-        pins[key] = v
+        pins[key], spelled[key] = v, given
     return pins
 
 

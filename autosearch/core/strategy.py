@@ -143,6 +143,8 @@ class Strategy:
             value = getattr(self, name)
             if value not in choices or isinstance(value, bool):
                 problems.append(f"{name} must be {_one_of(choices)}; got {value!r}")
+            elif isinstance(value, float):  # zero_stage 1.0 is stage 1: an integer stays one
+                object.__setattr__(self, name, choices[choices.index(value)])
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false; got {getattr(self, name)!r}")
@@ -231,6 +233,9 @@ class Strategy:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, what: str = "strategy") -> "Strategy":
+        from autosearch.core.schema import read_mapping
+
+        data = read_mapping(data, what, fix="a mapping of its fields (e.g. {dp: 8, tp: 2})")
         kwargs = check_keys(data, cls, what=what, aliases=ALIASES)
         for key, _ in _CHOICES:
             if key in kwargs and isinstance(kwargs[key], str):

@@ -18,6 +18,8 @@ from autosearch.core.errors import SpecError
 from autosearch.engine._options import (
     FitConfig,
     call,
+    checkpoint_problem,
+    data_problem,
     engine_argument_problems,
     loader_problems,
 )
@@ -77,6 +79,15 @@ def token_cross_entropy(outputs: "torch.Tensor", labels: "torch.Tensor") -> "tor
 def _from_trainer(name: str, doc: str) -> Any:
     """A read-only learned attribute of the Engine that its Trainer owns."""
     return property(lambda engine: getattr(engine.trainer_, name), doc=doc)
+
+
+# How each method names the data it is given, in a message: {(method, mode): argument}
+_DATA_NAMES = {
+    ("fit", "train"): "train_data",
+    ("fit", "eval"): "valid_data",
+    ("evaluate", "eval"): "valid_data",
+    ("predict", "predict"): "test_data",
+}
 
 
 class Engine:
@@ -526,7 +537,8 @@ class Engine:
         steps_name: str = "steps_per_epoch",
     ) -> "DistributedLoader":
         """`dataloader`, with the method and the name of `steps_per_epoch` its messages give."""
-        problems = loader_problems(
+        problems = data_problem(dataset, _DATA_NAMES.get((caller, mode or ""), "dataset"))
+        problems += loader_problems(
             batch_size=batch_size,
             epochs=epochs,
             steps_per_epoch=steps_per_epoch,
@@ -658,7 +670,7 @@ class Engine:
             verbose=verbose,
             shuffle=shuffle,
         )
-        loader = self.dataloader(
+        loader = self._loader(
             train_data,
             batch_size=config.batch_size,
             shuffle=config.shuffle,
@@ -666,6 +678,7 @@ class Engine:
             epochs=config.epochs,
             steps_per_epoch=config.steps_per_epoch,
             mode="train",
+            caller="fit",
         )
         valid = None
         if valid_data is not None:
@@ -747,6 +760,9 @@ class Engine:
         from), or with ``training=False`` a plain inference state dict file (``torch.load``-able,
         full tensors, original parameter names). Replacing an existing checkpoint is crash-safe:
         a kill leaves the previous one or the new one complete (`autosearch.engine.checkpoint`)."""
+        problems = checkpoint_problem(path, loading=False)
+        if problems:
+            raise SpecError(problems, context="save")
         self.prepare()
         self.trainer_.save(path, training=training)
 
@@ -757,6 +773,9 @@ class Engine:
         RNG). Only tensors and plain values are read (no code runs from a checkpoint; see
         `autosearch.engine.checkpoint` for what must still be trusted).
         """
+        problems = checkpoint_problem(path, loading=True)
+        if problems:
+            raise SpecError(problems, context="load")
         self.prepare()
         return self.trainer_.load(path, strict=strict, load_optimizer=load_optimizer)
 

@@ -150,6 +150,40 @@ class FitConfig:
         return p
 
 
+def checkpoint_problem(path: Any, *, loading: bool) -> list[str]:
+    """Why `path` is not a checkpoint path `Engine.save` / `Engine.load` takes: a text or a
+    path; for loading, a file must be a torch.save archive (a zip), checked before the model is
+    built (torch.load of a text file says only "KeyError: 101")."""
+    import zipfile
+
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        return [
+            f"path={_short(path)}: a checkpoint is a folder path (Engine.save) or a file path "
+            "(Engine.save(path, training=False))"
+        ]
+    path = os.fspath(path)
+    if loading and os.path.isfile(path) and not zipfile.is_zipfile(path):
+        return [
+            f"path={path!r} is not a checkpoint (not a torch.save archive: a text file, or a "
+            "file cut short?); pass a folder written by Engine.save or a file written by "
+            "Engine.save(path, training=False)"
+        ]
+    return []
+
+
+def data_problem(data: Any, name: str) -> list[str]:
+    """Why `data` is not a dataset the Engine's loader reads: a map-style dataset (``len`` and
+    ``[i]``) or an iterable one; checked before the loader (torch's sampler says only "object
+    of type 'NoneType' has no len()")."""
+    mapped = hasattr(data, "__getitem__") and hasattr(data, "__len__")
+    if data is None or isinstance(data, (str, bytes)) or not (mapped or hasattr(data, "__iter__")):
+        return [
+            f"{name}={_short(data)}: {name} must be a dataset of (inputs, labels) samples: "
+            "a map-style dataset (len and [i], e.g. TokenFile or a list) or an iterable one"
+        ]
+    return []
+
+
 def loader_problems(
     *,
     batch_size: Any,

@@ -34,7 +34,24 @@ def wrap_known(model: nn.Module) -> nn.Module:
         wrapper = wrapper_class(model)
         if wrapper is not None:
             return wrapper(model)
+        if hasattr(getattr(model, "config", None), "model_type"):  # a transformers model
+            refuse_hf_family(model)
     return model
+
+
+def refuse_hf_family(model: nn.Module) -> None:
+    """Refuse a transformers model the Engine does not wrap, naming the families it runs (its
+    outputs are a ModelOutput, which the loss would fail on deep inside a step)."""
+    from autosearch.models.hf.families import FAMILIES
+
+    runs = sorted(FAMILIES)
+    model_type = getattr(model.config, "model_type", None)
+    raise SpecError(
+        f"the Engine does not run transformers' {type(model).__name__} (model_type "
+        f"{model_type!r}): it wraps the causal LMs (*ForCausalLM, GPT2LMHeadModel, ...) of "
+        f"model_type {', '.join(runs)}. Load one of those, or wrap the model in an nn.Module "
+        "of your own whose forward returns the logits tensor"
+    )
 
 
 def build_model(source, *, meta_init: bool, seed: int | None, instance_used: bool) -> nn.Module:

@@ -289,6 +289,10 @@ def _os_error(exc: BaseException) -> OSError | None:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         if isinstance(e, RuntimeError) and "PytorchStreamWriter failed" in str(e):
             return OSError(errno.EIO, str(e).splitlines()[0])
+        if isinstance(e, RuntimeError) and "unexpected pos" in str(e):
+            # torch.save's zip writer finding its file shorter than it wrote: a write that the
+            # disk cut short ("[enforce fail at inline_container.cc] unexpected pos 4544 vs 4438")
+            return OSError(errno.EIO, "a write was cut short (is the disk full?)")
     return None
 
 
@@ -440,14 +444,18 @@ def _unpickling_error(exc: BaseException) -> str | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
-            return (why or (lines[0] if lines else type(e).__name__))[:300]
-        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
+        if isinstance(failures, dict) and failures:  # DCP's: the ranks' own errors say why
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+            continue
+        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
+            text, mark = str(e), "WeightsUnpickler error:"
+            if mark in text:  # torch's reason follows the mark, up to its next paragraph
+                reason = " ".join(text.split(mark, 1)[1].strip().split("\n\n")[0].split())
+                return f"torch's restricted unpickler refused it: {reason}"[:300]
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            return (lines[0] if lines else type(e).__name__)[:300]
+        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
     return None
 
 
@@ -498,7 +506,18 @@ def load(
     if os.path.isfile(
         path
     ):  # an inference state dict: full tensors, resharded by set_model_state_dict
+        if not zipfile.is_zipfile(path):  # torch.save's format is a zip archive
+            raise SpecError(
+                f"{path!r} is not a checkpoint (not a torch.save archive: a text file, or a "
+                "file cut short?); pass a folder written by Engine.save or a file written by "
+                "Engine.save(path, training=False)"
+            )
         full = _trusted(torch.load, path, path=path, map_location="cpu", weights_only=True)
+        if not isinstance(full, dict):
+            raise SpecError(
+                f"{path!r} holds a {type(full).__name__}, not a state dict; pass a file written "
+                "by Engine.save(path, training=False)"
+            )
         missing = []
         for part in parts:
             keys = model_state([part]).keys()

@@ -25,18 +25,36 @@ from autosearch.core.errors import SpecError
 _SPEC_ERROR_GRACE_S = 3.0
 
 
+def env_int(name: str, default: int, *, low: int) -> int:
+    """An integer that torchrun (or SLURM, or a user) sets in the environment, checked: a
+    malformed one is named, not parsed into a bare "invalid literal for int()"."""
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise SpecError(
+            f"the environment variable {name}={text!r} is not an integer >= {low}; torchrun "
+            f"sets it for each process: unset it to run as one process, or launch with torchrun"
+        )
+    return value
+
+
 def launched_world_size() -> int:
     """Processes of this run: the process group's size, else torchrun's WORLD_SIZE, else 1."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1, low=1)
 
 
 def rank() -> int:
     return (
         dist.get_rank()
         if dist.is_available() and dist.is_initialized()
-        else int(os.environ.get("RANK", "0"))
+        else env_int("RANK", 0, low=0)
     )
 
 
@@ -58,10 +76,10 @@ def device() -> torch.device:
 
 def local_gpu() -> int:
     """LOCAL_RANK, checked against the GPUs this process sees: one GPU per process."""
-    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    local, count = env_int("LOCAL_RANK", 0, low=0), torch.cuda.device_count()
     # Every process of the node checks its node's count, so all raise the same error (and rank
     # 0 prints it: run_main), not only the ones without a GPU.
-    per_node = max(local + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+    per_node = max(local + 1, env_int("LOCAL_WORLD_SIZE", 0, low=0))
     if per_node > count:
         raise SpecError(
             f"{per_node} processes on this node (LOCAL_WORLD_SIZE) and {count} GPU(s) visible "

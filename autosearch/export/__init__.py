@@ -11,11 +11,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from autosearch.core._files import atomic_write, own_folder
+from autosearch.core._files import atomic_write, own_folder, remove_owned
 from autosearch.core.errors import SpecError
 from autosearch.export._architecture import MODEL_FIELDS, Architecture, architecture_of
 from autosearch.export._base import Exported, Exporter, one_line, refusal
@@ -118,8 +119,9 @@ def write_exports(
     Returns:
         the paths written.
     """
+    made = not os.path.lexists(out_dir)
     folder = own_folder(out_dir, kind="export", what=f"--out {os.fspath(out_dir)!r}", accept=OWN)
-    written = []
+    rendered: dict[str, tuple[str, int]] = {}  # every file first, then the writes
     for name in to or tuple(EXPORTERS):
         out = export(strategy, to=name, model=model, cluster=cluster, allow_unsupported=True)
         if allow_unsupported and out.refused:  # asked to go on: the warning, not the guard
@@ -139,9 +141,31 @@ def write_exports(
         for filename, text in files.items():
             if warned and filename.endswith((".sh", ".toml")):
                 text = _with_lines(text, warned)
+            rendered[filename] = (text, 0o755 if filename.endswith(".sh") else 0o644)
+    written: list[str] = []
+    new: list[str] = []  # the files this call adds (none was there before)
+    try:
+        for filename, (text, mode) in rendered.items():
             path = os.path.join(folder, filename)
-            atomic_write(path, text, mode=0o755 if filename.endswith(".sh") else 0o644)
+            existed = os.path.lexists(path)
+            atomic_write(path, text, mode=mode)
             written.append(path)
+            if not existed:
+                new.append(path)
+    except SpecError as exc:  # a full disk: no half set of launch files beside the others
+        for path in new:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if made:
+            remove_owned(folder)  # the folder this call made, empty again
+        raise SpecError(
+            f"{exc}; the files this export added were removed again"
+            + (
+                f" ({len(written) - len(new)} it had replaced hold the new plan)"
+                if len(written) > len(new)
+                else ""
+            )
+        ) from None
     return written
 
 

@@ -43,6 +43,35 @@ def _given(text: str | os.PathLike | None, flag: str) -> str:
     return str(os.fspath(text)).strip()
 
 
+def check_path_length(text: str, flag: str = "--out") -> None:
+    """Refuse a path the file system cannot hold (a name over NAME_MAX bytes, the whole over
+    PATH_MAX) before any folder on the way is made: the error would come after `makedirs` had
+    made the folders above it, and leave them behind."""
+    path = os.path.abspath(text)
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+        path_max = os.pathconf(probe, "PC_PATH_MAX") - 1  # the limit counts the final NUL
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - not POSIX
+        name_max, path_max = 255, 4095
+    shown = text if len(text) <= 80 else text[:60] + "..." + text[-15:]
+    for name in path.split(os.sep):
+        size = len(os.fsencode(name))
+        if size > name_max:
+            raise SpecError(
+                f"{flag} {shown!r} cannot be made: the name {name[:30]!r}... is {size} bytes, "
+                f"over the {name_max} this file system takes; give a shorter path"
+            )
+    size = len(os.fsencode(path))
+    if size > path_max:
+        raise SpecError(
+            f"{flag} {shown!r} cannot be made: the path is {size} bytes, over the {path_max} "
+            "this file system takes; give a shorter path"
+        )
+
+
 def check_output_folder(out: str, *, files: tuple[str, ...] = (), flag: str = "--out") -> None:
     """Refuse, before any work, an output folder that could not take every output file.
 
@@ -50,6 +79,7 @@ def check_output_folder(out: str, *, files: tuple[str, ...] = (), flag: str = "-
     ancestor must be a writable folder, and none of `files` may exist there as a folder.
     """
     text = _given(out, flag)
+    check_path_length(text, flag)
     path = os.path.abspath(text)
     if path == os.path.abspath(os.sep):
         raise SpecError(
@@ -71,6 +101,7 @@ def check_output_folder(out: str, *, files: tuple[str, ...] = (), flag: str = "-
 def check_output_file(out: str, *, flag: str = "--out") -> None:
     """Refuse, before any work, an output file path that could not be written."""
     text = _given(out, flag)
+    check_path_length(text, flag)
     path = os.path.abspath(text)
     if os.path.isdir(path):
         raise SpecError(f"{flag} {text!r} is a folder; give a file path, e.g. {text}/out.csv")

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from optuna.trial import TrialState
 
 from autosearch.core.errors import SpecError
+from autosearch.core.schema import read_progress
 from autosearch.tuning._checks import (
     OUTPUT_FILES,
     check_other_study,
@@ -148,6 +149,7 @@ def tune(
     t_start = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    progress = read_progress(progress, "progress")
     config, objects = _config_of(config, cluster, options, settings)
     job = prepare(config, cost_model=cost_model, **objects)
     with storage_errors(describe_storage(job.storage)):
@@ -433,7 +435,7 @@ def _write(job: TuneJob, runner, meta: StudyMeta, *, n_new, timings, config) -> 
     }
     t0 = time.perf_counter()
     with outputs_lock(job.out):
-        trials = runner.all_trials()
+        trials = checked_values(runner.all_trials(), runner, job.config.top_k)
         result = _collect(runner, job, n_new=n_new, timings=timings, config=config, trials=trials)
         write_outputs(result, trials, out_dir=job.out, meta=run_meta)
         if result.best_strategy is not None:  # what each runtime takes, beside best_strategy
@@ -1027,11 +1029,72 @@ def _enumerate_units(space, *, group: bool) -> list[dict[str, Any]]:
     return [space.params_of(s) for s in space.enumerate()]
 
 
+class RescoredTrialWarning(UserWarning):
+    """Trials whose stored objective values their strategies do not score now (a study file
+    edited by hand, or scored by another version of the cost model): ranked by what they score
+    now."""
+
+
+REL_RESCORE = 1e-9  # the cost model is deterministic: a stored value is its score, or was changed
+
+
+def checked_values(trials: list, runner: "_Runner", top_k: int) -> list:
+    """`trials` with the stored values that could rank (the top `top_k`, or the Pareto front)
+    checked against what their strategies score now: a value that does not match is not
+    trusted but rescored (the trial's values and report replaced, in this list only), until
+    every candidate that ranks holds its own score; a `RescoredTrialWarning` names them."""
+    import copy
+
+    from autosearch.tuning._reader import read_candidates
+
+    multi = runner.objective.is_multi
+    trials = list(trials)
+    where = {t.number: i for i, t in enumerate(trials)}
+    checked: set[int] = set()
+    changed: list[str] = []
+    while True:
+        ranked = read_candidates(trials, top_k=None if multi else top_k)
+        shown = _pareto(ranked, runner.objective) if multi else ranked
+        todo = [c for c in shown if c.trial_number is not None and c.trial_number not in checked]
+        if not todo:
+            break
+        for c in todo:
+            number = c.trial_number
+            assert number is not None
+            checked.add(number)
+            trial = trials[where[number]]
+            report = runner.estimate(c.strategy)
+            now = runner.objective.values(report)
+            stored = tuple(trial.values or ())
+            if len(stored) == len(now) and all(
+                abs(a - b) <= REL_RESCORE * max(abs(a), abs(b)) for a, b in zip(stored, now)
+            ):
+                continue
+            fixed = copy.deepcopy(trial)
+            fixed.values = list(now)
+            fixed.set_user_attr(ATTR_REPORT, report.to_dict(flat=False))
+            trials[where[number]] = fixed
+            shown_values = [", ".join(f"{v:,.6g}" for v in vs) for vs in (stored, now)]
+            changed.append(
+                f"trial {trial.number} ({c.strategy.short()}): stored {shown_values[0]}, "
+                f"scores {shown_values[1]}"
+            )
+    if changed:
+        warnings.warn(
+            f"{len(changed)} trial(s) of the study hold objective values their strategies do not "
+            f"score now (a study file edited, or scored by another cost model); ranked by what "
+            f"they score now: {'; '.join(changed[:5])}" + (" ..." if len(changed) > 5 else ""),
+            RescoredTrialWarning,
+            stacklevel=2,
+        )
+    return trials
+
+
 def _collect(
     runner: _Runner, job: TuneJob, *, n_new: int, timings, config: TuneConfig, trials=None
 ) -> TuneResult:
-    trials = runner.all_trials() if trials is None else trials
     top_k = job.config.top_k
+    trials = checked_values(runner.all_trials() if trials is None else trials, runner, top_k)
     ranked = read_candidates(trials, top_k=None if runner.objective.is_multi else top_k)
     pareto: tuple[Candidate, ...] = ()
     if runner.objective.is_multi:

@@ -292,6 +292,9 @@ def plan_cases(sweep: SweepConfig, *, load_model=None, load_cluster=None) -> lis
             f"--price-per-gpu-hour gives no price for {', '.join(missing)}; add "
             f"{missing[0]}=PRICE (or one price for every GPU type)"
         )
+    _check_given_once("--models", sweep.models, [label(m) for m in models])
+    _check_given_once("--clusters", sweep.clusters, [c.name for c in clusters])
+    _check_given_once("--global-batch-sizes", sweep.global_batch_sizes, sweep.global_batch_sizes)
     shared = {k: v for k, v in settings.items() if k != "seq_len"}
     cases = []
     for i, (m, c, b) in enumerate(itertools.product(models, clusters, sweep.global_batch_sizes)):
@@ -301,6 +304,20 @@ def plan_cases(sweep: SweepConfig, *, load_model=None, load_cluster=None) -> lis
         )
         cases.append(Case(config=config, key=(label(m), m.seq_len, c.name, b), order=i))
     return cases
+
+
+def _check_given_once(flag: str, given: Iterable[Any], names: Iterable[Any]) -> None:
+    """A combination is a row, keyed by what it reads as: two spellings of one model, cluster
+    or batch (``h100:1x8`` and ``h100-sxm:1x8``) would be one key given twice."""
+    seen: dict[Any, Any] = {}
+    for text, name in zip(given, names):
+        if name in seen:
+            also = "" if str(seen[name]) == str(text) else f" (as {seen[name]!r} and {text!r})"
+            raise SpecError(
+                f"{flag} names {name} twice{also}; each combination is one row of the table: "
+                "give it once"
+            )
+        seen[name] = text
 
 
 def label(model: "ModelSpec") -> str:
@@ -579,17 +596,32 @@ def sweep(
         SpecError: a bad input, or a CSV that cannot be written (the rows written before are
             kept, and the same call continues from them).
     """
-    from autosearch.tuning._checks import check_output_file
+    from autosearch.tuning._checks import check_output_file, check_path_length
 
     t0 = time.perf_counter()
     say = log or (lambda _line: None)
     out = config.out
     check_output_file(out)
+    check_path_length(config.report_dir)
     _check_regular_output(out)
     cases = plan_cases(config) if cases is None else cases
     settings_digest = digest(config)
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with _only_sweep_on(out):
+        return _sweep_locked(config, cases, settings_digest, say, t0)
+
+
+def _sweep_locked(
+    config: SweepConfig,
+    cases: list[Case],
+    settings_digest: str,
+    say: Callable[[str], None],
+    t0: float,
+) -> SweepResult:
+    """`sweep`, with its CSV held by this process alone."""
+    out = config.out
+    _check_header(out)  # before anything changes the file: a file not ours stays as it is
     _drop_torn_last_line(out)
-    _check_header(out)
     kept = _rows_kept(out, settings_digest)
     todo = [c for c in cases if c.key not in kept]
     jobs = config.jobs or (os.cpu_count() or 1)
@@ -598,7 +630,6 @@ def sweep(
         f"sweep: {len(cases)} combinations ({len(cases) - len(todo)} already in {out}), "
         f"{jobs} at a time; each searched as `autosearch tune` searches it"
     )
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     computed = _append_rows(out, todo, settings_digest, jobs=jobs, say=say)
     rows = _rows_of(out, [c.key for c in cases], settings_digest)
     rows = complete(rows, config)
@@ -640,18 +671,16 @@ def _append_rows(
         context = multiprocessing.get_context("spawn")
         pool = context.Pool(jobs, initializer=_worker_init)
     try:
-        f = open(out, "a", newline="", encoding="utf-8")
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise SpecError(f"cannot write --out {out!r}: {exc.strerror}") from None
-    writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+    f = os.fdopen(fd, "wb")
     try:
         if new_file:
-            writer.writeheader()
-            f.flush()
+            _append_record(f, COLUMNS)
         for i, row in enumerate(_rows_as_done(todo, settings_digest, pool), 1):
-            writer.writerow({**dict.fromkeys(COLUMNS, ""), **row})
-            f.flush()
-            os.fsync(f.fileno())
+            full = {**dict.fromkeys(COLUMNS, ""), **row}
+            _append_record(f, [full[c] for c in COLUMNS])
             written += 1
             tps = f"{row['tokens_per_s']:,} tok/s " if row["tokens_per_s"] != "" else ""
             say(
@@ -674,6 +703,46 @@ def _append_rows(
             pool.terminate()
             pool.join()
     return written
+
+
+def _append_record(f, values: list[Any]) -> None:
+    """One CSV record appended with a single write, then synced: a kill leaves the record
+    whole or (at worst) a torn tail that `_drop_torn_last_line` drops, never half of one
+    record glued to the next."""
+    import io
+
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(values)
+    data = buffer.getvalue().encode("utf-8")
+    while data:  # a regular file takes it in one write; a short write goes on from there
+        data = data[os.write(f.fileno(), data) :]
+    os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _only_sweep_on(out: str):
+    """Hold an exclusive lock on the CSV (`flock` of the file itself, dropped by the kernel when
+    this process ends, however it ends): two sweeps appending to one CSV would each compute the
+    combinations the other has not written yet, and write them twice."""
+    try:
+        fd = os.open(out, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise SpecError(f"cannot write --out {out!r}: {exc.strerror}") from None
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - not POSIX
+            pass
+        except BlockingIOError:
+            raise SpecError(
+                f"--out {out!r} is being written by another sweep now; wait for it to end (the "
+                "same command then goes on from its rows), or give another --out"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _rows_as_done(todo: list[Case], settings_digest: str, pool) -> Iterable[dict[str, Any]]:
@@ -795,14 +864,20 @@ def _check_regular_output(path: str) -> None:
 
 
 def _check_header(path: str) -> None:
-    """Refuse to append to a CSV whose columns are not this version's (rows would misalign)."""
+    """Refuse to append to a file that is not a CSV of this version's columns (rows would
+    misalign), or not text at all; nothing in it is changed."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return
+    with open(path, "rb") as raw:
+        data = raw.read()
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
-    except UnicodeDecodeError:
-        header = []
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            f"--out {path!r} is not a CSV this sweep wrote (byte {exc.start} is not UTF-8 "
+            "text); give another --out, or move the file away"
+        ) from None
+    header = next(csv.reader(text.splitlines()[:1]), [])
     if header != COLUMNS:
         missing = [c for c in COLUMNS if c not in header]
         raise SpecError(
@@ -817,11 +892,18 @@ def _check_header(path: str) -> None:
 
 
 def _drop_torn_last_line(path: str) -> None:
-    """A sweep killed while writing a row leaves a line without its newline: drop it."""
+    """A sweep killed while writing a row leaves a record without its end: drop it. A record
+    ends at a newline outside quotes (a reason may hold newlines inside its quotes), so the
+    file is cut after the last such newline."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return
     with open(path, "rb+") as f:
         data = f.read()
-        if data.endswith(b"\n"):
-            return
-        f.truncate(data.rfind(b"\n") + 1)
+        end = pos = quotes = 0
+        for line in data.split(b"\n")[:-1]:  # each piece that a newline ends
+            pos += len(line) + 1
+            quotes += line.count(b'"')  # a doubled quote inside a field counts twice
+            if quotes % 2 == 0:
+                end = pos
+        if end != len(data):
+            f.truncate(end)

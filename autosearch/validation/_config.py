@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from autosearch.core.schema import (
     read_choice,
     read_count,
     read_integer,
-    read_single,
+    read_positive,
     read_switch,
     read_text,
     setting,
@@ -59,27 +58,6 @@ def read_texts(value: Any, where: str) -> tuple[str, ...]:
 
 def read_steps_before(value: Any, where: str) -> int:
     return read_integer(value, where, 0, 1_000_000)
-
-
-def read_positive(noun: str, example: str):
-    """A finite number > 0 (seconds, GiB), from a number or its text."""
-
-    def read(value: Any, where: str) -> float:
-        value = read_single(value, where)
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise SpecError(f"{where}: {value!r} is not a number of {noun}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{where} must be a number of {noun}, got {value!r}")
-        if not (math.isfinite(value) and value > 0):
-            raise SpecError(
-                f"{where} must be a number of {noun} > 0 (e.g. {example}), got {value}"
-            )
-        return float(value)
-
-    return read
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from autosearch.core.errors import SpecError
 from autosearch.core.runtime import engine_lacks
+from autosearch.core.schema import read_count, read_integer, read_positive
 from autosearch.tuning import Candidate  # the one candidate record (tuning/_result.py)
+from autosearch.validation._config import read_steps_before
 from autosearch.validation._factory import check_factory
 from autosearch.validation._launch import OK, RunOutcome, launch
 from autosearch.validation._slurm import launch_slurm
@@ -255,8 +257,14 @@ def validate(
     from cost_models.analytic import AnalyticCostModel
 
     model = ModelSpec.load(model)
-    if steps < 1 or warmup < 0:
-        raise SpecError(f"steps must be >= 1 and warmup >= 0; got steps={steps}, warmup={warmup}")
+    # the numbers `ValidateConfig` checks for the CLI, checked the same way from Python
+    steps = read_count(steps, "steps")
+    warmup = read_steps_before(warmup, "warmup")
+    timeout_s = read_positive("seconds", "600")(timeout_s, "timeout_s")
+    if memory_limit_bytes is not None:
+        memory_limit_bytes = read_integer(memory_limit_bytes, "memory_limit_bytes", 1, 1 << 50)
+    if threads is not None:
+        threads = read_count(threads, "threads")
     if launcher not in ("local", "slurm"):
         raise SpecError(f"launcher must be local or slurm, got {launcher!r}")
     target: Cluster | None = None

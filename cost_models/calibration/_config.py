@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from autosearch.core.errors import SpecError
-from autosearch.core.schema import Schema, read_choice, read_switch, read_text, setting
+from autosearch.core.schema import (
+    Schema,
+    read_choice,
+    read_switch,
+    read_text,
+    read_text_file,
+    setting,
+)
 
 DEVICES = ("auto", "cuda", "cpu")
 STATISTICS = ("median", "min")
@@ -74,7 +81,7 @@ class CalibrateConfig(Schema):
     )
     from_csv: str | None = setting(
         None,
-        read=read_text,
+        read=read_text_file,
         metavar="CSV",
         help="fit the measurements of an earlier calibration instead of "
         "measuring again (the profile YAML written with it must sit next to it)",
