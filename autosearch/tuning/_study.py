@@ -501,7 +501,8 @@ class _Runner:
         # where the space splits layers unevenly (the runtime can), a layout's best strategy is
         # scored again with the pipeline split that balances its blocks' cost
         # (`AnalyticCostModel.balanced_split`): unequal blocks, the embedding and the logits
-        self._balance = bool(getattr(space.config, "uneven_pipeline", False)) and hasattr(
+        config = getattr(space, "config", None)  # a listed space has none: no refinement
+        self._balance = bool(getattr(config, "uneven_pipeline", False)) and hasattr(
             cost_model, "balanced_split"
         )
 
