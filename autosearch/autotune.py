@@ -136,6 +136,7 @@ class Engine(TrainingEngine):
             request,
             model_spec=self._model_spec(),
             model=self.model,
+            model_check=self._model_check(),
             strategy=getattr(self, "best_strategy_", None) or self.strategy,
             world_size=D.launched_world_size(),
             train_data=train_data,
@@ -223,6 +224,7 @@ def tune_engine(
     *,
     model_spec: "ModelSpec",
     model: Any,
+    model_check: "Callable[[Strategy], list[str]] | None" = None,
     strategy: Any,
     world_size: int,
     train_data: Any = None,
@@ -239,6 +241,8 @@ def tune_engine(
             its global batch is the default batch size.
         world_size: processes of this run (torchrun's WORLD_SIZE, 1 without torchrun).
         train_data: the training data (its sequence length is checked against the ModelSpec).
+        model_check: why the model refuses a strategy (its plan's check: a family's own
+            refusals, e.g. Llama 4 under cp), or None: the pick is the best candidate it takes.
         log: where progress lines go.
     """
     from autosearch.engine import distributed as D
@@ -248,6 +252,7 @@ def tune_engine(
         request=request,
         model_spec=model_spec,
         model=model,
+        model_check=model_check,
         strategy=strategy,
         world_size=world_size,
         train_data=train_data,
@@ -311,6 +316,7 @@ def _search(
     request: TuneRequest,
     model_spec: "ModelSpec",
     model: Any,
+    model_check: "Callable[[Strategy], list[str]] | None" = None,
     strategy: Any,
     world_size: int,
     train_data: Any,
@@ -347,8 +353,35 @@ def _search(
         if validation.best is not None:
             best, report = validation.best.strategy, validation.best.report
     assert best is not None  # tune raises NoFeasibleStrategyError when nothing fits
+    if model_check is not None and model_check(best):
+        best, report = _first_taken(best, result, model_check, log)
     return TuneOutcome(
         strategy=best, report=report, cluster=cluster, result=result, validation=validation
+    )
+
+
+def _first_taken(
+    best: "Strategy",
+    result: "TuneResult",
+    model_check: "Callable[[Strategy], list[str]]",
+    log: Callable[[str], None],
+) -> tuple["Strategy", Any]:
+    """The best candidate the model takes, where it refuses the search's pick (a family's own
+    refusals, which the cost model does not know: Llama 4 under cp, etp on fused experts)."""
+    refused = {best.short(): model_check(best)}
+    for candidate in result.top_k:
+        problems = model_check(candidate.strategy)
+        if not problems:
+            log(
+                f"tune: the model refuses {best.short()} ({'; '.join(refused[best.short()])});"
+                f" training with the next candidate it takes, {candidate.strategy.short()}"
+            )
+            return candidate.strategy, candidate.report
+        refused[candidate.strategy.short()] = problems
+    raise SpecError(
+        [f"{name}: {'; '.join(problems)}" for name, problems in refused.items()],
+        context="the model refuses every candidate the search kept; pin the dimension it "
+        "refuses away (Engine.tune(..., pin={'cp': 1}) or TuneConfig(pin=...))",
     )
 
 

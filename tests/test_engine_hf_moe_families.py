@@ -270,3 +270,27 @@ def test_what_a_family_cannot_run_is_refused_with_the_reason(family):
             assert any(REFUSED[family, layout] in p for p in problems), problems
         else:
             assert problems == [], problems
+
+
+def test_engine_tune_trains_the_best_candidate_the_family_takes():
+    """The cost model does not know a family's own refusals (Llama 4's temperature-tuned
+    attention under cp): Engine.tune asks the model (its plan's check) and, where it refuses
+    the search's pick, trains the next candidate it takes; where it refuses them all, it says
+    which and how to pin the dimension away."""
+    from types import SimpleNamespace
+
+    from autosearch import Engine
+    from autosearch.autotune import _first_taken
+    from autosearch.core.errors import SpecError
+
+    engine = Engine(lambda: F.make_model("llama4_text"))
+    check = engine._model_check()
+    cp2, dp2 = Strategy.parse("cp=2"), Strategy.parse("dp=2")
+    assert any("temperature" in p for p in check(cp2)) and check(dp2) == []
+    lines: list[str] = []
+    result = SimpleNamespace(top_k=[SimpleNamespace(strategy=s, report=None) for s in (cp2, dp2)])
+    assert _first_taken(cp2, result, check, lines.append)[0] == dp2
+    assert "refuses" in lines[0] and "dp2" in lines[0]
+    result.top_k = result.top_k[:1]
+    with pytest.raises(SpecError, match="pin the dimension it refuses away"):
+        _first_taken(cp2, result, check, lines.append)

@@ -309,6 +309,25 @@ class Engine:
             )
         return spec
 
+    def _model_check(self) -> "Callable[[Strategy], list[str]] | None":
+        """The model's own check of a strategy (its plan's ``check``: the Strategy rules and a
+        family's refusals), from the built model, the instance wrapped, or the factory built
+        on the meta device; None for a model whose plan has none."""
+        from autosearch.engine.build import plan_for, wrap_known
+
+        if self._prepared:
+            model = self._built_model
+        elif _is_module(self.model):
+            model = wrap_known(self.model)
+        elif callable(self.model):
+            import torch
+
+            with torch.device("meta"):  # shapes only, no memory
+                model = wrap_known(self.model())
+        else:
+            return None
+        return plan_for(model, self.plan).check
+
     def _build_model(self) -> "nn.Module":
         from autosearch.engine.build import build_model, is_module
 
