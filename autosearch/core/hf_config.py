@@ -282,7 +282,8 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             f"supported: {', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, "
             "n_heads, vocab_size, seq_len; moe and mla as nested mappings) for other models"
         )
-    if experts and model_type not in MOE_FAMILIES + HYBRID_FAMILIES:  # read as dense, its experts dropped
+    # a dense family with experts would be read as dense, its experts dropped
+    if experts and model_type not in MOE_FAMILIES + HYBRID_FAMILIES:
         given = ", ".join(f"{k} = {cfg[k]!r}" for k in experts)
         raise SpecError(
             f"Hugging Face config of {label!r}: model_type {model_type!r} is a dense family, "
