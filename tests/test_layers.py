@@ -110,10 +110,16 @@ def test_pattern_disagreeing_with_the_fields_is_refused_with_the_fix():
 
 def test_blocks_the_cost_model_does_not_price_are_refused_with_the_reason():
     hybrid = dataclasses.replace(
-        ModelSpec.load("llama3-8b"), layer_pattern="M-" * 28 + "*-" * 4, name="hybrid"
+        ModelSpec.load("llama3-8b"), layer_pattern="G-" * 28 + "*-" * 4, name="hybrid"
     )
-    with pytest.raises(SpecError, match="does not price Mamba-2 mixers"):
+    with pytest.raises(SpecError, match="does not price Gated DeltaNet mixers"):
         AnalyticCostModel(hybrid, Cluster.parse("h100-sxm:1x8"))
+
+
+def test_mamba_layers_need_their_mixer_described():
+    llama = ModelSpec.load("llama3-8b")
+    with pytest.raises(SpecError, match="no mamba block; describe them under mamba"):
+        dataclasses.replace(llama, layer_pattern="M-" * 28 + "*-" * 4)
 
 
 def test_a_yaml_file_takes_the_pattern(tmp_path):
@@ -130,7 +136,7 @@ def test_a_yaml_file_takes_the_pattern(tmp_path):
 
 def test_kinds_of_block_beyond_the_base():
     assert kinds(ModelSpec.load("llama3-70b")) == ()
-    assert kinds(ModelSpec.load("deepseek-v3")) == (("attention", "moe"),)
+    assert kinds(ModelSpec.load("deepseek-v3")) == (("mlp", "moe"),)
 
 
 def _imports(path: Path) -> set[str]:

@@ -826,9 +826,15 @@ def unpriced(model: ModelSpec) -> list[str]:
     """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
     it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
     model gains its term. The term each needs is listed in docs/models.md. The cost model
-    prices attention blocks with a dense or MoE MLP (`cost_models.terms.layers`); blocks of
-    another kind, which only a `layer_pattern` describes, are not priced yet."""
-    return [f"{what} ({model.pattern[:40]})" for what in _other_blocks(model)]
+    prices attention and Mamba-2 mixers, dense and MoE MLPs, and blocks with either alone
+    (`cost_models.terms.layers`, `cost_models.terms.ssm`); Gated DeltaNet mixers are not
+    priced yet."""
+    priced = ("Mamba-2 mixers (M)", "blocks without a mixer", "blocks without an MLP")
+    return [
+        f"{what} ({model.pattern[:40]})"
+        for what in _other_blocks(model)
+        if not what.startswith(priced)
+    ]
 
 
 def _other_blocks(model: ModelSpec) -> list[str]:
