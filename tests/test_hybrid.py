@@ -131,3 +131,8 @@ def test_part_terms_read_what_they_declare(term):
     read = fields_each_reads(lambda s, x: term(x, cm._context), CASES)
     undeclared, _ = undeclared_and_unread(term.READS, read)
     assert not undeclared
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "nemotron-h-56b", "nemotron-3-nano-30b-a3b"])
+def test_catalog_hybrids_are_their_published_configs(name):
+    assert ModelSpec.load(name) == _load(name)
