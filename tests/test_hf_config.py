@@ -479,3 +479,32 @@ def test_nemotron_h_layer_list_reads_as_its_pattern():
     assert ModelSpec.from_hf_config(listed, seq_len=8192) == ModelSpec.from_hf_config(
         DATA / "nemotron-h-8b.json", seq_len=8192
     )
+
+
+@pytest.mark.parametrize("experts", [0, 8])
+def test_granite_hybrid_counts_match_the_model_transformers_builds(experts):
+    """IBM Granite 4.0-H's layout (GraniteMoeHybridConfig), small: Mamba-2 and attention
+    layers, each with the shared SwiGLU MLP and, with experts, routed experts beside it."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        shared_intermediate_size=192,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        mamba_n_heads=16,
+        mamba_n_groups=2,
+        mamba_d_state=32,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        model = transformers.GraniteMoeHybridForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == ("MEME*EME" if experts else "M-M-*-M-")
+    assert spec.n_params == sum(p.numel() for p in model.parameters())

@@ -27,6 +27,9 @@ nemotron_h                             ``layer_pattern`` from ``layers_block_typ
                                        symbol), ``mamba`` (`MambaSpec`), ``relu2`` MLPs and the
                                        MoE MLPs of Nemotron 3 (``moe``, sigmoid router, one
                                        shared expert of ``moe_shared_expert_intermediate_size``)
+granitemoehybrid                       IBM Granite 4.0-H: ``layer_types`` (Mamba-2 or attention,
+                                       each with a SwiGLU MLP: the shared MLP, and with experts
+                                       a ``moe`` whose shared expert it is), ``mamba``
 =====================================  =======================================================
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
@@ -91,7 +94,8 @@ MOE_FAMILIES = (
     "gpt_oss",
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
-HYBRID_FAMILIES = ("nemotron_h",)  # layer patterns of Mamba-2 / attention / MLP layers
+# layer patterns of Mamba-2, attention and MLP layers
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
 SUPPORTED = SWIGLU_DENSE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE + HYBRID_FAMILIES
 # Hugging Face's names of Nemotron-H's layers -> Megatron's hybrid symbols
 # (transformers NemotronHConfig._list_to_pattern)
@@ -122,7 +126,9 @@ READ_KEYS = frozenset(
         "hybrid_override_pattern", "layers_block_type", "attention_head_dim",
         "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
         "chunk_size", "use_conv_bias", "use_bias", "mlp_hidden_act", "moe_latent_size",
-        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size", "mamba_n_heads", "mamba_d_head",
+        "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_chunk_size",
+        "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -359,6 +365,8 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _gpt_fields(cfg, model_type, need, label)
     if model_type == "nemotron_h":
         return _nemotron_h_fields(cfg, need, label)
+    if model_type == "granitemoehybrid":
+        return _granite_hybrid_fields(cfg, need, label)
     fields = dict(
         n_layers=need("num_hidden_layers"),
         hidden_size=need("hidden_size"),
@@ -686,5 +694,64 @@ def _nemotron_h_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, An
             shared_ffn_hidden_size=need("moe_shared_expert_intermediate_size"),
             router="sigmoid",  # NemotronHTopkRouter; Megatron-Bridge: expert bias
             load_balancing="aux_loss_free",
+        )
+    return fields
+
+
+def _granite_hybrid_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """IBM Granite 4.0-H (transformers ``GraniteMoeHybridConfig``): every layer a Mamba-2 or an
+    attention mixer (``layer_types``: ``mamba`` / ``linear_attention`` or ``attention`` /
+    ``full_attention``) with a SwiGLU shared MLP of ``shared_intermediate_size`` and, where
+    ``num_local_experts`` > 0, routed experts of ``intermediate_size`` beside it (a MoE MLP
+    with one shared expert); d_inner = ``mamba_expand`` x hidden, split in ``mamba_n_heads``."""
+    n_layers = need("num_hidden_layers")
+    listed = cfg.get("layer_types") or ["linear_attention"] * n_layers
+    mixers = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}
+    unknown = sorted({str(k) for k in listed} - set(mixers))
+    if unknown:
+        raise SpecError(
+            f"{label!r}: layer_types names {', '.join(unknown)}, not one of {', '.join(mixers)}"
+        )
+    for key in ("attention_bias", "mamba_proj_bias"):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released models: false)")
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not granitemoehybrid's SwiGLU")
+    hidden, heads = need("hidden_size"), need("mamba_n_heads")
+    d_head = cfg.get("mamba_d_head")
+    if d_head in (None, "auto"):  # GraniteMoeHybridConfig.__post_init__
+        d_head = need("mamba_expand") * hidden // heads
+    experts = cfg.get("num_local_experts") or 0
+    mlp = "E" if experts else "-"
+    shared = need("shared_intermediate_size")
+    fields: dict[str, Any] = dict(
+        n_layers=len(listed),
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=shared,
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="".join(mixers[k] + mlp for k in listed),
+        mamba=dict(
+            n_heads=heads,
+            head_dim=d_head,
+            d_state=need("mamba_d_state"),
+            n_groups=need("mamba_n_groups"),
+            conv_kernel=need("mamba_d_conv"),
+            chunk_size=need("mamba_chunk_size"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+        ),
+    )
+    if experts:
+        fields["moe"] = dict(
+            n_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("intermediate_size"),
+            n_shared_experts=1,  # the shared MLP beside the experts
+            shared_ffn_hidden_size=shared,
+            router="softmax",  # GraniteMoeHybridTopKRouter: softmax over the top-k logits
         )
     return fields
