@@ -136,3 +136,11 @@ def test_part_terms_read_what_they_declare(term):
 @pytest.mark.parametrize("name", ["nemotron-h-8b", "nemotron-h-56b", "nemotron-3-nano-30b-a3b"])
 def test_catalog_hybrids_are_their_published_configs(name):
     assert ModelSpec.load(name) == _load(name)
+
+
+def test_a_hybrid_round_trips_through_its_file_form():
+    m = ModelSpec.load("nemotron-3-nano-30b-a3b")
+    data = m.to_dict()
+    assert data["mamba"]["n_groups"] == 8 and data["layer_pattern"].startswith("MEMEM*E")
+    assert ModelSpec.from_dict(data) == m
+    assert "mamba" not in ModelSpec.load("llama3-8b").to_dict()  # files as before the field
