@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from autosearch import Cluster, ModelSpec, SpecError, Strategy
-from autosearch.core._ssm import MambaSpec
+from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.model_spec import unbuilt, unpriced
 from cost_models import AnalyticCostModel
 from cost_models.terms import ssm
@@ -144,3 +144,60 @@ def test_a_hybrid_round_trips_through_its_file_form():
     assert data["mamba"]["n_groups"] == 8 and data["layer_pattern"].startswith("MEMEM*E")
     assert ModelSpec.from_dict(data) == m
     assert "mamba" not in ModelSpec.load("llama3-8b").to_dict()  # files as before the field
+
+
+# ---- Gated DeltaNet (Qwen3-Next's linear attention) --------------------------------------------
+def test_a_gated_deltanet_mixer_counts_as_transformers_builds_it():
+    """Qwen3-Next 80B-A3B's linear-attention layer (h 2048, 16 key heads and 32 value heads of
+    128, conv 4): the parameters of transformers' Qwen3NextGatedDeltaNet on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    config = transformers.Qwen3NextConfig(
+        hidden_size=2048,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=4,
+    )
+    with torch.device("meta"):
+        layer = Qwen3NextGatedDeltaNet(config, layer_idx=0)
+    gdn = GatedDeltaNetSpec(n_k_heads=16, n_v_heads=32)
+    assert gdn.params(2048) == sum(p.numel() for p in layer.parameters())
+
+
+def _gdn_hybrid() -> ModelSpec:
+    """Qwen3-Next's layout with dense MLPs: three Gated DeltaNet layers, then attention."""
+    return dataclasses.replace(
+        ModelSpec.load("llama3-8b").scaled(n_layers=32, seq_len=8192),
+        layer_pattern="G-G-G-*-" * 8,
+        gdn=GatedDeltaNetSpec(n_k_heads=16, n_v_heads=32),
+        name="gdn-hybrid",
+    )
+
+
+def test_a_gated_deltanet_hybrid_is_priced_and_its_rules_hold():
+    m = _gdn_hybrid()
+    assert m.n_params != ModelSpec.load("llama3-8b").n_params
+    s = Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}")
+    r = AnalyticCostModel(m, CLUSTER).estimate(s)
+    dense = AnalyticCostModel(ModelSpec.load("llama3-8b").scaled(seq_len=8192), CLUSTER)
+    assert 0.25 < r.mfu < 0.65 and r.step_time_s < dense.estimate(s).step_time_s
+    with pytest.raises(SpecError, match="Gated DeltaNet mixer's 4 key heads"):
+        Strategy.parse(f"dp=4,tp=8,{BASE}").validate(
+            dataclasses.replace(m, gdn=GatedDeltaNetSpec(n_k_heads=4, n_v_heads=8)), CLUSTER
+        )
+    with pytest.raises(SpecError, match="cp=2 with Gated DeltaNet layers is not priced"):
+        Strategy.parse(f"dp=16,cp=2,{BASE}").validate(m, CLUSTER)
+
+
+def test_gdn_part_reads_what_it_declares():
+    from test_terms import CASES, fields_each_reads, undeclared_and_unread
+
+    cm = AnalyticCostModel(_gdn_hybrid(), CLUSTER)
+    read = fields_each_reads(lambda s, x: ssm.gdn_part(x, cm._context), CASES)
+    undeclared, _ = undeclared_and_unread(ssm.gdn_part.READS, read)
+    assert not undeclared

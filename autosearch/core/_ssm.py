@@ -143,3 +143,114 @@ class MambaSpec:
         if missing:
             raise SpecError(f"{what}: mamba lacks {' and '.join(missing)}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetSpec:
+    """The Gated DeltaNet mixer of the ``G`` layers (Yang, Kautz and Hatamizadeh 2024, "Gated
+    Delta Networks"; Megatron-Core ``megatron/core/ssm/gated_delta_net.py``; Hugging Face
+    ``Qwen3NextGatedDeltaNet``): in_proj to q, k (n_k_heads x head_k_dim each), v and the output
+    gate z (n_v_heads x head_v_dim each) and to b and a (one per value head); a causal depthwise
+    conv1d over q, k and v without bias; the gated delta rule scanned in chunks of
+    ``chunk_size`` (flash-linear-attention ``chunk_gated_delta_rule``) on a fp32 state of
+    head_k_dim x head_v_dim per value head; a gated RMSNorm of head_v_dim; out_proj back to h.
+    Read from YAML as ``gdn: {n_k_heads: 16, n_v_heads: 32, head_k_dim: 128, head_v_dim: 128}``.
+
+    Args:
+        n_k_heads: query / key heads (``linear_num_key_heads``); tp must divide it.
+        n_v_heads: value heads (``linear_num_value_heads``), a multiple of n_k_heads.
+        head_k_dim: channels of a query / key head (``linear_key_head_dim``).
+        head_v_dim: channels of a value head (``linear_value_head_dim``).
+        conv_kernel: taps of the causal conv1d (``linear_conv_kernel_dim``, 4).
+        chunk_size: tokens per chunk of the scan (flash-linear-attention's 64).
+    """
+
+    n_k_heads: int
+    n_v_heads: int
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 64
+
+    def check(self) -> "GatedDeltaNetSpec":
+        p: list[str] = []
+        for name, limit in (
+            ("n_k_heads", _COUNT),
+            ("n_v_heads", _COUNT),
+            ("head_k_dim", _WIDTH),
+            ("head_v_dim", _WIDTH),
+            ("conv_kernel", 1 << 10),
+            ("chunk_size", 1 << 20),
+        ):
+            try:
+                positive_int(getattr(self, name), f"gdn.{name}", maximum=limit)
+            except SpecError as exc:
+                p.append(str(exc))
+        if not p and self.n_v_heads % self.n_k_heads:
+            p.append(
+                f"gdn.n_v_heads {self.n_v_heads} must be a multiple of gdn.n_k_heads "
+                f"{self.n_k_heads} (each key head serves whole value heads)"
+            )
+        if p:
+            raise SpecError(p)
+        return self
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv1d runs over: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_width(self) -> int:
+        """Outputs of in_proj_qkvz and in_proj_ba: q, k, v, z, then b and a."""
+        return 2 * self.key_dim + 2 * self.value_dim + 2 * self.n_v_heads
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights of the in and out projections."""
+        return hidden * self.in_proj_width + self.value_dim * hidden
+
+    def other_params(self, hidden: int) -> int:
+        """The conv1d (no bias), dt_bias and A_log (one per value head), the gated norm."""
+        return self.conv_dim * self.conv_kernel + 2 * self.n_v_heads + self.head_v_dim
+
+    def params(self, hidden: int) -> int:
+        """All parameters of the mixer (its layer's pre-norm apart)."""
+        return self.matmul_params(hidden) + self.other_params(hidden)
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """Forward FLOPs per token besides the projections, as Megatron-Bridge counts them for
+        MFU (``flop_utils.py`` ``gdn_layer_flops``: the conv1d, 2 K (2 qk_dim + v_dim), and the
+        delta rule, 8 n_v_heads head_v_dim^2)."""
+        return 2 * self.conv_kernel * self.conv_dim + 8 * self.n_v_heads * self.head_v_dim**2
+
+    def chunk_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the chunked gated delta rule as flash-linear-attention
+        runs it (Yang et al. 2024, sec. 3.3, the WY form per chunk of C tokens), per value head:
+        the intra-chunk K K^T and Q K^T (2 x 2 C d_k), their products with the values and the
+        pseudo-values (2 x 2 C d_v), and the state's update and read-out (2 x 2 d_k d_v)."""
+        c, dk, dv = self.chunk_size, self.head_k_dim, self.head_v_dim
+        return self.n_v_heads * (4 * c * dk + 4 * c * dv + 4 * dk * dv)
+
+    @classmethod
+    def from_value(cls, value: Any, *, what: str) -> "GatedDeltaNetSpec":
+        if isinstance(value, GatedDeltaNetSpec):
+            return value
+        if not isinstance(value, dict):
+            raise SpecError(
+                f"{what}: gdn must be a mapping such as {{n_k_heads: 16, n_v_heads: 32, "
+                f"head_k_dim: 128, head_v_dim: 128}}, got {type(value).__name__}"
+            )
+        kwargs = check_keys(value, cls, what=f"{what}: gdn")
+        missing = [k for k in ("n_k_heads", "n_v_heads") if k not in kwargs]
+        if missing:
+            raise SpecError(f"{what}: gdn lacks {' and '.join(missing)}")
+        return cls(**kwargs)

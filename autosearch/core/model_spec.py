@@ -33,7 +33,7 @@ import yaml
 from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
 from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
-from autosearch.core._ssm import MambaSpec
+from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.errors import SpecError
 from autosearch.core.layers import Layer, parse_pattern, pattern_of
 
@@ -95,6 +95,7 @@ class ModelSpec:
             attention with the MLP `moe` says (`moe.first_dense_layers`, `moe.layer_step`).
         mamba: the Mamba-2 mixer of the ``M`` blocks (`MambaSpec`), or None for a model
             without them.
+        gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
     """
 
     name: str = "custom"
@@ -121,6 +122,7 @@ class ModelSpec:
     mtp_layers: int = 0
     layer_pattern: str | None = None
     mamba: MambaSpec | None = None
+    gdn: GatedDeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -204,18 +206,21 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
-            if self.mamba is not None:
-                try:
-                    self.mamba.check()
-                except SpecError as exc:
-                    problems += exc.problems
+            for mixer in (self.mamba, self.gdn):
+                if mixer is not None:
+                    try:
+                        mixer.check()
+                    except SpecError as exc:
+                        problems += exc.problems
             if self.layer_pattern is not None and not problems:
                 problems += self._check_pattern()
-            elif self.mamba is not None and not problems:
-                problems.append(
-                    "the model has a mamba block but no layer_pattern saying which layers are "
-                    "Mamba-2 (M); give one, or drop mamba"
-                )
+            elif not problems:
+                for name, symbol, what in _MIXER_SPECS:
+                    if getattr(self, name) is not None:
+                        problems.append(
+                            f"the model has a {name} block but no layer_pattern saying which "
+                            f"layers are {what} ({symbol}); give one, or drop {name}"
+                        )
             if self.lora is not None and not problems:
                 problems += self._check_lora()
         if problems:
@@ -235,17 +240,18 @@ class ModelSpec:
                 f"symbol with the MLP symbol after it, or either alone) but n_layers is "
                 f"{self.n_layers}; give one block per layer"
             )
-        has_mamba = any(mixer == "mamba" for mixer, _ in blocks)
-        if has_mamba and self.mamba is None:
-            problems.append(
-                "layer_pattern has Mamba-2 mixers (M) but the model has no mamba block; "
-                "describe them under mamba (n_heads, head_dim, d_state, n_groups)"
-            )
-        elif self.mamba is not None and not has_mamba:
-            problems.append(
-                "the model has a mamba block but its layer_pattern no M (Mamba-2 mixer); "
-                "mark the Mamba layers M, or drop mamba"
-            )
+        for name, symbol, what in _MIXER_SPECS:
+            has = any(mixer == name for mixer, _ in blocks)
+            if has and getattr(self, name) is None:
+                problems.append(
+                    f"layer_pattern has {what} mixers ({symbol}) but the model has no {name} "
+                    f"block; describe them under {name} ({_MIXER_FIELDS[name]})"
+                )
+            elif getattr(self, name) is not None and not has:
+                problems.append(
+                    f"the model has a {name} block but its layer_pattern no {symbol} ({what} "
+                    f"mixer); mark those layers {symbol}, or drop {name}"
+                )
         has_moe = any(mlp == "moe" for _, mlp in blocks)
         if has_moe and self.moe is None:
             problems.append(
@@ -330,7 +336,13 @@ class ModelSpec:
             elif cap is not None:
                 object.__setattr__(self, name, float(cap))
         what = f"model {self.name!r}"
-        nested = (("moe", MoESpec), ("mla", MLASpec), ("lora", LoraSpec), ("mamba", MambaSpec))
+        nested = (
+            ("moe", MoESpec),
+            ("mla", MLASpec),
+            ("lora", LoraSpec),
+            ("mamba", MambaSpec),
+            ("gdn", GatedDeltaNetSpec),
+        )
         for name, kind in nested:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
@@ -489,9 +501,10 @@ class ModelSpec:
         h = self.hidden_size
         if mixer == "attention":
             return self.attention_matmul_params + self._norm_and_bias_params - self._mlp_norm
-        if mixer == "mamba":
-            assert self.mamba is not None  # __post_init__ checks
-            return self.mamba.params(h) + self._mlp_norm
+        if mixer in ("mamba", "gdn"):
+            spec = getattr(self, mixer)
+            assert spec is not None  # __post_init__ checks
+            return spec.params(h) + self._mlp_norm
         return 0
 
     @property
@@ -523,8 +536,8 @@ class ModelSpec:
         and shared experts."""
         if layer.mixer == "attention":
             mixer = self.attention_matmul_params
-        elif layer.mixer == "mamba":
-            mixer = self.mamba.matmul_params(self.hidden_size)  # type: ignore[union-attr]
+        elif layer.mixer in ("mamba", "gdn"):
+            mixer = getattr(self, layer.mixer).matmul_params(self.hidden_size)
         else:
             mixer = 0
         if layer.mlp == "dense":
@@ -638,9 +651,11 @@ class ModelSpec:
         gemms = 2 * matmuls + 2 * self.vocab_size * h
         last_keys = keys[-1] if self.layers[-1].mixer == "attention" else 0
         attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
-        if self.mamba is not None:  # Megatron-LM mamba_layer_flops: the scan, 7 d_in d_state
-            n_mamba = sum(n for layer, n in self._kind_counts if layer.mixer == "mamba")
-            attention += n_mamba * self.mamba.scan_flops_per_token
+        for name in ("mamba", "gdn"):  # the scans (Megatron-LM / Megatron-Bridge counts)
+            spec = getattr(self, name)
+            if spec is not None:
+                n_blocks = sum(n for layer, n in self._kind_counts if layer.mixer == name)
+                attention += n_blocks * spec.scan_flops_per_token
         if training and self.lora is not None:
             # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
             # the frozen GEMMs run forward and input gradient only, 2/3 of 3x; the attention
@@ -690,6 +705,8 @@ class ModelSpec:
             kwargs["lora"] = LoraSpec.from_value(kwargs["lora"], what=what)
         if kwargs.get("mamba") is not None:
             kwargs["mamba"] = MambaSpec.from_value(kwargs["mamba"], what=what)
+        if kwargs.get("gdn") is not None:
+            kwargs["gdn"] = GatedDeltaNetSpec.from_value(kwargs["gdn"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -704,7 +721,12 @@ class ModelSpec:
         from autosearch.core.hf_config import spec_fields
 
         fields = spec_fields(source, name=name, seq_len=seq_len)
-        for key, kind in (("moe", MoESpec), ("mla", MLASpec), ("mamba", MambaSpec)):
+        for key, kind in (
+            ("moe", MoESpec),
+            ("mla", MLASpec),
+            ("mamba", MambaSpec),
+            ("gdn", GatedDeltaNetSpec),
+        ):
             if fields.get(key) is not None:
                 fields[key] = kind(**fields[key])
         return cls(**fields)
@@ -780,7 +802,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("layer_pattern", "mamba"):  # the fields say it all: files as before them
+        for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
             if out[name] is None:
                 del out[name]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
@@ -822,14 +844,22 @@ def _in_units(n: int) -> str:
     return f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
+# the state-space and linear-attention mixers: (field, pattern symbol, name)
+_MIXER_SPECS = (("mamba", "M", "Mamba-2"), ("gdn", "G", "Gated DeltaNet"))
+_MIXER_FIELDS = {
+    "mamba": "n_heads, head_dim, d_state, n_groups",
+    "gdn": "n_k_heads, n_v_heads, head_k_dim, head_v_dim",
+}
+
+
 def unpriced(model: ModelSpec) -> list[str]:
     """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
     it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
     model gains its term. The term each needs is listed in docs/models.md. The cost model
-    prices attention and Mamba-2 mixers, dense and MoE MLPs, and blocks with either alone
-    (`cost_models.terms.layers`, `cost_models.terms.ssm`); Gated DeltaNet mixers are not
-    priced yet."""
-    priced = ("Mamba-2 mixers (M)", "blocks without a mixer", "blocks without an MLP")
+    prices attention, Mamba-2 and Gated DeltaNet mixers, dense and MoE MLPs, and blocks with
+    either alone (`cost_models.terms.layers`, `cost_models.terms.ssm`): nothing of a model's
+    layers is left unpriced today; a new kind of block is refused here until its term exists."""
+    priced = ("Mamba-2", "Gated DeltaNet", "blocks without a mixer", "blocks without an MLP")
     return [
         f"{what} ({model.pattern[:40]})"
         for what in _other_blocks(model)

@@ -62,6 +62,13 @@ def tp_problem(tp: int, model: ModelSpec) -> str | None:
             f"{mamba.n_groups} groups; use a tp that divides "
             f"{math.gcd(mamba.n_heads, mamba.n_groups)}"
         )
+    gdn = model.gdn
+    if gdn is not None and (gdn.n_k_heads % tp or gdn.n_v_heads % tp):
+        # Megatron-Core GatedDeltaNet splits the key and value heads over tp
+        return (
+            f"tp={tp} does not divide the Gated DeltaNet mixer's {gdn.n_k_heads} key heads and "
+            f"{gdn.n_v_heads} value heads; use a tp that divides {gdn.n_k_heads}"
+        )
     return None
 
 
@@ -198,6 +205,11 @@ def context_parallel_problem(
         return (
             f"cp={cp} with Mamba-2 layers is not priced (Megatron-Core's head-wise all-to-all "
             "of the Mamba layers has no term yet); use cp=1"
+        )
+    if cp > 1 and model is not None and model.gdn is not None:
+        return (
+            f"cp={cp} with Gated DeltaNet layers is not priced (their chunk-wise state passing "
+            "across ranks has no term yet); use cp=1"
         )
     if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
         return None

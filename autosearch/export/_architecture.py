@@ -109,6 +109,7 @@ SPEC_FIELDS = (
     "mtp_layers",
     "layer_pattern",
     "mamba",
+    "gdn",
 )
 ARCH_FIELDS = tuple(
     f"arch.{f.name}" for f in dataclasses.fields(Architecture) if f.name != "known"

@@ -263,6 +263,8 @@ def refuse_common(model, arch: Architecture, m: FieldMap) -> None:
         )
     if model.mamba is not None:
         m.refuse("mamba", "torchtitan 0.2 has no Mamba-2 layers")
+    if model.gdn is not None:
+        m.refuse("gdn", "torchtitan 0.2 has no Gated DeltaNet layers")
     if model.moe is not None and model.moe.capacity_factor is not None:
         m.refuse("moe.capacity_factor", "torchtitan's MoE is dropless")
 

@@ -29,6 +29,7 @@ from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read,
 KINDS: "dict[tuple[str, str], Callable[..., layers.KindTerm]]" = {
     ("mlp", "moe"): experts.MoELayers,
     ("mixer", "mamba"): ssm.MambaMixers,
+    ("mixer", "gdn"): ssm.GatedDeltaNetMixers,
     ("mixer", "none"): ssm.NoMixer,
     ("mlp", "none"): ssm.NoMLP,
 }

@@ -1,6 +1,6 @@
-"""Blocks that differ from the base in their mixer or their MLP: Mamba-2 mixers in place of
-attention, and blocks without a mixer or without an MLP (Nemotron-H's ``M``, ``-`` and ``*``
-layers, each a Megatron layer with its own norm and residual).
+"""Blocks that differ from the base in their mixer or their MLP: Mamba-2 and Gated DeltaNet
+mixers in place of attention, and blocks without a mixer or without an MLP (Nemotron-H's ``M``,
+``-`` and ``*`` layers, each a Megatron layer with its own norm and residual).
 
 Each part is priced once per strategy as what one block adds to a base block (attention with a
 dense MLP, `cost_models.terms.layers`), for one micro-batch on one device: its compute, its
@@ -205,6 +205,38 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
+def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Gated DeltaNet sublayer (`GatedDeltaNetSpec`; Megatron-Core ``gated_delta_net.py``:
+    in_proj column-parallel by heads, out_proj row-parallel): its projections as GEMMs, the
+    chunked gated delta rule (flash-linear-attention ``chunk_gated_delta_rule``,
+    `GatedDeltaNetSpec.chunk_flops_per_token`) at the fused-attention rate as the Mamba-2 scan,
+    the conv1d, the q / k L2 norms and the gated norm as memory-bound kernels. Saved: the
+    in_proj output, the conv output, the core output and out_proj's input."""
+    m, prof = ctx.model, ctx.profile
+    gdn = m.gdn
+    assert gdn is not None  # a model with G blocks has one (ModelSpec checks)
+    x = layer_shape(s, ctx)
+    h, t, T, ab = m.hidden_size, x.t, x.T, x.ab
+    peak, key = gemm_rate(ctx, x)
+    gemm = prof.gemm
+    gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
+        T, h, gdn.value_dim / t, peak, key
+    )
+    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+        x.peak * attention_efficiency(ctx, x.precision)
+    )
+    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    elementwise = elementwise_s(ctx, x)
+    own = elementwise(T * (2 * gdn.conv_dim + 4 * gdn.key_dim + 3 * gdn.value_dim) * ab / t)
+    elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
+    fwd = gemms + scan_fwd + elem
+    bwd = gemm.backward_over_forward * gemms + scan_bwd + 2.0 * elem
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    per_token = ab * (gdn.in_proj_width + gdn.conv_dim + gdn.value_dim) + li * gdn.value_dim
+    saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
 def _recompute_of(s: "Strategy", sub: _Sublayer) -> float:
     return {
         "full": sub.full_recompute_s,
@@ -235,6 +267,21 @@ def mamba_part(s: "Strategy", ctx: Context) -> Part:
         _recompute_of(s, new) - _recompute_of(s, old),
         _kept(s, ctx, new) - _kept(s, ctx, old),
         _params(ctx, Layer("mamba", "dense"), s.tp),
+    )
+
+
+@reads(*_PART_READS, "recompute")
+def gdn_part(s: "Strategy", ctx: Context) -> Part:
+    """A Gated DeltaNet mixer in place of the attention sublayer: the same pair of
+    tensor-parallel collectives, so no traffic added."""
+    new, old = _gdn(s, ctx), _attention(s, ctx)
+    return Part(
+        new.fwd_s - old.fwd_s,
+        new.bwd_s - old.bwd_s,
+        0.0,
+        _recompute_of(s, new) - _recompute_of(s, old),
+        _kept(s, ctx, new) - _kept(s, ctx, old),
+        _params(ctx, Layer("gdn", "dense"), s.tp),
     )
 
 
@@ -351,6 +398,28 @@ class MambaMixers(_PartBlocks):
 
     def extra_bytes(self, s: "Strategy") -> float:
         return chunk_state_bytes(s, self._ctx)
+
+
+@reads("tp", "micro_batch_size", "cp")
+def delta_state_bytes(s: "Strategy", ctx: Context) -> float:
+    """The fp32 states of the Gated DeltaNet layer being computed, one per chunk of each
+    sequence: n_v_heads / tp x head_k_dim x head_v_dim each (chunk_gated_delta_rule keeps them
+    for the output pass)."""
+    gdn = ctx.model.gdn
+    assert gdn is not None
+    chunks = -(-ctx.model.seq_len // (s.cp * gdn.chunk_size))
+    per_chunk = gdn.n_v_heads / s.tp * gdn.head_k_dim * gdn.head_v_dim * 4
+    return s.micro_batch_size * chunks * per_chunk
+
+
+class GatedDeltaNetMixers(_PartBlocks):
+    """Blocks whose mixer is Gated DeltaNet (``G``)."""
+
+    PART = ("mixer", "gdn")
+    TERM = gdn_part
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        return delta_state_bytes(s, self._ctx)
 
 
 class NoMixer(_PartBlocks):
