@@ -675,7 +675,10 @@ class ModelSpec:
         parts = [f"{_in_units(self.n_params)} parameters"]
         if self.n_active_params != self.n_params:
             parts[0] += f" ({_in_units(self.n_active_params)} active)"
-        parts.append(f"{self.n_layers} layers")
+        layers = f"{self.n_layers} layers"
+        if any("none" in layer.kind for layer in self.layers):  # a mixer or an MLP alone
+            layers += f" ({len(self.pattern)} in Megatron's hybrid pattern)"
+        parts.append(layers)
         if self.moe is not None:
             shared = self.moe.n_shared_experts
             parts.append(
