@@ -503,7 +503,7 @@ def _moe_seconds(cost_model: AnalyticCostModel, s: Strategy) -> dict:
     all-to-all, and the runtime's host floor (`moe_layer_host_s` per layer; the GPU work of a
     shorter layer waits for it). Read from the cost model's per-layer terms
     (`experts.layer`), for the diagnosis of a row, not a second estimate."""
-    moe = cost_model.kind_terms[("attention", "moe")]  # experts.MoELayers
+    moe = cost_model.kind_terms[("mlp", "moe")]  # experts.MoELayers
     e = moe.expert_layer(s)  # the cached experts.layer(s, ctx)
     n = s.grad_accum_steps * max(moe.counts(s))
     return {

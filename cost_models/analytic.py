@@ -36,6 +36,7 @@ from cost_models.terms import (
 from cost_models.terms.compute import CAUSAL_FRACTION
 from cost_models.terms.layers import KindCosts
 from cost_models.terms.layers import kinds as layer_kinds
+from cost_models.terms.layers import parts as layer_parts
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import Cluster
@@ -204,6 +205,11 @@ class AnalyticCostModel(CostModel):
                 fwd_s=window.fwd_s + share * k.fwd_s, bwd_s=window.bwd_s + share * k.bwd_s
             )
         groups = self._param_groups(s, kinds) if kinds else ((self._params(s), None),)
+        added = sum([k.counts[heaviest] * k.block_params for k in kinds if k.block_params])
+        if added:  # blocks whose mixer or MLP weighs other than the base's
+            base_params, group = groups[0]
+            total = max(0.0, base_params.total + added)
+            groups = ((base_params._replace(total=total), group), *groups[1:])
         rc = micro.recompute_layer_s
         params, _ = groups[0]  # the base group: LoRA's adapters train in it
         dp = data_parallel.cost(s, ctx, params, ranks, window, rc, trainable=trainable)
@@ -217,7 +223,7 @@ class AnalyticCostModel(CostModel):
             optimizer += compute.optimizer_step_s(s, ctx, own)
         # autocast's casts, of the heaviest rank's blocks as dense and as MoE ones, and of each
         # parameter group; they run inside each micro-batch: the bubble idles for them too
-        moe_like = sum([k.counts[heaviest] for k in kinds]) if kinds else 0
+        moe_like = sum([k.counts[heaviest] for k in kinds if k.param_groups]) if kinds else 0
         casts = compute.autocast_casts_s(
             s, ctx, groups[0][0].total, trainable, (ranks[heaviest] - moe_like, moe_like)
         )
@@ -249,9 +255,11 @@ class AnalyticCostModel(CostModel):
         if recomputed:
             base += rc_layer + rc_tp * layer.tp_comm_fwd_s
         added = {
-            kind: sum(k.rank_s(1, 1.0)) for kind, k in zip(self.kind_terms, self._kinds_of(s))
+            part: sum(k.rank_s(1, 1.0)) for part, k in zip(self.kind_terms, self._kinds_of(s))
         }
-        weights = [base + added.get(block.kind, 0.0) for block in model.layers]
+        weights = [
+            base + sum(added[part] for part in layer_parts(block.kind)) for block in model.layers
+        ]
         first = layer.embedding_s + layer.embedding_comm_s
         heads = pipeline.heads(model) * layer.logits_s
         last = heads + (1 + model.mtp_layers) * layer.logits_comm_s

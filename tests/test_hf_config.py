@@ -441,3 +441,70 @@ def test_a_misspelt_key_the_reader_needs_is_an_error(name, key, typo, container)
 def test_describe_gives_the_model_in_one_line(name, line):
     seq_len = int(line.rsplit(" ", 1)[1].replace(",", ""))
     assert ModelSpec.from_hf_config(DATA / name, seq_len=seq_len).describe() == line
+
+
+# ---- hybrid models: Nemotron-H (Mamba-2, attention and MLP layers) and Nemotron 3 (MoE) --------
+HYBRIDS = {  # file: (n_params transformers builds, n_active_params, blocks, pattern start)
+    "nemotron-h-8b.json": (8_100_852_736, 8_100_852_736, 28, "M-M-M-M*-M"),
+    "nemotron-h-56b.json": (56_324_350_464, 56_324_350_464, 64, "M-M-M-M*-M"),
+    "nemotron-3-nano-30b-a3b.json": (31_577_937_344, 3_580_073_408, 29, "MEMEM*EMEM"),
+}
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_nemotron_h_counts_match_the_model_transformers_builds(name):
+    """Every parameter of NemotronHForCausalLM built on the meta device from the same config:
+    Mamba-2 mixers (in / out projections, conv1d, dt_bias, A_log, D, gated norm), attention
+    and MLP layers alone, MoE MLPs with their router and shared expert."""
+    total, active, blocks, start = HYBRIDS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key
+        spec = ModelSpec.from_hf_config(DATA / name, seq_len=8192)
+    assert (spec.n_params, spec.n_active_params) == (total, active)
+    assert (spec.n_layers, spec.pattern[:10]) == (blocks, start)
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.NemotronHConfig.from_json_file(str(DATA / name))
+    with torch.device("meta"):
+        model = transformers.NemotronHForCausalLM(config)
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_nemotron_h_layer_list_reads_as_its_pattern():
+    """``layers_block_type`` (transformers 5's form) gives the pattern
+    ``hybrid_override_pattern`` gives."""
+    raw = json.loads((DATA / "nemotron-h-8b.json").read_text())
+    names = {"M": "mamba", "*": "attention", "-": "mlp"}
+    listed = dict(raw, layers_block_type=[names[c] for c in raw.pop("hybrid_override_pattern")])
+    assert ModelSpec.from_hf_config(listed, seq_len=8192) == ModelSpec.from_hf_config(
+        DATA / "nemotron-h-8b.json", seq_len=8192
+    )
+
+
+@pytest.mark.parametrize("experts", [0, 8])
+def test_granite_hybrid_counts_match_the_model_transformers_builds(experts):
+    """IBM Granite 4.0-H's layout (GraniteMoeHybridConfig), small: Mamba-2 and attention
+    layers, each with the shared SwiGLU MLP and, with experts, routed experts beside it."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        shared_intermediate_size=192,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        mamba_n_heads=16,
+        mamba_n_groups=2,
+        mamba_d_state=32,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        model = transformers.GraniteMoeHybridForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == ("MEME*EME" if experts else "M-M-*-M-")
+    assert spec.n_params == sum(p.numel() for p in model.parameters())

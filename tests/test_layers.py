@@ -18,6 +18,7 @@ import pytest
 from autosearch import Cluster, ModelSpec, Strategy
 from autosearch.core.errors import SpecError
 from autosearch.core.layers import Layer, parse_pattern
+from autosearch.core.model_spec import unpriced
 from cost_models import AnalyticCostModel
 from cost_models.terms.layers import kinds
 
@@ -108,12 +109,29 @@ def test_pattern_disagreeing_with_the_fields_is_refused_with_the_fix():
         dataclasses.replace(dsv3, layer_pattern="*-" + "*E" * 60)
 
 
-def test_blocks_the_cost_model_does_not_price_are_refused_with_the_reason():
+def test_every_kind_of_block_is_priced():
+    """Mamba-2 and Gated DeltaNet mixers and blocks with a mixer or an MLP alone are priced
+    (`cost_models.terms.ssm`); `model_spec.unpriced` is empty for them."""
+    llama = ModelSpec.load("llama3-8b")
     hybrid = dataclasses.replace(
-        ModelSpec.load("llama3-8b"), layer_pattern="M-" * 28 + "*-" * 4, name="hybrid"
+        llama,
+        layer_pattern="G-" * 14 + "M" * 14 + "*" + "-" * 4,  # 14 + 14 + 1 + 3 blocks
+        gdn={"n_k_heads": 16, "n_v_heads": 32},
+        mamba={"n_heads": 64, "head_dim": 64},
+        name="hybrid",
     )
-    with pytest.raises(SpecError, match="does not price Mamba-2 mixers"):
-        AnalyticCostModel(hybrid, Cluster.parse("h100-sxm:1x8"))
+    assert unpriced(hybrid) == []
+    report = AnalyticCostModel(hybrid, Cluster.parse("h100-sxm:1x8")).estimate(
+        Strategy.parse("dp=8,global_batch_size=64")
+    )
+    assert report.step_time_s > 0
+
+
+@pytest.mark.parametrize("symbol, field", [("M", "mamba"), ("G", "gdn")])
+def test_state_space_layers_need_their_mixer_described(symbol, field):
+    llama = ModelSpec.load("llama3-8b")
+    with pytest.raises(SpecError, match=f"no {field} block; describe them under {field}"):
+        dataclasses.replace(llama, layer_pattern=f"{symbol}-" * 28 + "*-" * 4)
 
 
 def test_a_yaml_file_takes_the_pattern(tmp_path):
@@ -130,7 +148,7 @@ def test_a_yaml_file_takes_the_pattern(tmp_path):
 
 def test_kinds_of_block_beyond_the_base():
     assert kinds(ModelSpec.load("llama3-70b")) == ()
-    assert kinds(ModelSpec.load("deepseek-v3")) == (("attention", "moe"),)
+    assert kinds(ModelSpec.load("deepseek-v3")) == (("mlp", "moe"),)
 
 
 def _imports(path: Path) -> set[str]:

@@ -22,6 +22,14 @@ deepseek_v2, deepseek_v3, llama4       shared experts, leading dense layers, the
 (text_config), llama4_text, gpt_oss    the router; DeepSeek's ``mla`` (`MLASpec`) and
                                        ``mtp_layers`` (``num_nextn_predict_layers``)
 gpt2, gpt_neox                         ``gelu`` (GPT style)
+nemotron_h                             ``layer_pattern`` from ``layers_block_type`` (or
+                                       ``hybrid_override_pattern``: one Hugging Face layer per
+                                       symbol), ``mamba`` (`MambaSpec`), ``relu2`` MLPs and the
+                                       MoE MLPs of Nemotron 3 (``moe``, sigmoid router, one
+                                       shared expert of ``moe_shared_expert_intermediate_size``)
+granitemoehybrid                       IBM Granite 4.0-H: ``layer_types`` (Mamba-2 or attention,
+                                       each with a SwiGLU MLP: the shared MLP, and with experts
+                                       a ``moe`` whose shared expert it is), ``mamba``
 =====================================  =======================================================
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
@@ -86,7 +94,14 @@ MOE_FAMILIES = (
     "gpt_oss",
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
-SUPPORTED = SWIGLU_DENSE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE
+# layer patterns of Mamba-2, attention and MLP layers
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
+SUPPORTED = SWIGLU_DENSE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE + HYBRID_FAMILIES
+# Hugging Face's names of Nemotron-H's layers -> Megatron's hybrid symbols
+# (transformers NemotronHConfig._list_to_pattern)
+NEMOTRON_H_SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*",
+                      "full_attention": "*", "mlp": "-", "moe": "E"}  # fmt: skip
+NEMOTRON_H_DEFAULT_LAYERS = ("linear_attention", "moe", "full_attention", "mlp")
 NESTED = {"llama4": "llama4_text", "gemma3": "gemma3_text"}  # multimodal: the text model
 # Keys by which a config announces experts (Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3, DBRX).
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -108,6 +123,12 @@ READ_KEYS = frozenset(
         "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "scoring_func",
         "topk_method", "num_nextn_predict_layers", "q_lora_rank", "kv_lora_rank",
         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *MOE_KEYS,
+        "hybrid_override_pattern", "layers_block_type", "attention_head_dim",
+        "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+        "chunk_size", "use_conv_bias", "use_bias", "mlp_hidden_act", "moe_latent_size",
+        "moe_shared_expert_intermediate_size", "mamba_n_heads", "mamba_d_head",
+        "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_chunk_size",
+        "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -267,7 +288,8 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             f"supported: {', '.join(SUPPORTED)}. Write a ModelSpec YAML (n_layers, hidden_size, "
             "n_heads, vocab_size, seq_len; moe and mla as nested mappings) for other models"
         )
-    if experts and model_type not in MOE_FAMILIES:  # read as dense, its experts dropped
+    # a dense family with experts would be read as dense, its experts dropped
+    if experts and model_type not in MOE_FAMILIES + HYBRID_FAMILIES:
         given = ", ".join(f"{k} = {cfg[k]!r}" for k in experts)
         raise SpecError(
             f"Hugging Face config of {label!r}: model_type {model_type!r} is a dense family, "
@@ -341,6 +363,10 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
     cfg, need = config.merged, config.need
     if model_type in GPT_LIKE:
         return _gpt_fields(cfg, model_type, need, label)
+    if model_type == "nemotron_h":
+        return _nemotron_h_fields(cfg, need, label)
+    if model_type == "granitemoehybrid":
+        return _granite_hybrid_fields(cfg, need, label)
     fields = dict(
         n_layers=need("num_hidden_layers"),
         hidden_size=need("hidden_size"),
@@ -602,3 +628,130 @@ def _moe_fields(
             v_head_dim=need("v_head_dim"),
         )
     return out
+
+
+def _nemotron_h_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Nemotron-H and Nemotron 3 (transformers ``NemotronHConfig``; Megatron-Bridge
+    ``nemotron_h_provider.py``): one Hugging Face layer per symbol of Megatron's hybrid pattern,
+    Mamba-2 mixers, squared-ReLU MLPs and, in Nemotron 3, MoE MLPs."""
+    from autosearch.core.layers import parse_pattern
+
+    listed = cfg.get("layers_block_type")
+    if isinstance(listed, (list, tuple)) and listed:
+        unknown = sorted({str(k) for k in listed} - set(NEMOTRON_H_SYMBOLS))
+        if unknown:
+            raise SpecError(
+                f"{label!r}: layers_block_type names {', '.join(unknown)}, not one of "
+                f"{', '.join(NEMOTRON_H_SYMBOLS)}"
+            )
+        pattern = "".join(NEMOTRON_H_SYMBOLS[k] for k in listed)
+    elif cfg.get("hybrid_override_pattern") is not None:
+        pattern = cfg["hybrid_override_pattern"]
+    else:  # NemotronHConfig.__post_init__'s default layers
+        pattern = "".join(NEMOTRON_H_SYMBOLS[k] for k in NEMOTRON_H_DEFAULT_LAYERS)
+    blocks = parse_pattern(pattern)
+    act = cfg.get("mlp_hidden_act") or "relu2"
+    if act != "relu2":
+        raise SpecError(
+            f"{label!r}: mlp_hidden_act {act!r} is not the relu2 MLP of nemotron_h; only that "
+            "is modelled"
+        )
+    if cfg.get("moe_latent_size"):
+        raise SpecError(
+            f"{label!r}: moe_latent_size {cfg['moe_latent_size']} (experts in a latent space, "
+            "Nemotron 3 Super) is not modelled; write a ModelSpec YAML"
+        )
+    for key in ("attention_bias", "mlp_bias", "use_bias"):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released models: false)")
+    fields: dict[str, Any] = dict(
+        n_layers=len(blocks),
+        hidden_size=need("hidden_size"),
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="relu2",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        head_dim=_count(cfg, "attention_head_dim", label) or need("head_dim"),
+        layer_pattern=pattern,
+        mamba=dict(
+            n_heads=need("mamba_num_heads"),
+            head_dim=need("mamba_head_dim"),
+            d_state=need("ssm_state_size"),
+            n_groups=need("n_groups"),
+            conv_kernel=need("conv_kernel"),
+            chunk_size=need("chunk_size"),
+            conv_bias=_flag(cfg, "use_conv_bias", True, label),
+        ),
+    )
+    if "E" in pattern:
+        fields["moe"] = dict(
+            n_experts=need("n_routed_experts"),
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("moe_intermediate_size"),
+            n_shared_experts=1,  # NemotronHMoE.shared_experts: one MLP
+            shared_ffn_hidden_size=need("moe_shared_expert_intermediate_size"),
+            router="sigmoid",  # NemotronHTopkRouter; Megatron-Bridge: expert bias
+            load_balancing="aux_loss_free",
+        )
+    return fields
+
+
+def _granite_hybrid_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """IBM Granite 4.0-H (transformers ``GraniteMoeHybridConfig``): every layer a Mamba-2 or an
+    attention mixer (``layer_types``: ``mamba`` / ``linear_attention`` or ``attention`` /
+    ``full_attention``) with a SwiGLU shared MLP of ``shared_intermediate_size`` and, where
+    ``num_local_experts`` > 0, routed experts of ``intermediate_size`` beside it (a MoE MLP
+    with one shared expert); d_inner = ``mamba_expand`` x hidden, split in ``mamba_n_heads``."""
+    n_layers = need("num_hidden_layers")
+    listed = cfg.get("layer_types") or ["linear_attention"] * n_layers
+    mixers = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}
+    unknown = sorted({str(k) for k in listed} - set(mixers))
+    if unknown:
+        raise SpecError(
+            f"{label!r}: layer_types names {', '.join(unknown)}, not one of {', '.join(mixers)}"
+        )
+    for key in ("attention_bias", "mamba_proj_bias"):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released models: false)")
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not granitemoehybrid's SwiGLU")
+    hidden, heads = need("hidden_size"), need("mamba_n_heads")
+    d_head = cfg.get("mamba_d_head")
+    if d_head in (None, "auto"):  # GraniteMoeHybridConfig.__post_init__
+        d_head = need("mamba_expand") * hidden // heads
+    experts = cfg.get("num_local_experts") or 0
+    mlp = "E" if experts else "-"
+    shared = need("shared_intermediate_size")
+    fields: dict[str, Any] = dict(
+        n_layers=len(listed),
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=shared,
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="".join(mixers[k] + mlp for k in listed),
+        mamba=dict(
+            n_heads=heads,
+            head_dim=d_head,
+            d_state=need("mamba_d_state"),
+            n_groups=need("mamba_n_groups"),
+            conv_kernel=need("mamba_d_conv"),
+            chunk_size=need("mamba_chunk_size"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+        ),
+    )
+    if experts:
+        fields["moe"] = dict(
+            n_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("intermediate_size"),
+            n_shared_experts=1,  # the shared MLP beside the experts
+            shared_ffn_hidden_size=shared,
+            router="softmax",  # GraniteMoeHybridTopKRouter: softmax over the top-k logits
+        )
+    return fields

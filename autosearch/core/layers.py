@@ -21,9 +21,10 @@ A block is a mixer symbol with the MLP symbol after it (``*-``, ``*E``, ``M-``),
 layer has its own pre-norm and residual, so a block of two symbols is two of them: a Llama is
 ``*-`` repeated, DeepSeek-V3 ``*-*-*-`` then ``*E`` 58 times.
 
-The analytic cost model prices attention blocks with a dense or MoE MLP
-(`autosearch.core.model_spec.unpriced` names the others); the layer kinds it prices are
-`cost_models.terms.layers`.
+The analytic cost model prices every kind of block: the attention + dense-MLP block, and each
+part in which another block differs from it (`cost_models.terms.layers`: MoE MLPs, Mamba-2 and
+Gated DeltaNet mixers, a mixer or an MLP alone); `autosearch.core.model_spec.unpriced` names
+what a new kind would leave unpriced until its term exists.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import yaml
 from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
 from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
+from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.errors import SpecError
 from autosearch.core.layers import Layer, parse_pattern, pattern_of
 
@@ -92,6 +93,9 @@ class ModelSpec:
             experts; ``*-*E*E`` is a dense layer then two MoE layers), one block per layer:
             which MLPs are MoE and which mixers are not attention. None: every block is
             attention with the MLP `moe` says (`moe.first_dense_layers`, `moe.layer_step`).
+        mamba: the Mamba-2 mixer of the ``M`` blocks (`MambaSpec`), or None for a model
+            without them.
+        gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
     """
 
     name: str = "custom"
@@ -117,6 +121,8 @@ class ModelSpec:
     lora: LoraSpec | None = None
     mtp_layers: int = 0
     layer_pattern: str | None = None
+    mamba: MambaSpec | None = None
+    gdn: GatedDeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -200,8 +206,21 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
+            for mixer in (self.mamba, self.gdn):
+                if mixer is not None:
+                    try:
+                        mixer.check()
+                    except SpecError as exc:
+                        problems += exc.problems
             if self.layer_pattern is not None and not problems:
                 problems += self._check_pattern()
+            elif not problems:
+                for name, symbol, what in _MIXER_SPECS:
+                    if getattr(self, name) is not None:
+                        problems.append(
+                            f"the model has a {name} block but no layer_pattern saying which "
+                            f"layers are {what} ({symbol}); give one, or drop {name}"
+                        )
             if self.lora is not None and not problems:
                 problems += self._check_lora()
         if problems:
@@ -221,6 +240,18 @@ class ModelSpec:
                 f"symbol with the MLP symbol after it, or either alone) but n_layers is "
                 f"{self.n_layers}; give one block per layer"
             )
+        for name, symbol, what in _MIXER_SPECS:
+            has = any(mixer == name for mixer, _ in blocks)
+            if has and getattr(self, name) is None:
+                problems.append(
+                    f"layer_pattern has {what} mixers ({symbol}) but the model has no {name} "
+                    f"block; describe them under {name} ({_MIXER_FIELDS[name]})"
+                )
+            elif getattr(self, name) is not None and not has:
+                problems.append(
+                    f"the model has a {name} block but its layer_pattern no {symbol} ({what} "
+                    f"mixer); mark those layers {symbol}, or drop {name}"
+                )
         has_moe = any(mlp == "moe" for _, mlp in blocks)
         if has_moe and self.moe is None:
             problems.append(
@@ -305,7 +336,14 @@ class ModelSpec:
             elif cap is not None:
                 object.__setattr__(self, name, float(cap))
         what = f"model {self.name!r}"
-        for name, kind in (("moe", MoESpec), ("mla", MLASpec), ("lora", LoraSpec)):
+        nested = (
+            ("moe", MoESpec),
+            ("mla", MLASpec),
+            ("lora", LoraSpec),
+            ("mamba", MambaSpec),
+            ("gdn", GatedDeltaNetSpec),
+        )
+        for name, kind in nested:
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 try:
@@ -453,6 +491,79 @@ class ModelSpec:
             + self._expert_params(self.moe.top_k)
         )
 
+    # ---- blocks of every kind ------------------------------------------------------------------
+    # Each Megatron layer (a mixer, or an MLP) has its own pre-norm (Megatron-Core
+    # ``mamba_block.py`` / ``transformer_layer.py``; Hugging Face ``NemotronHBlock.norm``), so a
+    # block's parameters are its mixer's and its MLP's, each with its norm: an attention + dense
+    # block sums to `layer_params`, an attention + MoE block to `moe_layer_params`.
+    def _mixer_params(self, mixer: str) -> int:
+        """Parameters of a mixer with its pre-norm (and, GPT style, its biases)."""
+        h = self.hidden_size
+        if mixer == "attention":
+            return self.attention_matmul_params + self._norm_and_bias_params - self._mlp_norm
+        if mixer in ("mamba", "gdn"):
+            spec = getattr(self, mixer)
+            assert spec is not None  # __post_init__ checks
+            return spec.params(h) + self._mlp_norm
+        return 0
+
+    @property
+    def _mlp_norm(self) -> int:
+        """One pre-norm: RMSNorm's weight, or LayerNorm's weight and bias."""
+        return 2 * self.hidden_size if self.linear_bias else self.hidden_size
+
+    def _mlp_params(self, mlp: str, *, active: bool) -> int:
+        """Parameters of an MLP with its pre-norm: the dense MLP's matrices and biases, or a
+        MoE MLP's router and experts (`active`: those a token goes through)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        if mlp == "dense":
+            bias = (self.n_ffn_matrices - 1) * f + h if self.linear_bias else 0
+            return self.n_ffn_matrices * h * f + bias + self._mlp_norm
+        if mlp == "moe":
+            assert self.moe is not None  # __post_init__ checks
+            return self._expert_params(self.moe.top_k if active else self.moe.n_experts) + (
+                self._mlp_norm
+            )
+        return 0
+
+    def block_params(self, layer: Layer, *, active: bool = False) -> int:
+        """All parameters of one block of `layers` (`active`: a MoE MLP's top-k experts)."""
+        return self._mixer_params(layer.mixer) + self._mlp_params(layer.mlp, active=active)
+
+    def block_matmul_params(self, layer: Layer) -> int:
+        """Weights of the matrix multiplies a token goes through in one block: the attention's
+        projections or Mamba's in / out projections, the dense MLP or the router, top-k routed
+        and shared experts."""
+        if layer.mixer == "attention":
+            mixer = self.attention_matmul_params
+        elif layer.mixer in ("mamba", "gdn"):
+            mixer = getattr(self, layer.mixer).matmul_params(self.hidden_size)
+        else:
+            mixer = 0
+        if layer.mlp == "dense":
+            return mixer + self.n_ffn_matrices * self.hidden_size * self.ffn_hidden_size
+        if layer.mlp == "moe":
+            return mixer + self._expert_params(self.moe.top_k)  # type: ignore[union-attr]
+        return mixer
+
+    @functools.cached_property
+    def _kind_counts(self) -> tuple[tuple[Layer, int], ...]:
+        """Each kind of block (without keys) and how many blocks are of it."""
+        counts: dict[Layer, int] = {}
+        for layer in self.layers:
+            key = Layer(layer.mixer, layer.mlp)
+            counts[key] = counts.get(key, 0) + 1
+        return tuple(counts.items())
+
+    @functools.cached_property
+    def _attended_keys(self) -> int:
+        """Keys the queries of all attention blocks attend to, summed over the blocks."""
+        return sum(layer.keys or 0 for layer in self.layers if layer.mixer == "attention")
+
+    def _blocks_sum(self, per_kind: "Any") -> int:
+        """Sum of `per_kind(layer)` over the blocks, once per kind of block."""
+        return sum(n * per_kind(layer) for layer, n in self._kind_counts)
+
     # ---- sliding windows -----------------------------------------------------------------------
     @property
     def attention_keys(self) -> tuple[int, ...]:
@@ -490,8 +601,7 @@ class ModelSpec:
         ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj, the layer, final_layernorm;
         DeepSeek-V3 tech report, sec. 2.2, eq. 21)."""
         h = self.hidden_size
-        block = self.moe_layer_params if self.moe_layers[-1] else self.layer_params
-        return block + 3 * h + 2 * h * h
+        return self.block_params(self.layers[-1]) + 3 * h + 2 * h * h
 
     @property
     def n_params(self) -> int:
@@ -500,8 +610,7 @@ class ModelSpec:
         The multi-token prediction modules are not counted (`mtp_layer_params`), as the
         published sizes leave them out (DeepSeek-V3: 671B, the 14B of its MTP module apart).
         """
-        n_moe = self.n_moe_layers
-        blocks = (self.n_layers - n_moe) * self.layer_params + n_moe * self.moe_layer_params
+        blocks = self._blocks_sum(self.block_params)
         return blocks + self.embedding_params + self.head_params
 
     @property
@@ -509,8 +618,7 @@ class ModelSpec:
         """Parameters one token uses: `n_params` less the routed experts a token does not go
         to (embeddings and head included, as in Mixtral's "13B active" and DeepSeek-V3's "37B
         activated"). Equal to `n_params` for a dense model."""
-        n_moe = self.n_moe_layers
-        blocks = (self.n_layers - n_moe) * self.layer_params + n_moe * self.moe_layer_active_params
+        blocks = self._blocks_sum(functools.partial(self.block_params, active=True))
         return blocks + self.embedding_params + self.head_params
 
     def flops_per_token(self, *, training: bool = True) -> float:
@@ -536,14 +644,18 @@ class ModelSpec:
             per_key = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
         else:
             per_key = 2 * self.attention_hidden_size
-        n_moe, dense = self.n_moe_layers, self.layer_matmul_params
-        moe = self.attention_matmul_params + self._expert_params(self.moe.top_k) if n_moe else 0  # type: ignore[union-attr]
-        matmuls = (self.n_layers - n_moe) * dense + n_moe * moe
+        matmuls = self._blocks_sum(self.block_matmul_params)
         h, keys = self.hidden_size, self.attention_keys
-        last = moe if n_moe and self.moe_layers[-1] else dense  # an MTP module's block
+        last = self.block_matmul_params(self.layers[-1])  # an MTP module's block
         matmuls += self.mtp_layers * (last + 2 * h * h + self.vocab_size * h)
         gemms = 2 * matmuls + 2 * self.vocab_size * h
-        attention = 2 * per_key * (sum(keys) + self.mtp_layers * keys[-1])
+        last_keys = keys[-1] if self.layers[-1].mixer == "attention" else 0
+        attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
+        for name in ("mamba", "gdn"):  # the scans (Megatron-LM / Megatron-Bridge counts)
+            spec = getattr(self, name)
+            if spec is not None:
+                n_blocks = sum(n for layer, n in self._kind_counts if layer.mixer == name)
+                attention += n_blocks * spec.scan_flops_per_token
         if training and self.lora is not None:
             # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
             # the frozen GEMMs run forward and input gradient only, 2/3 of 3x; the attention
@@ -563,7 +675,10 @@ class ModelSpec:
         parts = [f"{_in_units(self.n_params)} parameters"]
         if self.n_active_params != self.n_params:
             parts[0] += f" ({_in_units(self.n_active_params)} active)"
-        parts.append(f"{self.n_layers} layers")
+        layers = f"{self.n_layers} layers"
+        if any("none" in layer.kind for layer in self.layers):  # a mixer or an MLP alone
+            layers += f" ({len(self.pattern)} in Megatron's hybrid pattern)"
+        parts.append(layers)
         if self.moe is not None:
             shared = self.moe.n_shared_experts
             parts.append(
@@ -591,6 +706,10 @@ class ModelSpec:
             kwargs["mla"] = MLASpec.from_value(kwargs["mla"], what=what)
         if kwargs.get("lora") is not None:
             kwargs["lora"] = LoraSpec.from_value(kwargs["lora"], what=what)
+        if kwargs.get("mamba") is not None:
+            kwargs["mamba"] = MambaSpec.from_value(kwargs["mamba"], what=what)
+        if kwargs.get("gdn") is not None:
+            kwargs["gdn"] = GatedDeltaNetSpec.from_value(kwargs["gdn"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -605,7 +724,12 @@ class ModelSpec:
         from autosearch.core.hf_config import spec_fields
 
         fields = spec_fields(source, name=name, seq_len=seq_len)
-        for key, kind in (("moe", MoESpec), ("mla", MLASpec)):
+        for key, kind in (
+            ("moe", MoESpec),
+            ("mla", MLASpec),
+            ("mamba", MambaSpec),
+            ("gdn", GatedDeltaNetSpec),
+        ):
             if fields.get(key) is not None:
                 fields[key] = kind(**fields[key])
         return cls(**fields)
@@ -681,8 +805,9 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if out["layer_pattern"] is None:  # the fields say it all: files as before the field
-            del out["layer_pattern"]
+        for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
+            if out[name] is None:
+                del out[name]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
             out["lora"]["targets"] = list(self.lora.targets or ())
         return out
@@ -722,13 +847,27 @@ def _in_units(n: int) -> str:
     return f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
+# the state-space and linear-attention mixers: (field, pattern symbol, name)
+_MIXER_SPECS = (("mamba", "M", "Mamba-2"), ("gdn", "G", "Gated DeltaNet"))
+_MIXER_FIELDS = {
+    "mamba": "n_heads, head_dim, d_state, n_groups",
+    "gdn": "n_k_heads, n_v_heads, head_k_dim, head_v_dim",
+}
+
+
 def unpriced(model: ModelSpec) -> list[str]:
     """What the analytic cost model cannot price yet in `model`, one phrase each (empty: all of
     it). `cost_models.AnalyticCostModel` refuses such a model; remove an entry here when the cost
     model gains its term. The term each needs is listed in docs/models.md. The cost model
-    prices attention blocks with a dense or MoE MLP (`cost_models.terms.layers`); blocks of
-    another kind, which only a `layer_pattern` describes, are not priced yet."""
-    return [f"{what} ({model.pattern[:40]})" for what in _other_blocks(model)]
+    prices attention, Mamba-2 and Gated DeltaNet mixers, dense and MoE MLPs, and blocks with
+    either alone (`cost_models.terms.layers`, `cost_models.terms.ssm`): nothing of a model's
+    layers is left unpriced today; a new kind of block is refused here until its term exists."""
+    priced = ("Mamba-2", "Gated DeltaNet", "blocks without a mixer", "blocks without an MLP")
+    return [
+        f"{what} ({model.pattern[:40]})"
+        for what in _other_blocks(model)
+        if not what.startswith(priced)
+    ]
 
 
 def _other_blocks(model: ModelSpec) -> list[str]:

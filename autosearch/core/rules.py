@@ -14,6 +14,7 @@ splits the sequence over the tp group (Korthikanti et al. 2022, sec. 4.2.2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,22 @@ def tp_problem(tp: int, model: ModelSpec) -> str | None:
         return (
             f"tp={tp} does not divide n_kv_heads={model.n_kv_heads}; "
             f"use a tp that divides {model.n_kv_heads}"
+        )
+    mamba = model.mamba
+    if mamba is not None and (mamba.n_heads % tp or mamba.n_groups % tp):
+        # Megatron-Core MambaMixer splits the heads and the B / C groups over tp
+        # (megatron/core/ssm/mamba_mixer.py: nheads_local_tp, ngroups_local_tp)
+        return (
+            f"tp={tp} does not divide the Mamba-2 mixer's {mamba.n_heads} heads and "
+            f"{mamba.n_groups} groups; use a tp that divides "
+            f"{math.gcd(mamba.n_heads, mamba.n_groups)}"
+        )
+    gdn = model.gdn
+    if gdn is not None and (gdn.n_k_heads % tp or gdn.n_v_heads % tp):
+        # Megatron-Core GatedDeltaNet splits the key and value heads over tp
+        return (
+            f"tp={tp} does not divide the Gated DeltaNet mixer's {gdn.n_k_heads} key heads and "
+            f"{gdn.n_v_heads} value heads; use a tp that divides {gdn.n_k_heads}"
         )
     return None
 
@@ -177,9 +194,23 @@ def account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...
     return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
 
 
-def context_parallel_problem(cp: int, seq_len: int | None) -> str | None:
+def context_parallel_problem(
+    cp: int, seq_len: int | None, model: "ModelSpec | None" = None
+) -> str | None:
     """Load-balanced ring attention cuts the sequence into 2 * cp pieces (torch's context
-    parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks)."""
+    parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks). Mamba-2
+    layers are not priced under cp (Megatron-Core exchanges their heads all-to-all,
+    megatron/core/ssm/mamba_context_parallel.py, which the cost model has no term for)."""
+    if cp > 1 and model is not None and model.mamba is not None:
+        return (
+            f"cp={cp} with Mamba-2 layers is not priced (Megatron-Core's head-wise all-to-all "
+            "of the Mamba layers has no term yet); use cp=1"
+        )
+    if cp > 1 and model is not None and model.gdn is not None:
+        return (
+            f"cp={cp} with Gated DeltaNet layers is not priced (their chunk-wise state passing "
+            "across ranks has no term yet); use cp=1"
+        )
     if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
         return None
     return f"cp={cp} needs seq_len={seq_len} divisible by 2*cp = {2 * cp} (load-balanced halves)"
@@ -413,7 +444,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "context_parallel",
         ("cp",),
-        lambda v, m, c: context_parallel_problem(v["cp"], m.seq_len if m is not None else None),
+        lambda v, m, c: context_parallel_problem(v["cp"], m.seq_len if m is not None else None, m),
     ),
     Rule(
         "schedule",

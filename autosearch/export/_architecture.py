@@ -107,6 +107,9 @@ SPEC_FIELDS = (
     "mla.v_head_dim",
     "lora",
     "mtp_layers",
+    "layer_pattern",
+    "mamba",
+    "gdn",
 )
 ARCH_FIELDS = tuple(
     f"arch.{f.name}" for f in dataclasses.fields(Architecture) if f.name != "known"
@@ -269,6 +272,8 @@ def field_values(model: "ModelSpec", arch: Architecture) -> dict[str, Any]:
         if field:
             sub = getattr(model, part)
             out[name] = None if sub is None else getattr(sub, field)
+        elif name == "layer_pattern":  # as given, or as the fields describe the layers
+            out[name] = model.pattern
         else:
             out[name] = getattr(model, name)
     for name in ARCH_FIELDS:

@@ -591,6 +591,20 @@ def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, 
         )
     else:
         m.set("lora", "full training")
+    hybrid = any(layer.mixer != "attention" or layer.mlp == "none" for layer in model.layers)
+    why = (
+        "pretrain_gpt.py builds attention + MLP layers; Megatron's hybrid MambaModel "
+        "(pretrain_mamba.py --hybrid-override-pattern, megatron/core/ssm) is not exported yet"
+    )
+    if hybrid:  # Mamba or DeltaNet layers, or a mixer or an MLP alone: not GPT layers
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+    else:
+        m.set("layer_pattern", "attention + MLP layers (--moe-layer-freq places the experts)")
+    for name, what in (("mamba", "Mamba-2"), ("gdn", "Gated DeltaNet")):
+        if getattr(model, name) is not None:
+            m.refuse(name, f"{what} layers: {why}")
+        else:
+            m.set(name, f"no {what} layers")
     for name in ARCH_FIELDS:  # the rest, at their off values
         if name not in m.exported and name not in m.refused:
             m.set(name, "off (default)")

@@ -257,6 +257,14 @@ def refuse_common(model, arch: Architecture, m: FieldMap) -> None:
             m.refuse(name, why)
     if model.lora is not None:
         m.refuse("lora", "torchtitan 0.2 trains every weight (no LoRA)")
+    if any(layer.mixer != "attention" or layer.mlp == "none" for layer in model.layers):
+        m.refuse(
+            "layer_pattern", f"{model.pattern[:40]}: torchtitan 0.2's LLMs are attention + MLP"
+        )
+    if model.mamba is not None:
+        m.refuse("mamba", "torchtitan 0.2 has no Mamba-2 layers")
+    if model.gdn is not None:
+        m.refuse("gdn", "torchtitan 0.2 has no Gated DeltaNet layers")
     if model.moe is not None and model.moe.capacity_factor is not None:
         m.refuse("moe.capacity_factor", "torchtitan's MoE is dropless")
 

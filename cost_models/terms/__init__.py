@@ -9,6 +9,8 @@ compute, tensor and context parallel and memory; each other kind of block by the
 names, as what it adds to the base.
 """
 
+from typing import Callable
+
 from cost_models.terms import (
     compute,
     context_parallel,
@@ -17,12 +19,20 @@ from cost_models.terms import (
     layers,
     memory,
     pipeline,
+    ssm,
     tensor_parallel,
 )
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
 
-# (mixer, mlp) of a kind of block -> what prices it (`layers.KindCosts` from its `costs`)
-KINDS = {("attention", "moe"): experts.MoELayers}
+# a part of a block that differs from the base (`layers.parts`) -> what prices it
+# (`layers.KindCosts` from its `costs`)
+KINDS: "dict[tuple[str, str], Callable[..., layers.KindTerm]]" = {
+    ("mlp", "moe"): experts.MoELayers,
+    ("mixer", "mamba"): ssm.MambaMixers,
+    ("mixer", "gdn"): ssm.GatedDeltaNetMixers,
+    ("mixer", "none"): ssm.NoMixer,
+    ("mlp", "none"): ssm.NoMLP,
+}
 
 __all__ = [
     "ACT_BYTES",
@@ -38,5 +48,6 @@ __all__ = [
     "memory",
     "pipeline",
     "reads",
+    "ssm",
     "tensor_parallel",
 ]

@@ -1,7 +1,9 @@
 """Which wrapper the Engine puts around a transformers causal LM: one entry per ``model_type``.
 
-Every family the planner reads (`autosearch.core.hf_config.SUPPORTED`) trains here, each under
-its own parameter names: the Llama layout in `HFCausalLM` (causal_lm.py: Llama, Mistral, Qwen2,
+Every family the planner reads (`autosearch.core.hf_config.SUPPORTED`) trains here but the
+hybrid ones (`hf_config.HYBRID_FAMILIES`: Nemotron-H, Granite 4.0-H, whose Mamba-2 layers the
+Engine does not build yet; `build.refuse_hf_family` names the families it runs), each under its
+own parameter names: the Llama layout in `HFCausalLM` (causal_lm.py: Llama, Mistral, Qwen2,
 and Mixtral / Qwen3-MoE with the Engine's MoE), GPT-2 and GPT-NeoX in `HFGPTCausalLM` (gpt.py),
 the dense families beyond Llama in `HFDenseCausalLM` (dense.py: Qwen3, Gemma 1-3, Phi-3,
 Nemotron), and the MoE families with their own module (qwen2_moe.py, deepseek.py, gpt_oss.py,

@@ -1,0 +1,256 @@
+"""Mamba-2: the state-space mixer of a hybrid model, a nested part of a ModelSpec.
+
+A Mamba-2 mixer (Dao & Gu 2024, "Transformers are SSMs", sec. 7; Megatron-Core
+``megatron/core/ssm/mamba_mixer.py`` ``MambaMixer``; Hugging Face ``NemotronHMamba2Mixer`` and
+``Mamba2Mixer``) projects the hidden state h to x, z (``d_inner = n_heads * head_dim`` each),
+B and C (``n_groups * d_state`` each) and one dt per head; runs a causal depthwise conv1d of
+``conv_kernel`` taps over x, B and C; scans the state (n_heads x head_dim x d_state, fp32) in
+chunks of ``chunk_size`` (``mamba_ssm`` ``ssd_combined.mamba_chunk_scan_combined``); gates the
+output with z through an RMSNorm per group, and projects d_inner back to h. Read from YAML as::
+
+    mamba: {n_heads: 128, head_dim: 64, d_state: 128, n_groups: 8}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autosearch.core._io import check_keys, positive_int
+from autosearch.core.errors import SpecError
+
+_WIDTH = 1 << 22
+_COUNT = 1 << 16
+# FLOPs of the selective scan per channel of d_inner and per state channel (Megatron-LM
+# ``training.py`` ``num_floating_point_operations``, ``mamba_layer_flops``: 7 * d_in * d_state)
+SCAN_FLOPS_PER_STATE = 7
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec:
+    """The Mamba-2 mixer of the ``M`` layers.
+
+    Args:
+        n_heads: SSM heads (Hugging Face ``mamba_num_heads``; Megatron ``--mamba-num-heads``).
+        head_dim: channels per head (``mamba_head_dim``; Megatron ``--mamba-head-dim``).
+        d_state: state channels per head (``ssm_state_size``; Megatron ``--mamba-state-dim``).
+        n_groups: groups sharing B and C (``n_groups``; Megatron ``--mamba-num-groups``); a
+            tensor-parallel degree must divide it and n_heads.
+        conv_kernel: taps of the causal conv1d (``conv_kernel``, 4).
+        chunk_size: tokens per chunk of the scan (``chunk_size``, 128).
+        conv_bias: the conv1d has a bias (``use_conv_bias``).
+        proj_bias: the in / out projections have biases (``use_bias``).
+    """
+
+    n_heads: int
+    head_dim: int
+    d_state: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+
+    def check(self) -> "MambaSpec":
+        """This spec, or a SpecError naming every problem and what to do about it."""
+        p: list[str] = []
+        for name, limit in (
+            ("n_heads", _COUNT),
+            ("head_dim", _WIDTH),
+            ("d_state", _WIDTH),
+            ("n_groups", _COUNT),
+            ("conv_kernel", 1 << 10),
+            ("chunk_size", 1 << 20),
+        ):
+            try:
+                positive_int(getattr(self, name), f"mamba.{name}", maximum=limit)
+            except SpecError as exc:
+                p.append(str(exc))
+        for name in ("conv_bias", "proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"mamba.{name} must be true or false, got {getattr(self, name)!r}")
+        if not p and self.n_heads % self.n_groups:
+            p.append(
+                f"mamba.n_heads {self.n_heads} must be a multiple of mamba.n_groups "
+                f"{self.n_groups} (each group of B and C serves whole heads)"
+            )
+        if p:
+            raise SpecError(p)
+        return self
+
+    @property
+    def d_inner(self) -> int:
+        """Width of x and z: n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv1d runs over: x, B and C."""
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def in_proj_width(self) -> int:
+        """Outputs of in_proj: z, x, B, C and dt (``mamba_mixer.py``: d_inner * 2 + 2 *
+        ngroups * d_state + nheads)."""
+        return self.d_inner + self.conv_dim + self.n_heads
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights of in_proj and out_proj."""
+        return hidden * self.in_proj_width + self.d_inner * hidden
+
+    def other_params(self, hidden: int) -> int:
+        """The conv1d (depthwise: conv_kernel taps per channel, and its bias), dt_bias, A_log
+        and D (one per head), the gated RMSNorm's weight (d_inner) and projection biases."""
+        conv = self.conv_dim * (self.conv_kernel + int(self.conv_bias))
+        bias = (self.in_proj_width + hidden) if self.proj_bias else 0
+        return conv + 3 * self.n_heads + self.d_inner + bias
+
+    def params(self, hidden: int) -> int:
+        """All parameters of the mixer (its layer's pre-norm apart)."""
+        return self.matmul_params(hidden) + self.other_params(hidden)
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """Forward FLOPs of the selective scan per token, as Megatron-LM counts them for MFU
+        (``mamba_layer_flops``: 7 * d_in * d_state)."""
+        return SCAN_FLOPS_PER_STATE * self.d_inner * self.d_state
+
+    @property
+    def conv_flops_per_token(self) -> int:
+        """Forward FLOPs of the depthwise conv1d per token: a multiply-add per tap and channel."""
+        return 2 * self.conv_kernel * self.conv_dim
+
+    def ssd_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the chunked SSD scan as ``mamba_ssm``'s kernels run it
+        (``ssd_combined``: Dao & Gu 2024, sec. 6, the four steps): the intra-chunk C B^T
+        (2 * Q * G * N per token and group, Q = chunk_size), its product with x (2 * Q * d_inner),
+        the chunk states B^T x (2 * d_inner * N) and their outputs C h (2 * d_inner * N). On
+        tensor cores as batched GEMMs."""
+        q, n = self.chunk_size, self.d_state
+        return 2 * q * self.n_groups * n + 2 * q * self.d_inner + 4 * self.d_inner * n
+
+    @classmethod
+    def from_value(cls, value: Any, *, what: str) -> "MambaSpec":
+        if isinstance(value, MambaSpec):
+            return value
+        if not isinstance(value, dict):
+            raise SpecError(
+                f"{what}: mamba must be a mapping such as {{n_heads: 128, head_dim: 64, "
+                f"d_state: 128, n_groups: 8}}, got {type(value).__name__}"
+            )
+        kwargs = check_keys(value, cls, what=f"{what}: mamba")
+        missing = [k for k in ("n_heads", "head_dim") if k not in kwargs]
+        if missing:
+            raise SpecError(f"{what}: mamba lacks {' and '.join(missing)}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetSpec:
+    """The Gated DeltaNet mixer of the ``G`` layers (Yang, Kautz and Hatamizadeh 2024, "Gated
+    Delta Networks"; Megatron-Core ``megatron/core/ssm/gated_delta_net.py``; Hugging Face
+    ``Qwen3NextGatedDeltaNet``): in_proj to q, k (n_k_heads x head_k_dim each), v and the output
+    gate z (n_v_heads x head_v_dim each) and to b and a (one per value head); a causal depthwise
+    conv1d over q, k and v without bias; the gated delta rule scanned in chunks of
+    ``chunk_size`` (flash-linear-attention ``chunk_gated_delta_rule``) on a fp32 state of
+    head_k_dim x head_v_dim per value head; a gated RMSNorm of head_v_dim; out_proj back to h.
+    Read from YAML as ``gdn: {n_k_heads: 16, n_v_heads: 32, head_k_dim: 128, head_v_dim: 128}``.
+
+    Args:
+        n_k_heads: query / key heads (``linear_num_key_heads``); tp must divide it.
+        n_v_heads: value heads (``linear_num_value_heads``), a multiple of n_k_heads.
+        head_k_dim: channels of a query / key head (``linear_key_head_dim``).
+        head_v_dim: channels of a value head (``linear_value_head_dim``).
+        conv_kernel: taps of the causal conv1d (``linear_conv_kernel_dim``, 4).
+        chunk_size: tokens per chunk of the scan (flash-linear-attention's 64).
+    """
+
+    n_k_heads: int
+    n_v_heads: int
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 64
+
+    def check(self) -> "GatedDeltaNetSpec":
+        p: list[str] = []
+        for name, limit in (
+            ("n_k_heads", _COUNT),
+            ("n_v_heads", _COUNT),
+            ("head_k_dim", _WIDTH),
+            ("head_v_dim", _WIDTH),
+            ("conv_kernel", 1 << 10),
+            ("chunk_size", 1 << 20),
+        ):
+            try:
+                positive_int(getattr(self, name), f"gdn.{name}", maximum=limit)
+            except SpecError as exc:
+                p.append(str(exc))
+        if not p and self.n_v_heads % self.n_k_heads:
+            p.append(
+                f"gdn.n_v_heads {self.n_v_heads} must be a multiple of gdn.n_k_heads "
+                f"{self.n_k_heads} (each key head serves whole value heads)"
+            )
+        if p:
+            raise SpecError(p)
+        return self
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv1d runs over: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_width(self) -> int:
+        """Outputs of in_proj_qkvz and in_proj_ba: q, k, v, z, then b and a."""
+        return 2 * self.key_dim + 2 * self.value_dim + 2 * self.n_v_heads
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights of the in and out projections."""
+        return hidden * self.in_proj_width + self.value_dim * hidden
+
+    def other_params(self, hidden: int) -> int:
+        """The conv1d (no bias), dt_bias and A_log (one per value head), the gated norm."""
+        return self.conv_dim * self.conv_kernel + 2 * self.n_v_heads + self.head_v_dim
+
+    def params(self, hidden: int) -> int:
+        """All parameters of the mixer (its layer's pre-norm apart)."""
+        return self.matmul_params(hidden) + self.other_params(hidden)
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """Forward FLOPs per token besides the projections, as Megatron-Bridge counts them for
+        MFU (``flop_utils.py`` ``gdn_layer_flops``: the conv1d, 2 K (2 qk_dim + v_dim), and the
+        delta rule, 8 n_v_heads head_v_dim^2)."""
+        return 2 * self.conv_kernel * self.conv_dim + 8 * self.n_v_heads * self.head_v_dim**2
+
+    def chunk_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the chunked gated delta rule as flash-linear-attention
+        runs it (Yang et al. 2024, sec. 3.3, the WY form per chunk of C tokens), per value head:
+        the intra-chunk K K^T and Q K^T (2 x 2 C d_k), their products with the values and the
+        pseudo-values (2 x 2 C d_v), and the state's update and read-out (2 x 2 d_k d_v)."""
+        c, dk, dv = self.chunk_size, self.head_k_dim, self.head_v_dim
+        return self.n_v_heads * (4 * c * dk + 4 * c * dv + 4 * dk * dv)
+
+    @classmethod
+    def from_value(cls, value: Any, *, what: str) -> "GatedDeltaNetSpec":
+        if isinstance(value, GatedDeltaNetSpec):
+            return value
+        if not isinstance(value, dict):
+            raise SpecError(
+                f"{what}: gdn must be a mapping such as {{n_k_heads: 16, n_v_heads: 32, "
+                f"head_k_dim: 128, head_v_dim: 128}}, got {type(value).__name__}"
+            )
+        kwargs = check_keys(value, cls, what=f"{what}: gdn")
+        missing = [k for k in ("n_k_heads", "n_v_heads") if k not in kwargs]
+        if missing:
+            raise SpecError(f"{what}: gdn lacks {' and '.join(missing)}")
+        return cls(**kwargs)

@@ -1,0 +1,436 @@
+"""Blocks that differ from the base in their mixer or their MLP: Mamba-2 and Gated DeltaNet
+mixers in place of attention, and blocks without a mixer or without an MLP (Nemotron-H's ``M``,
+``-`` and ``*`` layers, each a Megatron layer with its own norm and residual).
+
+Each part is priced once per strategy as what one block adds to a base block (attention with a
+dense MLP, `cost_models.terms.layers`), for one micro-batch on one device: its compute, its
+tensor-parallel traffic, what recompute repeats, its saved activations and its parameters.
+
+The Mamba-2 mixer (Megatron-Core ``megatron/core/ssm/mamba_mixer.py`` ``MambaMixer``;
+``mamba_ssm`` ``ops/triton/ssd_combined.py``): in_proj is column-parallel (z, x, B, C, dt split
+by heads and groups over tp), the causal depthwise conv1d and the chunked SSD scan run on the
+local heads, and out_proj is row-parallel, so a Mamba layer has the attention layer's pair of
+collectives (Shoeybi et al. 2019's f and g; a reduce-scatter / all-gather pair under sequence
+parallel). The chunked scan (Dao & Gu 2024, sec. 6: intra-chunk C B^T and its product with x,
+chunk states and their outputs; `MambaSpec.ssd_flops_per_token`) runs as batched GEMMs in fused
+Triton kernels, priced at the fused-attention rate of the profile (`compute.attention_efficiency`)
+with the attention core's backward / forward ratio; the conv1d, the gated RMSNorm and the norm
+and residual of the layer are memory-bound (`compute.elementwise_s`). Megatron's fused path
+(``mamba_split_conv1d_scan_combined``, ``save_for_backward``) keeps in_proj's output (z, x, B,
+C, dt) and the scan output, and recomputes the conv and the chunk states in backward; the fp32
+chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
+computed. Selective recompute (the attention core) repeats nothing of a Mamba layer; full
+recompute repeats its forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+from autosearch.core.layers import Layer
+from cost_models.formulas import microbatches_in_flight
+from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
+from cost_models.terms.compute import (
+    MLP_ACTIVATION_PASSES,
+    _attention_core,
+    _mla_gemms,
+    attention_efficiency,
+    attention_widths,
+    elementwise_s,
+    gemm_rate,
+    layer_shape,
+    recomputed_layers,
+)
+from cost_models.terms.layers import KindCosts, rank_counts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.strategy import Strategy
+
+# Kernels of one sublayer's memory-bound work (its norm, residual add and the mixer's or MLP's
+# own: rotary or the activation): half of the base block's eight (`compute._elementwise`).
+_SUBLAYER_LAUNCHES = 4
+# Kernels of the Mamba-2 mixer's fused path forward: conv1d, chunk cumsum, chunk state, state
+# passing, BMM, chunk scan, gated norm (mamba_ssm ssd_combined._mamba_chunk_scan_combined_fwd).
+_MAMBA_LAUNCHES = 7
+
+
+class Part(NamedTuple):
+    """What one block with this part adds to a base block, one micro-batch on one device."""
+
+    fwd_s: float
+    bwd_s: float
+    tp_pairs: float  # pairs of tensor-parallel collectives it adds (base block: two)
+    recompute_s: float  # what the strategy's recompute repeats, per recomputed block
+    activation_bytes: float  # saved for backward, per block
+    params: float  # parameters on one tensor-parallel rank
+
+
+_PART_READS = ("tp", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
+
+
+class _Sublayer(NamedTuple):
+    fwd_s: float
+    bwd_s: float
+    full_recompute_s: float
+    selective_recompute_s: float
+    activation_bytes: float
+
+
+def _norm_and_residual_s(ctx: Context, x: Any) -> float:
+    """One pre-norm (read + write) and one residual add (read 2, write 1, dropout mask) of a
+    sublayer, sequence-sharded under sp (`compute._elementwise`)."""
+    m, ab = ctx.model, x.ab
+    sbh = x.T * m.hidden_size
+    rep = 1.0 / (x.t if x.sp else 1)
+    mask = sbh if m.dropout else 0.0
+    elementwise = elementwise_s(ctx, x)
+    return elementwise(2 * sbh * ab * rep) + elementwise((3 * sbh * ab + mask) * rep)
+
+
+def _sublayer_input_bytes(s: "Strategy", ctx: Context) -> float:
+    """What any sublayer keeps whole on every tp rank (sequence-sharded under sp): its norm's
+    input, its first linear's input and its dropout mask (`formulas.layer_activation_bytes`:
+    half of the base block's replicated bytes)."""
+    m, rt = ctx.model, ctx.runtime
+    ab = ACT_BYTES[s.amp]
+    li = 1 if s.fp8 != "none" and rt.fp8_saves_fp8_inputs else ab
+    sb = s.micro_batch_size * m.seq_len / s.cp
+    mask = 1.0 if m.dropout else 0.0
+    sp_div = s.tp if s.sequence_parallel else 1
+    return sb * m.hidden_size * (ab + li + mask) / sp_div
+
+
+def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The attention sublayer of the base block: QKV and output projections, the core,
+    rotary, its norm and residual."""
+    m, gemm = ctx.model, ctx.profile.gemm
+    x = layer_shape(s, ctx)
+    h, t, T = m.hidden_size, x.t, x.T
+    peak, key = gemm_rate(ctx, x)
+    if m.mla is None:
+        q, kv = m.attention_hidden_size, m.kv_hidden_size
+        gemms = gemm.time_s(T, (q + 2 * kv) / t, h, peak, key) + gemm.time_s(
+            T, h, q / t, peak, key
+        )
+    else:
+        qkv, proj, _ = _mla_gemms(ctx, x, peak, key)
+        gemms = qkv + proj
+    core_fwd, core_bwd, softmax_bytes = _attention_core(ctx, x)
+    elementwise = elementwise_s(ctx, x)
+    softmax_s = elementwise(softmax_bytes / t)
+    rotary = 0.0
+    if m.mla is None and m.position_embedding == "rotary":  # MLA's rope: its own widths
+        rotary = elementwise(2 * T * (m.attention_hidden_size + m.kv_hidden_size) * x.ab / t)
+    elem = (
+        _SUBLAYER_LAUNCHES * ctx.profile.kernel_launch_s
+        + _norm_and_residual_s(ctx, x)
+        + rotary
+        + softmax_s
+    )
+    fwd = gemms + core_fwd + elem
+    bwd = ctx.profile.gemm.backward_over_forward * gemms + core_bwd + 2.0 * elem
+    # saved: Q, K, V and the projection's input split over tp, and the core's (fused: its
+    # log-sum-exp; else the scores) as `formulas.layer_activation_bytes` counts them
+    ab = x.ab
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    sb = x.T
+    if ctx.runtime.flash_attention:
+        core = 4.0 * m.n_heads * sb
+    elif s.recompute == "selective":
+        core = 0.0
+    else:
+        mask = 1.0 if m.dropout else 0.0
+        core = m.n_heads * (m.seq_len / x.cp) * sb * (ab + mask * (ab + 1))
+    qw, kvw, ow = attention_widths(m)
+    saved = _sublayer_input_bytes(s, ctx) + (sb * (ab * (qw + 2 * kvw) + li * ow) + core) / t
+    return _Sublayer(fwd, bwd, fwd, core_fwd + softmax_s, saved)
+
+
+def _mlp(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The dense MLP sublayer of the base block: its two (gated: three) matrices, its
+    activation, its norm and residual."""
+    m, gemm = ctx.model, ctx.profile.gemm
+    x = layer_shape(s, ctx)
+    h, f, t, T = m.hidden_size, m.ffn_hidden_size, x.t, x.T
+    peak, key = gemm_rate(ctx, x)
+    gemms = gemm.time_s(T, x.n_up * f / t, h, peak, key) + gemm.time_s(T, h, f / t, peak, key)
+    elementwise = elementwise_s(ctx, x)
+    elem = (
+        _SUBLAYER_LAUNCHES * ctx.profile.kernel_launch_s
+        + _norm_and_residual_s(ctx, x)
+        + elementwise(MLP_ACTIVATION_PASSES[m.ffn_activation] * T * f * x.ab / t)
+    )
+    fwd = gemms + elem
+    bwd = gemm.backward_over_forward * gemms + 2.0 * elem
+    ab = x.ab
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    if m.ffn_gated:
+        per_f = ((2 if s.compile or ctx.runtime.fused_swiglu else 3) * ab + li) * f
+    else:
+        per_f = (ab + li) * f
+    saved = _sublayer_input_bytes(s, ctx) + T * per_f / t
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Mamba-2 sublayer: in_proj and out_proj GEMMs, the chunked SSD scan, the conv1d and
+    gated norm, its norm and residual (module docstring)."""
+    m, prof = ctx.model, ctx.profile
+    mamba = m.mamba
+    assert mamba is not None  # a model with M blocks has one (ModelSpec checks)
+    x = layer_shape(s, ctx)
+    h, t, T, ab = m.hidden_size, x.t, x.T, x.ab
+    peak, key = gemm_rate(ctx, x)
+    gemm = prof.gemm
+    gemms = gemm.time_s(T, mamba.in_proj_width / t, h, peak, key) + gemm.time_s(
+        T, h, mamba.d_inner / t, peak, key
+    )
+    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * mamba.ssd_flops_per_token() / t / (
+        x.peak * attention_efficiency(ctx, x.precision)
+    )
+    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    elementwise = elementwise_s(ctx, x)
+    # conv1d over x, B, C (read + write, SiLU fused) and the gated RMSNorm (read y and z,
+    # write the product) on the local heads
+    own = elementwise(T * (2 * mamba.conv_dim + 3 * mamba.d_inner) * ab / t)
+    elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
+    fwd = gemms + scan_fwd + elem
+    bwd = gemm.backward_over_forward * gemms + scan_bwd + 2.0 * elem
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    # in_proj's output (z, x, B, C, dt), the scan output before the gated norm, the norm's
+    # fp32 rstd per group, out_proj's input (ssd_combined MambaSplitConv1dScanCombinedFn)
+    per_token = ab * (mamba.in_proj_width + mamba.d_inner) + li * mamba.d_inner
+    per_token += 4 * mamba.n_groups
+    saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Gated DeltaNet sublayer (`GatedDeltaNetSpec`; Megatron-Core ``gated_delta_net.py``:
+    in_proj column-parallel by heads, out_proj row-parallel): its projections as GEMMs, the
+    chunked gated delta rule (flash-linear-attention ``chunk_gated_delta_rule``,
+    `GatedDeltaNetSpec.chunk_flops_per_token`) at the fused-attention rate as the Mamba-2 scan,
+    the conv1d, the q / k L2 norms and the gated norm as memory-bound kernels. Saved: the
+    in_proj output, the conv output, the core output and out_proj's input."""
+    m, prof = ctx.model, ctx.profile
+    gdn = m.gdn
+    assert gdn is not None  # a model with G blocks has one (ModelSpec checks)
+    x = layer_shape(s, ctx)
+    h, t, T, ab = m.hidden_size, x.t, x.T, x.ab
+    peak, key = gemm_rate(ctx, x)
+    gemm = prof.gemm
+    gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
+        T, h, gdn.value_dim / t, peak, key
+    )
+    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+        x.peak * attention_efficiency(ctx, x.precision)
+    )
+    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    elementwise = elementwise_s(ctx, x)
+    own = elementwise(T * (2 * gdn.conv_dim + 4 * gdn.key_dim + 3 * gdn.value_dim) * ab / t)
+    elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
+    fwd = gemms + scan_fwd + elem
+    bwd = gemm.backward_over_forward * gemms + scan_bwd + 2.0 * elem
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    per_token = ab * (gdn.in_proj_width + gdn.conv_dim + gdn.value_dim) + li * gdn.value_dim
+    saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _recompute_of(s: "Strategy", sub: _Sublayer) -> float:
+    return {
+        "full": sub.full_recompute_s,
+        "selective": sub.selective_recompute_s,
+    }.get(s.recompute, 0.0)
+
+
+def _kept(s: "Strategy", ctx: Context, sub: _Sublayer) -> float:
+    """A sublayer's saved bytes under the strategy's recompute: full recompute keeps a block's
+    input only, which a block keeps whatever its sublayers."""
+    return 0.0 if s.recompute == "full" else sub.activation_bytes
+
+
+def _params(ctx: Context, block: Layer, t: int) -> float:
+    m = ctx.model
+    return (m.block_params(block) - m.block_params(Layer("attention", "dense"))) / t
+
+
+@reads(*_PART_READS, "recompute")
+def mamba_part(s: "Strategy", ctx: Context) -> Part:
+    """A Mamba-2 mixer in place of the attention sublayer: the same pair of tensor-parallel
+    collectives, so no traffic added."""
+    new, old = _mamba(s, ctx), _attention(s, ctx)
+    return Part(
+        new.fwd_s - old.fwd_s,
+        new.bwd_s - old.bwd_s,
+        0.0,
+        _recompute_of(s, new) - _recompute_of(s, old),
+        _kept(s, ctx, new) - _kept(s, ctx, old),
+        _params(ctx, Layer("mamba", "dense"), s.tp),
+    )
+
+
+@reads(*_PART_READS, "recompute")
+def gdn_part(s: "Strategy", ctx: Context) -> Part:
+    """A Gated DeltaNet mixer in place of the attention sublayer: the same pair of
+    tensor-parallel collectives, so no traffic added."""
+    new, old = _gdn(s, ctx), _attention(s, ctx)
+    return Part(
+        new.fwd_s - old.fwd_s,
+        new.bwd_s - old.bwd_s,
+        0.0,
+        _recompute_of(s, new) - _recompute_of(s, old),
+        _kept(s, ctx, new) - _kept(s, ctx, old),
+        _params(ctx, Layer("gdn", "dense"), s.tp),
+    )
+
+
+@reads(*_PART_READS, "recompute")
+def no_mixer_part(s: "Strategy", ctx: Context) -> Part:
+    """A block without a mixer (an MLP layer alone): less the attention sublayer and its
+    pair of tensor-parallel collectives (half the base block's)."""
+    old = _attention(s, ctx)
+    return Part(
+        -old.fwd_s,
+        -old.bwd_s,
+        -1.0,
+        -_recompute_of(s, old),
+        -_kept(s, ctx, old),
+        _params(ctx, Layer("none", "dense"), s.tp),
+    )
+
+
+@reads(*_PART_READS, "recompute")
+def no_mlp_part(s: "Strategy", ctx: Context) -> Part:
+    """A block without an MLP (a mixer layer alone): less the dense MLP sublayer and its pair
+    of tensor-parallel collectives."""
+    old = _mlp(s, ctx)
+    return Part(
+        -old.fwd_s,
+        -old.bwd_s,
+        -1.0,
+        -_recompute_of(s, old),
+        -_kept(s, ctx, old),
+        _params(ctx, Layer("attention", "none"), s.tp),
+    )
+
+
+@reads("pp", "virtual_stages", "pipeline_split", "recompute", "recompute_num_layers")
+def rank_s(
+    s: "Strategy", part: Part, tp_fwd_s: float, n: int, rank_layers: float
+) -> tuple[float, float, float]:
+    """(compute, recompute, traffic) seconds that `n` blocks with `part` add to a rank of
+    `rank_layers` blocks, `tp_fwd_s` the exposed collectives the part adds to one forward;
+    recomputed blocks have the part in the rank's proportion."""
+    if not n:
+        return 0.0, 0.0, 0.0
+    n_rc = recomputed_layers(s, rank_layers) * n / rank_layers if rank_layers else 0.0
+    rc_tp = {"full": 1.0}.get(s.recompute, 0.0)  # `compute.recompute_repeats`
+    return (
+        n * (part.fwd_s + part.bwd_s),
+        n_rc * part.recompute_s,
+        n * 2.0 * tp_fwd_s + n_rc * rc_tp * tp_fwd_s,
+    )
+
+
+@reads("tp", "micro_batch_size", "amp", "cp")
+def chunk_state_bytes(s: "Strategy", ctx: Context) -> float:
+    """The fp32 chunk states of the Mamba layer being computed: one per chunk of each
+    sequence, n_heads / tp x head_dim x d_state each (ssd_combined: ``_chunk_state_fwd``)."""
+    mamba = ctx.model.mamba
+    assert mamba is not None
+    chunks = -(-ctx.model.seq_len // (s.cp * mamba.chunk_size))
+    per_chunk = mamba.n_heads / s.tp * mamba.head_dim * mamba.d_state * 4
+    return s.micro_batch_size * chunks * per_chunk
+
+
+class _PartBlocks:
+    """The blocks of a model with one part (`cost_models.terms.layers.parts`) as one kind:
+    their placement on the pipeline ranks and what each adds to a base block."""
+
+    PART: tuple[str, str]
+    TERM: Callable[..., Part]
+
+    def __init__(
+        self,
+        ctx: Context,
+        rank_layers: "Callable[[Strategy], tuple[int | float, ...]]",
+        cached: Callable[..., Any],
+        rank_reads: tuple[str, ...],
+    ):
+        self._ctx = ctx
+        model, part = ctx.model, self.PART
+        self.counts: Callable[[Strategy], tuple[int, ...]] = cached(
+            ("pp", "virtual_stages", "pipeline_split"),
+            lambda s: rank_counts(model, part, s.layers_per_chunk(model.n_layers), s.pp),
+        )
+        term = type(self).TERM
+        self._part: Callable[[Strategy], Part] = cached(fields_read(term), lambda s: term(s, ctx))
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        """Bytes beyond the saved activations, once (the layer in flight)."""
+        return 0.0
+
+    def costs(self, s: "Strategy", base: LayerCosts) -> KindCosts:
+        part, counts = self._part(s), self.counts(s)
+        # the base block's exposed collectives are two pairs (attention's, the MLP's)
+        tp_fwd_s = part.tp_pairs * base.tp_comm_fwd_s / 2.0
+        in_flight = microbatches_in_flight(
+            s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
+        )
+        most = max(counts)
+        kept = in_flight * most * part.activation_bytes
+        return KindCosts(
+            counts=counts,
+            fwd_s=part.fwd_s,
+            bwd_s=part.bwd_s,
+            rank_s=lambda n, rank_layers: rank_s(s, part, tp_fwd_s, n, rank_layers),
+            activation_bytes=kept + (self.extra_bytes(s) if most else 0.0),
+            block_params=part.params,
+        )
+
+
+class MambaMixers(_PartBlocks):
+    """Blocks whose mixer is Mamba-2 (``M``)."""
+
+    PART = ("mixer", "mamba")
+    TERM = mamba_part
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        return chunk_state_bytes(s, self._ctx)
+
+
+@reads("tp", "micro_batch_size", "cp")
+def delta_state_bytes(s: "Strategy", ctx: Context) -> float:
+    """The fp32 states of the Gated DeltaNet layer being computed, one per chunk of each
+    sequence: n_v_heads / tp x head_k_dim x head_v_dim each (chunk_gated_delta_rule keeps them
+    for the output pass)."""
+    gdn = ctx.model.gdn
+    assert gdn is not None
+    chunks = -(-ctx.model.seq_len // (s.cp * gdn.chunk_size))
+    per_chunk = gdn.n_v_heads / s.tp * gdn.head_k_dim * gdn.head_v_dim * 4
+    return s.micro_batch_size * chunks * per_chunk
+
+
+class GatedDeltaNetMixers(_PartBlocks):
+    """Blocks whose mixer is Gated DeltaNet (``G``)."""
+
+    PART = ("mixer", "gdn")
+    TERM = gdn_part
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        return delta_state_bytes(s, self._ctx)
+
+
+class NoMixer(_PartBlocks):
+    """Blocks without a mixer (``-`` or ``E`` alone)."""
+
+    PART = ("mixer", "none")
+    TERM = no_mixer_part
+
+
+class NoMLP(_PartBlocks):
+    """Blocks without an MLP (``M`` or ``*`` alone)."""
+
+    PART = ("mlp", "none")
+    TERM = no_mlp_part
