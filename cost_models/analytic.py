@@ -91,6 +91,9 @@ class AnalyticCostModel(CostModel):
     ):
         check_priced(model)  # MoE, MLA, ... are refused until priced (model_spec.unpriced)
         self.runtime = RuntimeOptions.get(runtime)
+        untrained = self.runtime.cannot_train(model)
+        if untrained:  # a hybrid under a runtime that has no such layer
+            raise SpecError(untrained, context=f"model {model.name!r}")
         self._untrained_mtp = model.mtp_layers if not self.runtime.mtp else 0
         if self._untrained_mtp:  # the runtime trains the model without its MTP modules
             model = model.scaled(mtp_layers=0)

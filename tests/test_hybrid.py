@@ -22,6 +22,9 @@ from cost_models.terms import ssm
 
 DATA = Path(__file__).parent / "data" / "hf_configs"
 CLUSTER = Cluster.parse("h100-sxm:4x8")
+# the runtime that trains hybrid blocks (cost_models/runtimes.yaml: mamba, gdn); the Engine
+# (torch) and torchtitan do not, and refuse them (test_runtimes_that_do_not_train_hybrids_say_so)
+RUNTIME = "megatron-core"
 BASE = "global_batch_size=768,micro_batch_size=1,zero_stage=1,amp=bf16"
 
 
@@ -71,13 +74,13 @@ def test_nemotron_h_8b_estimate_is_sane():
     falls with tp."""
     m, llama = _load("nemotron-h-8b"), ModelSpec.load("llama3-8b").scaled(seq_len=8192)
     s = Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}")
-    r = AnalyticCostModel(m, CLUSTER).estimate(s)
-    dense = AnalyticCostModel(llama, CLUSTER).estimate(s)
+    r = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    dense = AnalyticCostModel(llama, CLUSTER, runtime=RUNTIME).estimate(s)
     assert 0.25 < r.mfu < 0.65
     assert r.step_time_s < dense.step_time_s
     per_param = r.memory.params_bytes / m.n_params
     assert per_param == pytest.approx(dense.memory.params_bytes / llama.n_params, rel=1e-3)
-    tp4 = AnalyticCostModel(m, CLUSTER).estimate(
+    tp4 = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(
         Strategy.parse(f"dp=8,tp=4,sequence_parallel=true,{BASE}")
     )
     assert tp4.peak_memory_bytes < r.peak_memory_bytes
@@ -94,7 +97,7 @@ def test_nemotron_h_8b_estimate_is_sane():
 )
 def test_hybrid_estimates_under_pipeline_and_recompute(strategy):
     for name in ("nemotron-h-8b", "nemotron-3-nano-30b-a3b"):
-        cm = AnalyticCostModel(_load(name), CLUSTER)
+        cm = AnalyticCostModel(_load(name), CLUSTER, runtime=RUNTIME)
         s = Strategy.parse(strategy)
         r = cm.estimate(s)
         assert r.step_time_s > 0 and r.memory.activations_bytes > 0
@@ -127,7 +130,7 @@ def test_a_mamba_spec_says_what_is_wrong():
 def test_part_terms_read_what_they_declare(term):
     from test_terms import CASES, fields_each_reads, undeclared_and_unread
 
-    cm = AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER)
+    cm = AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=RUNTIME)
     read = fields_each_reads(lambda s, x: term(x, cm._context), CASES)
     undeclared, _ = undeclared_and_unread(term.READS, read)
     assert not undeclared
@@ -183,8 +186,10 @@ def test_a_gated_deltanet_hybrid_is_priced_and_its_rules_hold():
     m = _gdn_hybrid()
     assert m.n_params != ModelSpec.load("llama3-8b").n_params
     s = Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}")
-    r = AnalyticCostModel(m, CLUSTER).estimate(s)
-    dense = AnalyticCostModel(ModelSpec.load("llama3-8b").scaled(seq_len=8192), CLUSTER)
+    r = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    dense = AnalyticCostModel(
+        ModelSpec.load("llama3-8b").scaled(seq_len=8192), CLUSTER, runtime=RUNTIME
+    )
     assert 0.25 < r.mfu < 0.65 and r.step_time_s < dense.estimate(s).step_time_s
     with pytest.raises(SpecError, match="Gated DeltaNet mixer's 4 key heads"):
         Strategy.parse(f"dp=4,tp=8,{BASE}").validate(
@@ -197,7 +202,15 @@ def test_a_gated_deltanet_hybrid_is_priced_and_its_rules_hold():
 def test_gdn_part_reads_what_it_declares():
     from test_terms import CASES, fields_each_reads, undeclared_and_unread
 
-    cm = AnalyticCostModel(_gdn_hybrid(), CLUSTER)
+    cm = AnalyticCostModel(_gdn_hybrid(), CLUSTER, runtime=RUNTIME)
     read = fields_each_reads(lambda s, x: ssm.gdn_part(x, cm._context), CASES)
     undeclared, _ = undeclared_and_unread(ssm.gdn_part.READS, read)
     assert not undeclared
+
+
+def test_runtimes_that_do_not_train_hybrids_say_so():
+    """The Engine (torch) builds no Mamba-2 layer yet and torchtitan has none: a hybrid priced
+    under them is refused naming the runtime that trains it, not priced as if it ran."""
+    for runtime in ("torch", "torchtitan", "deepspeed"):
+        with pytest.raises(SpecError, match="does not train Mamba-2 mixers.*megatron-core"):
+            AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=runtime)

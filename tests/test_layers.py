@@ -121,7 +121,8 @@ def test_every_kind_of_block_is_priced():
         name="hybrid",
     )
     assert unpriced(hybrid) == []
-    report = AnalyticCostModel(hybrid, Cluster.parse("h100-sxm:1x8")).estimate(
+    cluster = Cluster.parse("h100-sxm:1x8")  # under the runtime that trains both mixers
+    report = AnalyticCostModel(hybrid, cluster, runtime="megatron-core").estimate(
         Strategy.parse("dp=8,global_batch_size=64")
     )
     assert report.step_time_s > 0

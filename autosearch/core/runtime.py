@@ -25,6 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 MOE_DISPATCHERS = ("alltoall", "deepep")
+# Kinds of block a runtime must support to train a model that has them (a runtime's
+# ``supports``), by the mixer name of `autosearch.core.layers`; the Engine trains none yet
+MODEL_FEATURES = {
+    "mamba": "Mamba-2 mixers (M in the layer pattern)",
+    "gdn": "Gated DeltaNet mixers (G in the layer pattern)",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +249,22 @@ class RuntimeOptions:
             if name in runs_on and not any(device_meets(device, req) for req in runs_on[name])
         }
 
+    def cannot_train(self, model: "ModelSpec") -> list[str]:
+        """The kinds of block of `model` this runtime does not train (`MODEL_FEATURES`), each
+        as a message naming the runtimes that do."""
+        mixers = {layer.mixer for layer in model.layers}
+        out = []
+        for feature, what in MODEL_FEATURES.items():
+            if feature in mixers and feature not in self.supports:
+                others = [r.name for r in RUNTIMES.values() if feature in r.supports]
+                fix = (
+                    f"runtime {others[0]} does (--runtime {others[0]})"
+                    if others
+                    else "no runtime preset does yet"
+                )
+                out.append(f"runtime {self.name!r} does not train {what}; {fix}")
+        return out
+
     def lacks(self, strategy: "Strategy", model: "ModelSpec | None" = None) -> list[str]:
         """The dimensions of `strategy` (on `model`, where given) this runtime cannot run, each
         as a message."""
@@ -270,11 +292,12 @@ class RuntimeOptions:
                 )
             kwargs["devices"] = tuple((str(k), tuple(v)) for k, v in devices.items())
         named = [*kwargs.get("supports", ()), *(f for f, _ in kwargs.get("devices", ()))]
-        unknown = [f for f in named if f not in dimensions.feature_names()]
+        known = (*dimensions.feature_names(), *MODEL_FEATURES)
+        unknown = [f for f in named if f not in known]
         if unknown:
             raise SpecError(
                 f"{what}: supports or devices list {', '.join(map(repr, unknown))}, which no "
-                f"dimension declares; known: {', '.join(dimensions.feature_names())}"
+                f"dimension or kind of block declares; known: {', '.join(known)}"
             )
         if kwargs.get("moe_dispatcher", "alltoall") not in MOE_DISPATCHERS:
             raise SpecError(

@@ -131,6 +131,7 @@ def check_export(
             target's own pick is searched from it with ``runtime`` replaced (None: not searched).
         memory_margin: the fraction held back (default: the search's rule for that runtime).
     """
+    from autosearch.core.runtime import RuntimeOptions
     from autosearch.tuning._margin import memory_margin as margin_of
     from cost_models.analytic import AnalyticCostModel
 
@@ -140,11 +141,11 @@ def check_export(
             f"unknown framework {target!r} to export to; choose one of "
             f"{', '.join(FRAMEWORK_RUNTIME)}"
         )
-    cm = AnalyticCostModel(model, cluster, runtime=runtime)
-    margin = margin_of(cm.runtime, cluster, override=memory_margin)
+    rt = RuntimeOptions.get(runtime)
+    margin = margin_of(rt, cluster, override=memory_margin)
     report, refused = None, ""
-    try:
-        r = cm.estimate(strategy)
+    try:  # a runtime that does not train the model's blocks (a hybrid) refuses it whole
+        r = AnalyticCostModel(model, cluster, runtime=rt).estimate(strategy)
         report = r.with_margin(margin.bytes_of(r.memory_capacity_bytes))
     except (SpecError, ValueError) as exc:
         refused = str(exc)
