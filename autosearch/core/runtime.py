@@ -253,16 +253,23 @@ class RuntimeOptions:
         """The kinds of block of `model` this runtime does not train (`MODEL_FEATURES`), each
         as a message naming the runtimes that do."""
         mixers = {layer.mixer for layer in model.layers}
+        needed = [f for f in MODEL_FEATURES if f in mixers]
         out = []
-        for feature, what in MODEL_FEATURES.items():
-            if feature in mixers and feature not in self.supports:
-                others = [r.name for r in RUNTIMES.values() if feature in r.supports]
-                fix = (
-                    f"runtime {others[0]} does (--runtime {others[0]})"
-                    if others
-                    else "no runtime preset does yet"
-                )
-                out.append(f"runtime {self.name!r} does not train {what}; {fix}")
+        for feature in needed:
+            if feature in self.supports:
+                continue
+            # those that train the most kinds of block first, then by name
+            others = sorted(
+                (r for r in RUNTIMES.values() if feature in r.supports),
+                key=lambda r: (-len(set(MODEL_FEATURES) & set(r.supports)), r.name),
+            )
+            fix = (
+                f"runtimes that do: {', '.join(r.name for r in others)} (--runtime "
+                f"{others[0].name})"
+                if others
+                else "no runtime preset does yet"
+            )
+            out.append(f"runtime {self.name!r} does not train {MODEL_FEATURES[feature]}; {fix}")
         return out
 
     def lacks(self, strategy: "Strategy", model: "ModelSpec | None" = None) -> list[str]:
