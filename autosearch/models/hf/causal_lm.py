@@ -114,6 +114,30 @@ def _sequence_shards(module: nn.Module) -> int:
     return 1
 
 
+class MLPOutputBlock(nn.Module):
+    """A transformers pre-norm decoder layer whose MLP returns ``(output, router scores)``
+    (gpt-oss, Llama 4), rebuilt to use the MLP's output only: the same submodules under the
+    same names (``self_attn``, the MLP under `mlp_name`, ``input_layernorm``,
+    ``post_attention_layernorm``), so parameter names are transformers'."""
+
+    def __init__(self, hf_layer: Any, mlp_name: str):
+        super().__init__()
+        self.self_attn = hf_layer.self_attn
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, getattr(hf_layer, mlp_name))
+        self.input_layernorm = hf_layer.input_layernorm
+        self.post_attention_layernorm = hf_layer.post_attention_layernorm
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs):
+        h, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=None,
+        )
+        h = hidden_states + h
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+
 class HFCausalLM(nn.Module):
     """A transformers Llama / Mistral / Qwen2 causal LM as the Engine runs it (see module doc).
 

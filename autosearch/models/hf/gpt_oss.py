@@ -23,7 +23,8 @@ their rows and columns) for ``GptOssForCausalLM``. What differs from Llama:
   the rows each expert receives, so expert parallelism shards all four on the expert dim.
   ``etp`` is refused: the down projection's bias would be added once per etp rank.
   transformers' decoder layer unpacks ``(output, router scores)`` from its MLP, so each layer
-  becomes `GptOssBlock`, the same block (names unchanged) calling the MLP for its output only.
+  becomes `MLPOutputBlock` (causal_lm.py), the same block (names unchanged) calling the MLP for
+  its output only.
   With ``output_router_logits`` the model trains with transformers' load-balancing loss on the
   router's logits (``router_aux_loss_coef``), as Mixtral does here.
 """
@@ -40,7 +41,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from autosearch.distributed.plan import ParallelPlan
 from autosearch.models import attention
-from autosearch.models.hf.causal_lm import HFCausalLM
+from autosearch.models.hf.causal_lm import HFCausalLM, MLPOutputBlock
 from autosearch.models.hf.router_moe import RouterMoE
 from autosearch.models.moe import FusedExperts, _local, grouped_mm
 
@@ -124,27 +125,6 @@ class GptOssExperts(FusedExperts):
         return grouped_mm(h, down, counts) + down_bias[expert]
 
 
-class GptOssBlock(nn.Module):
-    """transformers' ``GptOssDecoderLayer`` with the MLP's output only (module doc); the same
-    submodules under the same names."""
-
-    def __init__(self, hf_layer: Any):
-        super().__init__()
-        self.self_attn = hf_layer.self_attn
-        self.mlp = hf_layer.mlp
-        self.input_layernorm = hf_layer.input_layernorm
-        self.post_attention_layernorm = hf_layer.post_attention_layernorm
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs):
-        h, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=None,
-        )
-        h = hidden_states + h
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class GptOssCausalLM(HFCausalLM):
     """A transformers ``GptOssForCausalLM`` as the Engine runs it (module doc)."""
 
@@ -170,7 +150,7 @@ class GptOssCausalLM(HFCausalLM):
             moe.experts = GptOssExperts(block.experts)
             moe.record_router_logits = bool(config.output_router_logits)
             layer.mlp = moe
-            layers[name] = GptOssBlock(layer)
+            layers[name] = MLPOutputBlock(layer, "mlp")
         return float(config.router_aux_loss_coef) if config.output_router_logits else 0.0
 
     def sliding_window(self) -> int | None:

@@ -14,9 +14,9 @@ attention core, the Llama tp plan on Llama 4's names). What differs from Llama:
   `MoE.weight_inputs`); transformers computes every expert on every token with weight 0 for
   the ones not chosen, which (no biases, ``silu(0) * 0 = 0``) adds exact zeros, so the dropless
   grouped GEMMs over the chosen rows compute the same sums. transformers' decoder layer unpacks
-  ``(output, router logits)`` from its MoE, so each layer becomes `Llama4Block`, the same block
-  (names unchanged) calling its feed-forward for the output only. ``etp`` is refused (the gate
-  and up columns share one matrix).
+  ``(output, router logits)`` from its MoE, so each layer becomes `MLPOutputBlock` (causal_lm.py),
+  the same block (names unchanged) calling its feed-forward for the output only. ``etp`` is
+  refused (the gate and up columns share one matrix).
 * Attention: the rope layers attend within chunks of ``attention_chunk_size`` tokens
   (``chunked_attention`` in ``layer_types``): `ChunkedAttentionCore` masks keys outside the
   query's chunk, by global positions (under cp over the whole sequence's keys, all-gathered:
@@ -41,7 +41,7 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.distributed.plan import ParallelPlan
-from autosearch.models.hf.causal_lm import AttentionCore, HFCausalLM
+from autosearch.models.hf.causal_lm import AttentionCore, HFCausalLM, MLPOutputBlock
 from autosearch.models.moe import FusedExperts, MoE, _local, grouped_mm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,27 +126,6 @@ class Llama4MoE(MoE):
         return self.shared_expert(x) + routed
 
 
-class Llama4Block(nn.Module):
-    """transformers' ``Llama4TextDecoderLayer`` with the feed-forward's output only (module
-    doc); the same submodules under the same names."""
-
-    def __init__(self, hf_layer: Any):
-        super().__init__()
-        self.self_attn = hf_layer.self_attn
-        self.feed_forward = hf_layer.feed_forward
-        self.input_layernorm = hf_layer.input_layernorm
-        self.post_attention_layernorm = hf_layer.post_attention_layernorm
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs):
-        h, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=None,
-        )
-        h = hidden_states + h
-        return h + self.feed_forward(self.post_attention_layernorm(h))
-
-
 class Llama4CausalLM(HFCausalLM):
     """A transformers ``Llama4ForCausalLM`` as the Engine runs it (module doc)."""
 
@@ -164,7 +143,7 @@ class Llama4CausalLM(HFCausalLM):
         for name, layer in list(layers.items()):
             if getattr(layer, "is_moe_layer", False):
                 layer.feed_forward = Llama4MoE(layer.feed_forward, dim=self.config.hidden_size)
-            layers[name] = Llama4Block(layer)
+            layers[name] = MLPOutputBlock(layer, "feed_forward")
         return 0.0
 
     def sliding_window(self) -> int | None:
