@@ -16,9 +16,9 @@ sections "Tile Quantization" and "Wave Quantization"; CUTLASS's tile schedulers)
 / the operand's bytes; both are properties of an architecture's kernels, fitted on a measured
 per-shape table (XLA's default matmul performance tables, cost_models/data/
 xla_matmul_perf.csv; benchmarks/gemm_tiles.py fits and reports them). `max_eff` stays the
-profile's large-shape ceiling. A grouped GEMM (one launch over the experts' groups, CUTLASS's
-grouped kernels behind torch._grouped_mm and TransformerEngine) schedules the tiles of all
-groups over the same SMs.
+profile's large-shape ceiling. `groups` > 1 prices a grouped GEMM whose groups' tiles share
+the SMs; the MoE experts do not use it (cost_models/terms/experts.py `grouped_gemm_s`: on the
+H200's measured grouped GEMMs it reads worse than each group on the smooth curve).
 
 Written here by hand: no library models cuBLAS's tile choice without a GPU (the libraries'
 own heuristics run on the device). Pure Python, no torch.

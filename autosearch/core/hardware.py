@@ -307,7 +307,11 @@ class HardwareProfile:
             ),
             sm_count=int(num(g.get("sm_count", 0), "gemm.sm_count", zero=True, high=1e5)),
             tiles=parse_tiles(
-                read_mapping(g.get("tiles"), f"{what}: gemm.tiles", fix="a mapping of tile: eff"),
+                read_mapping(
+                    g.get("tiles"),
+                    f"{what}: gemm.tiles",
+                    fix="a mapping of ROWSxCOLUMNS: relative efficiency (e.g. {128x256: 1.0})",
+                ),
                 what,
             ),
             k_overhead_bytes=num(
