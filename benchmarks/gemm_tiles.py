@@ -15,7 +15,8 @@ source). For each architecture, the bf16 rows fit, in log time (scipy least squa
 The other precisions are then read with the bf16 tile shapes and K bytes, only their rate and
 launch refit: how far the shapes carry across dtypes. Reports the mean absolute error of each
 model per architecture and precision, and the efficiency each predicts for a few training
-shapes (a 2,880-wide layer against a 3,072-wide one).
+shapes (a 2,880-wide layer against a 3,072-wide one), and an independent check of the shipped
+Hopper tiles on the GEMMs `autosearch calibrate --quick` measured on an H200.
 
 Run: python benchmarks/gemm_tiles.py   (writes results/gemm_tiles.csv)
 """
@@ -94,6 +95,63 @@ def fit_tiles(rows, measured, sms):
     )
 
 
+def h200_check() -> list[dict]:
+    """An independent check: the shipped h200-sxm tiles (fitted on XLA's H100 table) on the
+    GEMMs `autosearch calibrate --quick` measured on an H200 (results/gpu/h200/calibration, 8
+    forward shapes per precision, 256-4,096 x 1,024-8,192 x 1,024-8,192), only a rate and a
+    launch free; next to the smooth curve with d free and with the profiles' d = 128."""
+    from autosearch.core import HardwareProfile
+
+    gemm = HardwareProfile.load("h200-sxm").gemm
+    d = pd.read_csv(ROOT / "results" / "gpu" / "h200" / "calibration" / "gpu.csv")
+    out = []
+    for prec in ("bf16", "fp16"):
+        x = d[(d.kind == "gemm") & (d.op == "linear_fwd") & (d.precision == prec)]
+        rows = [(1, int(r.m), int(r.n), int(r.k)) for r in x.itertuples()]
+        meas = x.time_min_s.to_numpy()
+        res_t = functools.partial(
+            tile_residuals,
+            rows=rows,
+            measured=meas,
+            sms=gemm.sm_count,
+            tiles=gemm.tiles,
+            k_bytes=gemm.k_overhead_bytes,
+            operand_bytes=2,
+        )
+        res_s = functools.partial(smooth_residuals, rows=rows, measured=meas)
+
+        def res_128(p, res_s=res_s):
+            return res_s([p[0], p[1], 128.0])
+
+        errs = []
+        for res, start, bounds in (
+            (res_t, [5, 700], ([0, 1], [50, 1e4])),
+            (res_s, [5, 700, 128], ([0, 1, 0], [50, 1e4, 1e4])),
+            (res_128, [5, 700], ([0, 1], [50, 1e4])),
+        ):
+            fit = least_squares(res, start, bounds=bounds)
+            errs.append(np.abs(np.exp(res(fit.x)) - 1))
+        print(
+            f"h200 calibration grid, {prec} ({len(rows)} shapes): tile model MAPE "
+            f"{errs[0].mean():.1%} (worst {errs[0].max():.1%}) | smooth curve, d free "
+            f"{errs[1].mean():.1%} (worst {errs[1].max():.1%}) | smooth curve, d 128 "
+            f"{errs[2].mean():.1%} (worst {errs[2].max():.1%})"
+        )
+        out.append(
+            {
+                "arch": "h200-calibration",
+                "precision": prec,
+                "shapes": len(rows),
+                "tile_mape": errs[0].mean(),
+                "tile_worst": errs[0].max(),
+                "smooth_mape": errs[1].mean(),
+                "smooth_worst": errs[1].max(),
+                "smooth128_mape": errs[2].mean(),
+            }
+        )
+    return out
+
+
 def main() -> None:
     df = pd.read_csv(TABLE, comment="#")
     out = []
@@ -161,6 +219,7 @@ def main() -> None:
                 f"    {m}x{n}x{k}: {r0[f'tile_eff_{m}x{n}x{k}']:.3f} / "
                 f"{r0[f'smooth_eff_{m}x{n}x{k}']:.3f}"
             )
+    out.extend(h200_check())
     dest = ROOT / "results" / "gemm_tiles.csv"
     pd.DataFrame(out).to_csv(dest, index=False, float_format="%.4g")
     print(f"wrote {dest.relative_to(ROOT)}")
