@@ -160,7 +160,7 @@ AUTOCAST_SAVED_BYTES = {True: 18.0, False: 16.0}
 # = 12. A census of the saved tensors of the reference transformer (torch 2.13, bf16 parameters
 # as FSDP2's MixedPrecisionPolicy gathers them, under autocast or not) gives 12 exactly
 # (tests/test_saved_activations.py). On CUDA torch runs the fused kernel (`_fused_rms_norm`,
-# pytorch/pytorch#153666, torch >= 2.9), whose backward keeps the 16-bit input and a per-row
+# pytorch/pytorch#153666, 2025), whose backward keeps the 16-bit input and a per-row
 # rstd (derivatives.yaml): what the formula counts, so nothing is added there (unmeasured on a
 # GPU so far: the H200 runs in results/gpu/ are all at dp 1). nn.LayerNorm (GPT style) keeps
 # its 16-bit input and per-row statistics on either device.
