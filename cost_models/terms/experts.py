@@ -83,9 +83,16 @@ def grouped_gemm_s(
     """`groups` GEMMs of m x n x k (one per local expert, m its tokens) as one grouped GEMM: one
     launch, each group at the profile's efficiency for its shape (small per-expert token counts
     run far below the ceiling), a group of fewer than `tile_rows` rows as one of `tile_rows`.
-    benchmarks/grouped_gemm.py measures it against ``torch._grouped_mm`` on a GPU."""
+    benchmarks/grouped_gemm.py measures it against ``torch._grouped_mm`` on a GPU.
+
+    Each group on the smooth shape curve (`GemmEfficiency.smooth_time_s`) even where the
+    profile has tiles: the tiles of all groups in waves over the SMs (`grouped_time_s`) read
+    the H200 measurement worse (results/gpu/h200-grouped-gemm: the expert MLP's MAPE 18.9%
+    -> 27.8% under the torch preset, -49% to -55% at 128 rows per expert), since the
+    backward's weight gradient runs with K = the rows per expert, which `backward_over_forward`
+    = 2 does not see (measured 2.47-2.7)."""
     rows = max(m, tile_rows)
-    return gemm.launch_s + groups * (gemm.time_s(rows, n, k, peak, key) - gemm.launch_s)
+    return gemm.launch_s + groups * (gemm.smooth_time_s(rows, n, k, peak, key) - gemm.launch_s)
 
 
 def routed_share(s: "Strategy", ctx: Context) -> float:

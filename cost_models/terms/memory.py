@@ -140,6 +140,7 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         out += _lora_bytes(s, ctx, tokens)
     if recompute in ("none", "selective") and not s.compile and fp32_stream(s, ctx):
         out += tokens * m.hidden_size * AUTOCAST_SAVED_BYTES[m.ffn_gated]
+    out += mixed_precision_norm_bytes(s, ctx, tokens, recompute)
     return out
 
 
@@ -152,6 +153,42 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
 # census of saved tensors on a CPU gives the same 18: (8 - 2) x 2 for the norms, 2 x 2 for
 # q, k, v, 2 for w1 and w3; without a gate 16.
 AUTOCAST_SAVED_BYTES = {True: 18.0, False: 16.0}
+# What eager RMSNorm saves over a 16-bit residual stream beyond the layer formula's 16-bit norm
+# input, per token per hidden unit and layer, on a CPU: torch's rms_norm there is the composite
+# (`rms_norm_composite`: upcast to fp32), and autograd keeps the fp32 input and the fp32
+# normalized input, 8 bytes per element where the formula counts 2, for both norms: (8 - 2) x 2
+# = 12. A census of the saved tensors of the reference transformer (torch 2.13, bf16 parameters
+# as FSDP2's MixedPrecisionPolicy gathers them, under autocast or not) gives 12 exactly
+# (tests/test_saved_activations.py). On CUDA torch runs the fused kernel (`_fused_rms_norm`,
+# pytorch/pytorch#153666, 2025), whose backward keeps the 16-bit input and a per-row
+# rstd (derivatives.yaml): what the formula counts, so nothing is added there (unmeasured on a
+# GPU so far: the H200 runs in results/gpu/ are all at dp 1). nn.LayerNorm (GPT style) keeps
+# its 16-bit input and per-row statistics on either device.
+MIXED_PRECISION_NORM_BYTES = 12.0
+
+
+def mixed_precision_norm_bytes(
+    s: "Strategy", ctx: Context, tokens: float, recompute: str
+) -> float:
+    """Bytes one layer saves beyond the formula where a runtime that autocasts over fp32
+    parameters (`autocast_fp32_params`: the Engine) runs FSDP2's mixed-precision policy (zero 2/3
+    at dp > 1, `compute.fp32_stream` false): its RMSNorms keep fp32 copies of their 16-bit input
+    (`MIXED_PRECISION_NORM_BYTES`), eager and without full or op-level recompute, divided over tp
+    as the norm input is by sequence parallel; on a CPU only (CUDA's fused RMSNorm keeps the
+    16-bit input)."""
+    m = ctx.model
+    if (
+        ctx.profile.device_type != "cpu"
+        or not ctx.runtime.autocast_fp32_params
+        or s.amp not in ("bf16", "fp16")
+        or s.compile
+        or recompute not in ("none", "selective")
+        or m.is_gpt_style
+        or fp32_stream(s, ctx)
+    ):
+        return 0.0
+    sp_div = s.tp if s.sequence_parallel else 1
+    return tokens * m.hidden_size * MIXED_PRECISION_NORM_BYTES / sp_div
 
 
 def _lora_bytes(s: "Strategy", ctx: Context, tokens: float) -> float:
