@@ -72,11 +72,11 @@ def test_a_base_chain_that_loops_or_names_no_preset_is_refused(monkeypatch):
         "a": {"base": "b", "description": "x"},
         "b": {"base": "a", "description": "y"},
     }
-    monkeypatch.setattr(runtime_module, "read_yaml_mapping", lambda *a, **k: {"runtimes": presets})
+    monkeypatch.setattr(runtime_module.data, "read_data", lambda *a, **k: {"runtimes": presets})
     with pytest.raises(SpecError, match="runtime 'b': base 'a'.*a -> b -> a"):
         runtime_module._load_runtimes()
     presets = {"a": {"base": "nemo-25.99"}}
-    monkeypatch.setattr(runtime_module, "read_yaml_mapping", lambda *a, **k: {"runtimes": presets})
+    monkeypatch.setattr(runtime_module.data, "read_data", lambda *a, **k: {"runtimes": presets})
     with pytest.raises(SpecError, match="base 'nemo-25.99' must be another preset"):
         runtime_module._load_runtimes()
 

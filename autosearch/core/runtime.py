@@ -9,13 +9,11 @@ is.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autosearch.core import dimensions
-from autosearch.core._io import check_keys, read_yaml_mapping
+from autosearch.core import data, dimensions
+from autosearch.core._io import check_keys
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -458,17 +456,9 @@ def dimensions_used(strategy: "Strategy", model: "ModelSpec | None" = None) -> d
     return dimensions.features_used(strategy, model)
 
 
-def _runtimes_path() -> Path:
-    """cost_models/runtimes.yaml, found without importing cost_models."""
-    spec = importlib.util.find_spec("cost_models")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecError("the cost_models package is not installed; reinstall autosearch")
-    return Path(next(iter(spec.submodule_search_locations))) / "runtimes.yaml"
-
-
 def _load_runtimes() -> dict[str, RuntimeOptions]:
     """The presets of `cost_models/runtimes.yaml` (found without importing cost_models)."""
-    presets = read_yaml_mapping(_runtimes_path(), what="runtime presets")["runtimes"]
+    presets = data.read_data("runtimes.yaml", what="runtime presets")["runtimes"]
 
     def fields_of(name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
         """A preset's fields: its `base` preset's (a dated release names the preset it
