@@ -60,3 +60,12 @@ def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
     assert values.values["composer-fsdp kernel_efficiency"] == 1.0
     assert set(how) == {"composer-fsdp kernel_efficiency"}
     assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", 1.0),)
+
+
+def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
+    """fidelity_hybrid reads its rows through fidelity_moe's strategy_of / runtime_of, so
+    hybrid_runs.csv carries the same run columns (runtime, recompute, pipeline ...)."""
+    hybrid = rows[rows.bench == "hybrid"]
+    preds = [lofo.predict(r, lofo.shipped()) for _, r in hybrid.iterrows()]
+    assert len(preds) == 21 and all(p["expressible"] for p in preds)
+    assert {p["runtime"] for p in preds} >= {"megatron-bridge-26.08", "automodel"}
