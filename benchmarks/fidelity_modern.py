@@ -63,8 +63,9 @@ ASSUMED = {
     "nemo runtime": "NeMo's own runs (NEMO2407, NEMOFW2502, DGXC24111, DGXC2504) -> preset nemo"
     " (bf16 gradient buffer and reduction: NeMo 1's distributed_fused_adam with grad_sync_dtype"
     " bf16, NeMo 2's performance_mode grad_reduce_in_fp32=False); Megatron-Bridge rows (MB*)"
-    " -> megatron-core (fp32 main_grad), their release's preset (megatron-bridge-25.09 ...):"
-    " the tables' runtime column",
+    " -> megatron-core (fp32 main_grad), their release's preset (megatron-bridge-25.09 ...);"
+    " NeMo's as their release's preset too (nemo-24.07, nemo-24.09 for DGX Cloud v24.11.1's"
+    " container, nemo-25.02, nemo-25.04), each nemo's: the tables' runtime column",
     "nemo recompute": "not stated -> none (NeMo's recommended H100 configs and the DGX Cloud"
     " recipes set recompute_layers 0, activations_checkpoint_granularity null)",
     "nemo fp8": "fp8 (delayed, current or not named) -> tensorwise, as the Megatron FP8 group",

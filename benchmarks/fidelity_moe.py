@@ -84,7 +84,11 @@ ASSUMED = {
     " (selective) on GB200",
     "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
     " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs)"
-    " -> the nemo preset (bf16 gradients); DGX Cloud: see its entry",
+    " -> grad_reduce_in_fp32 false (bf16 gradients, as the nemo preset); DGX Cloud: see its"
+    " entry; the NeMo Framework performance summary rows (25.02, 25.04, 25.07) ran NeMo 2's"
+    " scripts/performance/llm, which set recipe.trainer.plugins.grad_reduce_in_fp32 = False"
+    " ('# bf16 grad dtype', pretrain_mixtral_8x22b.py of early NeMo 2) -> their release"
+    " presets nemo-25.02 / -25.04 / -25.07 as they are (bf16 gradients)",
     "DGX Cloud 25.04 recipes": "the DGX Cloud rows ran NeMo 25.04 (v2.3.0)"
     " scripts/performance/llm: pretrain_llama4_e128.py builds pretrain_recipe(performance_mode"
     "=True), whose pretrain_performance_optimizations (recipes/llama4_e128.py) add"
