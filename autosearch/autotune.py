@@ -597,7 +597,7 @@ def local_cluster(
             )
             return Cluster(gpu=path, n_nodes=1, gpus_per_node=world_size)
     if calibrate_if_missing:
-        from cost_models.calibration import calibrate
+        from autosearch.calibration import calibrate
 
         log(
             f"tune: this machine: {here.describe()}; {why}: calibrating it quickly "

@@ -111,7 +111,7 @@ def moe_evidence() -> list[tuple[dict[str, str], float, str]]:
             gpu=moe.GPUS[row.gpu], n_nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus)
         )
         ratio = pred["predicted_tokens_per_s_per_gpu"] / pred["published_tokens_per_s_per_gpu"]
-        framework = RuntimeOptions.get(pred["runtime"].removesuffix("-row")).framework
+        framework = RuntimeOptions.get(pred["runtime"]).framework
         out.append((kind_of(moe.strategy_of(row), cluster, framework), ratio, "moe"))
     return out
 

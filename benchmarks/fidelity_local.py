@@ -173,7 +173,7 @@ def main() -> int:
         table = pd.read_csv(args.from_runs)
         return report(args, profile, table, t0)
     if profile is None:
-        from cost_models.calibration import calibrate
+        from autosearch.calibration import calibrate
 
         profile = "results/calibration/cpu-local.yaml"
         print(f"calibrating this machine into {profile} ...", flush=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from autosearch import Cluster
-from autosearch.core import ModelSpec, SpecError, Strategy
+from autosearch.core import RUNTIMES, ModelSpec, SpecError, Strategy
 from autosearch.core.rules import account_for_embedding_and_loss
 from cost_models import AnalyticCostModel
 
@@ -63,7 +63,9 @@ ASSUMED = {
     "nemo runtime": "NeMo's own runs (NEMO2407, NEMOFW2502, DGXC24111, DGXC2504) -> preset nemo"
     " (bf16 gradient buffer and reduction: NeMo 1's distributed_fused_adam with grad_sync_dtype"
     " bf16, NeMo 2's performance_mode grad_reduce_in_fp32=False); Megatron-Bridge rows (MB*)"
-    " -> megatron-core (fp32 main_grad)",
+    " -> megatron-core (fp32 main_grad), their release's preset (megatron-bridge-25.09 ...);"
+    " NeMo's as their release's preset too (nemo-24.07, nemo-24.09 for DGX Cloud v24.11.1's"
+    " container, nemo-25.02, nemo-25.04), each nemo's: the tables' runtime column",
     "nemo recompute": "not stated -> none (NeMo's recommended H100 configs and the DGX Cloud"
     " recipes set recompute_layers 0, activations_checkpoint_granularity null)",
     "nemo fp8": "fp8 (delayed, current or not named) -> tensorwise, as the Megatron FP8 group",
@@ -84,19 +86,9 @@ ASSUMED = {
     " (docs/lora.md: the attention core is 11% of the predicted layer time)",
     "nemo left out": "see NEMO_LEFT_OUT",
 }
-# LoRA rows of nemo_dense_runs.csv: the adapters (ASSUMED["nemo lora"])
-NEMO_LORA = {
-    "MB2606-LORA-LLAMA370B-H100-8-FP8": {
-        "rank": 32,
-        "targets": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
-    }
-}
 # Rows of nemo_dense_runs.csv the benchmark does not score, and why (none since a Strategy
 # takes empty pipeline chunks: the 30-layer 405B proxies' embedding- and loss-only chunks).
 NEMO_LEFT_OUT: dict[str, str] = {}
-# NeMo's 405B recipe as DGX Cloud v24.11.1 ran it (llama3.1_405b.yaml @ 35a9aec):
-# num_query_groups 16, where the released model (the table's row) has 8.
-NEMO_KV_HEADS = {"DGXC24111-LLAMA31-405B": 16}
 
 
 def nemo_rows() -> pd.DataFrame:
@@ -114,7 +106,18 @@ def nemo_rows() -> pd.DataFrame:
         if r.metric == "step_time_s":
             published = gbs * seq / published / gpus
         automodel = r.id.startswith("AUTOMODEL")
-        kv = next((v for k, v in NEMO_KV_HEADS.items() if r.id.startswith(k)), r.n_kv_heads)
+        # the run's query groups where its recipe changed the released model's: NeMo's 405B
+        # recipe as DGX Cloud v24.11.1 ran it (llama3.1_405b.yaml @ 35a9aec) has 16, not 8
+        kv = r.n_kv_heads if pd.isna(r.n_kv_heads_run) else r.n_kv_heads_run
+        # the adapters of a LoRA run (ASSUMED["nemo lora"])
+        lora = (
+            None
+            if pd.isna(r.lora_rank)
+            else {
+                "rank": int(r.lora_rank),
+                "targets": tuple(str(r.lora_targets).split()),
+            }
+        )
         framework = "megatron-core (megatron-bridge)" if r.id.startswith("MB") else "nemo"
         out.append(
             {
@@ -147,6 +150,8 @@ def nemo_rows() -> pd.DataFrame:
                 "compile": automodel,
                 "async_tp": False,
                 "framework": "nemo automodel (fsdp2)" if automodel else framework,
+                "runtime": r.runtime,
+                "lora": lora,
                 "metric": "tokens_per_s_per_gpu",
                 "published": published,
                 "published_memory_gib": math.nan,
@@ -173,21 +178,16 @@ def group_of(row: pd.Series) -> str:
     return "torchtitan H200" if row.gpu == "h200" else "torchtitan H100"
 
 
-MEGATRON = ("megatron-core", "nemo")
-
-
 def runtime_of(row: pd.Series) -> str:
-    framework = str(row.framework).lower()
-    if "composer" in framework:
-        return "composer-fsdp"
-    if "automodel" in framework:
-        return "torchtitan"
-    if framework == "nemo":
-        return "nemo"
-    if "megatron" in framework:
-        return "megatron-core"
-    # torchtitan's code changed between the reports (ASSUMED["torchtitan version"])
-    return "torchtitan-2412" if row.id.startswith(("TT-2408", "TT-2412")) else "torchtitan"
+    """The row's runtime preset: its `runtime` column (a dated release where the source names
+    one: `megatron-bridge-25.11`, `nemo-25.04`, `torchtitan-2412`; ASSUMED["nemo runtime"],
+    ["torchtitan version"])."""
+    return str(row.runtime)
+
+
+def megatron(runtime: str) -> bool:
+    """A Megatron-Core runtime, any release (the pipeline split and sequence parallel rules)."""
+    return RUNTIMES[runtime].framework == "megatron-core"
 
 
 def model_of(row: pd.Series) -> ModelSpec:
@@ -207,7 +207,7 @@ def model_of(row: pd.Series) -> ModelSpec:
         tied_embeddings=bool(row.tied_embeddings),
         **({"position_embedding": "alibi", "linear_bias": False, "dropout": False} if mpt else {}),
         **({"dropout": False} if nemo_gpt else {}),
-        lora=NEMO_LORA.get(row.id),
+        lora=row.get("lora") if isinstance(row.get("lora"), dict) else None,
     )
 
 
@@ -229,7 +229,7 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
         schedule = "interleaved_1f1b"
     split = None
     layers, chunks = int(row.n_layers), pp * v
-    if runtime in MEGATRON and layers % chunks:
+    if megatron(runtime) and layers % chunks:
         # account_for_embedding/loss_in_pipeline_split (docs/runtimes.md [3.4])
         split = account_for_embedding_and_loss(layers, chunks)
     fp8 = str(row.fp8).lower()
@@ -237,7 +237,7 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
     async_tp = str(row.async_tp).lower() == "true"
     compile_ = str(row.compile).lower() == "true" or (torchtitan and async_tp)
     sp = tp > 1 and (
-        torchtitan or runtime in MEGATRON or str(row.sequence_parallel).lower() == "true"
+        torchtitan or megatron(runtime) or str(row.sequence_parallel).lower() == "true"
     )
     return Strategy(
         dp=dp,

@@ -3,10 +3,12 @@ Megatron-Bridge performance summaries, the Megatron-MoE model zoo, DGX Cloud rec
 Automodel; DeepSeek-V3, Qwen3-30B-A3B / 235B-A22B, Llama 4, Kimi-K2 ...).
 
 Every row becomes a ModelSpec, a Cluster and a Strategy, scored by the analytic cost model under
-the row's runtime preset (cost_models/runtimes.yaml) with the shipped hardware profiles: one set
-of constants for all rows, none chosen per row. What a row used and states (its routing, its
-dispatcher, an all-to-all overlap it turned on) is an input, not a constant; what a row leaves
-out is assumed in `ASSUMED` below and written to the summary.
+the row's release preset (its `runtime` column: cost_models/runtimes.yaml) with the shipped
+hardware profiles: one set of constants for all rows, none chosen per row and none in this
+file. What a row's run set (its routing, dispatcher, all-to-all overlap, CUDA graphs, gradient
+precision, recompute modules, pipeline layout, MTP) is a column of the table, applied as the
+library applies it (`RuntimeOptions.as_run`, `Strategy`); `ASSUMED` below says where each
+column's values come from and what a row leaves out, and is written to the summary.
 
 Reports, per source group: throughput MAPE (tokens/s per GPU, or step time), worst row, and
 whether every published run is predicted to fit. Targets (issue 19): throughput MAPE <= 10% per
@@ -27,8 +29,14 @@ from pathlib import Path
 import pandas as pd
 
 from autosearch import Cluster
-from autosearch.core import RUNTIMES, HardwareProfile, ModelSpec, SpecError, Strategy
-from autosearch.core.rules import account_for_embedding_and_loss
+from autosearch.core import (
+    RUNTIMES,
+    HardwareProfile,
+    ModelSpec,
+    RuntimeOptions,
+    SpecError,
+    Strategy,
+)
 from cost_models import AnalyticCostModel
 
 HERE = Path(__file__).resolve().parent
@@ -76,7 +84,11 @@ ASSUMED = {
     " (selective) on GB200",
     "gradient reduction": "Megatron-Bridge Qwen3 and DeepSeek-V3 recipes set"
     " grad_reduce_in_fp32 False (set_qwen3_common_configs, set_deepseek_v3_common_configs)"
-    " -> the nemo preset (bf16 gradients); DGX Cloud: see its entry",
+    " -> grad_reduce_in_fp32 false (bf16 gradients, as the nemo preset); DGX Cloud: see its"
+    " entry; the NeMo Framework performance summary rows (25.02, 25.04, 25.07) ran NeMo 2's"
+    " scripts/performance/llm, which set recipe.trainer.plugins.grad_reduce_in_fp32 = False"
+    " ('# bf16 grad dtype', pretrain_mixtral_8x22b.py of early NeMo 2) -> their release"
+    " presets nemo-25.02 / -25.04 / -25.07 as they are (bf16 gradients)",
     "DGX Cloud 25.04 recipes": "the DGX Cloud rows ran NeMo 25.04 (v2.3.0)"
     " scripts/performance/llm: pretrain_llama4_e128.py builds pretrain_recipe(performance_mode"
     "=True), whose pretrain_performance_optimizations (recipes/llama4_e128.py) add"
@@ -170,11 +182,6 @@ ASSUMED = {
     " tokens/s with Megatron-LM's num_floating_point_operations (causal-halved attention):"
     " ModelSpec.flops_per_token less half its attention term",
 }
-# Megatron-Core's EP all-to-all overlap (--overlap-moe-expert-parallel-comm): the fraction of
-# the dispatch and combine hidden behind the other micro-batch's compute when a row turns it on
-# (Megatron-Core MoE report: "1F1B A2A overlap" hides the EP communication in the steady
-# state); chosen against the two H100 rows that turn it on (leave_one_group_out).
-A2A_OVERLAP_WHEN_ON = 0.3
 
 
 def group_of(row: pd.Series) -> str:
@@ -206,239 +213,66 @@ def model_of(row: pd.Series) -> ModelSpec:
     else:
         raise SpecError(f"{row.model}: architecture not transcribed in the table")
     layers = int(row.n_layers) if not pd.isna(row.n_layers) else model.n_layers
-    return model.scaled(n_layers=layers, seq_len=int(row.seq_len), mtp_layers=mtp_of(row))
-
-
-def mtp_of(row: pd.Series) -> int:
-    """Multi-token prediction modules the row trained (`ASSUMED["multi-token prediction"]`)."""
-    rid, model = str(row.id), str(row.model)
-    if not model.startswith("DeepSeek-V3") or "w/o MTP" in model:
-        return 0
-    return 1 if rid.startswith(("MB", "DGXC")) else 0
-
-
-# Megatron-Bridge's DeepSeek-V3 layouts, decoder layers per chunk by (pp, vp)
-# (`ASSUMED["pipeline layout"]`); 0: a chunk of the embedding, MTP or loss alone.
-_LAYOUT_16 = (4,) * 15 + (1,)  # [E+4][4]x14[1+mtp+loss]
-_BRIDGE_LAYOUTS = {
-    (16, 1): _LAYOUT_16,
-    (8, 2): _LAYOUT_16,
-    (4, 4): _LAYOUT_16,
-    (2, 8): _LAYOUT_16,  # the GB300 presets' pp_layout 'Et*4|(t*4|)*14tmL'
-    (8, 1): (8,) * 7 + (5,),
-    (4, 2): (8,) * 7 + (5,),
-    (4, 1): (16, 16, 16, 13),
-}
-_LAYOUT_32 = (1,) + (2,) * 30 + (0,)  # 'Et|(tt|)*30mL'
-
-
-def pipeline_of(row: pd.Series, pp: int, v: int) -> tuple[tuple[int, ...] | None, int]:
-    """(pipeline_split, virtual stages) of a DeepSeek-V3 or Model Zoo Qwen3-235B row as its
-    recipe laid the layers out (`ASSUMED["pipeline layout"]`); (None, v) for the even split."""
-    rid, release = str(row.id), bridge_release(row)
-    if rid.startswith("MZOO") and str(row.model).startswith("Qwen3-235B") and pp > 1:
-        return account_for_embedding_and_loss(_int(row.n_layers, 94), pp * v), v
-    if not str(row.model).startswith("DeepSeek-V3") or pp == 1 or _int(row.n_layers, 61) != 61:
-        return None, v
-    if rid.startswith("DGXC") and v == 1 and 64 % pp == 0:
-        m = 64 // pp
-        return (m - 1,) + (m,) * (pp - 2) + (m - 2,), 1
-    if not rid.startswith("MB"):
-        return None, v
-    if release == "25.09" or (release == "25.11" and row.gpu == "h100-sxm"):
-        split, v = _LAYOUT_32, 32 // pp
-    else:
-        split = _BRIDGE_LAYOUTS.get((pp, v))  # type: ignore[assignment]
-        if split is None:
-            return None, v
-    return tuple(split), v
+    mtp = _int(row.mtp_layers, 0)  # ASSUMED["multi-token prediction"]
+    return model.scaled(n_layers=layers, seq_len=int(row.seq_len), mtp_layers=mtp)
 
 
 def _int(value, default: int) -> int:
     return default if pd.isna(value) or str(value).strip() == "" else int(float(value))
 
 
+def _flag(value) -> bool | None:
+    """A true / false column; None where blank (the preset's own)."""
+    return None if pd.isna(value) or str(value).strip() == "" else str(value).lower() == "true"
+
+
 def strategy_of(row: pd.Series) -> Strategy:
+    """The row's Strategy from its columns: the published layout (n_gpus, tp, pp, cp, ep, etp,
+    micro and global batch) and what the run set (`zero_stage`, `virtual_stages`,
+    `pipeline_split`, `recompute_granularity`, `recompute_modules`,
+    `schedule_global_batch_size`: benchmarks/reference/README.md)."""
     n, tp, pp, cp = int(row.n_gpus), _int(row.tp, 1), _int(row.pp, 1), _int(row.cp, 1)
-    dp = n // (tp * pp * cp)
-    v = _int(row.vp, 1) if pp > 1 else 1  # a vp given with pp 1 (DGX Cloud Llama 4) is moot
-    split, v = pipeline_of(row, pp, v)
-    fsdp = str(row.fsdp).lower()
-    zero = 3 if ("fsdp" in fsdp and "ddp" not in fsdp) or str(row.id).startswith("AUTO") else 1
-    if "sharding degree" in fsdp:
-        zero = 3
+    v = _int(row.virtual_stages, 1)
+    split = str(row.pipeline_split).split() if not pd.isna(row.pipeline_split) else []
     precision = str(row.precision).lower()
-    recompute, modules = recompute_of(row)
-    gbs = int(row.global_batch_size)
-    if str(row.id).startswith("AUTO") and pp > 1:  # ASSUMED["Automodel gradient accumulation"]
-        gbs //= _int(row.grad_accum, 1)
     return Strategy(
-        dp=dp,
+        dp=n // (tp * pp * cp),
         tp=tp,
         pp=pp,
         cp=cp,
         ep=_int(row.ep, 1),
         etp=_int(row.etp, 1),
         micro_batch_size=_int(row.micro_batch_size, 1),
-        global_batch_size=gbs,
+        global_batch_size=_int(row.schedule_global_batch_size, int(row.global_batch_size)),
         pipeline_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v,
-        pipeline_split=split,
-        recompute=recompute,
-        recompute_modules=modules,
-        sequence_parallel=tp > 1,
-        zero_stage=zero,
+        pipeline_split=tuple(int(x) for x in split) or None,
+        recompute=str(row.recompute_granularity),
+        recompute_modules=str(row.recompute_modules),
+        sequence_parallel=tp > 1,  # ASSUMED["sequence parallel"]
+        zero_stage=_int(row.zero_stage, 1),
         amp="bf16",
-        fp8="none" if precision.startswith("bf16") else "tensorwise",
+        fp8="none" if precision.startswith("bf16") else "tensorwise",  # ASSUMED["fp8"]
     )
 
 
-# Megatron's module names as the rows print them -> ours (`ASSUMED["recompute"]`)
-_MODULE_WORDS = {
-    "layernorm": "layernorm",
-    "norm": "layernorm",
-    "up_proj": "mla_up_proj",
-    "mlp": "mlp",
-    "act": "moe_act",
-    "moe_act": "moe_act",
-    "shared_expert": "shared_experts",
-    "moe": "moe",
-}
-_MODULE_ORDER = ("layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts", "moe")
-
-
-def recompute_of(row: pd.Series) -> tuple[str, str]:
-    """(recompute, recompute_modules) of a row: what it states, else its recipe's
-    (`ASSUMED["recompute"]`, `ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]`)."""
-    rc = str(row.recompute).lower() if not pd.isna(row.recompute) else ""
-    rid, model = str(row.id), str(row.model)
-    if "full" in rc or "activation_checkpointing: true" in rc:
-        return "full", "none"
-    if rid.startswith("AUTO") and model.startswith("DeepSeek-V3"):
-        return "full", "none"  # ASSUMED["Automodel DeepSeek-V3 1,024 GPUs"]
-    words = rc.split("(")[0].replace("selective", "").replace("+", ",").replace(":", ",")
-    names = {_MODULE_WORDS[w.strip()] for w in words.split(",") if w.strip() in _MODULE_WORDS}
-    if "moe_act" in rc:
-        names.add("moe_act")
-    if "up_proj" in rc:
-        names.add("mla_up_proj")
-    if not names and model.startswith("DeepSeek-V3"):
-        if row.gpu == "gb300" and full_iteration_graph(row):
-            return "none", "none"  # ASSUMED["Bridge full-iteration CUDA graphs"]
-        if rid.startswith("MB2509-") and row.gpu in ("gb200", "b200"):
-            if row.gpu == "b200":  # ASSUMED["Bridge 25.09 DeepSeek-V3 Blackwell recompute"]
-                return "selective", "none"
-            names = {"mla_up_proj", "mlp", "moe_act"}
-        elif rid.startswith("MB"):
-            h100 = row.gpu == "h100-sxm"
-            b200_2604 = rid.startswith("MB260401-") and row.gpu == "b200"  # v0.4.2 FP8_MX_V2
-            names = {"mla_up_proj", "mlp"} if h100 or b200_2604 else {"mla_up_proj"}
-        elif rid.startswith("DGXC"):  # ASSUMED["DeepSeek-V3 / Kimi-K2 recipes"]
-            if row.gpu == "gb200":
-                return "selective", "none"
-            names = {"mla_up_proj"}
-    elif not names and model.startswith("Kimi-K2") and rid.startswith("MB"):
-        names = {"mla_up_proj"}
-    modules = "+".join(n for n in _MODULE_ORDER if n in names) or "none"
-    return "none", modules
-
-
-def _bridge_recipe(row: pd.Series) -> tuple[bool, bool]:
-    """(DeepEP-style dispatcher, EP all-to-all overlap) of the Megatron-Bridge recipe a row ran
-    where its ep crosses nodes (`ASSUMED["Bridge H100 recipes"]`, `ASSUMED["Bridge 25.09
-    DeepSeek-V3 H100"]`, `ASSUMED["Bridge 26.04.01 DeepSeek-V3 B200"]`)."""
-    rid = str(row.id)
-    if rid.startswith("MB2509-DEEPSEEKV3") and row.gpu == "h100-sxm":
-        return True, True
-    if rid.startswith("MB260401-DEEPSEEKV3") and row.gpu == "b200":
-        return True, True
-    if not rid.startswith("MB26") or row.gpu != "h100-sxm":
-        return False, False
-    model = str(row.model)
-    if model.startswith("Qwen3-235B"):
-        return False, True
-    if model.startswith("Qwen3-30B") and _int(row.ep, 1) == 16 and _int(row.pp, 1) == 1:
-        return True, False
-    if model.startswith("Qwen3-30B") and rid.startswith("MB2602-"):
-        return True, True  # the v0.3.0 (26.02) preset: pp2 vp12, deepep, moe_a2a_overlap
-    return False, False
-
-
-# Megatron-Bridge releases whose Blackwell MXFP8 presets capture the whole iteration in one CUDA
-# graph (`ASSUMED["Bridge full-iteration CUDA graphs"]`): release -> {model: GPUs}.
-_FULL_ITERATION = {
-    "26.06": {
-        "Qwen3-30B": "gb200 gb300 b300",
-        "Qwen3-235B": "gb200 gb300",
-        "DeepSeek-V3": "gb200 gb300",
-    },
-    "26.06.01": {
-        "Qwen3-30B": "gb200 gb300 b200 b300",
-        "Qwen3-235B": "gb200 gb300 b200 b300",
-        "DeepSeek-V3": "gb200 gb300 b300",
-    },
-    "26.08": {
-        "Qwen3-30B": "gb200 gb300 b200 b300",
-        "Qwen3-235B": "gb200 gb300 b200",
-        "DeepSeek-V3": "gb200 gb300",
-    },
-}
-
-
-def bridge_release(row: pd.Series) -> str | None:
-    """The Megatron-Bridge release of a row, from its id: MB2606-... -> 26.06, MB260601-... ->
-    26.06.01; None for other sources."""
-    rid = str(row.id).split("-")[0]
-    if not rid.startswith("MB") or len(rid) not in (6, 8):
-        return None
-    digits = rid[2:]
-    return ".".join(digits[i : i + 2] for i in range(0, len(digits), 2))
-
-
-def full_iteration_graph(row: pd.Series) -> bool:
-    """Whether the row's release ran its preset with `cuda_graph_impl="full_iteration"`
-    (`_FULL_ITERATION`; MXFP8 presets only)."""
-    presets = _FULL_ITERATION.get(bridge_release(row) or "", {})
-    if "mxfp8" not in str(row.precision).lower():
-        return False
-    return any(
-        str(row.model).startswith(model) and row.gpu in gpus.split()
-        for model, gpus in presets.items()
+def runtime_of(row: pd.Series, fields: dict | None = None) -> RuntimeOptions:
+    """The row's release preset (its `runtime` column) as the run configured it (its
+    `grad_reduce_in_fp32`, `moe_dispatcher`, `moe_a2a_overlap`, `moe_shared_expert_overlap`,
+    `cuda_graph`, `balanced_routing` columns: `RuntimeOptions.as_run`). `fields` replaces
+    preset fields of the Megatron-Core presets first (what `leave_one_group_out` and
+    `choose_load_imbalance` vary)."""
+    rt = RUNTIMES[str(row.runtime)]
+    if fields and rt.framework == "megatron-core":
+        rt = dataclasses.replace(rt, **fields)
+    return rt.as_run(
+        grad_reduce_in_fp32=_flag(row.grad_reduce_in_fp32),
+        moe_dispatcher=None if pd.isna(row.moe_dispatcher) else str(row.moe_dispatcher),
+        moe_a2a_overlap=_flag(row.moe_a2a_overlap),
+        moe_shared_expert_overlap=_flag(row.moe_shared_expert_overlap),
+        full_iteration_cuda_graph=str(row.cuda_graph) == "full_iteration",
+        balanced_routing=_flag(row.balanced_routing),
     )
-
-
-def runtime_of(row: pd.Series, runtimes: dict | None = None):
-    """The row's runtime preset with what the row states it ran (routing, dispatcher, EP
-    overlap): inputs of the row, not constants chosen for it."""
-    automodel = str(row.id).startswith("AUTO")
-    name = "automodel" if automodel else "megatron-core"
-    rid, model = str(row.id), str(row.model)
-    dgxc = rid.startswith("DGXC")  # ASSUMED["DGX Cloud 25.04 recipes"]
-    bf16_grads = (
-        model.startswith("Llama-4") if dgxc else model.startswith(("Qwen3", "DeepSeek-V3"))
-    )
-    if bf16_grads and rid.startswith(("MB", "DGXC")):
-        name = "nemo"  # ASSUMED["gradient reduction"]
-    rt = (runtimes or {}).get(name, RUNTIMES[name])
-    changes: dict = {}
-    routing = str(row.moe_routing).lower()
-    if dgxc or any(
-        w in routing for w in ("forced", "balanced gate", "token-drop", "forced token")
-    ):
-        changes["moe_load_imbalance"] = 1.0
-    if dgxc and model.startswith("DeepSeek-V3"):
-        changes["moe_shared_expert_overlap"] = True
-    text = f"{row.other} {row.note}".lower()
-    deepep, overlap = _bridge_recipe(row)  # ASSUMED["Bridge H100 recipes"]
-    if "deepep" in text or deepep:
-        changes["moe_dispatcher"] = "deepep"
-    graphed = full_iteration_graph(row)  # ASSUMED["Bridge full-iteration CUDA graphs"]
-    stated = ("moe_a2a_overlap true", "1f1b overlap", "a2a_overlap=1")
-    if any(w in text for w in stated) or overlap or graphed:
-        changes["moe_a2a_overlap"] = (runtimes or {}).get("a2a_overlap", A2A_OVERLAP_WHEN_ON)
-    if graphed:  # one graph launch per iteration: no host time per MoE layer
-        changes["moe_layer_host_s"] = 0.0
-    return dataclasses.replace(rt, name=f"{name}-row", **changes) if changes else rt
 
 
 def megatron_flops_per_token(model: ModelSpec) -> float:
@@ -460,7 +294,7 @@ def published_tokens_per_s_per_gpu(row: pd.Series, model: ModelSpec) -> float:
     return float(row.published) * 1e12 / megatron_flops_per_token(model)
 
 
-def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
+def predict(row: pd.Series, *, fields: dict | None = None) -> dict:
     out = {"id": row.id, "group": group_of(row), "gpu": row.gpu, "model": row.model}
     try:
         model = model_of(row)
@@ -470,7 +304,7 @@ def predict(row: pd.Series, *, runtimes: dict | None = None) -> dict:
         cluster = Cluster(gpu=profile, n_nodes=max(1, n // 8), gpus_per_node=min(8, n))
         strategy = strategy_of(row)
         published = published_tokens_per_s_per_gpu(row, model)
-        runtime = runtime_of(row, runtimes)
+        runtime = runtime_of(row, fields)
         cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
         report = cost_model.estimate(strategy)
     except (SpecError, KeyError, ValueError) as exc:
@@ -549,12 +383,12 @@ def summarize(table: pd.DataFrame) -> dict:
     return groups
 
 
-# The constants chosen against the table, each with the value it falls back to when left out
-# (a runtime field of the megatron-core and nemo presets, or the benchmark's EP overlap).
+# The constants chosen against the table (fields of the Megatron-Core presets,
+# cost_models/runtimes.yaml), each with the value it falls back to when left out.
 CHOSEN = {
     "moe_load_imbalance": 1.0,  # the Model Zoo's forced / dropless pairs (choose_load_imbalance)
     "moe_layer_host_s": 0.0,  # the Bridge's Qwen3-30B-A3B pp2 ep8 rows
-    "a2a_overlap": 0.0,  # the rows that turn Megatron's EP A2A overlap on
+    "moe_a2a_overlap_when_on": 0.0,  # the rows that turn Megatron's EP A2A overlap on
 }
 
 
@@ -577,13 +411,10 @@ def choose_load_imbalance(rows: pd.DataFrame) -> dict:
     pairs = [(rows[rows.id == f].iloc[0], rows[rows.id == d].iloc[0]) for f, d in IMBALANCE_PAIRS]
 
     def ratios(imbalance: float) -> list[tuple[float, float]]:
-        runtimes = {
-            n: dataclasses.replace(RUNTIMES[n], moe_load_imbalance=imbalance)
-            for n in ("megatron-core", "nemo")
-        }
+        fields = {"moe_load_imbalance": imbalance}
         out = []
         for forced, dropless in pairs:
-            a, b = predict(forced, runtimes=runtimes), predict(dropless, runtimes=runtimes)
+            a, b = predict(forced, fields=fields), predict(dropless, fields=fields)
             published = a["published_tokens_per_s_per_gpu"] / b["published_tokens_per_s_per_gpu"]
             out.append(
                 (
@@ -614,15 +445,10 @@ def leave_one_group_out(rows: pd.DataFrame) -> dict:
     out: dict = {}
     for left_out in (*CHOSEN, "all"):
         names = tuple(CHOSEN) if left_out == "all" else (left_out,)
-        fields = {n: CHOSEN[n] for n in names if n != "a2a_overlap"}
-        without: dict = {
-            rt: dataclasses.replace(RUNTIMES[rt], **fields) for rt in ("megatron-core", "nemo")
-        }
-        if "a2a_overlap" in names:
-            without["a2a_overlap"] = CHOSEN["a2a_overlap"]
+        without = {n: CHOSEN[n] for n in names}
         for name in ("MoE Model Zoo H100", "Megatron-Bridge H100", "DGX Cloud H100"):
             subset = rows[rows.apply(group_of, axis=1) == name]
-            table = pd.DataFrame([predict(r, runtimes=without) for _, r in subset.iterrows()])
+            table = pd.DataFrame([predict(r, fields=without) for _, r in subset.iterrows()])
             g = summarize(table).get(name)
             if g and g.get("expressible"):
                 out.setdefault(left_out, {})[name] = {
@@ -702,7 +528,10 @@ def main() -> None:
         "constants": {
             "megatron-core moe_load_imbalance": RUNTIMES["megatron-core"].moe_load_imbalance,
             "torchtitan moe_load_imbalance": RUNTIMES["torchtitan"].moe_load_imbalance,
-            "a2a overlap when on": A2A_OVERLAP_WHEN_ON,
+            "megatron-core moe_a2a_overlap_when_on": RUNTIMES[
+                "megatron-core"
+            ].moe_a2a_overlap_when_on,
+            "megatron-core moe_layer_host_s": RUNTIMES["megatron-core"].moe_layer_host_s,
         },
         "targets": {"throughput_mape": TARGET_MAPE, "worst_row": TARGET_WORST},
         "not_expressible": {r.id: r.error for _, r in skipped.iterrows()},

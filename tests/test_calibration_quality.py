@@ -18,13 +18,13 @@ import pandas as pd
 import pytest
 import yaml
 
+from autosearch.calibration.runner import cpu_time_sample, load_between
 from autosearch.cli import main
 from autosearch.core.hardware import Cluster, GemmEfficiency, HardwareProfile
 from autosearch.core.model_spec import ModelSpec
 from autosearch.core.strategy import Strategy
 from cost_models import AnalyticCostModel
 from cost_models.calibration import build_profile, collective_coefficients, quality_problems
-from cost_models.calibration.runner import cpu_time_sample, load_between
 
 MACHINE = {
     "date": "2026-12-03T00:00:00+00:00",

@@ -7,6 +7,7 @@ For the same reason the calibration is run with --accept-untrusted: on a loaded 
 checks fail (tests/test_calibration_quality.py tests them), and the profile must still be written
 and usable by the cost model."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,19 +137,29 @@ def test_calibrate_user_errors_exit_2(tmp_path, capsys):
 
 
 def test_import_cost_models_does_not_import_torch():
+    """cost_models holds no torch code at all (its calibration half is the fitting); the
+    torch side, autosearch.calibration, imports torch only where it measures."""
     code = (
-        "import sys, cost_models, cost_models.calibration; "
-        "from cost_models.calibration import calibrate, refit_corrections; "
+        "import sys, cost_models, cost_models.calibration, autosearch.calibration; "
+        "from cost_models.calibration import build_profile, refit_corrections; "
+        "from autosearch.calibration import calibrate, make_plan; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    root = Path(__file__).resolve().parents[1]
+    torch_files = [
+        str(p.relative_to(root))
+        for p in (root / "cost_models").rglob("*.py")
+        if re.search(r"^\s*(import torch|from torch\b)", p.read_text(), re.MULTILINE)
+    ]
+    assert torch_files == []
 
 
 def test_calibrate_reads_the_load_first_and_records_the_machine(tmp_path, monkeypatch):
     """Before measuring, calibrate reads the load (a loaded machine is warned about, not
     refused) and records it; the profile records the machine it measured (CPU model, cores,
     ISA flags) and its header names it. The measurements are the example's, so nothing runs."""
-    from cost_models.calibration import _calibrate
+    from autosearch.calibration import _calibrate
     from cost_models.calibration.machine import Load, recorded_machine, this_cpu
 
     root = Path(__file__).resolve().parents[1]

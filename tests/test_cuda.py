@@ -90,7 +90,7 @@ def test_calibrate_cuda_without_world_size_1(tmp_path):
     """`--world-sizes N` alone measures compute on one GPU too; fp8 GEMMs are benchmarked where
     the GPU has them, and a catalog GPU keeps its fp8 peak, architecture and kernels."""
     torch = _torch()
-    from cost_models.calibration import calibrate
+    from autosearch.calibration import calibrate
 
     n = torch.cuda.device_count()
     result = calibrate(

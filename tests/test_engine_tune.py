@@ -185,7 +185,7 @@ def test_another_machines_profile_is_set_aside_and_this_machine_calibrated(tmp_p
     """With calibration allowed, the other machine's files move to
     other-machines/<that machine>/ (nothing measured is lost) and this machine is calibrated
     into cpu-local.yaml, which tune then uses; the log names both machines."""
-    import cost_models.calibration as calibration
+    import autosearch.calibration as calibration
 
     folder = profiles_with_quality(tmp_path / "calibration", ok=True, of_this_machine=False)
     mine = profiles_with_quality(tmp_path / "mine", ok=True)

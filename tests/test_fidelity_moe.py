@@ -71,8 +71,8 @@ def test_group_is_held_to_its_bound(groups, name):
 
 
 def test_recipes_recompute_modules_are_read_from_the_rows():
-    """The module lists the rows and their recipes state become the Strategy's
-    recompute_modules (benchmarks/fidelity_moe.py ASSUMED["recompute"])."""
+    """The module lists the rows and their recipes state are the table's recompute columns,
+    which become the Strategy's (benchmarks/fidelity_moe.py ASSUMED["recompute"])."""
     spec = importlib.util.spec_from_file_location(
         "fidelity_moe", ROOT / "benchmarks" / "fidelity_moe.py"
     )
@@ -89,7 +89,14 @@ def test_recipes_recompute_modules_are_read_from_the_rows():
         "MB260401-DEEPSEEKV3-GB200-256-MXFP8": ("none", "mla_up_proj"),
     }
     for rid, want in expect.items():
-        assert bench.recompute_of(rows.loc[rid]) == want, rid
+        assert _recompute(rows.loc[rid]) == want, rid
+        s = bench.strategy_of(rows.loc[rid])
+        assert (s.recompute, s.recompute_modules) == want, rid
+
+
+def _recompute(row: pd.Series) -> tuple[str, str]:
+    """(recompute, recompute_modules) the row's run set: columns of moe_runs.csv."""
+    return row.recompute_granularity, row.recompute_modules
 
 
 def _bench():
@@ -136,7 +143,7 @@ def test_bridge_2509_deepseek_h100_ran_deepep_with_the_a2a_overlap():
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     runtime = bench.runtime_of(rows.loc["MB2509-DEEPSEEKV3DROPLESS-H100-1024-FP8"])
     assert runtime.moe_dispatcher == "deepep"
-    assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+    assert runtime.moe_a2a_overlap == bench.RUNTIMES["megatron-core"].moe_a2a_overlap_when_on
 
 
 def test_bridge_full_iteration_graph_presets_have_no_host_time():
@@ -148,14 +155,14 @@ def test_bridge_full_iteration_graph_presets_have_no_host_time():
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     graphed = bench.runtime_of(rows.loc["MB2606-QWEN330BA3B-GB200-8-MXFP8"])
     assert graphed.moe_layer_host_s == 0.0
-    assert graphed.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+    assert graphed.moe_a2a_overlap == bench.RUNTIMES["megatron-core"].moe_a2a_overlap_when_on
     before = bench.runtime_of(rows.loc["MB2604-QWEN330BA3B-GB200-8-MXFP8"])
     assert before.moe_layer_host_s == bench.RUNTIMES["nemo"].moe_layer_host_s > 0
     # 26.06's DeepSeek-V3 B300 preset kept partial graphs (pp8 mb2, transformer_engine scope)
     assert bench.runtime_of(rows.loc["MB2606-DEEPSEEKV3-B300-256-MXFP8"]).moe_layer_host_s > 0
     # the GB300 DeepSeek-V3 MXFP8 preset of these releases recomputes nothing
-    assert bench.recompute_of(rows.loc["MB2608-DEEPSEEKV3-GB300-256-MXFP8"]) == ("none", "none")
-    assert bench.bridge_release(rows.loc["MB260601-QWEN330BA3B-GB300-8-MXFP8"]) == "26.06.01"
+    assert _recompute(rows.loc["MB2608-DEEPSEEKV3-GB300-256-MXFP8"]) == ("none", "none")
+    assert rows.loc["MB260601-QWEN330BA3B-GB300-8-MXFP8"].runtime == "megatron-bridge-26.06.01"
 
 
 def test_full_iteration_graph_rows_meet_the_targets():
@@ -168,7 +175,7 @@ def test_full_iteration_graph_rows_meet_the_targets():
     peak against 0.47-0.56 on the smooth curve."""
     bench = _bench()
     rows = pd.read_csv(bench.TABLE)
-    rows = rows[rows.apply(bench.full_iteration_graph, axis=1)]
+    rows = rows[rows.cuda_graph == "full_iteration"]
     table = pd.DataFrame([bench.predict(r) for _, r in rows.iterrows()])
     ok = table[table.expressible]
     assert len(ok) == 20
@@ -189,8 +196,8 @@ def test_dgx_cloud_rows_ran_their_nemo_2504_recipes():
     runtime = bench.runtime_of(dsv3)
     assert runtime.moe_load_imbalance == 1.0 and runtime.grad_reduce_bytes == 4
     assert runtime.moe_shared_expert_overlap
-    assert bench.recompute_of(dsv3) == ("none", "mla_up_proj")
-    assert bench.recompute_of(rows.loc["DGXC250504-DSV3-GB200-256-BF16"]) == ("selective", "none")
+    assert _recompute(dsv3) == ("none", "mla_up_proj")
+    assert _recompute(rows.loc["DGXC250504-DSV3-GB200-256-BF16"]) == ("selective", "none")
 
 
 def test_bridge_2604_01_deepseek_b200_ran_deepep_with_the_a2a_overlap():
@@ -201,7 +208,7 @@ def test_bridge_2604_01_deepseek_b200_ran_deepep_with_the_a2a_overlap():
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     runtime = bench.runtime_of(rows.loc["MB260401-DEEPSEEKV3-B200-256-MXFP8"])
     assert runtime.moe_dispatcher == "deepep"
-    assert runtime.moe_a2a_overlap == bench.A2A_OVERLAP_WHEN_ON
+    assert runtime.moe_a2a_overlap == bench.RUNTIMES["megatron-core"].moe_a2a_overlap_when_on
 
 
 def test_deepseek_v3_rows_train_mtp_and_split_as_their_recipes():
@@ -214,7 +221,7 @@ def test_deepseek_v3_rows_train_mtp_and_split_as_their_recipes():
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     b200 = rows.loc["MB2602-DEEPSEEKV3-B200-256-MXFP8"]  # pp16
     s = bench.strategy_of(b200)
-    assert s.pipeline_split == (4,) * 15 + (1,) and bench.mtp_of(b200) == 1
+    assert s.pipeline_split == (4,) * 15 + (1,) and b200.mtp_layers == 1
     assert bench.model_of(b200).mtp_layers == 1
     s = bench.strategy_of(rows.loc["MB2509-DEEPSEEKV3TOKENDROP-B200-256-FP8"])
     assert s.virtual_stages == 2 and s.pipeline_split[:2] == (1, 2)
@@ -222,9 +229,9 @@ def test_deepseek_v3_rows_train_mtp_and_split_as_their_recipes():
     assert [sum(s.pipeline_split[r::16]) for r in (0, 1, 15)] == [3, 4, 2]
     dgxc = bench.strategy_of(rows.loc["DGXC250504-DSV3-H100-1024-BF16"])
     assert dgxc.pipeline_split == (3,) + (4,) * 14 + (2,)
-    assert bench.mtp_of(rows.loc["MB2511-DEEPSEEKV3WOMTP-GB300-256-BF16"]) == 0
-    assert bench.mtp_of(rows.loc["AUTOMODEL-DEEPSEEKV3671B-H100-256"]) == 0
-    assert bench.recompute_of(rows.loc["MB2509-DEEPSEEKV3TOKENDROP-GB200-256-FP8"]) == (
+    assert rows.loc["MB2511-DEEPSEEKV3WOMTP-GB300-256-BF16"].mtp_layers == 0
+    assert rows.loc["AUTOMODEL-DEEPSEEKV3671B-H100-256"].mtp_layers == 0
+    assert _recompute(rows.loc["MB2509-DEEPSEEKV3TOKENDROP-GB200-256-FP8"]) == (
         "none",
         "mla_up_proj+mlp+moe_act",
     )

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from autosearch import ModelSpec, Strategy
+from autosearch.calibration.runner import with_compute_world_size
 from autosearch.core.errors import SpecError
 from autosearch.core.hardware import Cluster, HardwareProfile, profile_for_device
 from autosearch.core.runtime import RuntimeOptions
 from cost_models import AnalyticCostModel
-from cost_models.calibration.runner import with_compute_world_size
 
 FACTORIES = Path(__file__).resolve().parent / "validation_factories.py"
 SPEC = ModelSpec.load("tiny-gpt").scaled(n_layers=2, seq_len=64)

@@ -166,10 +166,12 @@ def test_the_dated_preset_is_torchtitan_but_for_the_fields_it_sets():
     torchtitan's, and its runs count as torchtitan's in the error bands."""
     import yaml
 
-    from autosearch.core.runtime import _runtimes_path
+    from autosearch.core.data import data_path
 
     old = RUNTIMES["torchtitan-2412"]
-    own = set(yaml.safe_load(_runtimes_path().read_text())["runtimes"]["torchtitan-2412"])
+    own = set(
+        yaml.safe_load(data_path("runtimes.yaml").read_text())["runtimes"]["torchtitan-2412"]
+    )
     assert own >= {"base", "compiled_loss_bytes_per_logit", "pp_kept_output_bytes_per_logit"}
     for f in dataclasses.fields(old):
         if f.name not in own | {"name"}:

@@ -46,6 +46,8 @@ LAYERS = (
     ("models", ("autosearch.models", "autosearch.transformer")),
     ("engine", ("autosearch.engine",)),
     ("search", ("autosearch.tuning", "autosearch.tuner", "autosearch.export")),
+    # calibration's torch side: microbenchmark workers and calibrate, on cost_models' fitting
+    ("calibrate", ("autosearch.calibration",)),
     # validation's torch-free side (launch runs, record them); its torch side (the worker)
     # runs the Engine in processes started by module name
     ("launch", ("autosearch.validation",)),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autosearch.calibration._config import CalibrateConfig
 from autosearch.commands._common import check_text, fmt_s
 from autosearch.commands._schema import add_flags, read_args
 from autosearch.core.errors import SpecError
-from cost_models.calibration._config import CalibrateConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def config_from(args: argparse.Namespace) -> CalibrateConfig:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 with a trusted profile, 3 when the quality checks failed (the profile is
     written as <out>.untrusted.yaml; 0 with --accept-untrusted), 2 for a user error."""
-    from cost_models.calibration._calibrate import calibrate
+    from autosearch.calibration._calibrate import calibrate
 
     config = config_from(args)
     try:

@@ -16,14 +16,12 @@ strategy with no run of its runtime and hardware is marked an extrapolation.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from autosearch.core import dimensions
-from autosearch.core._io import read_yaml_mapping
+from autosearch.core.data import read_data
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,12 +165,6 @@ _LOADED: list[ErrorBands] = []
 def error_bands() -> ErrorBands:
     """The shipped bands (`cost_models/error_bands.yaml`), read once."""
     if not _LOADED:
-        spec = importlib.util.find_spec("cost_models")
-        path = None
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations))) / "error_bands.yaml"
-        if path is None or not path.exists():
-            _LOADED.append(ErrorBands({}))
-        else:
-            _LOADED.append(ErrorBands.from_dict(read_yaml_mapping(path, what="error bands")))
+        shipped = read_data("error_bands.yaml", what="error bands", optional=True)
+        _LOADED.append(ErrorBands.from_dict(shipped) if shipped else ErrorBands({}))
     return _LOADED[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import os
 import re
@@ -31,6 +30,7 @@ from autosearch.core._io import (
     positive_int,
     read_yaml_mapping,
 )
+from autosearch.core.data import data_path
 from autosearch.core.errors import SpecError
 from autosearch.core.gemm_tiles import OPERAND_BYTES, parse_tiles, tiled_time_s
 from autosearch.core.schema import kind_of, read_mapping, read_names, read_path
@@ -500,12 +500,7 @@ def _catalog() -> list[HardwareProfile]:
 def _profiles_dir() -> Path:
     """`cost_models/profiles/`, found without importing `cost_models` (which sits above this
     floor: it imports the specs, never the other way round)."""
-    spec = importlib.util.find_spec("cost_models")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecError(
-            "the cost_models package is not installed; reinstall autosearch (pip install -e .)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "profiles"
+    return data_path("profiles")
 
 
 def _link_dict(link: Link) -> dict[str, Any]:

@@ -9,13 +9,11 @@ is.
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from autosearch.core import dimensions
-from autosearch.core._io import check_keys, read_yaml_mapping
+from autosearch.core import data, dimensions
+from autosearch.core._io import check_keys
 from autosearch.core.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -125,6 +123,8 @@ class RuntimeOptions:
         moe_a2a_overlap: fraction of the dispatch and combine hidden behind another
             micro-batch's compute (Megatron-Core ``--overlap-moe-expert-parallel-comm``, the
             "1F1B A2A overlap"); 0 without it.
+        moe_a2a_overlap_when_on: `moe_a2a_overlap` of a run that turns the overlap on
+            (`as_run(moe_a2a_overlap=True)`): a property of the runtime's overlap, not of the run.
         moe_layer_host_s: the host's time for one MoE layer, forward and backward (Python,
             kernel launches, the dispatcher's device-to-host sync of the tokens per expert):
             a MoE layer whose GPU work is shorter takes this long (the GPU waits).
@@ -150,7 +150,8 @@ class RuntimeOptions:
             fused attention) of the hardware profile, for a runtime whose build predates that
             architecture's kernels (e.g. CUDA 11.8 on Hopper); 1 where not listed.
         base: the preset this one is a dated version of: it inherits every field it does not
-            set (runtimes.yaml), and shares its `framework`.
+            set (runtimes.yaml; a base may have a base of its own: ``nemo-25.04`` -> ``nemo`` ->
+            ``megatron-core``), and shares its `framework`.
         supports: strategy dimensions the runtime can run (``cp``, ``fp8``, ``compile``,
             ``async_tp``, ``selective_op``, ``recompute_num_layers``, ``uneven_pp``, ``ep``,
             ``etp``, ``lora_tp`` ...: `autosearch.core.dimensions.feature_names`).
@@ -193,6 +194,7 @@ class RuntimeOptions:
     moe_load_imbalance: float = 1.0
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: float = 0.0
+    moe_a2a_overlap_when_on: float = 0.0
     moe_layer_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
     moe_probs_in_activation: bool = False
@@ -214,8 +216,65 @@ class RuntimeOptions:
     @property
     def framework(self) -> str:
         """The framework this preset is a version of (its `base`, else itself): runs of every
-        version are evidence for the framework's error band."""
-        return self.base or self.name
+        version are evidence for the framework's error band. A chain of bases ends at the
+        framework: ``nemo-25.04`` -> ``nemo`` -> ``megatron-core``."""
+        name, seen = self.base or self.name, {self.name}
+        while name not in seen and name in RUNTIMES and RUNTIMES[name].base:
+            seen.add(name)
+            name = RUNTIMES[name].base or name
+        return name
+
+    def as_run(
+        self,
+        *,
+        grad_reduce_in_fp32: bool | None = None,
+        moe_dispatcher: str | None = None,
+        moe_a2a_overlap: bool | None = None,
+        moe_shared_expert_overlap: bool | None = None,
+        full_iteration_cuda_graph: bool | None = None,
+        balanced_routing: bool | None = None,
+    ) -> "RuntimeOptions":
+        """This preset as one run configured it: the switches a recipe or a command line sets
+        on top of its release (None: the preset's own). Each maps to the runtime's behaviour;
+        how much it hides or costs stays the preset's:
+
+        - ``grad_reduce_in_fp32`` (Megatron-Core's flag): False keeps gradients in bf16 (a bf16
+          main_grad buffer and reduction: `main_grad_fp32` off, 2 bytes); True in fp32.
+        - ``moe_dispatcher``: ``alltoall`` or ``deepep`` (Megatron-Core's flex dispatcher).
+        - ``moe_a2a_overlap`` (``--overlap-moe-expert-parallel-comm``): the preset's
+          `moe_a2a_overlap_when_on` of the dispatch and combine hidden; False: none.
+        - ``moe_shared_expert_overlap`` (``--moe-shared-expert-overlap``).
+        - ``full_iteration_cuda_graph`` (``cuda_graph_impl="full_iteration"``): the host
+          launches one graph per iteration, so a MoE layer costs no host time of its own
+          (`moe_layer_host_s` 0).
+        - ``balanced_routing`` (forced load balance, token drop padded to capacity): every
+          expert-parallel rank gets the mean of the tokens (`moe_load_imbalance` 1).
+
+        Example:
+            >>> RUNTIMES["nemo-25.04"].as_run(grad_reduce_in_fp32=True).grad_reduce_bytes
+            4
+        """
+        changes: dict[str, Any] = {}
+        if grad_reduce_in_fp32 is not None:
+            changes["main_grad_fp32"] = grad_reduce_in_fp32
+            changes["grad_reduce_bytes"] = 4 if grad_reduce_in_fp32 else 2
+        if moe_dispatcher is not None:
+            if moe_dispatcher not in MOE_DISPATCHERS:
+                raise SpecError(
+                    f"moe_dispatcher {moe_dispatcher!r} is not one the cost model knows; choose "
+                    f"one of {', '.join(MOE_DISPATCHERS)}"
+                )
+            changes["moe_dispatcher"] = moe_dispatcher
+        if moe_a2a_overlap is not None:
+            changes["moe_a2a_overlap"] = self.moe_a2a_overlap_when_on if moe_a2a_overlap else 0.0
+        if moe_shared_expert_overlap is not None:
+            changes["moe_shared_expert_overlap"] = moe_shared_expert_overlap
+        if full_iteration_cuda_graph:
+            changes["moe_layer_host_s"] = 0.0
+        if balanced_routing:
+            changes["moe_load_imbalance"] = 1.0
+        changes = {k: v for k, v in changes.items() if getattr(self, k) != v}
+        return replace(self, **changes) if changes else self
 
     @classmethod
     def get(cls, name_or_options: "str | RuntimeOptions | None") -> "RuntimeOptions":
@@ -226,8 +285,17 @@ class RuntimeOptions:
         try:
             return RUNTIMES[name_or_options]
         except KeyError:
+            framework, _, date = name_or_options.rpartition("-")
+            dated = [n for n in RUNTIMES if framework and n.startswith(f"{framework}-")]
+            releases = (
+                f" the releases of {framework} with a preset are {', '.join(dated)};"
+                if date[:1].isdigit() and dated
+                else ""
+            )
             raise SpecError(
-                f"unknown runtime {name_or_options!r}; choose one of {', '.join(RUNTIMES)}"
+                f"unknown runtime {name_or_options!r};{releases} choose one of "
+                f"{', '.join(RUNTIMES)} (a release without a preset: its framework's, or add "
+                "one to cost_models/runtimes.yaml)"
             ) from None
 
     def unsupported(
@@ -258,9 +326,15 @@ class RuntimeOptions:
         for feature in needed:
             if feature in self.supports:
                 continue
-            # those that train the most kinds of block first, then by name
+            # those that train the most kinds of block first, then by name; a dated release
+            # that inherits the kind from its base is named by its base
             others = sorted(
-                (r for r in RUNTIMES.values() if feature in r.supports),
+                (
+                    r
+                    for r in RUNTIMES.values()
+                    if feature in r.supports
+                    and not (r.base in RUNTIMES and feature in RUNTIMES[r.base].supports)
+                ),
                 key=lambda r: (-len(set(MODEL_FEATURES) & set(r.supports)), r.name),
             )
             fix = (
@@ -382,28 +456,24 @@ def dimensions_used(strategy: "Strategy", model: "ModelSpec | None" = None) -> d
     return dimensions.features_used(strategy, model)
 
 
-def _runtimes_path() -> Path:
-    """cost_models/runtimes.yaml, found without importing cost_models."""
-    spec = importlib.util.find_spec("cost_models")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecError("the cost_models package is not installed; reinstall autosearch")
-    return Path(next(iter(spec.submodule_search_locations))) / "runtimes.yaml"
-
-
 def _load_runtimes() -> dict[str, RuntimeOptions]:
     """The presets of `cost_models/runtimes.yaml` (found without importing cost_models)."""
-    presets = read_yaml_mapping(_runtimes_path(), what="runtime presets")["runtimes"]
+    presets = data.read_data("runtimes.yaml", what="runtime presets")["runtimes"]
 
-    def fields_of(name: str) -> dict[str, Any]:
-        """A preset's fields: its `base` preset's (an earlier version of the same framework
-        names the later one), then its own."""
+    def fields_of(name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+        """A preset's fields: its `base` preset's (a dated release names the preset it
+        refines, which may have a base of its own), then its own."""
         fields = dict(presets[name])
         base = fields.get("base")
         if base is None:
             return fields
-        if base not in presets or presets[base].get("base") is not None:
-            raise SpecError(f"runtime {name!r}: base {base!r} must be a preset without a base")
-        return {**fields_of(base), **fields}
+        if base not in presets or base in (*chain, name):
+            raise SpecError(
+                f"runtime {name!r}: base {base!r} must be another preset of runtimes.yaml, not "
+                f"one that has it as a base ({' -> '.join((*chain, name, base))}); known: "
+                f"{', '.join(presets)}"
+            )
+        return {**fields_of(base, (*chain, name)), **fields}
 
     return {
         name: RuntimeOptions.from_dict({"name": name, **fields_of(name)}, what=f"runtime {name!r}")

@@ -16,9 +16,7 @@ stays within the capacity, i.e. it holds back 1 - 1/high of the capacity:
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,16 +44,10 @@ _LOADED: list[list[dict[str, Any]]] = []
 def memory_bands() -> list[dict[str, Any]]:
     """The kinds of cost_models/memory_bands.yaml (runtime, device, runs, high), read once."""
     if not _LOADED:
-        from autosearch.core._io import read_yaml_mapping
+        from autosearch.core.data import read_data
 
-        spec = importlib.util.find_spec("cost_models")
-        path = None
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations))) / "memory_bands.yaml"
-        kinds = []
-        if path is not None and path.exists():
-            kinds = list(read_yaml_mapping(path, what="memory bands").get("kinds") or [])
-        _LOADED.append(kinds)
+        shipped = read_data("memory_bands.yaml", what="memory bands", optional=True)
+        _LOADED.append(list(shipped.get("kinds") or []))
     return _LOADED[0]
 
 

@@ -1,11 +1,10 @@
-"""Calibration: microbenchmarks of a real machine, fitted (scipy) into a hardware profile, and the
-refit of correction terms from measured training runs. Every calibrated profile carries the
-verdict of its own checks (`calibration.quality`); `quality_problems(profile)` says why one must
-not be trusted.
+"""Calibration, the torch-free half: what microbenchmarks of a real machine measured, fitted
+(scipy) into a hardware profile, and the refit of correction terms from measured training runs.
+Every calibrated profile carries the verdict of its own checks (`calibration.quality`);
+`quality_problems(profile)` says why one must not be trusted. The microbenchmarks, their
+workers and `calibrate` are on the torch side of the tree: `autosearch.calibration`.
 
-Importing this package is cheap and never imports torch: the names below load their module on
-first use (PEP 562), and the benchmarks run in worker processes (`_worker.py`, `microbench.py`),
-which therefore do not pay for scipy and pandas either.
+Importing this package is cheap: the names below load their module on first use (PEP 562).
 
 Example:
     >>> from cost_models.calibration import fit_alpha_beta
@@ -20,7 +19,7 @@ from __future__ import annotations
 from autosearch._lazy import lazy_exports
 
 _EXPORTS = {
-    "cost_models.calibration._calibrate": (
+    "autosearch.calibration._calibrate": (
         "CalibrationResult",
         "calibrate",
         "default_world_sizes",
@@ -40,7 +39,7 @@ _EXPORTS = {
     "cost_models.calibration.profile": ("build_profile", "catalog_profile_for"),
     "cost_models.calibration.quality": ("Quality", "assess_quality", "quality_problems"),
     "cost_models.calibration.refit": ("RefitResult", "TERM_GROUPS", "refit_corrections"),
-    "cost_models.calibration.runner": ("Plan", "make_plan"),
+    "autosearch.calibration.runner": ("Plan", "make_plan"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -5,7 +5,7 @@ its ``--config`` file keys are derived (`autosearch.commands._schema`); the fiel
 `calibrate`'s keywords, so the command calls ``calibrate(**config.to_kwargs())``. Torch-free.
 
 Example:
-    >>> from cost_models.calibration._config import CalibrateConfig
+    >>> from autosearch.calibration._config import CalibrateConfig
     >>> CalibrateConfig(out="cpu.yaml", world_sizes="1,2").world_sizes
     (1, 2)
 """

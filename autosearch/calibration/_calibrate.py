@@ -1,7 +1,7 @@
 """`calibrate()`: measure this machine and write its hardware profile (`autosearch calibrate`).
 
 Example:
-    >>> from cost_models.calibration import calibrate
+    >>> from autosearch.calibration import calibrate
     >>> result = calibrate(device="cpu", world_sizes=[1, 2], quick=True,
     ...                    out="results/calibration/cpu-quick.yaml")       # doctest: +SKIP
     >>> from autosearch import Cluster
@@ -17,12 +17,7 @@ from typing import Callable
 
 import pandas as pd
 
-from autosearch.core._io import read_yaml_mapping
-from autosearch.core.errors import SpecError
-from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
-from cost_models.calibration.machine import load_average, read_load, recorded_machine
-from cost_models.calibration.profile import build_profile
-from cost_models.calibration.runner import (
+from autosearch.calibration.runner import (
     cpu_cores,
     describe_machine,
     make_plan,
@@ -30,6 +25,11 @@ from cost_models.calibration.runner import (
     run_microbenchmarks,
     with_compute_world_size,
 )
+from autosearch.core._io import read_yaml_mapping
+from autosearch.core.errors import SpecError
+from autosearch.core.hardware import PROFILE_MARKER, HardwareProfile
+from cost_models.calibration.machine import load_average, read_load, recorded_machine
+from cost_models.calibration.profile import build_profile
 
 
 @dataclass(frozen=True)

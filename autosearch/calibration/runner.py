@@ -1,6 +1,6 @@
 """Run the microbenchmarks of a calibration: one worker process per rank, for each world size.
 
-A world size of 1 runs `python -m cost_models.calibration._worker`; larger ones start N such
+A world size of 1 runs `python -m autosearch.calibration._worker`; larger ones start N such
 processes with torchrun's environment (or under torchrun itself, `launcher="torchrun"`). The
 parent process never imports torch except to detect the device, so the benchmarks run in fresh
 processes whose thread settings are their own.
@@ -317,7 +317,7 @@ def _launch(
         plan_path, out_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "rows.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(worker_plan, f)
-        module = ["-m", "cost_models.calibration._worker", plan_path, out_path]
+        module = ["-m", "autosearch.calibration._worker", plan_path, out_path]
         env = clean_env()
         env["PYTHONPATH"] = PACKAGE_ROOT + (
             os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""

@@ -1,4 +1,4 @@
-"""One calibration process: `python -m cost_models.calibration._worker PLAN.json OUT.json`,
+"""One calibration process: `python -m autosearch.calibration._worker PLAN.json OUT.json`,
 alone or under torchrun (one per rank). Runs the suites the plan names and rank 0 writes the rows.
 
 Ends with destroy_process_group + flush + os._exit: gloo worker threads can abort the interpreter
@@ -17,7 +17,7 @@ def main(plan_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from cost_models.calibration import microbench as mb
+    from autosearch.calibration import microbench as mb
 
     with open(plan_path, encoding="utf-8") as f:
         plan = json.load(f)

@@ -1,0 +1,73 @@
+"""benchmarks/leave_one_family_out.py (issue 34 part 3): every row of the tables it scores has
+a family, every constant chosen against a table finds the rows that chose it, and a fold holds
+out exactly what its family chose."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def lofo():
+    name = "leave_one_family_out"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses resolve their module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def rows(lofo):
+    return lofo.load_rows()
+
+
+def test_every_row_has_a_family(rows):
+    families = set(rows.family)
+    expected = {"Llama 3", "GPT-3", "MPT", "Qwen3 MoE", "DeepSeek-V3", "Mixtral", "Llama 4"}
+    assert expected | {"Kimi-K2", "Nemotron 3 (hybrid)"} <= families
+    # moe, hybrid, modern, mosaicml, nemo_dense, and the held-out rows of sharded_dp_runs
+    assert len(rows) == 152 + 21 + 43 + 138 + 109 + 7
+    assert {"OPT"} <= families
+
+
+def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
+    """A selector that matches nothing would leave its constant shipped in every fold: the
+    counts are those of the tables today (the comments of cost_models/runtimes.yaml)."""
+    counts = {c.name: int(c.chose(rows).sum()) for c in lofo.CONSTANTS}
+    assert counts == {
+        "moe_load_imbalance": 8,  # four forced / dropless pairs
+        "moe_layer_host_s": 4,
+        "moe_a2a_overlap_when_on": 9,
+        "torchtitan kernel_efficiency": 2,
+        "torchtitan async_tp_overlap": 14,
+        "torchtitan allocator_reserve_fraction": 33,
+        "composer-fsdp kernel_efficiency": 77,
+    }
+
+
+def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
+    values, how = lofo.fold(rows, "Kimi-K2")  # no constant was chosen on Kimi-K2's rows
+    assert how == {} and values == lofo.shipped()
+    values, how = lofo.fold(rows, "MPT")  # every row that chose Composer's factor is MPT
+    assert values.values["composer-fsdp kernel_efficiency"] == 1.0
+    assert set(how) == {"composer-fsdp kernel_efficiency"}
+    assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", 1.0),)
+
+
+def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
+    """fidelity_hybrid reads its rows through fidelity_moe's strategy_of / runtime_of, so
+    hybrid_runs.csv carries the same run columns (runtime, recompute, pipeline ...)."""
+    hybrid = rows[rows.bench == "hybrid"]
+    preds = [lofo.predict(r, lofo.shipped()) for _, r in hybrid.iterrows()]
+    assert len(preds) == 21 and all(p["expressible"] for p in preds)
+    assert {p["runtime"] for p in preds} >= {"megatron-bridge-26.08", "automodel"}
