@@ -214,3 +214,36 @@ def test_runtimes_that_do_not_train_hybrids_say_so():
     for runtime in ("torch", "torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=r"not train Mamba-2 mixers.*--runtime megatron-core"):
             AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=runtime)
+
+
+# ---- gated attention (Qwen3-Next, Qwen3.5) ------------------------------------------------------
+def test_the_attention_output_gate_is_priced_as_its_projection():
+    """The gate is an h x (heads x head_dim) projection beside Q's (Qwen3NextAttention.q_proj
+    twice the query width): its weights per attention layer, 2 FLOPs per weight per token
+    forward (3x in training), a longer step and more saved activations; without it the
+    model prices as before (tools/fingerprint.py holds every catalog model bit for bit)."""
+    m = _gdn_hybrid()
+    gated = dataclasses.replace(m, attention_output_gate=True)
+    attention = m.pattern.count("*")
+    extra = attention * m.hidden_size * m.attention_hidden_size
+    assert gated.n_params - m.n_params == extra
+    assert gated.flops_per_token() - m.flops_per_token() == pytest.approx(3 * 2 * extra)
+    s = Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}")
+    plain = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    with_gate = AnalyticCostModel(gated, CLUSTER, runtime=RUNTIME).estimate(s)
+    assert with_gate.step_time_s > plain.step_time_s
+    assert with_gate.memory.activations_bytes > plain.memory.activations_bytes
+    assert with_gate.memory.params_bytes > plain.memory.params_bytes
+    assert ModelSpec.from_dict(gated.to_dict()) == gated
+    assert "attention_output_gate" not in m.to_dict()  # files as before the field
+    assert any("output gate" in what for what in unbuilt(gated))
+    with pytest.raises(SpecError, match="attention_output_gate with mla is not modelled"):
+        dataclasses.replace(ModelSpec.load("deepseek-v2"), attention_output_gate=True)
+
+
+def test_qwen3_next_is_priced_with_experts_over_ep():
+    m = ModelSpec.load("qwen3-next-80b-a3b")
+    s = Strategy.parse(f"dp=32,ep=8,recompute=full,{BASE}".replace("768", "256"))
+    s.validate(m, CLUSTER)
+    r = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    assert r.step_time_s > 0 and 0.05 < r.mfu < 0.65

@@ -39,6 +39,7 @@ from cost_models.terms.compute import (
     elementwise_s,
     gemm_rate,
     layer_shape,
+    output_gate_s,
     recomputed_layers,
 )
 from cost_models.terms.layers import KindCosts, rank_counts
@@ -109,9 +110,9 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
     peak, key = gemm_rate(ctx, x)
     if m.mla is None:
         q, kv = m.attention_hidden_size, m.kv_hidden_size
-        gemms = gemm.time_s(T, (q + 2 * kv) / t, h, peak, key) + gemm.time_s(
-            T, h, q / t, peak, key
-        )
+        gemms = gemm.time_s(
+            T, (q + m.attention_gate_width + 2 * kv) / t, h, peak, key
+        ) + gemm.time_s(T, h, q / t, peak, key)
     else:
         qkv, proj, _ = _mla_gemms(ctx, x, peak, key)
         gemms = qkv + proj
@@ -127,6 +128,8 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
         + rotary
         + softmax_s
     )
+    if m.attention_output_gate:
+        elem += output_gate_s(ctx, x)
     fwd = gemms + core_fwd + elem
     bwd = ctx.profile.gemm.backward_over_forward * gemms + core_bwd + 2.0 * elem
     # saved: Q, K, V and the projection's input split over tp, and the core's (fused: its
@@ -142,6 +145,7 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
         mask = 1.0 if m.dropout else 0.0
         core = m.n_heads * (m.seq_len / x.cp) * sb * (ab + mask * (ab + 1))
     qw, kvw, ow = attention_widths(m)
+    qw += m.attention_gate_width  # the gate's output, kept for its backward
     saved = _sublayer_input_bytes(s, ctx) + (sb * (ab * (qw + 2 * kvw) + li * ow) + core) / t
     return _Sublayer(fwd, bwd, fwd, core_fwd + softmax_s, saved)
 
