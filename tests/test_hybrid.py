@@ -10,6 +10,7 @@ declare, and the Engine still refusing to build Mamba blocks."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,20 @@ def test_qwen3_next_is_priced_with_experts_over_ep():
     s.validate(m, CLUSTER)
     r = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
     assert r.step_time_s > 0 and 0.05 < r.mfu < 0.65
+
+
+def test_the_default_space_knows_the_hybrids_rules():
+    """tp divides the Mamba-2 groups (Granite 4.0-H Small: 1 group, so tp 1; Megatron-Core's
+    MambaMixer asserts ngroups % tp == 0) and Qwen3-Next's 2 kv heads, cp stays 1 (refused for
+    Mamba-2 and Gated DeltaNet layers), and ep opens over the experts of a hybrid MoE."""
+    from search_spaces import SearchSpace
+
+    seen = {}
+    for name in ("granite-4.0-h-small", "qwen3-next-80b-a3b"):
+        space = SearchSpace(name, "h100-sxm:1x8", global_batch_size=64)
+        strategies = list(itertools.islice(space.enumerate(), 50_000))
+        seen[name] = {(s.tp, s.cp) for s in strategies}, {s.ep for s in strategies}
+    assert {tp for tp, _ in seen["granite-4.0-h-small"][0]} == {1}
+    assert {tp for tp, _ in seen["qwen3-next-80b-a3b"][0]} == {1, 2}
+    assert all(cp == 1 for pairs, _ in seen.values() for _, cp in pairs)
+    assert all({2, 8} <= eps for _, eps in seen.values())
