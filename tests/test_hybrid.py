@@ -265,3 +265,33 @@ def test_the_default_space_knows_the_hybrids_rules():
     assert {tp for tp, _ in seen["qwen3-next-80b-a3b"][0]} == {1, 2}
     assert all(cp == 1 for pairs, _ in seen.values() for _, cp in pairs)
     assert all({2, 8} <= eps for _, eps in seen.values())
+
+
+# ---- the SSD scan as its kernels run it ---------------------------------------------------------
+def test_the_ssd_scan_is_priced_from_its_kernels():
+    """mamba_ssm's chunked scan (MambaSpec.ssd_kernels): the forward kernels' FLOPs are the four
+    steps of Dao & Gu 2024 sec. 6 (`ssd_flops_per_token`); the backward recomputes the states
+    and adds the gradients' products (about twice and a half the forward FLOPs); with Nemotron
+    3 Nano's d_state 128 and chunks of 128 the fp32 chunk states keep its FLOPs per byte
+    streamed under a quarter of an H100's ridge point (989e12 FLOP/s over 3.35e12 B/s: 295
+    FLOPs a byte, its datasheet), so the scan is memory-bound and costs more than twice its
+    FLOPs at the fused-attention rate alone."""
+    mamba = ModelSpec.load("nemotron-3-nano-30b-a3b").mamba
+    forward, backward = mamba.ssd_kernels(2)
+    assert sum(k.flops_per_token for k in forward) == mamba.ssd_flops_per_token()
+    ratio = sum(k.flops_per_token for k in backward) / mamba.ssd_flops_per_token()
+    assert 2.0 < ratio < 3.0
+    chunk_state = next(k for k in forward if k.name == "chunk_state")
+    states = mamba.d_inner * mamba.d_state / mamba.chunk_size * 4  # fp32, per token
+    assert chunk_state.bytes_per_token > states
+    for kernels in (forward, backward):
+        flops = sum(k.flops_per_token for k in kernels)
+        nbytes = sum(k.bytes_per_token for k in kernels)
+        assert flops / nbytes < 295 / 4
+    m = _load("nemotron-3-nano-30b-a3b")
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    ctx = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME)._context
+    x = ssm.layer_shape(s, ctx)
+    rate = x.peak * ssm.attention_efficiency(ctx, x.precision)
+    flops_only = x.T * mamba.ssd_flops_per_token() / rate
+    assert ssm._ssd_s(ctx, x, forward) > 2 * flops_only

@@ -12,10 +12,13 @@ by heads and groups over tp), the causal depthwise conv1d and the chunked SSD sc
 local heads, and out_proj is row-parallel, so a Mamba layer has the attention layer's pair of
 collectives (Shoeybi et al. 2019's f and g; a reduce-scatter / all-gather pair under sequence
 parallel). The chunked scan (Dao & Gu 2024, sec. 6: intra-chunk C B^T and its product with x,
-chunk states and their outputs; `MambaSpec.ssd_flops_per_token`) runs as batched GEMMs in fused
-Triton kernels, priced at the fused-attention rate of the profile (`compute.attention_efficiency`)
-with the attention core's backward / forward ratio; the conv1d, the gated RMSNorm and the norm
-and residual of the layer are memory-bound (`compute.elementwise_s`). Megatron's fused path
+chunk states and their outputs) runs as mamba_ssm's Triton kernels, five forward and thirteen
+backward (`MambaSpec.ssd_kernels`: each kernel's FLOPs and the bytes it reads and writes, the
+fp32 chunk states among them), each priced as a roofline on the profile: the longer of its
+tensor-core work at the fused-attention rate (`compute.attention_efficiency`) and its bytes at
+the memory bandwidth (`compute.stream_s`); with d_state 128 and chunks of 128 the states' fp32
+passes make most of them memory-bound. The conv1d, the gated RMSNorm and the norm and residual
+of the layer are memory-bound (`compute.elementwise_s`). Megatron's fused path
 (``mamba_split_conv1d_scan_combined``, ``save_for_backward``) keeps in_proj's output (z, x, B,
 C, dt) and the scan output, and recomputes the conv and the chunk states in backward; the fp32
 chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from autosearch.core._ssm import SSDKernel
 from autosearch.core.layers import Layer
 from cost_models.formulas import microbatches_in_flight
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
@@ -41,6 +45,7 @@ from cost_models.terms.compute import (
     layer_shape,
     output_gate_s,
     recomputed_layers,
+    stream_s,
 )
 from cost_models.terms.layers import KindCosts, rank_counts
 
@@ -50,9 +55,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # Kernels of one sublayer's memory-bound work (its norm, residual add and the mixer's or MLP's
 # own: rotary or the activation): half of the base block's eight (`compute._elementwise`).
 _SUBLAYER_LAUNCHES = 4
-# Kernels of the Mamba-2 mixer's fused path forward: conv1d, chunk cumsum, chunk state, state
-# passing, BMM, chunk scan, gated norm (mamba_ssm ssd_combined._mamba_chunk_scan_combined_fwd).
-_MAMBA_LAUNCHES = 7
+# Kernels of the Gated DeltaNet mixer's chunked path forward (flash-linear-attention
+# chunk_gated_delta_rule: conv1d, cumsum, K K^T, WY solve, state, output, gated norm).
+_GDN_LAUNCHES = 7
 
 
 class Part(NamedTuple):
@@ -189,10 +194,9 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, mamba.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, mamba.d_inner / t, peak, key
     )
-    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * mamba.ssd_flops_per_token() / t / (
-        x.peak * attention_efficiency(ctx, x.precision)
-    )
-    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    forward, backward = mamba.ssd_kernels(ab)
+    scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
+    scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
     elementwise = elementwise_s(ctx, x)
     # conv1d over x, B, C (read + write, SiLU fused) and the gated RMSNorm (read y and z,
     # write the product) on the local heads
@@ -207,6 +211,21 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     per_token += 4 * mamba.n_groups
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _ssd_s(ctx: Context, x: Any, kernels: "tuple[SSDKernel, ...]") -> float:
+    """Seconds of the SSD scan's kernels on the local heads (`MambaSpec.ssd_kernels`), each
+    a roofline: its launch, then the longer of its tensor-core work (at the fused-attention
+    rate of the profile, as FlashAttention's tiles: `compute.attention_efficiency`) and its
+    bytes streamed from memory (`compute.stream_s`: the profile's bandwidth for that working
+    set). No constant of its own: the rate, the bandwidth and the launch are the profile's."""
+    rate = x.peak * attention_efficiency(ctx, x.precision)
+    total = 0.0
+    for kernel in kernels:
+        flops = x.T * kernel.flops_per_token / x.t
+        nbytes = x.T * kernel.bytes_per_token / x.t
+        total += ctx.profile.kernel_launch_s + max(flops / rate, stream_s(ctx, nbytes))
+    return total
 
 
 def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
@@ -226,7 +245,7 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, gdn.value_dim / t, peak, key
     )
-    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+    scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
         x.peak * attention_efficiency(ctx, x.precision)
     )
     scan_bwd = prof.attention_backward_over_forward * scan_fwd
