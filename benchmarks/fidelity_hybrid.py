@@ -13,21 +13,23 @@ rows, none chosen per row; the assumptions for what a row leaves out are fidelit
 Reports, per source group: throughput MAPE (tokens/s per GPU), worst row, and whether every
 published run is predicted to fit.
 
-Figures (this commit; the SSD scan priced from mamba_ssm's kernels, `MambaSpec.ssd_kernels`;
-before it, its FLOPs at the fused-attention rate with the attention's backward ratio):
+Figures, MAPE per group: "before", the SSD scan's FLOPs at the fused-attention rate with the
+attention's backward ratio; "kernels", the scan priced from mamba_ssm's kernels
+(`MambaSpec.ssd_kernels`); "+ E layers", a hybrid's MoE MLPs as Megatron layers of their own
+for the runtime's per-layer host time (`experts.moe_is_own_layer`):
 
-======================  ====  ===========  ==========
-group                   rows  MAPE before  MAPE after
-======================  ====  ===========  ==========
-DGX Cloud H100 (56B)       1        13.7%        8.1%
-Megatron-Bridge B200       1        75.8%       65.9%
-Megatron-Bridge B300       4        64.4%       54.7%
-Megatron-Bridge GB200      5        81.3%       70.3%
-Megatron-Bridge GB300      6        60.7%       50.4%
-Megatron-Bridge H100       4        73.7%       63.7%
-NeMo Automodel H100        1        32.9%       26.1%
-all                       22        65.7%       55.8%
-======================  ====  ===========  ==========
+======================  ====  ======  =======  ===========
+group                   rows  before  kernels  + E layers
+======================  ====  ======  =======  ===========
+DGX Cloud H100 (56B)       1   13.7%     8.1%         8.1%
+Megatron-Bridge B200       1   75.8%    65.9%        53.8%
+Megatron-Bridge B300       4   64.4%    54.7%        54.7%
+Megatron-Bridge GB200      5   81.3%    70.3%        54.2%
+Megatron-Bridge GB300      6   60.7%    50.4%        50.4%
+Megatron-Bridge H100       4   73.7%    63.7%        63.2%
+NeMo Automodel H100        1   32.9%    26.1%        26.1%
+all                       22   65.7%    55.8%        51.5%
+======================  ====  ======  =======  ===========
 
 Every Nemotron 3 Nano row is still predicted faster than measured, the FP8 / MXFP8 rows most;
 the dense hybrid (Nemotron-H 56B) is within 8%, and Qwen3-30B-A3B's rows of the same

@@ -295,3 +295,24 @@ def test_the_ssd_scan_is_priced_from_its_kernels():
     rate = x.peak * ssm.attention_efficiency(ctx, x.precision)
     flops_only = x.T * mamba.ssd_flops_per_token() / rate
     assert ssm._ssd_s(ctx, x, forward) > 2 * flops_only
+
+
+def test_a_hybrids_moe_layer_is_its_own_megatron_layer_for_the_host_floor():
+    """In Megatron-Core's MambaModel each symbol is a layer (Nemotron 3 Nano's E's follow their
+    M's and *'s as layers of their own), so a MoE layer's host time (`moe_layer_host_s`) hides
+    behind the MoE MLP alone, not behind an attention it does not hold; GPTModel's
+    TransformerLayer (Qwen3-Next's G and * with E, Qwen3-MoE) holds both."""
+    from cost_models.terms.experts import moe_is_own_layer
+
+    assert moe_is_own_layer(ModelSpec.load("nemotron-3-nano-30b-a3b"))
+    assert moe_is_own_layer(ModelSpec.load("granite-4.0-h-small"))
+    assert not moe_is_own_layer(ModelSpec.load("qwen3-next-80b-a3b"))
+    assert not moe_is_own_layer(ModelSpec.load("qwen3-30b-a3b"))
+    assert not moe_is_own_layer(ModelSpec.load("nemotron-h-8b"))  # no experts
+    # 2,048 tokens a micro-batch: an E layer's GPU work is under megatron-core's 9 ms host time
+    nano = _load("nemotron-3-nano-30b-a3b").scaled(seq_len=2048)
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    own = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
+    attached = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
+    attached.kind_terms[("mlp", "moe")]._own_layer = False
+    assert own.estimate(s).step_time_s > attached.estimate(s).step_time_s
