@@ -115,9 +115,34 @@ def test_tp_must_divide_the_mamba_heads_and_groups():
     Strategy.parse(f"dp=16,tp=2,{BASE}").validate(m, CLUSTER)
 
 
-def test_context_parallel_is_refused_for_mamba_layers_with_the_reason():
-    with pytest.raises(SpecError, match="cp=2 with Mamba-2 layers is not priced"):
-        Strategy.parse(f"dp=16,cp=2,{BASE}").validate(_load("nemotron-h-8b"), CLUSTER)
+def test_context_parallel_over_mamba_layers_follows_megatrons_head_rule():
+    """Megatron-Core's Mamba context parallel (ssm/mamba_context_parallel.py) gives each cp
+    rank whole heads of the tp rank's, and whole groups or a share of one group's heads."""
+    m = _load("nemotron-h-8b")  # 128 heads, 8 groups
+    Strategy.parse(f"dp=8,tp=2,cp=2,{BASE}").validate(m, CLUSTER)
+    with pytest.raises(SpecError, match="cp=3 does not divide the Mamba-2 mixer's 128 heads"):
+        Strategy.parse(f"dp=8,cp=3,{BASE}").validate(m, CLUSTER)
+    odd = dataclasses.replace(m, mamba=MambaSpec(n_heads=96, head_dim=64, n_groups=4))
+    Strategy.parse(f"dp=4,cp=8,{BASE}").validate(odd, CLUSTER)  # two cp ranks per group
+    with pytest.raises(SpecError, match="cp=6 and the Mamba-2 mixer's 4 groups / tp=1 = 4"):
+        Strategy.parse(f"dp=4,cp=6,{BASE}").validate(odd, CLUSTER)
+
+
+def test_context_parallel_over_mamba_layers_is_priced_as_its_all_to_alls():
+    """Under cp a Mamba-2 layer trades the attention's ring exchange for the all-to-alls of
+    z, x, B, C, dt and the output (`ssm.mamba_cp_fwd_s`): more exposed traffic than cp=1,
+    less memory per GPU; a runtime without Megatron-Core's Mamba context parallel refuses it
+    by name."""
+    m = _load("nemotron-h-8b")
+    cm = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME)
+    one = cm.estimate(Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}"))
+    two = Strategy.parse(f"dp=8,tp=2,cp=2,sequence_parallel=true,{BASE}")
+    r = cm.estimate(two)
+    assert r.time.tp_comm_s > one.time.tp_comm_s
+    assert r.peak_memory_bytes < one.peak_memory_bytes
+    assert ssm.mamba_cp_fwd_s(two, cm._context) > 0
+    with pytest.raises(SpecError, match="cannot run cp=2 with Mamba-2 layers"):
+        AnalyticCostModel(m, CLUSTER, runtime="automodel").estimate(two)
 
 
 def test_a_mamba_spec_says_what_is_wrong():

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from autosearch.core._ssm import SSDKernel
 from autosearch.core.layers import Layer
 from cost_models.formulas import microbatches_in_flight
-from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
+from cost_models.terms import context_parallel
+from cost_models.terms._base import (
+    ACT_BYTES,
+    Context,
+    LayerCosts,
+    all_to_all_s,
+    fields_read,
+    reads,
+)
 from cost_models.terms.compute import (
     MLP_ACTIVATION_PASSES,
     _attention_core,
@@ -69,6 +77,9 @@ class Part(NamedTuple):
     recompute_s: float  # what the strategy's recompute repeats, per recomputed block
     activation_bytes: float  # saved for backward, per block
     params: float  # parameters on one tensor-parallel rank
+    # exposed communication it adds to one forward beyond its tp pairs (backward the same): a
+    # Mamba-2 layer's context-parallel all-to-all, less the attention's ring exchange
+    comm_fwd_s: float = 0.0
 
 
 _PART_READS = ("tp", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
@@ -281,8 +292,14 @@ def _params(ctx: Context, block: Layer, t: int) -> float:
 @reads(*_PART_READS, "recompute")
 def mamba_part(s: "Strategy", ctx: Context) -> Part:
     """A Mamba-2 mixer in place of the attention sublayer: the same pair of tensor-parallel
-    collectives, so no traffic added."""
+    collectives; under cp, its all-to-alls (`mamba_cp_fwd_s`) in place of the attention's ring
+    exchange (`context_parallel.layer_comm`, which the base block holds)."""
     new, old = _mamba(s, ctx), _attention(s, ctx)
+    comm = 0.0
+    if s.cp > 1:
+        core_fwd, core_bwd, _ = _attention_core(ctx, layer_shape(s, ctx))
+        ring = context_parallel.layer_comm(s, ctx, core_fwd, core_bwd)
+        comm = mamba_cp_fwd_s(s, ctx) - ring
     return Part(
         new.fwd_s - old.fwd_s,
         new.bwd_s - old.bwd_s,
@@ -290,7 +307,32 @@ def mamba_part(s: "Strategy", ctx: Context) -> Part:
         _recompute_of(s, new) - _recompute_of(s, old),
         _kept(s, ctx, new) - _kept(s, ctx, old),
         _params(ctx, Layer("mamba", "dense"), s.tp),
+        comm,
     )
+
+
+def mamba_cp_fwd_s(s: "Strategy", ctx: Context) -> float:
+    """Seconds of one Mamba-2 layer's context-parallel all-to-alls, forward (Megatron-Core
+    ``mamba_context_parallel.py``: ``pre_conv_ssm`` sends z, x, B, C and dt from sequence
+    shards to head shards, B and C repeated where a group's heads span cp ranks;
+    ``post_conv_ssm`` sends the scan's output back); backward mirrors them. Each rank sends
+    its local tokens at those widths over the cp group (stride tp), blocking the layer's
+    stream; `_base.all_to_all_s` prices each."""
+    m = ctx.model
+    mamba = m.mamba
+    assert mamba is not None
+    t, cp, ab = s.tp, s.cp, ACT_BYTES[s.amp]
+    tokens = s.micro_batch_size * m.seq_len / cp
+    groups = max(mamba.n_groups // t, cp)  # B and C after the repeat (group_repeat_count)
+    widths = (
+        mamba.d_inner / t,  # z
+        mamba.d_inner / t,  # x
+        groups * mamba.d_state,  # B
+        groups * mamba.d_state,  # C
+        mamba.n_heads / t,  # dt
+        mamba.d_inner / t,  # the output, back to sequence shards
+    )
+    return sum(all_to_all_s(ctx, tokens * w * ab, cp, t) for w in widths)
 
 
 @reads(*_PART_READS, "recompute")
@@ -398,6 +440,8 @@ class _PartBlocks:
         part, counts = self._part(s), self.counts(s)
         # the base block's exposed collectives are two pairs (attention's, the MLP's)
         tp_fwd_s = part.tp_pairs * base.tp_comm_fwd_s / 2.0
+        if part.comm_fwd_s:
+            tp_fwd_s += part.comm_fwd_s
         in_flight = microbatches_in_flight(
             s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
         )
