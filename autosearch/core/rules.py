@@ -220,8 +220,9 @@ def context_parallel_problem(
             )
     if cp > 1 and model is not None and model.gdn is not None:
         return (
-            f"cp={cp} with Gated DeltaNet layers is not priced (their chunk-wise state passing "
-            "across ranks has no term yet); use cp=1"
+            f"cp={cp} with Gated DeltaNet layers is not priced (megatron-core 0.16 runs none: "
+            "gated_delta_net.py leaves its GatedDeltaNetContextParallel commented out, and "
+            "their chunk-wise state passing across ranks has no term); use cp=1"
         )
     if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
         return None
