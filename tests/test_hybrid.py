@@ -3,9 +3,11 @@ analytic cost model (`cost_models.terms.ssm`): each block differs from the base 
 (attention + dense MLP) in its mixer, its MLP or both, and adds what its parts add.
 
 Checked here: a Mamba-2 mixer's parameters and FLOPs from its shape, the search rules (tp splits
-the Mamba heads and groups; cp is refused with the reason), estimates of Nemotron-H 8B that are
-sane against a dense model of the same size, every part's terms reading the strategy fields they
-declare, and the Engine still refusing to build Mamba blocks."""
+the Mamba heads and groups; cp follows Megatron's head rule over Mamba layers and is refused with
+the reason over Gated DeltaNet layers), estimates of Nemotron-H 8B that are sane against a dense
+model of the same size, every part's terms reading the strategy fields they declare, the SSD
+scan priced from its kernels, gated attention, and the Engine still refusing to build Mamba
+blocks."""
 
 from __future__ import annotations
 
@@ -277,8 +279,9 @@ def test_qwen3_next_is_priced_with_experts_over_ep():
 
 def test_the_default_space_knows_the_hybrids_rules():
     """tp divides the Mamba-2 groups (Granite 4.0-H Small: 1 group, so tp 1; Megatron-Core's
-    MambaMixer asserts ngroups % tp == 0) and Qwen3-Next's 2 kv heads, cp stays 1 (refused for
-    Mamba-2 and Gated DeltaNet layers), and ep opens over the experts of a hybrid MoE."""
+    MambaMixer asserts ngroups % tp == 0) and Qwen3-Next's 2 kv heads, cp stays 1 (the default
+    space does not open it; its head rule is test_context_parallel_over_mamba_layers_...), and
+    ep opens over the experts of a hybrid MoE."""
     from search_spaces import SearchSpace
 
     seen = {}
