@@ -76,6 +76,7 @@ _FAMILY_PREFIXES = (
     ("Llama-3", "Llama 3"),
     ("GPT-3", "GPT-3"),
     ("Nemotron-3", "Nemotron 3 (hybrid)"),
+    ("Nemotron-H", "Nemotron-H (hybrid)"),
     ("GPT ", "GPT-3"),  # sharded_dp_runs.csv: SC'21 Table 2's GPT 175B / 530B
     ("OPT-", "OPT"),
 )

@@ -789,3 +789,130 @@ def test_a_full_disk_during_export_ends_in_one_message_and_leaves_no_half_set(
         exporting.write_exports(tmp_path / "f" / "g", strategy)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []
+
+
+# ---- hybrids (issue 33): MambaModel by pretrain_mamba.py, Gated DeltaNet through GPTModel ------
+def _hybrid_args(name: str, strategy: Strategy | None = None):
+    spec = ModelSpec.load(name)
+    out = export(strategy or Strategy(dp=1, global_batch_size=1), to="megatron", model=spec)
+    return out, megatron_parser().parse_args(shlex.split(out.text.replace("\\\n", " "))), spec
+
+
+@pytest.mark.parametrize(
+    "name", ["nemotron-h-8b", "nemotron-3-nano-30b-a3b", "granite-4.0-h-small"]
+)
+def test_a_mamba_hybrid_exports_megatrons_mamba_model(name):
+    """pretrain_mamba.py, one Megatron layer per symbol of the hybrid pattern (Nemotron-H 8B:
+    28 blocks, 52 layers as in the Nemotron-H report's Table 1), the Mamba-2 mixer's four
+    fields, the layer spec, no position embedding, and no --moe-layer-freq (the E's place the
+    experts)."""
+    out, a, spec = _hybrid_args(name)
+    assert a.script == "pretrain_mamba.py" and not out.refused
+    assert a.hybrid_override_pattern == spec.pattern and a.num_layers == len(spec.pattern)
+    assert (a.mamba_state_dim, a.mamba_head_dim, a.mamba_num_groups, a.mamba_num_heads) == (
+        spec.mamba.d_state,
+        spec.mamba.head_dim,
+        spec.mamba.n_groups,
+        spec.mamba.n_heads,
+    )
+    assert a.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    assert a.position_embedding_type == "none" and a.moe_layer_freq is None
+    assert (a.num_experts is not None) == (spec.moe is not None)
+    if name == "nemotron-h-8b":
+        assert a.num_layers == 52
+    assert "pretrain_mamba.py" in out.script
+
+
+def test_a_gated_deltanet_hybrid_exports_gpt_models_linear_attention():
+    """Qwen3-Next: GPTModel with the gated_delta_net attention variant, 1 for each Gated
+    DeltaNet layer of --linear-attention-freq, the linear heads, the output gate."""
+    out, a, spec = _hybrid_args("qwen3-next-80b-a3b")
+    assert a.script == "pretrain_gpt.py" and not out.refused
+    assert a.experimental_attention_variant == "gated_delta_net"
+    assert eval(a.linear_attention_freq) == [1, 1, 1, 0] * 12  # as Megatron-LM evaluates it
+    assert (a.linear_num_key_heads, a.linear_num_value_heads) == (16, 32)
+    assert (a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim) == (
+        128,
+        128,
+        4,
+    )
+    assert a.attention_output_gate and a.qk_layernorm and a.rotary_percent == 0.25
+    assert a.num_layers == spec.n_layers == 48
+
+
+def test_a_hybrid_pipeline_split_is_counted_in_megatron_layers():
+    """MambaModel splits its Megatron layers (symbols) evenly over pp: Nemotron-H 8B's 28 blocks
+    split 14 / 14 are 26 / 26 layers (even, taken); an uneven split is refused, not mis-said."""
+    even = Strategy(dp=1, pp=2, global_batch_size=8)
+    out, a, _ = _hybrid_args("nemotron-h-8b", even)
+    assert not any(f == "pipeline_split" for f, _ in out.unsupported)
+    assert a.decoder_first_pipeline_num_layers is None
+    uneven = Strategy(dp=1, pp=2, global_batch_size=8, pipeline_split=(10, 18))
+    spec = ModelSpec.load("nemotron-h-8b")
+    out = export(uneven, to="megatron", model=spec, allow_unsupported=True)
+    why = dict(out.unsupported)["pipeline_split"]
+    assert "52 Megatron layers" in why and "[18, 34]" in why
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "deepspeed"])
+def test_frameworks_without_hybrid_layers_refuse_them_by_name(target):
+    one = Strategy(dp=1, global_batch_size=1)
+    for name, lacks in (
+        ("nemotron-h-8b", ("layer_pattern", "mamba")),
+        ("qwen3-next-80b-a3b", ("layer_pattern", "gdn", "attention_output_gate")),
+    ):
+        out = export(one, to=target, model=ModelSpec.load(name), allow_unsupported=True)
+        refused = dict(out.refused)
+        assert set(lacks) <= set(refused), (name, refused)
+        assert all(refused[f] for f in lacks)
+        with pytest.raises(SpecError, match="mamba|gdn|layer_pattern"):
+            export(one, to=target, model=ModelSpec.load(name))
+
+
+@pytest.mark.skipif(_package_dir("megatron") is None, reason="megatron-core is not installed")
+def test_the_hybrid_export_is_what_megatron_cores_mamba_model_reads():
+    """Run where megatron-core is installed (pip install --no-deps megatron-core; read with ast,
+    not imported): the pattern's symbols are Megatron's (ssm/mamba_hybrid_layer_allocation.py
+    Symbols), MambaModel takes the hybrid pattern and a position type of none, the layer spec
+    the export names exists, and GPTModel's linear attention reads the flags given."""
+    import ast
+
+    root = os.path.join(_package_dir("megatron"), "core")
+
+    def parse(rel):
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            text = f.read()
+        return text, ast.parse(text)
+
+    text, tree = parse("ssm/mamba_hybrid_layer_allocation.py")
+    symbols = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Symbols"
+    )
+    values = {
+        s.value.value
+        for s in symbols.body
+        if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)
+    }
+    for name in ("nemotron-h-56b", "nemotron-3-nano-30b-a3b", "granite-4.0-h-small"):
+        _, a, _ = _hybrid_args(name)
+        assert set(a.hybrid_override_pattern) <= values
+    _, tree = parse("models/mamba/mamba_model.py")
+    init = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
+    assert {"hybrid_override_pattern", "position_embedding_type"} <= {
+        x.arg for x in init.args.args
+    }
+    assert "'none'" in ast.unparse(init) or '"none"' in ast.unparse(init)
+    module, name = export_mamba_spec()
+    text, _ = parse(module.removeprefix("megatron.core.").replace(".", "/") + ".py")
+    assert f"\n{name} = ModuleSpec(" in text
+    text, _ = parse("models/gpt/experimental_attention_variant_module_specs.py")
+    assert "def get_linear_attention_pattern" in text and "gated_delta_net" in text
+
+
+def export_mamba_spec() -> tuple[str, str]:
+    from autosearch.export._megatron import MAMBA_SPEC
+
+    module, name = MAMBA_SPEC.split()
+    return module, name

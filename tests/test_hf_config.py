@@ -508,3 +508,139 @@ def test_granite_hybrid_counts_match_the_model_transformers_builds(experts):
     spec = ModelSpec.from_hf_config(config)
     assert spec.pattern == ("MEME*EME" if experts else "M-M-*-M-")
     assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+# ---- Qwen3-Next and Qwen3.5: Gated DeltaNet and gated attention layers -------------------------
+def _left_out(spec) -> int:
+    """What a ModelSpec leaves out of these families (hf_config's docstring): each attention
+    layer's q and k norms (head_dim weights each) and each MoE layer's shared-expert gate (h)."""
+    attention = spec.pattern.count("*")
+    return attention * 2 * spec.head_dim + spec.n_moe_layers * spec.hidden_size
+
+
+def test_qwen3_next_counts_match_the_model_transformers_builds():
+    """Qwen3-Next-80B-A3B's published config: 36 Gated DeltaNet and 12 gated attention layers
+    (q_proj twice the query width: the output gate), 512 experts top-10 and a shared expert on
+    every layer. Exact against Qwen3NextForCausalLM on the meta device, but for the q/k norms
+    and shared-expert gates a ModelSpec leaves out; active: less 502 routed experts a layer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key
+        spec = ModelSpec.from_hf_config(DATA / "qwen3-next-80b-a3b.json", seq_len=4096)
+    assert spec.pattern == "GEGEGE*E" * 12 and spec.attention_output_gate
+    assert (spec.n_params, spec.n_active_params) == (79_674_286_848, 3_874_824_960)
+    assert ModelSpec.load("qwen3-next-80b-a3b") == spec.scaled(name="qwen3-next-80b-a3b")
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.Qwen3NextConfig.from_json_file(str(DATA / "qwen3-next-80b-a3b.json"))
+    with torch.device("meta"):
+        model = transformers.Qwen3NextForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.n_params + _left_out(spec) == total == 79_674_391_296
+    idle = 48 * (512 - 10) * 3 * 2048 * 512  # routed experts a token does not reach
+    assert spec.n_active_params + _left_out(spec) == total - idle
+
+
+_SMALL_QWEN_NEXT = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    max_position_embeddings=64,
+)
+_EXPERTS = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+)
+
+
+@pytest.mark.parametrize(
+    "family, extra, pattern",
+    [
+        ("Qwen3_5Text", dict(intermediate_size=512), "G-G-G-*-" * 2),
+        ("Qwen3_5MoeText", _EXPERTS, "GEGEGE*E" * 2),
+        # experts on every 2nd layer but layer 3 (decoder_sparse_step, mlp_only_layers)
+        (
+            "Qwen3Next",
+            dict(_EXPERTS, intermediate_size=512, decoder_sparse_step=2, mlp_only_layers=[3]),
+            "G-GEG-*-G-GEG-*E",
+        ),
+        ("Qwen3Next", dict(_EXPERTS, intermediate_size=512, full_attention_interval=2), None),
+    ],
+)
+def test_qwen_next_families_count_as_transformers_builds(family, extra, pattern):
+    """Qwen3.5 (dense: every layer a SwiGLU MLP) and Qwen3.5-MoE (every layer experts) are
+    Qwen3-Next's layers; each config's layer placement read as transformers reads it."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = getattr(transformers, f"{family}Config")(**_SMALL_QWEN_NEXT, **extra)
+    model_class = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")
+    with torch.device("meta"):
+        model = model_class(config)
+    spec = ModelSpec.from_hf_config(config)
+    expected = pattern or "".join(
+        ("*" if kind == "full_attention" else "G") + "E" for kind in config.layer_types
+    )
+    assert spec.pattern == expected
+    assert spec.n_params + _left_out(spec) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_qwen3_5_multimodal_config_reads_its_text_model():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    outer = transformers.Qwen3_5Config(text_config=dict(_SMALL_QWEN_NEXT, intermediate_size=512))
+    text = transformers.Qwen3_5TextConfig(**_SMALL_QWEN_NEXT, intermediate_size=512)
+    assert ModelSpec.from_hf_config(outer, name="q") == ModelSpec.from_hf_config(text, name="q")
+
+
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("jamba", "Mamba-1"),
+        ("falcon_h1", "attention and a Mamba-2 mixer in parallel"),
+        ("kimi_linear", "Kimi Delta Attention"),
+    ],
+)
+def test_hybrids_a_model_spec_cannot_describe_are_refused_by_name(model_type, why):
+    config = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64}
+    with pytest.raises(SpecError, match=f"{model_type!r}.*is not read: .*{why}"):
+        ModelSpec.from_hf_config(config, seq_len=128)
+
+
+def test_the_granite_4_h_small_catalog_entry_counts_as_transformers_builds():
+    """The catalog's Granite 4.0-H Small (IBM: 32B total, 9B active): 32.2 B and 8.8 B, equal
+    to GraniteMoeHybridForCausalLM built from the same shape on the meta device."""
+    spec = ModelSpec.load("granite-4.0-h-small")
+    assert (spec.n_params, spec.n_active_params) == (32_207_337_984, 8_803_121_664)
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    kinds = {"M": "mamba", "*": "attention"}
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_kv_heads,
+        intermediate_size=spec.moe.ffn_hidden_size,
+        shared_intermediate_size=spec.moe.shared_ffn_hidden_size,
+        num_local_experts=spec.moe.n_experts,
+        num_experts_per_tok=spec.moe.top_k,
+        layer_types=[kinds[c] for c in spec.pattern if c in kinds],
+        mamba_n_heads=spec.mamba.n_heads,
+        mamba_d_head=spec.mamba.head_dim,
+        mamba_n_groups=spec.mamba.n_groups,
+        mamba_d_state=spec.mamba.d_state,
+        mamba_chunk_size=spec.mamba.chunk_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        model = transformers.GraniteMoeHybridForCausalLM(config)
+    assert spec.n_params == sum(p.numel() for p in model.parameters())

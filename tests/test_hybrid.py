@@ -3,13 +3,16 @@ analytic cost model (`cost_models.terms.ssm`): each block differs from the base 
 (attention + dense MLP) in its mixer, its MLP or both, and adds what its parts add.
 
 Checked here: a Mamba-2 mixer's parameters and FLOPs from its shape, the search rules (tp splits
-the Mamba heads and groups; cp is refused with the reason), estimates of Nemotron-H 8B that are
-sane against a dense model of the same size, every part's terms reading the strategy fields they
-declare, and the Engine still refusing to build Mamba blocks."""
+the Mamba heads and groups; cp follows Megatron's head rule over Mamba layers and is refused with
+the reason over Gated DeltaNet layers), estimates of Nemotron-H 8B that are sane against a dense
+model of the same size, every part's terms reading the strategy fields they declare, the SSD
+scan priced from its kernels, gated attention, and the Engine still refusing to build Mamba
+blocks."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -114,9 +117,34 @@ def test_tp_must_divide_the_mamba_heads_and_groups():
     Strategy.parse(f"dp=16,tp=2,{BASE}").validate(m, CLUSTER)
 
 
-def test_context_parallel_is_refused_for_mamba_layers_with_the_reason():
-    with pytest.raises(SpecError, match="cp=2 with Mamba-2 layers is not priced"):
-        Strategy.parse(f"dp=16,cp=2,{BASE}").validate(_load("nemotron-h-8b"), CLUSTER)
+def test_context_parallel_over_mamba_layers_follows_megatrons_head_rule():
+    """Megatron-Core's Mamba context parallel (ssm/mamba_context_parallel.py) gives each cp
+    rank whole heads of the tp rank's, and whole groups or a share of one group's heads."""
+    m = _load("nemotron-h-8b")  # 128 heads, 8 groups
+    Strategy.parse(f"dp=8,tp=2,cp=2,{BASE}").validate(m, CLUSTER)
+    with pytest.raises(SpecError, match="cp=3 does not divide the Mamba-2 mixer's 128 heads"):
+        Strategy.parse(f"dp=8,cp=3,{BASE}").validate(m, CLUSTER)
+    odd = dataclasses.replace(m, mamba=MambaSpec(n_heads=96, head_dim=64, n_groups=4))
+    Strategy.parse(f"dp=4,cp=8,{BASE}").validate(odd, CLUSTER)  # two cp ranks per group
+    with pytest.raises(SpecError, match="cp=6 and the Mamba-2 mixer's 4 groups / tp=1 = 4"):
+        Strategy.parse(f"dp=4,cp=6,{BASE}").validate(odd, CLUSTER)
+
+
+def test_context_parallel_over_mamba_layers_is_priced_as_its_all_to_alls():
+    """Under cp a Mamba-2 layer trades the attention's ring exchange for the all-to-alls of
+    z, x, B, C, dt and the output (`ssm.mamba_cp_fwd_s`): more exposed traffic than cp=1,
+    less memory per GPU; a runtime without Megatron-Core's Mamba context parallel refuses it
+    by name."""
+    m = _load("nemotron-h-8b")
+    cm = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME)
+    one = cm.estimate(Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}"))
+    two = Strategy.parse(f"dp=8,tp=2,cp=2,sequence_parallel=true,{BASE}")
+    r = cm.estimate(two)
+    assert r.time.tp_comm_s > one.time.tp_comm_s
+    assert r.peak_memory_bytes < one.peak_memory_bytes
+    assert ssm.mamba_cp_fwd_s(two, cm._context) > 0
+    with pytest.raises(SpecError, match="cannot run cp=2 with Mamba-2 layers"):
+        AnalyticCostModel(m, CLUSTER, runtime="automodel").estimate(two)
 
 
 def test_a_mamba_spec_says_what_is_wrong():
@@ -214,3 +242,105 @@ def test_runtimes_that_do_not_train_hybrids_say_so():
     for runtime in ("torch", "torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=r"not train Mamba-2 mixers.*--runtime megatron-core"):
             AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=runtime)
+
+
+# ---- gated attention (Qwen3-Next, Qwen3.5) ------------------------------------------------------
+def test_the_attention_output_gate_is_priced_as_its_projection():
+    """The gate is an h x (heads x head_dim) projection beside Q's (Qwen3NextAttention.q_proj
+    twice the query width): its weights per attention layer, 2 FLOPs per weight per token
+    forward (3x in training), a longer step and more saved activations; without it the
+    model prices as before (tools/fingerprint.py holds every catalog model bit for bit)."""
+    m = _gdn_hybrid()
+    gated = dataclasses.replace(m, attention_output_gate=True)
+    attention = m.pattern.count("*")
+    extra = attention * m.hidden_size * m.attention_hidden_size
+    assert gated.n_params - m.n_params == extra
+    assert gated.flops_per_token() - m.flops_per_token() == pytest.approx(3 * 2 * extra)
+    s = Strategy.parse(f"dp=16,tp=2,sequence_parallel=true,{BASE}")
+    plain = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    with_gate = AnalyticCostModel(gated, CLUSTER, runtime=RUNTIME).estimate(s)
+    assert with_gate.step_time_s > plain.step_time_s
+    assert with_gate.memory.activations_bytes > plain.memory.activations_bytes
+    assert with_gate.memory.params_bytes > plain.memory.params_bytes
+    assert ModelSpec.from_dict(gated.to_dict()) == gated
+    assert "attention_output_gate" not in m.to_dict()  # files as before the field
+    assert any("output gate" in what for what in unbuilt(gated))
+    with pytest.raises(SpecError, match="attention_output_gate with mla is not modelled"):
+        dataclasses.replace(ModelSpec.load("deepseek-v2"), attention_output_gate=True)
+
+
+def test_qwen3_next_is_priced_with_experts_over_ep():
+    m = ModelSpec.load("qwen3-next-80b-a3b")
+    s = Strategy.parse(f"dp=32,ep=8,recompute=full,{BASE}".replace("768", "256"))
+    s.validate(m, CLUSTER)
+    r = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME).estimate(s)
+    assert r.step_time_s > 0 and 0.05 < r.mfu < 0.65
+
+
+def test_the_default_space_knows_the_hybrids_rules():
+    """tp divides the Mamba-2 groups (Granite 4.0-H Small: 1 group, so tp 1; Megatron-Core's
+    MambaMixer asserts ngroups % tp == 0) and Qwen3-Next's 2 kv heads, cp stays 1 (the default
+    space does not open it; its head rule is test_context_parallel_over_mamba_layers_...), and
+    ep opens over the experts of a hybrid MoE."""
+    from search_spaces import SearchSpace
+
+    seen = {}
+    for name in ("granite-4.0-h-small", "qwen3-next-80b-a3b"):
+        space = SearchSpace(name, "h100-sxm:1x8", global_batch_size=64)
+        strategies = list(itertools.islice(space.enumerate(), 50_000))
+        seen[name] = {(s.tp, s.cp) for s in strategies}, {s.ep for s in strategies}
+    assert {tp for tp, _ in seen["granite-4.0-h-small"][0]} == {1}
+    assert {tp for tp, _ in seen["qwen3-next-80b-a3b"][0]} == {1, 2}
+    assert all(cp == 1 for pairs, _ in seen.values() for _, cp in pairs)
+    assert all({2, 8} <= eps for _, eps in seen.values())
+
+
+# ---- the SSD scan as its kernels run it ---------------------------------------------------------
+def test_the_ssd_scan_is_priced_from_its_kernels():
+    """mamba_ssm's chunked scan (MambaSpec.ssd_kernels): the forward kernels' FLOPs are the four
+    steps of Dao & Gu 2024 sec. 6 (`ssd_flops_per_token`); the backward recomputes the states
+    and adds the gradients' products (about twice and a half the forward FLOPs); with Nemotron
+    3 Nano's d_state 128 and chunks of 128 the fp32 chunk states keep its FLOPs per byte
+    streamed under a quarter of an H100's ridge point (989e12 FLOP/s over 3.35e12 B/s: 295
+    FLOPs a byte, its datasheet), so the scan is memory-bound and costs more than twice its
+    FLOPs at the fused-attention rate alone."""
+    mamba = ModelSpec.load("nemotron-3-nano-30b-a3b").mamba
+    forward, backward = mamba.ssd_kernels(2)
+    assert sum(k.flops_per_token for k in forward) == mamba.ssd_flops_per_token()
+    ratio = sum(k.flops_per_token for k in backward) / mamba.ssd_flops_per_token()
+    assert 2.0 < ratio < 3.0
+    chunk_state = next(k for k in forward if k.name == "chunk_state")
+    states = mamba.d_inner * mamba.d_state / mamba.chunk_size * 4  # fp32, per token
+    assert chunk_state.bytes_per_token > states
+    for kernels in (forward, backward):
+        flops = sum(k.flops_per_token for k in kernels)
+        nbytes = sum(k.bytes_per_token for k in kernels)
+        assert flops / nbytes < 295 / 4
+    m = _load("nemotron-3-nano-30b-a3b")
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    ctx = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME)._context
+    x = ssm.layer_shape(s, ctx)
+    rate = x.peak * ssm.attention_efficiency(ctx, x.precision)
+    flops_only = x.T * mamba.ssd_flops_per_token() / rate
+    assert ssm._ssd_s(ctx, x, forward) > 2 * flops_only
+
+
+def test_a_hybrids_moe_layer_is_its_own_megatron_layer_for_the_host_floor():
+    """In Megatron-Core's MambaModel each symbol is a layer (Nemotron 3 Nano's E's follow their
+    M's and *'s as layers of their own), so a MoE layer's host time (`moe_layer_host_s`) hides
+    behind the MoE MLP alone, not behind an attention it does not hold; GPTModel's
+    TransformerLayer (Qwen3-Next's G and * with E, Qwen3-MoE) holds both."""
+    from cost_models.terms.experts import moe_is_own_layer
+
+    assert moe_is_own_layer(ModelSpec.load("nemotron-3-nano-30b-a3b"))
+    assert moe_is_own_layer(ModelSpec.load("granite-4.0-h-small"))
+    assert not moe_is_own_layer(ModelSpec.load("qwen3-next-80b-a3b"))
+    assert not moe_is_own_layer(ModelSpec.load("qwen3-30b-a3b"))
+    assert not moe_is_own_layer(ModelSpec.load("nemotron-h-8b"))  # no experts
+    # 2,048 tokens a micro-batch: an E layer's GPU work is under megatron-core's 9 ms host time
+    nano = _load("nemotron-3-nano-30b-a3b").scaled(seq_len=2048)
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    own = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
+    attached = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
+    attached.kind_terms[("mlp", "moe")]._own_layer = False
+    assert own.estimate(s).step_time_s > attached.estimate(s).step_time_s

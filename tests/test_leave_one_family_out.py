@@ -34,9 +34,10 @@ def rows(lofo):
 def test_every_row_has_a_family(rows):
     families = set(rows.family)
     expected = {"Llama 3", "GPT-3", "MPT", "Qwen3 MoE", "DeepSeek-V3", "Mixtral", "Llama 4"}
-    assert expected | {"Kimi-K2", "Nemotron 3 (hybrid)"} <= families
-    # moe, hybrid, modern, mosaicml, nemo_dense, and the held-out rows of sharded_dp_runs
-    assert len(rows) == 152 + 21 + 43 + 138 + 109 + 7
+    assert expected | {"Kimi-K2", "Nemotron 3 (hybrid)", "Nemotron-H (hybrid)"} <= families
+    # moe, hybrid (21 Nemotron 3 Nano + DGX Cloud's Nemotron-H 56B), modern, mosaicml,
+    # nemo_dense, and the held-out rows of sharded_dp_runs
+    assert len(rows) == 152 + 22 + 43 + 138 + 109 + 7
     assert {"OPT"} <= families
 
 
@@ -69,5 +70,5 @@ def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
     hybrid_runs.csv carries the same run columns (runtime, recompute, pipeline ...)."""
     hybrid = rows[rows.bench == "hybrid"]
     preds = [lofo.predict(r, lofo.shipped()) for _, r in hybrid.iterrows()]
-    assert len(preds) == 21 and all(p["expressible"] for p in preds)
-    assert {p["runtime"] for p in preds} >= {"megatron-bridge-26.08", "automodel"}
+    assert len(preds) == 22 and all(p["expressible"] for p in preds)
+    assert {p["runtime"] for p in preds} >= {"megatron-bridge-26.08", "automodel", "nemo-25.04"}

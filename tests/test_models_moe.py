@@ -29,6 +29,9 @@ PUBLISHED = {
     "qwen2-57b-a14b": (57, 1, 14, 1, True, 0, "Qwen2 tech report, Table 1"),
     "qwen3-30b-a3b": (30.5, 0.1, 3.3, 0.1, True, 0, "Qwen/Qwen3-30B-A3B model card"),
     "qwen3-235b-a22b": (235, 1, 22, 1, True, 0, "Qwen/Qwen3-235B-A22B model card"),
+    # hybrids: Gated DeltaNet / gated attention, and Mamba-2 / attention with shared experts
+    "qwen3-next-80b-a3b": (80, 1, 3, 1, True, 0, "Qwen/Qwen3-Next-80B-A3B-Instruct model card"),
+    "granite-4.0-h-small": (32, 1, 9, 1, True, 0, "ibm-granite/granite-4.0-h-small model card"),
     "deepseek-v2": (236, 1, 21, 1, False, 0, "DeepSeek-V2 tech report, sec. 1"),
     # 671B and 36.6B activated exclude the 14B multi-token prediction module (DeepSeek-V3
     # README_WEIGHTS.md: "37B", of which 36.6B with the 0.9B output head, no input embedding)

@@ -14,7 +14,7 @@ output with z through an RMSNorm per group, and projects d_inner back to h. Read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from autosearch.core._io import check_keys, positive_int
 from autosearch.core.errors import SpecError
@@ -24,6 +24,14 @@ _COUNT = 1 << 16
 # FLOPs of the selective scan per channel of d_inner and per state channel (Megatron-LM
 # ``training.py`` ``num_floating_point_operations``, ``mamba_layer_flops``: 7 * d_in * d_state)
 SCAN_FLOPS_PER_STATE = 7
+
+
+class SSDKernel(NamedTuple):
+    """One kernel of the chunked SSD scan: its name, FLOPs and bytes moved per token."""
+
+    name: str
+    flops_per_token: float
+    bytes_per_token: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +136,69 @@ class MambaSpec:
         tensor cores as batched GEMMs."""
         q, n = self.chunk_size, self.d_state
         return 2 * q * self.n_groups * n + 2 * q * self.d_inner + 4 * self.d_inner * n
+
+    def ssd_kernels(self, act_bytes: int) -> tuple[tuple[SSDKernel, ...], tuple[SSDKernel, ...]]:
+        """The chunked SSD scan as ``mamba_ssm`` runs it (``ops/triton/ssd_combined.py``
+        ``_mamba_chunk_scan_combined_fwd`` / ``_bwd``; Megatron-Core's MambaMixer calls it
+        through ``mamba_split_conv1d_scan_combined``): each Triton kernel's FLOPs and the bytes
+        it reads and writes per token, over all heads (divide by tp for the local heads), for
+        (forward, backward). Activations (x, B, C, dout, the outputs) are `act_bytes` wide;
+        dt and its cumulative sums, the chunk states in their fp32 passes, C B^T and the
+        gradients the kernels accumulate are fp32 (the kernels' ``tl.float32`` buffers). A chunk
+        state, n_heads x head_dim x d_state per chunk of Q tokens, is d_inner x d_state / Q per
+        token. FLOPs count each product of two matrices as 2 m n k, C B^T and its use over the
+        whole Q x Q chunk (the intra-chunk products the kernels tile), as
+        `ssd_flops_per_token`; the elementwise decay and cumsum work is left out (bytes
+        dominate those kernels).
+
+        Forward: ``_chunk_cumsum_fwd`` (dt -> dt, dA cumsum), ``_chunk_state_fwd`` (B^T x per
+        chunk, fp32 states), ``_state_passing_fwd`` (states across chunks, written in the
+        activation dtype), ``_bmm_chunk_fwd`` (C B^T, fp32), ``_chunk_scan_fwd`` (C B^T x within
+        the chunk and C h from the states). Backward recomputes the first four (its
+        ``_state_passing_fwd`` keeps fp32), then ``_chunk_scan_bwd_dstates``,
+        ``_state_passing_bwd``, ``_chunk_scan_chunk_state_bwd_dx``, ``_chunk_state_bwd_db``,
+        ``_chunk_scan_bwd_dC``, ``_chunk_scan_bwd_dcb``, ``_bmm_chunk_bwd`` for dB and dC,
+        ``_chunk_scan_bwd_ddAcs_stable`` and ``_chunk_cumsum_bwd``."""
+        a, f = act_bytes, 4
+        d, n, q = self.d_inner, self.d_state, self.chunk_size
+        h, gn, gq = self.n_heads, self.n_groups * self.d_state, self.n_groups * self.chunk_size
+        state = d * n / q  # chunk-state elements per token
+        cumsum = SSDKernel("chunk_cumsum", 0, h * a + 2 * h * f)
+        chunk_state = SSDKernel("chunk_state", 2 * d * n, d * a + gn * a + 2 * h * f + state * f)
+        bmm = SSDKernel("bmm_chunk", 2 * q * gn, 2 * gn * a + gq * f)
+        forward = (
+            cumsum,
+            chunk_state,
+            SSDKernel("state_passing", 0, state * (f + a)),
+            bmm,
+            SSDKernel(
+                "chunk_scan",
+                2 * q * d + 2 * d * n,
+                gq * f + 2 * d * a + gn * a + state * a + 2 * h * f,
+            ),
+        )
+        backward = (
+            cumsum,
+            bmm,
+            chunk_state,
+            SSDKernel("state_passing (fp32)", 0, 2 * state * f),
+            SSDKernel("chunk_scan_bwd_dstates", 2 * d * n, gn * a + d * a + h * f + state * f),
+            SSDKernel("state_passing_bwd", 0, 2 * state * f + 2 * state * a),
+            SSDKernel(
+                "chunk_scan_chunk_state_bwd_dx",
+                2 * q * d + 2 * d * n,
+                gq * f + 3 * d * a + gn * a + state * a + 3 * h * f,
+            ),
+            SSDKernel(
+                "chunk_state_bwd_db", 2 * d * n, d * a + state * a + gn * a + gn * f + 2 * h * f
+            ),
+            SSDKernel("chunk_scan_bwd_dC", 2 * d * n, state * a + d * a + gn * a + gn * f + h * f),
+            SSDKernel("chunk_scan_bwd_dcb", 2 * q * d, 2 * d * a + 2 * h * f + gq * f),
+            SSDKernel("bmm_chunk_bwd", 4 * q * gn, 2 * gq * f + 2 * gn * a + 2 * gn * a),
+            SSDKernel("chunk_scan_bwd_ddAcs", 2 * q * d, 2 * d * a + gq * f + 3 * h * f),
+            SSDKernel("chunk_cumsum_bwd", 0, 4 * h * f),
+        )
+        return forward, backward
 
     @classmethod
     def from_value(cls, value: Any, *, what: str) -> "MambaSpec":

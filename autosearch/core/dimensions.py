@@ -243,7 +243,17 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="cp",
         label=_degree_label("cp"),
         label_rank=30,
-        features=(Feature("cp", lambda v: v > 1, lambda v: f"cp={v} (context parallel)"),),
+        features=(
+            Feature("cp", lambda v: v > 1, lambda v: f"cp={v} (context parallel)"),
+            # Mamba-2 layers under cp: Megatron-Core's head-wise all-to-all
+            # (megatron/core/ssm/mamba_context_parallel.py), not ring attention
+            Feature(
+                "mamba_cp",
+                lambda v, model: v > 1 and model.mamba is not None,
+                lambda v, model: f"cp={v} with Mamba-2 layers (head-wise all-to-all)",
+                of_model=True,
+            ),
+        ),
         mesh_axis=True,
     ),
     Dimension(

@@ -30,14 +30,27 @@ nemotron_h                             ``layer_pattern`` from ``layers_block_typ
 granitemoehybrid                       IBM Granite 4.0-H: ``layer_types`` (Mamba-2 or attention,
                                        each with a SwiGLU MLP: the shared MLP, and with experts
                                        a ``moe`` whose shared expert it is), ``mamba``
+qwen3_next, qwen3_5 / qwen3_5_moe      Qwen3-Next, Qwen3.5: ``layer_types`` (or every
+(text_config), qwen3_5_text,           ``full_attention_interval``-th layer) Gated DeltaNet
+qwen3_5_moe_text                       (``gdn``, `GatedDeltaNetSpec`) or gated attention
+                                       (``attention_output_gate``); SwiGLU MLPs, and ``moe``
+                                       with one shared expert (Qwen3-Next: ``decoder_sparse_step``
+                                       and ``mlp_only_layers`` place them; Qwen3.5-MoE: every
+                                       layer)
 =====================================  =======================================================
+
+Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``jamba`` (Mamba-1 layers),
+``falcon_h1`` (attention and Mamba-2 in parallel in one layer), ``kimi_linear`` (Kimi Delta
+Attention).
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
 kv_h per layer, under 0.1% of Qwen2-7B), Qwen3's and Gemma 3's q/k norms and Gemma 2/3's extra
 post-attention and post-MLP norms (h or head_dim weights each), Nemotron's LayerNorm biases,
-gpt-oss's attention and expert biases and attention sinks (0.03% of gpt-oss-120b), Qwen2-MoE's
-shared-expert gate (h weights), Llama 4's chunked attention (``attention_chunk_size``: counted as
-full attention, an upper bound) and GPT-NeoX's rotary positions (the GPT style counts learned
+gpt-oss's attention and expert biases and attention sinks (0.03% of gpt-oss-120b), the
+shared-expert gate of Qwen2-MoE, Qwen3-Next and Qwen3.5-MoE (h weights per MoE layer), the q/k
+norms of Qwen3-Next and Qwen3.5 (2 head_dim per attention layer; with the gates 0.0001% of
+Qwen3-Next-80B-A3B), Llama 4's chunked attention (``attention_chunk_size``: counted as full
+attention, an upper bound) and GPT-NeoX's rotary positions (the GPT style counts learned
 positions, seq_len * h parameters, 0.2% of Pythia-1B at 2,048 tokens).
 
 Keys a config leaves out take the default that transformers' config class of the family gives
@@ -96,13 +109,47 @@ MOE_FAMILIES = (
 GPT_LIKE = ("gpt2", "gpt_neox")
 # layer patterns of Mamba-2, attention and MLP layers
 HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
-SUPPORTED = SWIGLU_DENSE + GEMMA_LIKE + ("nemotron",) + MOE_FAMILIES + GPT_LIKE + HYBRID_FAMILIES
+# Gated DeltaNet and gated attention layers, every full_attention_interval-th layer attention
+# (transformers Qwen3NextConfig; Qwen3.5's text models: Qwen3_5TextConfig, Qwen3_5MoeTextConfig)
+QWEN_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+SUPPORTED = (
+    SWIGLU_DENSE
+    + GEMMA_LIKE
+    + ("nemotron",)
+    + MOE_FAMILIES
+    + GPT_LIKE
+    + HYBRID_FAMILIES
+    + QWEN_NEXT_FAMILIES
+)
+# Hybrid families transformers has and a ModelSpec cannot describe yet, with why: refused by
+# name rather than read as something else.
+UNREAD_HYBRIDS = {
+    "jamba": (
+        "its SSM layers are Mamba-1 (a selective scan over a diagonal state per channel, "
+        "d_inner x d_state, with x_proj and dt_proj), not the Mamba-2 SSD mixer the cost model "
+        "prices"
+    ),
+    "falcon_h1": (
+        "each layer runs attention and a Mamba-2 mixer in parallel on the same input and sums "
+        "them (FalconH1DecoderLayer), which one mixer per layer in Megatron's hybrid pattern "
+        "cannot say"
+    ),
+    "kimi_linear": (
+        "its linear-attention layers are Kimi Delta Attention (per-channel gated delta rule "
+        "with its own projections) beside MLA layers, a mixer the cost model has no term for"
+    ),
+}
 # Hugging Face's names of Nemotron-H's layers -> Megatron's hybrid symbols
 # (transformers NemotronHConfig._list_to_pattern)
 NEMOTRON_H_SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*",
                       "full_attention": "*", "mlp": "-", "moe": "E"}  # fmt: skip
 NEMOTRON_H_DEFAULT_LAYERS = ("linear_attention", "moe", "full_attention", "mlp")
-NESTED = {"llama4": "llama4_text", "gemma3": "gemma3_text"}  # multimodal: the text model
+NESTED = {  # multimodal: the text model
+    "llama4": "llama4_text",
+    "gemma3": "gemma3_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # Keys by which a config announces experts (Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3, DBRX).
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 GELU_NAMES = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
@@ -129,6 +176,8 @@ READ_KEYS = frozenset(
         "moe_shared_expert_intermediate_size", "mamba_n_heads", "mamba_d_head",
         "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_chunk_size",
         "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -281,6 +330,12 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
     model_type = cfg.get("model_type")
     label = _label(cfg, source, name)
     experts = [k for k in MOE_KEYS if cfg.get(k)]
+    if model_type in UNREAD_HYBRIDS:
+        raise SpecError(
+            f"Hugging Face model_type {model_type!r} ({label!r}) is not read: "
+            f"{UNREAD_HYBRIDS[model_type]}. The hybrids read are {', '.join(HYBRID_FAMILIES)} "
+            f"(Mamba-2) and {', '.join(QWEN_NEXT_FAMILIES)} (Gated DeltaNet)"
+        )
     if model_type not in SUPPORTED:
         what = "mixture-of-experts family" if experts or "moe" in str(model_type) else "family"
         raise SpecError(
@@ -289,7 +344,7 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
             "n_heads, vocab_size, seq_len; moe and mla as nested mappings) for other models"
         )
     # a dense family with experts would be read as dense, its experts dropped
-    if experts and model_type not in MOE_FAMILIES + HYBRID_FAMILIES:
+    if experts and model_type not in MOE_FAMILIES + HYBRID_FAMILIES + QWEN_NEXT_FAMILIES:
         given = ", ".join(f"{k} = {cfg[k]!r}" for k in experts)
         raise SpecError(
             f"Hugging Face config of {label!r}: model_type {model_type!r} is a dense family, "
@@ -367,6 +422,8 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _nemotron_h_fields(cfg, need, label)
     if model_type == "granitemoehybrid":
         return _granite_hybrid_fields(cfg, need, label)
+    if model_type in QWEN_NEXT_FAMILIES:
+        return _qwen_next_fields(cfg, model_type, need, label)
     fields = dict(
         n_layers=need("num_hidden_layers"),
         hidden_size=need("hidden_size"),
@@ -754,4 +811,79 @@ def _granite_hybrid_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str
             shared_ffn_hidden_size=shared,
             router="softmax",  # GraniteMoeHybridTopKRouter: softmax over the top-k logits
         )
+    return fields
+
+
+def _qwen_next_fields(cfg: Mapping[str, Any], model_type: str, need, label: str) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5 (transformers ``Qwen3NextConfig``, ``Qwen3_5TextConfig``,
+    ``Qwen3_5MoeTextConfig``): ``layer_types`` (``linear_attention``: a Gated DeltaNet mixer,
+    `GatedDeltaNetSpec`; ``full_attention``: gated attention, `attention_output_gate`, whose
+    q_proj also gives the gate), by default every ``full_attention_interval``-th layer (4)
+    attention. The MLP: Qwen3-Next a MoE (routed experts and one shared expert) where
+    ``num_experts`` > 0 and (i + 1) is a multiple of ``decoder_sparse_step``, a SwiGLU MLP of
+    ``intermediate_size`` in the ``mlp_only_layers`` and elsewhere; Qwen3.5 dense every layer,
+    Qwen3.5-MoE a MoE every layer."""
+    n_layers = need("num_hidden_layers")
+    listed = cfg.get("layer_types")
+    if not listed:  # Qwen3NextConfig.__post_init__: full_attention_interval, 4 by default
+        every = _count(cfg, "full_attention_interval", label) or 4
+        listed = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    mixers = {"linear_attention": "G", "full_attention": "*"}
+    unknown = sorted({str(k) for k in listed} - set(mixers))
+    if unknown or len(listed) != n_layers:
+        raise SpecError(
+            f"{label!r}: layer_types must give one of {', '.join(mixers)} for each of the "
+            f"{n_layers} layers; got {len(listed)} entries"
+            + (f" naming {', '.join(unknown)}" if unknown else "")
+        )
+    if cfg.get("attention_bias"):
+        raise SpecError(f"{label!r}: attention_bias true is not modelled (the released: false)")
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not {model_type}'s SwiGLU")
+    if model_type == "qwen3_5_text":
+        experts = 0
+    else:
+        experts = need("num_experts")
+    step = 1 if model_type != "qwen3_next" else _count(cfg, "decoder_sparse_step", label) or 1
+    dense_only = set(cfg.get("mlp_only_layers") or ()) if model_type == "qwen3_next" else set()
+    mlps = [
+        "E" if experts and i not in dense_only and (i + 1) % step == 0 else "-"
+        for i in range(n_layers)
+    ]
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=need("hidden_size"),
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        head_dim=need("head_dim"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="".join(mixers[k] + mlp for k, mlp in zip(listed, mlps)),
+        attention_output_gate=True,  # q_proj: 2 x heads x head_dim (the gate beside Q)
+        gdn=dict(
+            n_k_heads=need("linear_num_key_heads"),
+            n_v_heads=need("linear_num_value_heads"),
+            head_k_dim=need("linear_key_head_dim"),
+            head_v_dim=need("linear_value_head_dim"),
+            conv_kernel=need("linear_conv_kernel_dim"),
+        ),
+    )
+    if "-" in mlps:  # the dense MLPs' width (Qwen3.5-MoE has none)
+        fields["ffn_hidden_size"] = need("intermediate_size")
+    if experts:
+        fields["moe"] = dict(
+            n_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("moe_intermediate_size"),
+            n_shared_experts=1,  # Qwen3NextSparseMoeBlock.shared_expert: one gated MLP
+            shared_ffn_hidden_size=need("shared_expert_intermediate_size"),
+            router="softmax",  # Qwen3NextTopKRouter: softmax, top-k renormalised
+        )
+    if "G" not in fields["layer_pattern"]:
+        del fields["gdn"]
     return fields

@@ -11,7 +11,10 @@ symbol   Megatron layer                                 here
 =======  ============================================  =====================
 ``*``    self-attention (MHA / GQA / MLA)               mixer ``attention``
 ``M``    Mamba-2 (state-space)                          mixer ``mamba``
-``G``    Gated DeltaNet (linear attention)              mixer ``gdn``
+``G``    Gated DeltaNet (linear attention; autosearch's mixer ``gdn``
+         symbol: megatron-core 0.16's Symbols are M * - E,
+         and its GPTModel places Gated DeltaNet layers
+         by ``linear_attention_freq``)
 ``-``    dense MLP                                      mlp ``dense``
 ``E``    mixture-of-experts MLP                         mlp ``moe``
 =======  ============================================  =====================

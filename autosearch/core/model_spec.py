@@ -96,6 +96,11 @@ class ModelSpec:
         mamba: the Mamba-2 mixer of the ``M`` blocks (`MambaSpec`), or None for a model
             without them.
         gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
+        attention_output_gate: the attention output is multiplied by sigmoid(x W_g) before
+            the output projection, W_g an h x (heads x head_dim) projection beside Q's (Qwen3-Next
+            and Qwen3.5: Hugging Face ``Qwen3NextAttention.q_proj`` is twice the query width;
+            Qiu et al. 2025, "Gated Attention for Large Language Models", G1). Priced as that
+            projection's FLOPs and parameters and the gate's elementwise pass.
     """
 
     name: str = "custom"
@@ -123,6 +128,7 @@ class ModelSpec:
     layer_pattern: str | None = None
     mamba: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
+    attention_output_gate: bool = False
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -178,6 +184,15 @@ class ModelSpec:
             )
         if not isinstance(self.tied_embeddings, bool):
             problems.append(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
+        if not isinstance(self.attention_output_gate, bool):
+            problems.append(
+                f"attention_output_gate must be true or false, got {self.attention_output_gate!r}"
+            )
+        elif self.attention_output_gate and self.mla is not None:
+            problems.append(
+                "attention_output_gate with mla is not modelled (the gate is a projection beside "
+                "Q's, which latent attention does not have); drop one"
+            )
         problems += self._check_variants()
         if not problems:
             explicit_head = self.head_dim is not None
@@ -378,12 +393,19 @@ class ModelSpec:
         return 3 if self.ffn_gated else 2
 
     @property
+    def attention_gate_width(self) -> int:
+        """Width of the attention's output gate projection: heads x head_dim with
+        `attention_output_gate`, else 0."""
+        return self.attention_hidden_size if self.attention_output_gate else 0
+
+    @property
     def attention_matmul_params(self) -> int:
-        """Weights of the attention's projections: QKV and output (or MLA's, `MLASpec`)."""
+        """Weights of the attention's projections: QKV (and the output gate's), output (or
+        MLA's, `MLASpec`)."""
         h, q = self.hidden_size, self.attention_hidden_size
         if self.mla is not None:
             return self.mla.matmul_params(h, self.n_heads)
-        return h * (q + 2 * self.kv_hidden_size) + q * h
+        return h * (q + self.attention_gate_width + 2 * self.kv_hidden_size) + q * h
 
     @property
     def layer_matmul_params(self) -> int:
@@ -808,6 +830,8 @@ class ModelSpec:
         for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
             if out[name] is None:
                 del out[name]
+        if not self.attention_output_gate:
+            del out["attention_output_gate"]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
             out["lora"]["targets"] = list(self.lora.targets or ())
         return out
@@ -919,6 +943,8 @@ def unbuilt(model: ModelSpec) -> list[str]:
         out.append("ALiBi position biases (position_embedding alibi)")
     if model.mtp_layers:
         out.append(f"multi-token prediction (mtp_layers {model.mtp_layers}; 0 trains without it)")
+    if model.attention_output_gate:
+        out.append("the attention output gate (attention_output_gate)")
     return out
 
 

@@ -195,21 +195,34 @@ def account_for_embedding_and_loss(n_layers: int, chunks: int) -> tuple[int, ...
 
 
 def context_parallel_problem(
-    cp: int, seq_len: int | None, model: "ModelSpec | None" = None
+    cp: int, seq_len: int | None, model: "ModelSpec | None" = None, tp: int = 1
 ) -> str | None:
     """Load-balanced ring attention cuts the sequence into 2 * cp pieces (torch's context
     parallel pairs piece i with piece 2cp-1-i, so causal work is even across ranks). Mamba-2
-    layers are not priced under cp (Megatron-Core exchanges their heads all-to-all,
-    megatron/core/ssm/mamba_context_parallel.py, which the cost model has no term for)."""
-    if cp > 1 and model is not None and model.mamba is not None:
-        return (
-            f"cp={cp} with Mamba-2 layers is not priced (Megatron-Core's head-wise all-to-all "
-            "of the Mamba layers has no term yet); use cp=1"
-        )
+    layers under cp exchange their heads all-to-all (Megatron-Core
+    megatron/core/ssm/mamba_context_parallel.py, MambaContextParallel): each cp rank takes
+    whole heads of the tp rank's, so cp divides n_heads / tp, and whole groups (cp divides
+    n_groups / tp) or a share of one group's heads (n_groups / tp divides cp)."""
+    mamba = model.mamba if model is not None else None
+    if cp > 1 and mamba is not None and not (mamba.n_heads % tp or mamba.n_groups % tp):
+        heads, groups = mamba.n_heads // tp, mamba.n_groups // tp
+        if heads % cp:
+            return (
+                f"cp={cp} does not divide the Mamba-2 mixer's {mamba.n_heads} heads / tp={tp} "
+                f"= {heads} (Megatron-Core gives each cp rank whole heads); use a cp that "
+                f"divides {heads}"
+            )
+        if (groups % cp) if groups >= cp else (cp % groups):
+            return (
+                f"cp={cp} and the Mamba-2 mixer's {mamba.n_groups} groups / tp={tp} = {groups}: "
+                "one must divide the other (Megatron-Core gives each cp rank whole groups or a "
+                f"share of one group's heads); use a cp that divides {groups} or a multiple of it"
+            )
     if cp > 1 and model is not None and model.gdn is not None:
         return (
-            f"cp={cp} with Gated DeltaNet layers is not priced (their chunk-wise state passing "
-            "across ranks has no term yet); use cp=1"
+            f"cp={cp} with Gated DeltaNet layers is not priced (megatron-core 0.16 runs none: "
+            "gated_delta_net.py leaves its GatedDeltaNetContextParallel commented out, and "
+            "their chunk-wise state passing across ranks has no term); use cp=1"
         )
     if cp == 1 or seq_len is None or seq_len % (2 * cp) == 0:
         return None
@@ -443,8 +456,10 @@ RULES: tuple[Rule, ...] = (
     Rule("sequence_parallel", ("sequence_parallel", "tp", "cp"), _sequence_parallel),
     Rule(
         "context_parallel",
-        ("cp",),
-        lambda v, m, c: context_parallel_problem(v["cp"], m.seq_len if m is not None else None, m),
+        ("cp", "tp"),
+        lambda v, m, c: context_parallel_problem(
+            v["cp"], m.seq_len if m is not None else None, m, v["tp"]
+        ),
     ),
     Rule(
         "schedule",

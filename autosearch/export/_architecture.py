@@ -47,6 +47,10 @@ class Architecture:
         attention_sinks: a learned per-head logit in the softmax's denominator (gpt-oss).
         swiglu_limit: the gated MLP's inputs clamped to +-limit (gpt-oss: 7).
         shared_expert_gate: a sigmoid gate on the shared expert's output (Qwen2-MoE).
+        nope: the attention layers use no position embedding (Nemotron-H: Megatron-Bridge
+            NemotronHModelProvider position_embedding_type "none"; Granite 4.0-H:
+            GraniteMoeHybridConfig position_embedding_type "nope"). A ModelSpec prices rotary
+            positions there (no weights; a few elementwise passes).
         known: the values come from the model's release (False: a model off the catalog).
     """
 
@@ -62,6 +66,7 @@ class Architecture:
     attention_sinks: bool = False
     swiglu_limit: float | None = None
     shared_expert_gate: bool = False
+    nope: bool = False
     known: bool = True
 
     @property
@@ -110,6 +115,7 @@ SPEC_FIELDS = (
     "layer_pattern",
     "mamba",
     "gdn",
+    "attention_output_gate",
 )
 ARCH_FIELDS = tuple(
     f"arch.{f.name}" for f in dataclasses.fields(Architecture) if f.name != "known"
@@ -233,6 +239,28 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         attention_sinks=True,
         swiglu_limit=7.0,
+    ),
+    # Hybrids. Nemotron-H / Nemotron 3 (tests/data/hf_configs: layer_norm_epsilon 1e-5; no
+    # position embedding); Granite 4.0-H (ibm-granite/granite-4.0-h-small config.json:
+    # rms_norm_eps 1e-5, position_embedding_type "nope")
+    **{
+        n: Architecture(norm_eps=1e-5, nope=True)
+        for n in (
+            "nemotron-h-8b",
+            "nemotron-h-56b",
+            "nemotron-3-nano-30b-a3b",
+            "granite-4.0-h-small",
+        )
+    },
+    # Qwen3-Next (tests/data/hf_configs/qwen3-next-80b-a3b.json: rope_theta 1e7 on a quarter of
+    # each head, partial_rotary_factor 0.25; q/k RMSNorm; rms_norm_eps 1e-6; the shared expert's
+    # sigmoid gate)
+    "qwen3-next-80b-a3b": Architecture(
+        rope_base=1e7,
+        rotary_percent=0.25,
+        qk_norm="rmsnorm",
+        norm_eps=1e-6,
+        shared_expert_gate=True,
     ),
     "tiny-gpt": _TINY,
     "tiny-llama": _TINY,

@@ -164,11 +164,14 @@ class DeepSpeedExporter(Exporter):
         mapped |= declared
         unsupported += cannot
         fields: tuple[tuple[str, str], ...] = ()
+        refused: tuple[tuple[str, str], ...] = ()
         if model is not None:
             values = field_values(model, architecture_of(model))
+            refused = hybrid_refusals(model)
             fields = tuple(
                 (f, f"TRAIN_SCRIPT's model: {values[f]!r} (DeepSpeed has no model keys)")
                 for f in MODEL_FIELDS
+                if f not in dict(refused)
             )
             notes.append(
                 f"the model ({model.name}: {model.n_layers} layers, hidden {model.hidden_size}, "
@@ -184,8 +187,30 @@ class DeepSpeedExporter(Exporter):
             command=launch_command(s, cluster),
             filename="ds_config.json",
             model_fields=fields,
+            refused=refused,
             script=launch_script(s, model=model, cluster=cluster),
         )
+
+
+def hybrid_refusals(model) -> tuple[tuple[str, str], ...]:
+    """The hybrid parts of `model` DeepSpeed does not train: it runs the training script's own
+    modules with no Mamba-2 or Gated DeltaNet kernels of its own (AutoTP shards nn.Linear
+    layers by name, and ZeRO is layer-agnostic), so autosearch prices DeepSpeed for attention +
+    MLP blocks only (cost_models/runtimes.yaml ``deepspeed`` supports neither ``mamba`` nor
+    ``gdn``); Megatron-Core trains them (``--to megatron``)."""
+    lacks = (
+        "DeepSpeed has no {what} (its preset prices attention + MLP blocks); export --to megatron"
+    )
+    out = []
+    if any(layer.mixer != "attention" or layer.mlp == "none" for layer in model.layers):
+        out.append(("layer_pattern", lacks.format(what=f"hybrid layers ({model.pattern[:40]})")))
+    if model.mamba is not None:
+        out.append(("mamba", lacks.format(what="Mamba-2 mixer")))
+    if model.gdn is not None:
+        out.append(("gdn", lacks.format(what="Gated DeltaNet mixer")))
+    if model.attention_output_gate:
+        out.append(("attention_output_gate", lacks.format(what="gated attention")))
+    return tuple(out)
 
 
 def launch_command(strategy, cluster=None) -> str:

@@ -48,7 +48,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--normalization": ("str", "TransformerConfig.normalization (LayerNorm, RMSNorm)"),
     "--position-embedding-type": (
         "str",
-        "GPTModel(position_embedding_type=...) learned_absolute|rope",
+        "GPTModel / MambaModel(position_embedding_type=...) learned_absolute|rope|none",
     ),
     "--disable-bias-linear": ("switch", "TransformerConfig.add_bias_linear = False"),
     "--hidden-dropout": ("float", "TransformerConfig.hidden_dropout"),
@@ -147,7 +147,31 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--rotary-scaling-factor": ("float", "MLATransformerConfig.rotary_scaling_factor"),
     "--mscale": ("float", "MLATransformerConfig.mscale"),
     "--mscale-all-dim": ("float", "MLATransformerConfig.mscale_all_dim"),
+    # hybrid models (issue 33): Megatron-Core's MambaModel (megatron/core/models/mamba,
+    # megatron/core/ssm) through Megatron-LM's pretrain_mamba.py (mamba_builders.py
+    # mamba_builder: MambaModel(hybrid_override_pattern=args.hybrid_override_pattern, ...),
+    # the layer spec by --spec), and GPTModel's Gated DeltaNet attention variant
+    "--hybrid-override-pattern": ("str", "MambaModel(hybrid_override_pattern=...)"),
+    "--spec": ("list", "Megatron-LM mamba_builders.py import_module(args.spec)"),
+    "--mamba-state-dim": ("int", "TransformerConfig.mamba_state_dim"),
+    "--mamba-head-dim": ("int", "TransformerConfig.mamba_head_dim"),
+    "--mamba-num-groups": ("int", "TransformerConfig.mamba_num_groups"),
+    "--mamba-num-heads": ("int", "TransformerConfig.mamba_num_heads"),
+    "--experimental-attention-variant": (
+        "str",
+        "TransformerConfig.experimental_attention_variant (gated_delta_net)",
+    ),
+    "--linear-attention-freq": ("str", "TransformerConfig.linear_attention_freq (int or list)"),
+    "--linear-conv-kernel-dim": ("int", "TransformerConfig.linear_conv_kernel_dim"),
+    "--linear-key-head-dim": ("int", "TransformerConfig.linear_key_head_dim"),
+    "--linear-value-head-dim": ("int", "TransformerConfig.linear_value_head_dim"),
+    "--linear-num-key-heads": ("int", "TransformerConfig.linear_num_key_heads"),
+    "--linear-num-value-heads": ("int", "TransformerConfig.linear_num_value_heads"),
+    "--attention-output-gate": ("switch", "TransformerConfig.attention_output_gate"),
 }
+# The stack spec pretrain_mamba.py builds a hybrid from (megatron-core 0.16
+# models/mamba/mamba_layer_specs.py: TransformerEngine layers, Mamba-2 mixers)
+MAMBA_SPEC = "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec"
 
 # Load balancing: ours -> (Megatron's type, coefficient, expert bias). The coefficients are the
 # published ones, not part of a ModelSpec: 1e-3 is the router_aux_loss_coef of Mixtral's and
@@ -220,6 +244,18 @@ class MegatronExporter(Exporter):
         else:
             mapped.add("pipeline_schedule")
         chunks = s.layers_per_chunk(model.n_layers) if model is not None else None
+        if model is not None and chunks is not None and program_of(model) == MAMBA_PROGRAM:
+            chunks = _megatron_layers(model, chunks)
+            if len(set(chunks)) > 1 or s.virtual_stages > 1:
+                unsupported.append(
+                    (
+                        "pipeline_split",
+                        f"MambaModel splits its {sum(chunks)} Megatron layers (one per symbol "
+                        f"of the hybrid pattern) evenly over pp; the planned split is "
+                        f"{list(chunks)} of them",
+                    )
+                )
+                chunks = None
         if chunks is None or (len(set(chunks)) == 1 and chunks[0] > 0):  # the even split
             if s.virtual_stages > 1 and chunks is not None:
                 flags.append(f"--num-layers-per-virtual-pipeline-stage {chunks[0]}")
@@ -344,11 +380,12 @@ class MegatronExporter(Exporter):
             flags.append("--tp-comm-overlap")
             notes.append("--tp-comm-overlap needs TransformerEngine's userbuffers")
         mapped.add("async_tp")
-        launcher = ["pretrain_gpt.py"]
+        program = program_of(model)
+        launcher = [program]
         if cluster is not None:
             launcher = [
                 f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.gpus_per_node}",
-                "pretrain_gpt.py",
+                program,
             ]
             if cluster.world_size != s.world_size:
                 notes.append(
@@ -380,7 +417,7 @@ def launch_script(flags, strategy, *, model=None, cluster=None, refused=None) ->
     setup = [
         require(
             "MEGATRON_LM",
-            "set MEGATRON_LM to your Megatron-LM checkout, the folder with pretrain_gpt.py",
+            f"set MEGATRON_LM to your Megatron-LM checkout, the folder with {program_of(model)}",
         ),
         require("TRAIN_ITERS", PLACEHOLDERS["TRAIN_ITERS"]),
         require("LR", PLACEHOLDERS["LR"]),
@@ -409,7 +446,7 @@ def launch_script(flags, strategy, *, model=None, cluster=None, refused=None) ->
         guard = refusal("Megatron-LM", model.name if model else "the model", refused.items())
         guard += "; run with ALLOW_UNSUPPORTED=1 to train it anyway"
     return script(
-        title=f"Megatron-LM pretrain_gpt.py for {what}with {strategy.short()}, by autosearch",
+        title=f"Megatron-LM {program_of(model)} for {what}with {strategy.short()}, by autosearch",
         comments=[
             "Smoke run on mock data: MOCK_DATA=1 TRAIN_ITERS=10 LR=3e-4 "
             "CHECKPOINT_DIR=/tmp/ckpt MEGATRON_LM=/path/to/Megatron-LM bash megatron.sh",
@@ -419,7 +456,7 @@ def launch_script(flags, strategy, *, model=None, cluster=None, refused=None) ->
         nnodes=nodes,
         gpus_per_node=per_node,
         setup=setup,
-        program=['"$MEGATRON_LM/pretrain_gpt.py"'],
+        program=[f'"$MEGATRON_LM/{program_of(model)}"'],
         args=flags,
         tail=[
             '"${DATA[@]}"',
@@ -440,8 +477,11 @@ def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, 
     arch = arch if arch is not None else architecture_of(model)
     m = FieldMap()
     notes: list[str] = []
+    mamba_model = program_of(model) == MAMBA_PROGRAM
+    # MambaModel counts a Megatron layer per symbol of the pattern (a mixer, or an MLP)
+    n_layers = len(model.pattern) if mamba_model else model.n_layers
     flags = [
-        f"--num-layers {model.n_layers}",
+        f"--num-layers {n_layers}",
         f"--hidden-size {model.hidden_size}",
         f"--num-attention-heads {model.n_heads}",
     ]
@@ -491,13 +531,20 @@ def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, 
     flags.append(f"--norm-epsilon {arch.norm_eps:g}")
     m.set("arch.norm_eps", f"--norm-epsilon {arch.norm_eps:g}")
     position = _POSITIONS.get(model.position_embedding)
-    if position is None:
+    if arch.nope:  # GPTModel / MambaModel position_embedding_type "none"
+        m.set("arch.nope", "--position-embedding-type none")
+        m.set("position_embedding", "--position-embedding-type none (arch.nope)")
+        position = "none"
+    elif position is None:
         m.refuse("position_embedding", f"{model.position_embedding}: Megatron-LM has no ALiBi")
         position = "rope"
     else:
         m.set("position_embedding", f"--position-embedding-type {position}")
     flags.append(f"--position-embedding-type {position}")
-    flags += _rope_flags(model, arch, m, notes)
+    if position != "none":
+        flags += _rope_flags(model, arch, m, notes)
+    else:
+        m.set(("arch.rope_base", "arch.rope_scaling", "arch.rotary_percent"), "no RoPE")
     if not model.linear_bias:
         flags.append("--disable-bias-linear")
     m.set("linear_bias", "--disable-bias-linear" if not model.linear_bias else "biases (default)")
@@ -576,7 +623,7 @@ def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, 
     else:
         m.set([x for x in MODEL_FIELDS if x.startswith("mla.")], "no MLA (default)")
     if model.moe is not None:
-        flags += moe_flags(model)
+        flags += moe_flags(model, placed=not mamba_model)
         m.set([x for x in MODEL_FIELDS if x.startswith("moe.")], "--num-experts ... (MoE flags)")
     else:
         m.set([x for x in MODEL_FIELDS if x.startswith("moe.")], "dense MLP (default)")
@@ -591,20 +638,12 @@ def model_flags(model, arch=None, *, tp: int = 1) -> tuple[list[str], FieldMap, 
         )
     else:
         m.set("lora", "full training")
-    hybrid = any(layer.mixer != "attention" or layer.mlp == "none" for layer in model.layers)
-    why = (
-        "pretrain_gpt.py builds attention + MLP layers; Megatron's hybrid MambaModel "
-        "(pretrain_mamba.py --hybrid-override-pattern, megatron/core/ssm) is not exported yet"
-    )
-    if hybrid:  # Mamba or DeltaNet layers, or a mixer or an MLP alone: not GPT layers
-        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+    flags += _hybrid_flags(model, m, notes)
+    if model.attention_output_gate:
+        flags.append("--attention-output-gate")
+        m.set("attention_output_gate", "--attention-output-gate")
     else:
-        m.set("layer_pattern", "attention + MLP layers (--moe-layer-freq places the experts)")
-    for name, what in (("mamba", "Mamba-2"), ("gdn", "Gated DeltaNet")):
-        if getattr(model, name) is not None:
-            m.refuse(name, f"{what} layers: {why}")
-        else:
-            m.set(name, f"no {what} layers")
+        m.set("attention_output_gate", "off (default)")
     for name in ARCH_FIELDS:  # the rest, at their off values
         if name not in m.exported and name not in m.refused:
             m.set(name, "off (default)")
@@ -673,11 +712,12 @@ def _rope_flags(model, arch, m: FieldMap, notes: list[str]) -> list[str]:
     return flags
 
 
-def moe_flags(model) -> list[str]:
+def moe_flags(model, *, placed: bool = True) -> list[str]:
     """Megatron-Core's MoE layer for `model.moe`: routed experts as grouped GEMMs behind the
     all-to-all dispatcher (what autosearch prices), the shared experts as one MLP of their
-    summed width, the MoE layers as an explicit 0/1 list (`ModelSpec.moe_layers`), the
-    router's score function and load balancing."""
+    summed width, the MoE layers as an explicit 0/1 list (`ModelSpec.moe_layers`; not
+    `placed`: the hybrid pattern's ``E`` places them), the router's score function and load
+    balancing."""
     moe = model.moe
     kind, coeff, bias = _BALANCING[moe.load_balancing]
     flags = [
@@ -688,7 +728,7 @@ def moe_flags(model) -> list[str]:
     if moe.n_shared_experts:
         width = moe.n_shared_experts * moe.shared_ffn_hidden_size
         flags.append(f"--moe-shared-expert-intermediate-size {width}")
-    if not all(model.moe_layers):
+    if placed and not all(model.moe_layers):
         flags.append(f"--moe-layer-freq {_layer_pattern(model.moe_layers)}")
     flags += [
         "--moe-grouped-gemm",
@@ -739,3 +779,122 @@ def layout(chunks: tuple[int, ...], mtp_layers: int = 0) -> str:
     runs = ((part, len(list(same))) for part, same in itertools.groupby(parts[1:-1]))
     body = "".join(f"({part}|)*{n}" if n > 1 else f"{part}|" for part, n in runs)
     return f"{parts[0]}|{body}{parts[-1]}"
+
+
+GPT_PROGRAM, MAMBA_PROGRAM = "pretrain_gpt.py", "pretrain_mamba.py"
+
+
+def program_of(model) -> str:
+    """The Megatron-LM script that builds `model`: pretrain_mamba.py (Megatron-Core's
+    MambaModel, whose layers are the symbols of the hybrid pattern) for a model with Mamba-2
+    mixers or with a mixer or an MLP alone in a block; pretrain_gpt.py (GPTModel: attention,
+    or its Gated DeltaNet variant, and an MLP in every layer) otherwise."""
+    if model is None:
+        return GPT_PROGRAM
+    alone = any(layer.mixer == "none" or layer.mlp == "none" for layer in model.layers)
+    return MAMBA_PROGRAM if model.mamba is not None or alone else GPT_PROGRAM
+
+
+def _megatron_layers(model, chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """Megatron layers (symbols of the hybrid pattern) in each pipeline chunk of `chunks`
+    blocks."""
+    out, start = [], 0
+    for n in chunks:
+        out.append(sum(len(layer.symbols) for layer in model.layers[start : start + n]))
+        start += n
+    return tuple(out)
+
+
+def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
+    """The layer pattern and the Mamba-2 / Gated DeltaNet mixers.
+
+    Mamba-2 (and blocks of a mixer or an MLP alone): MambaModel by pretrain_mamba.py,
+    ``--hybrid-override-pattern`` in Megatron's symbols (``M``, ``*``, ``-``, ``E``: megatron-core
+    0.16 ``ssm/mamba_hybrid_layer_allocation.py`` ``Symbols``), one Megatron layer each, the
+    mixer's ``--mamba-*`` fields (MambaMixer reads mamba_state_dim, mamba_head_dim,
+    mamba_num_groups, mamba_num_heads from the config; its conv1d has 4 taps and a bias and
+    its projections no bias, fixed in ``mamba_mixer.py``). Gated DeltaNet: GPTModel's
+    ``experimental_attention_variant`` gated_delta_net, the layers by ``linear_attention_freq``
+    (1 a Gated DeltaNet layer, 0 attention: ``get_linear_attention_pattern``) and the
+    ``linear_*`` fields; megatron-core 0.16's hybrid pattern has no symbol for it."""
+    flags: list[str] = []
+    blocks = model.layers
+    if program_of(model) == GPT_PROGRAM:
+        gdn = model.gdn
+        if gdn is None:
+            m.set("layer_pattern", "attention + MLP layers (--moe-layer-freq places the experts)")
+        else:
+            which = tuple(layer.mixer == "gdn" for layer in blocks)
+            flags += [
+                "--experimental-attention-variant gated_delta_net",
+                f"--linear-attention-freq {_layer_pattern(which)}",
+                f"--linear-conv-kernel-dim {gdn.conv_kernel}",
+                f"--linear-key-head-dim {gdn.head_k_dim}",
+                f"--linear-value-head-dim {gdn.head_v_dim}",
+                f"--linear-num-key-heads {gdn.n_k_heads}",
+                f"--linear-num-value-heads {gdn.n_v_heads}",
+            ]
+            m.set(
+                "layer_pattern",
+                f"--linear-attention-freq {_layer_pattern(which)} (--moe-layer-freq the experts)",
+            )
+            m.set("gdn", "--experimental-attention-variant gated_delta_net --linear-* ...")
+            notes.append(
+                "Gated DeltaNet layers: megatron-core >= 0.16 (megatron/core/ssm/"
+                "gated_delta_net.py), with flash-linear-attention installed"
+            )
+        if gdn is None:
+            m.set("gdn", "no Gated DeltaNet layers")
+        m.set("mamba", "no Mamba-2 layers")
+        return flags
+    # MambaModel
+    if model.gdn is not None:
+        why = (
+            "MambaModel's hybrid pattern has no Gated DeltaNet symbol (megatron-core 0.16 "
+            "Symbols: M * - E) and GPTModel has no Mamba-2 layers"
+        )
+        m.refuse("gdn", why)
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+        m.set("mamba", "see layer_pattern")
+        return flags
+    pattern = model.pattern
+    flags += [f"--hybrid-override-pattern {pattern}", f"--spec {MAMBA_SPEC}"]
+    m.set("layer_pattern", f"--hybrid-override-pattern {pattern[:40]}...")
+    mamba = model.mamba
+    if mamba is None:
+        m.set("mamba", "no Mamba-2 layers")
+    else:
+        flags += [
+            f"--mamba-state-dim {mamba.d_state}",
+            f"--mamba-head-dim {mamba.head_dim}",
+            f"--mamba-num-groups {mamba.n_groups}",
+            f"--mamba-num-heads {mamba.n_heads}",
+        ]
+        fixed = {"conv_kernel": 4, "conv_bias": True, "proj_bias": False}
+        other = {k: getattr(mamba, k) for k, v in fixed.items() if getattr(mamba, k) != v}
+        if other:
+            m.refuse(
+                "mamba",
+                f"{other}: megatron-core's MambaMixer has a 4-tap conv1d with a bias and "
+                "projections without (mamba_mixer.py, not config fields)",
+            )
+        else:
+            m.set("mamba", "--mamba-state-dim --mamba-head-dim --mamba-num-groups ...")
+        if mamba.chunk_size != 128:
+            notes.append(
+                f"MambaMixer scans in chunks of 128 tokens (mamba_mixer.py chunk_size, not a "
+                f"flag); the model plans {mamba.chunk_size}: the same network, another tiling"
+            )
+        width = 2 * mamba.d_inner + 2 * mamba.n_groups * mamba.d_state + mamba.n_heads
+        if width % 16:
+            notes.append(
+                f"MambaMixer asserts its in_proj width (2 d_inner + 2 groups d_state + heads "
+                f"= {width}) is a multiple of 16 for TransformerEngine; this one is not"
+            )
+    m.set("gdn", "no Gated DeltaNet layers")
+    notes.append(
+        "pretrain_mamba.py builds MambaModel: --num-layers counts each symbol of "
+        "--hybrid-override-pattern as a Megatron layer (releases after megatron-core 0.16 name "
+        "the flag --hybrid-layer-pattern)"
+    )
+    return flags

@@ -252,6 +252,7 @@ def refuse_common(model, arch: Architecture, m: FieldMap) -> None:
         ("arch.attention_sinks", arch.attention_sinks, "gpt_oss has sinks, with biases"),
         ("arch.swiglu_limit", arch.swiglu_limit is not None, "gpt_oss's clamp, with biases"),
         ("arch.shared_expert_gate", arch.shared_expert_gate, "torchtitan's MoE has no gate"),
+        ("arch.nope", arch.nope, "torchtitan's LLMs put RoPE on every attention layer"),
     ):
         if on:
             m.refuse(name, why)
@@ -265,6 +266,8 @@ def refuse_common(model, arch: Architecture, m: FieldMap) -> None:
         m.refuse("mamba", "torchtitan 0.2 has no Mamba-2 layers")
     if model.gdn is not None:
         m.refuse("gdn", "torchtitan 0.2 has no Gated DeltaNet layers")
+    if model.attention_output_gate:
+        m.refuse("attention_output_gate", "torchtitan 0.2's attention has no output gate")
     if model.moe is not None and model.moe.capacity_factor is not None:
         m.refuse("moe.capacity_factor", "torchtitan's MoE is dropless")
 

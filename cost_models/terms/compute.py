@@ -147,9 +147,12 @@ def _block_gemms(ctx: Context, x: _Layer) -> tuple[float, float]:
     q = m.attention_hidden_size  # heads x head_dim (= h unless head_dim is given)
     peak, key = gemm_rate(ctx, x)
     if m.mla is None:
-        qkv = gemm.time_s(T, (q + 2 * kv) / t, h, peak, key)
+        # with an output gate (`ModelSpec.attention_output_gate`), Q's projection also gives
+        # the gate: Hugging Face Qwen3NextAttention.q_proj is 2 x heads x head_dim wide
+        qkv_width = q + m.attention_gate_width + 2 * kv
+        qkv = gemm.time_s(T, qkv_width / t, h, peak, key)
         proj = gemm.time_s(T, h, q / t, peak, key)
-        kv_recompute = qkv * kv / (q + 2 * kv)
+        kv_recompute = qkv * kv / qkv_width
     else:
         qkv, proj, kv_recompute = _mla_gemms(ctx, x, peak, key)
     fc1 = gemm.time_s(T, x.n_up * f / t, h, peak, key)
@@ -295,7 +298,18 @@ def _elementwise(ctx: Context, x: _Layer, softmax_bytes: float) -> tuple[float, 
         + rotary
         + softmax_s
     )
+    if m.attention_output_gate:
+        fwd += output_gate_s(ctx, x)
     return fwd, softmax_s
+
+
+def output_gate_s(ctx: Context, x: _Layer) -> float:
+    """The attention output gate's elementwise pass, o * sigmoid(g) on the local heads: read
+    the output and the gate, write the product (Hugging Face Qwen3NextAttention.forward), one
+    kernel."""
+    m = ctx.model
+    nbytes = 3 * x.T * m.attention_gate_width * x.ab / x.t
+    return ctx.profile.kernel_launch_s + elementwise_s(ctx, x)(nbytes)
 
 
 def elementwise_s(ctx: Context, x: _Layer) -> Callable[[float], float]:
@@ -323,7 +337,7 @@ def _fp8_scaling(ctx: Context, x: _Layer) -> tuple[float, float]:
     elementwise = elementwise_s(ctx, x)
     # qkv and fc1 see the whole (gathered) sequence, proj and fc2 their tp shard
     inputs = 2 * T * h + T * q / t + T * f / t
-    grads = T * (q + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
+    grads = T * (q + m.attention_gate_width + 2 * kv) / t + T * h + T * x.n_up * f / t + T * h
     kernels = 2.0 if x.fp8 == "rowwise" else 1.0
     fp8_gathered = rt.fp8_all_gather and x.fp8 == "tensorwise"
     weight_cast = 0.0 if fp8_gathered else m.layer_matmul_params / t * 5

@@ -494,13 +494,23 @@ def expert_data_parallel(s: "Strategy") -> tuple[int, int]:
 
 
 def rank_s(
-    s: "Strategy", layer: LayerCosts, e: ExpertLayer, n_moe: int, rank_layers: float
+    s: "Strategy",
+    layer: LayerCosts,
+    e: ExpertLayer,
+    n_moe: int,
+    rank_layers: float,
+    *,
+    mixer_s: float | None = None,
 ) -> tuple[float, float, float]:
     """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its
     blocks priced as dense ones; recomputed layers are MoE layers in the rank's proportion. A
     MoE layer takes at least the runtime's host time (`moe_layer_host_s`): when its GPU work is
-    shorter, the GPU waits for the host's launches. Megatron's per-module recompute
-    (`recompute_modules`) repeats its modules on every layer of the rank."""
+    shorter, the GPU waits for the host's launches. `mixer_s`: where the MoE MLP is a Megatron
+    layer of its own (a hybrid's ``E``: `moe_is_own_layer`), what the base block's mixer adds
+    to its GPU time (attention, its norm and its pair of collectives, forward and backward;
+    `ssm.no_mixer_part`), taken out of the GPU work the host time is compared with. Megatron's
+    per-module recompute (`recompute_modules`) repeats its modules on every layer of the
+    rank."""
     modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
     if not n_moe:
         return 0.0, modules_s, 0.0
@@ -508,12 +518,24 @@ def rank_s(
     n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
     compute = e.fwd_s + e.bwd_s
     gpu = layer.fwd_s + layer.bwd_s + 2.0 * (layer.tp_comm_fwd_s + e.comm_fwd_s) + compute
+    if mixer_s is not None:
+        gpu -= mixer_s
     compute += max(0.0, e.host_s - gpu)
     return (
         n_moe * compute,
         n_rc * rc_s + modules_s,
         n_moe * (2.0 + e.modules_comm) * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
     )
+
+
+def moe_is_own_layer(model: Any) -> bool:
+    """Whether the model's MoE MLPs are Megatron layers of their own: a hybrid built as
+    Megatron-Core's MambaModel (Mamba-2 mixers, or a mixer or an MLP alone in a block), where
+    each symbol of the hybrid pattern is a layer with its own forward (``mamba_block.py``
+    MambaStack: one layer per symbol), so an ``E`` layer's host time is not hidden behind its
+    block's mixer. In GPTModel a TransformerLayer holds the attention and the MoE MLP."""
+    alone = any(layer.mixer == "none" or layer.mlp == "none" for layer in model.layers)
+    return model.moe is not None and (model.mamba is not None or alone)
 
 
 class MoELayers:
@@ -540,15 +562,26 @@ class MoELayers:
             fields_read(stage_params) + rank_reads,
             lambda s: stage_params(s, ctx, rank_layers(s), self.counts(s)),
         )
+        self._own_layer = moe_is_own_layer(ctx.model)
+        if self._own_layer:
+            from cost_models.terms import ssm
+
+            self._mixer = cached(
+                fields_read(ssm.no_mixer_part), lambda s: ssm.no_mixer_part(s, ctx)
+            )
 
     def costs(self, s: "Strategy", base: LayerCosts) -> KindCosts:
         e, counts = self.expert_layer(s), self.counts(s)
         rest, routed = self._params(s)
+        mixer_s = None
+        if self._own_layer:  # the host time of an E layer hides behind the MoE MLP alone
+            part = self._mixer(s)
+            mixer_s = -(part.fwd_s + part.bwd_s + 2.0 * part.tp_pairs * base.tp_comm_fwd_s / 2)
         return KindCosts(
             counts=counts,
             fwd_s=e.fwd_s,
             bwd_s=e.bwd_s,
-            rank_s=functools.partial(rank_s, s, base, e),
+            rank_s=functools.partial(rank_s, s, base, e, mixer_s=mixer_s),
             activation_bytes=activation_bytes(s, self._ctx, e, counts),
             param_groups=((rest, None), (routed, expert_data_parallel(s))),
         )

@@ -123,7 +123,7 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         act_bytes=ab,
         fused_swiglu=s.compile or rt.fused_swiglu,
         fp8_linear_inputs=s.fp8 != "none" and rt.fp8_saves_fp8_inputs,
-        query_hidden=q,
+        query_hidden=q + m.attention_gate_width,  # Q and the output gate (saved for backward)
         out_hidden=o,
     )
     if m.mla is not None and recompute != "full":

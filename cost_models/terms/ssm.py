@@ -12,10 +12,13 @@ by heads and groups over tp), the causal depthwise conv1d and the chunked SSD sc
 local heads, and out_proj is row-parallel, so a Mamba layer has the attention layer's pair of
 collectives (Shoeybi et al. 2019's f and g; a reduce-scatter / all-gather pair under sequence
 parallel). The chunked scan (Dao & Gu 2024, sec. 6: intra-chunk C B^T and its product with x,
-chunk states and their outputs; `MambaSpec.ssd_flops_per_token`) runs as batched GEMMs in fused
-Triton kernels, priced at the fused-attention rate of the profile (`compute.attention_efficiency`)
-with the attention core's backward / forward ratio; the conv1d, the gated RMSNorm and the norm
-and residual of the layer are memory-bound (`compute.elementwise_s`). Megatron's fused path
+chunk states and their outputs) runs as mamba_ssm's Triton kernels, five forward and thirteen
+backward (`MambaSpec.ssd_kernels`: each kernel's FLOPs and the bytes it reads and writes, the
+fp32 chunk states among them), each priced as a roofline on the profile: the longer of its
+tensor-core work at the fused-attention rate (`compute.attention_efficiency`) and its bytes at
+the memory bandwidth (`compute.stream_s`); with d_state 128 and chunks of 128 the states' fp32
+passes make most of them memory-bound. The conv1d, the gated RMSNorm and the norm and residual
+of the layer are memory-bound (`compute.elementwise_s`). Megatron's fused path
 (``mamba_split_conv1d_scan_combined``, ``save_for_backward``) keeps in_proj's output (z, x, B,
 C, dt) and the scan output, and recomputes the conv and the chunk states in backward; the fp32
 chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
@@ -27,9 +30,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from autosearch.core._ssm import SSDKernel
 from autosearch.core.layers import Layer
 from cost_models.formulas import microbatches_in_flight
-from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, fields_read, reads
+from cost_models.terms import context_parallel
+from cost_models.terms._base import (
+    ACT_BYTES,
+    Context,
+    LayerCosts,
+    all_to_all_s,
+    fields_read,
+    reads,
+)
 from cost_models.terms.compute import (
     MLP_ACTIVATION_PASSES,
     _attention_core,
@@ -39,7 +51,9 @@ from cost_models.terms.compute import (
     elementwise_s,
     gemm_rate,
     layer_shape,
+    output_gate_s,
     recomputed_layers,
+    stream_s,
 )
 from cost_models.terms.layers import KindCosts, rank_counts
 
@@ -49,9 +63,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # Kernels of one sublayer's memory-bound work (its norm, residual add and the mixer's or MLP's
 # own: rotary or the activation): half of the base block's eight (`compute._elementwise`).
 _SUBLAYER_LAUNCHES = 4
-# Kernels of the Mamba-2 mixer's fused path forward: conv1d, chunk cumsum, chunk state, state
-# passing, BMM, chunk scan, gated norm (mamba_ssm ssd_combined._mamba_chunk_scan_combined_fwd).
-_MAMBA_LAUNCHES = 7
+# Kernels of the Gated DeltaNet mixer's chunked path forward (flash-linear-attention
+# chunk_gated_delta_rule: conv1d, cumsum, K K^T, WY solve, state, output, gated norm).
+_GDN_LAUNCHES = 7
 
 
 class Part(NamedTuple):
@@ -63,6 +77,9 @@ class Part(NamedTuple):
     recompute_s: float  # what the strategy's recompute repeats, per recomputed block
     activation_bytes: float  # saved for backward, per block
     params: float  # parameters on one tensor-parallel rank
+    # exposed communication it adds to one forward beyond its tp pairs (backward the same): a
+    # Mamba-2 layer's context-parallel all-to-all, less the attention's ring exchange
+    comm_fwd_s: float = 0.0
 
 
 _PART_READS = ("tp", "micro_batch_size", "amp", "sequence_parallel", "cp", "fp8", "compile")
@@ -109,9 +126,9 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
     peak, key = gemm_rate(ctx, x)
     if m.mla is None:
         q, kv = m.attention_hidden_size, m.kv_hidden_size
-        gemms = gemm.time_s(T, (q + 2 * kv) / t, h, peak, key) + gemm.time_s(
-            T, h, q / t, peak, key
-        )
+        gemms = gemm.time_s(
+            T, (q + m.attention_gate_width + 2 * kv) / t, h, peak, key
+        ) + gemm.time_s(T, h, q / t, peak, key)
     else:
         qkv, proj, _ = _mla_gemms(ctx, x, peak, key)
         gemms = qkv + proj
@@ -127,6 +144,8 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
         + rotary
         + softmax_s
     )
+    if m.attention_output_gate:
+        elem += output_gate_s(ctx, x)
     fwd = gemms + core_fwd + elem
     bwd = ctx.profile.gemm.backward_over_forward * gemms + core_bwd + 2.0 * elem
     # saved: Q, K, V and the projection's input split over tp, and the core's (fused: its
@@ -142,6 +161,7 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
         mask = 1.0 if m.dropout else 0.0
         core = m.n_heads * (m.seq_len / x.cp) * sb * (ab + mask * (ab + 1))
     qw, kvw, ow = attention_widths(m)
+    qw += m.attention_gate_width  # the gate's output, kept for its backward
     saved = _sublayer_input_bytes(s, ctx) + (sb * (ab * (qw + 2 * kvw) + li * ow) + core) / t
     return _Sublayer(fwd, bwd, fwd, core_fwd + softmax_s, saved)
 
@@ -185,10 +205,9 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, mamba.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, mamba.d_inner / t, peak, key
     )
-    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * mamba.ssd_flops_per_token() / t / (
-        x.peak * attention_efficiency(ctx, x.precision)
-    )
-    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    forward, backward = mamba.ssd_kernels(ab)
+    scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
+    scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
     elementwise = elementwise_s(ctx, x)
     # conv1d over x, B, C (read + write, SiLU fused) and the gated RMSNorm (read y and z,
     # write the product) on the local heads
@@ -203,6 +222,21 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     per_token += 4 * mamba.n_groups
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _ssd_s(ctx: Context, x: Any, kernels: "tuple[SSDKernel, ...]") -> float:
+    """Seconds of the SSD scan's kernels on the local heads (`MambaSpec.ssd_kernels`), each
+    a roofline: its launch, then the longer of its tensor-core work (at the fused-attention
+    rate of the profile, as FlashAttention's tiles: `compute.attention_efficiency`) and its
+    bytes streamed from memory (`compute.stream_s`: the profile's bandwidth for that working
+    set). No constant of its own: the rate, the bandwidth and the launch are the profile's."""
+    rate = x.peak * attention_efficiency(ctx, x.precision)
+    total = 0.0
+    for kernel in kernels:
+        flops = x.T * kernel.flops_per_token / x.t
+        nbytes = x.T * kernel.bytes_per_token / x.t
+        total += ctx.profile.kernel_launch_s + max(flops / rate, stream_s(ctx, nbytes))
+    return total
 
 
 def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
@@ -222,7 +256,7 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, gdn.value_dim / t, peak, key
     )
-    scan_fwd = _MAMBA_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+    scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
         x.peak * attention_efficiency(ctx, x.precision)
     )
     scan_bwd = prof.attention_backward_over_forward * scan_fwd
@@ -258,8 +292,14 @@ def _params(ctx: Context, block: Layer, t: int) -> float:
 @reads(*_PART_READS, "recompute")
 def mamba_part(s: "Strategy", ctx: Context) -> Part:
     """A Mamba-2 mixer in place of the attention sublayer: the same pair of tensor-parallel
-    collectives, so no traffic added."""
+    collectives; under cp, its all-to-alls (`mamba_cp_fwd_s`) in place of the attention's ring
+    exchange (`context_parallel.layer_comm`, which the base block holds)."""
     new, old = _mamba(s, ctx), _attention(s, ctx)
+    comm = 0.0
+    if s.cp > 1:
+        core_fwd, core_bwd, _ = _attention_core(ctx, layer_shape(s, ctx))
+        ring = context_parallel.layer_comm(s, ctx, core_fwd, core_bwd)
+        comm = mamba_cp_fwd_s(s, ctx) - ring
     return Part(
         new.fwd_s - old.fwd_s,
         new.bwd_s - old.bwd_s,
@@ -267,7 +307,32 @@ def mamba_part(s: "Strategy", ctx: Context) -> Part:
         _recompute_of(s, new) - _recompute_of(s, old),
         _kept(s, ctx, new) - _kept(s, ctx, old),
         _params(ctx, Layer("mamba", "dense"), s.tp),
+        comm,
     )
+
+
+def mamba_cp_fwd_s(s: "Strategy", ctx: Context) -> float:
+    """Seconds of one Mamba-2 layer's context-parallel all-to-alls, forward (Megatron-Core
+    ``mamba_context_parallel.py``: ``pre_conv_ssm`` sends z, x, B, C and dt from sequence
+    shards to head shards, B and C repeated where a group's heads span cp ranks;
+    ``post_conv_ssm`` sends the scan's output back); backward mirrors them. Each rank sends
+    its local tokens at those widths over the cp group (stride tp), blocking the layer's
+    stream; `_base.all_to_all_s` prices each."""
+    m = ctx.model
+    mamba = m.mamba
+    assert mamba is not None
+    t, cp, ab = s.tp, s.cp, ACT_BYTES[s.amp]
+    tokens = s.micro_batch_size * m.seq_len / cp
+    groups = max(mamba.n_groups // t, cp)  # B and C after the repeat (group_repeat_count)
+    widths = (
+        mamba.d_inner / t,  # z
+        mamba.d_inner / t,  # x
+        groups * mamba.d_state,  # B
+        groups * mamba.d_state,  # C
+        mamba.n_heads / t,  # dt
+        mamba.d_inner / t,  # the output, back to sequence shards
+    )
+    return sum(all_to_all_s(ctx, tokens * w * ab, cp, t) for w in widths)
 
 
 @reads(*_PART_READS, "recompute")
@@ -375,6 +440,8 @@ class _PartBlocks:
         part, counts = self._part(s), self.counts(s)
         # the base block's exposed collectives are two pairs (attention's, the MLP's)
         tp_fwd_s = part.tp_pairs * base.tp_comm_fwd_s / 2.0
+        if part.comm_fwd_s:
+            tp_fwd_s += part.comm_fwd_s
         in_flight = microbatches_in_flight(
             s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
         )
