@@ -1,0 +1,362 @@
+"""The state-space and linear-attention mixers of hybrid models, in plain PyTorch.
+
+* `Mamba2Mixer`, the ``M`` layers (Dao & Gu 2024, "Transformers are SSMs", Mamba-2): in_proj to
+  z, x, B, C and dt; a causal depthwise conv1d over x, B and C; the selective state-space scan
+  run as the chunked SSD algorithm (`ssd_scan`); a gated RMSNorm over groups of channels; out_proj.
+* `GatedDeltaNet`, the ``G`` layers (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks"):
+  in_proj to q, k, v, the output gate z and to b, a; a causal depthwise conv1d over q, k and v;
+  the gated delta rule run chunk by chunk in its WY form (`chunk_gated_delta_rule`); a gated
+  RMSNorm per value head; out_proj.
+
+Written by hand because no maintained library ships these scans as importable plain-PyTorch
+functions: ``mamba_ssm`` and ``flash-linear-attention`` need CUDA / Triton kernels (their torch
+references, ``ssd_minimal_discrete`` and ``chunk_gated_delta_rule_ref``, live in their test
+folders), and transformers keeps its torch paths private to the model files
+(``modeling_nemotron_h.NemotronHMamba2Mixer.torch_forward``,
+``modeling_qwen3_next.torch_chunk_gated_delta_rule``). Parameter names and layouts are those
+transformers uses (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+``out_proj``; ``in_proj_qkvz`` with q, k, v, z grouped per key head, ``in_proj_ba``), so a
+transformers mixer's state dict loads into these modules as it is (tests/test_ssm.py checks
+the outputs against transformers' own torch path on the same weights).
+
+Both scans run in float32, as transformers' and the kernels' do, whatever the input dtype.
+Their step-by-step recurrences are in tests/test_ssm.py, which checks the chunked forms
+against them in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
+
+# Mamba-2's initial step sizes span [DT_MIN, DT_MAX] (mamba_ssm ``Mamba2``: dt_min=0.001,
+# dt_max=0.1, the defaults of transformers' Mamba2 / NemotronH configs ``time_step_min/max``).
+DT_MIN, DT_MAX = 1e-3, 1e-1
+# Gated DeltaNet's decay rates A = exp(A_log) span (0, GDN_A_MAX] (transformers
+# ``Qwen3NextGatedDeltaNet``: A_log = log(uniform(0, 16))).
+GDN_A_MAX = 16.0
+# The eps of transformers' l2norm of q and k in the gated delta rule (``use_qk_l2norm_in_kernel``).
+L2NORM_EPS = 1e-6
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32, or float64 if it is (the tests' exact runs)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """out[..., i, j] = x[..., j+1] + ... + x[..., i] for j <= i, -inf above the diagonal:
+    the log-decay from position j to i (mamba_ssm ``ssd_minimal.segsum``, the stable form that
+    sums the masked values instead of subtracting two cumulative sums)."""
+    t = x.shape[-1]
+    x = x[..., None].expand(*x.shape, t)
+    strict = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1)
+    x = x.masked_fill(~strict, 0)
+    out = torch.cumsum(x, dim=-2)
+    lower = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=0)
+    return out.masked_fill(~lower, -torch.inf)
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Mamba-2's selective scan h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t from
+    h_0 = 0, in chunks (Dao & Gu 2024, sec. 6, the SSD algorithm; mamba_ssm
+    ``ssd_minimal_discrete``): the outputs within each chunk as a masked quadratic form, each
+    chunk's final state, the states passed from chunk to chunk, and their outputs.
+
+    Args:
+        x: (batch, seq, heads, head_dim).
+        dt: (batch, seq, heads), the step sizes after softplus.
+        A: (heads,), negative.
+        B, C: (batch, seq, groups, d_state); each group serves heads / groups heads.
+        chunk_size: tokens per chunk; a sequence is padded to a multiple of it (zero steps,
+            which change no earlier output).
+
+    Returns:
+        y (batch, seq, heads, head_dim) in float32, float64 for float64 inputs (the D skip
+        is the caller's).
+    """
+    batch, seq, heads, _ = x.shape
+    rep = heads // B.shape[2]
+    x, dt, B, C = (_at_least_fp32(t) for t in (x, dt, B, C))
+    B = B.repeat_interleave(rep, dim=2)
+    C = C.repeat_interleave(rep, dim=2)
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    xd = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad))
+    Ad = F.pad(A.to(dt.dtype) * dt, (0, 0, 0, pad))
+    B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (B, C))
+    # (batch, chunks, chunk, heads, ...): "b (c l) ... -> b c l ..."
+    xd, Ad, B, C = (t.reshape(batch, -1, chunk_size, *t.shape[2:]) for t in (xd, Ad, B, C))
+    Ad = Ad.permute(0, 3, 1, 2)  # b h c l
+    A_cumsum = torch.cumsum(Ad, dim=-1)
+    # 1. outputs within each chunk (the diagonal blocks)
+    L = torch.exp(_segment_sum(Ad))
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, xd)
+    # 2. the state each chunk ends with, from its own tokens
+    decay_states = torch.exp(A_cumsum[..., -1:] - A_cumsum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_states, xd)
+    # 3. the states entering each chunk, passed across chunks
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    decay_chunk = torch.exp(_segment_sum(F.pad(A_cumsum[..., -1], (1, 0))))
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)[:, :-1]
+    # 4. the outputs of the entering states
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(A_cumsum))
+    y = (y_diag + y_off).reshape(batch, -1, heads, x.shape[-1])
+    return y[:, :seq]
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (transformers' ``l2norm`` of qwen3_next,
+    flash-linear-attention's ``l2norm_fwd``)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The gated delta rule S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T,
+    o_t = S_t^T q_t / sqrt(d_k), from S_0 = 0 (Yang et al. 2024, eq. 10), in chunks: within a
+    chunk the WY form (sec. 3.3; flash-linear-attention ``chunk_gated_delta_rule``,
+    transformers ``torch_chunk_gated_delta_rule``), the state carried from chunk to chunk.
+
+    The chunk's (I + strictly-lower(beta K K^T * decay))^-1 is a triangular solve here, where
+    transformers runs the forward substitution row by row in place.
+
+    Args:
+        q, k: (batch, seq, heads, d_k), already l2-normalised if the model does so.
+        v: (batch, seq, heads, d_v).
+        g: (batch, seq, heads), the log decay (<= 0).
+        beta: (batch, seq, heads), the write strength in (0, 1).
+        chunk_size: tokens per chunk; a sequence is padded to a multiple of it.
+
+    Returns:
+        o (batch, seq, heads, d_v) in float32, float64 for float64 inputs.
+    """
+    seq = q.shape[1]
+    q, k, v, g, beta = (_at_least_fp32(t.transpose(1, 2)) for t in (q, k, v, g, beta))  # b h s ...
+    batch, heads, _, d_k = k.shape
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    q = q * d_k**-0.5
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, v, k_beta, v_beta = (
+        t.reshape(batch, heads, -1, chunk_size, t.shape[-1]) for t in (q, k, v, k_beta, v_beta)
+    )
+    g = g.reshape(batch, heads, -1, chunk_size).cumsum(dim=-1)
+    lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
+    # decay[i, j] = exp(g_i - g_j) for j <= i (masked before exp: no overflow above)
+    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, -torch.inf))
+    strict = torch.tril(lower, diagonal=-1)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    # T = (I + strictly-lower(diag(beta) K K^T * decay))^-1, the UT transform of the chunk
+    tri = eye + ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
+    T = torch.linalg.solve_triangular(tri, eye.expand_as(tri), upper=False, unitriangular=True)
+    u = T @ v_beta  # the pseudo-values
+    w = T @ (k_beta * g.exp()[..., None])  # the keys' decayed cumulative writes
+    state = q.new_zeros(batch, heads, d_k, v.shape[-1])
+    out = []
+    for c in range(q.shape[2]):
+        q_c, k_c, g_c = q[:, :, c], k[:, :, c], g[:, :, c]
+        scores = (q_c @ k_c.transpose(-1, -2) * decay[:, :, c]).masked_fill(~lower, 0)
+        v_new = u[:, :, c] - w[:, :, c] @ state
+        out.append((q_c * g_c.exp()[..., None]) @ state + scores @ v_new)
+        last = g_c[..., -1:]
+        state = (
+            state * last.exp()[..., None]
+            + (k_c * (last - g_c).exp()[..., None]).transpose(-1, -2) @ v_new
+        )
+    o = torch.stack(out, dim=2).reshape(batch, heads, -1, v.shape[-1])[:, :, :seq]
+    return o.transpose(1, 2)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a SiLU output gate over groups of `group_size` channels.
+
+    ``gate_first`` (Mamba-2 as Nemotron-H and mamba_ssm ``RMSNormGated(norm_before_gate=False)``
+    run it): weight * rmsnorm(x * silu(z)) per group. Otherwise (Gated DeltaNet, transformers
+    ``Qwen3NextRMSNormGated``): weight * rmsnorm(x) * silu(z). Computed in float32. A
+    tensor-parallel rank holding whole groups normalises its own channels (Megatron's
+    ``mamba_mixer``: the norm's group size is the same on every rank).
+    """
+
+    def __init__(self, width: int, *, group_size: int, eps: float, gate_first: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.group_size = group_size
+        self.eps = eps
+        self.gate_first = gate_first
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x, gate = x.float(), F.silu(z.float())
+        if self.gate_first:
+            x = x * gate
+        grouped = x.unflatten(-1, (-1, self.group_size))
+        x = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.gate_first:
+            return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype) * gate).to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def _depthwise_conv(channels: int, kernel: int, *, bias: bool) -> nn.Conv1d:
+    """A causal depthwise conv1d (padded by kernel - 1; the caller keeps the first seq outputs)."""
+    return nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1, bias=bias)
+
+
+def _init_conv(conv: nn.Conv1d) -> None:
+    """Normal weights with the standard deviation of PyTorch's default uniform init
+    (bound 1 / sqrt(fan_in), fan_in = the taps of a depthwise channel), zero bias: normal
+    draws are what the Engine reproduces on any sharding
+    (`autosearch.engine.build.WholeWeightNormal`)."""
+    nn.init.normal_(conv.weight, std=1.0 / math.sqrt(3 * conv.kernel_size[0]))
+    if conv.bias is not None:
+        nn.init.zeros_(conv.bias)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer (transformers ``NemotronHMamba2Mixer`` / ``Mamba2Mixer`` torch path,
+    Megatron-Core ``MambaMixer``), without inference caches.
+
+    Args:
+        spec: the mixer's shape (`autosearch.core._ssm.MambaSpec`).
+        hidden_size: the model width.
+        eps: the gated norm's epsilon.
+    """
+
+    def __init__(self, spec: MambaSpec, hidden_size: int, *, eps: float = 1e-5):
+        super().__init__()
+        self.spec = spec
+        self.in_proj = nn.Linear(hidden_size, spec.in_proj_width, bias=spec.proj_bias)
+        self.conv1d = _depthwise_conv(spec.conv_dim, spec.conv_kernel, bias=spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(spec.n_heads))
+        self.A_log = nn.Parameter(torch.empty(spec.n_heads))
+        self.D = nn.Parameter(torch.empty(spec.n_heads))
+        self.norm = GatedRMSNorm(
+            spec.d_inner, group_size=spec.d_inner // spec.n_groups, eps=eps, gate_first=True
+        )
+        self.out_proj = nn.Linear(spec.d_inner, hidden_size, bias=spec.proj_bias)
+        self.init_ssm()
+
+    @torch.no_grad()
+    def init_ssm(self) -> None:
+        """A_log = log(1..heads) and D = 1 (mamba_ssm ``Mamba2``); dt_bias the inverse softplus
+        of step sizes log-spaced over [DT_MIN, DT_MAX] (mamba_ssm draws them log-uniformly on
+        that range; a fixed grid starts every layout the same); the conv as `_init_conv`. The
+        projections are the model's to initialise."""
+        n = self.spec.n_heads
+        dev = self.A_log.device
+        self.A_log.copy_(torch.log(torch.arange(1, n + 1, dtype=torch.float32, device=dev)))
+        self.D.fill_(1.0)
+        dt = torch.exp(torch.linspace(math.log(DT_MIN), math.log(DT_MAX), n, device=dev))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        _init_conv(self.conv1d)
+        self.norm.reset_parameters()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        batch, seq, _ = hidden.shape
+        z, xbc, dt = self.in_proj(hidden).split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :seq].transpose(1, 2))
+        x, B, C = xbc.split([s.d_inner, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
+        x = x.reshape(batch, seq, s.n_heads, s.head_dim)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        y = ssd_scan(
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.reshape(batch, seq, s.n_groups, s.d_state),
+            C.reshape(batch, seq, s.n_groups, s.d_state),
+            chunk_size=s.chunk_size,
+        )
+        y = y + x.float() * self.D.float()[:, None]  # the skip connection D x
+        y = self.norm(y.reshape(batch, seq, s.d_inner), z)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet mixer (transformers ``Qwen3NextGatedDeltaNet`` torch path,
+    Megatron-Core ``GatedDeltaNet``), without inference caches: q and k l2-normalised,
+    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
+
+    Args:
+        spec: the mixer's shape (`autosearch.core._ssm.GatedDeltaNetSpec`).
+        hidden_size: the model width.
+        eps: the gated norm's epsilon.
+    """
+
+    def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, *, eps: float = 1e-5):
+        super().__init__()
+        self.spec = spec
+        self.in_proj_qkvz = nn.Linear(
+            hidden_size, 2 * spec.key_dim + 2 * spec.value_dim, bias=False
+        )
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * spec.n_v_heads, bias=False)
+        self.conv1d = _depthwise_conv(spec.conv_dim, spec.conv_kernel, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(spec.n_v_heads))
+        self.A_log = nn.Parameter(torch.empty(spec.n_v_heads))
+        self.norm = GatedRMSNorm(
+            spec.head_v_dim, group_size=spec.head_v_dim, eps=eps, gate_first=False
+        )
+        self.out_proj = nn.Linear(spec.value_dim, hidden_size, bias=False)
+        self.init_ssm()
+
+    @torch.no_grad()
+    def init_ssm(self) -> None:
+        """dt_bias = 1 (transformers); A = exp(A_log) evenly spaced over (0, GDN_A_MAX]
+        (transformers draws it uniformly on that range; a fixed grid starts every layout the
+        same); the conv as `_init_conv`."""
+        n = self.spec.n_v_heads
+        dev = self.A_log.device
+        self.dt_bias.fill_(1.0)
+        grid = torch.arange(1, n + 1, dtype=torch.float32, device=dev) * (GDN_A_MAX / n)
+        self.A_log.copy_(torch.log(grid))
+        _init_conv(self.conv1d)
+        self.norm.reset_parameters()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        batch, seq, _ = hidden.shape
+        r = s.n_v_heads // s.n_k_heads  # value heads per key head
+        # q, k, v, z grouped per key head, then b, a (transformers
+        # ``fix_query_key_value_ordering``)
+        qkvz = self.in_proj_qkvz(hidden).reshape(batch, seq, s.n_k_heads, -1)
+        q, k, v, z = qkvz.split(
+            [s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=-1
+        )
+        b, a = self.in_proj_ba(hidden).reshape(batch, seq, s.n_k_heads, 2 * r).split(r, dim=-1)
+        qkv = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
+        qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :seq].transpose(1, 2))
+        q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.reshape(batch, seq, s.n_k_heads, s.head_k_dim).repeat_interleave(r, dim=2)
+        k = k.reshape(batch, seq, s.n_k_heads, s.head_k_dim).repeat_interleave(r, dim=2)
+        v = v.reshape(batch, seq, s.n_v_heads, s.head_v_dim)
+        beta = b.reshape(batch, seq, s.n_v_heads).sigmoid()
+        a = a.reshape(batch, seq, s.n_v_heads)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = chunk_gated_delta_rule(
+            l2norm(q.float()), l2norm(k.float()), v, g, beta, chunk_size=s.chunk_size
+        )
+        o = self.norm(o.to(hidden.dtype), z.reshape(batch, seq, s.n_v_heads, s.head_v_dim))
+        return self.out_proj(o.reshape(batch, seq, s.value_dim))
