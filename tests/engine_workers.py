@@ -59,6 +59,26 @@ MODELS["gemma"] = MODELS["llama"].scaled(
     tied_embeddings=True,
 )
 MODELS["relu2"] = MODELS["llama"].scaled(ffn_activation="relu2")
+# Hybrids on the Llama shape (4 blocks of several kinds, chunks of 8 of the 32 tokens): Mamba-2
+# (Nemotron-H's squared-ReLU MLPs, a Mamba block without MLP) and Gated DeltaNet (Qwen3-Next's
+# SwiGLU MoE on the attention block, an MLP alone); tests/test_engine_hybrid.py
+MODELS["mamba_hybrid"] = ModelSpec.from_dict(
+    {
+        **MODELS["relu2"].to_dict(),
+        "name": "mamba_hybrid",
+        "layer_pattern": "M-M*-M-",
+        "mamba": dict(n_heads=8, head_dim=8, d_state=8, n_groups=2, chunk_size=8),
+    }
+)
+MODELS["gdn_hybrid"] = ModelSpec.from_dict(
+    {
+        **MODELS["llama"].to_dict(),
+        "name": "gdn_hybrid",
+        "layer_pattern": "G-G*E-",
+        "gdn": dict(n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8),
+        "moe": dict(n_experts=4, top_k=2, ffn_hidden_size=32),
+    }
+)
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]

@@ -225,6 +225,23 @@ def _depthwise_conv(channels: int, kernel: int, *, bias: bool) -> nn.Conv1d:
     return nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1, bias=bias)
 
 
+def _assign(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy the whole parameter's `values` into `param`, or into the shard of them a DTensor
+    parameter holds (FSDP2, tensor parallel), without communication."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        window = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        param.to_local().copy_(values[window])
+    else:
+        param.copy_(values)
+
+
 def _init_conv(conv: nn.Conv1d) -> None:
     """Normal weights with the standard deviation of PyTorch's default uniform init
     (bound 1 / sqrt(fan_in), fan_in = the taps of a depthwise channel), zero bias: normal
@@ -267,10 +284,10 @@ class Mamba2Mixer(nn.Module):
         projections are the model's to initialise."""
         n = self.spec.n_heads
         dev = self.A_log.device
-        self.A_log.copy_(torch.log(torch.arange(1, n + 1, dtype=torch.float32, device=dev)))
+        _assign(self.A_log, torch.log(torch.arange(1, n + 1, dtype=torch.float32, device=dev)))
         self.D.fill_(1.0)
         dt = torch.exp(torch.linspace(math.log(DT_MIN), math.log(DT_MAX), n, device=dev))
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        _assign(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
@@ -331,7 +348,7 @@ class GatedDeltaNet(nn.Module):
         dev = self.A_log.device
         self.dt_bias.fill_(1.0)
         grid = torch.arange(1, n + 1, dtype=torch.float32, device=dev) * (GDN_A_MAX / n)
-        self.A_log.copy_(torch.log(grid))
+        _assign(self.A_log, torch.log(grid))
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
