@@ -153,22 +153,62 @@ HF_DENSE_FAMILIES = {
 }
 
 
+# The hybrid families (tests/test_engine_hybrid.py): Nemotron-H with one transformers layer per
+# symbol of M-M*-M- (Mamba-2 heads of 8 in 2 groups, chunks of 8 of the 32 tokens), and with
+# Nemotron 3's MoE layers (ME*-ME: 4 squared-ReLU experts, top 2, a shared expert).
+_NEMOTRON_H = dict(
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=8,
+    n_groups=2,
+    chunk_size=8,
+    head_dim=16,
+)
+_NEMOTRON_H_LAYERS = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp"]
+_NEMOTRON_3_LAYERS = ["mamba", "moe", "attention", "mlp", "mamba", "moe"]
+HF_HYBRID_FAMILIES = {
+    "hf_nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_NEMOTRON_H,
+            "num_hidden_layers": len(_NEMOTRON_H_LAYERS),
+            "layers_block_type": _NEMOTRON_H_LAYERS,
+        },
+    ),
+    "hf_nemotron_3": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_NEMOTRON_H,
+            "num_hidden_layers": len(_NEMOTRON_3_LAYERS),
+            "layers_block_type": _NEMOTRON_3_LAYERS,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+}
+ALL_HF = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES, **HF_HYBRID_FAMILIES}
+
+
 def hf_model(kind: str):
     """A transformers model of family `kind` with random weights (seeded by the caller);
     ``<family>_tied`` ties lm_head to the embedding."""
     import transformers
 
     family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
-    config_name, model_name, extra = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}[
-        family
-    ]
+    config_name, model_name, extra = ALL_HF[family]
     shape = {**HF_SHAPE, "tie_word_embeddings": tied, **extra}  # extra may change the shape
     config = getattr(transformers, config_name)(**shape)
     return getattr(transformers, model_name)(config)
 
 
 def is_hf(kind: str) -> bool:
-    return kind.removesuffix("_tied") in {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}
+    return kind.removesuffix("_tied") in ALL_HF
 
 
 def make_model(kind: str):

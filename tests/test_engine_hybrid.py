@@ -21,7 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import engine_workers as W  # noqa: E402
 
+from autosearch import Engine, SpecError  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
+from autosearch.engine.build import wrap_known  # noqa: E402
+from autosearch.models.hf.nemotron_h import NemotronHCausalLM  # noqa: E402
 from autosearch.models.transformer import Transformer  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
@@ -37,6 +40,16 @@ CASES = {  # name: (strategy, model, tolerance)
     "gdn/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "gdn_hybrid", EXACT),
     "gdn/ep2": (f"dp=2,ep=2,{B}", "gdn_hybrid", FP32),
     "gdn/ep2_zero3_full": (f"dp=2,ep=2,zero_stage=3,recompute=full,{B}", "gdn_hybrid", FP32),
+}
+# Hugging Face Nemotron-H (Mamba-2, attention and MLP layers) and Nemotron 3 (with its MoE
+# layers): transformers' modules under the Engine (autosearch/models/hf/nemotron_h.py)
+CASES |= {
+    "hf_nemotron_h/dp2": (f"dp=2,{B}", "hf_nemotron_h", FP32),
+    "hf_nemotron_h/zero3": (f"dp=2,zero_stage=3,{B}", "hf_nemotron_h", FP32),
+    "hf_nemotron_h/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "hf_nemotron_h", EXACT),
+    "hf_nemotron_h/dp2_selective": (f"dp=2,recompute=selective,{B}", "hf_nemotron_h", FP32),
+    "hf_nemotron_3/zero2_full": (f"dp=2,zero_stage=2,recompute=full,{B}", "hf_nemotron_3", FP32),
+    "hf_nemotron_3/pp2": (f"pp=2,pipeline_schedule=gpipe,{B}", "hf_nemotron_3", EXACT),
 }
 # Built on the meta device and initialised by the Engine on FSDP2's shards (the mixers' decays
 # and step sizes copied into each shard) against one process's meta-device init.
@@ -97,3 +110,59 @@ def test_tensor_and_context_parallel_are_refused_with_the_reason(kind):
     cp = plan.check(Strategy.parse(f"cp=2,{B}"))
     assert any(p.startswith("cp=2 with") for p in cp), cp
     assert plan.check(Strategy.parse(f"dp=2,pp=2,{B}")) == []
+
+
+# ---- Hugging Face Nemotron-H, single process ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["hf_nemotron_h", "hf_nemotron_3"])
+def test_nemotron_h_runs_as_transformers_under_its_own_names(kind):
+    """The wrapper's logits are transformers' own (the same modules: bitwise), its parameters
+    keep transformers' names and number the planner's count (`ModelSpec.from_hf_config`)."""
+    pytest.importorskip("transformers")
+    ours, theirs = wrap_known(W.make_model(kind)), W.make_model(kind)
+    assert isinstance(ours, NemotronHCausalLM)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert "model.layers.0.mixer.in_proj.weight" in ours.state_dict()
+    assert sum(p.numel() for p in ours.parameters()) == ours.spec.n_params
+    x = torch.randint(0, 128, (2, 32))
+    assert torch.equal(ours(x), theirs(x).logits)
+
+
+def test_nemotron_h_refuses_tp_cp_and_ep_with_the_reason():
+    pytest.importorskip("transformers")
+    plan = wrap_known(W.make_model("hf_nemotron_3")).parallel_plan()
+    assert plan.check is not None
+    for strategy, says in (
+        ("tp=2", "packed in_proj"),
+        ("cp=2", "cp=2 with Mamba-2"),
+        ("dp=2,ep=2", "NemotronHMoE"),
+    ):
+        problems = plan.check(Strategy.parse(f"{strategy},{B}"))
+        assert any(says in p for p in problems), (strategy, problems)
+
+
+def test_granite_hybrid_is_still_refused_naming_the_families_that_run():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=128, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=2, layer_types=["mamba", "attention"],
+    )  # fmt: skip
+    with pytest.raises(SpecError, match=r"granitemoehybrid.*nemotron_h"):
+        wrap_known(transformers.GraniteMoeHybridForCausalLM(config))
+
+
+def test_nemotron_h_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    engine = Engine(
+        lambda: W.make_model("hf_nemotron_h"),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        strategy=B,
+        seed=0,
+    )
+    losses = engine.fit(W.dataset("hf_nemotron_h", 16), epochs=1, verbose=0)["loss"]
+    assert losses[-1] < losses[0] - 0.05, losses
+    engine.save_pretrained(str(tmp_path / "hf"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    trained = engine._built_model.state_dict()
+    assert list(loaded.state_dict()) == list(trained)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
