@@ -79,6 +79,7 @@ MODELS["gdn_hybrid"] = ModelSpec.from_dict(
         "moe": dict(n_experts=4, top_k=2, ffn_hidden_size=32),
     }
 )
+MODELS["gdn_dense"] = MODELS["gdn_hybrid"].scaled(layer_pattern="G-G*--", moe=None)
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
@@ -586,7 +587,41 @@ def job_meta_load(workdir: str) -> dict:
     return out
 
 
+def job_tp_grads(cases: list[dict]) -> dict:
+    """For each case (a model kind and sequence parallel or not): the largest difference, relative
+    to the gradient's largest entry, between the gradients of one forward and backward of the
+    model under tp over every rank (`apply_tp` with the model's own plan) and in one process, per
+    parameter name; and the largest difference of the outputs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosearch.engine.parallelize import apply_tp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    out = {}
+    for case in cases:
+        ref, model = make_model(case["model"]), make_model(case["model"])
+        x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+        ref(x).square().mean().backward()
+        apply_tp(
+            model,
+            mesh,
+            model.parallel_plan(),
+            sequence_parallel=case["sequence_parallel"],
+            loss_parallel=False,
+        )
+        y = model(x)
+        y.square().mean().backward()
+        grads = {}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = ((g - q.grad).abs().max() / q.grad.abs().max()).item()
+        out[case["name"]] = {"outputs": (y - ref(x)).abs().max().item(), "grads": grads}
+    return out
+
+
 JOBS = {
+    "tp_grads": job_tp_grads,
     "equivalence": job_equivalence,
     "equivalence_each": job_equivalence_each,
     "predict": job_predict,

@@ -119,7 +119,9 @@ def test_mamba2_mixer_equals_transformers_nemotron_h():
             p.normal_(0, 0.3)
         ours.A_log.copy_(torch.log(torch.arange(1.0, 9.0)))
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
-    theirs.load_state_dict(ours.state_dict())
+    theirs.load_state_dict(ours.to_transformers(ours.state_dict()))
+    back = ours.from_transformers(theirs.state_dict())
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
     x = torch.randn(2, 29, hidden)
     for mode in (True, False):  # training (the fused-kernel branch falls back) and eval
         ours.train(mode), theirs.train(mode)
@@ -163,7 +165,7 @@ def test_gated_deltanet_equals_transformers_qwen3_next(chunk):
             if name != "A_log":
                 p.normal_(0, 0.3)
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
-    theirs.load_state_dict(ours.state_dict())
+    theirs.load_state_dict(ours.to_transformers(ours.state_dict()))
     x = torch.randn(2, 29, hidden)
     got, want = ours(x), theirs(x)  # transformers runs chunks of 64, ours of `chunk`
     assert (got - want).abs().max() < FP32_TOL, (got - want).abs().max()

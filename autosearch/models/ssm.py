@@ -27,6 +27,7 @@ against them in float64.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -189,32 +190,45 @@ def chunk_gated_delta_rule(
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a SiLU output gate over groups of `group_size` channels.
-
-    ``gate_first`` (Mamba-2 as Nemotron-H and mamba_ssm ``RMSNormGated(norm_before_gate=False)``
-    run it): weight * rmsnorm(x * silu(z)) per group. Otherwise (Gated DeltaNet, transformers
-    ``Qwen3NextRMSNormGated``): weight * rmsnorm(x) * silu(z). Computed in float32. A
-    tensor-parallel rank holding whole groups normalises its own channels (Megatron's
-    ``mamba_mixer``: the norm's group size is the same on every rank).
+    """Mamba-2's gated RMSNorm over groups of `group_size` channels: weight * rmsnorm(x *
+    silu(z)) per group (Nemotron-H, mamba_ssm ``RMSNormGated(norm_before_gate=False)``), in
+    float32. A tensor-parallel rank holding whole groups normalises its own channels with its
+    rows of the weight (Megatron's ``mamba_mixer``: the group size is the same on every rank).
     """
 
-    def __init__(self, width: int, *, group_size: int, eps: float, gate_first: bool):
+    def __init__(self, width: int, *, group_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.group_size = group_size
         self.eps = eps
-        self.gate_first = gate_first
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x, gate = x.float(), F.silu(z.float())
-        if self.gate_first:
-            x = x * gate
+        x = x.float() * F.silu(z.float())
         grouped = x.unflatten(-1, (-1, self.group_size))
         x = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        if self.gate_first:
-            return self.weight * x.to(dtype)
-        return (self.weight * x.to(dtype) * gate).to(dtype)
+        return _local(self.weight) * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class HeadRMSNorm(nn.Module):
+    """Gated DeltaNet's RMSNorm of each value head, weight * rmsnorm(x) (the gate is the
+    mixer's; transformers ``Qwen3NextRMSNormGated`` computes the same product in the same order).
+    One module input, so that under tensor parallel `SequenceParallel` over the head dim keeps
+    the shared weight replicated and sums its gradient over the ranks' heads."""
+
+    def __init__(self, width: int, *, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -252,9 +266,77 @@ def _init_conv(conv: nn.Conv1d) -> None:
         nn.init.zeros_(conv.bias)
 
 
-class Mamba2Mixer(nn.Module):
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel parameter (a DTensor), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _causal_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """silu(depthwise causal conv1d) of (batch, seq, channels) on this rank's channels."""
+    seq, bias = x.shape[1], conv.bias
+    weight = _local(conv.weight)
+    y = F.conv1d(
+        x.transpose(1, 2),
+        weight,
+        None if bias is None else _local(bias),
+        padding=conv.padding,
+        groups=weight.shape[0],
+    )
+    return F.silu(y[..., :seq].transpose(1, 2))
+
+
+def grouped_order(widths: "list[int]", groups: int) -> torch.Tensor:
+    """Where each row of the grouped layout comes from in the concatenated one: parts of
+    `widths` side by side (transformers' ``[z | x | B | C | dt]``) regrouped as, for each of
+    `groups` groups, that group's slice of every part (``[z_0 x_0 B_0 C_0 dt_0 | z_1 ...]``).
+    A contiguous block of 1/tp of the rows is then whole groups for any tp dividing `groups`,
+    which is what DTensor's ``Shard(0)`` gives a rank (Phi-3's fused rows are re-laid for the
+    same reason, `autosearch.models.hf.phi3`)."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return torch.cat(
+        [
+            torch.arange(start + j * (w // groups), start + (j + 1) * (w // groups))
+            for j in range(groups)
+            for start, w in zip(starts, widths)
+        ]
+    )
+
+
+class _GroupedLayout(nn.Module):
+    """A mixer whose packed rows are laid out group by group (`grouped_order`), convertible to
+    and from transformers' layout (parameter names are the same)."""
+
+    def _orders(self) -> dict[str, torch.Tensor]:  # parameter name -> `grouped_order`
+        raise NotImplementedError
+
+    def from_transformers(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' state dict of this mixer in this module's layout."""
+        orders = self._orders()
+        return {k: v[orders[k]] if k in orders else v for k, v in state.items()}
+
+    def to_transformers(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This module's state dict in transformers' layout."""
+        out = dict(state)
+        for name, order in self._orders().items():
+            if name in state:
+                out[name] = torch.empty_like(state[name])
+                out[name][order] = state[name]
+        return out
+
+
+class Mamba2Mixer(_GroupedLayout):
     """The Mamba-2 mixer (transformers ``NemotronHMamba2Mixer`` / ``Mamba2Mixer`` torch path,
     Megatron-Core ``MambaMixer``), without inference caches.
+
+    Laid out for tensor parallel: the rows of in_proj and the channels of the conv1d go group
+    by group of B and C (`grouped_order`: for each group its heads' z and x, its B and C, its
+    heads' dt), the heads' dt_bias, A_log, D and the norm's channels in head order (already by
+    group), so that with in_proj column-parallel, out_proj row-parallel and the rest split by
+    rows, each tp rank holds n_groups / tp whole groups and computes them on its own (the
+    forward reads its shapes from the local tensors). `from_transformers` / `to_transformers`
+    convert state dicts.
 
     Args:
         spec: the mixer's shape (`autosearch.core._ssm.MambaSpec`).
@@ -270,11 +352,21 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(spec.n_heads))
         self.A_log = nn.Parameter(torch.empty(spec.n_heads))
         self.D = nn.Parameter(torch.empty(spec.n_heads))
-        self.norm = GatedRMSNorm(
-            spec.d_inner, group_size=spec.d_inner // spec.n_groups, eps=eps, gate_first=True
-        )
+        self.norm = GatedRMSNorm(spec.d_inner, group_size=spec.d_inner // spec.n_groups, eps=eps)
         self.out_proj = nn.Linear(spec.d_inner, hidden_size, bias=spec.proj_bias)
         self.init_ssm()
+
+    def _orders(self) -> dict[str, torch.Tensor]:
+        s = self.spec
+        bc = s.n_groups * s.d_state
+        rows = grouped_order([s.d_inner, s.d_inner, bc, bc, s.n_heads], s.n_groups)
+        channels = grouped_order([s.d_inner, bc, bc], s.n_groups)
+        return {
+            "in_proj.weight": rows,
+            "in_proj.bias": rows,
+            "conv1d.weight": channels,
+            "conv1d.bias": channels,
+        }
 
     @torch.no_grad()
     def init_ssm(self) -> None:
@@ -293,34 +385,38 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        batch, seq, _ = hidden.shape
-        z, xbc, dt = self.in_proj(hidden).split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :seq].transpose(1, 2))
-        x, B, C = xbc.split([s.d_inner, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
-        x = x.reshape(batch, seq, s.n_heads, s.head_dim)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        y = ssd_scan(
-            x,
-            dt,
-            -torch.exp(self.A_log.float()),
-            B.reshape(batch, seq, s.n_groups, s.d_state),
-            C.reshape(batch, seq, s.n_groups, s.d_state),
-            chunk_size=s.chunk_size,
-        )
-        y = y + x.float() * self.D.float()[:, None]  # the skip connection D x
-        y = self.norm(y.reshape(batch, seq, s.d_inner), z)
+        rep, width, n = s.n_heads // s.n_groups, s.head_dim, s.d_state
+        per_head = rep * width  # channels of z (and of x) per group
+        proj = self.in_proj(hidden)  # this rank's groups, (batch, seq, groups * per group)
+        batch, seq = proj.shape[:2]
+        proj = proj.unflatten(-1, (-1, 2 * per_head + 2 * n + rep))
+        groups = proj.shape[2]
+        z, xbc, dt = proj.split([per_head, per_head + 2 * n, rep], dim=-1)
+        xbc = _causal_conv(self.conv1d, xbc.flatten(2)).unflatten(-1, (groups, -1))
+        x, B, C = xbc.split([per_head, n, n], dim=-1)
+        x = x.reshape(batch, seq, groups * rep, width)
+        dt = F.softplus(dt.flatten(2).float() + _local(self.dt_bias).float())
+        y = ssd_scan(x, dt, -torch.exp(_local(self.A_log).float()), B, C, chunk_size=s.chunk_size)
+        y = y + x.float() * _local(self.D).float()[:, None]  # the skip connection D x
+        y = self.norm(y.flatten(2), z.flatten(2))
         return self.out_proj(y.to(hidden.dtype))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(_GroupedLayout):
     """The Gated DeltaNet mixer (transformers ``Qwen3NextGatedDeltaNet`` torch path,
     Megatron-Core ``GatedDeltaNet``), without inference caches: q and k l2-normalised,
-    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
+    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), o = norm(o) * silu(z).
+
+    Laid out for tensor parallel as transformers lays in_proj_qkvz and in_proj_ba out (by key
+    head: its q, k, its value heads' v and z; its value heads' b and a) and the conv1d's
+    channels the same way (transformers: all q, all k, all v; `grouped_order`), so that each tp
+    rank holds n_k_heads / tp whole key heads with their value heads. The norm's weight, shared
+    by every head, stays whole (its gradient summed over tp: `Transformer.tp_plan`).
 
     Args:
         spec: the mixer's shape (`autosearch.core._ssm.GatedDeltaNetSpec`).
         hidden_size: the model width.
-        eps: the gated norm's epsilon.
+        eps: the norm's epsilon.
     """
 
     def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, *, eps: float = 1e-5):
@@ -333,11 +429,13 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = _depthwise_conv(spec.conv_dim, spec.conv_kernel, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(spec.n_v_heads))
         self.A_log = nn.Parameter(torch.empty(spec.n_v_heads))
-        self.norm = GatedRMSNorm(
-            spec.head_v_dim, group_size=spec.head_v_dim, eps=eps, gate_first=False
-        )
+        self.norm = HeadRMSNorm(spec.head_v_dim, eps=eps)
         self.out_proj = nn.Linear(spec.value_dim, hidden_size, bias=False)
         self.init_ssm()
+
+    def _orders(self) -> dict[str, torch.Tensor]:
+        s = self.spec
+        return {"conv1d.weight": grouped_order([s.key_dim, s.key_dim, s.value_dim], s.n_k_heads)}
 
     @torch.no_grad()
     def init_ssm(self) -> None:
@@ -354,26 +452,86 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        batch, seq, _ = hidden.shape
-        r = s.n_v_heads // s.n_k_heads  # value heads per key head
-        # q, k, v, z grouped per key head, then b, a (transformers
-        # ``fix_query_key_value_ordering``)
-        qkvz = self.in_proj_qkvz(hidden).reshape(batch, seq, s.n_k_heads, -1)
-        q, k, v, z = qkvz.split(
-            [s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=-1
+        r, dk, dv = s.n_v_heads // s.n_k_heads, s.head_k_dim, s.head_v_dim
+        qkvz = self.in_proj_qkvz(hidden)  # this rank's key heads
+        batch, seq = qkvz.shape[:2]
+        qkvz = qkvz.unflatten(-1, (-1, 2 * dk + 2 * r * dv))
+        k_heads = qkvz.shape[2]
+        qkv, z = qkvz.split([2 * dk + r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(hidden).unflatten(-1, (k_heads, 2 * r)).split(r, dim=-1)
+        qkv = _causal_conv(self.conv1d, qkv.flatten(2)).unflatten(-1, (k_heads, -1))
+        q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
+        q, k = (t.repeat_interleave(r, dim=2) for t in (q, k))  # each key head's value heads
+        v = v.reshape(batch, seq, k_heads * r, dv)
+        beta = b.flatten(2).sigmoid()
+        g = -_local(self.A_log).float().exp() * F.softplus(
+            a.flatten(2).float() + _local(self.dt_bias).float()
         )
-        b, a = self.in_proj_ba(hidden).reshape(batch, seq, s.n_k_heads, 2 * r).split(r, dim=-1)
-        qkv = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
-        qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :seq].transpose(1, 2))
-        q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        q = q.reshape(batch, seq, s.n_k_heads, s.head_k_dim).repeat_interleave(r, dim=2)
-        k = k.reshape(batch, seq, s.n_k_heads, s.head_k_dim).repeat_interleave(r, dim=2)
-        v = v.reshape(batch, seq, s.n_v_heads, s.head_v_dim)
-        beta = b.reshape(batch, seq, s.n_v_heads).sigmoid()
-        a = a.reshape(batch, seq, s.n_v_heads)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         o = chunk_gated_delta_rule(
             l2norm(q.float()), l2norm(k.float()), v, g, beta, chunk_size=s.chunk_size
         )
-        o = self.norm(o.to(hidden.dtype), z.reshape(batch, seq, s.n_v_heads, s.head_v_dim))
-        return self.out_proj(o.reshape(batch, seq, s.value_dim))
+        o = self.norm(o.to(hidden.dtype))
+        o = (o * F.silu(z.reshape(batch, seq, -1, dv).float())).to(hidden.dtype)
+        return self.out_proj(o.flatten(2))
+
+
+# ---- tensor parallel ----------------------------------------------------------------------------
+def _rows_style(children: tuple[str, ...], *, gather_input: bool):
+    """A DTensor parallel style for a mixer that splits by rows over tp (``Shard(0)``) its own
+    parameters (per head: dt_bias, A_log, D) and those of `children` (the conv1d's channels,
+    Mamba's norm channels), which it reads as local tensors (`_local`). Its projections have
+    their own styles (applied before: DTensor parameters are left alone). With `gather_input`
+    its input, this rank's shard of the sequence under sequence parallel, is gathered whole
+    first (as ``PrepareModuleInput`` does for an attention layer)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor import distribute_tensor as distribute
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    def partition(name: str, module: nn.Module, mesh) -> None:
+        if name and name not in children:
+            return
+        for key, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                sharded = distribute(p, mesh, [Shard(0)])
+                module.register_parameter(key, nn.Parameter(sharded, p.requires_grad))
+
+    def gather(module: nn.Module, inputs: Any, mesh) -> Any:  # a forward pre-hook's inputs
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
+
+    class ShardRows(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            return distribute_module(
+                module, device_mesh, partition, gather if gather_input else None
+            )
+
+    return ShardRows()
+
+
+def ssm_tp_plan(prefix: str, mixer: str, *, sequence_parallel: bool) -> dict:
+    """The tensor-parallel plan of one Mamba-2 (`mixer` ``mamba``) or Gated DeltaNet (``gdn``)
+    mixer at `prefix` (``layers.3.mixer``), as Megatron-Core splits them (``mamba_mixer.py``,
+    ``gated_delta_net.py``): the in projections column-parallel (whole groups, or key heads,
+    per rank: the layouts of `Mamba2Mixer` / `GatedDeltaNet`), out_proj row-parallel (an
+    all-reduce, or a reduce-scatter with sequence parallel), the conv1d and the per-head
+    parameters split with their channels and heads; Gated DeltaNet's norm, shared by the heads,
+    replicated with its gradient summed over tp (`SequenceParallel` over the head dim, as
+    torchtitan's Qwen3 q/k norms)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    act = Shard(1) if sequence_parallel else Replicate()
+    ins = ("in_proj",) if mixer == "mamba" else ("in_proj_qkvz", "in_proj_ba")
+    plan: dict = {f"{prefix}.{name}": ColwiseParallel() for name in ins}
+    plan[f"{prefix}.out_proj"] = RowwiseParallel(output_layouts=act)
+    if mixer == "gdn":
+        plan[f"{prefix}.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    children = ("conv1d", "norm") if mixer == "mamba" else ("conv1d",)
+    plan[prefix] = _rows_style(children, gather_input=sequence_parallel)  # last: the rest
+    return plan

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.distributed.plan import ParallelPlan
 from autosearch.models import attention
 from autosearch.models.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
-from autosearch.models.ssm import GatedDeltaNet, Mamba2Mixer
+from autosearch.models.ssm import GatedDeltaNet, Mamba2Mixer, ssm_tp_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.distributed.context_parallel import ContextParallel
@@ -345,22 +346,33 @@ class Transformer(nn.Module):
             blocks="layers",
             first_stage=("tok_embeddings", "pos_embeddings", "dropout"),
             last_stage=("norm", "output"),
-            tp_plan=self.tp_plan,
+            tp_plan=functools.partial(
+                self.tp_plan,
+                mixers={
+                    name: layer.mixer
+                    for name, layer in zip(self.layers, self.spec.layers)
+                    if layer.mixer in ("mamba", "gdn")
+                },
+            ),
             attention_core="attention.core",
             check=self._check_strategy,
         )
 
     def _check_strategy(self, strategy) -> list[str]:
-        return strategy.problems(self.spec) + ssm_tp_problems(self.spec, strategy.tp)
+        return strategy.problems(self.spec)
 
     @staticmethod
-    def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    def tp_plan(
+        *, sequence_parallel: bool, loss_parallel: bool, mixers: dict[str, str] | None = None
+    ) -> dict:
         """Megatron-style plan (Shoeybi et al. 2019) for `parallelize_module`, with sequence
         parallel (Korthikanti et al. 2022) as torchtitan writes it for Llama.
 
         Column-wise: wq, wk, wv, w1, w3 (each rank holds n_heads/tp heads and ffn/tp columns);
         row-wise: wo, w2 (one all-reduce, or reduce-scatter with sequence parallel, per sub-layer).
         Embeddings are split by vocabulary rows; the output projection by vocabulary columns.
+        Mamba-2 and Gated DeltaNet mixers (`mixers`: {block name: ``mamba`` or ``gdn``}) split
+        their groups or key heads over the ranks (`autosearch.models.ssm.ssm_tp_plan`).
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -401,7 +413,12 @@ class Transformer(nn.Module):
                     ),
                     # each tp rank's MoE layers route its own shard (parallel folding)
                     "layers.*.moe": sequence_parallel_style(),
+                    "layers.*.mixer_norm": SequenceParallel(),
                 }
+            )
+        for name, kind in (mixers or {}).items():
+            plan.update(
+                ssm_tp_plan(f"layers.{name}.mixer", kind, sequence_parallel=sequence_parallel)
             )
         return plan
 
