@@ -192,6 +192,28 @@ HF_HYBRID_FAMILIES = {
             "topk_group": 1,
         },
     ),
+    # Granite 4.0-H: Mamba-2 and attention mixers, each layer with a SwiGLU shared MLP (d_inner
+    # = mamba_expand 2 x 64 = 8 heads of 16), Granite's multipliers away from 1
+    "hf_granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "shared_intermediate_size": 96,
+            "num_local_experts": 0,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 8,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "attention_multiplier": 0.2,
+            "position_embedding_type": "rope",
+        },
+    ),
 }
 ALL_HF = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES, **HF_HYBRID_FAMILIES}
 

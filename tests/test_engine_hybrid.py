@@ -23,10 +23,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import engine_workers as W  # noqa: E402
 
-from autosearch import Engine, SpecError  # noqa: E402
+from autosearch import Engine  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
 from autosearch.engine.build import wrap_known  # noqa: E402
-from autosearch.models.hf.nemotron_h import NemotronHCausalLM  # noqa: E402
+from autosearch.models.hf.hybrid import HFHybridCausalLM  # noqa: E402
 from autosearch.models.transformer import Transformer  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
@@ -64,7 +64,20 @@ CASES |= {
     "hf_nemotron_h/zero3": (f"dp=2,zero_stage=3,{B}", "hf_nemotron_h", FP32),
     "hf_nemotron_h/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "hf_nemotron_h", EXACT),
     "hf_nemotron_h/dp2_selective": (f"dp=2,recompute=selective,{B}", "hf_nemotron_h", FP32),
+    "hf_nemotron_h/tp2": (f"tp=2,{B}", "hf_nemotron_h", TP),
+    "hf_nemotron_h/tp2_sp_selective": (
+        f"tp=2,sequence_parallel=true,recompute=selective,{B}",
+        "hf_nemotron_h",
+        TP,
+    ),
     "hf_nemotron_3/zero2_full": (f"dp=2,zero_stage=2,recompute=full,{B}", "hf_nemotron_3", FP32),
+    "hf_granite_hybrid/zero3": (f"dp=2,zero_stage=3,{B}", "hf_granite_hybrid", FP32),
+    "hf_granite_hybrid/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "hf_granite_hybrid", EXACT),
+    "hf_granite_hybrid/dp2_selective": (
+        f"dp=2,recompute=selective,{B}",
+        "hf_granite_hybrid",
+        FP32,
+    ),
     "hf_nemotron_3/pp2": (f"pp=2,pipeline_schedule=gpipe,{B}", "hf_nemotron_3", EXACT),
 }
 # Built on the meta device and initialised by the Engine on FSDP2's shards (the mixers' decays
@@ -152,42 +165,41 @@ def test_context_parallel_and_a_tp_splitting_groups_are_refused_with_the_reason(
 
 
 # ---- Hugging Face Nemotron-H, single process ---------------------------------------------------
-@pytest.mark.parametrize("kind", ["hf_nemotron_h", "hf_nemotron_3"])
-def test_nemotron_h_runs_as_transformers_under_its_own_names(kind):
-    """The wrapper's logits are transformers' own (the same modules: bitwise), its parameters
-    keep transformers' names and number the planner's count (`ModelSpec.from_hf_config`)."""
+@pytest.mark.parametrize("kind", ["hf_nemotron_h", "hf_nemotron_3", "hf_granite_hybrid"])
+def test_the_hybrid_wrappers_compute_what_transformers_computes_under_its_names(kind):
+    """The wrapper's logits are transformers' (Granite: its own modules, bitwise; Nemotron-H: its
+    Mamba-2 mixers replaced by autosearch.models.ssm's, to 2e-5 as in tests/test_ssm.py), its
+    parameters keep transformers' names and number the planner's count
+    (`ModelSpec.from_hf_config`), and `hf_model` gives transformers' weights back bitwise (the
+    Mamba rows laid back in transformers' order)."""
     pytest.importorskip("transformers")
     ours, theirs = wrap_known(W.make_model(kind)), W.make_model(kind)
-    assert isinstance(ours, NemotronHCausalLM)
-    assert list(ours.state_dict()) == list(theirs.state_dict())
-    assert "model.layers.0.mixer.in_proj.weight" in ours.state_dict()
+    assert isinstance(ours, HFHybridCausalLM)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
     assert sum(p.numel() for p in ours.parameters()) == ours.spec.n_params
+    back = ours.hf_model().state_dict()
+    assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
     x = torch.randint(0, 128, (2, 32))
-    assert torch.equal(ours(x), theirs(x).logits)
+    gap = (ours(x) - theirs(x).logits).abs().max().item()
+    assert gap == 0.0 if kind == "hf_granite_hybrid" else gap < 2e-5, gap
 
 
-def test_nemotron_h_refuses_tp_cp_and_ep_with_the_reason():
+def test_hybrid_wrappers_refuse_what_they_do_not_run_with_the_reason():
     pytest.importorskip("transformers")
-    plan = wrap_known(W.make_model("hf_nemotron_3")).parallel_plan()
-    assert plan.check is not None
-    for strategy, says in (
-        ("tp=2", "packed in_proj"),
-        ("cp=2", "cp=2 with Mamba-2"),
-        ("dp=2,ep=2", "NemotronHMoE"),
+    nemotron_h = wrap_known(W.make_model("hf_nemotron_h")).parallel_plan()
+    nemotron_3 = wrap_known(W.make_model("hf_nemotron_3")).parallel_plan()
+    granite = wrap_known(W.make_model("hf_granite_hybrid")).parallel_plan()
+    for plan, strategy, says in (
+        (nemotron_h, "cp=2", "cp=2 with Mamba-2"),
+        (nemotron_3, "dp=2,ep=2", "transformers' own module"),
+        (nemotron_3, "tp=2", "NemotronHMoE"),
+        (granite, "tp=2", "input_linear"),
     ):
+        assert plan.check is not None
         problems = plan.check(Strategy.parse(f"{strategy},{B}"))
         assert any(says in p for p in problems), (strategy, problems)
-
-
-def test_granite_hybrid_is_still_refused_naming_the_families_that_run():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GraniteMoeHybridConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=128, mamba_n_heads=8, mamba_d_head=16,
-        mamba_d_state=8, mamba_n_groups=2, layer_types=["mamba", "attention"],
-    )  # fmt: skip
-    with pytest.raises(SpecError, match=r"granitemoehybrid.*nemotron_h"):
-        wrap_known(transformers.GraniteMoeHybridForCausalLM(config))
+    assert nemotron_h.check is not None
+    assert nemotron_h.check(Strategy.parse(f"tp=2,sequence_parallel=true,{B}")) == []
 
 
 def test_nemotron_h_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path):
@@ -202,6 +214,10 @@ def test_nemotron_h_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path
     assert losses[-1] < losses[0] - 0.05, losses
     engine.save_pretrained(str(tmp_path / "hf"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    trained = engine._built_model.state_dict()
-    assert list(loaded.state_dict()) == list(trained)
+    trained = engine._built_model.hf_model().state_dict()  # transformers' layout
+    assert sorted(loaded.state_dict()) == sorted(trained)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+    data = W.dataset("hf_nemotron_h", 2, seed=3)
+    (ours,) = engine.predict(data, batch_size=2)
+    x = torch.stack([data[i][0] for i in range(2)])
+    assert (loaded.eval()(x).logits - ours).abs().max() < 2e-5

@@ -383,7 +383,9 @@ class Mamba2Mixer(_GroupedLayout):
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, **_: Any) -> torch.Tensor:
+        """The mixer's output; keyword arguments (transformers' cache and mask, None when
+        training) are ignored."""
         s = self.spec
         rep, width, n = s.n_heads // s.n_groups, s.head_dim, s.d_state
         per_head = rep * width  # channels of z (and of x) per group
@@ -450,7 +452,8 @@ class GatedDeltaNet(_GroupedLayout):
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, **_: Any) -> torch.Tensor:
+        """The mixer's output; keyword arguments (transformers' cache and mask) are ignored."""
         s = self.spec
         r, dk, dv = s.n_v_heads // s.n_k_heads, s.head_k_dim, s.head_v_dim
         qkvz = self.in_proj_qkvz(hidden)  # this rank's key heads
