@@ -214,8 +214,9 @@ def test_gdn_part_reads_what_it_declares():
 
 
 def test_runtimes_that_do_not_train_hybrids_say_so():
-    """The Engine (torch) builds no Mamba-2 layer yet and torchtitan has none: a hybrid priced
-    under them is refused naming the runtime that trains it, not priced as if it ran."""
+    """torchtitan and DeepSpeed have no Mamba-2 layer, and the Engine's (torch) plain-PyTorch
+    scans are not what the ssm terms price (autosearch/core/runtime.py MODEL_FEATURES): a hybrid
+    priced under them is refused naming the runtime that trains it, not priced as if it ran."""
     for runtime in ("torch", "torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=r"not train Mamba-2 mixers.*--runtime megatron-core"):
             AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=runtime)
