@@ -82,11 +82,23 @@ CASES |= {
 }
 # Built on the meta device and initialised by the Engine on FSDP2's shards (the mixers' decays
 # and step sizes copied into each shard) against one process's meta-device init.
-META = {"mamba/meta_init_zero3", "mamba/meta_init_tp2_sp", "gdn/meta_init_zero3"}
+META = {
+    "mamba/meta_init_zero3",
+    "mamba/meta_init_tp2_sp",
+    "gdn/meta_init_zero3",
+    "hf_nemotron_h/meta_init_tp2_sp",
+    "hf_granite_hybrid/meta_init_zero3",
+}
 CASES |= {
     "mamba/meta_init_zero3": (f"dp=2,zero_stage=3,{B}", "mamba_hybrid", FP32),
     "mamba/meta_init_tp2_sp": (f"tp=2,sequence_parallel=true,{B}", "mamba_hybrid", TP),
     "gdn/meta_init_zero3": (f"dp=2,zero_stage=3,{B}", "gdn_hybrid", FP32),
+    "hf_nemotron_h/meta_init_tp2_sp": (
+        f"tp=2,sequence_parallel=true,{B}",
+        "hf_nemotron_h",
+        TP,
+    ),
+    "hf_granite_hybrid/meta_init_zero3": (f"dp=2,zero_stage=3,{B}", "hf_granite_hybrid", FP32),
 }
 
 
