@@ -642,8 +642,38 @@ def job_tp_grads(cases: list[dict]) -> dict:
     return out
 
 
+def job_checkpoint_across(workdir: str, kind: str, saved: str, others: dict) -> dict:
+    """Train 2 steps of `kind` under strategy `saved` and save; engines of the `others`
+    strategies ({name: strategy}) load the checkpoint and evaluate (their loss before and
+    after loading, to compare with the saved run's)."""
+    from autosearch import Engine
+
+    batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
+
+    def engine(strategy):
+        return Engine(
+            lambda: make_model(kind),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+            strategy=f"{strategy},{batch}",
+            seed=0,
+        )
+
+    valid = dataset(kind, 8, seed=7)
+    first = engine(saved)
+    first.fit(dataset(kind, 16), steps_per_epoch=2, verbose=0)
+    first.save(os.path.join(workdir, "saved"))
+    out = {"saved": first.evaluate(valid, verbose=0)["loss"]}
+    for name, strategy in others.items():
+        other = engine(strategy)
+        out[f"{name}_fresh"] = other.evaluate(valid, verbose=0)["loss"]
+        other.load(os.path.join(workdir, "saved"))
+        out[name] = other.evaluate(valid, verbose=0)["loss"]
+    return out
+
+
 JOBS = {
     "tp_grads": job_tp_grads,
+    "checkpoint_across": job_checkpoint_across,
     "equivalence": job_equivalence,
     "equivalence_each": job_equivalence_each,
     "predict": job_predict,
