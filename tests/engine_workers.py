@@ -80,6 +80,14 @@ MODELS["gdn_hybrid"] = ModelSpec.from_dict(
     }
 )
 MODELS["gdn_dense"] = MODELS["gdn_hybrid"].scaled(layer_pattern="G-G*--", moe=None)
+# Nemotron 3 Nano's layout (Mamba-2 blocks with MoE MLPs, an attention block), with SwiGLU
+# experts and an auxiliary loss (the reference MoE's; Nano's squared-ReLU experts under an
+# aux-loss-free router are not built)
+MODELS["nano_like"] = MODELS["mamba_hybrid"].scaled(
+    layer_pattern="MEM*EM-",
+    ffn_activation="swiglu",
+    moe=MODELS["gdn_hybrid"].moe,
+)
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
@@ -250,17 +258,28 @@ def dataset(kind: str, n: int = 64, seed: int = 0):
     return SyntheticTokens.for_model(spec, n, seed=seed)
 
 
+SGD_LR = 0.5  # plain SGD moves the tiny models' losses visibly in 3 steps at this rate
+
+
 def train_losses(
-    strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS
+    strategy: str,
+    kind: str = "gpt",
+    *,
+    loss_parallel: bool = False,
+    steps: int = STEPS,
+    sgd: bool = False,
 ) -> list[float]:
-    """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
+    """Per-step training losses of `steps` AdamW steps (or plain SGD steps: `sgd`, whose update
+    does not divide a gradient by its own size, so fp32 rounding is not magnified) from a fixed
+    seed and data order."""
     from autosearch import Engine
 
     torch._dynamo.reset()  # each run compiles afresh, as in its own process
     model = make_model(kind)
+    params = model.parameters()
     engine = Engine(
         model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        optimizer=torch.optim.SGD(params, lr=SGD_LR) if sgd else torch.optim.AdamW(params, lr=LR),
         strategy=strategy,
         loss_parallel=loss_parallel,
     )
@@ -277,6 +296,7 @@ def job_equivalence(cases: list[dict]) -> dict:
             case["strategy"],
             case.get("model", "gpt"),
             loss_parallel=case.get("loss_parallel", False),
+            sgd=case.get("sgd", False),
         )
     return out
 
@@ -767,7 +787,7 @@ def launch(
     return results
 
 
-def reference_losses(strategy: str, kind: str = "gpt") -> list[float]:
+def reference_losses(strategy: str, kind: str = "gpt", *, sgd: bool = False) -> list[float]:
     """The single-process run the parallel runs are compared with (one thread, as the workers)."""
     torch.set_num_threads(1)
-    return train_losses(strategy, kind)
+    return train_losses(strategy, kind, sgd=sgd)
