@@ -383,12 +383,13 @@ class Mamba2Mixer(_GroupedLayout):
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
-    def forward(self, hidden: torch.Tensor, **_: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         """The mixer's output; keyword arguments (transformers' cache and mask, None when
         training) are ignored."""
         s = self.spec
         rep, width, n = s.n_heads // s.n_groups, s.head_dim, s.d_state
         per_head = rep * width  # channels of z (and of x) per group
+        hidden = hidden_states
         proj = self.in_proj(hidden)  # this rank's groups, (batch, seq, groups * per group)
         batch, seq = proj.shape[:2]
         proj = proj.unflatten(-1, (-1, 2 * per_head + 2 * n + rep))
@@ -452,9 +453,10 @@ class GatedDeltaNet(_GroupedLayout):
         _init_conv(self.conv1d)
         self.norm.reset_parameters()
 
-    def forward(self, hidden: torch.Tensor, **_: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         """The mixer's output; keyword arguments (transformers' cache and mask) are ignored."""
         s = self.spec
+        hidden = hidden_states
         r, dk, dv = s.n_v_heads // s.n_k_heads, s.head_k_dim, s.head_v_dim
         qkvz = self.in_proj_qkvz(hidden)  # this rank's key heads
         batch, seq = qkvz.shape[:2]
@@ -498,17 +500,26 @@ def _rows_style(children: tuple[str, ...], *, gather_input: bool):
                 sharded = distribute(p, mesh, [Shard(0)])
                 module.register_parameter(key, nn.Parameter(sharded, p.requires_grad))
 
-    def gather(module: nn.Module, inputs: Any, mesh) -> Any:  # a forward pre-hook's inputs
-        x = inputs[0]
+    def whole(x: torch.Tensor, mesh) -> torch.Tensor:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
-        return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
+        return x.redistribute(placements=(Replicate(),))
 
     class ShardRows(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            return distribute_module(
-                module, device_mesh, partition, gather if gather_input else None
-            )
+            distribute_module(module, device_mesh, partition)
+            if gather_input:  # the input by position or as transformers passes it, by keyword
+
+                def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+                    if args:
+                        return (whole(args[0], device_mesh), *args[1:]), kwargs
+                    return args, {
+                        **kwargs,
+                        "hidden_states": whole(kwargs["hidden_states"], device_mesh),
+                    }
+
+                module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
 
     return ShardRows()
 

@@ -17,15 +17,16 @@ attention core per attention layer (transformers' SDPA) that selective recompute
   saved model loads in transformers. It computes what transformers' torch path computes
   (tests/test_ssm.py).
 * Granite 4.0-H (`GraniteHybridCausalLM`): Llama-like layers whose mixer is ``self_attn`` or
-  ``mamba`` (transformers' own modules), each with a SwiGLU ``shared_mlp`` (and routed experts
-  where ``num_local_experts`` > 0), the embedding, residual, attention and logit multipliers.
+  ``mamba`` (its Mamba-2 layers replaced as Nemotron-H's), each with a SwiGLU ``shared_mlp``
+  (its fused gate/up rows interleaved for tp, `InterleavedGatedMLP`) and routed experts where
+  ``num_local_experts`` > 0 (transformers' module), the embedding, residual, attention and logit
+  multipliers.
 
 What runs: dp, ZeRO 1-3 (FSDP2, one unit per layer), pp (the pipeline splits layers of any
 kind), full and selective recompute, autocast; tensor parallel (+ sequence parallel) for
-Nemotron-H. What is refused, with the reason: context parallel (as the cost model: the Mamba
-state passes along the sequence), expert parallel (the MoE layers are transformers' own), and
-tensor parallel for Granite (its fused gate/up ``input_linear`` and packed Mamba rows are not
-re-laid for it yet).
+both (Granite's shared MLP's fused gate/up rows interleaved, as Phi-3's). What is refused, with
+the reason: context parallel (as the cost model: the Mamba state passes along the sequence),
+expert parallel and tensor parallel of the MoE layers (transformers' own modules).
 """
 
 from __future__ import annotations
@@ -290,11 +291,38 @@ def _as_mamba2_mixer(theirs: Any, spec, hidden: int, eps: float) -> Mamba2Mixer:
     return ours
 
 
+class InterleavedGatedMLP(nn.Module):
+    """Granite's SwiGLU ``shared_mlp`` on rows of its fused ``input_linear`` interleaved gate,
+    up, gate, up (`autosearch.models.hf.phi3.interleave_gate_up`): a contiguous 1/tp of the
+    rows holds the gate and up rows of the same units, which ``output_linear`` (row-wise) takes
+    by columns. Computes transformers' ``GraniteMoeHybridMLP`` (act(gate) * up) under the same
+    parameter names."""
+
+    def __init__(self, hf_mlp: Any):
+        super().__init__()
+        from autosearch.models.hf.phi3 import interleave_gate_up
+
+        self.input_linear = hf_mlp.input_linear
+        self.output_linear = hf_mlp.output_linear
+        self.activation = hf_mlp.activation
+        weight = self.input_linear.weight
+        self.input_linear.weight = nn.Parameter(
+            interleave_gate_up(weight.detach()), requires_grad=weight.requires_grad
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(hidden_states).unflatten(-1, (-1, 2)).unbind(-1)
+        return self.output_linear(self.activation(gate) * up)
+
+
 class GraniteHybridCausalLM(HFHybridCausalLM):
-    """A transformers ``GraniteMoeHybridForCausalLM`` as the Engine runs it (module doc):
-    transformers' layers as they are, the Granite multipliers applied where transformers
-    applies them (embedding x ``embedding_multiplier`` on the first stage, logits /
-    ``logits_scaling`` on the last; the residual and attention multipliers inside the layers).
+    """A transformers ``GraniteMoeHybridForCausalLM`` as the Engine runs it (module doc): the
+    Granite multipliers applied where transformers applies them (embedding x
+    ``embedding_multiplier`` on the first stage, logits / ``logits_scaling`` on the last; the
+    residual and attention multipliers inside the layers). Laid out for tensor parallel as
+    Nemotron-H: the Mamba-2 layers become `autosearch.models.ssm.Mamba2Mixer` (rows by group),
+    the shared MLP's fused gate/up rows are interleaved (`InterleavedGatedMLP`); `hf_model`
+    lays both back.
 
     Args:
         hf_model: the causal LM (random or pretrained); its modules are taken over, not copied.
@@ -311,17 +339,33 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
     def is_attention(layer: nn.Module) -> bool:
         return layer.self_attn is not None
 
+    def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
+        super().__init__(hf_model, seq_len=seq_len)
+        mamba = self.spec.mamba
+        for layer in self.model.layers.values():
+            if layer.mamba is not None and mamba is not None:
+                layer.mamba = _as_mamba2_mixer(
+                    layer.mamba, mamba, self.config.hidden_size, self.config.rms_norm_eps
+                )
+            layer.shared_mlp = InterleavedGatedMLP(layer.shared_mlp)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from autosearch.models.hf.causal_lm import _sequence_shards
+
         m = self.model
+        layers = list(m.layers.values())
         if m.embed_tokens is not None:
+            seq = tokens.shape[1]
             h = m.embed_tokens(tokens) * m.embedding_multiplier
-        else:
+        else:  # a later stage: under sequence parallel its input is this rank's shard
             h = tokens
+            norm = layers[0].input_layernorm if layers else m.norm
+            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
         position_embeddings = None
         if m.rotary_emb is not None:
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            positions = torch.arange(seq, device=h.device).unsqueeze(0)
             position_embeddings = m.rotary_emb(h, positions)
-        for layer in m.layers.values():
+        for layer in layers:
             h = layer(h, position_embeddings=position_embeddings)
         if m.norm is not None:
             h = m.norm(h)
@@ -329,12 +373,98 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
             h = self.lm_head(h) / self.config.logits_scaling
         return h
 
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' init; the Mamba-2 mixers (ours) as `Mamba2Mixer.init_ssm` does."""
+        super().init_weights()
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.init_ssm()
+
+    def _mamba_layers(self) -> list[str]:
+        return [n for n, b in self.model.layers.items() if isinstance(b.mamba, Mamba2Mixer)]
+
+    def parallel_plan(self) -> ParallelPlan:
+        import dataclasses
+        import functools
+
+        return dataclasses.replace(
+            super().parallel_plan(),
+            tp_plan=functools.partial(self.granite_tp_plan, mamba=tuple(self._mamba_layers())),
+        )
+
+    @staticmethod
+    def granite_tp_plan(
+        *, sequence_parallel: bool, loss_parallel: bool, mamba: tuple[str, ...] = ()
+    ) -> dict:
+        """Megatron's split on transformers' names: q/k/v column-wise, o_proj row-wise, the
+        shared MLP's (interleaved) input_linear column-wise and output_linear row-wise, each
+        Mamba-2 layer by groups (`ssm_tp_plan`); embeddings by vocabulary rows, lm_head by
+        vocabulary columns; with sequence parallel the norms on the ranks' shards and each
+        mixer's and MLP's input gathered."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        act = Shard(1) if sequence_parallel else Replicate()
+        layer = "model.layers.*."
+        plan: dict = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "lm_head": ColwiseParallel(
+                input_layouts=act,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+            layer + "self_attn.q_proj": ColwiseParallel(),
+            layer + "self_attn.k_proj": ColwiseParallel(),
+            layer + "self_attn.v_proj": ColwiseParallel(),
+            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            layer + "shared_mlp.input_linear": ColwiseParallel(),
+            layer + "shared_mlp.output_linear": RowwiseParallel(output_layouts=act),
+        }
+        if sequence_parallel:
+            plan["model.norm"] = SequenceParallel()
+            plan[layer + "input_layernorm"] = SequenceParallel()
+            plan[layer + "post_attention_layernorm"] = SequenceParallel()
+            plan[layer + "self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+            plan[layer + "shared_mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        for name in mamba:
+            plan.update(
+                ssm_tp_plan(
+                    f"model.layers.{name}.mamba", "mamba", sequence_parallel=sequence_parallel
+                )
+            )
+        return plan
+
     def _check_strategy(self, strategy) -> list[str]:
         problems = super()._check_strategy(strategy)
-        if strategy.tp > 1:
+        if strategy.tp > 1 and self.config.num_local_experts > 0:
             problems.append(
-                f"tp={strategy.tp}: Granite 4.0-H's fused gate/up input_linear and packed "
-                "Mamba rows are not laid out for tensor parallel here (Nemotron-H's are); use "
-                "tp=1 (dp, zero, pp, recompute)"
+                f"tp={strategy.tp}: Granite's MoE layers run transformers' "
+                "GraniteMoeHybridMoE, which has no tensor-parallel plan here; use tp=1"
             )
         return problems
+
+    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
+        """transformers' model holding `state_dict` (or this module's weights), the Mamba rows
+        and the shared MLPs' gate/up rows laid back in transformers' order."""
+        from autosearch.models.hf.phi3 import interleave_gate_up
+
+        state = dict(state_dict if state_dict is not None else self.state_dict())
+        for name in self._mamba_layers():
+            mixer = self.model.layers[name].mamba
+            prefix = f"model.layers.{name}.mamba."
+            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
+        for key in [k for k in state if k.endswith("shared_mlp.input_linear.weight")]:
+            state[key] = interleave_gate_up(state[key], inverse=True)
+        return super().hf_model(state)
