@@ -423,31 +423,6 @@ class Transformer(nn.Module):
         return plan
 
 
-def ssm_tp_problems(spec: ModelSpec, tp: int) -> list[str]:
-    """Why this model's Mamba-2 / Gated DeltaNet mixers do not run under tensor parallel.
-
-    Megatron-Core splits them per component (``mamba_mixer.py``: z, x, B, C and dt of the packed
-    in_proj each column-parallel over tp, the conv1d per channel, out_proj row-parallel, the
-    gated norm over each rank's groups). A DTensor ``Shard`` placement cuts one parameter into
-    contiguous blocks, which for the packed in_proj (and the conv1d over x, B and C) would give
-    a rank the z of some heads and the x of others; splitting the projection into one parameter
-    per component inside the plan would change the parameter names the checkpoints and the
-    Hugging Face families keep. So the Engine refuses tp for these mixers; the cost model
-    prices it (Megatron-Core runs it)."""
-    kinds = {layer.mixer for layer in spec.layers}
-    mixers = [
-        name for kind, name in (("mamba", "Mamba-2"), ("gdn", "Gated DeltaNet")) if kind in kinds
-    ]
-    if tp <= 1 or not mixers:
-        return []
-    return [
-        f"tp={tp}: the Engine does not split {' and '.join(mixers)} mixers over tensor-parallel "
-        "ranks (their packed in_proj holds z, x, B, C, dt side by side, which one DTensor "
-        "Shard cannot cut per component as Megatron-Core's mamba_mixer does); use tp=1 with "
-        "dp / zero / pp, or --runtime megatron-core to plan for Megatron"
-    ]
-
-
 def build(spec: "ModelSpec | str", **kwargs) -> Transformer:
     """`Transformer(ModelSpec.load(spec), **kwargs)`: a catalog name, a YAML path or a
     ModelSpec."""
