@@ -8,16 +8,17 @@
   the gated delta rule run chunk by chunk in its WY form (`chunk_gated_delta_rule`); a gated
   RMSNorm per value head; out_proj.
 
-Written by hand because no maintained library ships these scans as importable plain-PyTorch
-functions: ``mamba_ssm`` and ``flash-linear-attention`` need CUDA / Triton kernels (their torch
-references, ``ssd_minimal_discrete`` and ``chunk_gated_delta_rule_ref``, live in their test
-folders), and transformers keeps its torch paths private to the model files
-(``modeling_nemotron_h.NemotronHMamba2Mixer.torch_forward``,
-``modeling_qwen3_next.torch_chunk_gated_delta_rule``). Parameter names and layouts are those
-transformers uses (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``; ``in_proj_qkvz`` with q, k, v, z grouped per key head, ``in_proj_ba``), so a
-transformers mixer's state dict loads into these modules as it is (tests/test_ssm.py checks
-the outputs against transformers' own torch path on the same weights).
+Written by hand because no maintained library ships these scans importable on a machine
+without their GPU builds: ``mamba_ssm`` keeps its torch reference in
+``mamba_ssm/modules/ssd_minimal.py`` and flash-linear-attention its chunked form in Triton
+(``fla/ops/gated_delta_rule/chunk.py``), and both packages install only with their CUDA /
+Triton builds; transformers keeps its torch paths inside the model files
+(``modeling_nemotron_h.mamba2_chunk_scan``, ``modeling_qwen3_next.torch_chunk_gated_delta_rule``).
+Parameter names are transformers' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
+``norm``, ``out_proj``; ``in_proj_qkvz``, ``in_proj_ba``); the packed rows are laid out group
+by group for tensor parallel (`grouped_order`), and `from_transformers` / `to_transformers`
+convert a mixer's state dict (tests/test_ssm.py checks the outputs against transformers' own
+torch path on the same weights).
 
 Both scans run in float32, as transformers' and the kernels' do, whatever the input dtype.
 Their step-by-step recurrences are in tests/test_ssm.py, which checks the chunked forms
