@@ -59,6 +59,35 @@ MODELS["gemma"] = MODELS["llama"].scaled(
     tied_embeddings=True,
 )
 MODELS["relu2"] = MODELS["llama"].scaled(ffn_activation="relu2")
+# Hybrids on the Llama shape (4 blocks of several kinds, chunks of 8 of the 32 tokens): Mamba-2
+# (Nemotron-H's squared-ReLU MLPs, a Mamba block without MLP) and Gated DeltaNet (Qwen3-Next's
+# SwiGLU MoE on the attention block, an MLP alone); tests/test_engine_hybrid.py
+MODELS["mamba_hybrid"] = ModelSpec.from_dict(
+    {
+        **MODELS["relu2"].to_dict(),
+        "name": "mamba_hybrid",
+        "layer_pattern": "M-M*-M-",
+        "mamba": dict(n_heads=8, head_dim=8, d_state=8, n_groups=2, chunk_size=8),
+    }
+)
+MODELS["gdn_hybrid"] = ModelSpec.from_dict(
+    {
+        **MODELS["llama"].to_dict(),
+        "name": "gdn_hybrid",
+        "layer_pattern": "G-G*E-",
+        "gdn": dict(n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8),
+        "moe": dict(n_experts=4, top_k=2, ffn_hidden_size=32),
+    }
+)
+MODELS["gdn_dense"] = MODELS["gdn_hybrid"].scaled(layer_pattern="G-G*--", moe=None)
+# Nemotron 3 Nano's layout (Mamba-2 blocks with MoE MLPs, an attention block), with SwiGLU
+# experts and an auxiliary loss (the reference MoE's; Nano's squared-ReLU experts under an
+# aux-loss-free router are not built)
+MODELS["nano_like"] = MODELS["mamba_hybrid"].scaled(
+    layer_pattern="MEM*EM-",
+    ffn_activation="swiglu",
+    moe=MODELS["gdn_hybrid"].moe,
+)
 
 
 # Tiny random transformers models of each supported family, the shapes of MODELS["llama"]
@@ -133,22 +162,84 @@ HF_DENSE_FAMILIES = {
 }
 
 
+# The hybrid families (tests/test_engine_hybrid.py): Nemotron-H with one transformers layer per
+# symbol of M-M*-M- (Mamba-2 heads of 8 in 2 groups, chunks of 8 of the 32 tokens), and with
+# Nemotron 3's MoE layers (ME*-ME: 4 squared-ReLU experts, top 2, a shared expert).
+_NEMOTRON_H = dict(
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=8,
+    n_groups=2,
+    chunk_size=8,
+    head_dim=16,
+)
+_NEMOTRON_H_LAYERS = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp"]
+_NEMOTRON_3_LAYERS = ["mamba", "moe", "attention", "mlp", "mamba", "moe"]
+HF_HYBRID_FAMILIES = {
+    "hf_nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_NEMOTRON_H,
+            "num_hidden_layers": len(_NEMOTRON_H_LAYERS),
+            "layers_block_type": _NEMOTRON_H_LAYERS,
+        },
+    ),
+    "hf_nemotron_3": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_NEMOTRON_H,
+            "num_hidden_layers": len(_NEMOTRON_3_LAYERS),
+            "layers_block_type": _NEMOTRON_3_LAYERS,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    # Granite 4.0-H: Mamba-2 and attention mixers, each layer with a SwiGLU shared MLP (d_inner
+    # = mamba_expand 2 x 64 = 8 heads of 16), Granite's multipliers away from 1
+    "hf_granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "shared_intermediate_size": 96,
+            "num_local_experts": 0,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 8,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "attention_multiplier": 0.2,
+            "position_embedding_type": "rope",
+        },
+    ),
+}
+ALL_HF = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES, **HF_HYBRID_FAMILIES}
+
+
 def hf_model(kind: str):
     """A transformers model of family `kind` with random weights (seeded by the caller);
     ``<family>_tied`` ties lm_head to the embedding."""
     import transformers
 
     family, tied = kind.removesuffix("_tied"), kind.endswith("_tied")
-    config_name, model_name, extra = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}[
-        family
-    ]
+    config_name, model_name, extra = ALL_HF[family]
     shape = {**HF_SHAPE, "tie_word_embeddings": tied, **extra}  # extra may change the shape
     config = getattr(transformers, config_name)(**shape)
     return getattr(transformers, model_name)(config)
 
 
 def is_hf(kind: str) -> bool:
-    return kind.removesuffix("_tied") in {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES}
+    return kind.removesuffix("_tied") in ALL_HF
 
 
 def make_model(kind: str):
@@ -167,17 +258,28 @@ def dataset(kind: str, n: int = 64, seed: int = 0):
     return SyntheticTokens.for_model(spec, n, seed=seed)
 
 
+SGD_LR = 0.5  # plain SGD moves the tiny models' losses visibly in 3 steps at this rate
+
+
 def train_losses(
-    strategy: str, kind: str = "gpt", *, loss_parallel: bool = False, steps: int = STEPS
+    strategy: str,
+    kind: str = "gpt",
+    *,
+    loss_parallel: bool = False,
+    steps: int = STEPS,
+    sgd: bool = False,
 ) -> list[float]:
-    """Per-step training losses of `steps` AdamW steps from a fixed seed and data order."""
+    """Per-step training losses of `steps` AdamW steps (or plain SGD steps: `sgd`, whose update
+    does not divide a gradient by its own size, so fp32 rounding is not magnified) from a fixed
+    seed and data order."""
     from autosearch import Engine
 
     torch._dynamo.reset()  # each run compiles afresh, as in its own process
     model = make_model(kind)
+    params = model.parameters()
     engine = Engine(
         model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        optimizer=torch.optim.SGD(params, lr=SGD_LR) if sgd else torch.optim.AdamW(params, lr=LR),
         strategy=strategy,
         loss_parallel=loss_parallel,
     )
@@ -194,6 +296,7 @@ def job_equivalence(cases: list[dict]) -> dict:
             case["strategy"],
             case.get("model", "gpt"),
             loss_parallel=case.get("loss_parallel", False),
+            sgd=case.get("sgd", False),
         )
     return out
 
@@ -526,7 +629,71 @@ def job_meta_load(workdir: str) -> dict:
     return out
 
 
+def job_tp_grads(cases: list[dict]) -> dict:
+    """For each case (a model kind and sequence parallel or not): the largest difference, relative
+    to the gradient's largest entry, between the gradients of one forward and backward of the
+    model under tp over every rank (`apply_tp` with the model's own plan) and in one process, per
+    parameter name; and the largest difference of the outputs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosearch.engine.parallelize import apply_tp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    out = {}
+    for case in cases:
+        ref, model = make_model(case["model"]), make_model(case["model"])
+        x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+        ref(x).square().mean().backward()
+        apply_tp(
+            model,
+            mesh,
+            model.parallel_plan(),
+            sequence_parallel=case["sequence_parallel"],
+            loss_parallel=False,
+        )
+        y = model(x)
+        y.square().mean().backward()
+        grads = {}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = ((g - q.grad).abs().max() / q.grad.abs().max()).item()
+        out[case["name"]] = {"outputs": (y - ref(x)).abs().max().item(), "grads": grads}
+    return out
+
+
+def job_checkpoint_across(workdir: str, kind: str, saved: str, others: dict) -> dict:
+    """Train 2 steps of `kind` under strategy `saved` and save; engines of the `others`
+    strategies ({name: strategy}) load the checkpoint and evaluate (their loss before and
+    after loading, to compare with the saved run's)."""
+    from autosearch import Engine
+
+    batch = "micro_batch_size=2,global_batch_size=4,amp=fp32"
+
+    def engine(strategy):
+        return Engine(
+            lambda: make_model(kind),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+            strategy=f"{strategy},{batch}",
+            seed=0,
+        )
+
+    valid = dataset(kind, 8, seed=7)
+    first = engine(saved)
+    first.fit(dataset(kind, 16), steps_per_epoch=2, verbose=0)
+    first.save(os.path.join(workdir, "saved"))
+    out = {"saved": first.evaluate(valid, verbose=0)["loss"]}
+    for name, strategy in others.items():
+        other = engine(strategy)
+        out[f"{name}_fresh"] = other.evaluate(valid, verbose=0)["loss"]
+        other.load(os.path.join(workdir, "saved"))
+        out[name] = other.evaluate(valid, verbose=0)["loss"]
+    return out
+
+
 JOBS = {
+    "tp_grads": job_tp_grads,
+    "checkpoint_across": job_checkpoint_across,
     "equivalence": job_equivalence,
     "equivalence_each": job_equivalence_each,
     "predict": job_predict,
@@ -620,7 +787,7 @@ def launch(
     return results
 
 
-def reference_losses(strategy: str, kind: str = "gpt") -> list[float]:
+def reference_losses(strategy: str, kind: str = "gpt", *, sgd: bool = False) -> list[float]:
     """The single-process run the parallel runs are compared with (one thread, as the workers)."""
     torch.set_num_threads(1)
-    return train_losses(strategy, kind)
+    return train_losses(strategy, kind, sgd=sgd)

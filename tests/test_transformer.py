@@ -200,3 +200,61 @@ def test_gemma_and_nemotron_shapes_build_with_the_planners_parameters():
     assert [layer.attention.core.window for layer in model.layers.values()] == [4, None]
     logits = model(torch.randint(0, 128, (2, 16)))
     assert logits.abs().max() < 3.0
+
+
+# Hybrids shrunk for a CPU, keeping their layer patterns' kinds of block: Nemotron-H (Mamba-2
+# with and without an MLP, attention, squared-ReLU MLPs), and a Qwen3-Next-like pattern of Gated
+# DeltaNet and attention blocks with SwiGLU MoE MLPs and an MLP alone.
+MAMBA_SMALL = dict(n_heads=8, head_dim=8, d_state=8, n_groups=2, chunk_size=8)
+GDN_SMALL = dict(n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8)
+HYBRIDS = {
+    "nemotron-h-8b": dict(
+        layer_pattern="M-M*-M",
+        n_layers=4,
+        hidden_size=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        vocab_size=256,
+        seq_len=24,
+        mamba=MAMBA_SMALL,
+    ),
+    "qwen3-next-like": dict(
+        layer_pattern="GEG*E-",
+        n_layers=4,
+        hidden_size=64,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden_size=96,
+        ffn_activation="swiglu",
+        vocab_size=256,
+        seq_len=24,
+        gdn=GDN_SMALL,
+        moe=dict(n_experts=4, top_k=2, ffn_hidden_size=32),
+    ),
+}
+
+
+def hybrid(name: str) -> ModelSpec:
+    """A hybrid of `HYBRIDS` (the catalog's Nemotron-H 8B, or tiny-llama made a GDN hybrid)."""
+    fields = dict(HYBRIDS[name])
+    base = ModelSpec.load(name if name in ("nemotron-h-8b",) else "tiny-llama")
+    return ModelSpec.from_dict({**base.to_dict(), **fields, "name": name}, what=name)
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_shrunk_hybrids_build_with_the_planners_parameter_count(name):
+    spec = hybrid(name)
+    model = Transformer(spec)
+    kinds = [(layer.mixer, layer.mlp) for layer in spec.layers]
+    assert len(set(kinds)) >= 3  # several kinds of block, a part alone among them
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params
+    x = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
+    logits = model(x)
+    assert logits.shape == (2, spec.seq_len, spec.vocab_size) and torch.isfinite(logits).all()
+    # causal: a change in the last token changes no earlier logit (the scans and convs included)
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % spec.vocab_size
+    model.eval()
+    assert torch.allclose(model(x)[:, :-1], model(y)[:, :-1], atol=1e-6)

@@ -927,9 +927,11 @@ def unbuilt(model: ModelSpec) -> list[str]:
     """What `autosearch.models.transformer.Transformer` (the reference model the Engine trains)
     does not build in `model`, one phrase each. It builds attention blocks (multi-head or
     grouped-query, any head size, sliding windows, soft-capped scores and logits) with a GELU,
-    squared-ReLU, SwiGLU or GeGLU MLP, learned or rotary positions, and dropless SwiGLU
-    mixture-of-experts layers with an auxiliary loss or none."""
-    out = _other_blocks(model)
+    squared-ReLU, SwiGLU or GeGLU MLP, learned or rotary positions, dropless SwiGLU
+    mixture-of-experts layers with an auxiliary loss or none, and the blocks of every hybrid
+    layer pattern (Mamba-2 and Gated DeltaNet mixers, a mixer or an MLP alone;
+    `autosearch.models.ssm`)."""
+    out: list[str] = []
     m = model.moe
     if m is not None and model.ffn_activation != "swiglu":
         out.append(f"mixture-of-experts layers of {model.ffn_activation} experts (SwiGLU only)")

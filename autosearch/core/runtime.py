@@ -24,7 +24,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MOE_DISPATCHERS = ("alltoall", "deepep")
 # Kinds of block a runtime must support to train a model that has them (a runtime's
-# ``supports``), by the mixer name of `autosearch.core.layers`; the Engine trains none yet
+# ``supports``), by the mixer name of `autosearch.core.layers`. The Engine trains both
+# (autosearch/models/ssm.py) but its `torch` preset lists neither: its plain-PyTorch scans are
+# not what the ssm terms price (the fused kernels)
 MODEL_FEATURES = {
     "mamba": "Mamba-2 mixers (M in the layer pattern)",
     "gdn": "Gated DeltaNet mixers (G in the layer pattern)",

@@ -216,7 +216,9 @@ class WholeWeightNormal(torch.overrides.TorchFunctionMode):
     generator draws for the whole weight (`normal_window_`). Left alone, every rank draws the
     same values for its shard: repeated blocks in each weight, and another start than one
     process's. So a model built on the meta device starts as one process builds it, whatever
-    the layout (the experts draw per expert, `Experts.init_weights`)."""
+    the layout (the experts draw per expert, `Experts.init_weights`). Uniform initialisers
+    (`_WHOLE_DRAWS`) run on a plain tensor of the whole shape and keep the shard's window, and
+    a whole plain value copied into a shard (``copy_``) copies its window."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -247,7 +249,49 @@ class WholeWeightNormal(torch.overrides.TorchFunctionMode):
                     generator=given.get("generator"),
                 )
             return w
+        if func in _WHOLE_DRAWS and _on_cpu_mesh(w):
+            # uniform draws (transformers' kaiming-uniform residual init, Nemotron-H): the
+            # function on a plain tensor of the whole shape, this shard's window kept
+            whole = torch.empty(w.shape, dtype=w.dtype)
+            with torch.no_grad():
+                func(whole, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensor"})
+                w.to_local().copy_(whole[_window(w)])
+            return w
+        source = args[1] if len(args) > 1 else kwargs.get("src")
+        if (
+            func is torch.Tensor.copy_
+            and _on_cpu_mesh(w)
+            and isinstance(source, torch.Tensor)
+            and not isinstance(source, DTensor)
+            and source.shape == w.shape
+        ):  # a whole value into a shard (transformers' Mamba init: A_log, dt_bias)
+            with torch.no_grad():
+                w.to_local().copy_(source[_window(w)])
+            return w
         return func(*args, **kwargs)
+
+
+# Initialisers that draw once per element in order: on a shard, the whole draw's window.
+_WHOLE_DRAWS = (
+    torch.Tensor.uniform_,
+    torch.nn.init.uniform_,
+    torch.nn.init.kaiming_uniform_,
+    torch.nn.init.xavier_uniform_,
+)
+
+
+def _on_cpu_mesh(w) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(w, DTensor) and w.device_mesh.device_type == "cpu" and w.dim() > 0
+
+
+def _window(w) -> tuple[slice, ...]:
+    """The slices of the whole tensor a DTensor's local shard holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def normal_window_(

@@ -194,7 +194,12 @@ def apply_ac(
         raise SpecError("recompute=selective needs ParallelPlan(blocks=..., attention_core=...)")
     parent_path, _, leaf = plan.attention_core.rpartition(".")
     for block in container.values() if isinstance(container, nn.ModuleDict) else container:
-        parent = block.get_submodule(parent_path) if parent_path else block
+        try:
+            parent = block.get_submodule(parent_path) if parent_path else block
+        except AttributeError:  # a block without attention (a hybrid's Mamba / MLP block)
+            continue
+        if getattr(parent, leaf, None) is None:
+            continue
         parent.register_module(leaf, checkpoint_wrapper(getattr(parent, leaf)))
 
 

@@ -9,6 +9,9 @@ Two styles, chosen by ``spec.ffn_activation`` as in `autosearch.core.model_spec`
 * Mixture of experts (a Llama-style spec with ``moe``; Mixtral, Qwen3-MoE, DeepSeek-V3): the
   layers `ModelSpec.moe_layers` names have a `autosearch.models.moe.MoE` (``moe``) in place of
   the dense ``feed_forward``; its load-balancing loss joins the training loss.
+* Hybrids (a spec with ``layer_pattern``; Nemotron-H, Qwen3-Next): each block is what its
+  `autosearch.core.layers.Layer` says, a mixer (attention, Mamba-2 or Gated DeltaNet,
+  `autosearch.models.ssm`) and an MLP (dense, MoE), either of which may be absent.
 
 The layout follows torchtitan so that the Engine can split and shard it by name: ``tok_embeddings``
 (+ ``pos_embeddings``), ``layers`` (a ModuleDict keyed "0", "1", ... so that parameter names stay
@@ -27,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -39,6 +43,7 @@ from autosearch.core.model_spec import ModelSpec, unbuilt
 from autosearch.distributed.plan import ParallelPlan
 from autosearch.models import attention
 from autosearch.models.moe import AUX_LOSS_COEF, Experts, MoE, moe_of, sequence_parallel_style
+from autosearch.models.ssm import GatedDeltaNet, Mamba2Mixer, ssm_strategy_problems, ssm_tp_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.distributed.context_parallel import ContextParallel
@@ -175,25 +180,51 @@ def _norm(spec: ModelSpec) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP a MoE layer when
-    `moe` is given)."""
+    """Pre-norm block of one `autosearch.core.layers.Layer`: x + mixer(norm(x)), then
+    x + mlp(norm(x)), each part absent when the layer has none (Megatron's hybrid layers: each
+    mixer and each MLP has its own pre-norm and residual).
+
+    The mixer is ``attention`` (with ``attention_norm``: the names of every attention block, as
+    before hybrids) or a Mamba-2 / Gated DeltaNet ``mixer`` (with ``mixer_norm``;
+    `autosearch.models.ssm`); the MLP is ``feed_forward``, or ``moe`` when `moe` is given.
+    """
 
     def __init__(
-        self, spec: ModelSpec, dropout: float, moe: MoE | None = None, keys: int | None = None
+        self,
+        spec: ModelSpec,
+        dropout: float,
+        moe: MoE | None = None,
+        keys: int | None = None,
+        *,
+        mixer: str = "attention",
+        mlp: str = "dense",
     ):
         super().__init__()
-        self.attention_norm = _norm(spec)
-        self.attention = Attention(spec, dropout, keys)
-        self.ffn_norm = _norm(spec)
-        self.feed_forward = FeedForward(spec) if moe is None else None
+        self.attention_norm = _norm(spec) if mixer == "attention" else None
+        self.attention = Attention(spec, dropout, keys) if mixer == "attention" else None
+        self.mixer_norm = _norm(spec) if mixer in ("mamba", "gdn") else None
+        self.mixer: nn.Module | None = None
+        if mixer == "mamba":
+            assert spec.mamba is not None  # ModelSpec checks that M layers have their spec
+            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size)
+        elif mixer == "gdn":
+            assert spec.gdn is not None
+            self.mixer = GatedDeltaNet(spec.gdn, spec.hidden_size)
+        self.ffn_norm = _norm(spec) if mlp != "none" else None
+        self.feed_forward = FeedForward(spec) if mlp == "dense" else None
         self.moe = moe
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+        # each part present is built with its norm
+        if self.attention is not None and self.attention_norm is not None:
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+        elif self.mixer is not None and self.mixer_norm is not None:
+            x = x + self.dropout(self.mixer(self.mixer_norm(x)))
         mlp = self.feed_forward if self.feed_forward is not None else self.moe
-        assert mlp is not None  # one of the two, by construction
-        return x + self.dropout(mlp(self.ffn_norm(x)))
+        if mlp is not None and self.ffn_norm is not None:
+            x = x + self.dropout(mlp(self.ffn_norm(x)))
+        return x
 
 
 class Transformer(nn.Module):
@@ -239,6 +270,8 @@ class Transformer(nn.Module):
                     dropout,
                     moe_of(spec, aux_loss_coef=aux_loss_coef) if layer.mlp == "moe" else None,
                     layer.keys,
+                    mixer=layer.mixer,
+                    mlp=layer.mlp,
                 )
                 for i, layer in enumerate(spec.layers)
             }
@@ -267,7 +300,7 @@ class Transformer(nn.Module):
                     continue
                 done.add(id(module.weight))
                 is_residual = name.endswith(
-                    ("attention.wo", "feed_forward.w2", "shared_experts.w2")
+                    ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj")
                 )
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 bias = getattr(module, "bias", None)
@@ -277,6 +310,8 @@ class Transformer(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, Experts):
                 module.init_weights(std, residual_std)
+            elif isinstance(module, (Mamba2Mixer, GatedDeltaNet)):
+                module.init_ssm()  # its conv, decays, step sizes and gated norm
         rope = getattr(self, "rope", None)
         if rope is not None:
             self.rope = rope_table(self.spec.seq_len, self.spec.head_dim).to(rope.device)
@@ -311,22 +346,33 @@ class Transformer(nn.Module):
             blocks="layers",
             first_stage=("tok_embeddings", "pos_embeddings", "dropout"),
             last_stage=("norm", "output"),
-            tp_plan=self.tp_plan,
+            tp_plan=functools.partial(
+                self.tp_plan,
+                mixers={
+                    name: layer.mixer
+                    for name, layer in zip(self.layers, self.spec.layers)
+                    if layer.mixer in ("mamba", "gdn")
+                },
+            ),
             attention_core="attention.core",
             check=self._check_strategy,
         )
 
     def _check_strategy(self, strategy) -> list[str]:
-        return strategy.problems(self.spec)
+        return strategy.problems(self.spec) + ssm_strategy_problems(self.spec, strategy)
 
     @staticmethod
-    def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    def tp_plan(
+        *, sequence_parallel: bool, loss_parallel: bool, mixers: dict[str, str] | None = None
+    ) -> dict:
         """Megatron-style plan (Shoeybi et al. 2019) for `parallelize_module`, with sequence
         parallel (Korthikanti et al. 2022) as torchtitan writes it for Llama.
 
         Column-wise: wq, wk, wv, w1, w3 (each rank holds n_heads/tp heads and ffn/tp columns);
         row-wise: wo, w2 (one all-reduce, or reduce-scatter with sequence parallel, per sub-layer).
         Embeddings are split by vocabulary rows; the output projection by vocabulary columns.
+        Mamba-2 and Gated DeltaNet mixers (`mixers`: {block name: ``mamba`` or ``gdn``}) split
+        their groups or key heads over the ranks (`autosearch.models.ssm.ssm_tp_plan`).
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -367,7 +413,12 @@ class Transformer(nn.Module):
                     ),
                     # each tp rank's MoE layers route its own shard (parallel folding)
                     "layers.*.moe": sequence_parallel_style(),
+                    "layers.*.mixer_norm": SequenceParallel(),
                 }
+            )
+        for name, kind in (mixers or {}).items():
+            plan.update(
+                ssm_tp_plan(f"layers.{name}.mixer", kind, sequence_parallel=sequence_parallel)
             )
         return plan
 

@@ -1,14 +1,13 @@
 """Which wrapper the Engine puts around a transformers causal LM: one entry per ``model_type``.
 
-Every family the planner reads (`autosearch.core.hf_config.SUPPORTED`) trains here but the
-hybrid ones (`hf_config.HYBRID_FAMILIES`: Nemotron-H, Granite 4.0-H, whose Mamba-2 layers the
-Engine does not build yet; `build.refuse_hf_family` names the families it runs), each under its
-own parameter names: the Llama layout in `HFCausalLM` (causal_lm.py: Llama, Mistral, Qwen2,
-and Mixtral / Qwen3-MoE with the Engine's MoE), GPT-2 and GPT-NeoX in `HFGPTCausalLM` (gpt.py),
-the dense families beyond Llama in `HFDenseCausalLM` (dense.py: Qwen3, Gemma 1-3, Phi-3,
-Nemotron), and the MoE families with their own module (qwen2_moe.py, deepseek.py, gpt_oss.py,
-llama4.py). A new family is one entry here and, if the existing wrappers do not fit, one module
-(docs/contributing.md).
+Every family the planner reads (`autosearch.core.hf_config.SUPPORTED`) trains here
+(`build.refuse_hf_family` names them for a model of another family), each under its own
+parameter names: the Llama layout in `HFCausalLM` (causal_lm.py: Llama, Mistral, Qwen2, and
+Mixtral / Qwen3-MoE with the Engine's MoE), GPT-2 and GPT-NeoX in `HFGPTCausalLM` (gpt.py), the
+dense families beyond Llama in `HFDenseCausalLM` (dense.py: Qwen3, Gemma 1-3, Phi-3, Nemotron),
+the MoE families with their own module (qwen2_moe.py, deepseek.py, gpt_oss.py, llama4.py), and
+the hybrids Nemotron-H / Nemotron 3 and Granite 4.0-H (hybrid.py). A new family is one entry
+here and, if the existing wrappers do not fit, one module (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ WRAPPERS = {
     "deepseek_v3": "autosearch.models.hf.deepseek:DeepseekCausalLM",
     "gpt_oss": "autosearch.models.hf.gpt_oss:GptOssCausalLM",
     "llama4_text": "autosearch.models.hf.llama4:Llama4CausalLM",
+    "nemotron_h": "autosearch.models.hf.hybrid:NemotronHCausalLM",
+    "granitemoehybrid": "autosearch.models.hf.hybrid:GraniteHybridCausalLM",
 }
 FAMILIES = tuple(WRAPPERS)  # the model_types the Engine trains
 
