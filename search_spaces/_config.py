@@ -374,9 +374,12 @@ def _supported_values(
     """(the values of `name` that `rt` runs on `device`, why) for a ``supported`` key."""
     if name in _FEATURE_BOUNDS:
         feature, does = _FEATURE_BOUNDS[name]
-        if feature in rt.supports:
-            return True, f"runtime {rt.name!r} can {does} (supports {feature})"
-        return False, f"runtime {rt.name!r} does not {does}"
+        if feature not in rt.supports:
+            return False, f"runtime {rt.name!r} does not {does}"
+        if name == "uneven_pipeline" and model.mamba is not None:
+            if "mamba_uneven_pp" not in rt.supports:  # the model's own bound (dimensions.py)
+                return False, f"runtime {rt.name!r} does not {does} with Mamba-2 layers"
+        return True, f"runtime {rt.name!r} can {does} (supports {feature})"
     d = _DIMS[name]
     if name in OPT_IN and not fp8:
         return (d.default,), f"not searched: {OPT_IN[name]}; --fp8 searches it"
@@ -395,7 +398,7 @@ def _supported_values(
     kept: list[tuple[Any, str]] = []
     refused: list[tuple[Any, str]] = []
     for v in d.choices:
-        ok, why = _runs(rt, name, v, device)
+        ok, why = _runs(rt, name, v, device, model)
         (kept if ok else refused).append((v, why))
     values = tuple(v for v, _ in kept)
     if not refused:

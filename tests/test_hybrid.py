@@ -98,7 +98,7 @@ def test_nemotron_h_8b_estimate_is_sane():
     "strategy",
     [
         f"dp=8,tp=2,pp=2,sequence_parallel=true,{BASE}",
-        f"dp=4,tp=2,pp=4,pipeline_schedule=interleaved_1f1b,virtual_stages=2,{BASE}",
+        f"dp=4,tp=2,pp=4,{BASE}",
         f"dp=32,recompute=full,{BASE}",
         f"dp=16,tp=2,recompute=selective,{BASE}",
     ],
@@ -110,6 +110,27 @@ def test_hybrid_estimates_under_pipeline_and_recompute(strategy):
         r = cm.estimate(s)
         assert r.step_time_s > 0 and r.memory.activations_bytes > 0
         cm.balanced_split(s)  # weighs each block by its parts
+
+
+def test_megatron_core_runs_mamba_pipelines_even_and_not_interleaved():
+    """megatron-core 0.16's MambaStack asserts no virtual pipeline stages and places its layers
+    evenly (or by the first / last stage's count): an interleaved or uneven plan for a Mamba
+    hybrid is refused by name, and the default space does not search them (its pick exports)."""
+    from autosearch import tune
+
+    m = _load("nemotron-h-8b")
+    cm = AnalyticCostModel(m, CLUSTER, runtime=RUNTIME)
+    for bad, what in (
+        ("pipeline_schedule=interleaved_1f1b,virtual_stages=2", "interleaved_1f1b with Mamba-2"),
+        ("pipeline_split=6/8/8/6", "pipeline_split with Mamba-2 layers"),
+    ):
+        with pytest.raises(SpecError, match=what):
+            cm.estimate(Strategy.parse(f"dp=4,tp=2,pp=4,{bad},{BASE}"))
+    dense = AnalyticCostModel(_load("llama3-8b"), CLUSTER, runtime=RUNTIME)
+    dense.estimate(Strategy.parse(f"dp=4,tp=2,pp=4,pipeline_split=7/9/9/7,{BASE}"))
+    result = tune(m, CLUSTER, global_batch_size=768, runtime=RUNTIME, pin={"pp": 4}, n_trials=30)
+    best = result.best_strategy
+    assert best.pp == 4 and best.virtual_stages == 1 and best.pipeline_split is None
 
 
 def test_tp_must_divide_the_mamba_heads_and_groups():

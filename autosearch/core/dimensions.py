@@ -361,6 +361,18 @@ DIMENSIONS: tuple[Dimension, ...] = (
         plain="pipeline",
         label=_pipeline_label,
         label_rank=60,
+        features=(
+            # Megatron-Core's MambaModel refuses virtual pipeline stages (megatron-core 0.16
+            # megatron/core/ssm/mamba_block.py, MambaStack._select_layers_for_pipeline_parallel:
+            # "The Mamba hybrid model does not currently support virtual/interleaved pipeline
+            # parallelism")
+            Feature(
+                "mamba_interleaved_pp",
+                lambda v, model: v == "interleaved_1f1b" and model.mamba is not None,
+                lambda v, model: "interleaved_1f1b with Mamba-2 layers",
+                of_model=True,
+            ),
+        ),
     ),
     Dimension(
         name="virtual_stages",
@@ -441,7 +453,17 @@ DIMENSIONS: tuple[Dimension, ...] = (
             None if s.pipeline_split is None else "split" + "_".join(map(str, s.pipeline_split))
         ),
         label_rank=100,
-        features=(Feature("uneven_pp", lambda v: v is not None, lambda v: "pipeline_split"),),
+        features=(
+            Feature("uneven_pp", lambda v: v is not None, lambda v: "pipeline_split"),
+            # MambaModel places its layers evenly over pp, or takes only the first and last
+            # stages' counts (megatron-core 0.16 MambaStack._select_layers_for_pipeline_parallel)
+            Feature(
+                "mamba_uneven_pp",
+                lambda v, model: v is not None and model.mamba is not None,
+                lambda v, model: "pipeline_split with Mamba-2 layers",
+                of_model=True,
+            ),
+        ),
     ),
     Dimension(
         name="sequence_parallel",
