@@ -358,6 +358,14 @@ def memory_floor_bytes(
     return model.n_params * per_param / cluster.world_size + cluster.profile.reserved_memory_bytes
 
 
+def offload_needed(
+    model: "ModelSpec", cluster: "Cluster", runtime: "RuntimeOptions | str | None" = None
+) -> bool:
+    """Whether the search opens offload to host memory: where the memory floor without it
+    (`memory_floor_bytes`) is above the device, so that no strategy fits without it."""
+    return memory_floor_bytes(model, cluster, runtime) > cluster.profile.memory_capacity_bytes
+
+
 # ---- the least memory-hungry strategy, and the smallest cluster where it fits -----------------
 def lean_config(config: "SpaceConfig") -> "SpaceConfig":
     """`config` narrowed to the settings that hold the least memory, where it offers them: its
