@@ -158,3 +158,42 @@ def test_an_open_space_holds_exactly_the_valid_combinations():
         s.validate(model, cluster)
         assert space.params_of(s) == trial.params
         study.tell(trial, 1.0)
+
+
+# ---- exports -----------------------------------------------------------------------------------
+def _export(strategy: str, to: str):
+    from autosearch.export import export
+
+    return export(Strategy.parse(strategy), to=to, model=MODEL_70B, allow_unsupported=True)
+
+
+def test_deepspeed_offloads_to_pinned_host_memory():
+    import json
+
+    out = _export(OFFLOADED, "deepspeed")
+    zero = json.loads(out.text)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert {"offload_optimizer", "offload_params"} <= out.mapped and not out.unsupported
+    activations = _export(BASE + ",offload_activations=layers", "deepspeed")
+    assert "offload_activations" in dict(activations.unsupported)
+
+
+def test_megatron_offloads_the_optimizer_and_whole_layers():
+    out = _export("dp=8,global_batch_size=32,zero_stage=1,offload_optimizer=true", "megatron")
+    for flag in ("--optimizer-cpu-offload", "--optimizer-offload-fraction 1.0"):
+        assert flag in out.text
+    layers = _export(
+        "dp=8,global_batch_size=32,zero_stage=1,offload_activations=layers", "megatron"
+    )
+    assert "--cpu-offloading-num-layers 79" in layers.text  # every layer but the last
+    refused = _export(BASE + ",offload_activations=layers", "megatron")  # with recompute
+    assert "offload_activations" in dict(refused.unsupported)
+    assert "offload_params" in dict(_export(OFFLOADED, "megatron").unsupported)
+
+
+def test_torchtitan_offloads_parameters_and_optimizer_together():
+    out = _export(OFFLOADED, "torchtitan")
+    assert "enable_cpu_offload = true" in out.text and not out.unsupported
+    alone = _export("dp=8,global_batch_size=32,zero_stage=3,offload_optimizer=true", "torchtitan")
+    assert "offload_optimizer" in dict(alone.unsupported)
