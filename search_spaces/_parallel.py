@@ -240,6 +240,13 @@ class SearchSpace(BaseSearchSpace):
         self._size = sum(
             len(options) * self._n_combinations(degrees) for degrees, _, options in leaves
         )
+        if self._combo_rules and not self._size:  # the axes' values never go together
+            rule, names = self._combo_rules[0]
+            raise SpecError(
+                f"no combination of the space's {', '.join(names)} follows the {rule.name} "
+                "rule; widen one of them",
+                context="search space is empty",
+            )
         # Legacy names of the axis choices: recompute, zero stages, fp8s, compiles.
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
         self.fp8s, self.compiles = self._axis_union("fp8"), c.compile

@@ -120,6 +120,21 @@ def test_offload_is_opened_only_where_nothing_fits_without_it():
     assert closed.plain_choices()["offload_optimizer"] == (False,)
 
 
+def test_when_even_offload_does_not_fit_tune_says_the_host_is_short(tmp_path):
+    """llama3.1-405b on one node: offload fits the devices but not the host's 2 TB; the
+    message says so, drops the floor's claim that no strategy can go below it, and names the
+    smallest cluster of the space (with offload) that fits."""
+    from autosearch.tuning import NoFeasibleStrategyError
+    from autosearch.tuning._study import tune
+
+    with pytest.raises(NoFeasibleStrategyError) as info:
+        tune("llama3.1-405b", "h100-sxm:1x8", global_batch_size=32, seed=0, out=tmp_path)
+    text = str(info.value)
+    assert "Without offload to host memory any strategy needs at least" in text
+    assert "which fits, but" in text and "GiB of host memory per node" in text
+    assert "nodes or more" in text
+
+
 def _open_space(model, cluster, gbs):
     config, _ = SpaceConfig.default().resolved(
         runtime="torch", model=model, cluster=cluster, offload=True

@@ -366,6 +366,11 @@ def offload_needed(
     return memory_floor_bytes(model, cluster, runtime) > cluster.profile.memory_capacity_bytes
 
 
+# The offload dimensions (search_spaces/_config.py `OFFLOAD`): where a space opens them the
+# memory floor above is not a bound (the states may live on the host).
+OFFLOAD = ("offload_optimizer", "offload_params", "offload_activations")
+
+
 # ---- the least memory-hungry strategy, and the smallest cluster where it fits -----------------
 def lean_config(config: "SpaceConfig") -> "SpaceConfig":
     """`config` narrowed to the settings that hold the least memory, where it offers them: its
@@ -550,7 +555,18 @@ def no_fit_message(
         f"on {cluster.name} at global batch {gbs}, with {usable / GiB:.1f} GiB usable per "
         f"device ({capacity / GiB:.1f} GiB less a {fraction:.1%} margin)."
     ]
-    if floor > usable:
+    offloads = config is not None and any(
+        len(getattr(config, name) or ()) > 1 or getattr(config, name) not in ((False,), ("none",))
+        for name in OFFLOAD
+    )
+    if floor > usable and offloads:
+        lines.append(
+            f"Without offload to host memory any strategy needs at least {floor / GiB:,.1f} GiB "
+            f"per device (the model states of every parameter spread over all "
+            f"{cluster.world_size:,} devices); the space offloads to the host, whose memory "
+            "bounds it instead."
+        )
+    elif floor > usable:
         lines.append(
             f"Any strategy needs at least {floor / GiB:,.1f} GiB per device: the model states of "
             f"every parameter spread over all {cluster.world_size:,} devices."
@@ -558,11 +574,21 @@ def no_fit_message(
     if not candidates:
         return " ".join(lines + ["No trial finished."])
     s, r = min(candidates, key=lambda c: c[1].peak_memory_bytes)
-    lines.append(
-        f"The least memory-hungry strategy {where}, {s.short()}, needs "
-        f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, {r.memory_excess_bytes / GiB:,.1f} GiB "
-        f"over the usable (x{r.peak_memory_bytes / usable:.2f})."
-    )
+    if r.memory_excess_bytes == 0 and not r.host_fits:  # the device fits, the host does not
+        lines.append(
+            f"The least memory-hungry strategy {where}, {s.short()}, needs "
+            f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, which fits, but "
+            f"{r.host_memory_bytes / GiB:,.1f} GiB of host memory per node, "
+            f"{(r.host_memory_bytes - r.host_memory_capacity_bytes) / GiB:,.1f} GiB over the "
+            f"{r.host_memory_capacity_bytes / GiB:,.1f} GiB the host can give."
+        )
+    else:
+        lines.append(
+            f"The least memory-hungry strategy {where}, {s.short()}, needs "
+            f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, "
+            f"{r.memory_excess_bytes / GiB:,.1f} GiB over the usable "
+            f"(x{r.peak_memory_bytes / usable:.2f})."
+        )
     fit = None
     if config is not None and analytic:
         fit = smallest_cluster(
