@@ -127,6 +127,57 @@ def platforms() -> list[dict]:
     return rows
 
 
+def saved_census(micro_batch: int = 2) -> list[dict]:
+    """What ``save_on_cpu`` moves for one block of the Engine's reference transformer (a Llama
+    shape at hidden 512, seq 512, on this CPU): every saved tensor is packed, and copied, once
+    per save (q, k and v each save their input), against the bytes the block keeps (each
+    storage once) and the cost model's figure for one layer (`LayerActivations.kept_bytes`,
+    priced for an H100 with the Engine's runtime: flash attention)."""
+    import torch
+
+    from autosearch.models.transformer import Transformer
+
+    spec = ModelSpec.load("llama3-8b").scaled(
+        n_layers=2, hidden_size=512, n_heads=8, n_kv_heads=4, ffn_hidden_size=1536,
+        vocab_size=1024, seq_len=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(spec)
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch, spec.seq_len))
+    cm = AnalyticCostModel(spec, Cluster.parse("h100-sxm:1x8"))
+    rows = []
+    for amp in ("fp32", "bf16"):
+        seen: set = set()
+        count = {"packed": 0, "unique": 0}
+
+        def pack(t, seen=seen, count=count):
+            nbytes = t.numel() * t.element_size()
+            count["packed"] += nbytes
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in seen:
+                seen.add(key)
+                count["unique"] += nbytes
+            return t
+
+        h = model.tok_embeddings(tokens).detach().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+                model.layers["0"](h)
+        s = Strategy(
+            dp=8, micro_batch_size=micro_batch, global_batch_size=8 * micro_batch, amp=amp
+        )
+        rows.append(
+            {
+                "amp": amp,
+                "copied_mib": count["packed"] / 2**20,
+                "kept_mib": count["unique"] / 2**20,
+                "copies_per_kept_byte": count["packed"] / count["unique"],
+                "model_mib": cm._activations(s).kept_bytes / 2**20,
+            }
+        )
+    return rows
+
+
 # Published runs that offloaded: (row id, strategy fields beyond the row's, why any is assumed)
 SCORED = {
     "DSAZURE-175B-256-SEQ512": {
@@ -214,6 +265,13 @@ def main() -> None:
             f"{row['cluster']:<20} {row['host_link']:<11} {row['tokens_per_s']:8,.0f} tok/s  "
             f"copies {row['offload_s']:6.2f} s  host Adam {row['optimizer_s']:5.2f} s  "
             f"device {row['device_gib']:5.1f} GiB  host {row['host_gib_per_node']:7.1f} GiB/node"
+        )
+    result["save_on_cpu_census"] = census = saved_census()
+    for row in census:
+        print(
+            f"save_on_cpu, one reference block, {row['amp']}: copies {row['copied_mib']:.1f} "
+            f"MiB for {row['kept_mib']:.1f} MiB kept (x{row['copies_per_kept_byte']:.2f}); "
+            f"the cost model's layer: {row['model_mib']:.1f} MiB"
         )
     result["published"] = scored = published()
     for row in scored:
