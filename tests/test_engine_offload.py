@@ -45,6 +45,15 @@ def test_one_process_offload_gives_the_same_losses(reference, extra):
     assert got == reference, f"{extra}: {got} vs {reference}"
 
 
+def test_offload_runs_around_compiled_blocks():
+    """save_on_cpu is entered around each block's call, outside its compiled region (Dynamo
+    does not trace it): the same losses as the compiled run without offload, bitwise."""
+    compiled = f"{B},compile=true"
+    assert W.train_losses(f"{compiled},offload_activations=layers", "llama") == W.train_losses(
+        compiled, "llama"
+    )
+
+
 # name: (strategy, tolerance)
 WORLD2 = {
     "dp2_zero3_offload_states": (

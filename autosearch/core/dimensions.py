@@ -515,7 +515,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     # Offload to host memory (issue 36). Searched only where nothing fits without it: the
     # default space resolves them to off unless the memory floor proves the device too small
-    # (search_spaces/_config.py, `offload_needed`).
+    # (`SpaceConfig.resolved(offload=...)`, as autosearch/tuning/_advice.py `offload_needed`
+    # asks).
     Dimension(
         name="offload_optimizer",
         kind=FLAG,

@@ -313,24 +313,31 @@ def apply_amp(module: nn.Module, amp: str, device_type: str) -> None:
 
 def apply_offload_activations(module: nn.Module, plan: ParallelPlan, device: torch.device) -> None:
     """Every tensor a block saves for backward kept in host memory (``offload_activations:
-    layers``): each block's forward runs under ``torch.autograd.graph.save_on_cpu``, pinned on
-    CUDA, and its tensors come back as backward reaches the block. The copies run on the
-    compute stream (the cost model's `activation_offload_overlap` 0 for this runtime). On a
-    CPU device the tensors are already in host memory: the hooks copy them, and nothing is
-    freed."""
+    layers``): each block is called under ``torch.autograd.graph.save_on_cpu``, pinned on CUDA,
+    and its tensors come back as backward reaches the block. The copies run on the compute
+    stream (the cost model's `activation_offload_overlap` 0 for this runtime). On a CPU device
+    the tensors are already in host memory: the hooks copy them, and nothing is freed.
+
+    The context is entered around the block's call, outside its compiled region (Dynamo does not
+    trace ``save_on_cpu``): the block's class becomes a subclass whose ``__call__`` enters it, as
+    FSDP2's ``fully_shard`` swaps a module's class (the saved tensors of a compiled block are
+    then those of its compiled autograd function)."""
     container = blocks_of(module, plan)
     if container is None:
         return
     pin = device.type == "cuda"
     for block in container.children():
-        forward = block.forward
+        block.__class__ = _offloaded_class(type(block))
+        block._offload_pin_memory = pin  # type: ignore[assignment]
 
-        @functools.wraps(forward)
-        def offloaded_forward(*args, _forward=forward, **kwargs):
-            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-                return _forward(*args, **kwargs)
 
-        block.forward = offloaded_forward
+@functools.lru_cache(maxsize=None)
+def _offloaded_class(cls: type) -> type:
+    def __call__(self, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=self._offload_pin_memory):
+            return cls.__call__(self, *args, **kwargs)
+
+    return type(f"Offloaded{cls.__name__}", (cls,), {"__call__": __call__})
 
 
 def apply_data_parallel(
