@@ -331,13 +331,18 @@ def apply_offload_activations(module: nn.Module, plan: ParallelPlan, device: tor
         block._offload_pin_memory = pin  # type: ignore[assignment]
 
 
-@functools.lru_cache(maxsize=None)
-def _offloaded_class(cls: type) -> type:
-    def __call__(self, *args, **kwargs):
-        with torch.autograd.graph.save_on_cpu(pin_memory=self._offload_pin_memory):
-            return cls.__call__(self, *args, **kwargs)
+_OFFLOADED: dict[type, type] = {}  # a block class -> its offloading subclass, made once
 
-    return type(f"Offloaded{cls.__name__}", (cls,), {"__call__": __call__})
+
+def _offloaded_class(cls: type) -> type:
+    if cls not in _OFFLOADED:
+
+        def __call__(self, *args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=self._offload_pin_memory):
+                return cls.__call__(self, *args, **kwargs)
+
+        _OFFLOADED[cls] = type(f"Offloaded{cls.__name__}", (cls,), {"__call__": __call__})
+    return _OFFLOADED[cls]
 
 
 def apply_data_parallel(
