@@ -78,8 +78,9 @@ CP_MIN_SEQ_LEN = 8192
 # the default space searches them only when asked.
 OPT_IN = {"fp8": "float8 matmuls change the numerics of training"}
 # Offload to host memory trades step time for device memory: the default space opens it only
-# where it is needed, `resolved(offload=True)`; the tuner asks so where the memory floor
-# without offload is above the device (autosearch/tuning/_advice.py, `offload_needed`).
+# where it is needed, `resolved(offload=True)`; the tuner asks so where no strategy fits
+# without it: the memory floor above the device, or none of the space's leanest strategies
+# fitting (autosearch/tuning/_advice.py, `offload_needed`).
 OFFLOAD = ("offload_optimizer", "offload_params", "offload_activations")
 # GPU architectures to CUDA compute capabilities, to match a runtime's `devices` (cuda>=8.9).
 _CAPABILITY = {"ampere": "8.0", "ada": "8.9", "hopper": "9.0", "blackwell": "10.0"}

@@ -135,6 +135,21 @@ def test_when_even_offload_does_not_fit_tune_says_the_host_is_short(tmp_path):
     assert "nodes or more" in text
 
 
+def test_offload_opens_where_the_leanest_strategies_do_not_fit():
+    """llama3-70b on two nodes at global batch 16: the floor (67.5 GiB) is under the device,
+    but no strategy of the space's leanest settings fits 80 GiB less the margin: offload opens;
+    llama3-8b fits and keeps it closed."""
+    model, cluster = MODEL_70B, Cluster.parse("h100-sxm:2x8")
+    config, _ = SpaceConfig.default().resolved(runtime="torch", model=model, cluster=cluster)
+    assert not offload_needed(model, cluster)  # the floor alone does not say so
+    assert offload_needed(model, cluster, global_batch_size=16, config=config, margin_fraction=0.1)
+    small = ModelSpec.load("llama3-8b")
+    config, _ = SpaceConfig.default().resolved(runtime="torch", model=small, cluster=cluster)
+    assert not offload_needed(
+        small, cluster, global_batch_size=16, config=config, margin_fraction=0.1
+    )
+
+
 def _open_space(model, cluster, gbs):
     config, _ = SpaceConfig.default().resolved(
         runtime="torch", model=model, cluster=cluster, offload=True

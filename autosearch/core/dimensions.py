@@ -514,9 +514,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
         features=(Feature("async_tp", bool, lambda v: "async_tp=true"),),
     ),
     # Offload to host memory (issue 36). Searched only where nothing fits without it: the
-    # default space resolves them to off unless the memory floor proves the device too small
-    # (`SpaceConfig.resolved(offload=...)`, as autosearch/tuning/_advice.py `offload_needed`
-    # asks).
+    # default space resolves them to off unless the memory floor, or a scan of the space's
+    # leanest strategies, proves the device too small (`SpaceConfig.resolved(offload=...)`, as
+    # autosearch/tuning/_advice.py `offload_needed` asks).
     Dimension(
         name="offload_optimizer",
         kind=FLAG,

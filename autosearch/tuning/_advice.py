@@ -359,11 +359,38 @@ def memory_floor_bytes(
 
 
 def offload_needed(
-    model: "ModelSpec", cluster: "Cluster", runtime: "RuntimeOptions | str | None" = None
+    model: "ModelSpec",
+    cluster: "Cluster",
+    runtime: "RuntimeOptions | str | None" = None,
+    *,
+    global_batch_size: int | None = None,
+    config: "SpaceConfig | None" = None,
+    margin_fraction: float = 0.0,
 ) -> bool:
-    """Whether the search opens offload to host memory: where the memory floor without it
-    (`memory_floor_bytes`) is above the device, so that no strategy fits without it."""
-    return memory_floor_bytes(model, cluster, runtime) > cluster.profile.memory_capacity_bytes
+    """Whether the search opens offload to host memory: where no strategy fits without it.
+    The memory floor without offload (`memory_floor_bytes`) above the device proves it; else,
+    given the space (`config`, resolved without offload) and the batch, its leanest settings
+    (`lean_config`: ZeRO-3, full recompute, the smallest micro-batch ...) over every layout,
+    none of which fits the device less the margin (long sequences: activations, not states)."""
+    if memory_floor_bytes(model, cluster, runtime) > cluster.profile.memory_capacity_bytes:
+        return True
+    if config is None or global_batch_size is None:
+        return False
+    from cost_models import AnalyticCostModel
+
+    try:
+        cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
+        lean = least_memory(
+            model,
+            cluster,
+            global_batch_size,
+            config=config,
+            cost_model=cost_model,
+            margin_fraction=margin_fraction,
+        )
+    except SpecError:  # a model this runtime cannot train: the search says so
+        return False
+    return lean is not None and not lean[1].fits
 
 
 # The offload dimensions (search_spaces/_config.py `OFFLOAD`): where a space opens them the

@@ -1234,13 +1234,20 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
         return space, ()
     base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
     base = base.narrowed(**config.pin) if config.pin else base
-    resolved, opened = base.resolved(
-        runtime=runtime,
-        model=model,
-        cluster=cluster,
-        fp8=config.fp8,
-        offload=offload_needed(model, cluster, runtime),
-    )
+    resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
+    if resolved != base.resolved(  # a runtime that offloads: open it where nothing fits
+        runtime=runtime, model=model, cluster=cluster, fp8=config.fp8, offload=True
+    )[0] and offload_needed(
+        model,
+        cluster,
+        runtime,
+        global_batch_size=global_batch_size,
+        config=resolved,
+        margin_fraction=memory_margin(runtime, cluster, override=config.memory_margin).fraction,
+    ):
+        resolved, opened = base.resolved(
+            runtime=runtime, model=model, cluster=cluster, fp8=config.fp8, offload=True
+        )
     built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
     fp8 = next((o for o in opened if o.name == "fp8"), None)
     if config.fp8 and fp8 is not None and fp8.values == ("none",):  # not the GPU: the runtime
