@@ -4,8 +4,9 @@
    parameters per second per core (the `torch` preset's `host_adam_params_per_s_per_core`,
    cost_models/runtimes.yaml, is this measurement).
 2. The 70B-on-one-node case, `tune --model llama3-70b --cluster h100-sxm:1x8
-   --global-batch-size 32 --seq-len 4096`, with offload kept out of the space (before issue 36)
-   and as the default space opens it: the pick, tokens/s, device and host memory, search time.
+   --global-batch-size 32 --seq-len 4096` (and on two nodes at global batch 16), with offload
+   kept out of the space (before issue 36) and as the default space opens it: the pick,
+   tokens/s, device and host memory, search time.
 3. One offloaded strategy across platforms: PCIe 4 / PCIe 5 hosts and Grace over NVLink-C2C.
 4. Published offload runs scored (benchmarks/reference/sharded_dp_runs.csv, `offload` column),
    and those that cannot be, with why.
@@ -55,11 +56,13 @@ def adam_rate(n_params: int = 16_000_000, repeats: int = 5) -> dict:
     return out
 
 
-def seventy_b() -> dict:
+def seventy_b(cluster: str = "h100-sxm:1x8", global_batch_size: int = 32) -> dict:
     from autosearch.tuning import NoFeasibleStrategyError
     from autosearch.tuning._study import tune
 
-    case = dict(model="llama3-70b", cluster="h100-sxm:1x8", global_batch_size=32, seq_len=4096)
+    case = dict(
+        model="llama3-70b", cluster=cluster, global_batch_size=global_batch_size, seq_len=4096
+    )
     out = {}
     for name, space in (("without offload", NO_OFFLOAD), ("default space", None)):
         with tempfile.TemporaryDirectory() as tmp:
@@ -256,9 +259,13 @@ def main() -> None:
     result["host_adam_params_per_s_per_core"] = rate
     print("host AdamW, one core: " + ", ".join(f"{k} {v / 1e6:,.0f} M/s" for k, v in rate.items()))
     if not args.skip_tune:
-        result["llama3-70b h100-sxm:1x8 gbs32 seq4096"] = case = seventy_b()
-        for name, row in case.items():
-            print(f"70B one node, {name}: " + json.dumps(row, default=str))
+        # one node: the floor says nothing fits; two nodes at batch 16: the floor fits the
+        # device but none of the leanest strategies does
+        for cluster, gbs in (("h100-sxm:1x8", 32), ("h100-sxm:2x8", 16)):
+            key = f"llama3-70b {cluster} gbs{gbs} seq4096"
+            result[key] = case = seventy_b(cluster, gbs)
+            for name, row in case.items():
+                print(f"70B {cluster} gbs {gbs}, {name}: " + json.dumps(row, default=str))
     result["platforms"] = rows = platforms()
     for row in rows:
         print(
