@@ -30,6 +30,7 @@ from cost_models.terms import (
     data_parallel,
     fields_read,
     memory,
+    offload,
     pipeline,
     tensor_parallel,
 )
@@ -233,11 +234,30 @@ class AnalyticCostModel(CostModel):
         for params, _ in groups[1:]:
             casts += compute.autocast_casts_s(s, ctx, params.total)
         bubble = pipeline.bubble_s(s, micro.total_s + casts / m)
-        step, time = self._step(m, micro, bubble, dp, optimizer, casts)
         activations = memory.activation_peak_bytes(s, ctx, ranks, self._activations(s))
         for k in kinds:
             activations += k.activation_bytes
-        return self._compose(s, step, time, dp, activations)
+        host_bytes = copies_s = 0.0
+        if offload.used(s):
+            # the ZeRO-3 shard of each parameter group (the routed experts over their own
+            # expert-data-parallel group)
+            shard = sum([p.total / (g[0] if g is not None else s.dp * s.cp) for p, g in groups])
+            off = offload.cost(
+                s,
+                ctx,
+                dp,
+                device_optimizer_s=optimizer,
+                param_shard=shard,
+                ranks=ranks,
+                layer=window,
+                recompute_layer_s=rc,
+                activations_bytes=activations,
+                layer_kept_bytes=self._activations(s).kept_bytes,
+            )
+            dp, optimizer, activations = off.dp, off.optimizer_s, off.activations_bytes
+            host_bytes, copies_s = off.host_bytes, off.copies_exposed_s
+        step, time = self._step(m, micro, bubble, dp, optimizer, casts, copies_s)
+        return self._compose(s, step, time, dp, activations, host_bytes)
 
     def balanced_split(self, strategy: "Strategy") -> tuple[int, ...] | None:
         """The pipeline split whose slowest chunk is fastest for `strategy`, by the cost of
@@ -284,12 +304,24 @@ class AnalyticCostModel(CostModel):
             raise NotImplementedError("two kinds of block with their own parameter groups")
         return split[0] if split else ((self._params(s), None),)
 
-    def _step(self, m: int, micro, bubble: float, dp, optimizer: float, casts: float):
+    def _step(
+        self,
+        m: int,
+        micro,
+        bubble: float,
+        dp,
+        optimizer: float,
+        casts: float,
+        offload_s: float = 0.0,
+    ):
         """The step time and its breakdown: m micro-batches, the bubble, the exposed
         data-parallel traffic, the optimizer, autocast's parameter and gradient casts (counted
-        as compute) and the runtime's and device's fixed overhead."""
+        as compute), the runtime's and device's fixed overhead, and the exposed host-device
+        copies of offload."""
         other = self.runtime.step_overhead_s + self.profile.step_overhead_s
         step = m * micro.total_s + bubble + dp.exposed_s + optimizer + casts + other
+        if offload_s:
+            step += offload_s
         time = TimeBreakdown(
             compute_s=m * micro.compute_s + casts,
             recompute_s=m * micro.recompute_s,
@@ -299,6 +331,7 @@ class AnalyticCostModel(CostModel):
             bubble_s=bubble,
             optimizer_s=optimizer,
             other_s=other,
+            offload_s=offload_s,
         )
         return step, time
 
@@ -317,6 +350,7 @@ class AnalyticCostModel(CostModel):
         time: TimeBreakdown,
         dp: data_parallel.DataParallelCost,
         activations: float,
+        host_bytes: float = 0.0,
     ) -> CostReport:
         tensors = dp.params_bytes + dp.grads_bytes + dp.optimizer_bytes + activations
         mem = MemoryBreakdown(
@@ -327,7 +361,7 @@ class AnalyticCostModel(CostModel):
             # the device's reserve, and what the CUDA caching allocator holds beyond live tensors
             other_bytes=self.profile.reserved_memory_bytes + self._allocator_reserve * tensors,
         )
-        return self._report(s, step, time, mem)
+        return self._report(s, step, time, mem, host_bytes)
 
     def _compose_layer(self, s: "Strategy") -> LayerCosts:
         """One layer and one micro-batch: its compute, and its tensor- and context-parallel
@@ -349,7 +383,12 @@ class AnalyticCostModel(CostModel):
         )
 
     def _report(
-        self, strategy: "Strategy", step: float, time: TimeBreakdown, memory: MemoryBreakdown
+        self,
+        strategy: "Strategy",
+        step: float,
+        time: TimeBreakdown,
+        memory: MemoryBreakdown,
+        host_bytes: float = 0.0,
     ) -> CostReport:
         prof, model = self.profile, self.model
         peak = (
@@ -377,7 +416,14 @@ class AnalyticCostModel(CostModel):
                 f"{model.name}'s {self._untrained_mtp} MTP module(s) are left out (runtimes"
                 f" that train them: {training})",
             )
-        return CostReport(
+        host: dict[str, float] = {}
+        if host_bytes:  # offload: the node's GPUs share its host memory
+            usable = prof.host.memory_bytes - prof.host.reserved_bytes if prof.host else 0.0
+            host = {
+                "host_memory_bytes": host_bytes * self.cluster.gpus_per_node,
+                "host_memory_capacity_bytes": usable,
+            }
+        report = CostReport(
             band=self._band(strategy),
             step_time_s=step,
             tokens_per_s=strategy.global_batch_size * model.seq_len / step,
@@ -391,7 +437,9 @@ class AnalyticCostModel(CostModel):
             time=time,
             memory=memory,
             notes=notes,
+            **host,
         )
+        return report._replace(fits=report.fits_host) if host else report
 
 
 def _add(a: data_parallel.DataParallelCost, b: data_parallel.DataParallelCost):

@@ -77,6 +77,11 @@ CP_MIN_SEQ_LEN = 8192
 # Float8 matmuls change the numerics of training (loss curves are compared, not assumed equal):
 # the default space searches them only when asked.
 OPT_IN = {"fp8": "float8 matmuls change the numerics of training"}
+# Offload to host memory trades step time for device memory: the default space opens it only
+# where it is needed, `resolved(offload=True)`; the tuner asks so where no strategy fits
+# without it: the memory floor above the device, or none of the space's leanest strategies
+# fitting (autosearch/tuning/_advice.py, `offload_needed`).
+OFFLOAD = ("offload_optimizer", "offload_params", "offload_activations")
 # GPU architectures to CUDA compute capabilities, to match a runtime's `devices` (cuda>=8.9).
 _CAPABILITY = {"ampere": "8.0", "ada": "8.9", "hopper": "9.0", "blackwell": "10.0"}
 
@@ -244,6 +249,7 @@ class SpaceConfig:
         model: "ModelSpec",
         cluster: "Cluster",
         fp8: bool = False,
+        offload: bool = False,
     ) -> tuple["SpaceConfig", tuple["Opened", ...]]:
         """This config with every ``supported`` replaced by the values `runtime` runs on the
         cluster's device, and why each dimension a runtime may lack is open or not.
@@ -254,6 +260,8 @@ class SpaceConfig:
             cluster: the cluster (its device: ``cpu``, or a GPU architecture).
             fp8: search fp8 where it is ``supported`` (`OPT_IN`: it changes numerics); without
                 it fp8 stays ``none`` there.
+            offload: search offload to host memory where it is ``supported`` (`OFFLOAD`: only
+                where nothing fits without it) and the hardware profile describes the host.
 
         Returns:
             (the resolved SpaceConfig, one `Opened` per dimension a runtime may lack and per
@@ -266,8 +274,16 @@ class SpaceConfig:
         values, notes = dict(self._values), []
         for name in _RUNTIME_KEYS:
             value, why = values[name], "as pinned (a pin or the space file)"
-            if value == SUPPORTED:
+            if value == SUPPORTED and name in OFFLOAD and not offload:
+                value = (_DIMS[name].default,)
+                why = "not searched: the model's states fit the devices without offload"
+            elif value == SUPPORTED and name in OFFLOAD and cluster.profile.host is None:
+                value = (_DIMS[name].default,)
+                why = f"hardware profile {cluster.profile.name!r} describes no host memory"
+            elif value == SUPPORTED:
                 value, why = _supported_values(name, rt, device, model, fp8=fp8)
+                if name in OFFLOAD and len(value) > 1:
+                    why = "nothing fits the devices without it; " + why
             values[name] = value
             notes.append(Opened(name=name, values=value, why=why))
         return SpaceConfig(**values), tuple(notes)

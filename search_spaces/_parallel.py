@@ -69,6 +69,9 @@ LAYOUT_FIELDS = tuple(
 # amp in preference order, so that among equally fast strategies bf16 comes first.
 AMP_PREFERENCE = ("bf16", "fp16", "fp32")
 _DEFAULTS = {d.name: d.default for d in dimensions.DIMENSIONS}
+# Axes the space's description names only where they take more than one value.
+QUIET_AXES: tuple[str, ...] = ("fp8", "compile", "async_tp", "offload_optimizer")
+QUIET_AXES += ("offload_params", "offload_activations")
 
 
 class Layout:
@@ -206,7 +209,13 @@ class SearchSpace(BaseSearchSpace):
                 f" {', '.join(peaks)}); allow one of those"
             )
         self._axis_values = {name: getattr(c, name) for name in AXES} | {"amp": self.amps}
-        self._axis_rules = {name: rules.rules_reading(name) for name in AXES}
+        self._combo_rules = self._rules_across_axes()
+        across = {rule.name for rule, _ in self._combo_rules}
+        self._axis_rules = {
+            name: tuple(r for r in rules.rules_reading(name) if r.name not in across)
+            for name in AXES
+        }
+        self._combos_cache: dict[tuple[int, ...], tuple[tuple[Any, ...], ...]] = {}
         self._axes_cache: dict[tuple[int, ...], tuple[tuple[Any, ...], ...] | None] = {}
         self._checked: set[tuple[str, Any]] = set()  # axis values a Strategy has checked
         self._schedules_pp1 = [str(s) for s in ("1f1b", "gpipe") if s in c.pipeline_schedule][:1]
@@ -229,9 +238,15 @@ class SearchSpace(BaseSearchSpace):
         }
         self._n_layouts = sum(len(options) for _, _, options in leaves)
         self._size = sum(
-            len(options) * math.prod(len(a) for a in self._axes(degrees) or ())
-            for degrees, _, options in leaves
+            len(options) * self._n_combinations(degrees) for degrees, _, options in leaves
         )
+        if self._combo_rules and not self._size:  # the axes' values never go together
+            rule, names = self._combo_rules[0]
+            raise SpecError(
+                f"no combination of the space's {', '.join(names)} follows the {rule.name} "
+                "rule; widen one of them",
+                context="search space is empty",
+            )
         # Legacy names of the axis choices: recompute, zero stages, fp8s, compiles.
         self.recomputes, self.zero_stages = c.recompute, c.zero_stage
         self.fp8s, self.compiles = self._axis_union("fp8"), c.compile
@@ -362,6 +377,69 @@ class SearchSpace(BaseSearchSpace):
             out.append(tuple(allowed))
         return tuple(out)
 
+    def _rules_across_axes(self) -> tuple[tuple[rules.Rule, tuple[str, ...]], ...]:
+        """The rules that read two axes or more (offload_params needs zero_stage 3 and
+        offload_optimizer) and refuse some combination of the space's values, with the axes
+        each reads: a layout keeps only the combinations they allow. None in a space whose
+        axes combine freely (every shipped space unless offload is opened)."""
+        out = []
+        for rule in rules.RULES:
+            names = tuple(n for n in rule.reads if n in AXES)
+            if len(names) < 2:
+                continue
+            base = {**_DEFAULTS, "global_batch_size": self.global_batch_size}
+            combos = itertools.product(*(self._axis_values[n] for n in names))
+            if any(
+                rule.check({**base, **dict(zip(names, c))}, self.model, self.cluster)
+                for c in combos
+            ):
+                out.append((rule, names))
+        return tuple(out)
+
+    def _combinations(self, degrees: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+        """The combinations of the axes' values (`AXES` order) for `degrees` that the rules
+        across axes allow (`_rules_across_axes`)."""
+        hit = self._combos_cache.get(degrees)
+        if hit is None:
+            axes = self._axes(degrees) or ()
+            base = {**_DEFAULTS, **dict(zip(TREE_LEVELS, degrees))}
+            base["global_batch_size"] = self.global_batch_size
+            hit = tuple(
+                combo
+                for combo in itertools.product(*axes)
+                if all(
+                    rule.check({**base, **dict(zip(AXES, combo))}, self.model, self.cluster)
+                    is None
+                    for rule, _ in self._combo_rules
+                )
+            )
+            self._combos_cache[degrees] = hit
+        return hit
+
+    def _n_combinations(self, degrees: tuple[int, ...]) -> int:
+        axes = self._axes(degrees) or ()
+        if not self._combo_rules:
+            return math.prod(len(a) for a in axes)
+        return len(self._combinations(degrees))
+
+    def _axis_choices(
+        self, degrees: tuple[int, ...], axes: tuple[tuple[Any, ...], ...], chosen: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], ...]:
+        """Each axis's values given the values `chosen` of the axes before it (`AXES` order),
+        where rules across axes narrow them: what the sampler offers, one axis at a time."""
+        if not self._combo_rules:
+            return axes
+        combos = self._combinations(degrees)
+        out = []
+        for i, name in enumerate(AXES):
+            if i:  # the combinations that hold the axis before's chosen value
+                before = chosen[AXES[i - 1]]
+                combos = tuple(c for c in combos if c[i - 1] == before)
+            out.append(tuple(v for v in axes[i] if any(c[i] == v for c in combos)))
+            if name not in chosen:
+                break
+        return tuple(out) + axes[len(out) :]
+
     def _axis_union(self, name: str) -> tuple[Any, ...]:
         """Every value axis `name` takes somewhere in the space, in the space's order."""
         return self._unions[name]
@@ -457,7 +535,12 @@ class SearchSpace(BaseSearchSpace):
         assert axes is not None  # the tree holds no layout without axis values
         base = dict(layout.values, global_batch_size=self.global_batch_size)
         first = None
-        for combo in itertools.product(*axes):
+        combos = (
+            self._combinations(tuple(getattr(layout, n) for n in TREE_LEVELS))
+            if self._combo_rules
+            else itertools.product(*axes)
+        )
+        for combo in combos:
             values = dict(zip(AXES, combo))
             if first is None or not self._checked.issuperset(values.items()):
                 strategy = Strategy(**base, **values)  # checks every value once
@@ -476,9 +559,11 @@ class SearchSpace(BaseSearchSpace):
         axes = self._axes(tuple(getattr(layout, n) for n in TREE_LEVELS))
         assert axes is not None
         pick = _picker(trial)
-        chosen = {
-            name: pick(self._axis_param(name, values), values) for name, values in zip(AXES, axes)
-        }
+        degrees = tuple(getattr(layout, n) for n in TREE_LEVELS)
+        chosen: dict[str, Any] = {}
+        for i, name in enumerate(AXES):
+            values = self._axis_choices(degrees, axes, chosen)[i]
+            chosen[name] = pick(self._axis_param(name, values), values)
         return Strategy(**layout.values, global_batch_size=self.global_batch_size, **chosen)
 
     def _axis_param(self, name: str, values: tuple[Any, ...]) -> str:
@@ -582,7 +667,12 @@ class SearchSpace(BaseSearchSpace):
             )
         if group:
             return params
-        for name, choices in zip(AXES, axes):
+        at = tuple(getattr(s, n) for n in TREE_LEVELS)
+        chosen = {name: getattr(s, name) for name in AXES}
+        if self._combo_rules and tuple(chosen.values()) not in self._combinations(at):
+            raise SpecError(f"{where}: its {', '.join(AXES)} do not go together")
+        for i, name in enumerate(AXES):
+            choices = self._axis_choices(at, axes, {n: chosen[n] for n in AXES[:i]})[i]
             if len(choices) > 1:
                 params[self._axis_param(name, choices)] = getattr(s, name)
         return params
@@ -631,7 +721,7 @@ class SearchSpace(BaseSearchSpace):
             f"{_AXIS_WORDS.get(name, name)} {list(self._axis_union(name))}"
             for name in AXES
             if name != "sequence_parallel"
-            and (name not in ("fp8", "compile", "async_tp") or len(self._axis_union(name)) > 1)
+            and (name not in QUIET_AXES or len(self._axis_union(name)) > 1)
         )
         return (
             f"{self.size:,} strategies for {self.model.name} on {self.cluster.name} at global"

@@ -85,6 +85,7 @@ def test_estimate_json_is_the_cost_report(capsys):
         "bubble_s",
         "optimizer_s",
         "other_s",
+        "offload_s",
     }
     assert set(report["memory"]) == {
         "params_bytes",

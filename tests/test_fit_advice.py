@@ -228,9 +228,14 @@ def test_a_cluster_where_it_fits_already_is_the_answer():
 
 
 # ---- tune: nothing fits -----------------------------------------------------------------------
+# offload to host memory kept off: the floor and the smallest cluster of the space without it
+# (with it: tests/test_offload.py)
+NO_OFFLOAD = {"offload_optimizer": False, "offload_params": False, "offload_activations": "none"}
+
+
 def test_tune_says_nothing_fits_with_the_smallest_cluster():
     with pytest.raises(NoFeasibleStrategyError) as exc:
-        tune(TuneConfig(**BIG, memory_margin=MARGIN))
+        tune(TuneConfig(**BIG, memory_margin=MARGIN, pin=NO_OFFLOAD))
     text = str(exc.value)
     assert "no strategy fits in memory" in text and "Any strategy needs at least" in text
     assert "needs 16 nodes (on h100-sxm:15x8 it does not fit): on h100-sxm:16x8 (128" in text

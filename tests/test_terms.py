@@ -17,6 +17,7 @@ from cost_models.terms import (
     data_parallel,
     fields_read,
     memory,
+    offload,
     pipeline,
     reads,
     tensor_parallel,
@@ -89,6 +90,17 @@ CASES = [
     ),
     Strategy(dp=4, tp=8, global_batch_size=64, fp8="rowwise", recompute="full", zero_stage=2),
     Strategy(dp=8, cp=4, global_batch_size=64, recompute="selective_op", zero_stage=3),
+    # offload to host memory: the optimizer and the ZeRO-3 parameter shards on the host
+    Strategy(
+        dp=2,
+        pp=2,
+        tp=8,
+        global_batch_size=64,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_params=True,
+        offload_activations="layers",
+    ),
 ]
 RUNTIME_NAMES = tuple(RUNTIMES)
 
@@ -138,11 +150,37 @@ TERMS = {
         cm._layer(s),
         _micro(cm, s).recompute_layer_s,
     ),
+    offload.cost: lambda cm, s: (
+        cm._context,
+        data_parallel.cost(
+            s,
+            cm._context,
+            _params(cm, s),
+            cm._ranks(s),
+            cm._layer(s),
+            _micro(cm, s).recompute_layer_s,
+        ),
+        compute.optimizer_step_s(s, cm._context, _params(cm, s).total),
+        _params(cm, s).total / (s.dp * s.cp),
+        cm._ranks(s),
+        cm._layer(s),
+        _micro(cm, s).recompute_layer_s,
+        memory.activation_peak_bytes(s, cm._context, cm._ranks(s), cm._activations(s)),
+        cm._activations(s).kept_bytes,
+    ),
 }
 
 
 def test_every_term_is_checked():
-    modules = (compute, tensor_parallel, context_parallel, pipeline, memory, data_parallel)
+    modules = (
+        compute,
+        tensor_parallel,
+        context_parallel,
+        pipeline,
+        memory,
+        data_parallel,
+        offload,
+    )
     declared = {f for m in modules for f in vars(m).values() if hasattr(f, "READS")}
     assert declared == set(TERMS)
 
@@ -230,6 +268,11 @@ VALUES = {
     "etp": (1, 2),
     # Megatron's per-module recompute, priced for MoE models (Mixtral below)
     "recompute_modules": ("none", "layernorm+moe_act", "layernorm+moe"),
+    # offload to host memory (cost_models/terms/offload.py); offload_params needs the ZeRO-3
+    # case below that offloads its optimizer
+    "offload_optimizer": (False, True),
+    "offload_params": (False, True),
+    "offload_activations": ("none", "layers"),
 }
 DEGREES = ("dp", "tp", "pp", "cp")
 

@@ -205,10 +205,22 @@ def test_a_study_scored_by_another_cost_model_is_not_resumed(tmp_path):
 
 
 # ---- nothing fits ------------------------------------------------------------------------------
+# offload to host memory kept off: with it this case fits (tests/test_offload.py)
+NO_OFFLOAD = {"offload_optimizer": False, "offload_params": False, "offload_activations": "none"}
+
+
 def test_no_feasible_strategy_says_how_far_the_least_hungry_one_is(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(NoFeasibleStrategyError) as info:
-        tune("llama3-70b", "h100-sxm:1x8", global_batch_size=16, n_trials=15, seed=0, out=out)
+        tune(
+            "llama3-70b",
+            "h100-sxm:1x8",
+            global_batch_size=16,
+            n_trials=15,
+            seed=0,
+            out=out,
+            space=NO_OFFLOAD,
+        )
     message = str(info.value)
     assert "least memory-hungry strategy found" in message and "GiB over the usable" in message
     assert info.value.result.least_hungry is not None and info.value.result.best_strategy is None
@@ -234,6 +246,10 @@ def test_no_feasible_strategy_says_how_far_the_least_hungry_one_is(tmp_path):
         "--out",
         str(tmp_path / "cli"),
         "--quiet",
+        "--pin",
+        "offload_optimizer=false",
+        "--pin",
+        "offload_activations=none",
     )
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
     assert "no strategy fits in memory" in cli.stderr and "GiB over" in cli.stderr

@@ -112,11 +112,20 @@ def strategy_key(s: Strategy) -> str:
 
 
 def report_key(r) -> str:
-    return repr(
-        tuple(
-            tuple(v) if isinstance(v, tuple) else v
-            for v in (getattr(r, name) for name in REPORT_FIELDS)
-        )
+    return repr(tuple(_plain(getattr(r, name)) for name in REPORT_FIELDS))
+
+
+def _plain(value):
+    """A breakdown as a plain tuple, without the fields a later version added while they keep
+    their defaults (TimeBreakdown's offload_s)."""
+    if not isinstance(value, tuple):
+        return value
+    defaults = getattr(value, "_field_defaults", {})
+    fields = getattr(value, "_fields", ())
+    return tuple(
+        v
+        for name, v in zip(fields or range(len(value)), value)
+        if name not in defaults or v != defaults[name]
     )
 
 

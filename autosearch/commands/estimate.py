@@ -22,6 +22,7 @@ from autosearch.commands._common import (
 )
 from autosearch.commands._schema import add_flags, add_presentation_flags, read_args
 from autosearch.core.errors import SpecError
+from autosearch.core.report import offload_summary
 from autosearch.core.schema import flag_of, lora_of, required
 from autosearch.tuning._estimate import EstimateConfig
 
@@ -161,10 +162,15 @@ def render_report(model, cluster, strategy, report, *, runtime: str = "torch") -
         f"({fmt_bytes(report.memory_capacity_bytes)} less a "
         f"{fmt_bytes(report.memory_margin_bytes)} margin)  "
         + ("fits" if report.fits else f"DOES NOT FIT: {report.infeasible_reason}"),
+        *(
+            [f"offload          {offload_summary(strategy, report)}"]
+            if offload_summary(strategy, report)
+            else []
+        ),
         "",
         "time per step                      memory per device",
     ]
-    tb = [(k[:-2], v) for k, v in report.time._asdict().items()]
+    tb = [(k[:-2], v) for k, v in report.time._asdict().items() if k != "offload_s" or v]
     mb = [(k[:-6], v) for k, v in report.memory._asdict().items()]
     for i in range(max(len(tb), len(mb))):
         left = (

@@ -21,6 +21,7 @@ from autosearch.commands._common import (
 )
 from autosearch.commands._schema import add_flags, add_presentation_flags, read_args
 from autosearch.core.errors import SpecError
+from autosearch.core.report import offload_summary
 from autosearch.core.schema import flag_of, lora_of, required
 from autosearch.tuning._config import TuneConfig, settings_of
 
@@ -322,6 +323,9 @@ def summary(result) -> str:
             f"MFU {r.mfu:.1%}",
             f"memory    {result.memory_line(r)}",
         ]
+        offloaded = offload_summary(result.best_strategy, r)
+        if offloaded:
+            lines.append(f"offload   {offloaded}")
         usd = result.usd_per_million_tokens(r)
         if usd is not None:
             lines.append(

@@ -545,6 +545,74 @@ DIMENSIONS: tuple[Dimension, ...] = (
         label_rank=140,
         features=(Feature("async_tp", bool, lambda v: "async_tp=true"),),
     ),
+    # Offload to host memory (issue 36). Searched only where nothing fits without it: the
+    # default space resolves them to off unless the memory floor, or a scan of the space's
+    # leanest strategies, proves the device too small (`SpaceConfig.resolved(offload=...)`, as
+    # autosearch/tuning/_advice.py `offload_needed` asks).
+    Dimension(
+        name="offload_optimizer",
+        kind=FLAG,
+        default=False,
+        # ZeRO-Offload (Ren et al. 2021): the fp32 master weights and Adam moments live on the
+        # host, gradients go down to it and the updated parameters come back; the optimizer
+        # step runs on the host's cores (DeepSpeed CPU-Adam, torchao CPUOffloadOptimizer,
+        # Megatron-Core --optimizer-cpu-offload).
+        doc="optimizer states and the optimizer step on the host (ZeRO-Offload)",
+        choices=(False, True),
+        level=AXIS,
+        space=(False,),
+        plain="offload_optimizer",
+        label=_flag_label("offload_optimizer", "offopt"),
+        label_rank=150,
+        features=(Feature("offload_optimizer", bool, lambda v: "offload_optimizer=true"),),
+    ),
+    Dimension(
+        name="offload_params",
+        kind=FLAG,
+        default=False,
+        # ZeRO-Infinity (Rajbhandari et al. 2021) / FSDP2 CPUOffloadPolicy: the sharded
+        # parameters (and their gradients) live on the host; each gather copies the shard up.
+        doc="sharded parameters on the host, copied up for each gather (ZeRO-3 / FSDP only)",
+        choices=(False, True),
+        level=AXIS,
+        space=(False,),
+        plain="offload_params",
+        label=_flag_label("offload_params", "offparam"),
+        label_rank=151,
+        features=(Feature("offload_params", bool, lambda v: "offload_params=true"),),
+        no_export={
+            "megatron": "Megatron-Core has no parameter offload to host memory",
+        },
+    ),
+    Dimension(
+        name="offload_activations",
+        kind=CHOICE,
+        default="none",
+        # layers: every tensor a layer saves for backward goes to the host in forward and
+        # comes back in backward (autograd's saved-tensor hooks: torch.autograd.graph.
+        # save_on_cpu; Megatron-Core --cpu-offloading over all layers).
+        doc="activation offload: none, or layers (every layer's saved tensors on the host)",
+        choices=("none", "layers"),
+        level=AXIS,
+        space=("none",),
+        plain="offload_activations",
+        label=lambda s: (
+            None if s.offload_activations == "none" else f"offact-{s.offload_activations}"
+        ),
+        label_rank=152,
+        features=(
+            Feature(
+                "offload_activations",
+                lambda v: v != "none",
+                lambda v: f"offload_activations={v}",
+            ),
+        ),
+        no_export={
+            "torchtitan": "torchtitan has no activation offload to host memory",
+            "deepspeed": "DeepSpeed offloads only the checkpointed layer inputs "
+            "(activation_checkpointing.cpu_checkpointing), not every saved tensor",
+        },
+    ),
 )
 
 BY_NAME: dict[str, Dimension] = {d.name: d for d in DIMENSIONS}

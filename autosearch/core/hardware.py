@@ -121,6 +121,37 @@ class GemmEfficiency:
         return self.launch_s + tiled_time_s(groups, m, n, k, rate, self.sm_count, self.tiles, k0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    """The host a node's GPUs offload to: its link to each GPU, its memory and its cores.
+
+    Args:
+        link: the host-device link in words (``pcie5 x16``, ``nvlink-c2c``).
+        bandwidth_bytes_per_s: peak host-device bandwidth per GPU and per direction.
+        efficiency: achieved fraction of it for large pinned copies.
+        memory_bytes: host memory of one node.
+        memory_bandwidth_bytes_per_s: host memory bandwidth of one node (every socket).
+        cores: CPU cores of one node.
+        reserved_bytes: host memory of one node that training cannot use for offload (the OS,
+            the framework, data loaders).
+    """
+
+    link: str
+    bandwidth_bytes_per_s: float
+    efficiency: float = 1.0
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    cores: int
+    reserved_bytes: float = 0.0
+
+    @property
+    def achieved_bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class HardwareProfile:
     """One accelerator (and the node it sits in), as the cost model sees it.
@@ -156,6 +187,7 @@ class HardwareProfile:
     measured: tuple[str, ...] = ()
     calibration: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
+    host: Host | None = None  # what offload to host memory reads (None: not described)
 
     @property
     def achieved_memory_bandwidth_bytes_per_s(self) -> float:
@@ -387,6 +419,7 @@ class HardwareProfile:
             measured=measured,
             calibration=calibration,
             path=path,
+            host=_host(data.get("host"), what, num),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -439,6 +472,7 @@ class HardwareProfile:
             **({"nvlink_domain": self.nvlink_domain} if self.nvlink_domain else {}),
             **({"aliases": list(self.aliases)} if self.aliases else {}),
             **({"device_names": list(self.device_names)} if self.device_names else {}),
+            **({"host": self.host.to_dict()} if self.host is not None else {}),
             "measured": list(self.measured),
             "calibration": dict(self.calibration),
         }
@@ -464,6 +498,28 @@ class HardwareProfile:
         # a file rewritten since it was read (calibrate, then tune, in one process) is read again
         mtime = os.path.getmtime(key) if os.path.isfile(key) else None
         return _load_profile(key, mtime)
+
+
+def _host(value: Any, what: str, num: "_NumberReader") -> Host | None:
+    """A profile's ``host:`` section (None where it has none)."""
+    if value is None:
+        return None
+    d = _mapping(value, what, "host")
+    return Host(
+        link=_text(d["link"], what, "host.link"),
+        bandwidth_bytes_per_s=num(
+            d["bandwidth_bytes_per_s"], "host.bandwidth_bytes_per_s", high=1e14
+        ),
+        efficiency=num(d.get("efficiency", 1.0), "host.efficiency", high=1.0),
+        memory_bytes=num(d["memory_bytes"], "host.memory_bytes", high=1e15),
+        memory_bandwidth_bytes_per_s=num(
+            d["memory_bandwidth_bytes_per_s"], "host.memory_bandwidth_bytes_per_s", high=1e14
+        ),
+        cores=positive_int(d["cores"], f"{what}: host.cores"),
+        reserved_bytes=num(
+            d.get("reserved_bytes", 0.0), "host.reserved_bytes", zero=True, high=1e15
+        ),
+    )
 
 
 def profile_names() -> list[str]:

@@ -24,6 +24,7 @@ class TimeBreakdown(NamedTuple):
     bubble_s: float  # pipeline fill and drain
     optimizer_s: float  # the optimizer step
     other_s: float  # fixed per-step overhead
+    offload_s: float = 0.0  # host-device copies of offload not hidden behind compute
 
     @property
     def total_s(self) -> float:
@@ -63,14 +64,28 @@ class CostReport(NamedTuple):
     # device memory held back for the memory model's error (`with_margin`; the search's rule:
     # autosearch/tuning/_margin.py): `fits` means peak <= capacity - margin
     memory_margin_bytes: float = 0.0
+    # offload to host memory: what the node's GPUs keep on its host, and what the host can
+    # give them (its memory less a reserve; cost_models/terms/offload.py); 0 without offload
+    host_memory_bytes: float = 0.0
+    host_memory_capacity_bytes: float = 0.0
 
     def with_margin(self, margin_bytes: float) -> "CostReport":
         """This report with `margin_bytes` of the device held back: it fits only when its peak
-        is at most the capacity less the margin."""
-        return self._replace(
-            memory_margin_bytes=margin_bytes,
-            fits=self.peak_memory_bytes <= self.memory_capacity_bytes - margin_bytes,
+        is at most the capacity less the margin (and the host holds what it offloads)."""
+        device = self.peak_memory_bytes <= self.memory_capacity_bytes - margin_bytes
+        return self._replace(memory_margin_bytes=margin_bytes, fits=device and self.host_fits)
+
+    @property
+    def host_fits(self) -> bool:
+        """The node's host holds what its GPUs offload (True without offload)."""
+        return self.host_memory_bytes <= self.host_memory_capacity_bytes or not (
+            self.host_memory_bytes
         )
+
+    @property
+    def fits_host(self) -> bool:
+        """`fits` with the host's memory checked too."""
+        return self.fits and self.host_fits
 
     @property
     def memory_usable_bytes(self) -> float:
@@ -86,6 +101,13 @@ class CostReport(NamedTuple):
     def infeasible_reason(self) -> str | None:
         if self.fits:
             return None
+        if not self.host_fits and self.memory_excess_bytes == 0:
+            return (
+                f"offload needs {self.host_memory_bytes / GiB:.1f} GiB of host memory per node,"
+                f" {(self.host_memory_bytes - self.host_memory_capacity_bytes) / GiB:.1f} GiB"
+                f" over the {self.host_memory_capacity_bytes / GiB:.1f} GiB it can give; offload"
+                " less (activations first), or spread the model over more nodes"
+            )
         margin = (
             f" ({self.memory_capacity_bytes / GiB:.1f} GiB less a margin of"
             f" {self.memory_margin_bytes / GiB:.1f} GiB)"
@@ -143,6 +165,32 @@ class CostReport(NamedTuple):
         out["infeasible_reason"] = self.infeasible_reason
         out["notes"] = "; ".join(self.notes) if flat else list(self.notes)
         return out
+
+
+def offload_summary(strategy: Any, report: CostReport) -> str | None:
+    """What `strategy` offloads to host memory and what the host holds for it, in one line
+    (None when it offloads nothing): ``optimizer states, parameters to host memory: 1,314.2
+    GiB of the node's 1,769.4 GiB``."""
+    what = [
+        name
+        for name, on in (
+            ("optimizer states", strategy.offload_optimizer),
+            ("parameters", strategy.offload_params),
+            (
+                f"activations ({strategy.offload_activations})",
+                strategy.offload_activations != "none",
+            ),
+        )
+        if on
+    ]
+    if not what:
+        return None
+    return (
+        f"{', '.join(what)} to host memory: {report.host_memory_bytes / GiB:,.1f} GiB per node"
+        f" of the {report.host_memory_capacity_bytes / GiB:,.1f} GiB it can give; host copies"
+        f" add {report.time.offload_s:.3g} s per step, the optimizer step"
+        f" {report.time.optimizer_s:.3g} s"
+    )
 
 
 # The fields a stored report always holds (those added later have defaults).

@@ -320,6 +320,27 @@ def async_tp_problem(async_tp: bool, tp: int) -> str | None:
     return None
 
 
+def offload_problem(offload_params: bool, offload_optimizer: bool, zero_stage: int) -> str | None:
+    """Parameters live on the host only as shards that each gather copies up (ZeRO-Infinity's
+    offload_param needs stage 3; FSDP2's CPUOffloadPolicy shards them with fully_shard), and
+    they are updated where they live: the optimizer state is on the host too (DeepSpeed
+    pairs offload_param with offload_optimizer; FSDP2's policy runs the step on the CPU)."""
+    if not offload_params:
+        return None
+    if zero_stage != 3:
+        return (
+            f"offload_params needs zero_stage=3 (the host holds parameter shards that each "
+            f"gather copies up); got zero_stage={zero_stage}: set zero_stage=3 or "
+            "offload_params=false"
+        )
+    if not offload_optimizer:
+        return (
+            "offload_params needs offload_optimizer=true (parameters on the host are updated "
+            "there); set offload_optimizer=true"
+        )
+    return None
+
+
 def batch_problem(global_batch_size: int, dp: int, micro_batch_size: int) -> str | None:
     """The global batch splits into dp ranks x whole micro-batches."""
     per_step = dp * micro_batch_size
@@ -486,6 +507,13 @@ RULES: tuple[Rule, ...] = (
         "recompute_modules",
         ("recompute_modules",),
         lambda v, m, c: recompute_modules_problem(v["recompute_modules"], m),
+    ),
+    Rule(
+        "offload",
+        ("offload_params", "offload_optimizer", "zero_stage"),
+        lambda v, m, c: offload_problem(
+            v["offload_params"], v["offload_optimizer"], v["zero_stage"]
+        ),
     ),
     Rule(
         "expert_parallel",

@@ -162,6 +162,12 @@ class RuntimeOptions:
             capability). The cost model prices the hardware it is given and ignores this; the
             Engine refuses a strategy on a device that cannot run it (`cannot_run_on`).
         sources: where each value comes from (docs/runtimes.md has the details).
+        host_adam_params_per_s_per_core: parameters one host core updates per second in the
+            runtime's offloaded Adam step (``offload_optimizer``); the host's memory bandwidth
+            bounds it too (`cost_models.terms.offload`).
+        activation_offload_overlap: fraction of the activation copies to and from the host
+            (``offload_activations``) hidden behind the layers' compute: 0 where they run on
+            the compute stream, 1 where a side stream prefetches them a layer ahead.
     """
 
     name: str = "torch"
@@ -214,6 +220,8 @@ class RuntimeOptions:
     devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
     sources: tuple[str, ...] = ()
     base: str | None = None
+    host_adam_params_per_s_per_core: float = 0.0
+    activation_offload_overlap: float = 0.0
 
     @property
     def framework(self) -> str:

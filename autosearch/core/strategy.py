@@ -95,6 +95,11 @@ class Strategy:
         recompute_modules: Megatron-Core's per-module recompute of a mixture-of-experts
             model beyond the attention core (``layernorm+moe_act``, ``layernorm+moe``,
             ``mla_up_proj+mlp`` ...; `dimensions.RECOMPUTE_MODULE_SETS`), or ``none``.
+        offload_optimizer: optimizer states and the optimizer step on the host (ZeRO-Offload).
+        offload_params: with ZeRO-3 / FSDP, the parameter shards on the host (ZeRO-Infinity,
+            FSDP2 ``CPUOffloadPolicy``); needs `offload_optimizer`.
+        offload_activations: ``none``, or ``layers``: every tensor a layer saves for
+            backward kept on the host (``torch.autograd.graph.save_on_cpu``).
     """
 
     dp: int = dimensions.field("dp")
@@ -118,6 +123,9 @@ class Strategy:
     ep: int = dimensions.field("ep")
     etp: int = dimensions.field("etp")
     recompute_modules: str = dimensions.field("recompute_modules")
+    offload_optimizer: bool = dimensions.field("offload_optimizer")
+    offload_params: bool = dimensions.field("offload_params")
+    offload_activations: str = dimensions.field("offload_activations")
 
     def __post_init__(self) -> None:
         """Check every field by its kind (`autosearch.core.dimensions`)."""

@@ -477,7 +477,13 @@ class Engine:
         optimizers = []
         if self.optimizer is not None:
             optimizers = build_optimizers(
-                [module for _, module in parts], OptimizerRecipe(self.optimizer, names), dims, mesh
+                [module for _, module in parts],
+                OptimizerRecipe(self.optimizer, names),
+                dims,
+                mesh,
+                offload=strategy.offload_optimizer
+                and not strategy.offload_params
+                and device.type != "cpu",
             )
         self._built_model, self.plan_, self.strategy_ = model, plan, strategy
         self.trainer_ = Trainer(

@@ -137,6 +137,10 @@ def strategy_problems(
         (f"fp8={strategy.fp8}", strategy.fp8 != "none"),
         ("recompute=selective_op", strategy.recompute == "selective_op"),
         (f"recompute_num_layers={strategy.recompute_num_layers}", strategy.recompute_num_layers),
+        (
+            f"offload_activations={strategy.offload_activations}",
+            strategy.offload_activations != "none",
+        ),
     ):
         if used and not has_blocks:
             problems.append(
@@ -154,6 +158,7 @@ def strategy_problems(
             f"fp8={strategy.fp8} runs torchao's float8 linears and torchao is not installed: "
             "pip install 'autosearch[fp8]' (torchao 0.18), or set fp8=none"
         )
+    problems += offload_problems(strategy, device)
     if strategy.cp > 1 and not any(hasattr(type(m), "context_parallel") for m in model.modules()):
         problems.append(
             f"cp={strategy.cp} needs a model whose attention attends over the whole sequence "
@@ -169,6 +174,34 @@ def strategy_problems(
             "each block; use recompute=full or give the plan"
         )
     return problems
+
+
+def offload_problems(strategy: "Strategy", device: str) -> list[str]:
+    """Why the Engine cannot offload as `strategy` asks on `device` (``cpu``, ``cuda:9.0``)."""
+    from autosearch.core.dp_modes import dp_mode
+
+    s, out = strategy, []
+    mode = dp_mode(zero_stage=s.zero_stage, dp=s.dp * s.cp, tp=s.tp, pp=s.pp, ep=s.ep)
+    if s.offload_params and mode.wrapper != "fsdp":
+        out.append(
+            "offload_params runs through FSDP2's CPUOffloadPolicy, and at dp x cp = "
+            f"{s.dp * s.cp} the Engine applies no FSDP2 (autosearch/core/dp_modes.py); use "
+            "dp x cp > 1 or offload_params=false"
+        )
+    own_optimizer = s.offload_optimizer and not s.offload_params and device != "cpu"
+    if own_optimizer and importlib.util.find_spec("torchao") is None:
+        out.append(
+            "offload_optimizer without offload_params steps torchao's CPUOffloadOptimizer and "
+            "torchao is not installed: pip install 'autosearch[fp8]' (torchao 0.18), or "
+            "offload the parameters too (FSDP2's CPUOffloadPolicy steps the optimizer on the "
+            "CPU)"
+        )
+    if own_optimizer and mode.zero_redundancy_optimizer:
+        out.append(
+            "offload_optimizer under ZeRO-1 with DDP (ZeroRedundancyOptimizer) has no host "
+            "optimizer in the Engine; use zero_stage 2 or 3"
+        )
+    return out
 
 
 # Why a device cannot run a dimension the Engine runs elsewhere (the `torch` preset's `devices`).

@@ -74,11 +74,16 @@ class OptimizerRecipe:
             groups.setdefault(key, {"params": [], **settings})["params"].append(p)
         return list(groups.values())
 
-    def build(self, part: nn.Module, *, zero1_group=None) -> torch.optim.Optimizer:
+    def build(
+        self, part: nn.Module, *, zero1_group=None, offload: bool = False
+    ) -> torch.optim.Optimizer:
+        """The optimizer of `part`: ZeroRedundancyOptimizer over `zero1_group` (ZeRO-1 with
+        DDP), or with `offload` torchao's CPUOffloadOptimizer (the states and the step on the
+        host, each gradient copied down as backward produces it)."""
         params = [p for p in part.parameters() if p.requires_grad]
         if self.factory is not None:
             optimizer = self.factory(params)
-            if zero1_group is None:
+            if zero1_group is None and not offload:
                 return optimizer
             # ZeRO-1 needs the class and settings: read them from what the factory built.
             cls = type(optimizer)
@@ -93,6 +98,10 @@ class OptimizerRecipe:
             return ZeroRedundancyOptimizer(
                 groups, optimizer_class=cls, process_group=zero1_group, **defaults
             )
+        if offload:
+            from torchao.optim import CPUOffloadOptimizer
+
+            return CPUOffloadOptimizer(groups, optimizer_class=cls, **defaults)
         return cls(groups, **defaults)
 
 
@@ -101,14 +110,20 @@ def build_optimizers(
     recipe: OptimizerRecipe,
     dims: "ParallelDims",
     mesh: "DeviceMesh | None",
+    *,
+    offload: bool = False,
 ) -> list[torch.optim.Optimizer]:
-    """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP."""
+    """One optimizer per model part; ZeroRedundancyOptimizer over dp for ZeRO-1 with DDP;
+    with `offload`, torchao's CPUOffloadOptimizer (``offload_optimizer`` on a GPU without
+    ``offload_params``: with them FSDP2's CPUOffloadPolicy keeps the shards on the CPU, and
+    the optimizer steps there as built; on a CPU device the states are in host memory
+    already)."""
     zero1_group = None
     if dims.mode.zero_redundancy_optimizer:
         if mesh is None:
             raise ValueError("ZeRO-1 runs over dp > 1 processes, which have a DeviceMesh")
         zero1_group = mesh.get_group(dims.dp_axis)
-    return [recipe.build(part, zero1_group=zero1_group) for part in parts]
+    return [recipe.build(part, zero1_group=zero1_group, offload=offload) for part in parts]
 
 
 def make_grad_scaler(amp: str, device_type: str, distributed: bool):

@@ -316,6 +316,40 @@ def apply_amp(module: nn.Module, amp: str, device_type: str) -> None:
     module.forward = autocast_forward
 
 
+def apply_offload_activations(module: nn.Module, plan: ParallelPlan, device: torch.device) -> None:
+    """Every tensor a block saves for backward kept in host memory (``offload_activations:
+    layers``): each block is called under ``torch.autograd.graph.save_on_cpu``, pinned on CUDA,
+    and its tensors come back as backward reaches the block. The copies run on the compute
+    stream (the cost model's `activation_offload_overlap` 0 for this runtime). On a CPU device
+    the tensors are already in host memory: the hooks copy them, and nothing is freed.
+
+    The context is entered around the block's call, outside its compiled region (Dynamo does not
+    trace ``save_on_cpu``): the block's class becomes a subclass whose ``__call__`` enters it, as
+    FSDP2's ``fully_shard`` swaps a module's class (the saved tensors of a compiled block are
+    then those of its compiled autograd function)."""
+    container = blocks_of(module, plan)
+    if container is None:
+        return
+    pin = device.type == "cuda"
+    for block in container.children():
+        block.__class__ = _offloaded_class(type(block))
+        block._offload_pin_memory = pin  # type: ignore[assignment]
+
+
+_OFFLOADED: dict[type, type] = {}  # a block class -> its offloading subclass, made once
+
+
+def _offloaded_class(cls: type) -> type:
+    if cls not in _OFFLOADED:
+
+        def __call__(self, *args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=self._offload_pin_memory):
+                return cls.__call__(self, *args, **kwargs)
+
+        _OFFLOADED[cls] = type(f"Offloaded{cls.__name__}", (cls,), {"__call__": __call__})
+    return _OFFLOADED[cls]
+
+
 def apply_data_parallel(
     module: nn.Module,
     dims: ParallelDims,
@@ -323,8 +357,12 @@ def apply_data_parallel(
     plan: ParallelPlan,
     amp: str,
     device: torch.device,
+    *,
+    offload_params: bool = False,
 ) -> nn.Module:
-    """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring)."""
+    """DDP or FSDP2 over the dp group as the ZeRO stage asks (table in the module docstring).
+    `offload_params`: FSDP2's ``CPUOffloadPolicy`` keeps the parameter shards, their gradients
+    and so the optimizer step on the host (pinned on CUDA); each gather copies a shard up."""
     from autosearch.models import moe
 
     mode = dims.mode
@@ -350,12 +388,17 @@ def apply_data_parallel(
     mp_policy = MixedPrecisionPolicy()
     if dtype is not None and mode.mixed_precision_policy:
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    moe.shard_experts(module, reshard_after_forward=reshard, mp_policy=mp_policy)
+    fsdp: dict = {"reshard_after_forward": reshard, "mp_policy": mp_policy}
+    if offload_params:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    moe.shard_experts(module, **fsdp)
     container = blocks_of(module, plan)
     if container is not None:
         for block in list(container.children()):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            fully_shard(block, mesh=dp_mesh, **fsdp)
+    fully_shard(module, mesh=dp_mesh, **fsdp)
     return module
 
 
@@ -436,11 +479,21 @@ def parallelize(
             )
         if compile_first:
             apply_ac(part, plan, strategy.recompute, strategy.recompute_num_layers)
+        if strategy.offload_activations != "none":
+            apply_offload_activations(part, plan, device)
         apply_amp(part, strategy.amp, device.type)
         early = materialize is not None and dims.mode.wrapper == "ddp"
         if early:
             materialize(part)
-        part = apply_data_parallel(part, dims, mesh, plan, strategy.amp, device)
+        part = apply_data_parallel(
+            part,
+            dims,
+            mesh,
+            plan,
+            strategy.amp,
+            device,
+            offload_params=strategy.offload_params,
+        )
         if materialize is not None and not early:
             materialize(part)
         out.append((stage, part))

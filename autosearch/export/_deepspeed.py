@@ -40,6 +40,18 @@ KEYS: dict[str, str] = {
     "config.py ACT_CHKPT_CONTIGUOUS_MEMORY_OPTIMIZATION",
     "activation_checkpointing.cpu_checkpointing": "activation_checkpointing/config.py "
     "ACT_CHKPT_CPU_CHECKPOINTING",
+    "zero_optimization.offload_optimizer": "deepspeed/runtime/zero/config.py "
+    "DeepSpeedZeroConfig.offload_optimizer (ZeRO-Offload, stages 1-3)",
+    "zero_optimization.offload_optimizer.device": "deepspeed/runtime/zero/offload_config.py "
+    "DeepSpeedZeroOffloadOptimizerConfig.device",
+    "zero_optimization.offload_optimizer.pin_memory": "deepspeed/runtime/zero/offload_config.py "
+    "DeepSpeedZeroOffloadOptimizerConfig.pin_memory",
+    "zero_optimization.offload_param": "deepspeed/runtime/zero/config.py "
+    "DeepSpeedZeroConfig.offload_param (ZeRO-Infinity, stage 3)",
+    "zero_optimization.offload_param.device": "deepspeed/runtime/zero/offload_config.py "
+    "DeepSpeedZeroOffloadParamConfig.device",
+    "zero_optimization.offload_param.pin_memory": "deepspeed/runtime/zero/offload_config.py "
+    "DeepSpeedZeroOffloadParamConfig.pin_memory",
 }
 # Launcher flags: deepspeed/launcher/runner.py (--num_nodes, --num_gpus, --hostfile) and
 # deepspeed/__init__.py _add_core_arguments (--deepspeed, --deepspeed_config).
@@ -160,6 +172,25 @@ class DeepSpeedExporter(Exporter):
                 unsupported.append((field, why))
             else:
                 mapped.add(field)
+        # ZeRO-Offload / ZeRO-Infinity to pinned host memory (offload_config.py)
+        zero = cfg["zero_optimization"]
+        if s.offload_optimizer and s.zero_stage == 0:
+            unsupported.append(
+                (
+                    "offload_optimizer",
+                    "DeepSpeed offloads the optimizer under ZeRO stages 1-3 only; "
+                    "use zero_stage 1 or more",
+                )
+            )
+        elif s.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            mapped.add("offload_optimizer")
+            notes.append("offload_optimizer: DeepSpeed steps DeepSpeedCPUAdam on the host")
+        else:
+            mapped.add("offload_optimizer")
+        if s.offload_params:  # the rules hold it to zero_stage 3
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        mapped.add("offload_params")
         _, declared, cannot = declared_mappings(self.name, s)
         mapped |= declared
         unsupported += cannot

@@ -124,6 +124,20 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--qk-pos-emb-head-dim": ("int", "MLATransformerConfig.qk_pos_emb_head_dim"),
     "--v-head-dim": ("int", "MLATransformerConfig.v_head_dim"),
     "--recompute-modules": ("list", "TransformerConfig.recompute_modules"),
+    # offload to host memory (megatron-core 0.16 optimizer/optimizer_config.py,
+    # transformer/transformer_config.py)
+    "--optimizer-cpu-offload": ("switch", "OptimizerConfig.optimizer_cpu_offload"),
+    "--optimizer-offload-fraction": ("float", "OptimizerConfig.optimizer_offload_fraction"),
+    "--overlap-cpu-optimizer-d2h-h2d": (
+        "switch",
+        "OptimizerConfig.overlap_cpu_optimizer_d2h_h2d",
+    ),
+    "--use-precision-aware-optimizer": (
+        "switch",
+        "OptimizerConfig.use_precision_aware_optimizer",
+    ),
+    "--cpu-offloading": ("switch", "ModelParallelConfig.cpu_offloading"),
+    "--cpu-offloading-num-layers": ("int", "ModelParallelConfig.cpu_offloading_num_layers"),
     # the rest of the model's shape (issue 31): TransformerConfig fields, whose flags Megatron-LM
     # 0.16 generates (ArgumentGroupFactory; --norm-epsilon is layernorm_epsilon's alias), and
     # Megatron-LM's own network-size arguments (megatron/training/arguments.py)
@@ -347,6 +361,46 @@ class MegatronExporter(Exporter):
         if s.amp in ("bf16", "fp16"):
             flags.append(f"--{s.amp}")
         mapped.add("amp")
+        if s.offload_optimizer:  # HybridDeviceOptimizer: the whole optimizer on the host
+            flags += [
+                "--optimizer-cpu-offload",
+                "--optimizer-offload-fraction 1.0",
+                "--overlap-cpu-optimizer-d2h-h2d",
+                "--use-precision-aware-optimizer",
+            ]
+            if s.zero_stage == 0:
+                notes.append(
+                    "offload_optimizer: Megatron offloads the distributed optimizer's shard; "
+                    "add --use-distributed-optimizer if your version asks for it"
+                )
+        mapped.add("offload_optimizer")
+        if s.offload_activations == "layers" and (s.pp > 1 or s.recompute != "none"):
+            # megatron-core 0.16 TransformerConfig.__post_init__ refuses both
+            unsupported.append(
+                (
+                    "offload_activations",
+                    "Megatron's layer offload (--cpu-offloading) runs without pipeline "
+                    "parallelism and without recompute; its fine-grained offload "
+                    "(--fine-grained-activation-offloading --offload-modules) offloads module "
+                    "inputs, not whole layers",
+                )
+            )
+        elif s.offload_activations == "layers":
+            # TransformerEngine's CPU offload of every layer but the last (megatron-core
+            # asserts cpu_offloading_num_layers < num_layers)
+            if model is not None:
+                flags += ["--cpu-offloading", f"--cpu-offloading-num-layers {model.n_layers - 1}"]
+                mapped.add("offload_activations")
+            else:
+                unsupported.append(
+                    (
+                        "offload_activations",
+                        "--cpu-offloading-num-layers needs the model's layer count (export "
+                        "with a model)",
+                    )
+                )
+        else:
+            mapped.add("offload_activations")
         keys, declared, cannot = declared_mappings(self.name, s)
         flags += [f"{flag} {value}" for flag, value in keys.items()]
         mapped |= declared

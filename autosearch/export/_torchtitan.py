@@ -55,7 +55,13 @@ KEYS: dict[str, tuple[str, ...]] = {
         "expert_parallel_degree",  # Parallelism.expert_parallel_degree (MoE models)
         "expert_tensor_parallel_degree",  # 1 or tensor_parallel_degree only
     ),
-    "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param"),
+    "training": (
+        "local_batch_size",
+        "global_batch_size",
+        "seq_len",
+        "mixed_precision_param",
+        "enable_cpu_offload",  # FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer
+    ),
     "activation_checkpoint": ("mode", "selective_ac_option"),
     "compile": ("enable", "components"),
     "quantize.linear.float8": ("recipe_name",),
@@ -221,6 +227,23 @@ class TorchTitanExporter(Exporter):
             if model is None:
                 notes.append('fp8: add "quantize.linear.float8" to [model] converters')
         mapped.add("fp8")
+        # torchtitan's one offload switch puts FSDP2's sharded parameters, their gradients and
+        # the optimizer step on the CPU together (CPUOffloadPolicy, parallelize.py apply_fsdp)
+        if s.offload_params and s.offload_optimizer:
+            training["enable_cpu_offload"] = True
+            mapped |= {"offload_params", "offload_optimizer"}
+        elif s.offload_optimizer:
+            unsupported.append(
+                (
+                    "offload_optimizer",
+                    "torchtitan offloads the optimizer only with the parameters "
+                    "(training.enable_cpu_offload: FSDP2's CPUOffloadPolicy); set "
+                    "offload_params too, with zero_stage 3",
+                )
+            )
+            mapped.add("offload_params")
+        else:
+            mapped |= {"offload_params", "offload_optimizer"}
         notes.append(
             f"micro-batches per step = {s.grad_accum_steps} "
             + ("(gradient accumulation)" if s.pp == 1 else "(pipeline micro-batches)")

@@ -358,6 +358,46 @@ def memory_floor_bytes(
     return model.n_params * per_param / cluster.world_size + cluster.profile.reserved_memory_bytes
 
 
+def offload_needed(
+    model: "ModelSpec",
+    cluster: "Cluster",
+    runtime: "RuntimeOptions | str | None" = None,
+    *,
+    global_batch_size: int | None = None,
+    config: "SpaceConfig | None" = None,
+    margin_fraction: float = 0.0,
+) -> bool:
+    """Whether the search opens offload to host memory: where no strategy fits without it.
+    The memory floor without offload (`memory_floor_bytes`) above the device proves it; else,
+    given the space (`config`, resolved without offload) and the batch, its leanest settings
+    (`lean_config`: ZeRO-3, full recompute, the smallest micro-batch ...) over every layout,
+    none of which fits the device less the margin (long sequences: activations, not states)."""
+    if memory_floor_bytes(model, cluster, runtime) > cluster.profile.memory_capacity_bytes:
+        return True
+    if config is None or global_batch_size is None:
+        return False
+    from cost_models import AnalyticCostModel
+
+    try:
+        cost_model = AnalyticCostModel(model, cluster, runtime=runtime)
+        lean = least_memory(
+            model,
+            cluster,
+            global_batch_size,
+            config=config,
+            cost_model=cost_model,
+            margin_fraction=margin_fraction,
+        )
+    except SpecError:  # a model this runtime cannot train: the search says so
+        return False
+    return lean is not None and not lean[1].fits
+
+
+# The offload dimensions (search_spaces/_config.py `OFFLOAD`): where a space opens them the
+# memory floor above is not a bound (the states may live on the host).
+OFFLOAD = ("offload_optimizer", "offload_params", "offload_activations")
+
+
 # ---- the least memory-hungry strategy, and the smallest cluster where it fits -----------------
 def lean_config(config: "SpaceConfig") -> "SpaceConfig":
     """`config` narrowed to the settings that hold the least memory, where it offers them: its
@@ -542,7 +582,18 @@ def no_fit_message(
         f"on {cluster.name} at global batch {gbs}, with {usable / GiB:.1f} GiB usable per "
         f"device ({capacity / GiB:.1f} GiB less a {fraction:.1%} margin)."
     ]
-    if floor > usable:
+    offloads = config is not None and any(
+        len(getattr(config, name) or ()) > 1 or getattr(config, name) not in ((False,), ("none",))
+        for name in OFFLOAD
+    )
+    if floor > usable and offloads:
+        lines.append(
+            f"Without offload to host memory any strategy needs at least {floor / GiB:,.1f} GiB "
+            f"per device (the model states of every parameter spread over all "
+            f"{cluster.world_size:,} devices); the space offloads to the host, whose memory "
+            "bounds it instead."
+        )
+    elif floor > usable:
         lines.append(
             f"Any strategy needs at least {floor / GiB:,.1f} GiB per device: the model states of "
             f"every parameter spread over all {cluster.world_size:,} devices."
@@ -550,11 +601,21 @@ def no_fit_message(
     if not candidates:
         return " ".join(lines + ["No trial finished."])
     s, r = min(candidates, key=lambda c: c[1].peak_memory_bytes)
-    lines.append(
-        f"The least memory-hungry strategy {where}, {s.short()}, needs "
-        f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, {r.memory_excess_bytes / GiB:,.1f} GiB "
-        f"over the usable (x{r.peak_memory_bytes / usable:.2f})."
-    )
+    if r.memory_excess_bytes == 0 and not r.host_fits:  # the device fits, the host does not
+        lines.append(
+            f"The least memory-hungry strategy {where}, {s.short()}, needs "
+            f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, which fits, but "
+            f"{r.host_memory_bytes / GiB:,.1f} GiB of host memory per node, "
+            f"{(r.host_memory_bytes - r.host_memory_capacity_bytes) / GiB:,.1f} GiB over the "
+            f"{r.host_memory_capacity_bytes / GiB:,.1f} GiB the host can give."
+        )
+    else:
+        lines.append(
+            f"The least memory-hungry strategy {where}, {s.short()}, needs "
+            f"{r.peak_memory_bytes / GiB:,.1f} GiB per device, "
+            f"{r.memory_excess_bytes / GiB:,.1f} GiB over the usable "
+            f"(x{r.peak_memory_bytes / usable:.2f})."
+        )
     fit = None
     if config is not None and analytic:
         fit = smallest_cluster(

@@ -1216,6 +1216,7 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
     """(the search space, why each dimension a runtime may lack is open or not): the space file
     (default: default.yaml) with the pins, its ``supported`` values resolved for the runtime on
     the cluster (`SpaceConfig.resolved`); refused when it asks what the runtime cannot run."""
+    from autosearch.tuning._advice import offload_needed
     from search_spaces import SearchSpace, SpaceConfig
     from search_spaces._config import runtime_problems
 
@@ -1234,6 +1235,19 @@ def _resolve_space(space, model, cluster, global_batch_size, config, runtime) ->
     base = SpaceConfig.default() if config.space is None else SpaceConfig.from_yaml(config.space)
     base = base.narrowed(**config.pin) if config.pin else base
     resolved, opened = base.resolved(runtime=runtime, model=model, cluster=cluster, fp8=config.fp8)
+    if resolved != base.resolved(  # a runtime that offloads: open it where nothing fits
+        runtime=runtime, model=model, cluster=cluster, fp8=config.fp8, offload=True
+    )[0] and offload_needed(
+        model,
+        cluster,
+        runtime,
+        global_batch_size=global_batch_size,
+        config=resolved,
+        margin_fraction=memory_margin(runtime, cluster, override=config.memory_margin).fraction,
+    ):
+        resolved, opened = base.resolved(
+            runtime=runtime, model=model, cluster=cluster, fp8=config.fp8, offload=True
+        )
     built = SearchSpace(model, cluster, global_batch_size=global_batch_size, config=resolved)
     fp8 = next((o for o in opened if o.name == "fp8"), None)
     if config.fp8 and fp8 is not None and fp8.values == ("none",):  # not the GPU: the runtime

@@ -1,8 +1,8 @@
 """The cost model's mechanisms, one module each, as pure functions of a Strategy and a `Context`
 (no self, no globals, no mutation): compute, tensor parallel, context parallel, pipeline, data
-parallel and memory. Each term declares the Strategy fields it reads (``@reads(...)``, its
-``READS``); `AnalyticCostModel` composes the terms into a CostReport and caches their results
-keyed by exactly those fields.
+parallel, memory and offload to host memory. Each term declares the Strategy fields it reads
+(``@reads(...)``, its ``READS``); `AnalyticCostModel` composes the terms into a CostReport and
+caches their results keyed by exactly those fields.
 
 A model is a sequence of blocks (`layers`): the base block (attention + dense MLP) is priced by
 compute, tensor and context parallel and memory; each other kind of block by the module `KINDS`
@@ -18,6 +18,7 @@ from cost_models.terms import (
     experts,
     layers,
     memory,
+    offload,
     pipeline,
     ssm,
     tensor_parallel,
@@ -46,6 +47,7 @@ __all__ = [
     "fields_read",
     "layers",
     "memory",
+    "offload",
     "pipeline",
     "reads",
     "ssm",
