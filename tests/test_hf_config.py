@@ -604,7 +604,6 @@ def test_a_qwen3_5_multimodal_config_reads_its_text_model():
     "model_type, why",
     [
         ("jamba", "Mamba-1"),
-        ("falcon_h1", "attention and a Mamba-2 mixer in parallel"),
         ("kimi_linear", "Kimi Delta Attention"),
     ],
 )
@@ -612,6 +611,55 @@ def test_hybrids_a_model_spec_cannot_describe_are_refused_by_name(model_type, wh
     config = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64}
     with pytest.raises(SpecError, match=f"{model_type!r}.*is not read: .*{why}"):
         ModelSpec.from_hf_config(config, seq_len=128)
+
+
+# ---- Falcon-H1: attention and Mamba-2 in parallel in each layer ---------------------------------
+_SMALL_FALCON_H1 = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=384,
+    mamba_d_ssm=512,
+    mamba_n_heads=8,
+    mamba_n_groups=2,
+    mamba_d_state=32,
+    mamba_chunk_size=64,
+    max_position_embeddings=64,
+)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # the released layout: no gated norm, d_inner from mamba_d_ssm, untied
+        dict(mamba_rms_norm=True, mamba_d_ssm=None, mamba_expand=2, head_dim=48),
+        dict(tie_word_embeddings=True, mamba_conv_bias=False),
+    ],
+)
+def test_falcon_h1_counts_match_the_model_transformers_builds(extra):
+    """FalconH1ForCausalLM on the meta device from the same config: every layer one norm,
+    attention and a Mamba-2 mixer side by side (``P-``), the gated norm only with
+    mamba_rms_norm, d_inner from mamba_d_ssm or mamba_expand x hidden, the attention's head_dim
+    where the config gives one. Exact: a ModelSpec leaves nothing of it out."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.FalconH1Config(**{**_SMALL_FALCON_H1, **extra})
+    with torch.device("meta"):
+        model = transformers.FalconH1ForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == "P-" * 3 and spec.mamba.d_inner == 512
+    assert spec.mamba.gated_norm == bool(extra.get("mamba_rms_norm"))
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_falcon_h1_shapes_it_cannot_describe_are_refused():
+    config = {"model_type": "falcon_h1", **_SMALL_FALCON_H1}
+    with pytest.raises(SpecError, match="mamba_proj_bias True and projectors_bias False differ"):
+        ModelSpec.from_hf_config({**config, "mamba_proj_bias": True})
+    with pytest.raises(SpecError, match="mamba_n_heads 8 x mamba_d_head 32 = 256 is not"):
+        ModelSpec.from_hf_config({**config, "mamba_d_head": 32})
 
 
 def test_the_granite_4_h_small_catalog_entry_counts_as_transformers_builds():

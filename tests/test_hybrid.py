@@ -20,6 +20,7 @@ import pytest
 from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.model_spec import unbuilt, unpriced
+from autosearch.core.runtime import RUNTIMES
 from cost_models import AnalyticCostModel
 from cost_models.terms import ssm
 
@@ -344,3 +345,107 @@ def test_a_hybrids_moe_layer_is_its_own_megatron_layer_for_the_host_floor():
     attached = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
     attached.kind_terms[("mlp", "moe")]._own_layer = False
     assert own.estimate(s).step_time_s > attached.estimate(s).step_time_s
+
+
+# ---- attention and Mamba-2 in parallel (Falcon-H1) ---------------------------------------------
+def _parallel(pattern: str = "P-" * 44, *, mamba: bool = True) -> ModelSpec:
+    """Falcon-H1 7B's shape (transformers' FalconH1Config table: 44 layers, h 3072, 12 heads of
+    128 and 2 key/value heads, 24 Mamba heads of 128, d_state 256), one group of B and C."""
+    mixer = dict(n_heads=24, head_dim=128, d_state=256, n_groups=1, gated_norm=False)
+    return ModelSpec.from_dict(
+        dict(
+            name="parallel-hybrid",
+            n_layers=pattern.count("-"),
+            hidden_size=3072,
+            n_heads=12,
+            n_kv_heads=2,
+            head_dim=128,
+            ffn_hidden_size=12288,
+            ffn_activation="swiglu",
+            vocab_size=130048,
+            seq_len=8192,
+            layer_pattern=pattern,
+            mamba=mixer if mamba else None,
+        )
+    )
+
+
+# a runtime that declares the parallel layer: no preset does yet (the Engine does not build it,
+# Megatron-Core's pattern has no symbol for it)
+PARALLEL_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"],
+    supports=RUNTIMES["megatron-core"].supports + ("parallel_hybrid",),
+)
+
+
+def test_a_parallel_block_counts_both_mixers_under_one_norm():
+    """A ``P-`` block: one norm, the attention's and the Mamba-2 mixer's parameters, the MLP;
+    FLOPs: both mixers' GEMMs, the attention core and the scan (Megatron-LM's counts of each)."""
+    m = _parallel()
+    attention_only = _parallel("*-" * 44, mamba=False)
+    mamba = m.mamba
+    assert m.n_params - attention_only.n_params == 44 * mamba.params(m.hidden_size)
+    assert mamba.params(3072) == 3072 * (2 * 3072 + 2 * 256 + 24) + 3072 * 3072 + 3584 * 5 + 72
+    extra = 44 * (2 * mamba.matmul_params(3072) + mamba.scan_flops_per_token)
+    assert m.flops_per_token(training=False) == attention_only.flops_per_token(training=False) + (
+        extra
+    )
+    assert unpriced(m) == [] and any("in parallel (P)" in what for what in unbuilt(m))
+
+
+def test_no_runtime_preset_trains_a_parallel_block_and_says_so():
+    for runtime in ("torch", "torchtitan", "megatron-core", "automodel"):
+        with pytest.raises(SpecError, match=r"attention and Mamba-2 in parallel.*no runtime"):
+            AnalyticCostModel(_parallel(), CLUSTER, runtime=runtime)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        f"dp=32,{BASE}",
+        f"dp=16,pp=2,{BASE}",
+        f"dp=32,recompute=full,{BASE}",
+        f"dp=16,cp=2,{BASE}",
+    ],
+)
+def test_a_parallel_block_is_its_attention_block_plus_a_mamba_branch(strategy):
+    """What the ``P`` part adds to an attention block is a Mamba-2 sublayer less what the branch
+    shares with the attention (its norm, residual, launches and saved input: ssm's docstring):
+    a little less than what an ``M`` layer adds to a block without a mixer, and more than
+    nothing; memory likewise (equal under full recompute: the chunk states of the layer in
+    flight)."""
+    s = Strategy.parse(strategy)
+
+    def estimate(pattern, mamba=True):
+        model = _parallel(pattern, mamba=mamba)
+        return AnalyticCostModel(model, CLUSTER, runtime=PARALLEL_RUNTIME).estimate(s)
+
+    parallel, attention = estimate("P-" * 44), estimate("*-" * 44, mamba=False)
+    mamba, none = estimate("M-" * 44), estimate("-" * 44, mamba=False)
+    added, alone = (
+        parallel.step_time_s - attention.step_time_s,
+        mamba.step_time_s - none.step_time_s,
+    )
+    assert 0.8 * alone < added < alone
+    if s.cp == 1:  # under cp the attention's ring exchange and the branch's all-to-alls add up
+        assert added == pytest.approx(alone, rel=0.1)
+    kept = parallel.memory.activations_bytes - attention.memory.activations_bytes
+    assert 0 < kept <= mamba.memory.activations_bytes - none.memory.activations_bytes
+
+
+def test_parallel_part_reads_what_it_declares():
+    from test_terms import CASES, fields_each_reads, undeclared_and_unread
+
+    cm = AnalyticCostModel(_parallel(), CLUSTER, runtime=PARALLEL_RUNTIME)
+    read = fields_each_reads(lambda s, x: ssm.parallel_mamba_part(x, cm._context), CASES)
+    undeclared, _ = undeclared_and_unread(ssm.parallel_mamba_part.READS, read)
+    assert not undeclared
+
+
+def test_megatron_export_refuses_a_parallel_block():
+    from autosearch.export import export
+
+    out = export(Strategy(dp=1, global_batch_size=1), to="megatron", model=_parallel(),
+                 allow_unsupported=True)  # fmt: skip
+    refused = dict(out.refused)
+    assert "no symbol for attention and Mamba-2 in parallel" in refused["layer_pattern"]

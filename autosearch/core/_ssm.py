@@ -48,6 +48,9 @@ class MambaSpec:
         chunk_size: tokens per chunk of the scan (``chunk_size``, 128).
         conv_bias: the conv1d has a bias (``use_conv_bias``).
         proj_bias: the in / out projections have biases (``use_bias``).
+        gated_norm: the output goes through the gated RMSNorm (its d_inner weights) before
+            out_proj (Megatron-Core and Nemotron-H always; Falcon-H1 where ``mamba_rms_norm``,
+            else z gates y without a norm: ``FalconH1Mixer``).
     """
 
     n_heads: int
@@ -58,6 +61,7 @@ class MambaSpec:
     chunk_size: int = 128
     conv_bias: bool = True
     proj_bias: bool = False
+    gated_norm: bool = True
 
     def check(self) -> "MambaSpec":
         """This spec, or a SpecError naming every problem and what to do about it."""
@@ -74,7 +78,7 @@ class MambaSpec:
                 positive_int(getattr(self, name), f"mamba.{name}", maximum=limit)
             except SpecError as exc:
                 p.append(str(exc))
-        for name in ("conv_bias", "proj_bias"):
+        for name in ("conv_bias", "proj_bias", "gated_norm"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"mamba.{name} must be true or false, got {getattr(self, name)!r}")
         if not p and self.n_heads % self.n_groups:
@@ -111,7 +115,8 @@ class MambaSpec:
         and D (one per head), the gated RMSNorm's weight (d_inner) and projection biases."""
         conv = self.conv_dim * (self.conv_kernel + int(self.conv_bias))
         bias = (self.in_proj_width + hidden) if self.proj_bias else 0
-        return conv + 3 * self.n_heads + self.d_inner + bias
+        norm = self.d_inner if self.gated_norm else 0
+        return conv + 3 * self.n_heads + norm + bias
 
     def params(self, hidden: int) -> int:
         """All parameters of the mixer (its layer's pre-norm apart)."""

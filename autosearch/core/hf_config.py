@@ -37,11 +37,16 @@ qwen3_5_moe_text                       (``gdn``, `GatedDeltaNetSpec`) or gated a
                                        with one shared expert (Qwen3-Next: ``decoder_sparse_step``
                                        and ``mlp_only_layers`` place them; Qwen3.5-MoE: every
                                        layer)
+falcon_h1                              Falcon-H1: every layer attention and Mamba-2 in parallel
+                                       (``P-``: ``attention+mamba``, `layers`), a SwiGLU MLP;
+                                       ``mamba`` with d_inner ``mamba_d_ssm`` (or
+                                       ``mamba_expand`` x hidden) and the gated norm where
+                                       ``mamba_rms_norm``
 =====================================  =======================================================
 
 Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``jamba`` (Mamba-1 layers),
-``falcon_h1`` (attention and Mamba-2 in parallel in one layer), ``kimi_linear`` (Kimi Delta
-Attention).
+``kimi_linear`` (Kimi Delta Attention). Falcon-H1's muP multipliers (``*_multiplier``,
+``mlp_multipliers``, ``ssm_multipliers``) scale activations and change no shape: not read.
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
 kv_h per layer, under 0.1% of Qwen2-7B), Qwen3's and Gemma 3's q/k norms and Gemma 2/3's extra
@@ -108,7 +113,7 @@ MOE_FAMILIES = (
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
 # layer patterns of Mamba-2, attention and MLP layers
-HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1")
 # Gated DeltaNet and gated attention layers, every full_attention_interval-th layer attention
 # (transformers Qwen3NextConfig; Qwen3.5's text models: Qwen3_5TextConfig, Qwen3_5MoeTextConfig)
 QWEN_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -128,11 +133,6 @@ UNREAD_HYBRIDS = {
         "its SSM layers are Mamba-1 (a selective scan over a diagonal state per channel, "
         "d_inner x d_state, with x_proj and dt_proj), not the Mamba-2 SSD mixer the cost model "
         "prices"
-    ),
-    "falcon_h1": (
-        "each layer runs attention and a Mamba-2 mixer in parallel on the same input and sums "
-        "them (FalconH1DecoderLayer), which one mixer per layer in Megatron's hybrid pattern "
-        "cannot say"
     ),
     "kimi_linear": (
         "its linear-attention layers are Kimi Delta Attention (per-channel gated delta rule "
@@ -178,6 +178,7 @@ READ_KEYS = frozenset(
         "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
         "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+        "mamba_d_ssm", "mamba_rms_norm", "projectors_bias", "mlp_bias",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -422,6 +423,8 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _nemotron_h_fields(cfg, need, label)
     if model_type == "granitemoehybrid":
         return _granite_hybrid_fields(cfg, need, label)
+    if model_type == "falcon_h1":
+        return _falcon_h1_fields(cfg, need, label)
     if model_type in QWEN_NEXT_FAMILIES:
         return _qwen_next_fields(cfg, model_type, need, label)
     fields = dict(
@@ -811,6 +814,68 @@ def _granite_hybrid_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str
             shared_ffn_hidden_size=shared,
             router="softmax",  # GraniteMoeHybridTopKRouter: softmax over the top-k logits
         )
+    return fields
+
+
+def _falcon_h1_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Falcon-H1 (transformers ``FalconH1Config``, ``FalconH1DecoderLayer``): every layer one
+    RMSNorm, then ``FalconH1Attention`` and ``FalconH1Mixer`` (Mamba-2) on the same input, their
+    outputs summed, then a SwiGLU MLP (``P-`` in the layer pattern). The mixer's d_inner is
+    ``mamba_d_ssm``, or ``mamba_expand`` x hidden where that is null, in ``mamba_n_heads``
+    heads of ``mamba_d_head`` ("auto": d_inner / heads, ``FalconH1Config.__post_init__``); its
+    gated RMSNorm exists where ``mamba_rms_norm``; ``mamba_proj_bias`` biases in_proj and
+    ``projectors_bias`` out_proj. The attention's head size is the config's ``head_dim`` where
+    given, else hidden / heads (``FalconH1Attention``)."""
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released: false)")
+    in_bias, out_bias = bool(cfg.get("mamba_proj_bias")), bool(cfg.get("projectors_bias"))
+    if in_bias != out_bias:
+        raise SpecError(
+            f"{label!r}: mamba_proj_bias {in_bias} and projectors_bias {out_bias} differ; a "
+            "Mamba-2 mixer here has biases on both its projections or on neither (the "
+            "released Falcon-H1: neither)"
+        )
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not falcon_h1's SwiGLU")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    d_inner = cfg.get("mamba_d_ssm") or need("mamba_expand") * hidden
+    heads = need("mamba_n_heads")
+    d_head = cfg.get("mamba_d_head")
+    if d_head in (None, "auto"):
+        d_head = d_inner // heads
+    if d_head * heads != d_inner:  # FalconH1Config.validate_architecture
+        raise SpecError(
+            f"{label!r}: mamba_n_heads {heads} x mamba_d_head {d_head} = {heads * d_head} is "
+            f"not the Mamba-2 width mamba_d_ssm {d_inner}; give heads and a head size whose "
+            "product is the width"
+        )
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="P-" * n_layers,
+        mamba=dict(
+            n_heads=heads,
+            head_dim=d_head,
+            d_state=need("mamba_d_state"),
+            n_groups=need("mamba_n_groups"),
+            conv_kernel=need("mamba_d_conv"),
+            chunk_size=need("mamba_chunk_size"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+            proj_bias=in_bias,
+            gated_norm=_flag(cfg, "mamba_rms_norm", False, label),
+        ),
+    )
+    head_dim = _count(cfg, "head_dim", label)
+    if head_dim is not None:
+        fields["head_dim"] = head_dim
     return fields
 
 

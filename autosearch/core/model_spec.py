@@ -35,7 +35,7 @@ from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
 from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.errors import SpecError
-from autosearch.core.layers import Layer, parse_pattern, pattern_of
+from autosearch.core.layers import ATTENDING, Layer, parse_pattern, pattern_of
 
 FFN_ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu2")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # three matrices: act(x W1) * (x W3), then W2
@@ -89,12 +89,13 @@ class ModelSpec:
             copy under pp). Priced only under a runtime that trains it (`RuntimeOptions.mtp`);
             0: none.
         layer_pattern: the blocks in Megatron-Core's hybrid layer pattern (`layers`: ``*``
-            attention, ``M`` Mamba-2, ``G`` Gated DeltaNet, ``-`` dense MLP, ``E`` mixture of
-            experts; ``*-*E*E`` is a dense layer then two MoE layers), one block per layer:
-            which MLPs are MoE and which mixers are not attention. None: every block is
+            attention, ``M`` Mamba-2, ``G`` Gated DeltaNet, ``P`` attention and Mamba-2 in
+            parallel, ``-`` dense MLP, ``E`` mixture of experts; ``*-*E*E`` is a dense layer
+            then two MoE layers), one block per layer: which MLPs are MoE and which mixers are
+            not attention. None: every block is
             attention with the MLP `moe` says (`moe.first_dense_layers`, `moe.layer_step`).
-        mamba: the Mamba-2 mixer of the ``M`` blocks (`MambaSpec`), or None for a model
-            without them.
+        mamba: the Mamba-2 mixer of the ``M`` blocks and of the ``P`` blocks' Mamba-2 part
+            (`MambaSpec`), or None for a model without them.
         gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
         attention_output_gate: the attention output is multiplied by sigmoid(x W_g) before
             the output projection, W_g an h x (heads x head_dim) projection beside Q's (Qwen3-Next
@@ -256,7 +257,7 @@ class ModelSpec:
                 f"{self.n_layers}; give one block per layer"
             )
         for name, symbol, what in _MIXER_SPECS:
-            has = any(mixer == name for mixer, _ in blocks)
+            has = any(name in _SPECS_OF.get(mixer, ()) for mixer, _ in blocks)
             if has and getattr(self, name) is None:
                 problems.append(
                     f"layer_pattern has {what} mixers ({symbol}) but the model has no {name} "
@@ -450,7 +451,7 @@ class ModelSpec:
                 ("attention", "moe" if moe else "dense") for moe in self._moe_flags_from_fields()
             )
         return tuple(
-            Layer(mixer, mlp, keys[i] if mixer == "attention" else None)
+            Layer(mixer, mlp, keys[i] if mixer in ATTENDING else None)
             for i, (mixer, mlp) in enumerate(blocks)
         )
 
@@ -527,6 +528,9 @@ class ModelSpec:
             spec = getattr(self, mixer)
             assert spec is not None  # __post_init__ checks
             return spec.params(h) + self._mlp_norm
+        if mixer == "attention+mamba":  # one pre-norm, both mixers (FalconH1DecoderLayer)
+            assert self.mamba is not None  # __post_init__ checks
+            return self._mixer_params("attention") + self.mamba.params(h)
         return 0
 
     @property
@@ -560,6 +564,8 @@ class ModelSpec:
             mixer = self.attention_matmul_params
         elif layer.mixer in ("mamba", "gdn"):
             mixer = getattr(self, layer.mixer).matmul_params(self.hidden_size)
+        elif layer.mixer == "attention+mamba":
+            mixer = self.attention_matmul_params + self.mamba.matmul_params(self.hidden_size)  # type: ignore[union-attr]
         else:
             mixer = 0
         if layer.mlp == "dense":
@@ -580,7 +586,7 @@ class ModelSpec:
     @functools.cached_property
     def _attended_keys(self) -> int:
         """Keys the queries of all attention blocks attend to, summed over the blocks."""
-        return sum(layer.keys or 0 for layer in self.layers if layer.mixer == "attention")
+        return sum(layer.keys or 0 for layer in self.layers if layer.mixer in ATTENDING)
 
     def _blocks_sum(self, per_kind: "Any") -> int:
         """Sum of `per_kind(layer)` over the blocks, once per kind of block."""
@@ -671,12 +677,14 @@ class ModelSpec:
         last = self.block_matmul_params(self.layers[-1])  # an MTP module's block
         matmuls += self.mtp_layers * (last + 2 * h * h + self.vocab_size * h)
         gemms = 2 * matmuls + 2 * self.vocab_size * h
-        last_keys = keys[-1] if self.layers[-1].mixer == "attention" else 0
+        last_keys = keys[-1] if self.layers[-1].mixer in ATTENDING else 0
         attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
         for name in ("mamba", "gdn"):  # the scans (Megatron-LM / Megatron-Bridge counts)
             spec = getattr(self, name)
             if spec is not None:
-                n_blocks = sum(n for layer, n in self._kind_counts if layer.mixer == name)
+                n_blocks = sum(
+                    n for layer, n in self._kind_counts if name in _SPECS_OF.get(layer.mixer, ())
+                )
                 attention += n_blocks * spec.scan_flops_per_token
         if training and self.lora is not None:
             # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
@@ -830,6 +838,8 @@ class ModelSpec:
         for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
             if out[name] is None:
                 del out[name]
+        if self.mamba is not None and self.mamba.gated_norm:  # files as before the field
+            del out["mamba"]["gated_norm"]
         if not self.attention_output_gate:
             del out["attention_output_gate"]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
@@ -873,6 +883,8 @@ def _in_units(n: int) -> str:
 
 # the state-space and linear-attention mixers: (field, pattern symbol, name)
 _MIXER_SPECS = (("mamba", "M", "Mamba-2"), ("gdn", "G", "Gated DeltaNet"))
+# the specs each mixer of the layer pattern is described by
+_SPECS_OF = {"mamba": ("mamba",), "gdn": ("gdn",), "attention+mamba": ("mamba",)}
 _MIXER_FIELDS = {
     "mamba": "n_heads, head_dim, d_state, n_groups",
     "gdn": "n_k_heads, n_v_heads, head_k_dim, head_v_dim",
@@ -886,7 +898,13 @@ def unpriced(model: ModelSpec) -> list[str]:
     prices attention, Mamba-2 and Gated DeltaNet mixers, dense and MoE MLPs, and blocks with
     either alone (`cost_models.terms.layers`, `cost_models.terms.ssm`): nothing of a model's
     layers is left unpriced today; a new kind of block is refused here until its term exists."""
-    priced = ("Mamba-2", "Gated DeltaNet", "blocks without a mixer", "blocks without an MLP")
+    priced = (
+        "Mamba-2",
+        "Gated DeltaNet",
+        "attention and Mamba-2",
+        "blocks without a mixer",
+        "blocks without an MLP",
+    )
     return [
         f"{what} ({model.pattern[:40]})"
         for what in _other_blocks(model)
@@ -899,11 +917,12 @@ def _other_blocks(model: ModelSpec) -> list[str]:
     names = {
         "mamba": "Mamba-2 mixers (M)",
         "gdn": "Gated DeltaNet mixers (G)",
+        "attention+mamba": "attention and Mamba-2 mixers in parallel (P)",
         "none": "blocks without a mixer (an MLP alone)",
     }
     out = []
     kinds = {layer.kind for layer in model.layers}
-    for mixer in ("mamba", "gdn", "none"):
+    for mixer in ("mamba", "gdn", "attention+mamba", "none"):
         if any(k[0] == mixer for k in kinds):
             out.append(names[mixer])
     if any(k[0] != "none" and k[1] == "none" for k in kinds):

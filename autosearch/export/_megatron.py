@@ -848,6 +848,16 @@ def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
         m.set("mamba", "no Mamba-2 layers")
         return flags
     # MambaModel
+    if any(layer.mixer == "attention+mamba" for layer in blocks):
+        why = (
+            "MambaModel's hybrid pattern has no symbol for attention and Mamba-2 in parallel in "
+            "one layer (megatron-core 0.16 Symbols: M * - E; Falcon-H1's FalconH1DecoderLayer), "
+            "and M* would be two layers with two norms and residuals"
+        )
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+        m.set("mamba", "see layer_pattern")
+        m.set("gdn", "no Gated DeltaNet layers")
+        return flags
     if model.gdn is not None:
         why = (
             "MambaModel's hybrid pattern has no Gated DeltaNet symbol (megatron-core 0.16 "

@@ -30,6 +30,7 @@ KINDS: "dict[tuple[str, str], Callable[..., layers.KindTerm]]" = {
     ("mlp", "moe"): experts.MoELayers,
     ("mixer", "mamba"): ssm.MambaMixers,
     ("mixer", "gdn"): ssm.GatedDeltaNetMixers,
+    ("mixer", "attention+mamba"): ssm.ParallelMambaMixers,
     ("mixer", "none"): ssm.NoMixer,
     ("mlp", "none"): ssm.NoMLP,
 }

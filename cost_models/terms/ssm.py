@@ -24,6 +24,20 @@ C, dt) and the scan output, and recomputes the conv and the chunk states in back
 chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
 computed. Selective recompute (the attention core) repeats nothing of a Mamba layer; full
 recompute repeats its forward.
+
+A parallel block (Falcon-H1's ``FalconH1DecoderLayer``, ``P``: one pre-norm, then attention and
+a Mamba-2 mixer on the same normed input, their outputs scaled and summed, one residual add) is
+the attention block plus a Mamba-2 branch: the Mamba sublayer above less what the branch shares
+with the attention, namely the pre-norm, the residual add (the branch sum, read two and write
+one unsharded as each tp rank adds its two partial outputs, stands for it), the four launches
+of a sublayer but the sum's one, and the saved input both branches' first linears read. Under
+tp both branches are column- then row-parallel on the same input, so they share the attention's
+f (one all-gather / all-reduce of the input in backward) and their partial outputs are summed
+before its g (Shoeybi et al. 2019, sec. 3: f and g around each parallel pair of linears): no
+collective added. Under cp the Mamba branch's all-to-alls come on top of the attention's ring
+exchange. Falcon-H1's per-branch multipliers (``attention_in_multiplier``,
+``ssm_out_multiplier`` ...) are scalars a trainer folds into the weights or fuses with the
+sum; they are not priced.
 """
 
 from __future__ import annotations
@@ -335,6 +349,40 @@ def mamba_cp_fwd_s(s: "Strategy", ctx: Context) -> float:
     return sum(all_to_all_s(ctx, tokens * w * ab, cp, t) for w in widths)
 
 
+def _parallel_mamba(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Mamba-2 branch of a parallel block (module docstring): the Mamba sublayer less the
+    pre-norm, residual, launches and saved input it shares with the attention beside it, plus
+    the sum of the two branches."""
+    sub = _mamba(s, ctx)
+    x = layer_shape(s, ctx)
+    prof, h = ctx.profile, ctx.model.hidden_size
+    branch_sum = elementwise_s(ctx, x)(3 * x.T * h * x.ab)  # partial outputs, before g
+    shared = (
+        (_SUBLAYER_LAUNCHES - 1) * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) - branch_sum
+    )
+    fwd, bwd = sub.fwd_s - shared, sub.bwd_s - 2.0 * shared
+    saved = sub.activation_bytes - _sublayer_input_bytes(s, ctx)
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+@reads(*_PART_READS, "recompute")
+def parallel_mamba_part(s: "Strategy", ctx: Context) -> Part:
+    """A Mamba-2 mixer beside the attention in one layer (``P``): the attention sublayer is the
+    base block's, this part adds the Mamba branch; no tensor-parallel collective added (the
+    branches share f and g); under cp the branch's all-to-alls (`mamba_cp_fwd_s`) on top of the
+    attention's ring exchange."""
+    new = _parallel_mamba(s, ctx)
+    return Part(
+        new.fwd_s,
+        new.bwd_s,
+        0.0,
+        _recompute_of(s, new),
+        _kept(s, ctx, new),
+        _params(ctx, Layer("attention+mamba", "dense"), s.tp),
+        mamba_cp_fwd_s(s, ctx) if s.cp > 1 else 0.0,
+    )
+
+
 @reads(*_PART_READS, "recompute")
 def gdn_part(s: "Strategy", ctx: Context) -> Part:
     """A Gated DeltaNet mixer in place of the attention sublayer: the same pair of
@@ -477,6 +525,16 @@ def delta_state_bytes(s: "Strategy", ctx: Context) -> float:
     chunks = -(-ctx.model.seq_len // (s.cp * gdn.chunk_size))
     per_chunk = gdn.n_v_heads / s.tp * gdn.head_k_dim * gdn.head_v_dim * 4
     return s.micro_batch_size * chunks * per_chunk
+
+
+class ParallelMambaMixers(_PartBlocks):
+    """Blocks whose mixer is attention and Mamba-2 in parallel (``P``)."""
+
+    PART = ("mixer", "attention+mamba")
+    TERM = parallel_mamba_part
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        return chunk_state_bytes(s, self._ctx)
 
 
 class GatedDeltaNetMixers(_PartBlocks):
