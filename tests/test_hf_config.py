@@ -603,7 +603,6 @@ def test_a_qwen3_5_multimodal_config_reads_its_text_model():
 @pytest.mark.parametrize(
     "model_type, why",
     [
-        ("jamba", "Mamba-1"),
         ("kimi_linear", "Kimi Delta Attention"),
     ],
 )
@@ -660,6 +659,59 @@ def test_falcon_h1_shapes_it_cannot_describe_are_refused():
         ModelSpec.from_hf_config({**config, "mamba_proj_bias": True})
     with pytest.raises(SpecError, match="mamba_n_heads 8 x mamba_d_head 32 = 256 is not"):
         ModelSpec.from_hf_config({**config, "mamba_d_head": 32})
+
+
+# ---- Jamba: Mamba-1, attention and MoE layers ---------------------------------------------------
+_SMALL_JAMBA = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    num_experts=4,
+    num_experts_per_tok=2,
+    attn_layer_period=4,
+    attn_layer_offset=2,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    max_position_embeddings=64,
+)
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ({}, "S-SE*-SES-SE*-SE"),
+        (
+            dict(
+                mamba_dt_rank=12, mamba_d_state=8, mamba_proj_bias=True, tie_word_embeddings=True
+            ),
+            "S-SE*-SES-SE*-SE",
+        ),
+        (dict(num_experts=1), "S-S-*-S-" * 2),  # one expert: a dense MLP (JambaMLP)
+    ],
+)
+def test_jamba_counts_match_the_model_transformers_builds(extra, pattern):
+    """JambaForCausalLM on the meta device from the same config: Mamba-1 mixers (in_proj,
+    conv1d, x_proj, dt_proj, A_log, D, out_proj and the dt / B / C norms), attention every
+    attn_layer_period-th layer, experts every expert_layer_period-th; exact."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.JambaConfig(**{**_SMALL_JAMBA, **extra})
+    with torch.device("meta"):
+        model = transformers.JambaForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == pattern and spec.mamba1.d_inner == 256
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_jamba_v0_1_has_its_published_size():
+    """JambaConfig's defaults are Jamba v0.1's shape (AI21's model card: 52B parameters, 12B
+    active): 51.6 B and 12.1 B."""
+    spec = ModelSpec.from_hf_config({"model_type": "jamba"}, seq_len=4096)
+    assert (spec.n_params, spec.n_active_params) == (51_570_323_328, 12_110_311_296)
+    assert spec.mamba1.dt_rank == 256  # "auto": ceil(4096 / 16)
 
 
 def test_the_granite_4_h_small_catalog_entry_counts_as_transformers_builds():

@@ -449,3 +449,94 @@ def test_megatron_export_refuses_a_parallel_block():
                  allow_unsupported=True)  # fmt: skip
     refused = dict(out.refused)
     assert "no symbol for attention and Mamba-2 in parallel" in refused["layer_pattern"]
+
+
+# ---- Mamba-1 (Jamba) --------------------------------------------------------------------------
+def _jamba() -> ModelSpec:
+    """Jamba v0.1's shape (JambaConfig's defaults: 32 layers, h 4096, attention every 8th,
+    experts every 2nd, Mamba-1 d_inner 8192, d_state 16, dt_rank 256)."""
+    return ModelSpec.from_hf_config({"model_type": "jamba"}, seq_len=8192, name="jamba")
+
+
+MAMBA1_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"], supports=RUNTIMES["megatron-core"].supports + ("mamba1",)
+)
+
+
+def test_a_mamba1_mixer_counts_its_projections_and_scan():
+    """Jamba v0.1's mixer: in_proj 4096 x 16,384, x_proj 8192 x (256 + 32), dt_proj 256 x
+    8192 with its bias, out_proj, the conv1d (4 taps and a bias), A_log 8192 x 16, D and the
+    dt / B / C norms; the scan's FLOPs 9 per channel and state channel."""
+    from autosearch.core._ssm import Mamba1Spec
+
+    spec = Mamba1Spec(d_inner=8192, d_state=16, dt_rank=256)
+    matmuls = 4096 * 16_384 + 8192 * 288 + 256 * 8192 + 8192 * 4096
+    assert spec.matmul_params(4096) == matmuls
+    assert spec.other_params(4096) == 8192 * 5 + 8192 + 8192 * 16 + 8192 + 288
+    assert spec.scan_flops_per_token == 9 * 8192 * 16
+    m = _jamba()
+    assert any("Mamba-1" in what for what in unbuilt(m)) and unpriced(m) == []
+
+
+def test_no_runtime_preset_trains_mamba1_and_says_so():
+    for runtime in ("torch", "megatron-core", "automodel"):
+        with pytest.raises(SpecError, match=r"does not train Mamba-1 mixers.*no runtime"):
+            AnalyticCostModel(_jamba(), CLUSTER, runtime=runtime)
+
+
+def test_the_selective_scan_is_priced_memory_bound():
+    """At d_state 16 the fused scan moves its inputs and outputs through HBM and keeps the state
+    in SRAM (Gu & Dao 2023, sec. 3.3.2): its time is its bytes at the profile's bandwidth, not
+    its FLOPs at the fp32 peak."""
+    m = _jamba()
+    spec = m.mamba1
+    fwd_bytes, _ = spec.scan_bytes_per_token(2)
+    peak = CLUSTER.profile.peak_flops["fp32"]
+    bandwidth = CLUSTER.profile.stream_bandwidth_bytes_per_s(8192 * fwd_bytes)  # one sequence
+    assert fwd_bytes / bandwidth > spec.scan_flops_per_token / peak
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        f"dp=16,tp=2,ep=8,sequence_parallel=true,{BASE}",
+        f"dp=8,tp=2,pp=2,ep=8,{BASE}",
+        f"dp=32,ep=8,recompute=full,{BASE}",
+    ],
+)
+def test_jamba_is_priced_under_a_runtime_that_declares_mamba1(strategy):
+    """Jamba against the same model with attention in place of its Mamba-1 mixers (28 of 32
+    layers): at 8,192 tokens their model FLOPs are within 1% (the Mamba-1 projections, 2.5x
+    the attention's, against the attention core), and the step time follows the FLOPs, a
+    little slower (the memory-bound scan, conv and norms cost more per FLOP than GEMMs): within
+    10%, the tolerance of a structural check, not a calibrated figure."""
+    s = Strategy.parse(strategy)
+    m = _jamba()
+    r = AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME).estimate(s)
+    attention = dataclasses.replace(m, layer_pattern=m.pattern.replace("S", "*"), mamba1=None)
+    dense = AnalyticCostModel(attention, CLUSTER, runtime=MAMBA1_RUNTIME).estimate(s)
+    flops = m.flops_per_token() / attention.flops_per_token()
+    assert 0.2 < r.mfu < 0.65
+    assert flops < r.step_time_s / dense.step_time_s < 1.1 * flops
+    AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME).balanced_split(s)
+
+
+def test_mamba1_rules_and_part_reads():
+    from test_terms import CASES, fields_each_reads, undeclared_and_unread
+
+    m = _jamba()
+    with pytest.raises(SpecError, match="cp=2 with Mamba-1 layers is not priced"):
+        Strategy.parse(f"dp=16,cp=2,{BASE}").validate(m, CLUSTER)
+    cm = AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME)
+    read = fields_each_reads(lambda s, x: ssm.mamba1_part(x, cm._context), CASES)
+    undeclared, _ = undeclared_and_unread(ssm.mamba1_part.READS, read)
+    assert not undeclared
+
+
+def test_exports_refuse_mamba1():
+    from autosearch.export import export
+
+    for to in ("megatron", "torchtitan", "deepspeed"):
+        out = export(Strategy(dp=1, global_batch_size=1), to=to, model=_jamba(),
+                     allow_unsupported=True)  # fmt: skip
+        assert "mamba1" in dict(out.refused), to

@@ -42,11 +42,18 @@ falcon_h1                              Falcon-H1: every layer attention and Mamb
                                        ``mamba`` with d_inner ``mamba_d_ssm`` (or
                                        ``mamba_expand`` x hidden) and the gated norm where
                                        ``mamba_rms_norm``
+jamba                                  Jamba: every ``attn_layer_period``-th layer attention
+                                       (from ``attn_layer_offset``), the others Mamba-1
+                                       (``mamba1``, `Mamba1Spec`: ``S``), every
+                                       ``expert_layer_period``-th MLP a MoE (softmax top-k, no
+                                       shared expert), the others SwiGLU
 =====================================  =======================================================
 
-Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``jamba`` (Mamba-1 layers),
-``kimi_linear`` (Kimi Delta Attention). Falcon-H1's muP multipliers (``*_multiplier``,
-``mlp_multipliers``, ``ssm_multipliers``) scale activations and change no shape: not read.
+Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``kimi_linear`` (Kimi Delta
+Attention). Jamba's attention has no positional encoding; a ModelSpec's attention is rotary,
+which adds no parameter (the cost model prices its elementwise pass, an upper bound).
+Falcon-H1's muP multipliers (``*_multiplier``, ``mlp_multipliers``, ``ssm_multipliers``) scale
+activations and change no shape: not read.
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
 kv_h per layer, under 0.1% of Qwen2-7B), Qwen3's and Gemma 3's q/k norms and Gemma 2/3's extra
@@ -86,6 +93,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -113,7 +121,7 @@ MOE_FAMILIES = (
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
 # layer patterns of Mamba-2, attention and MLP layers
-HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1")
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "jamba")
 # Gated DeltaNet and gated attention layers, every full_attention_interval-th layer attention
 # (transformers Qwen3NextConfig; Qwen3.5's text models: Qwen3_5TextConfig, Qwen3_5MoeTextConfig)
 QWEN_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -129,11 +137,6 @@ SUPPORTED = (
 # Hybrid families transformers has and a ModelSpec cannot describe yet, with why: refused by
 # name rather than read as something else.
 UNREAD_HYBRIDS = {
-    "jamba": (
-        "its SSM layers are Mamba-1 (a selective scan over a diagonal state per channel, "
-        "d_inner x d_state, with x_proj and dt_proj), not the Mamba-2 SSD mixer the cost model "
-        "prices"
-    ),
     "kimi_linear": (
         "its linear-attention layers are Kimi Delta Attention (per-channel gated delta rule "
         "with its own projections) beside MLA layers, a mixer the cost model has no term for"
@@ -178,7 +181,8 @@ READ_KEYS = frozenset(
         "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
         "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
-        "mamba_d_ssm", "mamba_rms_norm", "projectors_bias", "mlp_bias",
+        "mamba_d_ssm", "mamba_rms_norm", "projectors_bias", "mlp_bias", "mamba_dt_rank",
+        "attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -425,6 +429,8 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _granite_hybrid_fields(cfg, need, label)
     if model_type == "falcon_h1":
         return _falcon_h1_fields(cfg, need, label)
+    if model_type == "jamba":
+        return _jamba_fields(cfg, need, label)
     if model_type in QWEN_NEXT_FAMILIES:
         return _qwen_next_fields(cfg, model_type, need, label)
     fields = dict(
@@ -876,6 +882,78 @@ def _falcon_h1_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any
     head_dim = _count(cfg, "head_dim", label)
     if head_dim is not None:
         fields["head_dim"] = head_dim
+    return fields
+
+
+def _jamba_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Jamba (transformers ``JambaConfig``): layer i is attention where i % attn_layer_period
+    == attn_layer_offset, else a Mamba-1 mixer (``JambaMambaMixer``: d_inner = mamba_expand x
+    hidden, dt_rank "auto" = ceil(hidden / 16), RMSNorms on dt, B and C); its MLP is a MoE of
+    ``num_experts`` SwiGLU experts of ``intermediate_size`` (``JambaSparseMoeBlock``: softmax
+    top-k, no shared expert) where i % expert_layer_period == expert_layer_offset, else a
+    SwiGLU MLP of the same width (``layers_block_type``, ``layers_num_experts``)."""
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not jamba's SwiGLU")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    periods = {
+        key: need(key)
+        for key in (
+            "attn_layer_period",
+            "attn_layer_offset",
+            "expert_layer_period",
+            "expert_layer_offset",
+        )
+    }
+    for kind in ("attn", "expert"):
+        period, offset = periods[f"{kind}_layer_period"], periods[f"{kind}_layer_offset"]
+        if not (isinstance(period, int) and isinstance(offset, int) and 0 <= offset < period):
+            raise SpecError(
+                f"{label!r}: {kind}_layer_offset {offset!r} must be an integer below "
+                f"{kind}_layer_period {period!r} (JambaConfig.validate_architecture)"
+            )
+    experts = need("num_experts")
+    mixers = [
+        "*" if i % periods["attn_layer_period"] == periods["attn_layer_offset"] else "S"
+        for i in range(n_layers)
+    ]
+    mlps = [
+        "E"
+        if experts > 1 and i % periods["expert_layer_period"] == periods["expert_layer_offset"]
+        else "-"
+        for i in range(n_layers)
+    ]
+    dt_rank = need("mamba_dt_rank")
+    if dt_rank == "auto":  # JambaConfig.__post_init__
+        dt_rank = math.ceil(hidden / 16)
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="".join(a + b for a, b in zip(mixers, mlps)),
+        mamba1=dict(
+            d_inner=need("mamba_expand") * hidden,
+            d_state=need("mamba_d_state"),
+            dt_rank=dt_rank,
+            conv_kernel=need("mamba_d_conv"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+            proj_bias=_flag(cfg, "mamba_proj_bias", False, label),
+        ),
+    )
+    if "E" in mlps:
+        fields["moe"] = dict(
+            n_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("intermediate_size"),
+            router="softmax",  # JambaTopKRouter: softmax, top-k not renormalised
+        )
+    if "S" not in mixers:
+        del fields["mamba1"]
     return fields
 
 

@@ -19,6 +19,8 @@ symbol   Megatron layer                                 here
          layer, their outputs summed (Falcon-H1;
          autosearch's symbol: Megatron's pattern has
          none, one mixer per Megatron layer)
+``S``    Mamba-1 (selective scan; autosearch's symbol:  mixer ``mamba1``
+         Megatron-Core has no Mamba-1 layer)
 ``-``    dense MLP                                      mlp ``dense``
 ``E``    mixture-of-experts MLP                         mlp ``moe``
 =======  ============================================  =====================
@@ -41,12 +43,12 @@ from dataclasses import dataclass
 
 from autosearch.core.errors import SpecError
 
-MIXERS = {"*": "attention", "M": "mamba", "G": "gdn", "P": "attention+mamba"}
+MIXERS = {"*": "attention", "M": "mamba", "G": "gdn", "P": "attention+mamba", "S": "mamba1"}
 MLPS = {"-": "dense", "E": "moe"}
 _SYMBOL = {v: k for k, v in {**MIXERS, **MLPS}.items()}
 SYMBOLS = (
-    "* attention, M Mamba-2, G Gated DeltaNet, P attention and Mamba-2 in parallel, - dense "
-    "MLP, E mixture of experts"
+    "* attention, M Mamba-2, G Gated DeltaNet, P attention and Mamba-2 in parallel, S Mamba-1, "
+    "- dense MLP, E mixture of experts"
 )
 # mixers that attend (their keys are the sequence or its window) and those with a Mamba-2 part
 ATTENDING = ("attention", "attention+mamba")
@@ -59,8 +61,8 @@ class Layer:
 
     Args:
         mixer: ``attention`` (multi-head, grouped-query or latent, as the model's attention
-            fields say), ``mamba``, ``gdn``, ``attention+mamba`` (both on the same normed
-            input, outputs summed: Falcon-H1's ``FalconH1DecoderLayer``) or ``none``.
+            fields say), ``mamba``, ``gdn``, ``mamba1``, ``attention+mamba`` (both on the same
+            normed input, outputs summed: Falcon-H1's ``FalconH1DecoderLayer``) or ``none``.
         mlp: ``dense``, ``moe`` or ``none``.
         keys: keys a query of an attending mixer (`ATTENDING`) attends to at most (the
             sequence length, or its sliding window); None for other mixers.

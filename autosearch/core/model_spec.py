@@ -33,7 +33,7 @@ import yaml
 from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
 from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
-from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
+from autosearch.core._ssm import GatedDeltaNetSpec, Mamba1Spec, MambaSpec
 from autosearch.core.errors import SpecError
 from autosearch.core.layers import ATTENDING, Layer, parse_pattern, pattern_of
 
@@ -97,6 +97,7 @@ class ModelSpec:
         mamba: the Mamba-2 mixer of the ``M`` blocks and of the ``P`` blocks' Mamba-2 part
             (`MambaSpec`), or None for a model without them.
         gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
+        mamba1: the Mamba-1 mixer of the ``S`` blocks (`Mamba1Spec`: Jamba's), or None.
         attention_output_gate: the attention output is multiplied by sigmoid(x W_g) before
             the output projection, W_g an h x (heads x head_dim) projection beside Q's (Qwen3-Next
             and Qwen3.5: Hugging Face ``Qwen3NextAttention.q_proj`` is twice the query width;
@@ -130,6 +131,7 @@ class ModelSpec:
     mamba: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
     attention_output_gate: bool = False
+    mamba1: Mamba1Spec | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -222,7 +224,7 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
-            for mixer in (self.mamba, self.gdn):
+            for mixer in (self.mamba, self.gdn, self.mamba1):
                 if mixer is not None:
                     try:
                         mixer.check()
@@ -358,6 +360,7 @@ class ModelSpec:
             ("lora", LoraSpec),
             ("mamba", MambaSpec),
             ("gdn", GatedDeltaNetSpec),
+            ("mamba1", Mamba1Spec),
         )
         for name, kind in nested:
             value = getattr(self, name)
@@ -524,7 +527,7 @@ class ModelSpec:
         h = self.hidden_size
         if mixer == "attention":
             return self.attention_matmul_params + self._norm_and_bias_params - self._mlp_norm
-        if mixer in ("mamba", "gdn"):
+        if mixer in ("mamba", "gdn", "mamba1"):
             spec = getattr(self, mixer)
             assert spec is not None  # __post_init__ checks
             return spec.params(h) + self._mlp_norm
@@ -562,7 +565,7 @@ class ModelSpec:
         and shared experts."""
         if layer.mixer == "attention":
             mixer = self.attention_matmul_params
-        elif layer.mixer in ("mamba", "gdn"):
+        elif layer.mixer in ("mamba", "gdn", "mamba1"):
             mixer = getattr(self, layer.mixer).matmul_params(self.hidden_size)
         elif layer.mixer == "attention+mamba":
             mixer = self.attention_matmul_params + self.mamba.matmul_params(self.hidden_size)  # type: ignore[union-attr]
@@ -679,7 +682,8 @@ class ModelSpec:
         gemms = 2 * matmuls + 2 * self.vocab_size * h
         last_keys = keys[-1] if self.layers[-1].mixer in ATTENDING else 0
         attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
-        for name in ("mamba", "gdn"):  # the scans (Megatron-LM / Megatron-Bridge counts)
+        # the scans (Megatron-LM / Megatron-Bridge counts; Mamba-1's `Mamba1Spec`)
+        for name in ("mamba", "gdn", "mamba1"):
             spec = getattr(self, name)
             if spec is not None:
                 n_blocks = sum(
@@ -740,6 +744,8 @@ class ModelSpec:
             kwargs["mamba"] = MambaSpec.from_value(kwargs["mamba"], what=what)
         if kwargs.get("gdn") is not None:
             kwargs["gdn"] = GatedDeltaNetSpec.from_value(kwargs["gdn"], what=what)
+        if kwargs.get("mamba1") is not None:
+            kwargs["mamba1"] = Mamba1Spec.from_value(kwargs["mamba1"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -759,6 +765,7 @@ class ModelSpec:
             ("mla", MLASpec),
             ("mamba", MambaSpec),
             ("gdn", GatedDeltaNetSpec),
+            ("mamba1", Mamba1Spec),
         ):
             if fields.get(key) is not None:
                 fields[key] = kind(**fields[key])
@@ -835,7 +842,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
+        for name in ("layer_pattern", "mamba", "gdn", "mamba1"):  # files as before the fields
             if out[name] is None:
                 del out[name]
         if self.mamba is not None and self.mamba.gated_norm:  # files as before the field
@@ -882,12 +889,22 @@ def _in_units(n: int) -> str:
 
 
 # the state-space and linear-attention mixers: (field, pattern symbol, name)
-_MIXER_SPECS = (("mamba", "M", "Mamba-2"), ("gdn", "G", "Gated DeltaNet"))
+_MIXER_SPECS = (
+    ("mamba", "M", "Mamba-2"),
+    ("gdn", "G", "Gated DeltaNet"),
+    ("mamba1", "S", "Mamba-1"),
+)
 # the specs each mixer of the layer pattern is described by
-_SPECS_OF = {"mamba": ("mamba",), "gdn": ("gdn",), "attention+mamba": ("mamba",)}
+_SPECS_OF = {
+    "mamba": ("mamba",),
+    "gdn": ("gdn",),
+    "attention+mamba": ("mamba",),
+    "mamba1": ("mamba1",),
+}
 _MIXER_FIELDS = {
     "mamba": "n_heads, head_dim, d_state, n_groups",
     "gdn": "n_k_heads, n_v_heads, head_k_dim, head_v_dim",
+    "mamba1": "d_inner, d_state, dt_rank",
 }
 
 
@@ -902,6 +919,7 @@ def unpriced(model: ModelSpec) -> list[str]:
         "Mamba-2",
         "Gated DeltaNet",
         "attention and Mamba-2",
+        "Mamba-1",
         "blocks without a mixer",
         "blocks without an MLP",
     )
@@ -918,11 +936,12 @@ def _other_blocks(model: ModelSpec) -> list[str]:
         "mamba": "Mamba-2 mixers (M)",
         "gdn": "Gated DeltaNet mixers (G)",
         "attention+mamba": "attention and Mamba-2 mixers in parallel (P)",
+        "mamba1": "Mamba-1 mixers (S)",
         "none": "blocks without a mixer (an MLP alone)",
     }
     out = []
     kinds = {layer.kind for layer in model.layers}
-    for mixer in ("mamba", "gdn", "attention+mamba", "none"):
+    for mixer in ("mamba", "gdn", "attention+mamba", "mamba1", "none"):
         if any(k[0] == mixer for k in kinds):
             out.append(names[mixer])
     if any(k[0] != "none" and k[1] == "none" for k in kinds):

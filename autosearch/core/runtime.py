@@ -29,6 +29,7 @@ MODEL_FEATURES = {
     "mamba": "Mamba-2 mixers (M in the layer pattern)",
     "gdn": "Gated DeltaNet mixers (G in the layer pattern)",
     "parallel_hybrid": "attention and Mamba-2 in parallel in one layer (P in the layer pattern)",
+    "mamba1": "Mamba-1 mixers (S in the layer pattern)",
 }
 # the feature a runtime needs to train each mixer that is not attention (its name otherwise)
 _FEATURE_OF_MIXER = {"attention+mamba": "parallel_hybrid"}

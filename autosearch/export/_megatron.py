@@ -819,6 +819,16 @@ def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
     ``linear_*`` fields; megatron-core 0.16's hybrid pattern has no symbol for it."""
     flags: list[str] = []
     blocks = model.layers
+    m.set("mamba1", "no Mamba-1 layers")
+    if model.mamba1 is not None:
+        why = (
+            "megatron-core has no Mamba-1 layer (its MambaMixer is Mamba-2's SSD; megatron-core "
+            "0.16 Symbols: M * - E)"
+        )
+        m.refuse("mamba1", why)
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+        m.set(("mamba", "gdn"), "see layer_pattern")
+        return flags
     if program_of(model) == GPT_PROGRAM:
         gdn = model.gdn
         if gdn is None:
