@@ -600,16 +600,12 @@ def test_a_qwen3_5_multimodal_config_reads_its_text_model():
     assert ModelSpec.from_hf_config(outer, name="q") == ModelSpec.from_hf_config(text, name="q")
 
 
-@pytest.mark.parametrize(
-    "model_type, why",
-    [
-        ("kimi_linear", "Kimi Delta Attention"),
-    ],
-)
-def test_hybrids_a_model_spec_cannot_describe_are_refused_by_name(model_type, why):
-    config = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64}
-    with pytest.raises(SpecError, match=f"{model_type!r}.*is not read: .*{why}"):
-        ModelSpec.from_hf_config(config, seq_len=128)
+def test_no_hybrid_transformers_has_is_refused_by_name_any_more():
+    """Jamba, Falcon-H1 and Kimi Linear, once refused by name (`UNREAD_HYBRIDS`), are read."""
+    from autosearch.core.hf_config import SUPPORTED, UNREAD_HYBRIDS
+
+    assert not UNREAD_HYBRIDS
+    assert {"jamba", "falcon_h1", "kimi_linear"} <= set(SUPPORTED)
 
 
 # ---- Falcon-H1: attention and Mamba-2 in parallel in each layer ---------------------------------
@@ -712,6 +708,80 @@ def test_jamba_v0_1_has_its_published_size():
     spec = ModelSpec.from_hf_config({"model_type": "jamba"}, seq_len=4096)
     assert (spec.n_params, spec.n_active_params) == (51_570_323_328, 12_110_311_296)
     assert spec.mamba1.dt_rank == 256  # "auto": ceil(4096 / 16)
+
+
+# ---- Kimi Linear: Kimi Delta Attention and MLA layers, MoE --------------------------------------
+_SMALL_KIMI = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# the checkpoint's form: the linear attention's shape and layers (1-indexed) in one mapping
+_KDA_CONFIG = dict(
+    head_dim=32,
+    num_heads=2,
+    short_conv_kernel_size=3,
+    full_attn_layers=[3, 6],
+    kda_layers=[1, 2, 4, 5],
+)
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ({}, "G-GEGEGE*EGE"),  # MLA every 4th layer from the 5th, the first MLP dense
+        (
+            dict(
+                q_lora_rank=24, n_shared_experts=1, mlp_layer_types=["dense"] * 2 + ["sparse"] * 4
+            ),
+            "G-G-GEGE*EGE",
+        ),
+        (dict(linear_attn_config=_KDA_CONFIG), "G-GE*EGEGE*E"),
+    ],
+)
+def test_kimi_linear_counts_match_the_model_transformers_builds(extra, pattern):
+    """KimiLinearForCausalLM on the meta device from the same config (and from its dict, as a
+    checkpoint's config.json gives it): Kimi Delta Attention (q, k, v, the conv1d, b_proj, the
+    low-rank gate and decay, dt_bias per channel, A_log per head, the gated norm, o_proj), MLA,
+    the dense and MoE MLPs with the shared expert n_shared_experts times as wide; exact."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.KimiLinearConfig(**{**_SMALL_KIMI, **extra})
+    with torch.device("meta"):
+        model = transformers.KimiLinearForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key
+        spec = ModelSpec.from_hf_config(config)
+        raw = ModelSpec.from_hf_config({"model_type": "kimi_linear", **_SMALL_KIMI, **extra})
+    assert spec.pattern == raw.pattern == pattern
+    assert spec.gdn.gate_rank == spec.gdn.head_v_dim and spec.mla is not None
+    assert spec.n_params == raw.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_kimi_linear_48b_a3b_defaults_have_its_published_size():
+    """KimiLinearConfig's defaults (transformers documents them against
+    moonshotai/Kimi-Linear-48B-A3B-Instruct; the MLA layers where its __post_init__ puts them
+    without a checkpoint's list): 49.1 B parameters and 3.5 B active with the embeddings,
+    Moonshot's "48B total, 3B activated"."""
+    spec = ModelSpec.from_hf_config({"model_type": "kimi_linear"}, seq_len=4096)
+    assert (spec.n_params, spec.n_active_params) == (49_133_074_464, 3_494_852_640)
 
 
 def test_the_granite_4_h_small_catalog_entry_counts_as_transformers_builds():

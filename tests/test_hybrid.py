@@ -540,3 +540,50 @@ def test_exports_refuse_mamba1():
         out = export(Strategy(dp=1, global_batch_size=1), to=to, model=_jamba(),
                      allow_unsupported=True)  # fmt: skip
         assert "mamba1" in dict(out.refused), to
+
+
+# ---- Kimi Delta Attention (Kimi Linear) --------------------------------------------------------
+def _kimi() -> ModelSpec:
+    """KimiLinearConfig's defaults (Kimi-Linear-48B-A3B's shape) at 8,192 tokens."""
+    return ModelSpec.from_hf_config({"model_type": "kimi_linear"}, seq_len=8192, name="kimi")
+
+
+KDA_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"], supports=RUNTIMES["megatron-core"].supports + ("kda",)
+)
+
+
+def test_a_kda_mixer_counts_its_low_rank_gates():
+    """Kimi Delta Attention (h 2304, 32 heads of 128): q, k, v, b and the gate's and decay's
+    down-projections from h (3 x 4096 + 32 + 2 x 128 outputs), their up-projections (128 ->
+    4096 each), o_proj; the conv1d, dt_bias per channel, A_log per head and the gated norm."""
+    gdn = GatedDeltaNetSpec(n_k_heads=32, n_v_heads=32, gate_rank=128)
+    assert gdn.in_proj_width == 3 * 4096 + 32 + 256
+    assert gdn.matmul_params(2304) == 2304 * (3 * 4096 + 32 + 256) + 2 * 128 * 4096 + 4096 * 2304
+    assert gdn.other_params(2304) == 3 * 4096 * 4 + 128 + 4096 + 32
+    m = _kimi()
+    assert m.gdn == gdn and unpriced(m) == []
+
+
+def test_kda_is_not_priced_as_gated_deltanet():
+    """megatron-core trains Gated DeltaNet, not KDA: Kimi Linear is refused under it (and the
+    Megatron export refuses its gdn field) rather than priced as a layer it cannot build."""
+    from autosearch.export import export
+
+    with pytest.raises(SpecError, match=r"does not train Kimi Delta Attention.*no runtime"):
+        AnalyticCostModel(_kimi(), CLUSTER, runtime=RUNTIME)
+    out = export(Strategy(dp=1, global_batch_size=1), to="megatron", model=_kimi(),
+                 allow_unsupported=True)  # fmt: skip
+    assert "Kimi Delta Attention" in dict(out.refused)["gdn"]
+
+
+def test_kimi_linear_is_priced_under_a_runtime_that_declares_kda():
+    """Priced as Gated DeltaNet layers with their low-rank gate GEMMs, MLA layers and experts
+    over ep: against its attention-only twin (MLA everywhere) at 8,192 tokens, a shorter
+    step."""
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    m = _kimi()
+    r = AnalyticCostModel(m, CLUSTER, runtime=KDA_RUNTIME).estimate(s)
+    mla = dataclasses.replace(m, layer_pattern=m.pattern.replace("G", "*"), gdn=None)
+    dense = AnalyticCostModel(mla, CLUSTER, runtime=KDA_RUNTIME).estimate(s)
+    assert r.step_time_s < dense.step_time_s and 0.05 < r.mfu < 0.65

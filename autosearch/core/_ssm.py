@@ -239,6 +239,12 @@ class GatedDeltaNetSpec:
         head_v_dim: channels of a value head (``linear_value_head_dim``).
         conv_kernel: taps of the causal conv1d (``linear_conv_kernel_dim``, 4).
         chunk_size: tokens per chunk of the scan (flash-linear-attention's 64).
+        gate_rank: Kimi Delta Attention (Kimi Team 2025, "Kimi Linear"; transformers
+            ``KimiLinearDeltaAttention``): the decay is per channel, not per head, and both it
+            and the output gate come through low-rank projections h -> gate_rank -> value_dim
+            (``f_a_proj`` / ``f_b_proj``, ``g_a_proj`` / ``g_b_proj``; gate_rank is the head
+            size), with a dt_bias per channel and A_log per head; None: Gated DeltaNet's full
+            z projection and one decay per head. The chunked delta rule has the same products.
     """
 
     n_k_heads: int
@@ -247,6 +253,7 @@ class GatedDeltaNetSpec:
     head_v_dim: int = 128
     conv_kernel: int = 4
     chunk_size: int = 64
+    gate_rank: int | None = None
 
     def check(self) -> "GatedDeltaNetSpec":
         p: list[str] = []
@@ -257,7 +264,10 @@ class GatedDeltaNetSpec:
             ("head_v_dim", _WIDTH),
             ("conv_kernel", 1 << 10),
             ("chunk_size", 1 << 20),
+            ("gate_rank", _WIDTH),
         ):
+            if name == "gate_rank" and self.gate_rank is None:
+                continue
             try:
                 positive_int(getattr(self, name), f"gdn.{name}", maximum=limit)
             except SpecError as exc:
@@ -286,16 +296,31 @@ class GatedDeltaNetSpec:
 
     @property
     def in_proj_width(self) -> int:
-        """Outputs of in_proj_qkvz and in_proj_ba: q, k, v, z, then b and a."""
+        """Outputs of the projections from h: Gated DeltaNet's in_proj_qkvz and in_proj_ba (q,
+        k, v, z, then b and a); Kimi Delta Attention's q, k, v, b and the two low-rank
+        down-projections of the gate and the decay."""
+        if self.gate_rank is not None:
+            return 2 * self.key_dim + self.value_dim + self.n_v_heads + 2 * self.gate_rank
         return 2 * self.key_dim + 2 * self.value_dim + 2 * self.n_v_heads
 
+    @property
+    def gate_up_width(self) -> int:
+        """Outputs of Kimi Delta Attention's low-rank up-projections (gate and decay, value_dim
+        each, from gate_rank); 0 for Gated DeltaNet."""
+        return 0 if self.gate_rank is None else 2 * self.value_dim
+
     def matmul_params(self, hidden: int) -> int:
-        """Weights of the in and out projections."""
-        return hidden * self.in_proj_width + self.value_dim * hidden
+        """Weights of the in and out projections (and KDA's low-rank up-projections)."""
+        up = self.gate_up_width * (self.gate_rank or 0)
+        return hidden * self.in_proj_width + up + self.value_dim * hidden
 
     def other_params(self, hidden: int) -> int:
-        """The conv1d (no bias), dt_bias and A_log (one per value head), the gated norm."""
-        return self.conv_dim * self.conv_kernel + 2 * self.n_v_heads + self.head_v_dim
+        """The conv1d (no bias), dt_bias and A_log (one per value head; KDA: dt_bias per
+        channel), the gated norm."""
+        conv = self.conv_dim * self.conv_kernel + self.head_v_dim
+        if self.gate_rank is not None:
+            return conv + self.value_dim + self.n_v_heads
+        return conv + 2 * self.n_v_heads
 
     def params(self, hidden: int) -> int:
         """All parameters of the mixer (its layer's pre-norm apart)."""

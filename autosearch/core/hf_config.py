@@ -47,10 +47,14 @@ jamba                                  Jamba: every ``attn_layer_period``-th lay
                                        (``mamba1``, `Mamba1Spec`: ``S``), every
                                        ``expert_layer_period``-th MLP a MoE (softmax top-k, no
                                        shared expert), the others SwiGLU
+kimi_linear                            Kimi Linear: ``layer_types`` (or the checkpoint's
+                                       ``linear_attn_config``) Kimi Delta Attention (``gdn``
+                                       with ``gate_rank``) or MLA (``mla``); the first
+                                       ``first_k_dense_replace`` MLPs SwiGLU, the others MoE
+                                       (sigmoid router, expert bias, a shared expert)
 =====================================  =======================================================
 
-Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``kimi_linear`` (Kimi Delta
-Attention). Jamba's attention has no positional encoding; a ModelSpec's attention is rotary,
+Jamba's attention has no positional encoding; a ModelSpec's attention is rotary,
 which adds no parameter (the cost model prices its elementwise pass, an upper bound).
 Falcon-H1's muP multipliers (``*_multiplier``, ``mlp_multipliers``, ``ssm_multipliers``) scale
 activations and change no shape: not read.
@@ -121,7 +125,7 @@ MOE_FAMILIES = (
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
 # layer patterns of Mamba-2, attention and MLP layers
-HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "jamba")
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "kimi_linear")
 # Gated DeltaNet and gated attention layers, every full_attention_interval-th layer attention
 # (transformers Qwen3NextConfig; Qwen3.5's text models: Qwen3_5TextConfig, Qwen3_5MoeTextConfig)
 QWEN_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -136,12 +140,7 @@ SUPPORTED = (
 )
 # Hybrid families transformers has and a ModelSpec cannot describe yet, with why: refused by
 # name rather than read as something else.
-UNREAD_HYBRIDS = {
-    "kimi_linear": (
-        "its linear-attention layers are Kimi Delta Attention (per-channel gated delta rule "
-        "with its own projections) beside MLA layers, a mixer the cost model has no term for"
-    ),
-}
+UNREAD_HYBRIDS: dict[str, str] = {}
 # Hugging Face's names of Nemotron-H's layers -> Megatron's hybrid symbols
 # (transformers NemotronHConfig._list_to_pattern)
 NEMOTRON_H_SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*",
@@ -183,6 +182,8 @@ READ_KEYS = frozenset(
         "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
         "mamba_d_ssm", "mamba_rms_norm", "projectors_bias", "mlp_bias", "mamba_dt_rank",
         "attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset",
+        "linear_head_dim", "linear_num_heads", "mlp_layer_types", "num_experts_per_token",
+        "num_shared_experts", "model_max_length",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -203,6 +204,8 @@ UNDECLARED_KEYS = frozenset(
         # attention_bias field), Qwen3-MoE (Qwen3MoeConfig none for max_window_layers);
         # tests/data/hf_configs holds each
         "ep_size", "initial_context_length", "for_llm_compressor", "attention_bias",
+        # KimiLinearConfig.__post_init__ reads these from its kwargs (the checkpoint's keys)
+        "linear_attn_config",
         "max_window_layers",
     }
 )  # fmt: skip
@@ -360,7 +363,10 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
     config = _Config(cfg, model_type, label, near_misses=_check_keys(raw, cfg, label))
     fields = _read(config, model_type, label)
     if seq_len is None:
-        seq_len = config.need("max_position_embeddings", "n_positions", "n_ctx")
+        # model_max_length: kimi_linear's field for max_position_embeddings (its alias)
+        seq_len = config.need(
+            "max_position_embeddings", "n_positions", "n_ctx", "model_max_length"
+        )
         if isinstance(seq_len, int) and seq_len > LONG_SEQ_LEN:
             warnings.warn(
                 f"{label!r}: the training sequence length is the config's maximum positions, "
@@ -431,6 +437,8 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _falcon_h1_fields(cfg, need, label)
     if model_type == "jamba":
         return _jamba_fields(cfg, need, label)
+    if model_type == "kimi_linear":
+        return _kimi_linear_fields(cfg, need, label)
     if model_type in QWEN_NEXT_FAMILIES:
         return _qwen_next_fields(cfg, model_type, need, label)
     fields = dict(
@@ -954,6 +962,107 @@ def _jamba_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
         )
     if "S" not in mixers:
         del fields["mamba1"]
+    return fields
+
+
+def _kimi_linear_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Kimi Linear (transformers ``KimiLinearConfig``, ``KimiLinearDecoderLayer``): each layer
+    Kimi Delta Attention (``KimiLinearDeltaAttention``: `GatedDeltaNetSpec` with ``gate_rank``
+    = the head size) or MLA (``KimiLinearAttention``), each with a SwiGLU MLP of
+    ``intermediate_size`` (``mlp_layer_types`` dense; by default the first
+    ``first_k_dense_replace``, 1) or a MoE (``KimiLinearMoE``: ``num_local_experts`` of
+    ``moe_intermediate_size``, sigmoid router with ``e_score_correction_bias``, one shared
+    MLP ``n_shared_experts`` times as wide). The checkpoint gives the linear attention's shape
+    and layers in ``linear_attn_config`` (``head_dim``, ``num_heads``,
+    ``short_conv_kernel_size``, 1-indexed ``full_attn_layers`` / ``kda_layers``), which
+    ``__post_init__`` reads before the defaults (every 4th layer from layer 4 MLA)."""
+    nested = cfg.get("linear_attn_config") or {}
+    if not isinstance(nested, Mapping):
+        raise SpecError(f"{label!r}: linear_attn_config must be a mapping, got {nested!r}")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    listed = cfg.get("layer_types")
+    if not listed and "full_attn_layers" in nested and "kda_layers" in nested:
+        listed = [None] * n_layers
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "kda")):
+            for i in nested[key]:
+                if not (isinstance(i, int) and 1 <= i <= n_layers):
+                    raise SpecError(
+                        f"{label!r}: linear_attn_config.{key} names layer {i!r}; layers are "
+                        f"numbered 1 to {n_layers}"
+                    )
+                listed[i - 1] = kind
+    if not listed:
+        listed = [
+            "full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)
+        ]
+    mixers = {"full_attention": "*", "linear_attention": "G", "kda": "G"}
+    unknown = sorted({str(k) for k in listed} - set(mixers))
+    if unknown or len(listed) != n_layers:
+        raise SpecError(
+            f"{label!r}: layer_types must give full_attention or linear_attention for each of "
+            f"the {n_layers} layers; got {len(listed)} entries"
+            + (f" naming {', '.join(unknown)}" if unknown else "")
+        )
+    mlp_types = cfg.get("mlp_layer_types")
+    if not mlp_types:
+        dense = cfg.get("first_k_dense_replace", 1)
+        mlp_types = ["dense" if i < dense else "sparse" for i in range(n_layers)]
+    mlps = {"dense": "-", "sparse": "E"}
+    if sorted({str(k) for k in mlp_types} - set(mlps)) or len(mlp_types) != n_layers:
+        raise SpecError(
+            f"{label!r}: mlp_layer_types must give dense or sparse for each of the {n_layers} "
+            f"layers, got {mlp_types!r}"
+        )
+    for key in ("attention_bias",):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released: false)")
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not kimi_linear's SwiGLU")
+    heads = nested.get("num_heads") or need("linear_num_heads")
+    head_dim = nested.get("head_dim") or need("linear_head_dim")
+    pattern = "".join(mixers[k] + mlps[t] for k, t in zip(listed, mlp_types))
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern=pattern,
+        gdn=dict(
+            n_k_heads=heads,
+            n_v_heads=heads,
+            head_k_dim=head_dim,
+            head_v_dim=head_dim,
+            conv_kernel=nested.get("short_conv_kernel_size") or need("linear_conv_kernel_dim"),
+            gate_rank=head_dim,  # f_a_proj, g_a_proj: hidden -> head_dim
+        ),
+        mla=dict(
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        ),
+    )
+    if "E" in pattern:
+        moe_width = need("moe_intermediate_size")
+        shared = cfg.get("num_shared_experts") or 0  # n_shared_experts (an alias)
+        fields["moe"] = dict(
+            n_experts=need("num_experts"),  # num_local_experts in the checkpoint (an alias)
+            top_k=need("num_experts_per_token"),
+            ffn_hidden_size=moe_width,
+            n_shared_experts=1 if shared else 0,  # one MLP n_shared_experts times as wide
+            shared_ffn_hidden_size=moe_width * shared if shared else None,
+            router="sigmoid",  # KimiLinearTopkRouter: sigmoid scores + e_score_correction_bias
+            load_balancing="aux_loss_free",
+        )
+    if "G" not in pattern:
+        del fields["gdn"]
+    if "*" not in pattern:
+        del fields["mla"]
     return fields
 
 

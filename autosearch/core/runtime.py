@@ -30,6 +30,7 @@ MODEL_FEATURES = {
     "gdn": "Gated DeltaNet mixers (G in the layer pattern)",
     "parallel_hybrid": "attention and Mamba-2 in parallel in one layer (P in the layer pattern)",
     "mamba1": "Mamba-1 mixers (S in the layer pattern)",
+    "kda": "Kimi Delta Attention mixers (G with gdn.gate_rank)",
 }
 # the feature a runtime needs to train each mixer that is not attention (its name otherwise)
 _FEATURE_OF_MIXER = {"attention+mamba": "parallel_hybrid"}
@@ -325,6 +326,8 @@ class RuntimeOptions:
         """The kinds of block of `model` this runtime does not train (`MODEL_FEATURES`), each
         as a message naming the runtimes that do."""
         mixers = {_FEATURE_OF_MIXER.get(layer.mixer, layer.mixer) for layer in model.layers}
+        if "gdn" in mixers and model.gdn is not None and model.gdn.gate_rank is not None:
+            mixers = (mixers - {"gdn"}) | {"kda"}  # not Gated DeltaNet's layer: its own kind
         needed = [f for f in MODEL_FEATURES if f in mixers]
         out = []
         for feature in needed:

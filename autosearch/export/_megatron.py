@@ -833,6 +833,13 @@ def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
         gdn = model.gdn
         if gdn is None:
             m.set("layer_pattern", "attention + MLP layers (--moe-layer-freq places the experts)")
+        elif gdn.gate_rank is not None:
+            why = (
+                "megatron-core 0.16's GatedDeltaNet has one decay per head and a full output-"
+                "gate projection; Kimi Delta Attention's per-channel low-rank gates are not in it"
+            )
+            m.refuse("gdn", why)
+            m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
         else:
             which = tuple(layer.mixer == "gdn" for layer in blocks)
             flags += [

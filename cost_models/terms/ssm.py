@@ -322,6 +322,8 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, gdn.value_dim / t, peak, key
     )
+    if gdn.gate_rank is not None:  # Kimi Delta Attention's low-rank gate and decay
+        gemms += gemm.time_s(T, gdn.gate_up_width / t, gdn.gate_rank, peak, key)
     scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
         x.peak * attention_efficiency(ctx, x.precision)
     )
