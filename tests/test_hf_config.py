@@ -600,18 +600,188 @@ def test_a_qwen3_5_multimodal_config_reads_its_text_model():
     assert ModelSpec.from_hf_config(outer, name="q") == ModelSpec.from_hf_config(text, name="q")
 
 
+def test_no_hybrid_transformers_has_is_refused_by_name_any_more():
+    """Jamba, Falcon-H1 and Kimi Linear, once refused by name (`UNREAD_HYBRIDS`), are read."""
+    from autosearch.core.hf_config import SUPPORTED, UNREAD_HYBRIDS
+
+    assert not UNREAD_HYBRIDS
+    assert {"jamba", "falcon_h1", "kimi_linear"} <= set(SUPPORTED)
+
+
+# ---- Falcon-H1: attention and Mamba-2 in parallel in each layer ---------------------------------
+_SMALL_FALCON_H1 = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=384,
+    mamba_d_ssm=512,
+    mamba_n_heads=8,
+    mamba_n_groups=2,
+    mamba_d_state=32,
+    mamba_chunk_size=64,
+    max_position_embeddings=64,
+)
+
+
 @pytest.mark.parametrize(
-    "model_type, why",
+    "extra",
     [
-        ("jamba", "Mamba-1"),
-        ("falcon_h1", "attention and a Mamba-2 mixer in parallel"),
-        ("kimi_linear", "Kimi Delta Attention"),
+        {},  # the released layout: no gated norm, d_inner from mamba_d_ssm, untied
+        dict(mamba_rms_norm=True, mamba_d_ssm=None, mamba_expand=2, head_dim=48),
+        dict(tie_word_embeddings=True, mamba_conv_bias=False),
     ],
 )
-def test_hybrids_a_model_spec_cannot_describe_are_refused_by_name(model_type, why):
-    config = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64}
-    with pytest.raises(SpecError, match=f"{model_type!r}.*is not read: .*{why}"):
-        ModelSpec.from_hf_config(config, seq_len=128)
+def test_falcon_h1_counts_match_the_model_transformers_builds(extra):
+    """FalconH1ForCausalLM on the meta device from the same config: every layer one norm,
+    attention and a Mamba-2 mixer side by side (``P-``), the gated norm only with
+    mamba_rms_norm, d_inner from mamba_d_ssm or mamba_expand x hidden, the attention's head_dim
+    where the config gives one. Exact: a ModelSpec leaves nothing of it out."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.FalconH1Config(**{**_SMALL_FALCON_H1, **extra})
+    with torch.device("meta"):
+        model = transformers.FalconH1ForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == "P-" * 3 and spec.mamba.d_inner == 512
+    assert spec.mamba.gated_norm == bool(extra.get("mamba_rms_norm"))
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_falcon_h1_shapes_it_cannot_describe_are_refused():
+    config = {"model_type": "falcon_h1", **_SMALL_FALCON_H1}
+    with pytest.raises(SpecError, match="mamba_proj_bias True and projectors_bias False differ"):
+        ModelSpec.from_hf_config({**config, "mamba_proj_bias": True})
+    with pytest.raises(SpecError, match="mamba_n_heads 8 x mamba_d_head 32 = 256 is not"):
+        ModelSpec.from_hf_config({**config, "mamba_d_head": 32})
+
+
+# ---- Jamba: Mamba-1, attention and MoE layers ---------------------------------------------------
+_SMALL_JAMBA = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    num_experts=4,
+    num_experts_per_tok=2,
+    attn_layer_period=4,
+    attn_layer_offset=2,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    max_position_embeddings=64,
+)
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ({}, "S-SE*-SES-SE*-SE"),
+        (
+            dict(
+                mamba_dt_rank=12, mamba_d_state=8, mamba_proj_bias=True, tie_word_embeddings=True
+            ),
+            "S-SE*-SES-SE*-SE",
+        ),
+        (dict(num_experts=1), "S-S-*-S-" * 2),  # one expert: a dense MLP (JambaMLP)
+    ],
+)
+def test_jamba_counts_match_the_model_transformers_builds(extra, pattern):
+    """JambaForCausalLM on the meta device from the same config: Mamba-1 mixers (in_proj,
+    conv1d, x_proj, dt_proj, A_log, D, out_proj and the dt / B / C norms), attention every
+    attn_layer_period-th layer, experts every expert_layer_period-th; exact."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.JambaConfig(**{**_SMALL_JAMBA, **extra})
+    with torch.device("meta"):
+        model = transformers.JambaForCausalLM(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.pattern == pattern and spec.mamba1.d_inner == 256
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_jamba_v0_1_has_its_published_size():
+    """JambaConfig's defaults are Jamba v0.1's shape (AI21's model card: 52B parameters, 12B
+    active): 51.6 B and 12.1 B."""
+    spec = ModelSpec.from_hf_config({"model_type": "jamba"}, seq_len=4096)
+    assert (spec.n_params, spec.n_active_params) == (51_570_323_328, 12_110_311_296)
+    assert spec.mamba1.dt_rank == 256  # "auto": ceil(4096 / 16)
+
+
+# ---- Kimi Linear: Kimi Delta Attention and MLA layers, MoE --------------------------------------
+_SMALL_KIMI = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# the checkpoint's form: the linear attention's shape and layers (1-indexed) in one mapping
+_KDA_CONFIG = dict(
+    head_dim=32,
+    num_heads=2,
+    short_conv_kernel_size=3,
+    full_attn_layers=[3, 6],
+    kda_layers=[1, 2, 4, 5],
+)
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ({}, "G-GEGEGE*EGE"),  # MLA every 4th layer from the 5th, the first MLP dense
+        (
+            dict(
+                q_lora_rank=24, n_shared_experts=1, mlp_layer_types=["dense"] * 2 + ["sparse"] * 4
+            ),
+            "G-G-GEGE*EGE",
+        ),
+        (dict(linear_attn_config=_KDA_CONFIG), "G-GE*EGEGE*E"),
+    ],
+)
+def test_kimi_linear_counts_match_the_model_transformers_builds(extra, pattern):
+    """KimiLinearForCausalLM on the meta device from the same config (and from its dict, as a
+    checkpoint's config.json gives it): Kimi Delta Attention (q, k, v, the conv1d, b_proj, the
+    low-rank gate and decay, dt_bias per channel, A_log per head, the gated norm, o_proj), MLA,
+    the dense and MoE MLPs with the shared expert n_shared_experts times as wide; exact."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.KimiLinearConfig(**{**_SMALL_KIMI, **extra})
+    with torch.device("meta"):
+        model = transformers.KimiLinearForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key
+        spec = ModelSpec.from_hf_config(config)
+        raw = ModelSpec.from_hf_config({"model_type": "kimi_linear", **_SMALL_KIMI, **extra})
+    assert spec.pattern == raw.pattern == pattern
+    assert spec.gdn.gate_rank == spec.gdn.head_v_dim and spec.mla is not None
+    assert spec.n_params == raw.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_kimi_linear_48b_a3b_defaults_have_its_published_size():
+    """KimiLinearConfig's defaults (transformers documents them against
+    moonshotai/Kimi-Linear-48B-A3B-Instruct; the MLA layers where its __post_init__ puts them
+    without a checkpoint's list): 49.1 B parameters and 3.5 B active with the embeddings,
+    Moonshot's "48B total, 3B activated"."""
+    spec = ModelSpec.from_hf_config({"model_type": "kimi_linear"}, seq_len=4096)
+    assert (spec.n_params, spec.n_active_params) == (49_133_074_464, 3_494_852_640)
 
 
 def test_the_granite_4_h_small_catalog_entry_counts_as_transformers_builds():

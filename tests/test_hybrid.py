@@ -20,6 +20,7 @@ import pytest
 from autosearch import Cluster, ModelSpec, SpecError, Strategy
 from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
 from autosearch.core.model_spec import unbuilt, unpriced
+from autosearch.core.runtime import RUNTIMES
 from cost_models import AnalyticCostModel
 from cost_models.terms import ssm
 
@@ -371,3 +372,245 @@ def test_a_hybrids_moe_layer_is_its_own_megatron_layer_for_the_host_floor():
     attached = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
     attached.kind_terms[("mlp", "moe")]._own_layer = False
     assert own.estimate(s).step_time_s > attached.estimate(s).step_time_s
+
+
+# ---- attention and Mamba-2 in parallel (Falcon-H1) ---------------------------------------------
+def _parallel(pattern: str = "P-" * 44, *, mamba: bool = True) -> ModelSpec:
+    """Falcon-H1 7B's shape (transformers' FalconH1Config table: 44 layers, h 3072, 12 heads of
+    128 and 2 key/value heads, 24 Mamba heads of 128, d_state 256), one group of B and C."""
+    mixer = dict(n_heads=24, head_dim=128, d_state=256, n_groups=1, gated_norm=False)
+    return ModelSpec.from_dict(
+        dict(
+            name="parallel-hybrid",
+            n_layers=pattern.count("-"),
+            hidden_size=3072,
+            n_heads=12,
+            n_kv_heads=2,
+            head_dim=128,
+            ffn_hidden_size=12288,
+            ffn_activation="swiglu",
+            vocab_size=130048,
+            seq_len=8192,
+            layer_pattern=pattern,
+            mamba=mixer if mamba else None,
+        )
+    )
+
+
+# a runtime that declares the parallel layer: no preset does yet (the Engine does not build it,
+# Megatron-Core's pattern has no symbol for it)
+PARALLEL_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"],
+    supports=RUNTIMES["megatron-core"].supports + ("parallel_hybrid",),
+)
+
+
+def test_a_parallel_block_counts_both_mixers_under_one_norm():
+    """A ``P-`` block: one norm, the attention's and the Mamba-2 mixer's parameters, the MLP;
+    FLOPs: both mixers' GEMMs, the attention core and the scan (Megatron-LM's counts of each)."""
+    m = _parallel()
+    attention_only = _parallel("*-" * 44, mamba=False)
+    mamba = m.mamba
+    assert m.n_params - attention_only.n_params == 44 * mamba.params(m.hidden_size)
+    assert mamba.params(3072) == 3072 * (2 * 3072 + 2 * 256 + 24) + 3072 * 3072 + 3584 * 5 + 72
+    extra = 44 * (2 * mamba.matmul_params(3072) + mamba.scan_flops_per_token)
+    assert m.flops_per_token(training=False) == attention_only.flops_per_token(training=False) + (
+        extra
+    )
+    assert unpriced(m) == [] and any("in parallel (P)" in what for what in unbuilt(m))
+
+
+def test_no_runtime_preset_trains_a_parallel_block_and_says_so():
+    for runtime in ("torch", "torchtitan", "megatron-core", "automodel"):
+        with pytest.raises(SpecError, match=r"attention and Mamba-2 in parallel.*no runtime"):
+            AnalyticCostModel(_parallel(), CLUSTER, runtime=runtime)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        f"dp=32,{BASE}",
+        f"dp=16,pp=2,{BASE}",
+        f"dp=32,recompute=full,{BASE}",
+        f"dp=16,cp=2,{BASE}",
+    ],
+)
+def test_a_parallel_block_is_its_attention_block_plus_a_mamba_branch(strategy):
+    """What the ``P`` part adds to an attention block is a Mamba-2 sublayer less what the branch
+    shares with the attention (its norm, residual, launches and saved input: ssm's docstring):
+    a little less than what an ``M`` layer adds to a block without a mixer, and more than
+    nothing; memory likewise (equal under full recompute: the chunk states of the layer in
+    flight)."""
+    s = Strategy.parse(strategy)
+
+    def estimate(pattern, mamba=True):
+        model = _parallel(pattern, mamba=mamba)
+        return AnalyticCostModel(model, CLUSTER, runtime=PARALLEL_RUNTIME).estimate(s)
+
+    parallel, attention = estimate("P-" * 44), estimate("*-" * 44, mamba=False)
+    mamba, none = estimate("M-" * 44), estimate("-" * 44, mamba=False)
+    added, alone = (
+        parallel.step_time_s - attention.step_time_s,
+        mamba.step_time_s - none.step_time_s,
+    )
+    assert 0.8 * alone < added < alone
+    if s.cp == 1:  # under cp the attention's ring exchange and the branch's all-to-alls add up
+        assert added == pytest.approx(alone, rel=0.1)
+    kept = parallel.memory.activations_bytes - attention.memory.activations_bytes
+    assert 0 < kept <= mamba.memory.activations_bytes - none.memory.activations_bytes
+
+
+def test_parallel_part_reads_what_it_declares():
+    from test_terms import CASES, fields_each_reads, undeclared_and_unread
+
+    cm = AnalyticCostModel(_parallel(), CLUSTER, runtime=PARALLEL_RUNTIME)
+    read = fields_each_reads(lambda s, x: ssm.parallel_mamba_part(x, cm._context), CASES)
+    undeclared, _ = undeclared_and_unread(ssm.parallel_mamba_part.READS, read)
+    assert not undeclared
+
+
+def test_megatron_export_refuses_a_parallel_block():
+    from autosearch.export import export
+
+    out = export(Strategy(dp=1, global_batch_size=1), to="megatron", model=_parallel(),
+                 allow_unsupported=True)  # fmt: skip
+    refused = dict(out.refused)
+    assert "no symbol for attention and Mamba-2 in parallel" in refused["layer_pattern"]
+
+
+# ---- Mamba-1 (Jamba) --------------------------------------------------------------------------
+def _jamba() -> ModelSpec:
+    """Jamba v0.1's shape (JambaConfig's defaults: 32 layers, h 4096, attention every 8th,
+    experts every 2nd, Mamba-1 d_inner 8192, d_state 16, dt_rank 256)."""
+    return ModelSpec.from_hf_config({"model_type": "jamba"}, seq_len=8192, name="jamba")
+
+
+MAMBA1_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"], supports=RUNTIMES["megatron-core"].supports + ("mamba1",)
+)
+
+
+def test_a_mamba1_mixer_counts_its_projections_and_scan():
+    """Jamba v0.1's mixer: in_proj 4096 x 16,384, x_proj 8192 x (256 + 32), dt_proj 256 x
+    8192 with its bias, out_proj, the conv1d (4 taps and a bias), A_log 8192 x 16, D and the
+    dt / B / C norms; the scan's FLOPs 9 per channel and state channel."""
+    from autosearch.core._ssm import Mamba1Spec
+
+    spec = Mamba1Spec(d_inner=8192, d_state=16, dt_rank=256)
+    matmuls = 4096 * 16_384 + 8192 * 288 + 256 * 8192 + 8192 * 4096
+    assert spec.matmul_params(4096) == matmuls
+    assert spec.other_params(4096) == 8192 * 5 + 8192 + 8192 * 16 + 8192 + 288
+    assert spec.scan_flops_per_token == 9 * 8192 * 16
+    m = _jamba()
+    assert any("Mamba-1" in what for what in unbuilt(m)) and unpriced(m) == []
+
+
+def test_no_runtime_preset_trains_mamba1_and_says_so():
+    for runtime in ("torch", "megatron-core", "automodel"):
+        with pytest.raises(SpecError, match=r"does not train Mamba-1 mixers.*no runtime"):
+            AnalyticCostModel(_jamba(), CLUSTER, runtime=runtime)
+
+
+def test_the_selective_scan_is_priced_memory_bound():
+    """At d_state 16 the fused scan moves its inputs and outputs through HBM and keeps the state
+    in SRAM (Gu & Dao 2023, sec. 3.3.2): its time is its bytes at the profile's bandwidth, not
+    its FLOPs at the fp32 peak."""
+    m = _jamba()
+    spec = m.mamba1
+    fwd_bytes, _ = spec.scan_bytes_per_token(2)
+    peak = CLUSTER.profile.peak_flops["fp32"]
+    bandwidth = CLUSTER.profile.stream_bandwidth_bytes_per_s(8192 * fwd_bytes)  # one sequence
+    assert fwd_bytes / bandwidth > spec.scan_flops_per_token / peak
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        f"dp=16,tp=2,ep=8,sequence_parallel=true,{BASE}",
+        f"dp=8,tp=2,pp=2,ep=8,{BASE}",
+        f"dp=32,ep=8,recompute=full,{BASE}",
+    ],
+)
+def test_jamba_is_priced_under_a_runtime_that_declares_mamba1(strategy):
+    """Jamba against the same model with attention in place of its Mamba-1 mixers (28 of 32
+    layers): at 8,192 tokens their model FLOPs are within 1% (the Mamba-1 projections, 2.5x
+    the attention's, against the attention core), and the step time follows the FLOPs, a
+    little slower (the memory-bound scan, conv and norms cost more per FLOP than GEMMs): within
+    10%, the tolerance of a structural check, not a calibrated figure."""
+    s = Strategy.parse(strategy)
+    m = _jamba()
+    r = AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME).estimate(s)
+    attention = dataclasses.replace(m, layer_pattern=m.pattern.replace("S", "*"), mamba1=None)
+    dense = AnalyticCostModel(attention, CLUSTER, runtime=MAMBA1_RUNTIME).estimate(s)
+    flops = m.flops_per_token() / attention.flops_per_token()
+    assert 0.2 < r.mfu < 0.65
+    assert flops < r.step_time_s / dense.step_time_s < 1.1 * flops
+    AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME).balanced_split(s)
+
+
+def test_mamba1_rules_and_part_reads():
+    from test_terms import CASES, fields_each_reads, undeclared_and_unread
+
+    m = _jamba()
+    with pytest.raises(SpecError, match="cp=2 with Mamba-1 layers is not priced"):
+        Strategy.parse(f"dp=16,cp=2,{BASE}").validate(m, CLUSTER)
+    cm = AnalyticCostModel(m, CLUSTER, runtime=MAMBA1_RUNTIME)
+    read = fields_each_reads(lambda s, x: ssm.mamba1_part(x, cm._context), CASES)
+    undeclared, _ = undeclared_and_unread(ssm.mamba1_part.READS, read)
+    assert not undeclared
+
+
+def test_exports_refuse_mamba1():
+    from autosearch.export import export
+
+    for to in ("megatron", "torchtitan", "deepspeed"):
+        out = export(Strategy(dp=1, global_batch_size=1), to=to, model=_jamba(),
+                     allow_unsupported=True)  # fmt: skip
+        assert "mamba1" in dict(out.refused), to
+
+
+# ---- Kimi Delta Attention (Kimi Linear) --------------------------------------------------------
+def _kimi() -> ModelSpec:
+    """KimiLinearConfig's defaults (Kimi-Linear-48B-A3B's shape) at 8,192 tokens."""
+    return ModelSpec.from_hf_config({"model_type": "kimi_linear"}, seq_len=8192, name="kimi")
+
+
+KDA_RUNTIME = dataclasses.replace(
+    RUNTIMES["megatron-core"], supports=RUNTIMES["megatron-core"].supports + ("kda",)
+)
+
+
+def test_a_kda_mixer_counts_its_low_rank_gates():
+    """Kimi Delta Attention (h 2304, 32 heads of 128): q, k, v, b and the gate's and decay's
+    down-projections from h (3 x 4096 + 32 + 2 x 128 outputs), their up-projections (128 ->
+    4096 each), o_proj; the conv1d, dt_bias per channel, A_log per head and the gated norm."""
+    gdn = GatedDeltaNetSpec(n_k_heads=32, n_v_heads=32, gate_rank=128)
+    assert gdn.in_proj_width == 3 * 4096 + 32 + 256
+    assert gdn.matmul_params(2304) == 2304 * (3 * 4096 + 32 + 256) + 2 * 128 * 4096 + 4096 * 2304
+    assert gdn.other_params(2304) == 3 * 4096 * 4 + 128 + 4096 + 32
+    m = _kimi()
+    assert m.gdn == gdn and unpriced(m) == []
+
+
+def test_kda_is_not_priced_as_gated_deltanet():
+    """megatron-core trains Gated DeltaNet, not KDA: Kimi Linear is refused under it (and the
+    Megatron export refuses its gdn field) rather than priced as a layer it cannot build."""
+    from autosearch.export import export
+
+    with pytest.raises(SpecError, match=r"does not train Kimi Delta Attention.*no runtime"):
+        AnalyticCostModel(_kimi(), CLUSTER, runtime=RUNTIME)
+    out = export(Strategy(dp=1, global_batch_size=1), to="megatron", model=_kimi(),
+                 allow_unsupported=True)  # fmt: skip
+    assert "Kimi Delta Attention" in dict(out.refused)["gdn"]
+
+
+def test_kimi_linear_is_priced_under_a_runtime_that_declares_kda():
+    """Priced as Gated DeltaNet layers with their low-rank gate GEMMs, MLA layers and experts
+    over ep: against its attention-only twin (MLA everywhere) at 8,192 tokens, a shorter
+    step."""
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
+    m = _kimi()
+    r = AnalyticCostModel(m, CLUSTER, runtime=KDA_RUNTIME).estimate(s)
+    mla = dataclasses.replace(m, layer_pattern=m.pattern.replace("G", "*"), gdn=None)
+    dense = AnalyticCostModel(mla, CLUSTER, runtime=KDA_RUNTIME).estimate(s)
+    assert r.step_time_s < dense.step_time_s and 0.05 < r.mfu < 0.65

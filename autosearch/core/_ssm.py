@@ -48,6 +48,9 @@ class MambaSpec:
         chunk_size: tokens per chunk of the scan (``chunk_size``, 128).
         conv_bias: the conv1d has a bias (``use_conv_bias``).
         proj_bias: the in / out projections have biases (``use_bias``).
+        gated_norm: the output goes through the gated RMSNorm (its d_inner weights) before
+            out_proj (Megatron-Core and Nemotron-H always; Falcon-H1 where ``mamba_rms_norm``,
+            else z gates y without a norm: ``FalconH1Mixer``).
     """
 
     n_heads: int
@@ -58,6 +61,7 @@ class MambaSpec:
     chunk_size: int = 128
     conv_bias: bool = True
     proj_bias: bool = False
+    gated_norm: bool = True
 
     def check(self) -> "MambaSpec":
         """This spec, or a SpecError naming every problem and what to do about it."""
@@ -74,7 +78,7 @@ class MambaSpec:
                 positive_int(getattr(self, name), f"mamba.{name}", maximum=limit)
             except SpecError as exc:
                 p.append(str(exc))
-        for name in ("conv_bias", "proj_bias"):
+        for name in ("conv_bias", "proj_bias", "gated_norm"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"mamba.{name} must be true or false, got {getattr(self, name)!r}")
         if not p and self.n_heads % self.n_groups:
@@ -111,7 +115,8 @@ class MambaSpec:
         and D (one per head), the gated RMSNorm's weight (d_inner) and projection biases."""
         conv = self.conv_dim * (self.conv_kernel + int(self.conv_bias))
         bias = (self.in_proj_width + hidden) if self.proj_bias else 0
-        return conv + 3 * self.n_heads + self.d_inner + bias
+        norm = self.d_inner if self.gated_norm else 0
+        return conv + 3 * self.n_heads + norm + bias
 
     def params(self, hidden: int) -> int:
         """All parameters of the mixer (its layer's pre-norm apart)."""
@@ -234,6 +239,12 @@ class GatedDeltaNetSpec:
         head_v_dim: channels of a value head (``linear_value_head_dim``).
         conv_kernel: taps of the causal conv1d (``linear_conv_kernel_dim``, 4).
         chunk_size: tokens per chunk of the scan (flash-linear-attention's 64).
+        gate_rank: Kimi Delta Attention (Kimi Team 2025, "Kimi Linear"; transformers
+            ``KimiLinearDeltaAttention``): the decay is per channel, not per head, and both it
+            and the output gate come through low-rank projections h -> gate_rank -> value_dim
+            (``f_a_proj`` / ``f_b_proj``, ``g_a_proj`` / ``g_b_proj``; gate_rank is the head
+            size), with a dt_bias per channel and A_log per head; None: Gated DeltaNet's full
+            z projection and one decay per head. The chunked delta rule has the same products.
     """
 
     n_k_heads: int
@@ -242,6 +253,7 @@ class GatedDeltaNetSpec:
     head_v_dim: int = 128
     conv_kernel: int = 4
     chunk_size: int = 64
+    gate_rank: int | None = None
 
     def check(self) -> "GatedDeltaNetSpec":
         p: list[str] = []
@@ -252,7 +264,10 @@ class GatedDeltaNetSpec:
             ("head_v_dim", _WIDTH),
             ("conv_kernel", 1 << 10),
             ("chunk_size", 1 << 20),
+            ("gate_rank", _WIDTH),
         ):
+            if name == "gate_rank" and self.gate_rank is None:
+                continue
             try:
                 positive_int(getattr(self, name), f"gdn.{name}", maximum=limit)
             except SpecError as exc:
@@ -281,16 +296,31 @@ class GatedDeltaNetSpec:
 
     @property
     def in_proj_width(self) -> int:
-        """Outputs of in_proj_qkvz and in_proj_ba: q, k, v, z, then b and a."""
+        """Outputs of the projections from h: Gated DeltaNet's in_proj_qkvz and in_proj_ba (q,
+        k, v, z, then b and a); Kimi Delta Attention's q, k, v, b and the two low-rank
+        down-projections of the gate and the decay."""
+        if self.gate_rank is not None:
+            return 2 * self.key_dim + self.value_dim + self.n_v_heads + 2 * self.gate_rank
         return 2 * self.key_dim + 2 * self.value_dim + 2 * self.n_v_heads
 
+    @property
+    def gate_up_width(self) -> int:
+        """Outputs of Kimi Delta Attention's low-rank up-projections (gate and decay, value_dim
+        each, from gate_rank); 0 for Gated DeltaNet."""
+        return 0 if self.gate_rank is None else 2 * self.value_dim
+
     def matmul_params(self, hidden: int) -> int:
-        """Weights of the in and out projections."""
-        return hidden * self.in_proj_width + self.value_dim * hidden
+        """Weights of the in and out projections (and KDA's low-rank up-projections)."""
+        up = self.gate_up_width * (self.gate_rank or 0)
+        return hidden * self.in_proj_width + up + self.value_dim * hidden
 
     def other_params(self, hidden: int) -> int:
-        """The conv1d (no bias), dt_bias and A_log (one per value head), the gated norm."""
-        return self.conv_dim * self.conv_kernel + 2 * self.n_v_heads + self.head_v_dim
+        """The conv1d (no bias), dt_bias and A_log (one per value head; KDA: dt_bias per
+        channel), the gated norm."""
+        conv = self.conv_dim * self.conv_kernel + self.head_v_dim
+        if self.gate_rank is not None:
+            return conv + self.value_dim + self.n_v_heads
+        return conv + 2 * self.n_v_heads
 
     def params(self, hidden: int) -> int:
         """All parameters of the mixer (its layer's pre-norm apart)."""
@@ -324,4 +354,119 @@ class GatedDeltaNetSpec:
         missing = [k for k in ("n_k_heads", "n_v_heads") if k not in kwargs]
         if missing:
             raise SpecError(f"{what}: gdn lacks {' and '.join(missing)}")
+        return cls(**kwargs)
+
+
+# FLOPs of Mamba-1's selective scan per channel and state channel, forward: the recurrence of
+# Gu & Dao 2023 (eqs. 2a, 4: zero-order hold) as mamba_ssm's selective_scan kernel computes it
+# per (token, channel, state): exp(delta A) (a multiply and an exp), delta B x (two
+# multiplies), h = dA h + dBx (a multiply-add, two) and its part of y = C h (a multiply-add,
+# two). The paper gives the scan's cost as O(B L D N) without a constant (sec. 3.3.2); this is
+# the count of those operations, not a fitted number.
+SELECTIVE_SCAN_FLOPS_PER_STATE = 9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba1Spec:
+    """The Mamba-1 mixer of the ``S`` layers (Gu & Dao 2023, "Mamba: Linear-Time Sequence
+    Modeling with Selective State Spaces", sec. 3; mamba_ssm ``modules/mamba_simple.py``; Hugging
+    Face ``JambaMambaMixer``): in_proj to x and z (d_inner each), a causal depthwise conv1d over
+    x, x_proj from x to dt (dt_rank), B and C (d_state each, shared by all channels), dt_proj from
+    dt_rank back to d_inner, the selective scan over a diagonal state of d_inner x d_state
+    (A_log, D per channel), the output gated by silu(z), out_proj back to h. Jamba adds RMSNorms
+    on dt, B and C (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``). Read from YAML as
+    ``mamba1: {d_inner: 8192, d_state: 16, dt_rank: 256}``.
+
+    Args:
+        d_inner: channels of x and z (``mamba_expand`` x hidden).
+        d_state: state channels per channel (``mamba_d_state``, 16).
+        dt_rank: width of the low-rank dt projection (``mamba_dt_rank``; "auto": hidden / 16).
+        conv_kernel: taps of the causal conv1d (``mamba_d_conv``, 4).
+        conv_bias: the conv1d has a bias (``mamba_conv_bias``).
+        proj_bias: in_proj and out_proj have biases (``mamba_proj_bias``).
+        inner_norms: RMSNorms on dt, B and C (Jamba's; not in mamba_ssm's Mamba).
+    """
+
+    d_inner: int
+    d_state: int = 16
+    dt_rank: int = 256
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = True
+
+    def check(self) -> "Mamba1Spec":
+        p: list[str] = []
+        for name, limit in (
+            ("d_inner", _WIDTH),
+            ("d_state", _WIDTH),
+            ("dt_rank", _WIDTH),
+            ("conv_kernel", 1 << 10),
+        ):
+            try:
+                positive_int(getattr(self, name), f"mamba1.{name}", maximum=limit)
+            except SpecError as exc:
+                p.append(str(exc))
+        for name in ("conv_bias", "proj_bias", "inner_norms"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"mamba1.{name} must be true or false, got {getattr(self, name)!r}")
+        if p:
+            raise SpecError(p)
+        return self
+
+    @property
+    def x_proj_width(self) -> int:
+        """Outputs of x_proj: dt (dt_rank), B and C (d_state each)."""
+        return self.dt_rank + 2 * self.d_state
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights of in_proj (h -> 2 d_inner), x_proj, dt_proj and out_proj."""
+        d = self.d_inner
+        return hidden * 2 * d + d * self.x_proj_width + self.dt_rank * d + d * hidden
+
+    def other_params(self, hidden: int) -> int:
+        """The conv1d (conv_kernel taps per channel, and its bias), dt_proj's bias, A_log
+        (d_inner x d_state), D, the projection biases and Jamba's dt / B / C norms."""
+        d = self.d_inner
+        conv = d * (self.conv_kernel + int(self.conv_bias))
+        bias = (2 * d + hidden) if self.proj_bias else 0
+        norms = self.x_proj_width if self.inner_norms else 0
+        return conv + d + d * self.d_state + d + bias + norms
+
+    def params(self, hidden: int) -> int:
+        """All parameters of the mixer (its layer's pre-norm apart)."""
+        return self.matmul_params(hidden) + self.other_params(hidden)
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """Forward FLOPs of the selective scan per token (`SELECTIVE_SCAN_FLOPS_PER_STATE` per
+        channel and state channel), on CUDA cores: no matrix product in it."""
+        return SELECTIVE_SCAN_FLOPS_PER_STATE * self.d_inner * self.d_state
+
+    def scan_bytes_per_token(self, act_bytes: int) -> tuple[float, float]:
+        """Bytes the fused selective-scan kernels move through HBM per token, over all channels
+        (forward, backward). Gu & Dao 2023, sec. 3.3.2: the kernel loads delta, A, B, C from HBM
+        into SRAM, discretizes and scans there, and writes only the output; the d_inner x
+        d_state state never reaches HBM, and backward recomputes it. Forward
+        (``selective_scan_fwd``, z and D fused): reads x, delta, z (d_inner each) and B, C
+        (d_state each), writes y (d_inner). Backward (``selective_scan_bwd``): reads those and
+        dy, writes dx, ddelta, dz (d_inner each) and dB, dC in fp32 (their sums over
+        channels)."""
+        a, d, n = act_bytes, self.d_inner, self.d_state
+        forward = a * (3 * d + 2 * n) + a * d
+        backward = a * (4 * d + 2 * n) + a * 3 * d + 4 * 2 * n
+        return forward, backward
+
+    @classmethod
+    def from_value(cls, value: Any, *, what: str) -> "Mamba1Spec":
+        if isinstance(value, Mamba1Spec):
+            return value
+        if not isinstance(value, dict):
+            raise SpecError(
+                f"{what}: mamba1 must be a mapping such as {{d_inner: 8192, d_state: 16, "
+                f"dt_rank: 256}}, got {type(value).__name__}"
+            )
+        kwargs = check_keys(value, cls, what=f"{what}: mamba1")
+        if "d_inner" not in kwargs:
+            raise SpecError(f"{what}: mamba1 lacks d_inner")
         return cls(**kwargs)

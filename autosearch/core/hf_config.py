@@ -37,11 +37,27 @@ qwen3_5_moe_text                       (``gdn``, `GatedDeltaNetSpec`) or gated a
                                        with one shared expert (Qwen3-Next: ``decoder_sparse_step``
                                        and ``mlp_only_layers`` place them; Qwen3.5-MoE: every
                                        layer)
+falcon_h1                              Falcon-H1: every layer attention and Mamba-2 in parallel
+                                       (``P-``: ``attention+mamba``, `layers`), a SwiGLU MLP;
+                                       ``mamba`` with d_inner ``mamba_d_ssm`` (or
+                                       ``mamba_expand`` x hidden) and the gated norm where
+                                       ``mamba_rms_norm``
+jamba                                  Jamba: every ``attn_layer_period``-th layer attention
+                                       (from ``attn_layer_offset``), the others Mamba-1
+                                       (``mamba1``, `Mamba1Spec`: ``S``), every
+                                       ``expert_layer_period``-th MLP a MoE (softmax top-k, no
+                                       shared expert), the others SwiGLU
+kimi_linear                            Kimi Linear: ``layer_types`` (or the checkpoint's
+                                       ``linear_attn_config``) Kimi Delta Attention (``gdn``
+                                       with ``gate_rank``) or MLA (``mla``); the first
+                                       ``first_k_dense_replace`` MLPs SwiGLU, the others MoE
+                                       (sigmoid router, expert bias, a shared expert)
 =====================================  =======================================================
 
-Hybrids refused by name (`UNREAD_HYBRIDS`, with the reason): ``jamba`` (Mamba-1 layers),
-``falcon_h1`` (attention and Mamba-2 in parallel in one layer), ``kimi_linear`` (Kimi Delta
-Attention).
+Jamba's attention has no positional encoding; a ModelSpec's attention is rotary,
+which adds no parameter (the cost model prices its elementwise pass, an upper bound).
+Falcon-H1's muP multipliers (``*_multiplier``, ``mlp_multipliers``, ``ssm_multipliers``) scale
+activations and change no shape: not read.
 
 What a ModelSpec leaves out, and so neither counts nor prices: Qwen2's q/k/v biases (3h + 2
 kv_h per layer, under 0.1% of Qwen2-7B), Qwen3's and Gemma 3's q/k norms and Gemma 2/3's extra
@@ -81,6 +97,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -108,7 +125,7 @@ MOE_FAMILIES = (
 )
 GPT_LIKE = ("gpt2", "gpt_neox")
 # layer patterns of Mamba-2, attention and MLP layers
-HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "kimi_linear")
 # Gated DeltaNet and gated attention layers, every full_attention_interval-th layer attention
 # (transformers Qwen3NextConfig; Qwen3.5's text models: Qwen3_5TextConfig, Qwen3_5MoeTextConfig)
 QWEN_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -123,22 +140,7 @@ SUPPORTED = (
 )
 # Hybrid families transformers has and a ModelSpec cannot describe yet, with why: refused by
 # name rather than read as something else.
-UNREAD_HYBRIDS = {
-    "jamba": (
-        "its SSM layers are Mamba-1 (a selective scan over a diagonal state per channel, "
-        "d_inner x d_state, with x_proj and dt_proj), not the Mamba-2 SSD mixer the cost model "
-        "prices"
-    ),
-    "falcon_h1": (
-        "each layer runs attention and a Mamba-2 mixer in parallel on the same input and sums "
-        "them (FalconH1DecoderLayer), which one mixer per layer in Megatron's hybrid pattern "
-        "cannot say"
-    ),
-    "kimi_linear": (
-        "its linear-attention layers are Kimi Delta Attention (per-channel gated delta rule "
-        "with its own projections) beside MLA layers, a mixer the cost model has no term for"
-    ),
-}
+UNREAD_HYBRIDS: dict[str, str] = {}
 # Hugging Face's names of Nemotron-H's layers -> Megatron's hybrid symbols
 # (transformers NemotronHConfig._list_to_pattern)
 NEMOTRON_H_SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*",
@@ -178,6 +180,10 @@ READ_KEYS = frozenset(
         "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size",
         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
         "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+        "mamba_d_ssm", "mamba_rms_norm", "projectors_bias", "mlp_bias", "mamba_dt_rank",
+        "attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset",
+        "linear_head_dim", "linear_num_heads", "mlp_layer_types", "num_experts_per_token",
+        "num_shared_experts", "model_max_length",
     }
 )  # fmt: skip
 # Keys of published configs that transformers 5 reads (or the Hub writes) without declaring them
@@ -198,6 +204,8 @@ UNDECLARED_KEYS = frozenset(
         # attention_bias field), Qwen3-MoE (Qwen3MoeConfig none for max_window_layers);
         # tests/data/hf_configs holds each
         "ep_size", "initial_context_length", "for_llm_compressor", "attention_bias",
+        # KimiLinearConfig.__post_init__ reads these from its kwargs (the checkpoint's keys)
+        "linear_attn_config",
         "max_window_layers",
     }
 )  # fmt: skip
@@ -355,7 +363,10 @@ def spec_fields(source, *, name: str | None = None, seq_len: int | None = None) 
     config = _Config(cfg, model_type, label, near_misses=_check_keys(raw, cfg, label))
     fields = _read(config, model_type, label)
     if seq_len is None:
-        seq_len = config.need("max_position_embeddings", "n_positions", "n_ctx")
+        # model_max_length: kimi_linear's field for max_position_embeddings (its alias)
+        seq_len = config.need(
+            "max_position_embeddings", "n_positions", "n_ctx", "model_max_length"
+        )
         if isinstance(seq_len, int) and seq_len > LONG_SEQ_LEN:
             warnings.warn(
                 f"{label!r}: the training sequence length is the config's maximum positions, "
@@ -422,6 +433,12 @@ def _read(config: _Config, model_type: str, label: str) -> dict[str, Any]:
         return _nemotron_h_fields(cfg, need, label)
     if model_type == "granitemoehybrid":
         return _granite_hybrid_fields(cfg, need, label)
+    if model_type == "falcon_h1":
+        return _falcon_h1_fields(cfg, need, label)
+    if model_type == "jamba":
+        return _jamba_fields(cfg, need, label)
+    if model_type == "kimi_linear":
+        return _kimi_linear_fields(cfg, need, label)
     if model_type in QWEN_NEXT_FAMILIES:
         return _qwen_next_fields(cfg, model_type, need, label)
     fields = dict(
@@ -811,6 +828,241 @@ def _granite_hybrid_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str
             shared_ffn_hidden_size=shared,
             router="softmax",  # GraniteMoeHybridTopKRouter: softmax over the top-k logits
         )
+    return fields
+
+
+def _falcon_h1_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Falcon-H1 (transformers ``FalconH1Config``, ``FalconH1DecoderLayer``): every layer one
+    RMSNorm, then ``FalconH1Attention`` and ``FalconH1Mixer`` (Mamba-2) on the same input, their
+    outputs summed, then a SwiGLU MLP (``P-`` in the layer pattern). The mixer's d_inner is
+    ``mamba_d_ssm``, or ``mamba_expand`` x hidden where that is null, in ``mamba_n_heads``
+    heads of ``mamba_d_head`` ("auto": d_inner / heads, ``FalconH1Config.__post_init__``); its
+    gated RMSNorm exists where ``mamba_rms_norm``; ``mamba_proj_bias`` biases in_proj and
+    ``projectors_bias`` out_proj. The attention's head size is the config's ``head_dim`` where
+    given, else hidden / heads (``FalconH1Attention``)."""
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released: false)")
+    in_bias, out_bias = bool(cfg.get("mamba_proj_bias")), bool(cfg.get("projectors_bias"))
+    if in_bias != out_bias:
+        raise SpecError(
+            f"{label!r}: mamba_proj_bias {in_bias} and projectors_bias {out_bias} differ; a "
+            "Mamba-2 mixer here has biases on both its projections or on neither (the "
+            "released Falcon-H1: neither)"
+        )
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not falcon_h1's SwiGLU")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    d_inner = cfg.get("mamba_d_ssm") or need("mamba_expand") * hidden
+    heads = need("mamba_n_heads")
+    d_head = cfg.get("mamba_d_head")
+    if d_head in (None, "auto"):
+        d_head = d_inner // heads
+    if d_head * heads != d_inner:  # FalconH1Config.validate_architecture
+        raise SpecError(
+            f"{label!r}: mamba_n_heads {heads} x mamba_d_head {d_head} = {heads * d_head} is "
+            f"not the Mamba-2 width mamba_d_ssm {d_inner}; give heads and a head size whose "
+            "product is the width"
+        )
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="P-" * n_layers,
+        mamba=dict(
+            n_heads=heads,
+            head_dim=d_head,
+            d_state=need("mamba_d_state"),
+            n_groups=need("mamba_n_groups"),
+            conv_kernel=need("mamba_d_conv"),
+            chunk_size=need("mamba_chunk_size"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+            proj_bias=in_bias,
+            gated_norm=_flag(cfg, "mamba_rms_norm", False, label),
+        ),
+    )
+    head_dim = _count(cfg, "head_dim", label)
+    if head_dim is not None:
+        fields["head_dim"] = head_dim
+    return fields
+
+
+def _jamba_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Jamba (transformers ``JambaConfig``): layer i is attention where i % attn_layer_period
+    == attn_layer_offset, else a Mamba-1 mixer (``JambaMambaMixer``: d_inner = mamba_expand x
+    hidden, dt_rank "auto" = ceil(hidden / 16), RMSNorms on dt, B and C); its MLP is a MoE of
+    ``num_experts`` SwiGLU experts of ``intermediate_size`` (``JambaSparseMoeBlock``: softmax
+    top-k, no shared expert) where i % expert_layer_period == expert_layer_offset, else a
+    SwiGLU MLP of the same width (``layers_block_type``, ``layers_num_experts``)."""
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not jamba's SwiGLU")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    periods = {
+        key: need(key)
+        for key in (
+            "attn_layer_period",
+            "attn_layer_offset",
+            "expert_layer_period",
+            "expert_layer_offset",
+        )
+    }
+    for kind in ("attn", "expert"):
+        period, offset = periods[f"{kind}_layer_period"], periods[f"{kind}_layer_offset"]
+        if not (isinstance(period, int) and isinstance(offset, int) and 0 <= offset < period):
+            raise SpecError(
+                f"{label!r}: {kind}_layer_offset {offset!r} must be an integer below "
+                f"{kind}_layer_period {period!r} (JambaConfig.validate_architecture)"
+            )
+    experts = need("num_experts")
+    mixers = [
+        "*" if i % periods["attn_layer_period"] == periods["attn_layer_offset"] else "S"
+        for i in range(n_layers)
+    ]
+    mlps = [
+        "E"
+        if experts > 1 and i % periods["expert_layer_period"] == periods["expert_layer_offset"]
+        else "-"
+        for i in range(n_layers)
+    ]
+    dt_rank = need("mamba_dt_rank")
+    if dt_rank == "auto":  # JambaConfig.__post_init__
+        dt_rank = math.ceil(hidden / 16)
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=_count(cfg, "num_key_value_heads", label) or need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern="".join(a + b for a, b in zip(mixers, mlps)),
+        mamba1=dict(
+            d_inner=need("mamba_expand") * hidden,
+            d_state=need("mamba_d_state"),
+            dt_rank=dt_rank,
+            conv_kernel=need("mamba_d_conv"),
+            conv_bias=_flag(cfg, "mamba_conv_bias", True, label),
+            proj_bias=_flag(cfg, "mamba_proj_bias", False, label),
+        ),
+    )
+    if "E" in mlps:
+        fields["moe"] = dict(
+            n_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            ffn_hidden_size=need("intermediate_size"),
+            router="softmax",  # JambaTopKRouter: softmax, top-k not renormalised
+        )
+    if "S" not in mixers:
+        del fields["mamba1"]
+    return fields
+
+
+def _kimi_linear_fields(cfg: Mapping[str, Any], need, label: str) -> dict[str, Any]:
+    """Kimi Linear (transformers ``KimiLinearConfig``, ``KimiLinearDecoderLayer``): each layer
+    Kimi Delta Attention (``KimiLinearDeltaAttention``: `GatedDeltaNetSpec` with ``gate_rank``
+    = the head size) or MLA (``KimiLinearAttention``), each with a SwiGLU MLP of
+    ``intermediate_size`` (``mlp_layer_types`` dense; by default the first
+    ``first_k_dense_replace``, 1) or a MoE (``KimiLinearMoE``: ``num_local_experts`` of
+    ``moe_intermediate_size``, sigmoid router with ``e_score_correction_bias``, one shared
+    MLP ``n_shared_experts`` times as wide). The checkpoint gives the linear attention's shape
+    and layers in ``linear_attn_config`` (``head_dim``, ``num_heads``,
+    ``short_conv_kernel_size``, 1-indexed ``full_attn_layers`` / ``kda_layers``), which
+    ``__post_init__`` reads before the defaults (every 4th layer from layer 4 MLA)."""
+    nested = cfg.get("linear_attn_config") or {}
+    if not isinstance(nested, Mapping):
+        raise SpecError(f"{label!r}: linear_attn_config must be a mapping, got {nested!r}")
+    n_layers, hidden = need("num_hidden_layers"), need("hidden_size")
+    listed = cfg.get("layer_types")
+    if not listed and "full_attn_layers" in nested and "kda_layers" in nested:
+        listed = [None] * n_layers
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "kda")):
+            for i in nested[key]:
+                if not (isinstance(i, int) and 1 <= i <= n_layers):
+                    raise SpecError(
+                        f"{label!r}: linear_attn_config.{key} names layer {i!r}; layers are "
+                        f"numbered 1 to {n_layers}"
+                    )
+                listed[i - 1] = kind
+    if not listed:
+        listed = [
+            "full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)
+        ]
+    mixers = {"full_attention": "*", "linear_attention": "G", "kda": "G"}
+    unknown = sorted({str(k) for k in listed} - set(mixers))
+    if unknown or len(listed) != n_layers:
+        raise SpecError(
+            f"{label!r}: layer_types must give full_attention or linear_attention for each of "
+            f"the {n_layers} layers; got {len(listed)} entries"
+            + (f" naming {', '.join(unknown)}" if unknown else "")
+        )
+    mlp_types = cfg.get("mlp_layer_types")
+    if not mlp_types:
+        dense = cfg.get("first_k_dense_replace", 1)
+        mlp_types = ["dense" if i < dense else "sparse" for i in range(n_layers)]
+    mlps = {"dense": "-", "sparse": "E"}
+    if sorted({str(k) for k in mlp_types} - set(mlps)) or len(mlp_types) != n_layers:
+        raise SpecError(
+            f"{label!r}: mlp_layer_types must give dense or sparse for each of the {n_layers} "
+            f"layers, got {mlp_types!r}"
+        )
+    for key in ("attention_bias",):
+        if cfg.get(key):
+            raise SpecError(f"{label!r}: {key} true is not modelled (the released: false)")
+    act = cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise SpecError(f"{label!r}: hidden_act {act!r} is not kimi_linear's SwiGLU")
+    heads = nested.get("num_heads") or need("linear_num_heads")
+    head_dim = nested.get("head_dim") or need("linear_head_dim")
+    pattern = "".join(mixers[k] + mlps[t] for k, t in zip(listed, mlp_types))
+    fields: dict[str, Any] = dict(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=need("num_attention_heads"),
+        ffn_hidden_size=need("intermediate_size"),
+        ffn_activation="swiglu",
+        vocab_size=need("vocab_size"),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", False, label),
+        layer_pattern=pattern,
+        gdn=dict(
+            n_k_heads=heads,
+            n_v_heads=heads,
+            head_k_dim=head_dim,
+            head_v_dim=head_dim,
+            conv_kernel=nested.get("short_conv_kernel_size") or need("linear_conv_kernel_dim"),
+            gate_rank=head_dim,  # f_a_proj, g_a_proj: hidden -> head_dim
+        ),
+        mla=dict(
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        ),
+    )
+    if "E" in pattern:
+        moe_width = need("moe_intermediate_size")
+        shared = cfg.get("num_shared_experts") or 0  # n_shared_experts (an alias)
+        fields["moe"] = dict(
+            n_experts=need("num_experts"),  # num_local_experts in the checkpoint (an alias)
+            top_k=need("num_experts_per_token"),
+            ffn_hidden_size=moe_width,
+            n_shared_experts=1 if shared else 0,  # one MLP n_shared_experts times as wide
+            shared_ffn_hidden_size=moe_width * shared if shared else None,
+            router="sigmoid",  # KimiLinearTopkRouter: sigmoid scores + e_score_correction_bias
+            load_balancing="aux_loss_free",
+        )
+    if "G" not in pattern:
+        del fields["gdn"]
+    if "*" not in pattern:
+        del fields["mla"]
     return fields
 
 

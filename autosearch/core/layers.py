@@ -15,6 +15,12 @@ symbol   Megatron layer                                 here
          symbol: megatron-core 0.16's Symbols are M * - E,
          and its GPTModel places Gated DeltaNet layers
          by ``linear_attention_freq``)
+``P``    attention and Mamba-2 in parallel in one      mixer ``attention+mamba``
+         layer, their outputs summed (Falcon-H1;
+         autosearch's symbol: Megatron's pattern has
+         none, one mixer per Megatron layer)
+``S``    Mamba-1 (selective scan; autosearch's symbol:  mixer ``mamba1``
+         Megatron-Core has no Mamba-1 layer)
 ``-``    dense MLP                                      mlp ``dense``
 ``E``    mixture-of-experts MLP                         mlp ``moe``
 =======  ============================================  =====================
@@ -26,8 +32,9 @@ layer has its own pre-norm and residual, so a block of two symbols is two of the
 
 The analytic cost model prices every kind of block: the attention + dense-MLP block, and each
 part in which another block differs from it (`cost_models.terms.layers`: MoE MLPs, Mamba-2 and
-Gated DeltaNet mixers, a mixer or an MLP alone); `autosearch.core.model_spec.unpriced` names
-what a new kind would leave unpriced until its term exists.
+Gated DeltaNet mixers, attention and Mamba-2 in parallel, a mixer or an MLP alone);
+`autosearch.core.model_spec.unpriced` names what a new kind would leave unpriced until its term
+exists.
 """
 
 from __future__ import annotations
@@ -36,10 +43,15 @@ from dataclasses import dataclass
 
 from autosearch.core.errors import SpecError
 
-MIXERS = {"*": "attention", "M": "mamba", "G": "gdn"}
+MIXERS = {"*": "attention", "M": "mamba", "G": "gdn", "P": "attention+mamba", "S": "mamba1"}
 MLPS = {"-": "dense", "E": "moe"}
 _SYMBOL = {v: k for k, v in {**MIXERS, **MLPS}.items()}
-SYMBOLS = "* attention, M Mamba-2, G Gated DeltaNet, - dense MLP, E mixture of experts"
+SYMBOLS = (
+    "* attention, M Mamba-2, G Gated DeltaNet, P attention and Mamba-2 in parallel, S Mamba-1, "
+    "- dense MLP, E mixture of experts"
+)
+# mixers that attend (their keys are the sequence or its window) and those with a Mamba-2 part
+ATTENDING = ("attention", "attention+mamba")
 PATTERN_LIMIT = 1 << 17  # symbols: two per layer of the largest model the limits allow
 
 
@@ -49,10 +61,11 @@ class Layer:
 
     Args:
         mixer: ``attention`` (multi-head, grouped-query or latent, as the model's attention
-            fields say), ``mamba``, ``gdn`` or ``none``.
+            fields say), ``mamba``, ``gdn``, ``mamba1``, ``attention+mamba`` (both on the same
+            normed input, outputs summed: Falcon-H1's ``FalconH1DecoderLayer``) or ``none``.
         mlp: ``dense``, ``moe`` or ``none``.
-        keys: keys a query of an attention mixer attends to at most (the sequence length, or
-            its sliding window); None for other mixers.
+        keys: keys a query of an attending mixer (`ATTENDING`) attends to at most (the
+            sequence length, or its sliding window); None for other mixers.
     """
 
     mixer: str

@@ -33,9 +33,9 @@ import yaml
 from autosearch.core._io import check_keys, check_name, name_from, positive_int, read_yaml_mapping
 from autosearch.core._lora import LoraSpec
 from autosearch.core._moe import MLASpec, MoESpec
-from autosearch.core._ssm import GatedDeltaNetSpec, MambaSpec
+from autosearch.core._ssm import GatedDeltaNetSpec, Mamba1Spec, MambaSpec
 from autosearch.core.errors import SpecError
-from autosearch.core.layers import Layer, parse_pattern, pattern_of
+from autosearch.core.layers import ATTENDING, Layer, parse_pattern, pattern_of
 
 FFN_ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu2")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # three matrices: act(x W1) * (x W3), then W2
@@ -89,13 +89,15 @@ class ModelSpec:
             copy under pp). Priced only under a runtime that trains it (`RuntimeOptions.mtp`);
             0: none.
         layer_pattern: the blocks in Megatron-Core's hybrid layer pattern (`layers`: ``*``
-            attention, ``M`` Mamba-2, ``G`` Gated DeltaNet, ``-`` dense MLP, ``E`` mixture of
-            experts; ``*-*E*E`` is a dense layer then two MoE layers), one block per layer:
-            which MLPs are MoE and which mixers are not attention. None: every block is
+            attention, ``M`` Mamba-2, ``G`` Gated DeltaNet, ``P`` attention and Mamba-2 in
+            parallel, ``-`` dense MLP, ``E`` mixture of experts; ``*-*E*E`` is a dense layer
+            then two MoE layers), one block per layer: which MLPs are MoE and which mixers are
+            not attention. None: every block is
             attention with the MLP `moe` says (`moe.first_dense_layers`, `moe.layer_step`).
-        mamba: the Mamba-2 mixer of the ``M`` blocks (`MambaSpec`), or None for a model
-            without them.
+        mamba: the Mamba-2 mixer of the ``M`` blocks and of the ``P`` blocks' Mamba-2 part
+            (`MambaSpec`), or None for a model without them.
         gdn: the Gated DeltaNet mixer of the ``G`` blocks (`GatedDeltaNetSpec`), or None.
+        mamba1: the Mamba-1 mixer of the ``S`` blocks (`Mamba1Spec`: Jamba's), or None.
         attention_output_gate: the attention output is multiplied by sigmoid(x W_g) before
             the output projection, W_g an h x (heads x head_dim) projection beside Q's (Qwen3-Next
             and Qwen3.5: Hugging Face ``Qwen3NextAttention.q_proj`` is twice the query width;
@@ -129,6 +131,7 @@ class ModelSpec:
     mamba: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
     attention_output_gate: bool = False
+    mamba1: Mamba1Spec | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name, "model name")
@@ -221,7 +224,7 @@ class ModelSpec:
                     self.mla.check()
                 except SpecError as exc:
                     problems += exc.problems
-            for mixer in (self.mamba, self.gdn):
+            for mixer in (self.mamba, self.gdn, self.mamba1):
                 if mixer is not None:
                     try:
                         mixer.check()
@@ -256,7 +259,7 @@ class ModelSpec:
                 f"{self.n_layers}; give one block per layer"
             )
         for name, symbol, what in _MIXER_SPECS:
-            has = any(mixer == name for mixer, _ in blocks)
+            has = any(name in _SPECS_OF.get(mixer, ()) for mixer, _ in blocks)
             if has and getattr(self, name) is None:
                 problems.append(
                     f"layer_pattern has {what} mixers ({symbol}) but the model has no {name} "
@@ -357,6 +360,7 @@ class ModelSpec:
             ("lora", LoraSpec),
             ("mamba", MambaSpec),
             ("gdn", GatedDeltaNetSpec),
+            ("mamba1", Mamba1Spec),
         )
         for name, kind in nested:
             value = getattr(self, name)
@@ -450,7 +454,7 @@ class ModelSpec:
                 ("attention", "moe" if moe else "dense") for moe in self._moe_flags_from_fields()
             )
         return tuple(
-            Layer(mixer, mlp, keys[i] if mixer == "attention" else None)
+            Layer(mixer, mlp, keys[i] if mixer in ATTENDING else None)
             for i, (mixer, mlp) in enumerate(blocks)
         )
 
@@ -523,10 +527,13 @@ class ModelSpec:
         h = self.hidden_size
         if mixer == "attention":
             return self.attention_matmul_params + self._norm_and_bias_params - self._mlp_norm
-        if mixer in ("mamba", "gdn"):
+        if mixer in ("mamba", "gdn", "mamba1"):
             spec = getattr(self, mixer)
             assert spec is not None  # __post_init__ checks
             return spec.params(h) + self._mlp_norm
+        if mixer == "attention+mamba":  # one pre-norm, both mixers (FalconH1DecoderLayer)
+            assert self.mamba is not None  # __post_init__ checks
+            return self._mixer_params("attention") + self.mamba.params(h)
         return 0
 
     @property
@@ -558,8 +565,10 @@ class ModelSpec:
         and shared experts."""
         if layer.mixer == "attention":
             mixer = self.attention_matmul_params
-        elif layer.mixer in ("mamba", "gdn"):
+        elif layer.mixer in ("mamba", "gdn", "mamba1"):
             mixer = getattr(self, layer.mixer).matmul_params(self.hidden_size)
+        elif layer.mixer == "attention+mamba":
+            mixer = self.attention_matmul_params + self.mamba.matmul_params(self.hidden_size)  # type: ignore[union-attr]
         else:
             mixer = 0
         if layer.mlp == "dense":
@@ -580,7 +589,7 @@ class ModelSpec:
     @functools.cached_property
     def _attended_keys(self) -> int:
         """Keys the queries of all attention blocks attend to, summed over the blocks."""
-        return sum(layer.keys or 0 for layer in self.layers if layer.mixer == "attention")
+        return sum(layer.keys or 0 for layer in self.layers if layer.mixer in ATTENDING)
 
     def _blocks_sum(self, per_kind: "Any") -> int:
         """Sum of `per_kind(layer)` over the blocks, once per kind of block."""
@@ -671,12 +680,15 @@ class ModelSpec:
         last = self.block_matmul_params(self.layers[-1])  # an MTP module's block
         matmuls += self.mtp_layers * (last + 2 * h * h + self.vocab_size * h)
         gemms = 2 * matmuls + 2 * self.vocab_size * h
-        last_keys = keys[-1] if self.layers[-1].mixer == "attention" else 0
+        last_keys = keys[-1] if self.layers[-1].mixer in ATTENDING else 0
         attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
-        for name in ("mamba", "gdn"):  # the scans (Megatron-LM / Megatron-Bridge counts)
+        # the scans (Megatron-LM / Megatron-Bridge counts; Mamba-1's `Mamba1Spec`)
+        for name in ("mamba", "gdn", "mamba1"):
             spec = getattr(self, name)
             if spec is not None:
-                n_blocks = sum(n for layer, n in self._kind_counts if layer.mixer == name)
+                n_blocks = sum(
+                    n for layer, n in self._kind_counts if name in _SPECS_OF.get(layer.mixer, ())
+                )
                 attention += n_blocks * spec.scan_flops_per_token
         if training and self.lora is not None:
             # LoRA, as Megatron-Bridge counts it (training/utils/flop_utils.py, its LoRA branch):
@@ -732,6 +744,8 @@ class ModelSpec:
             kwargs["mamba"] = MambaSpec.from_value(kwargs["mamba"], what=what)
         if kwargs.get("gdn") is not None:
             kwargs["gdn"] = GatedDeltaNetSpec.from_value(kwargs["gdn"], what=what)
+        if kwargs.get("mamba1") is not None:
+            kwargs["mamba1"] = Mamba1Spec.from_value(kwargs["mamba1"], what=what)
         return cls(**kwargs)
 
     @classmethod
@@ -751,6 +765,7 @@ class ModelSpec:
             ("mla", MLASpec),
             ("mamba", MambaSpec),
             ("gdn", GatedDeltaNetSpec),
+            ("mamba1", Mamba1Spec),
         ):
             if fields.get(key) is not None:
                 fields[key] = kind(**fields[key])
@@ -827,9 +842,11 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("layer_pattern", "mamba", "gdn"):  # the fields say it all: files as before
+        for name in ("layer_pattern", "mamba", "gdn", "mamba1"):  # files as before the fields
             if out[name] is None:
                 del out[name]
+        if self.mamba is not None and self.mamba.gated_norm:  # files as before the field
+            del out["mamba"]["gated_norm"]
         if not self.attention_output_gate:
             del out["attention_output_gate"]
         if self.lora is not None:  # plain YAML data: a list, not a tuple
@@ -872,10 +889,22 @@ def _in_units(n: int) -> str:
 
 
 # the state-space and linear-attention mixers: (field, pattern symbol, name)
-_MIXER_SPECS = (("mamba", "M", "Mamba-2"), ("gdn", "G", "Gated DeltaNet"))
+_MIXER_SPECS = (
+    ("mamba", "M", "Mamba-2"),
+    ("gdn", "G", "Gated DeltaNet"),
+    ("mamba1", "S", "Mamba-1"),
+)
+# the specs each mixer of the layer pattern is described by
+_SPECS_OF = {
+    "mamba": ("mamba",),
+    "gdn": ("gdn",),
+    "attention+mamba": ("mamba",),
+    "mamba1": ("mamba1",),
+}
 _MIXER_FIELDS = {
     "mamba": "n_heads, head_dim, d_state, n_groups",
     "gdn": "n_k_heads, n_v_heads, head_k_dim, head_v_dim",
+    "mamba1": "d_inner, d_state, dt_rank",
 }
 
 
@@ -886,7 +915,14 @@ def unpriced(model: ModelSpec) -> list[str]:
     prices attention, Mamba-2 and Gated DeltaNet mixers, dense and MoE MLPs, and blocks with
     either alone (`cost_models.terms.layers`, `cost_models.terms.ssm`): nothing of a model's
     layers is left unpriced today; a new kind of block is refused here until its term exists."""
-    priced = ("Mamba-2", "Gated DeltaNet", "blocks without a mixer", "blocks without an MLP")
+    priced = (
+        "Mamba-2",
+        "Gated DeltaNet",
+        "attention and Mamba-2",
+        "Mamba-1",
+        "blocks without a mixer",
+        "blocks without an MLP",
+    )
     return [
         f"{what} ({model.pattern[:40]})"
         for what in _other_blocks(model)
@@ -899,11 +935,13 @@ def _other_blocks(model: ModelSpec) -> list[str]:
     names = {
         "mamba": "Mamba-2 mixers (M)",
         "gdn": "Gated DeltaNet mixers (G)",
+        "attention+mamba": "attention and Mamba-2 mixers in parallel (P)",
+        "mamba1": "Mamba-1 mixers (S)",
         "none": "blocks without a mixer (an MLP alone)",
     }
     out = []
     kinds = {layer.kind for layer in model.layers}
-    for mixer in ("mamba", "gdn", "none"):
+    for mixer in ("mamba", "gdn", "attention+mamba", "mamba1", "none"):
         if any(k[0] == mixer for k in kinds):
             out.append(names[mixer])
     if any(k[0] != "none" and k[1] == "none" for k in kinds):
@@ -928,10 +966,14 @@ def unbuilt(model: ModelSpec) -> list[str]:
     does not build in `model`, one phrase each. It builds attention blocks (multi-head or
     grouped-query, any head size, sliding windows, soft-capped scores and logits) with a GELU,
     squared-ReLU, SwiGLU or GeGLU MLP, learned or rotary positions, dropless SwiGLU
-    mixture-of-experts layers with an auxiliary loss or none, and the blocks of every hybrid
-    layer pattern (Mamba-2 and Gated DeltaNet mixers, a mixer or an MLP alone;
-    `autosearch.models.ssm`)."""
-    out: list[str] = []
+    mixture-of-experts layers with an auxiliary loss or none, and the hybrid blocks of
+    Megatron's layer pattern (Mamba-2 and Gated DeltaNet mixers, a mixer or an MLP alone;
+    `autosearch.models.ssm`); not yet parallel attention + Mamba-2 (P), Mamba-1 (S) or Kimi
+    Delta Attention blocks."""
+    built = ("Mamba-2 mixers", "Gated DeltaNet mixers", "blocks without")
+    out = [what for what in _other_blocks(model) if not what.startswith(built)]
+    if model.gdn is not None and model.gdn.gate_rank is not None:
+        out.append("Kimi Delta Attention mixers (a Gated DeltaNet with low-rank gates)")
     m = model.moe
     if m is not None and model.ffn_activation != "swiglu":
         out.append(f"mixture-of-experts layers of {model.ffn_activation} experts (SwiGLU only)")

@@ -69,6 +69,14 @@ def tp_problem(tp: int, model: ModelSpec) -> str | None:
             f"tp={tp} does not divide the Gated DeltaNet mixer's {gdn.n_k_heads} key heads and "
             f"{gdn.n_v_heads} value heads; use a tp that divides {gdn.n_k_heads}"
         )
+    mamba1 = model.mamba1
+    if mamba1 is not None and mamba1.d_inner % tp:
+        # Mamba-1 splits its channels over tp (in_proj and dt_proj column-parallel, x_proj and
+        # out_proj row-parallel: vLLM's MambaMixer, the tensor-parallel Mamba-1 there is)
+        return (
+            f"tp={tp} does not divide the Mamba-1 mixer's {mamba1.d_inner} channels; use a tp "
+            f"that divides {mamba1.d_inner}"
+        )
     return None
 
 
@@ -218,6 +226,11 @@ def context_parallel_problem(
                 "one must divide the other (Megatron-Core gives each cp rank whole groups or a "
                 f"share of one group's heads); use a cp that divides {groups} or a multiple of it"
             )
+    if cp > 1 and model is not None and model.mamba1 is not None:
+        return (
+            f"cp={cp} with Mamba-1 layers is not priced (no runtime splits their selective "
+            "scan over sequence shards); use cp=1"
+        )
     if cp > 1 and model is not None and model.gdn is not None:
         return (
             f"cp={cp} with Gated DeltaNet layers is not priced (megatron-core 0.16 runs none: "

@@ -30,7 +30,12 @@ MOE_DISPATCHERS = ("alltoall", "deepep")
 MODEL_FEATURES = {
     "mamba": "Mamba-2 mixers (M in the layer pattern)",
     "gdn": "Gated DeltaNet mixers (G in the layer pattern)",
+    "parallel_hybrid": "attention and Mamba-2 in parallel in one layer (P in the layer pattern)",
+    "mamba1": "Mamba-1 mixers (S in the layer pattern)",
+    "kda": "Kimi Delta Attention mixers (G with gdn.gate_rank)",
 }
+# the feature a runtime needs to train each mixer that is not attention (its name otherwise)
+_FEATURE_OF_MIXER = {"attention+mamba": "parallel_hybrid"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +335,9 @@ class RuntimeOptions:
     def cannot_train(self, model: "ModelSpec") -> list[str]:
         """The kinds of block of `model` this runtime does not train (`MODEL_FEATURES`), each
         as a message naming the runtimes that do."""
-        mixers = {layer.mixer for layer in model.layers}
+        mixers = {_FEATURE_OF_MIXER.get(layer.mixer, layer.mixer) for layer in model.layers}
+        if "gdn" in mixers and model.gdn is not None and model.gdn.gate_rank is not None:
+            mixers = (mixers - {"gdn"}) | {"kda"}  # not Gated DeltaNet's layer: its own kind
         needed = [f for f in MODEL_FEATURES if f in mixers]
         out = []
         for feature in needed:
@@ -351,7 +358,10 @@ class RuntimeOptions:
                 f"runtimes that do: {', '.join(r.name for r in others)} (--runtime "
                 f"{others[0].name})"
                 if others
-                else "no runtime preset does yet"
+                else (
+                    "no runtime preset does yet (one whose supports lists "
+                    f"{feature!r}, in cost_models/runtimes.yaml or a RuntimeOptions, prices it)"
+                )
             )
             out.append(f"runtime {self.name!r} does not train {MODEL_FEATURES[feature]}; {fix}")
         return out

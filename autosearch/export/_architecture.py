@@ -116,6 +116,7 @@ SPEC_FIELDS = (
     "mamba",
     "gdn",
     "attention_output_gate",
+    "mamba1",
 )
 ARCH_FIELDS = tuple(
     f"arch.{f.name}" for f in dataclasses.fields(Architecture) if f.name != "known"

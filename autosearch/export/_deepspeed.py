@@ -239,6 +239,8 @@ def hybrid_refusals(model) -> tuple[tuple[str, str], ...]:
         out.append(("mamba", lacks.format(what="Mamba-2 mixer")))
     if model.gdn is not None:
         out.append(("gdn", lacks.format(what="Gated DeltaNet mixer")))
+    if model.mamba1 is not None:
+        out.append(("mamba1", lacks.format(what="Mamba-1 mixer")))
     if model.attention_output_gate:
         out.append(("attention_output_gate", lacks.format(what="gated attention")))
     return tuple(out)

@@ -873,10 +873,27 @@ def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
     ``linear_*`` fields; megatron-core 0.16's hybrid pattern has no symbol for it."""
     flags: list[str] = []
     blocks = model.layers
+    m.set("mamba1", "no Mamba-1 layers")
+    if model.mamba1 is not None:
+        why = (
+            "megatron-core has no Mamba-1 layer (its MambaMixer is Mamba-2's SSD; megatron-core "
+            "0.16 Symbols: M * - E)"
+        )
+        m.refuse("mamba1", why)
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+        m.set(("mamba", "gdn"), "see layer_pattern")
+        return flags
     if program_of(model) == GPT_PROGRAM:
         gdn = model.gdn
         if gdn is None:
             m.set("layer_pattern", "attention + MLP layers (--moe-layer-freq places the experts)")
+        elif gdn.gate_rank is not None:
+            why = (
+                "megatron-core 0.16's GatedDeltaNet has one decay per head and a full output-"
+                "gate projection; Kimi Delta Attention's per-channel low-rank gates are not in it"
+            )
+            m.refuse("gdn", why)
+            m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
         else:
             which = tuple(layer.mixer == "gdn" for layer in blocks)
             flags += [
@@ -902,6 +919,16 @@ def _hybrid_flags(model, m: FieldMap, notes: list[str]) -> list[str]:
         m.set("mamba", "no Mamba-2 layers")
         return flags
     # MambaModel
+    if any(layer.mixer == "attention+mamba" for layer in blocks):
+        why = (
+            "MambaModel's hybrid pattern has no symbol for attention and Mamba-2 in parallel in "
+            "one layer (megatron-core 0.16 Symbols: M * - E; Falcon-H1's FalconH1DecoderLayer), "
+            "and M* would be two layers with two norms and residuals"
+        )
+        m.refuse("layer_pattern", f"{model.pattern[:40]}: {why}")
+        m.set("mamba", "see layer_pattern")
+        m.set("gdn", "no Gated DeltaNet layers")
+        return flags
     if model.gdn is not None:
         why = (
             "MambaModel's hybrid pattern has no Gated DeltaNet symbol (megatron-core 0.16 "

@@ -266,6 +266,8 @@ def refuse_common(model, arch: Architecture, m: FieldMap) -> None:
         m.refuse("mamba", "torchtitan 0.2 has no Mamba-2 layers")
     if model.gdn is not None:
         m.refuse("gdn", "torchtitan 0.2 has no Gated DeltaNet layers")
+    if model.mamba1 is not None:
+        m.refuse("mamba1", "torchtitan 0.2 has no Mamba-1 layers")
     if model.attention_output_gate:
         m.refuse("attention_output_gate", "torchtitan 0.2's attention has no output gate")
     if model.moe is not None and model.moe.capacity_factor is not None:

@@ -31,6 +31,8 @@ KINDS: "dict[tuple[str, str], Callable[..., layers.KindTerm]]" = {
     ("mlp", "moe"): experts.MoELayers,
     ("mixer", "mamba"): ssm.MambaMixers,
     ("mixer", "gdn"): ssm.GatedDeltaNetMixers,
+    ("mixer", "attention+mamba"): ssm.ParallelMambaMixers,
+    ("mixer", "mamba1"): ssm.Mamba1Mixers,
     ("mixer", "none"): ssm.NoMixer,
     ("mlp", "none"): ssm.NoMLP,
 }

@@ -24,6 +24,32 @@ C, dt) and the scan output, and recomputes the conv and the chunk states in back
 chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
 computed. Selective recompute (the attention core) repeats nothing of a Mamba layer; full
 recompute repeats its forward.
+
+A parallel block (Falcon-H1's ``FalconH1DecoderLayer``, ``P``: one pre-norm, then attention and
+a Mamba-2 mixer on the same normed input, their outputs scaled and summed, one residual add) is
+the attention block plus a Mamba-2 branch: the Mamba sublayer above less what the branch shares
+with the attention, namely the pre-norm, the residual add (the branch sum, read two and write
+one unsharded as each tp rank adds its two partial outputs, stands for it), the four launches
+of a sublayer but the sum's one, and the saved input both branches' first linears read. Under
+tp both branches are column- then row-parallel on the same input, so they share the attention's
+f (one all-gather / all-reduce of the input in backward) and their partial outputs are summed
+before its g (Shoeybi et al. 2019, sec. 3: f and g around each parallel pair of linears): no
+collective added. Under cp the Mamba branch's all-to-alls come on top of the attention's ring
+exchange. Falcon-H1's per-branch multipliers (``attention_in_multiplier``,
+``ssm_out_multiplier`` ...) are scalars a trainer folds into the weights or fuses with the
+sum; they are not priced.
+
+A Mamba-1 mixer (Jamba's ``S``: `Mamba1Spec`; Gu & Dao 2023) splits its d_inner channels over
+tp: in_proj and dt_proj column-parallel, x_proj and out_proj row-parallel (vLLM's
+``MambaMixer``), so beside the attention's pair of collectives it all-reduces x_proj's
+dt_rank + 2 d_state outputs per token forward and their input gradient backward: that fraction
+of an h-wide pair. Its four projections are GEMMs; the selective scan is mamba_ssm's fused
+kernel, which keeps the d_inner x d_state state in SRAM and moves only its inputs and outputs
+through HBM (sec. 3.3.2; `Mamba1Spec.scan_bytes_per_token`), its FLOPs on CUDA cores: each
+direction a roofline of those bytes at the profile's bandwidth and those FLOPs at its fp32
+(non-tensor) peak, backward twice the forward's FLOPs (it recomputes the forward recurrence,
+then runs the adjoint one). At d_state 16 the bytes dominate. The conv1d and Jamba's dt / B / C
+norms are memory-bound kernels.
 """
 
 from __future__ import annotations
@@ -224,6 +250,46 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
+def _mamba1(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Mamba-1 sublayer (module docstring): four projections, the fused selective scan, the
+    conv1d and the dt / B / C norms, its norm and residual. Saved: in_proj's output (x, z), the
+    conv output, x_proj's output, delta, the scan output and out_proj's input (mamba_ssm
+    ``MambaInnerFn`` keeps those; the state is recomputed)."""
+    m, prof = ctx.model, ctx.profile
+    spec = m.mamba1
+    assert spec is not None  # a model with S blocks has one (ModelSpec checks)
+    x = layer_shape(s, ctx)
+    h, t, T, ab = m.hidden_size, x.t, x.T, x.ab
+    d, xw = spec.d_inner, spec.x_proj_width
+    peak, key = gemm_rate(ctx, x)
+    gemm = prof.gemm
+    gemms = (
+        gemm.time_s(T, 2 * d / t, h, peak, key)  # in_proj: x and z
+        + gemm.time_s(T, xw, d / t, peak, key)  # x_proj: dt, B, C
+        + gemm.time_s(T, d / t, spec.dt_rank, peak, key)  # dt_proj
+        + gemm.time_s(T, h, d / t, peak, key)  # out_proj
+    )
+    vector = prof.peak_flops["fp32"]  # the scan runs on CUDA cores
+    fwd_bytes, bwd_bytes = spec.scan_bytes_per_token(ab)
+
+    def scan_s(flops: float, nbytes: float) -> float:
+        return prof.kernel_launch_s + max(T * flops / t / vector, stream_s(ctx, T * nbytes / t))
+
+    scan_fwd = scan_s(spec.scan_flops_per_token, fwd_bytes)
+    scan_bwd = scan_s(2 * spec.scan_flops_per_token, bwd_bytes)
+    elementwise = elementwise_s(ctx, x)
+    # conv1d over x (read + write, SiLU fused) on the local channels; the dt / B / C norms
+    norms = 2 * xw * t if spec.inner_norms else 0
+    own = elementwise(T * (2 * d + norms) * ab / t) + 2 * prof.kernel_launch_s
+    elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
+    fwd = gemms + scan_fwd + elem
+    bwd = gemm.backward_over_forward * gemms + scan_bwd + 2.0 * elem
+    li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
+    per_token = (ab * (2 * d + d + d + d) + li * d) / t + ab * xw
+    saved = _sublayer_input_bytes(s, ctx) + T * per_token
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
 def _ssd_s(ctx: Context, x: Any, kernels: "tuple[SSDKernel, ...]") -> float:
     """Seconds of the SSD scan's kernels on the local heads (`MambaSpec.ssd_kernels`), each
     a roofline: its launch, then the longer of its tensor-core work (at the fused-attention
@@ -256,6 +322,8 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, gdn.value_dim / t, peak, key
     )
+    if gdn.gate_rank is not None:  # Kimi Delta Attention's low-rank gate and decay
+        gemms += gemm.time_s(T, gdn.gate_up_width / t, gdn.gate_rank, peak, key)
     scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
         x.peak * attention_efficiency(ctx, x.precision)
     )
@@ -333,6 +401,58 @@ def mamba_cp_fwd_s(s: "Strategy", ctx: Context) -> float:
         mamba.d_inner / t,  # the output, back to sequence shards
     )
     return sum(all_to_all_s(ctx, tokens * w * ab, cp, t) for w in widths)
+
+
+def _parallel_mamba(s: "Strategy", ctx: Context) -> _Sublayer:
+    """The Mamba-2 branch of a parallel block (module docstring): the Mamba sublayer less the
+    pre-norm, residual, launches and saved input it shares with the attention beside it, plus
+    the sum of the two branches."""
+    sub = _mamba(s, ctx)
+    x = layer_shape(s, ctx)
+    prof, h = ctx.profile, ctx.model.hidden_size
+    branch_sum = elementwise_s(ctx, x)(3 * x.T * h * x.ab)  # partial outputs, before g
+    shared = (
+        (_SUBLAYER_LAUNCHES - 1) * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) - branch_sum
+    )
+    fwd, bwd = sub.fwd_s - shared, sub.bwd_s - 2.0 * shared
+    saved = sub.activation_bytes - _sublayer_input_bytes(s, ctx)
+    return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+@reads(*_PART_READS, "recompute")
+def parallel_mamba_part(s: "Strategy", ctx: Context) -> Part:
+    """A Mamba-2 mixer beside the attention in one layer (``P``): the attention sublayer is the
+    base block's, this part adds the Mamba branch; no tensor-parallel collective added (the
+    branches share f and g); under cp the branch's all-to-alls (`mamba_cp_fwd_s`) on top of the
+    attention's ring exchange."""
+    new = _parallel_mamba(s, ctx)
+    return Part(
+        new.fwd_s,
+        new.bwd_s,
+        0.0,
+        _recompute_of(s, new),
+        _kept(s, ctx, new),
+        _params(ctx, Layer("attention+mamba", "dense"), s.tp),
+        mamba_cp_fwd_s(s, ctx) if s.cp > 1 else 0.0,
+    )
+
+
+@reads(*_PART_READS, "recompute")
+def mamba1_part(s: "Strategy", ctx: Context) -> Part:
+    """A Mamba-1 mixer in place of the attention sublayer: the attention's pair of
+    collectives, and x_proj's all-reduce of dt_rank + 2 d_state per token (module docstring)."""
+    new, old = _mamba1(s, ctx), _attention(s, ctx)
+    spec = ctx.model.mamba1
+    assert spec is not None
+    extra_pair = spec.x_proj_width / ctx.model.hidden_size if s.tp > 1 else 0.0
+    return Part(
+        new.fwd_s - old.fwd_s,
+        new.bwd_s - old.bwd_s,
+        extra_pair,
+        _recompute_of(s, new) - _recompute_of(s, old),
+        _kept(s, ctx, new) - _kept(s, ctx, old),
+        _params(ctx, Layer("mamba1", "dense"), s.tp),
+    )
 
 
 @reads(*_PART_READS, "recompute")
@@ -477,6 +597,23 @@ def delta_state_bytes(s: "Strategy", ctx: Context) -> float:
     chunks = -(-ctx.model.seq_len // (s.cp * gdn.chunk_size))
     per_chunk = gdn.n_v_heads / s.tp * gdn.head_k_dim * gdn.head_v_dim * 4
     return s.micro_batch_size * chunks * per_chunk
+
+
+class ParallelMambaMixers(_PartBlocks):
+    """Blocks whose mixer is attention and Mamba-2 in parallel (``P``)."""
+
+    PART = ("mixer", "attention+mamba")
+    TERM = parallel_mamba_part
+
+    def extra_bytes(self, s: "Strategy") -> float:
+        return chunk_state_bytes(s, self._ctx)
+
+
+class Mamba1Mixers(_PartBlocks):
+    """Blocks whose mixer is Mamba-1 (``S``); its state stays in SRAM, no extra bytes."""
+
+    PART = ("mixer", "mamba1")
+    TERM = mamba1_part
 
 
 class GatedDeltaNetMixers(_PartBlocks):
