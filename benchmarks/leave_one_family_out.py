@@ -6,11 +6,15 @@ constant saw it. The constants chosen against tables (each a field of a runtime 
 cost_models/runtimes.yaml, whose comment names the rows that chose it) are listed in
 `CONSTANTS`: the rows that chose it, how (scipy's bounded scalar minimiser on the same objective
 the shipped value was chosen by, or a least-squares stand-in where the shipped value was picked
-by hand), and the value it falls back to when every row that chose it is held out (the value
-the preset had before it was chosen, or none). For each family, each constant whose rows
-include the family's is chosen again on the rest; the others keep their shipped value (no row
-of the family chose them). The family's rows are then scored by the benchmark that owns their
-table (fidelity_moe.py, fidelity_modern.py, fidelity_hybrid.py).
+by hand), and the value it falls back to when every row that chose it is held out: what a
+user would get without that table. Where another table chose the same property of the same
+kind of kernels (the eager PyTorch kernel factor on Hopper: torchtitan's H200 rows, MosaicML's
+H100 rows), that constant's value in the fold stands in; where none did, the value the preset
+had before it was chosen (the RuntimeOptions default: no load imbalance, no host time, no A2A
+overlap; the research async-TP overlap; the reserve assumed before). For each family, each
+constant whose rows include the family's is chosen again on the rest; the others keep their
+shipped value (no row of the family chose them). The family's rows are then scored by the
+benchmark that owns their table (fidelity_moe.py, fidelity_modern.py, fidelity_hybrid.py).
 
 Not refitted here: the GEMM constants of the A100 profiles (chosen against SC'21 Table 1,
 whose rows are therefore not scored here: benchmarks/fidelity_sc21.py reports their
@@ -205,7 +209,7 @@ class Constant:
 
     name: str
     shipped: float
-    fallback: float
+    fallback: float | str  # a value, or the name of the constant whose fold value stands in
     bounds: tuple[float, float]
     chose: Callable[[pd.DataFrame], pd.Series]
     objective: Callable[[pd.DataFrame, Values], float]
@@ -256,7 +260,10 @@ CONSTANTS = (
     Constant(
         name="torchtitan kernel_efficiency",
         shipped=dict(RUNTIMES["torchtitan"].kernel_efficiency)["hopper"],
-        fallback=1.0,
+        # Without torchtitan's H200 rows the one other table of eager PyTorch kernels on Hopper
+        # is MosaicML's (Composer, torch 2.0.1; docs/runtimes.md [4.5]): its value stands in,
+        # as torchtitan's stands in for it when MPT is held out. Before: 1.0.
+        fallback="composer-fsdp kernel_efficiency",
         bounds=(0.5, 1.0),
         chose=lambda r: _tt(r) & (r.gpu == "h200"),
         objective=_log_error,
@@ -283,7 +290,12 @@ CONSTANTS = (
     Constant(
         name="composer-fsdp kernel_efficiency",
         shipped=dict(RUNTIMES["composer-fsdp"].kernel_efficiency)["hopper"],
-        fallback=1.0,
+        # Without MosaicML's table a Composer user gets the kernel efficiency of the eager
+        # PyTorch kernels on Hopper that the `torch` preset carries (torchtitan's, chosen on its
+        # H200 Llama 3 rows): Composer runs the same cuBLAS GEMMs through torch (docs/runtimes.md
+        # [4.5], [2.8]). 1.0 would claim the datasheet-era ceiling that no preset of an eager
+        # torch stack reaches. (Before issue 34's follow-up this fell back to 1.0.)
+        fallback="torchtitan kernel_efficiency",
         bounds=(0.5, 1.0),
         chose=lambda r: (
             (r.bench == "modern") & r.id.str.startswith("MOSAIC") & (r.gpu == "h100-sxm")
@@ -313,19 +325,26 @@ def fold(rows: pd.DataFrame, family: str) -> tuple[Values, dict]:
     where none of its rows is left, and is chosen again on the rest otherwise (the others of
     the fold at their fold's values); the constants no row of the family chose stay shipped."""
     values = dict(shipped().values)
-    how, again = {}, []
+    how, again, stand_in = {}, [], []
     for c in CONSTANTS:
         chose = rows[c.chose(rows)]
         if not (chose.family == family).any():
             continue
         rest = chose[chose.family != family]
-        if rest.empty:
+        if rest.empty and isinstance(c.fallback, str):
+            stand_in.append((c, len(chose)))
+        elif rest.empty:
             values[c.name], how[c.name] = c.fallback, f"fallback (all {len(chose)} rows held out)"
         else:
             again.append((c, rest, len(chose)))
     for c, rest, n in again:
         values[c.name] = choose(c, rest, Values(values=values))
         how[c.name] = f"chosen on the other {len(rest)} of {n} rows"
+    for c, n in stand_in:  # after the re-choices: the fold's value of the constant it stands on
+        if str(c.fallback) in {s.name for s, _ in stand_in}:
+            raise ValueError(f"{c.name} falls back to {c.fallback}, held out in the same fold")
+        values[c.name] = values[str(c.fallback)]
+        how[c.name] = f"fallback (all {n} rows held out): {c.fallback} of this fold"
     return Values(values=values), how
 
 

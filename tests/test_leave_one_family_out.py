@@ -59,9 +59,23 @@ def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
     values, how = lofo.fold(rows, "Kimi-K2")  # no constant was chosen on Kimi-K2's rows
     assert how == {} and values == lofo.shipped()
     values, how = lofo.fold(rows, "MPT")  # every row that chose Composer's factor is MPT
-    assert values.values["composer-fsdp kernel_efficiency"] == 1.0
+    # ... so it falls back to the other eager-torch Hopper factor, torchtitan's (shipped here)
+    tt = lofo.shipped().values["torchtitan kernel_efficiency"]
+    assert values.values["composer-fsdp kernel_efficiency"] == tt
     assert set(how) == {"composer-fsdp kernel_efficiency"}
-    assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", 1.0),)
+    assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", tt),)
+
+
+def test_a_constant_falls_back_to_the_value_of_the_table_it_was_not_chosen_on(lofo, rows):
+    """Both torchtitan's H200 rows are Llama 3: its kernel factor takes Composer's (MPT's),
+    while the constants with no other table fall back to their value before they were chosen."""
+    values, how = lofo.fold(rows, "Llama 3")
+    composer = lofo.shipped().values["composer-fsdp kernel_efficiency"]
+    assert values.values["torchtitan kernel_efficiency"] == composer
+    assert values.runtimes()["torchtitan"].kernel_efficiency == (("hopper", composer),)
+    assert values.values["torchtitan allocator_reserve_fraction"] == 0.07
+    assert values.values["torchtitan async_tp_overlap"] == 0.875
+    assert "held out" in how["torchtitan kernel_efficiency"]
 
 
 def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
