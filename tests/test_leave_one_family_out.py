@@ -78,6 +78,21 @@ def test_a_constant_falls_back_to_the_value_of_the_table_it_was_not_chosen_on(lo
     assert "held out" in how["torchtitan kernel_efficiency"]
 
 
+def test_what_each_held_out_constant_costs_its_family(lofo, rows):
+    """With the one constant MPT's fold holds out back at its shipped value, the fold is the
+    shipped model again: its MAPE is the shipped MAPE (the same predictions, to rounding)."""
+    mine = rows[rows.family == "MPT"]
+    values, how = lofo.fold(rows, "MPT")
+    cost = lofo.cost_of_each(mine, values, how)
+    base = lofo.score(
+        lofo.pd.DataFrame([lofo.predict(r, lofo.shipped()) for _, r in mine.iterrows()])
+    )
+    assert set(cost) == {"composer-fsdp kernel_efficiency"}
+    assert cost["composer-fsdp kernel_efficiency"] == pytest.approx(
+        base["throughput_mape"], rel=1e-12
+    )
+
+
 def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
     """fidelity_hybrid reads its rows through fidelity_moe's strategy_of / runtime_of, so
     hybrid_runs.csv carries the same run columns (runtime, recompute, pipeline ...)."""
