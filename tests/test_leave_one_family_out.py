@@ -46,7 +46,8 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
     counts = {c.name: int(c.chose(rows).sum()) for c in lofo.CONSTANTS}
     assert counts == {
         "moe_load_imbalance": 8,  # four forced / dropless pairs
-        "moe_layer_host_s": 4,
+        "moe_layer_host_s": 110,  # every Megatron-Bridge row of the MoE table
+        "moe_expert_host_s": 110,
         "moe_a2a_overlap_when_on": 9,
         "torchtitan kernel_efficiency": 2,
         "torchtitan async_tp_overlap": 14,
@@ -56,8 +57,11 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
 
 
 def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
-    values, how = lofo.fold(rows, "Kimi-K2")  # no constant was chosen on Kimi-K2's rows
+    values, how = lofo.fold(rows, "Mixtral")  # no constant was chosen on Mixtral's rows
     assert how == {} and values == lofo.shipped()
+    values, how = lofo.fold(rows, "Kimi-K2")  # the host constants saw its Bridge rows
+    assert set(how) == {"moe_layer_host_s", "moe_expert_host_s"}
+    assert all(h.startswith("chosen on the other") for h in how.values())
     values, how = lofo.fold(rows, "MPT")  # every row that chose Composer's factor is MPT
     # ... so it falls back to the other eager-torch Hopper factor, torchtitan's (shipped here)
     tt = lofo.shipped().values["torchtitan kernel_efficiency"]
