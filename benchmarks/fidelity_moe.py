@@ -387,7 +387,8 @@ def summarize(table: pd.DataFrame) -> dict:
 # cost_models/runtimes.yaml), each with the value it falls back to when left out.
 CHOSEN = {
     "moe_load_imbalance": 1.0,  # the Model Zoo's forced / dropless pairs (choose_load_imbalance)
-    "moe_layer_host_s": 0.0,  # the Bridge's Qwen3-30B-A3B pp2 ep8 rows
+    "moe_layer_host_s": 0.0,  # with moe_expert_host_s: the Bridge's rows of every MoE family
+    "moe_expert_host_s": 0.0,
     "moe_a2a_overlap_when_on": 0.0,  # the rows that turn Megatron's EP A2A overlap on
 }
 
@@ -532,6 +533,7 @@ def main() -> None:
                 "megatron-core"
             ].moe_a2a_overlap_when_on,
             "megatron-core moe_layer_host_s": RUNTIMES["megatron-core"].moe_layer_host_s,
+            "megatron-core moe_expert_host_s": RUNTIMES["megatron-core"].moe_expert_host_s,
         },
         "targets": {"throughput_mape": TARGET_MAPE, "worst_row": TARGET_WORST},
         "not_expressible": {r.id: r.error for _, r in skipped.iterrows()},

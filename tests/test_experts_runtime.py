@@ -71,3 +71,16 @@ def test_only_the_automodel_preset_changes_the_parameter_bytes():
     assert RUNTIMES["automodel"].param_bytes == 2
     assert RUNTIMES["automodel"].framework == "torchtitan"
     assert all(r.param_bytes == 4 for n, r in RUNTIMES.items() if n != "automodel")
+
+
+@pytest.mark.parametrize("ep", [4, 8, 16])
+def test_a_moe_layers_host_time_is_its_own_and_one_share_per_local_expert(ep):
+    """megatron-core's host time of a MoE layer without CUDA graphs: `moe_layer_host_s` plus
+    `moe_expert_host_s` for each of the E / ep experts the rank holds (TE's grouped linear
+    launches per expert); a full-iteration CUDA graph removes both."""
+    rt = RUNTIMES["megatron-core"]
+    s = Strategy(dp=16, ep=ep, global_batch_size=64, fp8="tensorwise")
+    e = experts.layer(s, AnalyticCostModel(QWEN, H100_2, runtime=rt)._context)
+    assert e.host_s == pytest.approx(rt.moe_layer_host_s + rt.moe_expert_host_s * 128 / ep)
+    graphed = rt.as_run(full_iteration_cuda_graph=True)
+    assert experts.layer(s, AnalyticCostModel(QWEN, H100_2, runtime=graphed)._context).host_s == 0

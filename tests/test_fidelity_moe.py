@@ -154,7 +154,7 @@ def test_bridge_full_iteration_graph_presets_have_no_host_time():
     bench = _bench()
     rows = pd.read_csv(bench.TABLE).set_index("id", drop=False)
     graphed = bench.runtime_of(rows.loc["MB2606-QWEN330BA3B-GB200-8-MXFP8"])
-    assert graphed.moe_layer_host_s == 0.0
+    assert graphed.moe_layer_host_s == graphed.moe_expert_host_s == 0.0
     assert graphed.moe_a2a_overlap == bench.RUNTIMES["megatron-core"].moe_a2a_overlap_when_on
     before = bench.runtime_of(rows.loc["MB2604-QWEN330BA3B-GB200-8-MXFP8"])
     assert before.moe_layer_host_s == bench.RUNTIMES["nemo"].moe_layer_host_s > 0

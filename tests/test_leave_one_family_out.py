@@ -47,7 +47,8 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
     counts = {c.name: int(c.chose(rows).sum()) for c in lofo.CONSTANTS}
     assert counts == {
         "moe_load_imbalance": 8,  # four forced / dropless pairs
-        "moe_layer_host_s": 4,
+        "moe_layer_host_s": 110,  # every Megatron-Bridge row of the MoE table
+        "moe_expert_host_s": 110,
         "moe_a2a_overlap_when_on": 9,
         "torchtitan kernel_efficiency": 2,
         "torchtitan async_tp_overlap": 14,
@@ -57,12 +58,44 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
 
 
 def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
-    values, how = lofo.fold(rows, "Kimi-K2")  # no constant was chosen on Kimi-K2's rows
+    values, how = lofo.fold(rows, "Mixtral")  # no constant was chosen on Mixtral's rows
     assert how == {} and values == lofo.shipped()
+    values, how = lofo.fold(rows, "Kimi-K2")  # the host constants saw its Bridge rows
+    assert set(how) == {"moe_layer_host_s", "moe_expert_host_s"}
+    assert all(h.startswith("chosen on the other") for h in how.values())
     values, how = lofo.fold(rows, "MPT")  # every row that chose Composer's factor is MPT
-    assert values.values["composer-fsdp kernel_efficiency"] == 1.0
+    # ... so it falls back to the other eager-torch Hopper factor, torchtitan's (shipped here)
+    tt = lofo.shipped().values["torchtitan kernel_efficiency"]
+    assert values.values["composer-fsdp kernel_efficiency"] == tt
     assert set(how) == {"composer-fsdp kernel_efficiency"}
-    assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", 1.0),)
+    assert values.runtimes()["composer-fsdp"].kernel_efficiency == (("hopper", tt),)
+
+
+def test_a_constant_falls_back_to_the_value_of_the_table_it_was_not_chosen_on(lofo, rows):
+    """Both torchtitan's H200 rows are Llama 3: its kernel factor takes Composer's (MPT's),
+    while the constants with no other table fall back to their value before they were chosen."""
+    values, how = lofo.fold(rows, "Llama 3")
+    composer = lofo.shipped().values["composer-fsdp kernel_efficiency"]
+    assert values.values["torchtitan kernel_efficiency"] == composer
+    assert values.runtimes()["torchtitan"].kernel_efficiency == (("hopper", composer),)
+    assert values.values["torchtitan allocator_reserve_fraction"] == 0.07
+    assert values.values["torchtitan async_tp_overlap"] == 0.875
+    assert "held out" in how["torchtitan kernel_efficiency"]
+
+
+def test_what_each_held_out_constant_costs_its_family(lofo, rows):
+    """With the one constant MPT's fold holds out back at its shipped value, the fold is the
+    shipped model again: its MAPE is the shipped MAPE (the same predictions, to rounding)."""
+    mine = rows[rows.family == "MPT"]
+    values, how = lofo.fold(rows, "MPT")
+    cost = lofo.cost_of_each(mine, values, how)
+    base = lofo.score(
+        lofo.pd.DataFrame([lofo.predict(r, lofo.shipped()) for _, r in mine.iterrows()])
+    )
+    assert set(cost) == {"composer-fsdp kernel_efficiency"}
+    assert cost["composer-fsdp kernel_efficiency"] == pytest.approx(
+        base["throughput_mape"], rel=1e-12
+    )
 
 
 def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):

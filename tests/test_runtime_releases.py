@@ -61,6 +61,7 @@ def test_as_run_maps_each_switch_to_the_presets_behaviour():
     assert on.as_run(moe_a2a_overlap=False).moe_a2a_overlap == 0.0
     graphed = mcore.as_run(full_iteration_cuda_graph=True, balanced_routing=True)
     assert graphed.moe_layer_host_s == 0.0 and mcore.moe_layer_host_s > 0
+    assert graphed.moe_expert_host_s == 0.0 and mcore.moe_expert_host_s > 0
     assert graphed.moe_load_imbalance == 1.0 < mcore.moe_load_imbalance
     assert mcore.as_run(moe_shared_expert_overlap=True).moe_shared_expert_overlap
     with pytest.raises(SpecError, match="moe_dispatcher 'nccl'.*alltoall, deepep"):

@@ -135,6 +135,13 @@ class RuntimeOptions:
         moe_layer_host_s: the host's time for one MoE layer, forward and backward (Python,
             kernel launches, the dispatcher's device-to-host sync of the tokens per expert):
             a MoE layer whose GPU work is shorter takes this long (the GPU waits).
+        moe_expert_host_s: the host's time for one local expert of one MoE layer, forward and
+            backward, added to `moe_layer_host_s`: TransformerEngine's grouped linears before
+            a fused grouped-GEMM kernel run one cuBLAS GEMM per expert on several streams and
+            allocate, quantize and swizzle each expert's fp8 scaling factors with their own
+            small kernels (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, sections
+            1 item 3, 2.1.2, 2.1.3), so the host's work of a layer grows with the experts a
+            rank holds.
         moe_shared_expert_overlap: the shared experts' forward and backward run while the
             all-to-all dispatch and combine are in flight (Megatron-Core
             ``--moe-shared-expert-overlap``).
@@ -209,6 +216,7 @@ class RuntimeOptions:
     moe_a2a_overlap: float = 0.0
     moe_a2a_overlap_when_on: float = 0.0
     moe_layer_host_s: float = 0.0
+    moe_expert_host_s: float = 0.0
     moe_shared_expert_overlap: bool = False
     moe_probs_in_activation: bool = False
     mtp: bool = False
@@ -261,7 +269,7 @@ class RuntimeOptions:
         - ``moe_shared_expert_overlap`` (``--moe-shared-expert-overlap``).
         - ``full_iteration_cuda_graph`` (``cuda_graph_impl="full_iteration"``): the host
           launches one graph per iteration, so a MoE layer costs no host time of its own
-          (`moe_layer_host_s` 0).
+          (`moe_layer_host_s` and `moe_expert_host_s` 0).
         - ``balanced_routing`` (forced load balance, token drop padded to capacity): every
           expert-parallel rank gets the mean of the tokens (`moe_load_imbalance` 1).
 
@@ -286,6 +294,7 @@ class RuntimeOptions:
             changes["moe_shared_expert_overlap"] = moe_shared_expert_overlap
         if full_iteration_cuda_graph:
             changes["moe_layer_host_s"] = 0.0
+            changes["moe_expert_host_s"] = 0.0
         if balanced_routing:
             changes["moe_load_imbalance"] = 1.0
         changes = {k: v for k, v in changes.items() if getattr(self, k) != v}

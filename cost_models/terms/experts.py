@@ -183,9 +183,12 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     op_recompute = elem + fp8_fwd + expert_gemm
     op_recompute += (shared_gemm - dense_gemm) / 3 if n_up == 2 else 0.0
     comm = _comm_fwd_s(s, ctx, T, T_r, rows, shared_gemm + shared_elem)
+    # the host's time of the layer: its own and one share per expert this rank holds (the
+    # per-expert GEMM launches and fp8 scaling-factor kernels, RuntimeOptions.moe_expert_host_s)
+    host = rt.moe_layer_host_s + rt.moe_expert_host_s * local
     names = modules(s)
     if not names:
-        return ExpertLayer(fwd, bwd, comm, op_recompute, rows, rt.moe_layer_host_s)
+        return ExpertLayer(fwd, bwd, comm, op_recompute, rows, host)
     # Megatron-Core's per-module recompute repeats each named module's forward in backward
     # (transformer_config.py recompute_modules): the norms before attention and the MLP, the
     # MLA up-projections (q_b, kv_b: T x r -> heads x width, over tp), the experts'
@@ -214,7 +217,7 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
         comm,
         op_recompute,
         rows,
-        rt.moe_layer_host_s,
+        host,
         modules_s=norms + up + moe_s,
         modules_comm=1.0 if "moe" in names else 0.0,
         dense_modules_s=norms + up + dense_mlp,
@@ -504,13 +507,13 @@ def rank_s(
 ) -> tuple[float, float, float]:
     """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its
     blocks priced as dense ones; recomputed layers are MoE layers in the rank's proportion. A
-    MoE layer takes at least the runtime's host time (`moe_layer_host_s`): when its GPU work is
-    shorter, the GPU waits for the host's launches. `mixer_s`: where the MoE MLP is a Megatron
-    layer of its own (a hybrid's ``E``: `moe_is_own_layer`), what the base block's mixer adds
-    to its GPU time (attention, its norm and its pair of collectives, forward and backward;
-    `ssm.no_mixer_part`), taken out of the GPU work the host time is compared with. Megatron's
-    per-module recompute (`recompute_modules`) repeats its modules on every layer of the
-    rank."""
+    MoE layer takes at least the runtime's host time (`moe_layer_host_s` and
+    `moe_expert_host_s` per local expert): when its GPU work is shorter, the GPU waits for the
+    host's launches. `mixer_s`: where the MoE MLP is a Megatron layer of its own (a hybrid's
+    ``E``: `moe_is_own_layer`), what the base block's mixer adds to its GPU time (attention,
+    its norm and its pair of collectives, forward and backward; `ssm.no_mixer_part`), taken out
+    of the GPU work the host time is compared with. Megatron's per-module recompute
+    (`recompute_modules`) repeats its modules on every layer of the rank."""
     modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
     if not n_moe:
         return 0.0, modules_s, 0.0
