@@ -24,13 +24,20 @@ C, dt) and the scan output, and recomputes the conv and the chunk states in back
 chunk states (n_chunks x heads x head_dim x d_state per sequence) are live in the layer being
 computed. Selective recompute (the attention core) repeats nothing of a Mamba layer; full
 recompute repeats its forward.
+
+Under a runtime whose ``ssm_scan`` is ``torch_chunked`` (the `torch` preset: the Engine's
+plain-PyTorch scans, autosearch/models/ssm.py) both scans are priced op by op instead
+(`MambaSpec.torch_scan`, `GatedDeltaNetSpec.torch_scan`: each eager op's FLOPs and fp32
+elements per token, its backward by autograd's formulas), each op a roofline at the profile's
+fp32 GEMM rate or its memory bandwidth, one launch per op (a Python loop over chunks: one per
+chunk); what autograd saves of the scans replaces what the fused kernels keep.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from autosearch.core._ssm import SSDKernel
+from autosearch.core._ssm import SSDKernel, TorchOp
 from autosearch.core.layers import Layer
 from cost_models.formulas import microbatches_in_flight
 from cost_models.terms import context_parallel
@@ -63,6 +70,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # Kernels of one sublayer's memory-bound work (its norm, residual add and the mixer's or MLP's
 # own: rotary or the activation): half of the base block's eight (`compute._elementwise`).
 _SUBLAYER_LAUNCHES = 4
+# Bytes of an element of the plain-PyTorch scans: float32 whatever the input dtype
+# (autosearch/models/ssm.py ``_at_least_fp32``).
+_FP32 = 4
 # Kernels of the Gated DeltaNet mixer's chunked path forward (flash-linear-attention
 # chunk_gated_delta_rule: conv1d, cumsum, K K^T, WY solve, state, output, gated norm).
 _GDN_LAUNCHES = 7
@@ -205,9 +215,15 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, mamba.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, mamba.d_inner / t, peak, key
     )
-    forward, backward = mamba.ssd_kernels(ab)
-    scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
-    scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
+    torch_scan = None
+    if ctx.runtime.ssm_scan == "torch_chunked":
+        torch_scan = mamba.torch_scan(seq_len=int(m.seq_len // x.cp), tp=t)
+        scan_fwd = _torch_ops_s(ctx, x, torch_scan.forward) + 2 * prof.kernel_launch_s
+        scan_bwd = _torch_ops_s(ctx, x, torch_scan.backward) + 2 * prof.kernel_launch_s
+    else:
+        forward, backward = mamba.ssd_kernels(ab)
+        scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
+        scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
     elementwise = elementwise_s(ctx, x)
     # conv1d over x, B, C (read + write, SiLU fused) and the gated RMSNorm (read y and z,
     # write the product) on the local heads
@@ -221,7 +237,26 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     per_token = ab * (mamba.in_proj_width + mamba.d_inner) + li * mamba.d_inner
     per_token += 4 * mamba.n_groups
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    if torch_scan is not None:  # and what autograd saves of the plain-PyTorch scan, fp32
+        saved += T * _FP32 * torch_scan.saved_elements_per_token
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
+
+
+def _torch_ops_s(ctx: Context, x: Any, ops: "tuple[TorchOp, ...]") -> float:
+    """Seconds of a plain-PyTorch scan's eager ops (`MambaSpec.torch_scan`) on `x.T` tokens of
+    the local heads, each a roofline: its launches, then the longer of its FLOPs at the
+    profile's fp32 GEMM rate (the scans run in fp32, and PyTorch's default keeps fp32
+    matmuls off TF32: ``torch.backends.cuda.matmul.allow_tf32`` is False) and its fp32
+    elements at the memory bandwidth (`compute.stream_s`). No constant of its own."""
+    prof = ctx.profile
+    rate = prof.peak_flops["fp32"] * prof.gemm.max_efficiency.get("fp32", 1.0)
+    total = 0.0
+    for op in ops:
+        compute = x.T * op.flops_per_token / rate
+        total += op.launches * prof.kernel_launch_s + max(
+            compute, stream_s(ctx, x.T * op.elements_per_token * _FP32)
+        )
+    return total
 
 
 def _ssd_s(ctx: Context, x: Any, kernels: "tuple[SSDKernel, ...]") -> float:
@@ -256,10 +291,16 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, gdn.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, gdn.value_dim / t, peak, key
     )
-    scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
-        x.peak * attention_efficiency(ctx, x.precision)
-    )
-    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    torch_scan = None
+    if ctx.runtime.ssm_scan == "torch_chunked":
+        torch_scan = gdn.torch_scan(seq_len=int(m.seq_len // x.cp), tp=t)
+        scan_fwd = _torch_ops_s(ctx, x, torch_scan.forward)
+        scan_bwd = _torch_ops_s(ctx, x, torch_scan.backward)
+    else:
+        scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+            x.peak * attention_efficiency(ctx, x.precision)
+        )
+        scan_bwd = prof.attention_backward_over_forward * scan_fwd
     elementwise = elementwise_s(ctx, x)
     own = elementwise(T * (2 * gdn.conv_dim + 4 * gdn.key_dim + 3 * gdn.value_dim) * ab / t)
     elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
@@ -268,6 +309,8 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
     per_token = ab * (gdn.in_proj_width + gdn.conv_dim + gdn.value_dim) + li * gdn.value_dim
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    if torch_scan is not None:  # and what autograd saves of the plain-PyTorch scan, fp32
+        saved += T * _FP32 * torch_scan.saved_elements_per_token
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
