@@ -38,13 +38,16 @@ class TorchOp(NamedTuple):
     """One eager PyTorch op (or a group of the same op) of a plain-PyTorch scan
     (autosearch/models/ssm.py), forward: its FLOPs and the fp32 elements it reads and writes
     per token, whether it is a (batched) GEMM, and how many kernels it launches per micro-batch
-    (a Python loop over chunks launches once per chunk)."""
+    (a Python loop over chunks launches once per chunk), and a GEMM's shape per matrix of the
+    batch (its efficiency: `GemmEfficiency`; its backward's two GEMMs have the same three
+    dims)."""
 
     name: str
     flops_per_token: float
     elements_per_token: float
     gemm: bool = False
     launches: float = 1.0
+    shape: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a GEMM's (m, n, k) per matrix
 
 
 class TorchScan(NamedTuple):
@@ -280,20 +283,27 @@ class MambaSpec:
             TorchOp("cumsum dA", 0, 2 * h),
             TorchOp("segment sum: masked_fill, cumsum, masked_fill, exp", 0, 8 * hq, launches=4),
             TorchOp("clone C, B for bmm", 0, 4 * hn, launches=2),
-            TorchOp("bmm C B^T", 2 * q * hn, 2 * hn + hq, gemm=True),
+            TorchOp("bmm C B^T", 2 * q * hn, 2 * hn + hq, True, 1, (q, q, n)),
             TorchOp("mul by L", 0, 3 * hq),
             TorchOp("clone x for bmm", 0, 2 * d),
-            TorchOp("bmm (C B^T L) x", 2 * q * d, hq + 2 * d, gemm=True),
+            TorchOp("bmm (C B^T L) x", 2 * q * d, hq + 2 * d, True, 1, (q, p, q)),
             TorchOp("decay_states: sub, exp", 0, 4 * h, launches=2),
             TorchOp("mul B by decay", 0, 2 * hn + h),
             TorchOp("clone x, B for bmm", 0, 2 * d + 2 * hn, launches=2),
-            TorchOp("bmm states", 2 * d * n, d + hn + s, gemm=True),
+            TorchOp("bmm states", 2 * d * n, d + hn + s, True, 1, (p, n, q)),
             TorchOp("zeros, cat states", 0, 3 * s, launches=2),
             TorchOp("chunk decays: pad, segment sum", 0, 10 * h * cc, launches=5),
-            TorchOp("bmm state passing", 2 * cc * h * p * n, h * cc + 2 * (c + 1) * s / c, True),
+            TorchOp(
+                "bmm state passing",
+                2 * cc * h * p * n,
+                h * cc + 2 * (c + 1) * s / c,
+                True,
+                1,
+                (c + 1, p * n, c + 1),
+            ),
             TorchOp("exp A_cumsum", 0, 2 * h),
             TorchOp("clone C, states for bmm", 0, 2 * hn + 2 * s, launches=2),
-            TorchOp("bmm C states", 2 * d * n, hn + s + d, gemm=True),
+            TorchOp("bmm C states", 2 * d * n, hn + s + d, True, 1, (q, p, n)),
             TorchOp("mul by decay, add, clone", 0, 7 * d + h, launches=3),
         )
         # saved for backward (each storage once): the decays L and C B^T and their product,
@@ -434,20 +444,20 @@ class GatedDeltaNetSpec:
             TorchOp("masks: ones, tril, eye, bitwise_not", 0, 0, launches=6),
             TorchOp("decay: sub, masked_fill, exp", 0, 5 * hc, launches=3),
             TorchOp("clone k_beta, k^T for bmm", 0, 4 * hk, launches=2),
-            TorchOp("bmm K K^T", 2 * q * hk, 2 * hk + hc, gemm=True),
+            TorchOp("bmm K K^T", 2 * q * hk, 2 * hk + hc, True, 1, (q, q, k)),
             TorchOp("mul decay, masked_fill, add eye", 0, 7 * hc, launches=3),
-            TorchOp("solve_triangular", q * hc, 3 * hc, gemm=True),
+            TorchOp("solve_triangular", q * hc, 3 * hc, True, 1, (q, q, q)),
             TorchOp("clone v_beta for bmm", 0, 2 * hv),
-            TorchOp("bmm u = T v_beta", 2 * q * hv, hc + 2 * hv, gemm=True),
+            TorchOp("bmm u = T v_beta", 2 * q * hv, hc + 2 * hv, True, 1, (q, v, q)),
             TorchOp("exp g, k_beta * exp g, clone", 0, 2 * h + 4 * hk + h, launches=3),
-            TorchOp("bmm w = T k_beta", 2 * q * hk, hc + 2 * hk, gemm=True),
-            TorchOp("loop: bmm q k^T", 2 * q * hk, 2 * hk + hc, True, c),
+            TorchOp("bmm w = T k_beta", 2 * q * hk, hc + 2 * hk, True, 1, (q, k, q)),
+            TorchOp("loop: bmm q k^T", 2 * q * hk, 2 * hk + hc, True, c, (q, q, k)),
             TorchOp("loop: mul decay, masked_fill", 0, 5 * hc, launches=2 * c),
-            TorchOp("loop: bmm w state", 2 * hk * v, hk + st + hv, True, c),
+            TorchOp("loop: bmm w state", 2 * hk * v, hk + st + hv, True, c, (q, v, k)),
             TorchOp("loop: sub", 0, 3 * hv, launches=c),
             TorchOp("loop: exp g, q * exp g", 0, 2 * hk + 3 * h, launches=2 * c),
-            TorchOp("loop: bmm q state", 2 * hk * v, hk + st + hv, True, c),
-            TorchOp("loop: bmm scores v_new", 2 * q * hv, hc + 2 * hv, True, c),
+            TorchOp("loop: bmm q state", 2 * hk * v, hk + st + hv, True, c, (q, v, k)),
+            TorchOp("loop: bmm scores v_new", 2 * q * hv, hc + 2 * hv, True, c, (q, v, q)),
             TorchOp("loop: add", 0, 3 * hv, launches=c),
             TorchOp(
                 "loop: exp, mul state, sub, exp, k * exp",
@@ -455,7 +465,7 @@ class GatedDeltaNetSpec:
                 2 * st + 2 * hk + 5 * h,
                 launches=5 * c,
             ),
-            TorchOp("loop: bmm k^T v_new", 2 * hk * v, hk + hv + st, True, c),
+            TorchOp("loop: bmm k^T v_new", 2 * hk * v, hk + hv + st, True, c, (k, v, q)),
             TorchOp("loop: add state", 0, 3 * st, launches=c),
             TorchOp("stack", 0, 2 * hv),
         )

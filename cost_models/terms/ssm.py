@@ -243,19 +243,29 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
 
 
 def _torch_ops_s(ctx: Context, x: Any, ops: "tuple[TorchOp, ...]") -> float:
-    """Seconds of a plain-PyTorch scan's eager ops (`MambaSpec.torch_scan`) on `x.T` tokens of
-    the local heads, each a roofline: its launches, then the longer of its FLOPs at the
-    profile's fp32 GEMM rate (the scans run in fp32, and PyTorch's default keeps fp32
-    matmuls off TF32: ``torch.backends.cuda.matmul.allow_tf32`` is False) and its fp32
-    elements at the memory bandwidth (`compute.stream_s`). No constant of its own."""
-    prof = ctx.profile
-    rate = prof.peak_flops["fp32"] * prof.gemm.max_efficiency.get("fp32", 1.0)
+    """Seconds of a plain-PyTorch scan's eager ops on `x.T` tokens of the local heads
+    (`torch_scan_s`)."""
+    return torch_scan_s(ctx.profile, ops, x.T)
+
+
+def torch_scan_s(profile: Any, ops: "tuple[TorchOp, ...]", tokens: float) -> float:
+    """Seconds of a plain-PyTorch scan's eager ops (`MambaSpec.torch_scan`) on `tokens`
+    tokens of one device's heads, each a roofline: its launches, then the longer of its FLOPs
+    at the profile's fp32 GEMM rate for its shape (the scans run in fp32, and PyTorch's default
+    keeps fp32 matmuls off TF32: ``torch.backends.cuda.matmul.allow_tf32`` is False) and its fp32
+    elements at the profile's bandwidth for that working set (`compute.stream_s`). No
+    constant of its own."""
+    gemm = profile.gemm
+    rate = profile.peak_flops["fp32"] * gemm.max_efficiency.get("fp32", 1.0)
     total = 0.0
     for op in ops:
-        compute = x.T * op.flops_per_token / rate
-        total += op.launches * prof.kernel_launch_s + max(
-            compute, stream_s(ctx, x.T * op.elements_per_token * _FP32)
-        )
+        nbytes = tokens * op.elements_per_token * _FP32
+        stream = nbytes / profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
+        # a small matrix runs below the large-GEMM rate: the profile's shape curve
+        # (`GemmEfficiency`: 1 + half_dim (1/m + 1/n + 1/k))
+        shape = 1.0 + sum(gemm.half_dim / dim for dim in op.shape if dim > 0)
+        compute = tokens * op.flops_per_token / rate * shape
+        total += op.launches * profile.kernel_launch_s + max(compute, stream)
     return total
 
 
