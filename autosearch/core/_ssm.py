@@ -40,7 +40,9 @@ class TorchOp(NamedTuple):
     per token, whether it is a (batched) GEMM, and how many kernels it launches per micro-batch
     (a Python loop over chunks launches once per chunk), and a GEMM's shape per matrix of the
     batch (its efficiency: `GemmEfficiency`; its backward's two GEMMs have the same three
-    dims)."""
+    dims). Under bf16 / fp16 autocast a bmm (``torch.einsum``, ``@``) casts its two fp32
+    operands and runs in the 16-bit dtype (autocast's lower-precision op list);
+    ``linalg_solve_triangular`` is not on it and stays fp32 (`autocast` False)."""
 
     name: str
     flops_per_token: float
@@ -48,6 +50,7 @@ class TorchOp(NamedTuple):
     gemm: bool = False
     launches: float = 1.0
     shape: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a GEMM's (m, n, k) per matrix
+    autocast: bool = True  # a GEMM autocast runs in the 16-bit dtype (bmm; not the solve)
 
 
 class TorchScan(NamedTuple):
@@ -446,7 +449,7 @@ class GatedDeltaNetSpec:
             TorchOp("clone k_beta, k^T for bmm", 0, 4 * hk, launches=2),
             TorchOp("bmm K K^T", 2 * q * hk, 2 * hk + hc, True, 1, (q, q, k)),
             TorchOp("mul decay, masked_fill, add eye", 0, 7 * hc, launches=3),
-            TorchOp("solve_triangular", q * hc, 3 * hc, True, 1, (q, q, q)),
+            TorchOp("solve_triangular", q * hc, 3 * hc, True, 1, (q, q, q), False),
             TorchOp("clone v_beta for bmm", 0, 2 * hv),
             TorchOp("bmm u = T v_beta", 2 * q * hv, hc + 2 * hv, True, 1, (q, v, q)),
             TorchOp("exp g, k_beta * exp g, clone", 0, 2 * h + 4 * hk + h, launches=3),

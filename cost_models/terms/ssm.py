@@ -245,26 +245,37 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
 def _torch_ops_s(ctx: Context, x: Any, ops: "tuple[TorchOp, ...]") -> float:
     """Seconds of a plain-PyTorch scan's eager ops on `x.T` tokens of the local heads
     (`torch_scan_s`)."""
-    return torch_scan_s(ctx.profile, ops, x.T)
+    return torch_scan_s(ctx.profile, ops, x.T, precision=x.precision)
 
 
-def torch_scan_s(profile: Any, ops: "tuple[TorchOp, ...]", tokens: float) -> float:
+def torch_scan_s(
+    profile: Any, ops: "tuple[TorchOp, ...]", tokens: float, *, precision: str = "fp32"
+) -> float:
     """Seconds of a plain-PyTorch scan's eager ops (`MambaSpec.torch_scan`) on `tokens`
     tokens of one device's heads, each a roofline: its launches, then the longer of its FLOPs
-    at the profile's fp32 GEMM rate for its shape (the scans run in fp32, and PyTorch's default
-    keeps fp32 matmuls off TF32: ``torch.backends.cuda.matmul.allow_tf32`` is False) and its fp32
-    elements at the profile's bandwidth for that working set (`compute.stream_s`). No
-    constant of its own."""
+    at the profile's GEMM rate for its shape and its fp32 elements at the profile's bandwidth
+    for that working set (`compute.stream_s`). The scans run in fp32: a GEMM at the fp32 rate
+    (PyTorch keeps fp32 matmuls off TF32 by default, ``torch.backends.cuda.matmul.allow_tf32``)
+    unless `precision` is the 16-bit dtype of the strategy's autocast, under which a bmm casts
+    its two operands (two launches; their bytes, read 4 and write 2 per element, are left in
+    the fp32 count) and runs at that rate (`TorchOp.autocast`). No constant of its own."""
     gemm = profile.gemm
-    rate = profile.peak_flops["fp32"] * gemm.max_efficiency.get("fp32", 1.0)
+
+    def rate(p: str) -> float:
+        return profile.peak_flops[p] * gemm.max_efficiency.get(p, 1.0)
+
+    low = precision in ("bf16", "fp16")  # autocast: bmm's in 16 bits, two casts each
     total = 0.0
     for op in ops:
+        lowered = low and op.gemm and op.autocast
+        if lowered:
+            total += 2 * profile.kernel_launch_s
         nbytes = tokens * op.elements_per_token * _FP32
         stream = nbytes / profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
         # a small matrix runs below the large-GEMM rate: the profile's shape curve
         # (`GemmEfficiency`: 1 + half_dim (1/m + 1/n + 1/k))
         shape = 1.0 + sum(gemm.half_dim / dim for dim in op.shape if dim > 0)
-        compute = tokens * op.flops_per_token / rate * shape
+        compute = tokens * op.flops_per_token / rate(precision if lowered else "fp32") * shape
         total += op.launches * profile.kernel_launch_s + max(compute, stream)
     return total
 
