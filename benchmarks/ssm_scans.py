@@ -8,7 +8,14 @@ For each mixer kind, on one CPU-sized shape:
 - mixer error: the whole mixer against transformers' (``NemotronHMamba2Mixer``,
   ``Qwen3NextGatedDeltaNet``; torch path, the same weights), max |difference| in float32;
 - time: forward + backward of the mixer, ours and transformers', and of the recurrence alone,
-  median of 5 runs after 1 warm-up, one thread.
+  median of 5 runs after 1 warm-up, one thread (--threads);
+- the scan alone (fp32, forward + backward) measured, next to what the cost model predicts for
+  it under the Engine's runtime (``ssm_scan: torch_chunked``: `MambaSpec.torch_scan` /
+  `GatedDeltaNetSpec.torch_scan` priced by `cost_models.terms.ssm.torch_scan_s`) on a CPU
+  profile (--profile, default the committed calibration results/calibration/
+  example-amd-epyc-2c-np1.yaml: an AMD EPYC, 2 threads a process). That profile is another
+  CPU than the one this may run on, at another thread count; CPU times say how the op-by-op
+  roofline does on a CPU, not what a GPU does.
 
 Run: python benchmarks/ssm_scans.py [--seq 512]
 Prints a table and writes results/ssm_scans.csv. Tests assert the errors (tests/test_ssm.py);
@@ -69,7 +76,27 @@ def _delta_recurrence(q, k, v, g, beta):
     return torch.stack(out, dim=1)
 
 
-def mamba_row(seq: int) -> dict:
+PROFILE = ROOT / "results" / "calibration" / "example-amd-epyc-2c-np1.yaml"
+
+
+def _scan_times(fn, inputs, scan, profile, tokens: int) -> dict:
+    """The scan's forward + backward measured, and as the cost model prices it."""
+    from autosearch.core.hardware import HardwareProfile
+    from cost_models.terms.ssm import torch_scan_s
+
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+
+    def step():
+        fn(*leaves).sum().backward()
+
+    prof = HardwareProfile.load(profile)
+    return dict(
+        scan_fwd_bwd_s=_timed(step),
+        scan_predicted_s=torch_scan_s(prof, scan.forward + scan.backward, tokens),
+    )
+
+
+def mamba_row(seq: int, profile: Path = PROFILE) -> dict:
     import torch
     import transformers
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
@@ -111,10 +138,17 @@ def mamba_row(seq: int) -> dict:
         ours_fwd_bwd_s=_timed(lambda: ours(h).sum().backward()),
         transformers_fwd_bwd_s=_timed(lambda: theirs(h).sum().backward()),
         recurrence_fwd_s=_timed(lambda: _ssd_recurrence(*f32), repeats=1),
+        **_scan_times(
+            lambda *t: ssd_scan(*t, chunk_size=spec.chunk_size),
+            f32,
+            spec.torch_scan(seq_len=seq),
+            profile,
+            seq,
+        ),
     )
 
 
-def gdn_row(seq: int) -> dict:
+def gdn_row(seq: int, profile: Path = PROFILE) -> dict:
     import torch
     import transformers
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
@@ -161,6 +195,13 @@ def gdn_row(seq: int) -> dict:
         ours_fwd_bwd_s=_timed(lambda: ours(h).sum().backward()),
         transformers_fwd_bwd_s=_timed(lambda: theirs(h).sum().backward()),
         recurrence_fwd_s=_timed(lambda: _delta_recurrence(*f32), repeats=1),
+        **_scan_times(
+            lambda *t: chunk_gated_delta_rule(*t, chunk_size=c),
+            f32,
+            spec.torch_scan(seq_len=seq),
+            profile,
+            seq,
+        ),
     )
 
 
@@ -170,9 +211,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--out", default=str(ROOT / "results" / "ssm_scans.csv"))
+    parser.add_argument("--profile", default=str(PROFILE), help="a CPU hardware profile YAML")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the profile's: 2)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    rows = [mamba_row(args.seq), gdn_row(args.seq)]
+    torch.set_num_threads(args.threads)
+    rows = [mamba_row(args.seq, Path(args.profile)), gdn_row(args.seq, Path(args.profile))]
     for row in rows:
         print(f"{row['mixer']} ({row['shape']})")
         print(
@@ -184,6 +227,12 @@ def main() -> None:
             f"  forward + backward: ours {row['ours_fwd_bwd_s'] * 1e3:.1f} ms, transformers "
             f"{row['transformers_fwd_bwd_s'] * 1e3:.1f} ms; recurrence forward alone "
             f"{row['recurrence_fwd_s'] * 1e3:.1f} ms"
+        )
+        print(
+            f"  scan alone, forward + backward: measured {row['scan_fwd_bwd_s'] * 1e3:.1f} ms, "
+            f"cost model (torch_chunked, {Path(args.profile).name}) "
+            f"{row['scan_predicted_s'] * 1e3:.1f} ms "
+            f"({row['scan_predicted_s'] / row['scan_fwd_bwd_s']:.2f}x)"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

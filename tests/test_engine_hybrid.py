@@ -44,6 +44,13 @@ CASES = {  # name: (strategy, model, tolerance)
     "mamba/zero1": (f"dp=2,zero_stage=1,{B}", "mamba_hybrid", FP32),
     "mamba/zero3": (f"dp=2,zero_stage=3,{B}", "mamba_hybrid", FP32),
     "mamba/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "mamba_hybrid", EXACT),
+    # what Megatron-Core's MambaModel cannot run (mamba_interleaved_pp, mamba_uneven_pp): the
+    # Engine's pipeline splits any blocks, an empty chunk included
+    "mamba/pp2_interleaved_uneven": (
+        f"pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2,pipeline_split=0/2/1/1,{B}",
+        "mamba_hybrid",
+        EXACT,
+    ),
     "mamba/dp2_full": (f"dp=2,recompute=full,{B}", "mamba_hybrid", FP32),
     "mamba/dp2_selective": (f"dp=2,recompute=selective,{B}", "mamba_hybrid", FP32),
     "mamba/tp2": (f"tp=2,{B}", "mamba_hybrid", TP),

@@ -26,8 +26,10 @@ from cost_models.terms import ssm
 
 DATA = Path(__file__).parent / "data" / "hf_configs"
 CLUSTER = Cluster.parse("h100-sxm:4x8")
-# the runtime that trains hybrid blocks (cost_models/runtimes.yaml: mamba, gdn); the Engine
-# (torch) and torchtitan do not, and refuse them (test_runtimes_that_do_not_train_hybrids_say_so)
+# a runtime that trains hybrid blocks with the fused kernels (cost_models/runtimes.yaml: mamba,
+# gdn); the Engine (torch) trains them with its plain-PyTorch scans
+# (tests/test_torch_scan_costs.py); torchtitan and DeepSpeed refuse them
+# (test_runtimes_that_do_not_train_hybrids_say_so)
 RUNTIME = "megatron-core"
 BASE = "global_batch_size=768,micro_batch_size=1,zero_stage=1,amp=bf16"
 
@@ -264,12 +266,17 @@ def test_gdn_part_reads_what_it_declares():
 
 
 def test_runtimes_that_do_not_train_hybrids_say_so():
-    """torchtitan and DeepSpeed have no Mamba-2 layer, and the Engine's (torch) plain-PyTorch
-    scans are not what the ssm terms price (autosearch/core/runtime.py MODEL_FEATURES): a hybrid
-    priced under them is refused naming the runtime that trains it, not priced as if it ran."""
-    for runtime in ("torch", "torchtitan", "deepspeed"):
-        with pytest.raises(SpecError, match=r"not train Mamba-2 mixers.*--runtime megatron-core"):
+    """torchtitan and DeepSpeed have no Mamba-2 layer (autosearch/core/runtime.py
+    MODEL_FEATURES): a hybrid priced under them is refused naming the runtimes that train it
+    (the Engine's `torch` among them), not priced as if it ran."""
+    for runtime in ("torchtitan", "deepspeed"):
+        with pytest.raises(
+            SpecError,
+            match=r"not train Mamba-2 mixers.*runtimes that do: megatron-core, torch, "
+            r"automodel \(--runtime megatron-core\)",
+        ):
             AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime=runtime)
+    AnalyticCostModel(_load("nemotron-h-8b"), CLUSTER, runtime="torch")  # the Engine trains it
 
 
 # ---- gated attention (Qwen3-Next, Qwen3.5) ------------------------------------------------------

@@ -34,6 +34,64 @@ class SSDKernel(NamedTuple):
     bytes_per_token: float
 
 
+class TorchOp(NamedTuple):
+    """One eager PyTorch op (or a group of the same op) of a plain-PyTorch scan
+    (autosearch/models/ssm.py), forward: its FLOPs and the fp32 elements it reads and writes
+    per token, whether it is a (batched) GEMM, and how many kernels it launches per micro-batch
+    (a Python loop over chunks launches once per chunk), and a GEMM's shape per matrix of the
+    batch (its efficiency: `GemmEfficiency`; its backward's two GEMMs have the same three
+    dims). Under bf16 / fp16 autocast a bmm (``torch.einsum``, ``@``) casts its two fp32
+    operands and runs in the 16-bit dtype (autocast's lower-precision op list);
+    ``linalg_solve_triangular`` is not on it and stays fp32 (`autocast` False)."""
+
+    name: str
+    flops_per_token: float
+    elements_per_token: float
+    gemm: bool = False
+    launches: float = 1.0
+    shape: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a GEMM's (m, n, k) per matrix
+    autocast: bool = True  # a GEMM autocast runs in the 16-bit dtype (bmm; not the solve)
+
+
+class TorchScan(NamedTuple):
+    """A plain-PyTorch scan as the cost model prices it: its forward ops, its backward ops
+    (autograd's, `backward_of`) and the fp32 elements per token autograd saves for backward."""
+
+    forward: tuple[TorchOp, ...]
+    backward: tuple[TorchOp, ...]
+    saved_elements_per_token: float
+
+
+# Backward of an eager op by autograd's formulas (PyTorch tools/autograd/derivatives.yaml):
+# a bmm's two input gradients are two bmms of the forward's FLOPs (grad @ mat2^T,
+# self^T @ grad), each reading the output gradient and one saved input and writing one
+# gradient, as many elements as the forward moves; an elementwise op's gradient reads the
+# output gradient and what it saved and writes each input's gradient, about one and a half
+# times the forward's elements (a unary op: 3 passes for 2; a binary op: 6 for 3, less its
+# broadcast operands). tests/test_torch_scan_costs.py checks the sums against a census of the
+# aten ops autograd runs.
+BACKWARD_ELEMENTWISE_TRAFFIC = 1.5
+
+
+def backward_of(forward: tuple[TorchOp, ...]) -> tuple[TorchOp, ...]:
+    """The backward ops of `forward` (`BACKWARD_ELEMENTWISE_TRAFFIC`, derivatives.yaml)."""
+    out: list[TorchOp] = []
+    for op in forward:
+        if op.gemm:
+            out += [TorchOp(f"{op.name} grad {i}", *op[1:]) for i in (1, 2)]
+        else:
+            out.append(
+                TorchOp(
+                    f"{op.name} grad",
+                    0.0,
+                    BACKWARD_ELEMENTWISE_TRAFFIC * op.elements_per_token,
+                    False,
+                    op.launches,
+                )
+            )
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MambaSpec:
     """The Mamba-2 mixer of the ``M`` layers.
@@ -205,6 +263,62 @@ class MambaSpec:
         )
         return forward, backward
 
+    def torch_scan(self, *, seq_len: int, tp: int = 1) -> TorchScan:
+        """The chunked SSD scan as the Engine runs it in plain PyTorch
+        (autosearch/models/ssm.py ``ssd_scan``, mamba_ssm's ``ssd_minimal_discrete``), on the
+        n_heads / tp local heads of a sequence of `seq_len` tokens: each eager op in the order
+        of the code, fp32. Where mamba_ssm's kernels (`ssd_kernels`) keep a chunk's Q x Q
+        decays and C B^T in registers, this materialises them per chunk and head (``L``, the
+        masked segment sums, their product with C B^T): Q elements per token and head, several
+        passes each. ``torch.einsum`` contracts its operands left to right (no opt_einsum) as
+        bmm's over copies laid out for them (``clone``). Per token: d = local heads x head_dim,
+        hn = local heads x d_state (B and C repeated per head), hq = local heads x Q, the chunk
+        states s = d x d_state / Q, and the state passing across c chunks of a sequence (its
+        c x c decays)."""
+        h = self.n_heads / tp
+        p, n, q = self.head_dim, self.d_state, self.chunk_size
+        g = max(self.n_groups / tp, 1.0)
+        c = -(-seq_len // q)
+        d, hn, hq, gn = h * p, h * n, h * q, g * n
+        s = d * n / q
+        cc = (c + 1) ** 2 / (c * q)  # state passing's (c+1) x (c+1) decays, per token and head
+        ops = (
+            TorchOp("repeat_interleave B, C", 0, 2 * (gn + hn), launches=2),
+            TorchOp("x * dt", 0, 2 * d + h),
+            TorchOp("A * dt", 0, 2 * h),
+            TorchOp("pad x, dt, B, C", 0, 2 * d + 2 * h + 4 * hn, launches=4),
+            TorchOp("causal masks: ones, tril, bitwise_not", 0, 0, launches=12),
+            TorchOp("cumsum dA", 0, 2 * h),
+            TorchOp("segment sum: masked_fill, cumsum, masked_fill, exp", 0, 8 * hq, launches=4),
+            TorchOp("clone C, B for bmm", 0, 4 * hn, launches=2),
+            TorchOp("bmm C B^T", 2 * q * hn, 2 * hn + hq, True, 1, (q, q, n)),
+            TorchOp("mul by L", 0, 3 * hq),
+            TorchOp("clone x for bmm", 0, 2 * d),
+            TorchOp("bmm (C B^T L) x", 2 * q * d, hq + 2 * d, True, 1, (q, p, q)),
+            TorchOp("decay_states: sub, exp", 0, 4 * h, launches=2),
+            TorchOp("mul B by decay", 0, 2 * hn + h),
+            TorchOp("clone x, B for bmm", 0, 2 * d + 2 * hn, launches=2),
+            TorchOp("bmm states", 2 * d * n, d + hn + s, True, 1, (p, n, q)),
+            TorchOp("zeros, cat states", 0, 3 * s, launches=2),
+            TorchOp("chunk decays: pad, segment sum", 0, 10 * h * cc, launches=5),
+            TorchOp(
+                "bmm state passing",
+                2 * cc * h * p * n,
+                h * cc + 2 * (c + 1) * s / c,
+                True,
+                1,
+                (c + 1, p * n, c + 1),
+            ),
+            TorchOp("exp A_cumsum", 0, 2 * h),
+            TorchOp("clone C, states for bmm", 0, 2 * hn + 2 * s, launches=2),
+            TorchOp("bmm C states", 2 * d * n, hn + s + d, True, 1, (q, p, n)),
+            TorchOp("mul by decay, add, clone", 0, 7 * d + h, launches=3),
+        )
+        # saved for backward (each storage once): the decays L and C B^T and their product,
+        # the bmm's operand copies, x dt, B, C, the states and the decays' exps
+        saved = 3 * hq + 5 * hn + 4 * d + 2 * s + 5 * h
+        return TorchScan(ops, backward_of(ops), saved)
+
     @classmethod
     def from_value(cls, value: Any, *, what: str) -> "MambaSpec":
         if isinstance(value, MambaSpec):
@@ -340,6 +454,66 @@ class GatedDeltaNetSpec:
         pseudo-values (2 x 2 C d_v), and the state's update and read-out (2 x 2 d_k d_v)."""
         c, dk, dv = self.chunk_size, self.head_k_dim, self.head_v_dim
         return self.n_v_heads * (4 * c * dk + 4 * c * dv + 4 * dk * dv)
+
+    def torch_scan(self, *, seq_len: int, tp: int = 1) -> TorchScan:
+        """The chunked gated delta rule as the Engine runs it in plain PyTorch
+        (autosearch/models/ssm.py ``chunk_gated_delta_rule``, the WY form as transformers'
+        ``torch_chunk_gated_delta_rule``), on the n_v_heads / tp local value heads (q and k
+        repeated to them) of a sequence of `seq_len` tokens, fp32: the vectorised ops over all
+        chunks (pads, the chunk's decays, K K^T, the triangular solve, u and w), then a Python
+        loop over the c chunks, twelve ops each (`TorchOp.launches`). Per token: hk, hv = local
+        heads x head_k_dim, x head_v_dim; hc = local heads x C (a chunk's C x C matrices);
+        the state, hk x head_v_dim, once per chunk."""
+        h = self.n_v_heads / tp
+        k, v, q = self.head_k_dim, self.head_v_dim, self.chunk_size
+        c = -(-seq_len // q)
+        hk, hv, hc = h * k, h * v, h * q
+        st = hk * v / q  # the state's elements per token (one per chunk)
+        ops = (
+            TorchOp("pad q, k, v, g, beta", 0, 4 * hk + 2 * hv + 4 * h, launches=5),
+            TorchOp("q * scale", 0, 2 * hk),
+            TorchOp("k * beta, v * beta", 0, 2 * hk + 2 * hv + 2 * h, launches=2),
+            TorchOp("cumsum g", 0, 2 * h),
+            TorchOp("masks: ones, tril, eye, bitwise_not", 0, 0, launches=6),
+            TorchOp("decay: sub, masked_fill, exp", 0, 5 * hc, launches=3),
+            TorchOp("clone k_beta, k^T for bmm", 0, 4 * hk, launches=2),
+            TorchOp("bmm K K^T", 2 * q * hk, 2 * hk + hc, True, 1, (q, q, k)),
+            TorchOp("mul decay, masked_fill, add eye", 0, 7 * hc, launches=3),
+            TorchOp("solve_triangular", q * hc, 3 * hc, True, 1, (q, q, q), False),
+            TorchOp("clone v_beta for bmm", 0, 2 * hv),
+            TorchOp("bmm u = T v_beta", 2 * q * hv, hc + 2 * hv, True, 1, (q, v, q)),
+            TorchOp("exp g, k_beta * exp g, clone", 0, 2 * h + 4 * hk + h, launches=3),
+            TorchOp("bmm w = T k_beta", 2 * q * hk, hc + 2 * hk, True, 1, (q, k, q)),
+            TorchOp("loop: bmm q k^T", 2 * q * hk, 2 * hk + hc, True, c, (q, q, k)),
+            TorchOp("loop: mul decay, masked_fill", 0, 5 * hc, launches=2 * c),
+            TorchOp("loop: bmm w state", 2 * hk * v, hk + st + hv, True, c, (q, v, k)),
+            TorchOp("loop: sub", 0, 3 * hv, launches=c),
+            TorchOp("loop: exp g, q * exp g", 0, 2 * hk + 3 * h, launches=2 * c),
+            TorchOp("loop: bmm q state", 2 * hk * v, hk + st + hv, True, c, (q, v, k)),
+            TorchOp("loop: bmm scores v_new", 2 * q * hv, hc + 2 * hv, True, c, (q, v, q)),
+            TorchOp("loop: add", 0, 3 * hv, launches=c),
+            TorchOp(
+                "loop: exp, mul state, sub, exp, k * exp",
+                0,
+                2 * st + 2 * hk + 5 * h,
+                launches=5 * c,
+            ),
+            TorchOp("loop: bmm k^T v_new", 2 * hk * v, hk + hv + st, True, c, (k, v, q)),
+            TorchOp("loop: add state", 0, 3 * st, launches=c),
+            TorchOp("stack", 0, 2 * hv),
+        )
+        # saved: the decays, K K^T, the solve's matrix and T, q k^T and the masked scores
+        # (six C x C per chunk and head), q, k, k_beta and the bmm copies, v, v_beta, v_new,
+        # the state of each chunk and the gates' exps
+        saved = 6 * hc + 8 * hk + 3 * hv + st + 8 * h
+        # the loop indexes six tensors by chunk (q, k, w: hk; u: hv; the decays: hc; g: h); the
+        # gradient of each index is a zero tensor of the whole size with the chunk's gradient
+        # copied in (derivatives.yaml: ``select_backward``), summed into the tensor's gradient
+        # (autograd's accumulation, an add of the whole size): about four passes of the whole
+        # tensor per chunk, so this backward grows with the chunks of a sequence
+        indexed = 3 * hk + hv + hc + h
+        select = TorchOp("loop: select_backward, accumulate", 0, 4 * c * indexed, launches=12 * c)
+        return TorchScan(ops, (*backward_of(ops), select), saved)
 
     @classmethod
     def from_value(cls, value: Any, *, what: str) -> "GatedDeltaNetSpec":

@@ -23,10 +23,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 MOE_DISPATCHERS = ("alltoall", "deepep")
+# How a runtime runs the scans of Mamba-2 and Gated DeltaNet mixers (`RuntimeOptions.ssm_scan`)
+SSM_SCANS = ("fused", "torch_chunked")
 # Kinds of block a runtime must support to train a model that has them (a runtime's
-# ``supports``), by the mixer name of `autosearch.core.layers`. The Engine trains both
-# (autosearch/models/ssm.py) but its `torch` preset lists neither: its plain-PyTorch scans are
-# not what the ssm terms price (the fused kernels)
+# ``supports``), by the mixer name of `autosearch.core.layers`. The `torch` preset (the Engine,
+# autosearch/models/ssm.py) trains both with its plain-PyTorch scans (``ssm_scan:
+# torch_chunked``)
 MODEL_FEATURES = {
     "mamba": "Mamba-2 mixers (M in the layer pattern)",
     "gdn": "Gated DeltaNet mixers (G in the layer pattern)",
@@ -120,6 +122,12 @@ class RuntimeOptions:
             (TransformerEngine), not the 16-bit one (torchao).
         fused_swiglu: the runtime's SwiGLU is one fused kernel that keeps 3 x sbf, not 4
             (TransformerEngine); `compile` fuses it too.
+        ssm_scan: how the runtime runs the chunked scans of Mamba-2 and Gated DeltaNet mixers:
+            ``fused``, mamba_ssm's and flash-linear-attention's Triton kernels
+            (`MambaSpec.ssd_kernels`; Megatron-Core, Hugging Face modeling code with the kernels
+            installed), or ``torch_chunked``, the Engine's plain-PyTorch scans
+            (autosearch/models/ssm.py: `MambaSpec.torch_scan`, `GatedDeltaNetSpec.torch_scan`),
+            which materialise each chunk's decays and products in fp32 and save them.
         moe_load_imbalance: under dropless routing with real (not forced-balanced) routing, the
             tokens of the busiest expert-parallel rank over the mean: the expert GEMMs and the
             all-to-all of every MoE layer wait for that rank (1: balanced).
@@ -209,6 +217,7 @@ class RuntimeOptions:
     fp8_all_gather: bool = False
     fp8_saves_fp8_inputs: bool = False
     fused_swiglu: bool = False
+    ssm_scan: str = "fused"
     param_bytes: int = 4
     allocator_reserve_fraction: float = 0.0
     moe_load_imbalance: float = 1.0
@@ -413,6 +422,11 @@ class RuntimeOptions:
             raise SpecError(
                 f"{what}: moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got "
                 f"{kwargs['moe_dispatcher']!r}"
+            )
+        if kwargs.get("ssm_scan", "fused") not in SSM_SCANS:
+            raise SpecError(
+                f"{what}: ssm_scan must be one of {', '.join(SSM_SCANS)}, got "
+                f"{kwargs['ssm_scan']!r}"
             )
         if "kernel_efficiency" in kwargs:
             factors = kwargs["kernel_efficiency"] or {}

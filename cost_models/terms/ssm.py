@@ -50,13 +50,20 @@ direction a roofline of those bytes at the profile's bandwidth and those FLOPs a
 (non-tensor) peak, backward twice the forward's FLOPs (it recomputes the forward recurrence,
 then runs the adjoint one). At d_state 16 the bytes dominate. The conv1d and Jamba's dt / B / C
 norms are memory-bound kernels.
+
+Under a runtime whose ``ssm_scan`` is ``torch_chunked`` (the `torch` preset: the Engine's
+plain-PyTorch scans, autosearch/models/ssm.py) both scans are priced op by op instead
+(`MambaSpec.torch_scan`, `GatedDeltaNetSpec.torch_scan`: each eager op's FLOPs and fp32
+elements per token, its backward by autograd's formulas), each op a roofline at the profile's
+fp32 GEMM rate or its memory bandwidth, one launch per op (a Python loop over chunks: one per
+chunk); what autograd saves of the scans replaces what the fused kernels keep.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from autosearch.core._ssm import SSDKernel
+from autosearch.core._ssm import SSDKernel, TorchOp
 from autosearch.core.layers import Layer
 from cost_models.formulas import microbatches_in_flight
 from cost_models.terms import context_parallel
@@ -89,6 +96,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # Kernels of one sublayer's memory-bound work (its norm, residual add and the mixer's or MLP's
 # own: rotary or the activation): half of the base block's eight (`compute._elementwise`).
 _SUBLAYER_LAUNCHES = 4
+# Bytes of an element of the plain-PyTorch scans: float32 whatever the input dtype
+# (autosearch/models/ssm.py ``_at_least_fp32``).
+_FP32 = 4
 # Kernels of the Gated DeltaNet mixer's chunked path forward (flash-linear-attention
 # chunk_gated_delta_rule: conv1d, cumsum, K K^T, WY solve, state, output, gated norm).
 _GDN_LAUNCHES = 7
@@ -231,9 +241,15 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     gemms = gemm.time_s(T, mamba.in_proj_width / t, h, peak, key) + gemm.time_s(
         T, h, mamba.d_inner / t, peak, key
     )
-    forward, backward = mamba.ssd_kernels(ab)
-    scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
-    scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
+    torch_scan = None
+    if ctx.runtime.ssm_scan == "torch_chunked":
+        torch_scan = mamba.torch_scan(seq_len=int(m.seq_len // x.cp), tp=t)
+        scan_fwd = _torch_ops_s(ctx, x, torch_scan.forward) + 2 * prof.kernel_launch_s
+        scan_bwd = _torch_ops_s(ctx, x, torch_scan.backward) + 2 * prof.kernel_launch_s
+    else:
+        forward, backward = mamba.ssd_kernels(ab)
+        scan_fwd = _ssd_s(ctx, x, forward) + 2 * prof.kernel_launch_s  # + conv1d, gated norm
+        scan_bwd = _ssd_s(ctx, x, backward) + 2 * prof.kernel_launch_s
     elementwise = elementwise_s(ctx, x)
     # conv1d over x, B, C (read + write, SiLU fused) and the gated RMSNorm (read y and z,
     # write the product) on the local heads
@@ -247,6 +263,8 @@ def _mamba(s: "Strategy", ctx: Context) -> _Sublayer:
     per_token = ab * (mamba.in_proj_width + mamba.d_inner) + li * mamba.d_inner
     per_token += 4 * mamba.n_groups
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    if torch_scan is not None:  # and what autograd saves of the plain-PyTorch scan, fp32
+        saved += T * _FP32 * torch_scan.saved_elements_per_token
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
@@ -290,6 +308,44 @@ def _mamba1(s: "Strategy", ctx: Context) -> _Sublayer:
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
+def _torch_ops_s(ctx: Context, x: Any, ops: "tuple[TorchOp, ...]") -> float:
+    """Seconds of a plain-PyTorch scan's eager ops on `x.T` tokens of the local heads
+    (`torch_scan_s`)."""
+    return torch_scan_s(ctx.profile, ops, x.T, precision=x.precision)
+
+
+def torch_scan_s(
+    profile: Any, ops: "tuple[TorchOp, ...]", tokens: float, *, precision: str = "fp32"
+) -> float:
+    """Seconds of a plain-PyTorch scan's eager ops (`MambaSpec.torch_scan`) on `tokens`
+    tokens of one device's heads, each a roofline: its launches, then the longer of its FLOPs
+    at the profile's GEMM rate for its shape and its fp32 elements at the profile's bandwidth
+    for that working set (`compute.stream_s`). The scans run in fp32: a GEMM at the fp32 rate
+    (PyTorch keeps fp32 matmuls off TF32 by default, ``torch.backends.cuda.matmul.allow_tf32``)
+    unless `precision` is the 16-bit dtype of the strategy's autocast, under which a bmm casts
+    its two operands (two launches; their bytes, read 4 and write 2 per element, are left in
+    the fp32 count) and runs at that rate (`TorchOp.autocast`). No constant of its own."""
+    gemm = profile.gemm
+
+    def rate(p: str) -> float:
+        return profile.peak_flops[p] * gemm.max_efficiency.get(p, 1.0)
+
+    low = precision in ("bf16", "fp16")  # autocast: bmm's in 16 bits, two casts each
+    total = 0.0
+    for op in ops:
+        lowered = low and op.gemm and op.autocast
+        if lowered:
+            total += 2 * profile.kernel_launch_s
+        nbytes = tokens * op.elements_per_token * _FP32
+        stream = nbytes / profile.stream_bandwidth_bytes_per_s(nbytes) if nbytes > 0 else 0.0
+        # a small matrix runs below the large-GEMM rate: the profile's shape curve
+        # (`GemmEfficiency`: 1 + half_dim (1/m + 1/n + 1/k))
+        shape = 1.0 + sum(gemm.half_dim / dim for dim in op.shape if dim > 0)
+        compute = tokens * op.flops_per_token / rate(precision if lowered else "fp32") * shape
+        total += op.launches * profile.kernel_launch_s + max(compute, stream)
+    return total
+
+
 def _ssd_s(ctx: Context, x: Any, kernels: "tuple[SSDKernel, ...]") -> float:
     """Seconds of the SSD scan's kernels on the local heads (`MambaSpec.ssd_kernels`), each
     a roofline: its launch, then the longer of its tensor-core work (at the fused-attention
@@ -324,10 +380,16 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     )
     if gdn.gate_rank is not None:  # Kimi Delta Attention's low-rank gate and decay
         gemms += gemm.time_s(T, gdn.gate_up_width / t, gdn.gate_rank, peak, key)
-    scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
-        x.peak * attention_efficiency(ctx, x.precision)
-    )
-    scan_bwd = prof.attention_backward_over_forward * scan_fwd
+    torch_scan = None
+    if ctx.runtime.ssm_scan == "torch_chunked":
+        torch_scan = gdn.torch_scan(seq_len=int(m.seq_len // x.cp), tp=t)
+        scan_fwd = _torch_ops_s(ctx, x, torch_scan.forward)
+        scan_bwd = _torch_ops_s(ctx, x, torch_scan.backward)
+    else:
+        scan_fwd = _GDN_LAUNCHES * prof.kernel_launch_s + T * gdn.chunk_flops_per_token() / t / (
+            x.peak * attention_efficiency(ctx, x.precision)
+        )
+        scan_bwd = prof.attention_backward_over_forward * scan_fwd
     elementwise = elementwise_s(ctx, x)
     own = elementwise(T * (2 * gdn.conv_dim + 4 * gdn.key_dim + 3 * gdn.value_dim) * ab / t)
     elem = _SUBLAYER_LAUNCHES * prof.kernel_launch_s + _norm_and_residual_s(ctx, x) + own
@@ -336,6 +398,8 @@ def _gdn(s: "Strategy", ctx: Context) -> _Sublayer:
     li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
     per_token = ab * (gdn.in_proj_width + gdn.conv_dim + gdn.value_dim) + li * gdn.value_dim
     saved = _sublayer_input_bytes(s, ctx) + T * per_token / t
+    if torch_scan is not None:  # and what autograd saves of the plain-PyTorch scan, fp32
+        saved += T * _FP32 * torch_scan.saved_elements_per_token
     return _Sublayer(fwd, bwd, fwd, 0.0, saved)
 
 
