@@ -221,6 +221,13 @@ def test_torch_preset_declares_what_the_engine_runs_and_on_which_devices():
         "ep_over_tp",  # ep groups that take tp ranks (each tp rank routes its own tokens)
         "etp",  # the experts' width split over etp of the tp ranks
         "etp_below_tp",  # 1 < etp < tp: etp consecutive tp ranks (Megatron-Core's folding)
+        "offload_optimizer",  # torchao's CPUOffloadOptimizer, or FSDP2's CPU offload with params
+        "offload_params",  # FSDP2's CPUOffloadPolicy (tests/test_engine_offload.py)
+        "offload_activations",  # save_on_cpu around each block
+        "mamba",  # autosearch/models/ssm.py Mamba2Mixer (tests/test_engine_hybrid.py)
+        "gdn",  # autosearch/models/ssm.py GatedDeltaNet
+        "mamba_interleaved_pp",  # the Engine's pipeline splits any blocks (MambaModel cannot)
+        "mamba_uneven_pp",
     }
     s = Strategy(tp=2, async_tp=True, compile=True, fp8="rowwise")
     assert torch_rt.unsupported(s) == {}
