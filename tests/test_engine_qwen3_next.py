@@ -7,7 +7,8 @@ the wrapper computes transformers' logits under transformers' names, `hf_model` 
 weights back bitwise, and the parameters number the planner's count plus what the ModelSpec
 leaves out (autosearch/core/hf_config.py's module doc). Multi-process (gloo, world 2, fp32, 3
 AdamW steps, as tests/test_engine_hybrid.py with its tolerances): dp, ZeRO 2/3, pp, selective and
-full recompute with the MoE layers, tp and tp + sp on the dense one, and meta-device init under
+full recompute, ep (+ ZeRO 3), tp and tp + sp x ep with the MoE layers (the Engine's MoE with the
+gated shared expert), tp and tp + sp on the dense one, and meta-device init under
 ZeRO 3 and tp + sp, against one process. A trained model saved with ``save_pretrained`` loads in
 transformers bitwise and predicts what the Engine predicts.
 """
@@ -21,6 +22,7 @@ pytest.importorskip("transformers")
 import engine_workers as W  # noqa: E402
 
 from autosearch import Engine  # noqa: E402
+from autosearch.core.errors import SpecError  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
 from autosearch.engine.build import wrap_known  # noqa: E402
 from autosearch.models.hf.qwen3_next import Qwen3NextCausalLM  # noqa: E402
@@ -34,6 +36,14 @@ CASES = {  # name: (strategy, model, tolerance)
     "qwen3_next/pp2": (f"pp=2,pipeline_schedule=1f1b,{B}", "hf_qwen3_next", EXACT),
     "qwen3_next/dp2_selective": (f"dp=2,recompute=selective,{B}", "hf_qwen3_next", FP32),
     "qwen3_next/zero2_full": (f"dp=2,zero_stage=2,recompute=full,{B}", "hf_qwen3_next", FP32),
+    "qwen3_next/ep2": (f"dp=2,ep=2,{B}", "hf_qwen3_next", FP32),
+    "qwen3_next/ep2_zero3_full": (
+        f"dp=2,ep=2,zero_stage=3,recompute=full,{B}",
+        "hf_qwen3_next",
+        FP32,
+    ),
+    "qwen3_next/tp2": (f"tp=2,{B}", "hf_qwen3_next", TP),
+    "qwen3_next/tp2_sp_ep2": (f"tp=2,sequence_parallel=true,ep=2,{B}", "hf_qwen3_next", TP),
     "qwen3_next_dense/tp2": (f"tp=2,{B}", "hf_qwen3_next_dense", TP),
     "qwen3_next_dense/tp2_sp_selective": (
         f"tp=2,sequence_parallel=true,recompute=selective,{B}",
@@ -85,14 +95,18 @@ def test_the_wrapper_refuses_what_it_does_not_run_with_the_reason():
     for plan, strategy, says in (
         (moe, "cp=2", "cp=2 with"),
         (dense, "cp=2", "cp=2 with"),
-        (moe, "dp=2,ep=2", "transformers' own module"),
-        (moe, "tp=2", "Qwen3NextSparseMoeBlock"),
+        (moe, "dp=8,ep=8", "ep=8 does not divide the 4 routed experts"),
         (dense, "tp=4", "tp=4 does not divide"),  # 2 Gated DeltaNet key heads
     ):
         problems = plan.check(Strategy.parse(f"{strategy},{B}"))
         assert any(says in p for p in problems), (strategy, problems)
     assert dense.check(Strategy.parse(f"tp=2,sequence_parallel=true,{B}")) == []
     assert moe.check(Strategy.parse(f"dp=2,pp=2,zero_stage=3,{B}")) == []
+    assert moe.check(Strategy.parse(f"tp=2,sequence_parallel=true,ep=2,{B}")) == []
+    hf = W.make_model("hf_qwen3_next")
+    hf.config.output_router_logits = True
+    with pytest.raises(SpecError, match="output_router_logits = False"):
+        wrap_known(hf)
 
 
 def test_qwen3_next_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path):

@@ -7,7 +7,7 @@ each ``Qwen3NextDecoderLayer`` has a pre-norm, a mixer (``linear_attn``: Gated D
 sigmoid(``shared_expert_gate``)) and a residual. What the ModelSpec does not describe stays in
 transformers' modules: the zero-centred RMSNorms (``Qwen3NextRMSNorm``: x * (1 + w)), the
 per-head q/k norms, partial rotary (``partial_rotary_factor``, in transformers' rotary table and
-``apply_rotary_pos_emb``), the gated shared expert.
+``apply_rotary_pos_emb``); the shared expert's gate is transformers' Linear inside ours.
 
 When the wrapper takes the model over, each ``Qwen3NextGatedDeltaNet`` is replaced by
 `autosearch.models.ssm.GatedDeltaNet` holding the same weights under the same names
@@ -19,13 +19,20 @@ lays them back. Each attention layer gets an attention core (transformers' SDPA 
 code in ``Qwen3NextAttention.forward``: q_proj's rows are per head (query, gate), so tensor
 parallel's column split by heads keeps each head's gate with it.
 
-What runs: dp, ZeRO 1-3 (FSDP2), pp, full and selective recompute; tensor parallel (+ sequence
-parallel) where every MLP is dense. Refused with the reason: context parallel (the Gated
-DeltaNet state passes along the sequence, as the cost model says), expert parallel and tensor
-parallel of the MoE layers (transformers' ``Qwen3NextSparseMoeBlock``, whose experts are one
-parameter each). Qwen3.5 (qwen3_5_text, qwen3_5_moe_text) is not taken: its Gated DeltaNet has
-separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a projections (not Qwen3-Next's packed
-rows) and its text rotary is multimodal (M-RoPE), so it needs its own layout.
+Each ``Qwen3NextSparseMoeBlock`` becomes the Engine's MoE with the gated shared expert
+(`autosearch.models.hf.qwen2_moe.GatedSharedMoE`: transformers' Qwen3-Next router, experts and
+shared expert are Qwen2-MoE's code), under transformers' names (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate.weight``), which expert parallelism
+shards.
+
+What runs: dp, ZeRO 1-3 (FSDP2), pp, full and selective recompute, tensor parallel (+ sequence
+parallel; the MoE layers route each tp rank's tokens), expert parallel. Refused with the reason:
+context parallel (the Gated DeltaNet state passes along the sequence, as the cost model says),
+a tp that does not divide the Gated DeltaNet key heads, ``output_router_logits`` (transformers'
+load-balancing loss is not added; Qwen3NextConfig's default is off). Qwen3.5 (qwen3_5_text,
+qwen3_5_moe_text) is not taken: its Gated DeltaNet has separate in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a projections (not Qwen3-Next's packed rows) and its text rotary is
+multimodal (M-RoPE), so it needs its own layout.
 """
 
 from __future__ import annotations
@@ -37,10 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from autosearch.core.errors import SpecError
 from autosearch.distributed.plan import ParallelPlan
-from autosearch.models.hf.causal_lm import _sequence_shards
+from autosearch.models.hf.causal_lm import _sequence_shards, init_moe, moe_layers_of
 from autosearch.models.hf.hybrid import HFHybridCausalLM
-from autosearch.models.ssm import GatedDeltaNet, ssm_tp_plan
+from autosearch.models.hf.qwen2_moe import GatedSharedMoE
+from autosearch.models.moe import FusedExperts, MoE, sequence_parallel_style
+from autosearch.models.ssm import GatedDeltaNet, ssm_strategy_problems, ssm_tp_plan
 
 
 class Qwen3NextCausalLM(HFHybridCausalLM):
@@ -69,6 +79,41 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
                 layer.linear_attn = _as_gated_delta_net(
                     layer.linear_attn, gdn, self.config.hidden_size, self.config.rms_norm_eps
                 )
+        self._use_gated_shared_moe()
+        layers = moe_layers_of(self)
+        self.n_moe_layers = len(layers)
+        self.n_experts = layers[0].n_experts if layers else 0
+        self.top_k = layers[0].top_k if layers else 0
+
+    def _use_gated_shared_moe(self) -> None:
+        """Each ``Qwen3NextSparseMoeBlock`` becomes the Engine's MoE with the gated shared
+        expert (`autosearch.models.hf.qwen2_moe.GatedSharedMoE`: transformers' router, experts
+        and shared expert are Qwen2-MoE's, the same code), under the same names."""
+        config = self.config
+        if getattr(config, "output_router_logits", False):
+            raise SpecError(
+                "output_router_logits true: the Engine trains Qwen3-Next without transformers' "
+                "load-balancing loss (Qwen3NextConfig's default is false); set "
+                "config.output_router_logits = False"
+            )
+        for layer in self.model.layers.values():
+            block = layer.mlp
+            if not hasattr(block, "experts"):  # a dense layer (mlp_only_layers)
+                continue
+            hf_experts = block.experts
+            moe = GatedSharedMoE(
+                shared_expert=block.shared_expert,
+                shared_expert_gate=block.shared_expert_gate,
+                dim=config.hidden_size,
+                hidden=hf_experts.intermediate_dim,
+                n_experts=hf_experts.num_experts,
+                top_k=config.num_experts_per_tok,
+                norm_topk_prob=config.norm_topk_prob,
+                aux_loss_coef=0.0,
+            )
+            moe.gate.weight = block.gate.weight
+            moe.experts = FusedExperts(hf_experts.gate_up_proj, hf_experts.down_proj)
+            layer.mlp = moe
 
     def _gdn_layers(self) -> list[str]:
         return [
@@ -77,8 +122,10 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
             if isinstance(getattr(b, "linear_attn", None), GatedDeltaNet)
         ]
 
-    def _moe_layers(self) -> list[str]:
-        return [n for n, b in self.model.layers.items() if hasattr(b.mlp, "experts")]
+    def _moe_blocks(self) -> dict[str, bool] | None:
+        """{layer name: whether its MLP is the Engine's MoE} (None: none is)."""
+        blocks = {n: isinstance(b.mlp, MoE) for n, b in self.model.layers.items()}
+        return blocks if any(blocks.values()) else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
@@ -107,6 +154,7 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
         """transformers' init (zero-centred norms at 0, normal projections and experts); the
         Gated DeltaNet mixers (ours) as `GatedDeltaNet.init_ssm` does."""
         super().init_weights()
+        init_moe(self)  # the fused experts, normal(0, initializer_range) as transformers'
         for module in self.modules():
             if isinstance(module, GatedDeltaNet):
                 module.init_ssm()
@@ -114,20 +162,30 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
     def parallel_plan(self) -> ParallelPlan:
         return dataclasses.replace(
             super().parallel_plan(),
-            tp_plan=functools.partial(self.qwen3_next_tp_plan, gdn=tuple(self._gdn_layers())),
+            tp_plan=functools.partial(
+                self.qwen3_next_tp_plan,
+                gdn=tuple(self._gdn_layers()),
+                moe_blocks=self._moe_blocks(),
+            ),
         )
 
     @staticmethod
     def qwen3_next_tp_plan(
-        *, sequence_parallel: bool, loss_parallel: bool, gdn: tuple[str, ...] = ()
+        *,
+        sequence_parallel: bool,
+        loss_parallel: bool,
+        gdn: tuple[str, ...] = (),
+        moe_blocks: dict[str, bool] | None = None,
     ) -> dict:
         """Megatron's split on transformers' names: q_proj (each head's query and gate rows),
         k_proj, v_proj column-wise and o_proj row-wise, the per-head q/k norms on this rank's
         heads (a replicated weight whose gradient is summed over tp, as Qwen3's), the dense
         MLPs' gate/up column-wise and down row-wise, each Gated DeltaNet by key heads
         (`ssm_tp_plan`); embeddings by vocabulary rows, lm_head by vocabulary columns; with
-        sequence parallel the norms on the ranks' shards and each mixer's and MLP's input
-        gathered."""
+        sequence parallel the norms on the ranks' shards and each mixer's and dense MLP's input
+        gathered. The MoE layers (`moe_blocks`: {layer name: its MLP is one}) route each tp
+        rank's own tokens (parallel folding, `autosearch.models.moe.apply_ep`; their shared
+        expert and its gate replicated, their gradients summed over tp)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
@@ -163,9 +221,15 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
                 input_kwarg_layouts={"hidden_states": Shard(1)},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
             )
-            plan[layer + "mlp"] = PrepareModuleInput(
+            dense = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             )
+            if moe_blocks:  # one entry per layer: the MoE ones take and give their shard
+                for name, is_moe in moe_blocks.items():
+                    style = sequence_parallel_style() if is_moe else dense
+                    plan[f"model.layers.{name}.mlp"] = style
+            else:
+                plan[layer + "mlp"] = dense
         for name in gdn:  # its own style gathers its input under sp
             plan.update(
                 ssm_tp_plan(
@@ -175,14 +239,9 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
         return plan
 
     def _check_strategy(self, strategy) -> list[str]:
-        problems = super()._check_strategy(strategy)
-        if strategy.tp > 1 and self._moe_layers():
-            problems.append(
-                f"tp={strategy.tp}: Qwen3-Next's MoE layers run transformers' "
-                "Qwen3NextSparseMoeBlock, which has no tensor-parallel plan here; use tp=1 "
-                "(dp, zero, pp), or a config whose MLPs are all dense (num_experts 0)"
-            )
-        return problems
+        """The ModelSpec's and the Gated DeltaNet's checks (cp refused, tp dividing the key
+        heads); the MoE layers are the Engine's, so ep, etp and tp run."""
+        return strategy.problems(self.spec) + ssm_strategy_problems(self.spec, strategy)
 
     def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
         """transformers' model holding `state_dict` (or this module's weights), the Gated
