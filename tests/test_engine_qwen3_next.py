@@ -158,3 +158,35 @@ def test_qwen3_next_under_each_dimension_matches_one_process(world2, name):
     else:
         early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
         assert early <= tol[0] and gap <= tol[1], f"{name}: {got} vs single-process {ref}"
+
+
+# Four processes (`extended`): tp + sp x ep composed with the pipeline and with FSDP2 over dp
+WORLD4 = {
+    "qwen3_next/pp2_tp2_sp_ep2": (
+        f"pp=2,tp=2,sequence_parallel=true,ep=2,pipeline_schedule=1f1b,{B}",
+        "hf_qwen3_next",
+        TP,
+    ),
+    "qwen3_next/dp2_tp2_zero3_sp": (
+        f"dp=2,tp=2,zero_stage=3,sequence_parallel=true,{B}",
+        "hf_qwen3_next",
+        TP,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_qwen3_next_at_world_size_4_matches_one_process(name):
+    strategy, kind, tol = WORLD4[name]
+    results = W.launch(4, "equivalence_each", [dict(name=name, strategy=strategy, model=kind)])
+    got = results[0][name]
+    assert not isinstance(got, str), f"{name} failed:\n{got}"
+    assert all(r[name] == got for r in results), f"{name}: ranks differ"
+    torch.set_num_threads(1)  # as the workers
+    ref = W.reference_losses(B, kind)
+    gap = max(abs(a - b) for a, b in zip(got, ref))
+    print(f"{name}: max loss difference {gap:.2e}")
+    early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
+    assert early <= tol[0] and gap <= tol[1], f"{name}: {got} vs single-process {ref}"
