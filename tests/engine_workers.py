@@ -80,6 +80,10 @@ MODELS["gdn_hybrid"] = ModelSpec.from_dict(
     }
 )
 MODELS["gdn_dense"] = MODELS["gdn_hybrid"].scaled(layer_pattern="G-G*--", moe=None)
+# Qwen3-Next's gated attention (attention_output_gate: q_proj also gives a sigmoid gate per head)
+# on the Llama shape, and on the GDN hybrid; tests/test_gated_attention.py
+MODELS["gated_llama"] = MODELS["llama"].scaled(attention_output_gate=True)
+MODELS["gated_gdn"] = MODELS["gdn_hybrid"].scaled(attention_output_gate=True)
 # Nemotron 3 Nano's layout (Mamba-2 blocks with MoE MLPs, an attention block), with SwiGLU
 # experts and an auxiliary loss (the reference MoE's; Nano's squared-ReLU experts under an
 # aux-loss-free router are not built)
@@ -221,6 +225,31 @@ HF_HYBRID_FAMILIES = {
             "attention_multiplier": 0.2,
             "position_embedding_type": "rope",
         },
+    ),
+}
+# Qwen3-Next: Gated DeltaNet and gated attention layers (partial rotary, q/k norms, zero-centred
+# norms), a dense first layer and MoE layers with the gated shared expert; and the same with
+# every MLP dense (num_experts 0), which tensor parallel splits (tests/test_engine_qwen3_next.py)
+_QWEN3_NEXT = {
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "mlp_only_layers": [0],
+}
+HF_HYBRID_FAMILIES |= {
+    "hf_qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _QWEN3_NEXT),
+    "hf_qwen3_next_dense": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {**_QWEN3_NEXT, "num_experts": 0},
     ),
 }
 ALL_HF = {**HF_FAMILIES, **HF_GPT_FAMILIES, **HF_DENSE_FAMILIES, **HF_HYBRID_FAMILIES}

@@ -299,7 +299,9 @@ def test_the_attention_output_gate_is_priced_as_its_projection():
     assert with_gate.memory.params_bytes > plain.memory.params_bytes
     assert ModelSpec.from_dict(gated.to_dict()) == gated
     assert "attention_output_gate" not in m.to_dict()  # files as before the field
-    assert any("output gate" in what for what in unbuilt(gated))
+    assert (
+        unbuilt(gated) == []
+    )  # the reference transformer builds it (tests/test_gated_attention.py)
     with pytest.raises(SpecError, match="attention_output_gate with mla is not modelled"):
         dataclasses.replace(ModelSpec.load("deepseek-v2"), attention_output_gate=True)
 

@@ -964,7 +964,8 @@ def check_priced(model: ModelSpec) -> None:
 def unbuilt(model: ModelSpec) -> list[str]:
     """What `autosearch.models.transformer.Transformer` (the reference model the Engine trains)
     does not build in `model`, one phrase each. It builds attention blocks (multi-head or
-    grouped-query, any head size, sliding windows, soft-capped scores and logits) with a GELU,
+    grouped-query, any head size, sliding windows, soft-capped scores and logits, the output
+    gate of Qwen3-Next) with a GELU,
     squared-ReLU, SwiGLU or GeGLU MLP, learned or rotary positions, dropless SwiGLU
     mixture-of-experts layers with an auxiliary loss or none, and the hybrid blocks of
     Megatron's layer pattern (Mamba-2 and Gated DeltaNet mixers, a mixer or an MLP alone;
@@ -987,8 +988,6 @@ def unbuilt(model: ModelSpec) -> list[str]:
         out.append("ALiBi position biases (position_embedding alibi)")
     if model.mtp_layers:
         out.append(f"multi-token prediction (mtp_layers {model.mtp_layers}; 0 trains without it)")
-    if model.attention_output_gate:
-        out.append("the attention output gate (attention_output_gate)")
     return out
 
 

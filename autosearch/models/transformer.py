@@ -124,7 +124,11 @@ class Attention(nn.Module):
         bias = spec.linear_bias
         h, q = spec.hidden_size, spec.attention_hidden_size
         self.head_dim = spec.head_dim
-        self.wq = nn.Linear(h, q, bias=bias)
+        # With the output gate (Qwen3-Next, Qwen3.5): wq gives each head's query and then its
+        # gate, transformers' Qwen3NextAttention.q_proj layout, so that a column split by heads
+        # (tp) gives each rank its heads' gates too.
+        self.gated = spec.attention_output_gate
+        self.wq = nn.Linear(h, q + spec.attention_gate_width, bias=bias)
         self.wk = nn.Linear(h, spec.kv_hidden_size, bias=bias)
         self.wv = nn.Linear(h, spec.kv_hidden_size, bias=bias)
         self.wo = nn.Linear(q, h, bias=bias)
@@ -134,7 +138,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        gate = None
+        if self.gated:  # Qwen3NextAttention.forward: per head, the query then the gate
+            q, gate = self.wq(x).view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
@@ -142,7 +150,10 @@ class Attention(nn.Module):
                 rope = rope[:, self.context_parallel.positions(seq, rope.device)]
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        if gate is not None:  # elementwise per token: under cp each rank gates its own tokens
+            out = out * torch.sigmoid(gate.reshape(batch, seq, -1))
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):

@@ -6,8 +6,10 @@ parameter names: the Llama layout in `HFCausalLM` (causal_lm.py: Llama, Mistral,
 Mixtral / Qwen3-MoE with the Engine's MoE), GPT-2 and GPT-NeoX in `HFGPTCausalLM` (gpt.py), the
 dense families beyond Llama in `HFDenseCausalLM` (dense.py: Qwen3, Gemma 1-3, Phi-3, Nemotron),
 the MoE families with their own module (qwen2_moe.py, deepseek.py, gpt_oss.py, llama4.py), and
-the hybrids Nemotron-H / Nemotron 3 and Granite 4.0-H (hybrid.py). A new family is one entry
-here and, if the existing wrappers do not fit, one module (docs/contributing.md).
+the hybrids Nemotron-H / Nemotron 3 and Granite 4.0-H (hybrid.py) and Qwen3-Next
+(qwen3_next.py; not yet Qwen3.5, whose Gated DeltaNet projections are laid out otherwise). A
+new family is one entry here and, if the existing wrappers do not fit, one module
+(docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ WRAPPERS = {
     "llama4_text": "autosearch.models.hf.llama4:Llama4CausalLM",
     "nemotron_h": "autosearch.models.hf.hybrid:NemotronHCausalLM",
     "granitemoehybrid": "autosearch.models.hf.hybrid:GraniteHybridCausalLM",
+    "qwen3_next": "autosearch.models.hf.qwen3_next:Qwen3NextCausalLM",
 }
 FAMILIES = tuple(WRAPPERS)  # the model_types the Engine trains
 

@@ -1,0 +1,265 @@
+"""Qwen3-Next (transformers ``Qwen3NextForCausalLM``, model_type qwen3_next) under the Engine.
+
+Transformers' modules are kept under their own names (`HFHybridCausalLM`, hybrid.py's pattern):
+each ``Qwen3NextDecoderLayer`` has a pre-norm, a mixer (``linear_attn``: Gated DeltaNet, or
+``self_attn``: gated attention) with a residual, then a pre-norm, an MLP (``mlp``: SwiGLU, or
+``Qwen3NextSparseMoeBlock``: routed experts and a shared expert scaled by
+sigmoid(``shared_expert_gate``)) and a residual. What the ModelSpec does not describe stays in
+transformers' modules: the zero-centred RMSNorms (``Qwen3NextRMSNorm``: x * (1 + w)), the
+per-head q/k norms, partial rotary (``partial_rotary_factor``, in transformers' rotary table and
+``apply_rotary_pos_emb``); the shared expert's gate is transformers' Linear inside ours.
+
+When the wrapper takes the model over, each ``Qwen3NextGatedDeltaNet`` is replaced by
+`autosearch.models.ssm.GatedDeltaNet` holding the same weights under the same names
+(``model.layers.0.linear_attn.in_proj_qkvz.weight``), its conv channels re-laid by key head so
+that tensor parallel gives each rank whole heads (`GatedDeltaNet.from_transformers`); it
+computes transformers' torch path (tests/test_ssm.py). `hf_model` (``Engine.save_pretrained``)
+lays them back. Each attention layer gets an attention core (transformers' SDPA through
+`AttentionCore`) that selective recompute checkpoints; the output gate is transformers' own
+code in ``Qwen3NextAttention.forward``: q_proj's rows are per head (query, gate), so tensor
+parallel's column split by heads keeps each head's gate with it.
+
+Each ``Qwen3NextSparseMoeBlock`` becomes the Engine's MoE with the gated shared expert
+(`autosearch.models.hf.qwen2_moe.GatedSharedMoE`: transformers' Qwen3-Next router, experts and
+shared expert are Qwen2-MoE's code), under transformers' names (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate.weight``), which expert parallelism
+shards.
+
+What runs: dp, ZeRO 1-3 (FSDP2), pp, full and selective recompute, tensor parallel (+ sequence
+parallel; the MoE layers route each tp rank's tokens), expert parallel. Refused with the reason:
+context parallel (the Gated DeltaNet state passes along the sequence, as the cost model says),
+a tp that does not divide the Gated DeltaNet key heads, ``output_router_logits`` (transformers'
+load-balancing loss is not added; Qwen3NextConfig's default is off). Qwen3.5 (qwen3_5_text,
+qwen3_5_moe_text) is not taken: its Gated DeltaNet has separate in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a projections (not Qwen3-Next's packed rows) and its text rotary is
+multimodal (M-RoPE), so it needs its own layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from autosearch.core.errors import SpecError
+from autosearch.distributed.plan import ParallelPlan
+from autosearch.models.hf.causal_lm import _sequence_shards, init_moe, moe_layers_of
+from autosearch.models.hf.hybrid import HFHybridCausalLM
+from autosearch.models.hf.qwen2_moe import GatedSharedMoE
+from autosearch.models.moe import FusedExperts, MoE, sequence_parallel_style
+from autosearch.models.ssm import GatedDeltaNet, ssm_strategy_problems, ssm_tp_plan
+
+
+class Qwen3NextCausalLM(HFHybridCausalLM):
+    """A transformers ``Qwen3NextForCausalLM`` as the Engine runs it (module doc).
+
+    Args:
+        hf_model: the causal LM (random or pretrained); its modules are taken over, not copied.
+        seq_len: training sequence length for the ModelSpec (default the config's
+            ``max_position_embeddings``).
+    """
+
+    model_types = ("qwen3_next",)
+    embedding = "embed_tokens"
+    final_norm = "norm"
+    attention = "self_attn"
+
+    @staticmethod
+    def is_attention(layer: nn.Module) -> bool:
+        return layer.block_type == "full_attention"
+
+    def __init__(self, hf_model: nn.Module, *, seq_len: int | None = None):
+        super().__init__(hf_model, seq_len=seq_len)
+        gdn = self.spec.gdn
+        for layer in self.model.layers.values():
+            if layer.block_type == "linear_attention" and gdn is not None:
+                layer.linear_attn = _as_gated_delta_net(
+                    layer.linear_attn, gdn, self.config.hidden_size, self.config.rms_norm_eps
+                )
+        self._use_gated_shared_moe()
+        layers = moe_layers_of(self)
+        self.n_moe_layers = len(layers)
+        self.n_experts = layers[0].n_experts if layers else 0
+        self.top_k = layers[0].top_k if layers else 0
+
+    def _use_gated_shared_moe(self) -> None:
+        """Each ``Qwen3NextSparseMoeBlock`` becomes the Engine's MoE with the gated shared
+        expert (`autosearch.models.hf.qwen2_moe.GatedSharedMoE`: transformers' router, experts
+        and shared expert are Qwen2-MoE's, the same code), under the same names."""
+        config = self.config
+        if getattr(config, "output_router_logits", False):
+            raise SpecError(
+                "output_router_logits true: the Engine trains Qwen3-Next without transformers' "
+                "load-balancing loss (Qwen3NextConfig's default is false); set "
+                "config.output_router_logits = False"
+            )
+        for layer in self.model.layers.values():
+            block = layer.mlp
+            if not hasattr(block, "experts"):  # a dense layer (mlp_only_layers)
+                continue
+            hf_experts = block.experts
+            moe = GatedSharedMoE(
+                shared_expert=block.shared_expert,
+                shared_expert_gate=block.shared_expert_gate,
+                dim=config.hidden_size,
+                hidden=hf_experts.intermediate_dim,
+                n_experts=hf_experts.num_experts,
+                top_k=config.num_experts_per_tok,
+                norm_topk_prob=config.norm_topk_prob,
+                aux_loss_coef=0.0,
+            )
+            moe.gate.weight = block.gate.weight
+            moe.experts = FusedExperts(hf_experts.gate_up_proj, hf_experts.down_proj)
+            layer.mlp = moe
+
+    def _gdn_layers(self) -> list[str]:
+        return [
+            n
+            for n, b in self.model.layers.items()
+            if isinstance(getattr(b, "linear_attn", None), GatedDeltaNet)
+        ]
+
+    def _moe_blocks(self) -> dict[str, bool] | None:
+        """{layer name: whether its MLP is the Engine's MoE} (None: none is)."""
+        blocks = {n: isinstance(b.mlp, MoE) for n, b in self.model.layers.items()}
+        return blocks if any(blocks.values()) else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
+        states to hidden states. Causal attention without a mask (`AttentionCore`), no cache."""
+        m = self.model
+        layers = list(m.layers.values())
+        if m.embed_tokens is not None:
+            seq = tokens.shape[1]
+            h = m.embed_tokens(tokens)
+        else:  # a later stage: under sequence parallel its input is this rank's shard
+            h = tokens
+            norm = layers[0].input_layernorm if layers else m.norm
+            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        position_embeddings = m.rotary_emb(h, positions)  # partial rotary: transformers' table
+        for layer in layers:
+            h = layer(h, position_embeddings=position_embeddings)
+        if m.norm is not None:
+            h = m.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' init (zero-centred norms at 0, normal projections and experts); the
+        Gated DeltaNet mixers (ours) as `GatedDeltaNet.init_ssm` does."""
+        super().init_weights()
+        init_moe(self)  # the fused experts, normal(0, initializer_range) as transformers'
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.init_ssm()
+
+    def parallel_plan(self) -> ParallelPlan:
+        return dataclasses.replace(
+            super().parallel_plan(),
+            tp_plan=functools.partial(
+                self.qwen3_next_tp_plan,
+                gdn=tuple(self._gdn_layers()),
+                moe_blocks=self._moe_blocks(),
+            ),
+        )
+
+    @staticmethod
+    def qwen3_next_tp_plan(
+        *,
+        sequence_parallel: bool,
+        loss_parallel: bool,
+        gdn: tuple[str, ...] = (),
+        moe_blocks: dict[str, bool] | None = None,
+    ) -> dict:
+        """Megatron's split on transformers' names: q_proj (each head's query and gate rows),
+        k_proj, v_proj column-wise and o_proj row-wise, the per-head q/k norms on this rank's
+        heads (a replicated weight whose gradient is summed over tp, as Qwen3's), the dense
+        MLPs' gate/up column-wise and down row-wise, each Gated DeltaNet by key heads
+        (`ssm_tp_plan`); embeddings by vocabulary rows, lm_head by vocabulary columns; with
+        sequence parallel the norms on the ranks' shards and each mixer's and dense MLP's input
+        gathered. The MoE layers (`moe_blocks`: {layer name: its MLP is one}) route each tp
+        rank's own tokens (parallel folding, `autosearch.models.moe.apply_ep`; their shared
+        expert and its gate replicated, their gradients summed over tp)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        act = Shard(1) if sequence_parallel else Replicate()
+        layer = "model.layers.*."
+        plan: dict = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "lm_head": ColwiseParallel(
+                input_layouts=act,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+            layer + "self_attn.q_proj": ColwiseParallel(),
+            layer + "self_attn.k_proj": ColwiseParallel(),
+            layer + "self_attn.v_proj": ColwiseParallel(),
+            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            layer + "mlp.gate_proj": ColwiseParallel(),
+            layer + "mlp.up_proj": ColwiseParallel(),
+            layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
+        }
+        if sequence_parallel:
+            plan["model.norm"] = SequenceParallel()
+            plan[layer + "input_layernorm"] = SequenceParallel()
+            plan[layer + "post_attention_layernorm"] = SequenceParallel()
+            plan[layer + "self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+            dense = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            if moe_blocks:  # one entry per layer: the MoE ones take and give their shard
+                for name, is_moe in moe_blocks.items():
+                    style = sequence_parallel_style() if is_moe else dense
+                    plan[f"model.layers.{name}.mlp"] = style
+            else:
+                plan[layer + "mlp"] = dense
+        for name in gdn:  # its own style gathers its input under sp
+            plan.update(
+                ssm_tp_plan(
+                    f"model.layers.{name}.linear_attn", "gdn", sequence_parallel=sequence_parallel
+                )
+            )
+        return plan
+
+    def _check_strategy(self, strategy) -> list[str]:
+        """The ModelSpec's and the Gated DeltaNet's checks (cp refused, tp dividing the key
+        heads); the MoE layers are the Engine's, so ep, etp and tp run."""
+        return strategy.problems(self.spec) + ssm_strategy_problems(self.spec, strategy)
+
+    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
+        """transformers' model holding `state_dict` (or this module's weights), the Gated
+        DeltaNet rows laid back in transformers' order."""
+        state = dict(state_dict if state_dict is not None else self.state_dict())
+        for name in self._gdn_layers():
+            mixer = self.model.layers[name].linear_attn
+            prefix = f"model.layers.{name}.linear_attn."
+            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
+        return super().hf_model(state)
+
+
+def _as_gated_delta_net(theirs: Any, spec, hidden: int, eps: float) -> GatedDeltaNet:
+    """`GatedDeltaNet` holding the weights of transformers' ``Qwen3NextGatedDeltaNet``
+    `theirs` (re-laid by key head), on its device (the meta device too). Its SiLU is the
+    only activation `ModelSpec.from_hf_config` reads for Qwen3-Next (hidden_act)."""
+    with torch.device(theirs.A_log.device):
+        ours = GatedDeltaNet(spec, hidden, eps=eps)
+    ours.load_state_dict(ours.from_transformers(theirs.state_dict()), assign=True)
+    return ours
