@@ -20,9 +20,12 @@ by group for tensor parallel (`grouped_order`), and `from_transformers` / `to_tr
 convert a mixer's state dict (tests/test_ssm.py checks the outputs against transformers' own
 torch path on the same weights).
 
-Both scans run in float32, as transformers' and the kernels' do, whatever the input dtype.
-Their step-by-step recurrences are in tests/test_ssm.py, which checks the chunked forms
-against them in float64.
+Both scans take their inputs in float32 whatever the input dtype, as transformers' torch paths
+do; under an autocast region their einsums and matmuls are on autocast's lower-precision list,
+so they run in bf16 / fp16 there, as transformers' torch paths do too (the fused mamba_ssm and
+flash-linear-attention kernels accumulate in fp32 instead). The `torch` runtime prices them so
+(`ssm_scan: torch_chunked`, docs/runtimes.md [1.10]). Their step-by-step recurrences are in
+tests/test_ssm.py, which checks the chunked forms against them in float64.
 """
 
 from __future__ import annotations
