@@ -46,10 +46,15 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.distributed.plan import ParallelPlan
-from autosearch.models.hf.causal_lm import _sequence_shards, init_moe, moe_layers_of
+from autosearch.models.hf.causal_lm import (
+    HFCausalLM,
+    _sequence_shards,
+    init_moe,
+    moe_layers_of,
+)
 from autosearch.models.hf.hybrid import HFHybridCausalLM
 from autosearch.models.hf.qwen2_moe import GatedSharedMoE
-from autosearch.models.moe import FusedExperts, MoE, sequence_parallel_style
+from autosearch.models.moe import FusedExperts, MoE
 from autosearch.models.ssm import GatedDeltaNet, ssm_strategy_problems, ssm_tp_plan
 
 
@@ -177,65 +182,21 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
         gdn: tuple[str, ...] = (),
         moe_blocks: dict[str, bool] | None = None,
     ) -> dict:
-        """Megatron's split on transformers' names: q_proj (each head's query and gate rows),
-        k_proj, v_proj column-wise and o_proj row-wise, the per-head q/k norms on this rank's
-        heads (a replicated weight whose gradient is summed over tp, as Qwen3's), the dense
-        MLPs' gate/up column-wise and down row-wise, each Gated DeltaNet by key heads
-        (`ssm_tp_plan`); embeddings by vocabulary rows, lm_head by vocabulary columns; with
-        sequence parallel the norms on the ranks' shards and each mixer's and dense MLP's input
-        gathered. The MoE layers (`moe_blocks`: {layer name: its MLP is one}) route each tp
-        rank's own tokens (parallel folding, `autosearch.models.moe.apply_ep`; their shared
-        expert and its gate replicated, their gradients summed over tp)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
+        """The Llama layout's plan on transformers' names (`HFCausalLM.tp_plan`: q_proj with
+        each head's query and gate rows, k/v_proj column-wise, o_proj row-wise, the per-head
+        q/k norms on this rank's heads, the dense MLPs, the MoE layers of `moe_blocks` routing
+        each tp rank's own tokens, sequence parallel's norms and gathers), plus each Gated
+        DeltaNet layer of `gdn` split by key heads (`ssm_tp_plan`; its own style gathers its
+        input under sp). Its attention and MLP modules carry the Llama layout's names, so the
+        same entries reach them; the ``linear_attn`` layers match none of them."""
+        plan = HFCausalLM.tp_plan(
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            moe_blocks=moe_blocks,
         )
-
-        act = Shard(1) if sequence_parallel else Replicate()
-        layer = "model.layers.*."
-        plan: dict = {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-            "lm_head": ColwiseParallel(
-                input_layouts=act,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-            layer + "self_attn.q_proj": ColwiseParallel(),
-            layer + "self_attn.k_proj": ColwiseParallel(),
-            layer + "self_attn.v_proj": ColwiseParallel(),
-            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
-            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            layer + "mlp.gate_proj": ColwiseParallel(),
-            layer + "mlp.up_proj": ColwiseParallel(),
-            layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
-        }
-        if sequence_parallel:
-            plan["model.norm"] = SequenceParallel()
-            plan[layer + "input_layernorm"] = SequenceParallel()
-            plan[layer + "post_attention_layernorm"] = SequenceParallel()
-            plan[layer + "self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            )
-            dense = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-            if moe_blocks:  # one entry per layer: the MoE ones take and give their shard
-                for name, is_moe in moe_blocks.items():
-                    style = sequence_parallel_style() if is_moe else dense
-                    plan[f"model.layers.{name}.mlp"] = style
-            else:
-                plan[layer + "mlp"] = dense
-        for name in gdn:  # its own style gathers its input under sp
-            plan.update(
-                ssm_tp_plan(
-                    f"model.layers.{name}.linear_attn", "gdn", sequence_parallel=sequence_parallel
-                )
-            )
+        for name in gdn:
+            mixer = f"model.layers.{name}.linear_attn"
+            plan.update(ssm_tp_plan(mixer, "gdn", sequence_parallel=sequence_parallel))
         return plan
 
     def _check_strategy(self, strategy) -> list[str]:
