@@ -105,7 +105,11 @@ def nemo_rows() -> pd.DataFrame:
         published = float(r.published)
         if r.metric == "step_time_s":
             published = gbs * seq / published / gpus
-        automodel = r.id.startswith("AUTOMODEL")
+        # what the run's recipe ran where the source leaves it out (its run columns,
+        # benchmarks/reference/README.md): NeMo Automodel's config, full activation
+        # checkpointing and torch.compile (ASSUMED["nemo automodel"])
+        recompute = "unknown" if pd.isna(r.run_recompute) else str(r.run_recompute)
+        compiled = str(r.run_compile).lower() == "true"
         # the run's query groups where its recipe changed the released model's: NeMo's 405B
         # recipe as DGX Cloud v24.11.1 ran it (llama3.1_405b.yaml @ 35a9aec) has 16, not 8
         kv = r.n_kv_heads if pd.isna(r.n_kv_heads_run) else r.n_kv_heads_run
@@ -118,7 +122,9 @@ def nemo_rows() -> pd.DataFrame:
                 "targets": tuple(str(r.lora_targets).split()),
             }
         )
-        framework = "megatron-core (megatron-bridge)" if r.id.startswith("MB") else "nemo"
+        framework = {  # by the release the run ran (its `runtime` column)
+            "torchtitan": "nemo automodel (fsdp2)",  # Automodel's torch stack
+        }.get(r.runtime, "megatron-core (megatron-bridge)" if "bridge" in r.runtime else "nemo")
         out.append(
             {
                 "id": r.id,
@@ -140,16 +146,16 @@ def nemo_rows() -> pd.DataFrame:
                 "virtual_stages": 1 if pd.isna(r.vp) else int(r.vp),
                 "micro_batch_size": int(r.micro_batch_size),
                 "global_batch_size": gbs,
-                "recompute": "full" if automodel else "unknown",
+                "recompute": recompute,
                 "recompute_note": "",
                 "sequence_parallel": tp > 1,
                 # the distributed optimizer (ZeRO-1), or FSDP where the row gives a degree
                 "zero_stage": 3 if fsdp.isdigit() and int(fsdp) > 0 else 1,
                 "amp": "bf16",
                 "fp8": "tensorwise" if str(r.precision).startswith("fp8") else "none",
-                "compile": automodel,
+                "compile": compiled,
                 "async_tp": False,
-                "framework": "nemo automodel (fsdp2)" if automodel else framework,
+                "framework": framework,
                 "runtime": r.runtime,
                 "lora": lora,
                 "metric": "tokens_per_s_per_gpu",
@@ -170,7 +176,8 @@ def load_rows() -> pd.DataFrame:
 
 def group_of(row: pd.Series) -> str:
     if row.get("table") == NEMO_TABLE:
-        return "NeMo Automodel H100" if row.id.startswith("AUTOMODEL") else "NeMo dense H100"
+        automodel = row.framework == "nemo automodel (fsdp2)"
+        return "NeMo Automodel H100" if automodel else "NeMo dense H100"
     if row.id.startswith("MOSAIC"):
         return "MosaicML H100" if row.gpu == "h100-sxm" else "MosaicML A100-80"
     if row.id.startswith(("MLM", "MBRIDGE")):
@@ -223,7 +230,8 @@ def strategy_of(row: pd.Series, runtime: str) -> Strategy:
     schedule = "1f1b"
     torchtitan = runtime.startswith("torchtitan")
     if torchtitan and pp > 1:
-        v = 2 if "Interleaved" in row.id else 1
+        # torchtitan's interleaved schedule: 2 stages per rank where the source does not say
+        v = 2 if row.pipeline_schedule == "interleaved_1f1b" else 1
         mb = gbs // dp // (pp * v)  # as many micro-batches as stages
     if v > 1:
         schedule = "interleaved_1f1b"

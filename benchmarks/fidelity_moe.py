@@ -107,6 +107,10 @@ ASSUMED = {
     " Qwen3-30B pp2 row: pp2 vp12, moe_flex_dispatcher_backend deepep, moe_a2a_overlap True"
     " -> both. The 25.09 Qwen3 rows: run_script.py @fa0315ae2 applies token drop and TP comm"
     " overlap and names no dispatcher: preset defaults",
+    "Bridge 26.02 Qwen3-235B B300": "the release's preset (tag v0.3.0,"
+    " qwen3_workload_base_configs.py QWEN3_235B_A22B_PRETRAIN_CONFIG_B300_FP8_CS_V2: pp8 vp4"
+    " ep8, no CUDA graphs): moe_a2a_overlap True -> the A2A overlap (26.02.01's tag is not"
+    " known: its row keeps the preset's)",
     "Bridge 25.09 DeepSeek-V3 H100": "scripts/performance/run_script.py @fa0315ae2 (the"
     " script the 25.09 rows ran): on h100 enable_deepep (moe_token_dispatcher_type flex,"
     " moe_enable_deepep), moe_router_force_load_balancing, overlap_moe_expert_parallel_comm"
@@ -145,6 +149,31 @@ ASSUMED = {
     "ambiguous rows": "a row whose published figure contradicts its neighbours (same layout,"
     " another release) with no stated cause is flagged AMBIGUOUS in moe_runs.csv's note: scored"
     " and counted, and its group reported also without it (`without_ambiguous`)",
+    "NeMo Framework Mixtral": "NeMo 25.02 / 25.04 performance mode"
+    " (recipes/mixtral_8x7b.py, mixtral_8x22b.py, mixtral_8x22b_64k.py at v2.2.0 / v2.3.0:"
+    " pretrain_performance_optimizations adds MegatronTokenDropCallback, capacity factor 1.0,"
+    " padded) -> balanced (balanced_routing true), as the DGX Cloud rows; Llama 4 Scout on"
+    " GB200 (25.07, NeMo v2.4.0: scripts/performance/llm/pretrain_llama4_e16.py builds"
+    " pretrain_recipe(performance_mode=True), whose recipes/llama4_e16.py"
+    " pretrain_performance_optimizations adds MegatronTokenDropCallback) -> balanced too",
+    "per-layer CUDA graphs": "Megatron-Core's enable_cuda_graph (CudaGraphManager replays the"
+    " whole TransformerLayer, megatron-core 0.12 transformer_layer.py __call__; the drop-and-pad"
+    " MoE layer has static shapes and no device-to-host sync, token_dispatcher.py preprocess)"
+    " -> cuda_graph layer (no host time of a MoE layer): Mixtral 8x7B on B200 in 25.02 (NeMo"
+    " v2.2.0 scripts/llm/performance/pretrain_mixtral_8x7b.py: enable_cuda_graph = gpu in"
+    " ['b200']), on GB200 in 25.04 (v2.3.0 recommended_model_configs/model_configs_gb200.csv:"
+    " cuda_graphs 1), Llama 4 Scout on GB200 in 25.07 (v2.4.0 model_configs_gb200.csv:"
+    " cuda_graphs 1), DGX Cloud's Llama 4 Maverick H100 FP8 (dgxc-benchmarking llama4/launch.sh"
+    " @1f6d9f4: CUDA_GRAPH true for fp8 on h100). Mixtral 8x22B (model_configs_b200.csv"
+    " cuda_graphs 0 at v2.3.0; no switch in v2.2.0's script), Maverick on GB200 (launch.sh"
+    " CUDA_GRAPH false) and DeepSeek-V3 (recommended configs cuda_graphs 0) -> none",
+    "TP comm overlap": "TE userbuffers' overlap (tp_comm_overlap column -> Strategy async_tp):"
+    " DGX Cloud's Llama 4 Maverick recipe sets MegatronCommOverlapCallback(tp_comm_overlap=True)"
+    " (NeMo 7a8f1cc7 recipes/llama4_e128.py pretrain_performance_optimizations; tp 4 with"
+    " sequence parallel on H100) -> on; DeepSeek-V3 (scripts/performance/llm/"
+    "pretrain_deepseek_v3.py: tp_comm_overlap=False) and Mixtral (the recipes' callback leaves"
+    " it None, which MegatronCommOverlapCallback._get_model_comm_overlap_cfgs keeps False) ->"
+    " off; every other row -> off (the preset's tp_overlap)",
     "a2a overlap": "rows that turn on Megatron's EP A2A overlap (moe_a2a_overlap True,"
     " '1f1b overlap') -> the preset's moe_a2a_overlap_when_on",
     "micro batch": "blank (Model Zoo long-context rows) -> 1",
@@ -230,7 +259,7 @@ def strategy_of(row: pd.Series) -> Strategy:
     """The row's Strategy from its columns: the published layout (n_gpus, tp, pp, cp, ep, etp,
     micro and global batch) and what the run set (`zero_stage`, `virtual_stages`,
     `pipeline_split`, `recompute_granularity`, `recompute_modules`,
-    `schedule_global_batch_size`: benchmarks/reference/README.md)."""
+    `schedule_global_batch_size`, `tp_comm_overlap`: benchmarks/reference/README.md)."""
     n, tp, pp, cp = int(row.n_gpus), _int(row.tp, 1), _int(row.pp, 1), _int(row.cp, 1)
     v = _int(row.virtual_stages, 1)
     split = str(row.pipeline_split).split() if not pd.isna(row.pipeline_split) else []
@@ -250,28 +279,45 @@ def strategy_of(row: pd.Series) -> Strategy:
         recompute=str(row.recompute_granularity),
         recompute_modules=str(row.recompute_modules),
         sequence_parallel=tp > 1,  # ASSUMED["sequence parallel"]
+        # TE userbuffers' TP communication overlap where the run's recipe turns it on
+        # (`tp_comm_overlap`; ASSUMED["TP comm overlap"]): the runtime's async_tp_overlap
+        async_tp=tp > 1 and _flag(row.get("tp_comm_overlap")) is True,
         zero_stage=_int(row.zero_stage, 1),
         amp="bf16",
         fp8="none" if precision.startswith("bf16") else "tensorwise",  # ASSUMED["fp8"]
     )
 
 
+# NeMo 2's performance-summary releases and the key under which a fold of
+# benchmarks/leave_one_family_out.py varies their Blackwell kernel efficiency
+NEMO2_RELEASES = ("nemo-25.02", "nemo-25.04", "nemo-25.07")
+NEMO2_BLACKWELL = "nemo-25 kernel_efficiency"
+
+
 def runtime_of(row: pd.Series, fields: dict | None = None) -> RuntimeOptions:
     """The row's release preset (its `runtime` column) as the run configured it (its
     `grad_reduce_in_fp32`, `moe_dispatcher`, `moe_a2a_overlap`, `moe_shared_expert_overlap`,
-    `cuda_graph`, `balanced_routing` columns: `RuntimeOptions.as_run`). `fields` replaces
-    preset fields of the Megatron-Core presets first (what `leave_one_group_out` and
-    `choose_load_imbalance` vary)."""
+    `cuda_graph` (`full_iteration`, `layer`), `balanced_routing`, `offload_modules` columns:
+    `RuntimeOptions.as_run`).
+    `fields` replaces preset fields of the Megatron-Core presets first (what
+    `leave_one_group_out` and `choose_load_imbalance` vary); its `NEMO2_BLACKWELL` entry the
+    Blackwell `kernel_efficiency` of the NeMo 2 releases."""
     rt = RUNTIMES[str(row.runtime)]
+    fields = dict(fields or {})
+    nemo_blackwell = fields.pop(NEMO2_BLACKWELL, None)
     if fields and rt.framework == "megatron-core":
         rt = dataclasses.replace(rt, **fields)
+    if nemo_blackwell is not None and rt.name in NEMO2_RELEASES:
+        rt = dataclasses.replace(rt, kernel_efficiency=(("blackwell", nemo_blackwell),))
     return rt.as_run(
         grad_reduce_in_fp32=_flag(row.grad_reduce_in_fp32),
         moe_dispatcher=None if pd.isna(row.moe_dispatcher) else str(row.moe_dispatcher),
         moe_a2a_overlap=_flag(row.moe_a2a_overlap),
         moe_shared_expert_overlap=_flag(row.moe_shared_expert_overlap),
         full_iteration_cuda_graph=str(row.cuda_graph) == "full_iteration",
+        layer_cuda_graph=str(row.cuda_graph) == "layer",
         balanced_routing=_flag(row.balanced_routing),
+        offload_modules=None if pd.isna(row.get("offload_modules")) else str(row.offload_modules),
     )
 
 
@@ -334,8 +380,9 @@ def predict(row: pd.Series, *, fields: dict | None = None) -> dict:
 def _moe_seconds(cost_model: AnalyticCostModel, s: Strategy) -> dict:
     """What the MoE layers of the slowest pipeline rank add to a step (inside the report's
     compute and tp_comm terms): the experts' compute over a dense MLP's, the exposed
-    all-to-all, and the runtime's host floor (`moe_layer_host_s` per layer; the GPU work of a
-    shorter layer waits for it). Read from the cost model's per-layer terms
+    all-to-all, and the runtime's host time (`moe_layer_host_s` per layer, `moe_expert_host_s`
+    per local expert: added to the layer's GPU work, `experts.rank_s`; the column keeps its
+    old name, host_floor). Read from the cost model's per-layer terms
     (`experts.layer`), for the diagnosis of a row, not a second estimate."""
     moe = cost_model.kind_terms[("mlp", "moe")]  # experts.MoELayers
     e = moe.expert_layer(s)  # the cached experts.layer(s, ctx)

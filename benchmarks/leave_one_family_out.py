@@ -123,7 +123,7 @@ class Values:
     values: dict
 
     def moe_fields(self) -> dict:
-        return {k: self.values[k] for k in _MCORE if k in self.values}
+        return {k: self.values[k] for k in (*_MCORE, MOE.NEMO2_BLACKWELL) if k in self.values}
 
     def runtimes(self) -> dict:
         """The dense benchmark's presets with this fold's torchtitan and Composer constants."""
@@ -235,6 +235,17 @@ def _mb_h100(rows: pd.DataFrame) -> pd.Series:
     return (rows.bench == "moe") & rows.id.str.startswith("MB") & (rows.gpu == "h100-sxm")
 
 
+def _nemo2_blackwell(rows: pd.DataFrame) -> pd.Series:
+    """The NeMo 2 performance-summary and DGX Cloud rows on Blackwell but DeepSeek-V3's (MLA
+    runs TE's unfused attention there, docs/runtimes.md [3.12]: not the kernels' speed)."""
+    return (
+        (rows.bench == "moe")
+        & rows.runtime.isin(MOE.NEMO2_RELEASES)
+        & rows.gpu.isin(["b200", "gb200"])
+        & ~rows.id.str.startswith("DGXC250504-DSV3")
+    )
+
+
 def _tt(rows: pd.DataFrame) -> pd.Series:
     return (rows.bench == "modern") & rows.id.str.startswith("TT-")
 
@@ -279,6 +290,16 @@ CONSTANTS = (
         chose=lambda r: _mb_h100(r) & (r.moe_a2a_overlap.astype(str).str.lower() == "true"),
         objective=_log_error,
         where="megatron-core: the Megatron-Bridge H100 rows that turn the EP A2A overlap on",
+    ),
+    Constant(
+        name=MOE.NEMO2_BLACKWELL,
+        shipped=dict(RUNTIMES["nemo-25.04"].kernel_efficiency)["blackwell"],
+        fallback=1.0,  # the profile's own Blackwell efficiencies
+        bounds=(0.5, 1.0),
+        chose=_nemo2_blackwell,
+        objective=_log_error,
+        where="nemo-25.02 / -25.04 / -25.07: their B200 / GB200 MoE rows (Mixtral, Llama 4;"
+        " not DGX Cloud's DeepSeek-V3, whose unfused MLA attention is another matter)",
     ),
     Constant(
         name="torchtitan kernel_efficiency",

@@ -142,8 +142,11 @@ def test_mla_attention_core_uses_d_qk_for_scores_and_d_v_for_values():
     cm = AnalyticCostModel(ds, CLUSTER, runtime="megatron-core")
     c = compute.layer(STRATEGY, cm._context)
     s = ds.seq_len
-    flops = 2.0 * s * s * ds.n_heads * (mla.qk_head_dim + mla.v_head_dim) * 0.5
-    rate = cm.profile.peak_flops["bf16"] * compute.attention_efficiency(cm._context, "bf16")
+    pairs = s * (s + 1) / 2  # causal query-key pairs
+    flops = 2.0 * pairs * ds.n_heads * (mla.qk_head_dim + mla.v_head_dim)
+    # cuDNN's fused kernel by shape: s / 2 keys per query, 192-wide scores (MLA's d_qk)
+    eff = cm.profile.attention_shapes["cudnn"].fwd.efficiency(pairs / s, True, mla.qk_head_dim)
+    rate = cm.profile.peak_flops["bf16"] * eff
     assert c.attention_fwd_s - cm.profile.kernel_launch_s == pytest.approx(flops / rate)
     # activations kept per token (bf16, tp 1, no dropout, fused attention): the two norm
     # inputs and two linear inputs (4 h), Q and the per-head K and V rebuilt from the latent

@@ -84,3 +84,20 @@ def test_a_moe_layers_host_time_is_its_own_and_one_share_per_local_expert(ep):
     assert e.host_s == pytest.approx(rt.moe_layer_host_s + rt.moe_expert_host_s * 128 / ep)
     graphed = rt.as_run(full_iteration_cuda_graph=True)
     assert experts.layer(s, AnalyticCostModel(QWEN, H100_2, runtime=graphed)._context).host_s == 0
+
+
+@pytest.mark.parametrize("mb", [1, 8])
+def test_a_moe_layers_host_time_adds_to_its_gpu_work_at_any_micro_batch(mb):
+    """The host time after the dispatcher's tokens-per-expert sync is exposed in full
+    (experts.rank_s): one host time per MoE layer and micro-batch, whether the layer's GPU
+    work is shorter (1 sequence) or longer (8) than it."""
+    s = Strategy(dp=16, ep=8, micro_batch_size=mb, global_batch_size=128, fp8="tensorwise")
+    rt = RUNTIMES["megatron-core"]
+    without = rt.as_run(full_iteration_cuda_graph=True)
+    shipped_cm = AnalyticCostModel(QWEN, H100_2, runtime=rt)
+    host = experts.layer(s, shipped_cm._context).host_s
+    extra = (
+        shipped_cm.estimate(s).time.compute_s
+        - AnalyticCostModel(QWEN, H100_2, runtime=without).estimate(s).time.compute_s
+    )
+    assert extra == pytest.approx(QWEN.n_layers * s.grad_accum_steps * host)

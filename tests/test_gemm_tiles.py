@@ -159,3 +159,49 @@ def test_shapes_repeat_so_the_answers_are_cached():
     info = tiled_time_s.cache_info()
     assert (info.misses, info.hits) == (1, 2)
     assert math.isfinite(h100.gemm.time_s(8192, 4096, 4096, 989.4e12, "bf16"))
+
+
+def _fp8_fit_error(k0_elements: float) -> float:
+    """Mean error on XLA's sm_100 fp8 (e4m3 x e4m3 -> bf16) rows of the B200 profile's tiles
+    with a K overhead of `k0_elements`, a rate and a launch time free."""
+    gemm = HardwareProfile.load("b200-sxm").gemm
+    d = pd.read_csv(TABLE, comment="#")
+    d = d[(d.arch == "sm_100") & d.fp8_flops_per_s.notna()]
+    rows = list(zip(d.b, d.m, d.n, d.k))
+    measured = np.array([2.0 * b * m * n * k for b, m, n, k in rows]) / d.fp8_flops_per_s
+
+    def res(p):
+        t = [
+            p[0] * 1e-6
+            + tiled_time_s(b, m, n, k, p[1] * 1e12, gemm.sm_count, gemm.tiles, k0_elements)
+            for b, m, n, k in rows
+        ]
+        return np.log(t / measured)
+
+    fit = least_squares(res, [5, 3000], bounds=([0, 1], [50, 1e4]))
+    return float(np.mean(np.abs(np.exp(res(fit.x)) - 1)))
+
+
+def test_an_fp8_k_step_costs_the_bytes_of_a_16_bit_one():
+    """The K overhead is a number of K bytes (gemm_tiles.OPERAND_BYTES): an fp8 GEMM pays twice
+    the bf16 elements of K, which prices Qwen3-30B-A3B's K = 2,048 fp8 linears at 0.77 of the
+    ceiling on Blackwell (599 / 2,647). XLA's sm_100 fp8 rows (K 256-4,096) read so within 6.3%
+    mean error, no worse than at the bf16 elements (6.5%; benchmarks/gemm_tiles.py reads the
+    same rows)."""
+    k_bytes = HardwareProfile.load("b200-sxm").gemm.k_overhead_bytes
+    as_bytes, as_elements = _fp8_fit_error(k_bytes), _fp8_fit_error(k_bytes / 2)
+    assert as_bytes <= 0.065 and as_bytes <= as_elements
+
+
+def test_small_expert_shapes_stay_on_the_smooth_curve():
+    """The routed experts' grouped GEMMs are each group on the smooth curve (experts.py
+    grouped_gemm_s), not tiles: Qwen3-30B-A3B's per-expert fc1 at 2,048 rows (ep 8, 16 local
+    experts, one 4,096-token sequence) costs what `smooth_time_s` gives, one launch for all."""
+    from cost_models.terms.experts import grouped_gemm_s
+
+    p = HardwareProfile.load("gb200-nvl72")
+    g, peak = p.gemm, p.peak_flops["fp8"]
+    t = grouped_gemm_s(g, 16, 2048, 1536, 2048, peak, "fp8", 128)
+    assert t == pytest.approx(
+        g.launch_s + 16 * (g.smooth_time_s(2048, 1536, 2048, peak, "fp8") - g.launch_s)
+    )

@@ -362,25 +362,52 @@ def test_the_ssd_scan_is_priced_from_its_kernels():
     assert ssm._ssd_s(ctx, x, forward) > 2 * flops_only
 
 
-def test_a_hybrids_moe_layer_is_its_own_megatron_layer_for_the_host_floor():
-    """In Megatron-Core's MambaModel each symbol is a layer (Nemotron 3 Nano's E's follow their
-    M's and *'s as layers of their own), so a MoE layer's host time (`moe_layer_host_s`) hides
-    behind the MoE MLP alone, not behind an attention it does not hold; GPTModel's
-    TransformerLayer (Qwen3-Next's G and * with E, Qwen3-MoE) holds both."""
-    from cost_models.terms.experts import moe_is_own_layer
+@pytest.mark.parametrize(
+    "cluster", ["b200-sxm:1x8", "b300-sxm:1x8", "gb200-nvl72:2x4", "gb300-nvl72:2x4"]
+)
+def test_the_ssd_scan_is_memory_bound_on_blackwell_at_any_tensor_core_rate(cluster):
+    """Whether Triton lowers mamba_ssm's ``tl.dot`` to Blackwell's tcgen05 MMAs or to an
+    Ampere-style path does not move the scan's price: at Nemotron 3 Nano's shapes (d_state 128,
+    chunks of 128, the fp32 chunk states) every one of its eighteen kernels takes longer to
+    stream its bytes at the profile's bandwidth than to run its FLOPs at a quarter of the dense
+    bf16 peak (the rate the Blackwell profiles assume for FlashAttention-2's sm80 code path), so
+    each roofline is its bytes' (`ssm._ssd_s`). Its tensor-core rate is no lever on the Nemotron 3
+    Blackwell rows; its bandwidth would be."""
+    m = _load("nemotron-3-nano-30b-a3b")
+    mamba = m.mamba
+    assert mamba is not None
+    s = Strategy.parse("dp=8,ep=8,global_batch_size=512,micro_batch_size=2,zero_stage=1,amp=bf16")
+    ctx = AnalyticCostModel(m, Cluster.parse(cluster), runtime=RUNTIME)._context
+    assert ctx.profile.architecture == "blackwell"
+    x = ssm.layer_shape(s, ctx)
+    quarter = 0.25 * x.peak
+    forward, backward = mamba.ssd_kernels(2)
+    for kernel in forward + backward:
+        flops_s = x.T * kernel.flops_per_token / quarter
+        bytes_s = ssm.stream_s(ctx, x.T * kernel.bytes_per_token)
+        assert flops_s < bytes_s, kernel.name
 
-    assert moe_is_own_layer(ModelSpec.load("nemotron-3-nano-30b-a3b"))
-    assert moe_is_own_layer(ModelSpec.load("granite-4.0-h-small"))
-    assert not moe_is_own_layer(ModelSpec.load("qwen3-next-80b-a3b"))
-    assert not moe_is_own_layer(ModelSpec.load("qwen3-30b-a3b"))
-    assert not moe_is_own_layer(ModelSpec.load("nemotron-h-8b"))  # no experts
-    # 2,048 tokens a micro-batch: an E layer's GPU work is under megatron-core's 9 ms host time
-    nano = _load("nemotron-3-nano-30b-a3b").scaled(seq_len=2048)
-    s = Strategy.parse(f"dp=32,ep=8,{BASE}")
-    own = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
-    attached = AnalyticCostModel(nano, CLUSTER, runtime=RUNTIME)
-    attached.kind_terms[("mlp", "moe")]._own_layer = False
-    assert own.estimate(s).step_time_s > attached.estimate(s).step_time_s
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_a_moe_layers_host_time_adds_to_its_gpu_work_at_any_micro_batch(micro_batch_size):
+    """Every MoE layer's forward synchronises the host with the device before its experts
+    (TEGroupedMLP's tokens_per_expert.tolist(), the dispatchers' sync points), so the host
+    cannot run ahead and its time adds to the GPU's (`experts.rank_s`): on Nemotron 3 Nano,
+    each micro-batch of the step takes exactly its 23 MoE layers' host time more than without
+    it, at one sequence a micro-batch and at four, whose GPU work is four times as long (a
+    floor, the larger of the two, let the host time vanish as the micro-batch grew: the
+    Blackwell Ultra recipes' micro-batch of 4 hid it where the runs did not)."""
+    nano = _load("nemotron-3-nano-30b-a3b")
+    s = Strategy.parse(f"dp=32,ep=8,{BASE}").replace(micro_batch_size=micro_batch_size)
+    rt = RUNTIMES[RUNTIME]
+    without = dataclasses.replace(rt, moe_layer_host_s=0.0, moe_expert_host_s=0.0)
+    host = rt.moe_layer_host_s + rt.moe_expert_host_s * 128 / 8
+    assert host > 0
+    step = AnalyticCostModel(nano, CLUSTER, runtime=rt).estimate(s).step_time_s
+    bare = AnalyticCostModel(nano, CLUSTER, runtime=without).estimate(s).step_time_s
+    n_moe = sum(nano.moe_layers)
+    assert n_moe == 23
+    assert step - bare == pytest.approx(s.grad_accum_steps * n_moe * host, rel=1e-9)
 
 
 # ---- attention and Mamba-2 in parallel (Falcon-H1) ---------------------------------------------

@@ -50,6 +50,7 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
         "moe_layer_host_s": 110,  # every Megatron-Bridge row of the MoE table
         "moe_expert_host_s": 110,
         "moe_a2a_overlap_when_on": 9,
+        "nemo-25 kernel_efficiency": 11,  # NeMo 2's Mixtral and Llama 4 rows on Blackwell
         "torchtitan kernel_efficiency": 2,
         "torchtitan async_tp_overlap": 14,
         "torchtitan allocator_reserve_fraction": 33,
@@ -58,8 +59,11 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
 
 
 def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
-    values, how = lofo.fold(rows, "Mixtral")  # no constant was chosen on Mixtral's rows
+    values, how = lofo.fold(rows, "GPT-3")  # no constant was chosen on GPT-3's rows
     assert how == {} and values == lofo.shipped()
+    values, how = lofo.fold(rows, "Mixtral")  # NeMo 2's Blackwell factor, on Llama 4's rows
+    assert how == {"nemo-25 kernel_efficiency": "chosen on the other 7 of 11 rows"}
+    assert values.values["nemo-25 kernel_efficiency"] == pytest.approx(0.756, abs=0.01)
     values, how = lofo.fold(rows, "Kimi-K2")  # the host constants saw its Bridge rows
     assert set(how) == {"moe_layer_host_s", "moe_expert_host_s"}
     assert all(h.startswith("chosen on the other") for h in how.values())
@@ -105,3 +109,20 @@ def test_every_hybrid_run_is_scored_with_its_run_columns(lofo, rows):
     preds = [lofo.predict(r, lofo.shipped()) for _, r in hybrid.iterrows()]
     assert len(preds) == 22 and all(p["expressible"] for p in preds)
     assert {p["runtime"] for p in preds} >= {"megatron-bridge-26.08", "automodel", "nemo-25.04"}
+
+
+def test_every_published_hybrid_run_is_predicted_to_fit(lofo, rows):
+    """A run that ran fits: the Nemotron 3 Nano H100 runs with their recipe's bf16 gradient
+    reduction and its selective recompute of the attention core, the norms and the MoE layer
+    (Megatron-Bridge NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1, hybrid_runs.csv `note`),
+    Automodel's with its activation checkpointing."""
+    hybrid = rows[rows.bench == "hybrid"]
+    preds = [lofo.predict(r, lofo.shipped()) for _, r in hybrid.iterrows()]
+    assert all(p["fits"] for p in preds), [p["id"] for p in preds if not p["fits"]]
+    h100 = hybrid[hybrid.id.str.contains("NEMOTRON3NANO-H100")]
+    assert len(h100) == 4
+    assert set(h100.grad_reduce_in_fp32.astype(str).str.lower()) == {"false"}
+    assert set(h100.recompute_granularity) == {"selective"}
+    assert set(h100.recompute_modules) == {"layernorm+moe"}
+    automodel = hybrid[hybrid.id.str.startswith("AUTOMODEL-NEMOTRON")]
+    assert set(automodel.recompute_granularity) == {"full"}

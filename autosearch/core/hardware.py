@@ -30,6 +30,7 @@ from autosearch.core._io import (
     positive_int,
     read_yaml_mapping,
 )
+from autosearch.core.attention_kernels import AttentionShapes, parse_attention_shapes
 from autosearch.core.data import data_path
 from autosearch.core.errors import SpecError
 from autosearch.core.gemm_tiles import OPERAND_BYTES, parse_tiles, tiled_time_s
@@ -178,6 +179,9 @@ class HardwareProfile:
     attention_efficiency: dict[str, float]
     attention_backward_over_forward: float = ATTENTION_BACKWARD_OVER_FORWARD
     attention_kernels: dict[str, float] = field(default_factory=dict)
+    # a kernel's efficiency by shape (autosearch/core/attention_kernels.py); where a kernel has
+    # one, the attention core's time reads it instead of the flat `attention_kernels` value
+    attention_shapes: dict[str, AttentionShapes] = field(default_factory=dict)
     kernel_launch_s: float = 0.0
     step_overhead_s: float = 0.0
     nvlink_domain: int = 0  # GPUs in one NVLink (scale-up) domain; 0: one node (gpus_per_node)
@@ -249,6 +253,7 @@ class HardwareProfile:
             gemm=gemm,
             attention_efficiency={k: v * factor for k, v in self.attention_efficiency.items()},
             attention_kernels={k: v * factor for k, v in self.attention_kernels.items()},
+            attention_shapes={k: v.scaled(factor) for k, v in self.attention_shapes.items()},
             description=f"{self.description} (kernels of {why}: x{factor:g})",
         )
 
@@ -401,6 +406,7 @@ class HardwareProfile:
                     attention.get("kernels"), f"{what}: attention.kernels"
                 ).items()
             },
+            attention_shapes=parse_attention_shapes(attention.get("shapes"), what),
             attention_backward_over_forward=num(
                 attention.get("backward_over_forward", ATTENTION_BACKWARD_OVER_FORWARD),
                 "attention.backward_over_forward",
@@ -466,6 +472,11 @@ class HardwareProfile:
                 "flash_efficiency": dict(self.attention_efficiency),
                 "backward_over_forward": self.attention_backward_over_forward,
                 **({"kernels": dict(self.attention_kernels)} if self.attention_kernels else {}),
+                **(
+                    {"shapes": {k: v.to_dict() for k, v in self.attention_shapes.items()}}
+                    if self.attention_shapes
+                    else {}
+                ),
             },
             "kernel_launch_s": self.kernel_launch_s,
             "step_overhead_s": self.step_overhead_s,

@@ -25,6 +25,11 @@ if TYPE_CHECKING:  # pragma: no cover
 MOE_DISPATCHERS = ("alltoall", "deepep")
 # How a runtime runs the scans of Mamba-2 and Gated DeltaNet mixers (`RuntimeOptions.ssm_scan`)
 SSM_SCANS = ("fused", "torch_chunked")
+# Megatron-Core's fine-grained activation offloading modules (--offload-modules) the cost model
+# prices: the MoE experts' (megatron-core docs/user-guide/features/
+# fine_grained_activation_offloading.md names also attn_norm, qkv_linear, core_attn,
+# attn_proj, mlp_norm and fused_group_mlp)
+OFFLOAD_MODULES = ("expert_fc1", "moe_act")
 # Kinds of block a runtime must support to train a model that has them (a runtime's
 # ``supports``), by the mixer name of `autosearch.core.layers`. The `torch` preset (the Engine,
 # autosearch/models/ssm.py) trains both with its plain-PyTorch scans (``ssm_scan:
@@ -140,16 +145,18 @@ class RuntimeOptions:
             "1F1B A2A overlap"); 0 without it.
         moe_a2a_overlap_when_on: `moe_a2a_overlap` of a run that turns the overlap on
             (`as_run(moe_a2a_overlap=True)`): a property of the runtime's overlap, not of the run.
-        moe_layer_host_s: the host's time for one MoE layer, forward and backward (Python,
-            kernel launches, the dispatcher's device-to-host sync of the tokens per expert):
-            a MoE layer whose GPU work is shorter takes this long (the GPU waits).
+        moe_layer_host_s: the host's time one MoE layer adds to a micro-batch, forward and
+            backward (Python, kernel launches): added to the layer's GPU work, not hidden
+            behind it, since each MoE layer's forward synchronises the host with the device
+            before its experts (the tokens per expert copied to the host), which empties the
+            GPU's queue (cost_models/terms/experts.py `rank_s`).
         moe_expert_host_s: the host's time for one local expert of one MoE layer, forward and
             backward, added to `moe_layer_host_s`: TransformerEngine's grouped linears before
             a fused grouped-GEMM kernel run one cuBLAS GEMM per expert on several streams and
             allocate, quantize and swizzle each expert's fp8 scaling factors with their own
             small kernels (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, sections
             1 item 3, 2.1.2, 2.1.3), so the host's work of a layer grows with the experts a
-            rank holds.
+            rank holds; launched after the layer's sync, so the GPU waits for it.
         moe_shared_expert_overlap: the shared experts' forward and backward run while the
             all-to-all dispatch and combine are in flight (Megatron-Core
             ``--moe-shared-expert-overlap``).
@@ -171,6 +178,13 @@ class RuntimeOptions:
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
             fused attention) of the hardware profile, for a runtime whose build predates that
             architecture's kernels (e.g. CUDA 11.8 on Hopper); 1 where not listed.
+        fused_attention_max_head_dim: {GPU architecture: the largest head size (of scores or
+            values) the runtime's fused attention kernels take there}; a model with larger
+            heads runs the unfused attention core (s x s scores in memory) on that
+            architecture. TransformerEngine before 2.5 refuses cuDNN's fused attention on
+            Blackwell for heads above 128 and FlashAttention for MLA's unequal heads
+            (transformer_engine/common/fused_attn/fused_attn.cpp @v2.4 line 221), so
+            DeepSeek-V3's 192 / 128 heads fall back to UnfusedDotProductAttention there.
         base: the preset this one is a dated version of: it inherits every field it does not
             set (runtimes.yaml; a base may have a base of its own: ``nemo-25.04`` -> ``nemo`` ->
             ``megatron-core``), and shares its `framework`.
@@ -188,6 +202,10 @@ class RuntimeOptions:
         activation_offload_overlap: fraction of the activation copies to and from the host
             (``offload_activations``) hidden behind the layers' compute: 0 where they run on
             the compute stream, 1 where a side stream prefetches them a layer ahead.
+        activation_offload_modules: the modules whose inputs one run's Megatron-Core offloads
+            to the host (``--fine-grained-activation-offloading --offload-modules``; priced:
+            ``expert_fc1``, ``moe_act``); set per run by `as_run(offload_modules=...)`, hidden
+            as `activation_offload_overlap` says.
     """
 
     name: str = "torch"
@@ -238,12 +256,14 @@ class RuntimeOptions:
     collective_copies_per_rank: float = 0.0
     zero3_max_live_params: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
+    fused_attention_max_head_dim: tuple[tuple[str, int], ...] = ()  # (architecture, size) pairs
     supports: tuple[str, ...] = ()
     devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
     sources: tuple[str, ...] = ()
     base: str | None = None
     host_adam_params_per_s_per_core: float = 0.0
     activation_offload_overlap: float = 0.0
+    activation_offload_modules: tuple[str, ...] = ()
 
     @property
     def framework(self) -> str:
@@ -264,7 +284,9 @@ class RuntimeOptions:
         moe_a2a_overlap: bool | None = None,
         moe_shared_expert_overlap: bool | None = None,
         full_iteration_cuda_graph: bool | None = None,
+        layer_cuda_graph: bool | None = None,
         balanced_routing: bool | None = None,
+        offload_modules: str | None = None,
     ) -> "RuntimeOptions":
         """This preset as one run configured it: the switches a recipe or a command line sets
         on top of its release (None: the preset's own). Each maps to the runtime's behaviour;
@@ -279,8 +301,18 @@ class RuntimeOptions:
         - ``full_iteration_cuda_graph`` (``cuda_graph_impl="full_iteration"``): the host
           launches one graph per iteration, so a MoE layer costs no host time of its own
           (`moe_layer_host_s` and `moe_expert_host_s` 0).
+        - ``layer_cuda_graph`` (Megatron-Core's per-layer graphs, ``enable_cuda_graph``, on a
+          run whose MoE layers drop and pad to capacity): `CudaGraphManager` replays each
+          whole `TransformerLayer` (megatron-core 0.12 transformer_layer.py `__call__`), which
+          the padded layer allows (static shapes; its dispatcher has no device-to-host sync,
+          `cuda_sync_point` "no_sync"), so a MoE layer costs no host time of its own either.
+          Dropless MoE layers have data-dependent shapes and are not captured whole: a run
+          sets it only with token drop padded to capacity (``balanced_routing``).
         - ``balanced_routing`` (forced load balance, token drop padded to capacity): every
           expert-parallel rank gets the mean of the tokens (`moe_load_imbalance` 1).
+        - ``offload_modules`` (``--offload-modules``, ``+``-joined: ``expert_fc1+moe_act``):
+          Megatron-Core's fine-grained activation offloading of those modules' inputs
+          (`activation_offload_modules`).
 
         Example:
             >>> RUNTIMES["nemo-25.04"].as_run(grad_reduce_in_fp32=True).grad_reduce_bytes
@@ -301,11 +333,27 @@ class RuntimeOptions:
             changes["moe_a2a_overlap"] = self.moe_a2a_overlap_when_on if moe_a2a_overlap else 0.0
         if moe_shared_expert_overlap is not None:
             changes["moe_shared_expert_overlap"] = moe_shared_expert_overlap
-        if full_iteration_cuda_graph:
+        if layer_cuda_graph and not balanced_routing:
+            raise SpecError(
+                "layer_cuda_graph: Megatron-Core captures a MoE layer whole only when it drops "
+                "and pads its tokens to capacity (static shapes); set balanced_routing too, or "
+                "leave the per-layer graphs out"
+            )
+        if full_iteration_cuda_graph or layer_cuda_graph:
             changes["moe_layer_host_s"] = 0.0
             changes["moe_expert_host_s"] = 0.0
         if balanced_routing:
             changes["moe_load_imbalance"] = 1.0
+        if offload_modules:
+            names = tuple(n for n in offload_modules.split("+") if n)
+            unknown = [n for n in names if n not in OFFLOAD_MODULES]
+            if unknown:
+                raise SpecError(
+                    f"offload_modules {'+'.join(unknown)!r}: the cost model prices the "
+                    f"fine-grained offload of {', '.join(OFFLOAD_MODULES)} only; drop the others "
+                    "or price them (cost_models/terms/experts.py offloaded_row_bytes)"
+                )
+            changes["activation_offload_modules"] = names
         changes = {k: v for k, v in changes.items() if getattr(self, k) != v}
         return replace(self, **changes) if changes else self
 
@@ -439,7 +487,33 @@ class RuntimeOptions:
                     f"got {factors!r}"
                 )
             kwargs["kernel_efficiency"] = tuple((str(k), float(v)) for k, v in factors.items())
+        if "fused_attention_max_head_dim" in kwargs:
+            limits = kwargs["fused_attention_max_head_dim"] or {}
+            if not isinstance(limits, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in limits.values()
+            ):
+                raise SpecError(
+                    f"{what}: fused_attention_max_head_dim must map architectures to head "
+                    f"sizes (positive integers), e.g. {{blackwell: 128}}, got {limits!r}"
+                )
+            kwargs["fused_attention_max_head_dim"] = tuple(
+                (str(k), int(v)) for k, v in limits.items()
+            )
         return cls(**kwargs)
+
+    def fused_attention(self, model: "ModelSpec", profile: "HardwareProfile") -> bool:
+        """Whether `model`'s attention core runs fused (no s x s scores) on `profile`: the
+        runtime's `flash_attention`, unless its kernels there do not take the model's heads."""
+        if not self.flash_attention:
+            return False
+        limit = dict(self.fused_attention_max_head_dim).get(profile.architecture)
+        if limit is None:
+            return True
+        if model.mla is not None:
+            heads = max(model.mla.qk_head_dim, model.mla.v_head_dim)
+        else:
+            heads = model.head_dim
+        return heads <= limit
 
     def on(self, profile: "HardwareProfile") -> "HardwareProfile":
         """`profile` as this runtime's kernels run on it: GEMM and fused-attention efficiencies

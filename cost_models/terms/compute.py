@@ -16,6 +16,7 @@ from autosearch.core.errors import SpecError
 from cost_models.terms._base import ACT_BYTES, Context, LayerCosts, reads
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autosearch.core.attention_kernels import AttentionShapes
     from autosearch.core.model_spec import ModelSpec
     from autosearch.core.strategy import Strategy
 
@@ -199,11 +200,27 @@ def _mla_gemms(ctx: Context, x: _Layer, peak: float, key: str) -> tuple[float, f
 def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
     """(forward s, backward s, softmax bytes) of QK^T and softmax(.)V: 2 * 2 * s^2 * d FLOPs
     per head and sequence; with context parallel each rank holds s/cp queries against all s
-    keys, load-balanced so that the causal work is even (torch's context parallel)."""
+    keys, load-balanced so that the causal work is even (torch's context parallel).
+
+    Fused (the runtime's `flash_attention`, where its kernels take the model's heads on this
+    architecture: `RuntimeOptions.fused_attention`): at the kernel's efficiency by shape where
+    the profile has one (`attention.shapes`), else at its one flat efficiency. Unfused: the
+    two batched GEMMs over every score and the softmax's passes over the s x s matrix."""
     m, prof = ctx.model, ctx.profile
     s, q, t, launch = m.seq_len, m.attention_hidden_size, x.t, prof.kernel_launch_s
     cap = m.attn_logit_softcapping
-    if ctx.runtime.flash_attention:
+    if ctx.runtime.fused_attention(m, prof):
+        shapes = None
+        kernel = ctx.runtime.attention_kernel
+        # the measured table is one kernel call per layer: under context parallel the ring's
+        # chunked calls, their output corrections and the send / receive kernels sharing the
+        # SMs are not in it, and the flat efficiency stays (it reads the Model Zoo's
+        # long-context Qwen3 rows at cp 2-8 within 0-26%; the table's 0.6-0.7 reads them 14-39%
+        # fast)
+        if x.precision in ("bf16", "fp16") and x.cp == 1:
+            shapes = prof.attention_shapes.get(kernel)
+        if shapes is not None:
+            return (*_attention_by_shape(ctx, x, shapes), 0.0)
         if m.mla is None:
             flops = 4.0 * x.mb * s * s * q / t * CAUSAL_FRACTION / x.cp
         else:  # scores over d_qk = d_nope + d_rope channels, values over d_v
@@ -219,8 +236,13 @@ def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
     gemm = prof.gemm
     d_qk = m.head_dim if m.mla is None else m.mla.qk_head_dim
     d_v = m.head_dim if m.mla is None else m.mla.v_head_dim
-    fwd = gemm.time_s(rows, s, d_qk, x.peak, x.precision) + gemm.time_s(
-        rows, d_v, s, x.peak, x.precision
+    # QK^T writes every score and PV reads every probability: with a K (or N) of one head
+    # they do about d FLOPs per byte of the s x s matrix, below a GPU's ridge point, so each
+    # takes the longer of its math and that matrix's traffic (the roofline)
+    scores = rows * s * x.ab
+    stream = scores / prof.stream_bandwidth_bytes_per_s(scores)
+    fwd = max(gemm.time_s(rows, s, d_qk, x.peak, x.precision), stream) + max(
+        gemm.time_s(rows, d_v, s, x.peak, x.precision), stream
     )
     # Fused scale-mask-softmax (read + write) and attention dropout (read, write, mask); a
     # window is a mask here: the unfused kernels compute every score.
@@ -229,6 +251,37 @@ def _attention_core(ctx: Context, x: _Layer) -> tuple[float, float, float]:
     if cap is not None:  # soft-capping reads and writes the scores once more
         softmax_bytes += rows * s * 2 * x.ab
     return fwd, gemm.backward_over_forward * fwd, softmax_bytes
+
+
+def _attention_by_shape(ctx: Context, x: _Layer, shapes: "AttentionShapes") -> tuple[float, float]:
+    """(forward s, backward s) of a fused kernel priced by its shape, averaged over the
+    layers: each layer's query-key pairs (causal, within its window) at the efficiency its
+    keys per query reach (`autosearch/core/attention_kernels.py`)."""
+    m, prof = ctx.model, ctx.profile
+    s = m.seq_len
+    if m.mla is None:
+        width, d_qk = 2.0 * m.attention_hidden_size, m.head_dim
+    else:
+        width, d_qk = m.n_heads * (m.mla.qk_head_dim + m.mla.v_head_dim), m.mla.qk_head_dim
+    extra = 0.0 if m.attn_logit_softcapping is None else 3.0 * m.n_heads  # tanh, two multiplies
+    fwd = bwd = 0.0
+    for keys, count in _windows(m):
+        pairs = causal_pairs(keys, s)
+        flops = 2.0 * x.mb * pairs * (width + extra) / x.t
+        eff_fwd, eff_bwd = shapes.efficiencies(pairs / s, True, d_qk)
+        fwd += count * flops / (x.peak * eff_fwd)
+        bwd += count * prof.attention_backward_over_forward * flops / (x.peak * eff_bwd)
+    n = m.n_layers
+    return prof.kernel_launch_s + fwd / n, prof.kernel_launch_s + bwd / n
+
+
+@functools.cache
+def _windows(model: "ModelSpec") -> tuple[tuple[int, int], ...]:
+    """(keys a query may attend to, layers with that window) over the model's layers."""
+    counts: dict[int, int] = {}
+    for keys in model.attention_keys:
+        counts[keys] = counts.get(keys, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def attention_widths(model: "ModelSpec") -> tuple[int, float, int]:
@@ -252,8 +305,14 @@ def window_fraction(model: "ModelSpec") -> float:
     if not model.sliding_layers:
         return 1.0
     s = model.seq_len
-    pairs = sum(w * s - w * (w - 1) / 2 for w in model.attention_keys)
+    pairs = sum(causal_pairs(w, s) for w in model.attention_keys)
     return pairs / (model.n_layers * s * (s + 1) / 2)
+
+
+def causal_pairs(keys: int, s: int) -> float:
+    """Causal query-key pairs of a sequence of `s` tokens when a query attends to at most
+    `keys` keys: w s - w (w - 1) / 2 (s (s + 1) / 2 without a window)."""
+    return keys * s - keys * (keys - 1) / 2
 
 
 def attention_efficiency(ctx: Context, precision: str) -> float:

@@ -42,6 +42,7 @@ from cost_models.terms.compute import (
 )
 from cost_models.terms.layers import KindCosts
 from cost_models.terms.memory import StageParams, mtp_head_params
+from cost_models.terms.offload import LAYERS_ON_DEVICE, host_rates
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.hardware import GemmEfficiency
@@ -57,6 +58,7 @@ class ExpertLayer(NamedTuple):
     op_recompute_s: float  # what selective op recompute repeats beyond the dense layer's
     rows: float  # routed rows this rank computes (for memory)
     host_s: float  # the runtime's host time of one MoE layer, forward and backward
+    offload_copy_s: float = 0.0  # one way's host copy of the offloaded module inputs
     modules_s: float = 0.0  # per-module recompute (`recompute_modules`) of one MoE layer
     modules_comm: float = 0.0  # forwards' worth of MoE traffic it repeats (moe: one)
     dense_modules_s: float = 0.0  # per-module recompute of one dense layer
@@ -186,9 +188,10 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
     # the host's time of the layer: its own and one share per expert this rank holds (the
     # per-expert GEMM launches and fp8 scaling-factor kernels, RuntimeOptions.moe_expert_host_s)
     host = rt.moe_layer_host_s + rt.moe_expert_host_s * local
+    offload = _copy_s(ctx, offloaded_row_bytes(s, ctx) * rows * imbalance)
     names = modules(s)
     if not names:
-        return ExpertLayer(fwd, bwd, comm, op_recompute, rows, host)
+        return ExpertLayer(fwd, bwd, comm, op_recompute, rows, host, offload)
     # Megatron-Core's per-module recompute repeats each named module's forward in backward
     # (transformer_config.py recompute_modules): the norms before attention and the MLP, the
     # MLA up-projections (q_b, kv_b: T x r -> heads x width, over tp), the experts'
@@ -218,10 +221,47 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
         op_recompute,
         rows,
         host,
+        offload,
         modules_s=norms + up + moe_s,
         modules_comm=1.0 if "moe" in names else 0.0,
         dense_modules_s=norms + up + dense_mlp,
     )
+
+
+def offloaded_row_bytes(s: "Strategy", ctx: Context) -> float:
+    """Bytes per routed row that Megatron-Core's fine-grained activation offloading moves to
+    the host (`RuntimeOptions.activation_offload_modules`; --offload-modules: each module's
+    input goes down in forward and comes back before its backward, megatron-core
+    docs/user-guide/features/fine_grained_activation_offloading.md): ``expert_fc1`` the
+    experts' input as the first GEMM saves it (its float8 copy under fp8), ``moe_act`` the
+    activation's input, the first GEMM's output (gate and up of a gated MLP, 16-bit)."""
+    names = ctx.runtime.activation_offload_modules
+    if not names:
+        return 0.0
+    m, rt = ctx.model, ctx.runtime
+    assert m.moe is not None
+    ab = ACT_BYTES[s.amp]
+    li = 1 if s.fp8 != "none" and rt.fp8_saves_fp8_inputs else ab
+    width = (2 if m.ffn_gated else 1) * m.moe.ffn_hidden_size / s.etp
+    return ("expert_fc1" in names) * m.hidden_size * li + ("moe_act" in names) * width * ab
+
+
+def _copy_s(ctx: Context, nbytes: float) -> float:
+    """Seconds one way of `nbytes` takes over this GPU's host link."""
+    return nbytes / host_rates(ctx)[0] if nbytes else 0.0
+
+
+def offload_exposed_s(ctx: Context, e: ExpertLayer, base: LayerCosts) -> float:
+    """What the offloaded inputs of one MoE layer add, forward and backward: each way's copy
+    beyond the layer's own compute, which the runtime hides `activation_offload_overlap` of
+    (Megatron-Core copies on side streams: a layer's copies run under its compute and the
+    next one's; the link keeps up as long as a layer's copy is shorter than a layer)."""
+    if not e.offload_copy_s:
+        return 0.0
+    ov = ctx.runtime.activation_offload_overlap
+    fwd, bwd = base.fwd_s + e.fwd_s, base.bwd_s + e.bwd_s
+    one_way = e.offload_copy_s
+    return max(0.0, one_way - ov * fwd) + max(0.0, one_way - ov * bwd)
 
 
 def _fp8_scaling_s(
@@ -455,6 +495,12 @@ def activation_bytes(
         s.pipeline_schedule, s.pp, s.grad_accum_steps, s.virtual_stages
     )
     out = in_flight * max(moe_ranks) * per_layer + buffers
+    # fine-grained activation offloading: the offloaded inputs leave the device but for the
+    # layers computing and in flight (`offload.LAYERS_ON_DEVICE`)
+    offloaded = e.rows * routed_share(s, ctx) * offloaded_row_bytes(s, ctx)
+    if offloaded:
+        n = max(moe_ranks)
+        out -= (in_flight * n - min(n, LAYERS_ON_DEVICE)) * offloaded
     if names:
         out -= in_flight * _module_savings(s, ctx, names, moe_ranks, T, dense_mlp)
         out += whole - kept
@@ -497,48 +543,36 @@ def expert_data_parallel(s: "Strategy") -> tuple[int, int]:
 
 
 def rank_s(
-    s: "Strategy",
-    layer: LayerCosts,
-    e: ExpertLayer,
-    n_moe: int,
-    rank_layers: float,
-    *,
-    mixer_s: float | None = None,
+    s: "Strategy", e: ExpertLayer, n_moe: int, rank_layers: float, *, offload_s: float = 0.0
 ) -> tuple[float, float, float]:
     """(compute, recompute, traffic) seconds the `n_moe` MoE layers of a rank add to its
-    blocks priced as dense ones; recomputed layers are MoE layers in the rank's proportion. A
-    MoE layer takes at least the runtime's host time (`moe_layer_host_s` and
-    `moe_expert_host_s` per local expert): when its GPU work is shorter, the GPU waits for the
-    host's launches. `mixer_s`: where the MoE MLP is a Megatron layer of its own (a hybrid's
-    ``E``: `moe_is_own_layer`), what the base block's mixer adds to its GPU time (attention,
-    its norm and its pair of collectives, forward and backward; `ssm.no_mixer_part`), taken out
-    of the GPU work the host time is compared with. Megatron's per-module recompute
-    (`recompute_modules`) repeats its modules on every layer of the rank."""
+    blocks priced as dense ones; recomputed layers are MoE layers in the rank's proportion.
+    Megatron's per-module recompute (`recompute_modules`) repeats its modules on every layer of
+    the rank. `offload_s`: what one layer's fine-grained activation offload leaves exposed
+    (`offload_exposed_s`).
+
+    Each MoE layer adds the runtime's host time (`moe_layer_host_s` and `moe_expert_host_s` per
+    local expert) to its GPU work, not under it: Megatron-Core's dispatcher waits on the GPU
+    for the tokens per expert in every MoE layer's forward (token_dispatcher.py,
+    MoEAlltoAllTokenDispatcher.preprocess: with ep > 1 the sync point "before_ep_alltoall",
+    `_maybe_dtoh_and_synchronize` -> `d2h_event.synchronize()`, megatron-core 0.16), so the
+    GPU's queue is empty when the host starts the dispatch, the permutation and the per-expert
+    grouped GEMMs (TE's GroupedLinear quantizes and launches each expert's GEMMs from the host)
+    and runs each kernel as the host reaches it; the host cannot run ahead of the GPU past the
+    next layer's sync (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization section 2:
+    "large gaps between kernels"; section 4: the sync is what keeps full-model CUDA graphs
+    out). A run that captures the whole iteration in one graph has none
+    (`RuntimeOptions.as_run(full_iteration_cuda_graph=True)`)."""
     modules_s = n_moe * e.modules_s + (rank_layers - n_moe) * e.dense_modules_s
     if not n_moe:
         return 0.0, modules_s, 0.0
     rc_s, rc_comm = recompute_repeats(s, e)
     n_rc = recomputed_layers(s, rank_layers) * n_moe / rank_layers
-    compute = e.fwd_s + e.bwd_s
-    gpu = layer.fwd_s + layer.bwd_s + 2.0 * (layer.tp_comm_fwd_s + e.comm_fwd_s) + compute
-    if mixer_s is not None:
-        gpu -= mixer_s
-    compute += max(0.0, e.host_s - gpu)
     return (
-        n_moe * compute,
+        n_moe * (e.fwd_s + e.bwd_s + e.host_s + offload_s),
         n_rc * rc_s + modules_s,
         n_moe * (2.0 + e.modules_comm) * e.comm_fwd_s + n_rc * rc_comm * e.comm_fwd_s,
     )
-
-
-def moe_is_own_layer(model: Any) -> bool:
-    """Whether the model's MoE MLPs are Megatron layers of their own: a hybrid built as
-    Megatron-Core's MambaModel (Mamba-2 mixers, or a mixer or an MLP alone in a block), where
-    each symbol of the hybrid pattern is a layer with its own forward (``mamba_block.py``
-    MambaStack: one layer per symbol), so an ``E`` layer's host time is not hidden behind its
-    block's mixer. In GPTModel a TransformerLayer holds the attention and the MoE MLP."""
-    alone = any(layer.mixer == "none" or layer.mlp == "none" for layer in model.layers)
-    return model.moe is not None and (model.mamba is not None or alone)
 
 
 class MoELayers:
@@ -565,26 +599,17 @@ class MoELayers:
             fields_read(stage_params) + rank_reads,
             lambda s: stage_params(s, ctx, rank_layers(s), self.counts(s)),
         )
-        self._own_layer = moe_is_own_layer(ctx.model)
-        if self._own_layer:
-            from cost_models.terms import ssm
-
-            self._mixer = cached(
-                fields_read(ssm.no_mixer_part), lambda s: ssm.no_mixer_part(s, ctx)
-            )
 
     def costs(self, s: "Strategy", base: LayerCosts) -> KindCosts:
         e, counts = self.expert_layer(s), self.counts(s)
         rest, routed = self._params(s)
-        mixer_s = None
-        if self._own_layer:  # the host time of an E layer hides behind the MoE MLP alone
-            part = self._mixer(s)
-            mixer_s = -(part.fwd_s + part.bwd_s + 2.0 * part.tp_pairs * base.tp_comm_fwd_s / 2)
         return KindCosts(
             counts=counts,
             fwd_s=e.fwd_s,
             bwd_s=e.bwd_s,
-            rank_s=functools.partial(rank_s, s, base, e, mixer_s=mixer_s),
+            rank_s=functools.partial(
+                rank_s, s, e, offload_s=offload_exposed_s(self._ctx, e, base)
+            ),
             activation_bytes=activation_bytes(s, self._ctx, e, counts),
             param_groups=((rest, None), (routed, expert_data_parallel(s))),
         )

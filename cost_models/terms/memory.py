@@ -119,7 +119,7 @@ def _layer_bytes(s: "Strategy", ctx: Context, recompute: str) -> float:
         tp=tp,
         sequence_parallel=sp,
         recompute=recompute,
-        flash_attention=rt.flash_attention,
+        flash_attention=rt.fused_attention(m, ctx.profile),
         act_bytes=ab,
         fused_swiglu=s.compile or rt.fused_swiglu,
         fp8_linear_inputs=s.fp8 != "none" and rt.fp8_saves_fp8_inputs,

@@ -189,7 +189,7 @@ def _attention(s: "Strategy", ctx: Context) -> _Sublayer:
     ab = x.ab
     li = 1 if s.fp8 != "none" and ctx.runtime.fp8_saves_fp8_inputs else ab
     sb = x.T
-    if ctx.runtime.flash_attention:
+    if ctx.runtime.fused_attention(m, ctx.profile):
         core = 4.0 * m.n_heads * sb
     elif s.recompute == "selective":
         core = 0.0

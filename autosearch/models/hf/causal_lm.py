@@ -40,6 +40,7 @@ from autosearch.distributed.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from autosearch.distributed.context_parallel import ContextParallel
+    from autosearch.models.moe import MoE
 
 ATTN_IMPLEMENTATION = "autosearch_core"
 
@@ -180,11 +181,25 @@ class HFCausalLM(nn.Module):
                 f"{type(hf_model).__name__} (model_type "
                 f"{getattr(getattr(hf_model, 'config', None), 'model_type', None)!r})"
             )
+        self._take_over(hf_model)
+        for layer in self.model.layers.values():
+            attn = layer.self_attn
+            attn.config = self.config
+            if not hasattr(attn, "core"):
+                attn.core = self._attention_core(attn)
+        self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
+        self.router_aux_loss_coef = self._use_moe()
+        self._count_moe_layers()
+        self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
+
+    # ---- what every wrapper of a transformers model starts from (also dense.py, hybrid.py) -----
+    def _take_over(self, hf: Any) -> None:
+        """Hold the modules of the transformers model `hf` (not copies) under their own names,
+        the layers in an ``nn.ModuleDict`` (module doc), with a config of our own whose attention
+        implementation is the Engine's (the attention modules read the kernel's name from it), so
+        the caller's config object keeps its own."""
         _register_attention()
-        hf: Any = hf_model
         self.hf_class = type(hf)
-        # A config of our own (the attention modules read the kernel's name from it), so the
-        # caller's config object keeps its attention implementation.
         self.config = copy.deepcopy(hf.config)
         self.config._attn_implementation = ATTN_IMPLEMENTATION
         self.model = hf.model
@@ -194,18 +209,37 @@ class HFCausalLM(nn.Module):
                 {str(i): layer for i, layer in enumerate(self.model.layers)}
             )
         self.model.config = self.config
-        for layer in self.model.layers.values():
-            attn = layer.self_attn
-            attn.config = self.config
-            if not hasattr(attn, "core"):
-                attn.core = self._attention_core(attn)
-        self.spec = ModelSpec.from_hf_config(self.config, seq_len=seq_len)
-        self.router_aux_loss_coef = self._use_moe()
-        layers = moe_layers_of(self)  # of the whole model (kept on every pipeline stage)
+
+    def _count_moe_layers(self) -> None:
+        """How many `autosearch.models.moe.MoE` layers the whole model has (kept on every
+        pipeline stage), and their experts and top-k."""
+        layers = moe_layers_of(self)
         self.n_moe_layers = len(layers)
         self.n_experts: int = layers[0].n_experts if layers else 0
         self.top_k: int = layers[0].top_k if layers else 0
-        self.tied_embeddings = self.lm_head.weight is self.model.embed_tokens.weight
+
+    def _stage_input(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The hidden states this pipeline stage starts from and the sequence length its layers
+        see: the first stage embeds the token ids; a later one takes the previous stage's hidden
+        states, which under sequence parallel are this rank's shard of the sequence (the first
+        norm the stage applies tells, `_sequence_shards`; an empty last pipeline chunk has only
+        the final norm and the head)."""
+        m = self.model
+        if m.embed_tokens is not None:
+            return m.embed_tokens(tokens), tokens.shape[1]
+        first = next(iter(m.layers.values()), None)
+        norm = first.input_layernorm if first is not None else m.norm
+        return tokens, tokens.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+
+    def _init_as_transformers(self) -> None:
+        """transformers' ``_init_weights`` on every submodule, each parameter's flag that it is
+        initialised cleared first (transformers' own flag; else its init functions skip it)."""
+        for p in self.parameters():
+            if getattr(p, "_is_hf_initialized", False):
+                p._is_hf_initialized = False  # type: ignore[attr-defined]
+        for module in self.modules():
+            if module is not self:
+                self.model._init_weights(module)
 
     # ---- what a family wrapper of the same layout changes (autosearch/models/hf/*.py) ----------
     def _attention_core(self, attn: Any) -> nn.Module:
@@ -216,6 +250,11 @@ class HFCausalLM(nn.Module):
         """Swap the sparse MLP blocks for the Engine's MoE layers; the aux-loss coefficient."""
         return use_autosearch_moe(self)
 
+    def _adapt_tp_plan(self, plan: dict, *, sequence_parallel: bool) -> dict:
+        """The Llama layout's tensor-parallel `plan` (`tp_plan`) as this family needs it: its
+        own module names, its own modules' entries."""
+        return plan
+
     def forward(
         self, tokens: torch.Tensor, balance: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -225,16 +264,7 @@ class HFCausalLM(nn.Module):
         over the whole sequences under tp and cp), and takes them as `balance` after the
         first."""
         m = self.model
-        layers = list(m.layers.values())
-        if m.embed_tokens is not None:
-            seq = tokens.shape[1]
-            h = m.embed_tokens(tokens)
-        else:  # a later pipeline stage: its input is the previous stage's hidden states
-            h = tokens
-            # the first norm this stage applies tells whether its input is sequence-sharded (an
-            # empty last pipeline chunk has only the final norm and the head)
-            norm = layers[0].input_layernorm if layers else m.norm
-            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+        h, seq = self._stage_input(tokens)
         cp = self.context_parallel
         window = self.sliding_window()
         whole = seq * (cp.cp if cp is not None else 1)
@@ -249,7 +279,7 @@ class HFCausalLM(nn.Module):
         else:
             position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = m.rotary_emb(h, position_ids=position_ids)
-        for layer in layers:
+        for layer in m.layers.values():
             h = layer(h, position_embeddings=position_embeddings, position_ids=position_ids)
             if isinstance(h, tuple):  # transformers 4.x layers return (hidden_states, ...)
                 h = h[0]
@@ -269,13 +299,7 @@ class HFCausalLM(nn.Module):
         """Initialise every weight as transformers does (``_init_weights``: normal(0,
         initializer_range) for linear and embedding weights, ones for norms) and rebuild the
         rotary tables; the Engine calls it after building on the meta device (``meta_init``)."""
-        for p in self.parameters():
-            if getattr(p, "_is_hf_initialized", False):
-                # transformers' own flag on its parameters; else its init functions skip them
-                p._is_hf_initialized = False  # type: ignore[attr-defined]
-        for module in self.modules():
-            if module is not self:
-                self.model._init_weights(module)
+        self._init_as_transformers()
         init_moe(self)
         _rebuild_rotary(self)
 
@@ -285,10 +309,19 @@ class HFCausalLM(nn.Module):
             blocks="model.layers",
             first_stage=("model.embed_tokens",),
             last_stage=("model.norm", "lm_head"),
-            tp_plan=functools.partial(self.tp_plan, moe_blocks=self._moe_blocks()),
+            tp_plan=functools.partial(self._family_tp_plan, moe_blocks=self._moe_blocks()),
             attention_core="self_attn.core",
             check=self._check_strategy,
         )
+
+    def _family_tp_plan(
+        self, *, sequence_parallel: bool, loss_parallel: bool, moe_blocks: dict[str, bool] | None
+    ) -> dict:
+        """`tp_plan` with what this model's family changes in it (`_adapt_tp_plan`)."""
+        plan = self.tp_plan(
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, moe_blocks=moe_blocks
+        )
+        return self._adapt_tp_plan(plan, sequence_parallel=sequence_parallel)
 
     def _moe_blocks(self) -> dict[str, bool] | None:
         """{block name: whether its MLP is an `autosearch.models.moe.MoE`} (None: none is)."""
@@ -336,55 +369,32 @@ class HFCausalLM(nn.Module):
         MLP is one}) route this rank's shard of the sequence (parallel folding,
         `autosearch.models.moe.apply_ep`), as the reference transformer's.
         """
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        from autosearch.models.hf.tp_plans import (
+            LAYER,
+            column_row_entries,
+            llama_layout_entries,
+            llama_sequence_parallel_entries,
         )
 
-        act = Shard(1) if sequence_parallel else Replicate()
-        layer = "model.layers.*."
+        sp = sequence_parallel
         plan = {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-            "lm_head": ColwiseParallel(
-                input_layouts=act,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-            layer + "self_attn.q_proj": ColwiseParallel(),
-            layer + "self_attn.k_proj": ColwiseParallel(),
-            layer + "self_attn.v_proj": ColwiseParallel(),
-            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            **llama_layout_entries(sequence_parallel=sp, loss_parallel=loss_parallel),
             # Qwen3's per-head RMSNorms see this rank's heads (dim 2 of [b, s, heads, d]): a
             # replicated weight whose gradient is summed over tp (torchtitan's Qwen3 plan)
-            layer + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            layer + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            layer + "mlp.gate_proj": ColwiseParallel(),
-            layer + "mlp.up_proj": ColwiseParallel(),
-            layer + "mlp.down_proj": RowwiseParallel(output_layouts=act),
+            LAYER + "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            LAYER + "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            **column_row_entries(
+                LAYER + "mlp.", ("gate_proj", "up_proj"), "down_proj", sequence_parallel=sp
+            ),
         }
         if sequence_parallel:
-            plan.update(
-                {
-                    "model.norm": SequenceParallel(),
-                    layer + "input_layernorm": SequenceParallel(),
-                    layer + "post_attention_layernorm": SequenceParallel(),
-                    # HF passes the attention input by keyword, the MLP input by position.
-                    layer + "self_attn": PrepareModuleInput(
-                        input_kwarg_layouts={"hidden_states": Shard(1)},
-                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                    ),
-                    layer + "mlp": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                    ),
-                }
-            )
+            plan.update(llama_sequence_parallel_entries())
             if moe_blocks:  # one entry per block: the MoE ones also hand back their shard
                 from autosearch.models.moe import sequence_parallel_style
 
-                dense = plan.pop(layer + "mlp")
+                dense = plan.pop(LAYER + "mlp")
                 for name, is_moe in moe_blocks.items():
                     plan[f"model.layers.{name}.mlp"] = (
                         sequence_parallel_style() if is_moe else dense
@@ -529,23 +539,33 @@ MOE_LIKE = ("mixtral", "qwen3_moe")
 
 
 def use_autosearch_moe(model: HFCausalLM) -> float:
-    """Replace each sparse MLP block (``mlp.gate`` + ``mlp.experts``) by an
-    `autosearch.models.moe.MoE` holding the same parameters under the same names
+    """The sparse MLP blocks of Mixtral and Qwen3-MoE as the Engine's MoE (`swap_sparse_blocks`);
+    the auxiliary-loss coefficient the model trains with (0 for the other families)."""
+    if model.config.model_type not in MOE_LIKE:
+        return 0.0
+    return swap_sparse_blocks(model)
+
+
+def swap_sparse_blocks(
+    model: HFCausalLM, moe_class: type[MoE] | None = None, *, shared: tuple[str, ...] = ()
+) -> float:
+    """Replace each sparse MLP block (``mlp.gate`` + ``mlp.experts``) by a `moe_class` (default
+    `autosearch.models.moe.MoE`) holding the same parameters under the same names
     (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which
-    expert parallelism can shard. Returns the auxiliary-loss coefficient the model trains with:
-    the config's ``router_aux_loss_coef`` when ``output_router_logits`` is set (as transformers
-    adds it to the loss), else 0."""
+    expert parallelism can shard; the block's modules named in `shared` (Qwen2-MoE's shared
+    expert and its gate) are passed on to `moe_class` by those names. Returns the
+    auxiliary-loss coefficient the model trains with: the config's ``router_aux_loss_coef``
+    when ``output_router_logits`` is set (as transformers adds it to the loss), else 0."""
     from autosearch.models.moe import FusedExperts, MoE
 
     config = model.config
-    if config.model_type not in MOE_LIKE:
-        return 0.0
     for layer in model.model.layers.values():
         block = layer.mlp
-        if not hasattr(block, "experts"):  # a dense layer (Qwen3-MoE mlp_only_layers)
+        if not hasattr(block, "experts"):  # a dense layer (mlp_only_layers, decoder_sparse_step)
             continue
         hf_experts = block.experts
-        moe = MoE(
+        moe = (moe_class or MoE)(
+            **{name: getattr(block, name) for name in shared},
             dim=config.hidden_size,
             hidden=hf_experts.intermediate_dim,
             n_experts=hf_experts.num_experts,

@@ -38,17 +38,14 @@ transformers' `AttentionInterface`, pipeline stages that skip removed modules) f
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from autosearch.distributed.plan import ParallelPlan
 from autosearch.models.hf.causal_lm import HFCausalLM
 from autosearch.models.hf.router_moe import RouterMoE
+from autosearch.models.hf.tp_plans import gather_input
 from autosearch.models.moe import FusedExperts
 
 
@@ -112,27 +109,10 @@ class DeepseekCausalLM(HFCausalLM):
     def sliding_window(self) -> int | None:
         return None
 
-    def parallel_plan(self) -> ParallelPlan:
-        plan = super().parallel_plan()
-        return dataclasses.replace(
-            plan, tp_plan=functools.partial(self.mla_tp_plan, moe_blocks=self._moe_blocks())
-        )
-
-    def mla_tp_plan(
-        self, *, sequence_parallel: bool, loss_parallel: bool, moe_blocks: dict | None = None
-    ) -> dict:
-        """`HFCausalLM.tp_plan` with MLA's split (module doc): ``q_b_proj`` and ``kv_b_proj``
-        column-wise, ``kv_a_proj_with_mqa`` with `SharedRopeKey`, the other down projections
-        and norms replicated, the attention input gathered as a plain tensor under sequence
-        parallel."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
-
-        plan = HFCausalLM.tp_plan(
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            moe_blocks=moe_blocks,
-        )
+    def _adapt_tp_plan(self, plan: dict, *, sequence_parallel: bool) -> dict:
+        """MLA's split (module doc): ``q_b_proj`` and ``kv_b_proj`` column-wise,
+        ``kv_a_proj_with_mqa`` with `SharedRopeKey`, the other down projections and norms
+        replicated, the attention input gathered as a plain tensor under sequence parallel."""
         layer = "model.layers.*.self_attn."
         for name in ("k_proj", "v_proj", "q_norm", "k_norm"):  # Llama's and Qwen3's names
             plan.pop(layer + name)
@@ -140,9 +120,5 @@ class DeepseekCausalLM(HFCausalLM):
         plan[layer + "kv_b_proj"] = ColwiseParallel()
         plan[layer + "kv_a_proj_with_mqa"] = SharedRopeKey(self.config.kv_lora_rank)
         if sequence_parallel:
-            plan["model.layers.*.self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
-            )
+            plan["model.layers.*.self_attn"] = gather_input(by_keyword=True, use_local_output=True)
         return plan

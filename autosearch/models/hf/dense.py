@@ -38,7 +38,6 @@ The Engine wraps these models by itself (``Engine(lambda: Gemma2ForCausalLM(conf
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -47,16 +46,9 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec
-from autosearch.distributed.plan import ParallelPlan
 from autosearch.models import attention
 from autosearch.models.hf import gemma, phi3
-from autosearch.models.hf.causal_lm import (
-    ATTN_IMPLEMENTATION,
-    AttentionCore,
-    HFCausalLM,
-    _register_attention,
-    _sequence_shards,
-)
+from autosearch.models.hf.causal_lm import AttentionCore, HFCausalLM
 
 DENSE_FAMILIES = ("qwen3", *gemma.GEMMA_FAMILIES, "phi3", "nemotron")
 
@@ -150,19 +142,7 @@ class HFDenseCausalLM(HFCausalLM):
                 f"this {type(hf).__name__} has use_bidirectional_attention=true (an encoder, as "
                 "EmbeddingGemma); the Engine trains causal LMs: set it false"
             )
-        _register_attention()
-        self.hf_class = type(hf)
-        # A config of our own (the attention modules read the kernel's name from it), so the
-        # caller's config object keeps its attention implementation.
-        self.config = copy.deepcopy(hf.config)
-        self.config._attn_implementation = ATTN_IMPLEMENTATION
-        self.model = hf.model
-        self.lm_head = hf.lm_head
-        if isinstance(self.model.layers, nn.ModuleList):
-            self.model.layers = nn.ModuleDict(
-                {str(i): layer for i, layer in enumerate(self.model.layers)}
-            )
-        self.model.config = self.config
+        self._take_over(hf)
         if self.config.model_type == "phi3":
             phi3.fuse_for_tp(self.model.layers.values())
         for layer in self.model.layers.values():
@@ -196,14 +176,7 @@ class HFDenseCausalLM(HFCausalLM):
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states (`balance`: the base class's MoE loss sums, never given here)."""
         m = self.model
-        if m.embed_tokens is not None:
-            seq = tokens.shape[1]
-            h = m.embed_tokens(tokens)  # Gemma: scaled by sqrt(hidden) in the module
-        else:  # a later pipeline stage: the previous stage's hidden states
-            h = tokens
-            first = next(iter(m.layers.values()), None)
-            norm = first.input_layernorm if first is not None else m.norm
-            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+        h, seq = self._stage_input(tokens)  # Gemma: the embedding scaled by sqrt(hidden) in it
         cp = self.context_parallel
         positions = (
             cp.positions(seq, h.device) if cp is not None else torch.arange(seq, device=h.device)
@@ -252,23 +225,10 @@ class HFDenseCausalLM(HFCausalLM):
             zero_row_(embed.weight, embed.padding_idx)
 
     # ---- what the Engine asks ------------------------------------------------------------------
-    def parallel_plan(self) -> ParallelPlan:
-        return ParallelPlan(
-            blocks="model.layers",
-            first_stage=("model.embed_tokens",),
-            last_stage=("model.norm", "lm_head"),
-            tp_plan=self.tp_plan,
-            attention_core="self_attn.core",
-            check=self._check_strategy,
-        )
-
-    def tp_plan(  # type: ignore[override]
-        self, *, sequence_parallel: bool, loss_parallel: bool
-    ) -> dict:
-        """`HFCausalLM.tp_plan` (entries naming modules a family lacks are skipped: Nemotron's
-        gate_proj, Phi-3's separate projections) with the family's own: Gemma's extra norms,
-        Phi-3's fused projections."""
-        plan = HFCausalLM.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    def _adapt_tp_plan(self, plan: dict, *, sequence_parallel: bool) -> dict:
+        """The family's own entries: Gemma's extra norms, Phi-3's fused projections (the Llama
+        entries naming modules a family lacks are skipped: Nemotron's gate_proj, Phi-3's
+        separate projections)."""
         if self.config.model_type in gemma.GEMMA_FAMILIES:
             plan.update(gemma.tp_entries(self.config, sequence_parallel=sequence_parallel))
         if self.config.model_type == "phi3":

@@ -318,15 +318,11 @@ class HFGPTCausalLM(HFCausalLM):
         the attention and MLP output projections row-wise, token (and GPT-2's position)
         embeddings by rows, ``lm_head`` by vocabulary columns, ``SequenceParallel`` on the
         LayerNorms."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
+        from torch.distributed.tensor.parallel import SequenceParallel
 
-        act = Shard(1) if sequence_parallel else Replicate()
+        from autosearch.models.hf.tp_plans import column_row_entries, gather_input, vocab_entries
+
+        sp = sequence_parallel
         b, layer = self.base, f"{self.base}.{self.layers_name}.*."
         gpt2 = self.config.model_type == "gpt2"
         attn, qkv, out = (
@@ -335,31 +331,17 @@ class HFGPTCausalLM(HFCausalLM):
         up, down = ("c_fc", "c_proj") if gpt2 else ("dense_h_to_4h", "dense_4h_to_h")
         embeddings = (f"{b}.wte", f"{b}.wpe") if gpt2 else (f"{b}.embed_in",)
         plan: dict = {
-            name: RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
-            for name in embeddings
+            **vocab_entries(*embeddings, sequence_parallel=sp, loss_parallel=loss_parallel),
+            **column_row_entries(f"{layer}{attn}.", (qkv,), out, sequence_parallel=sp),
+            **column_row_entries(f"{layer}mlp.", (up,), down, sequence_parallel=sp),
         }
-        plan.update(
-            {
-                "lm_head": ColwiseParallel(
-                    input_layouts=act,
-                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                    use_local_output=not loss_parallel,
-                ),
-                f"{layer}{attn}.{qkv}": ColwiseParallel(),
-                f"{layer}{attn}.{out}": RowwiseParallel(output_layouts=act),
-                f"{layer}mlp.{up}": ColwiseParallel(),
-                f"{layer}mlp.{down}": RowwiseParallel(output_layouts=act),
-            }
-        )
         if sequence_parallel:
             norms = ("ln_1", "ln_2") if gpt2 else ("input_layernorm", "post_attention_layernorm")
             plan[f"{b}.ln_f" if gpt2 else f"{b}.final_layer_norm"] = SequenceParallel()
             for norm in norms:
                 plan[layer + norm] = SequenceParallel()
             for sub in (attn, "mlp"):  # both families pass the input by position
-                plan[layer + sub] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
+                plan[layer + sub] = gather_input()
         return plan
 
     # ---- back to transformers ------------------------------------------------------------------

@@ -31,15 +31,12 @@ their rows and columns) for ``GptOssForCausalLM``. What differs from Llama:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from autosearch.distributed.plan import ParallelPlan
 from autosearch.models import attention
 from autosearch.models.hf.causal_lm import HFCausalLM, MLPOutputBlock
 from autosearch.models.hf.router_moe import RouterMoE
@@ -166,21 +163,8 @@ class GptOssCausalLM(HFCausalLM):
                 module.gate_up_proj_bias.zero_()
                 module.down_proj_bias.zero_()
 
-    def parallel_plan(self) -> ParallelPlan:
-        plan = super().parallel_plan()
-        return dataclasses.replace(
-            plan, tp_plan=functools.partial(self.sinks_tp_plan, moe_blocks=self._moe_blocks())
-        )
-
-    def sinks_tp_plan(
-        self, *, sequence_parallel: bool, loss_parallel: bool, moe_blocks: dict | None = None
-    ) -> dict:
-        """`HFCausalLM.tp_plan` with the sinks sharded with the heads (`ShardedSinks`)."""
-        plan = HFCausalLM.tp_plan(
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            moe_blocks=moe_blocks,
-        )
+    def _adapt_tp_plan(self, plan: dict, *, sequence_parallel: bool) -> dict:
+        """The sinks sharded with the heads (`ShardedSinks`)."""
         attn = "model.layers.*.self_attn"
         plan[attn] = ShardedSinks(plan.get(attn))
         return plan

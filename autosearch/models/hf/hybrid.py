@@ -31,7 +31,6 @@ expert parallel and tensor parallel of the MoE layers (transformers' own modules
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -40,24 +39,22 @@ from torch import nn
 from autosearch.core.errors import SpecError
 from autosearch.core.model_spec import ModelSpec
 from autosearch.distributed.plan import ParallelPlan
-from autosearch.models.hf.causal_lm import (
-    ATTN_IMPLEMENTATION,
-    AttentionCore,
-    HFCausalLM,
-    _register_attention,
-)
-from autosearch.models.ssm import Mamba2Mixer, ssm_strategy_problems, ssm_tp_plan
+from autosearch.models.hf.causal_lm import AttentionCore, HFCausalLM, init_moe
+from autosearch.models.ssm import GatedDeltaNet, Mamba2Mixer, ssm_strategy_problems, ssm_tp_plan
 
 
 class HFHybridCausalLM(HFCausalLM):
     """What the hybrid wrappers share (module doc): the take-over, transformers' init, the
-    checks. A subclass names its embedding, final norm, attention modules and the layers'
-    attention test."""
+    checks, the state-space mixers' rows laid back for transformers. A subclass names its
+    embedding, final norm, attention and state-space mixer modules and the layers' attention
+    test."""
 
     model_types: tuple[str, ...] = ()
-    embedding = "embeddings"  # the attribute of transformers' base model
-    final_norm = "norm_f"
-    attention = "mixer"  # the attribute of a layer holding its attention module
+    # transformers' names, by default the Llama layout's (HFCausalLM's)
+    embedding = "embed_tokens"  # the attribute of transformers' base model
+    final_norm = "norm"
+    attention = "self_attn"  # the attribute of a layer holding its attention module
+    ssm = "mixer"  # the attribute of a layer holding its Mamba-2 or Gated DeltaNet mixer
 
     @classmethod
     def takes(cls, model: nn.Module) -> bool:
@@ -79,18 +76,7 @@ class HFHybridCausalLM(HFCausalLM):
                 f"{type(self).__name__} runs transformers causal LMs of model_type "
                 f"{', '.join(self.model_types)}; got {type(hf_model).__name__}"
             )
-        _register_attention()
-        hf: Any = hf_model
-        self.hf_class = type(hf)
-        self.config = copy.deepcopy(hf.config)
-        self.config._attn_implementation = ATTN_IMPLEMENTATION
-        self.model = hf.model
-        self.lm_head = hf.lm_head
-        if isinstance(self.model.layers, nn.ModuleList):
-            self.model.layers = nn.ModuleDict(
-                {str(i): layer for i, layer in enumerate(self.model.layers)}
-            )
-        self.model.config = self.config
+        self._take_over(hf_model)
         for layer in self.model.layers.values():
             layer.config = self.config
             if self.is_attention(layer):
@@ -105,15 +91,23 @@ class HFHybridCausalLM(HFCausalLM):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every weight as transformers does (its ``_init_weights``: the Mamba
-        mixers' A_log, D and dt_bias, normal linear and embedding weights, ones for norms); the
-        Engine calls it after building on the meta device."""
-        for p in self.parameters():
-            if getattr(p, "_is_hf_initialized", False):
-                p._is_hf_initialized = False  # type: ignore[attr-defined]
+        """Initialise every weight as transformers does (its ``_init_weights``: normal linear
+        and embedding weights, ones for norms; Qwen3-Next's experts, the Engine's, normal(0,
+        initializer_range) by `init_moe`), the state-space mixers (ours) by their ``init_ssm``;
+        the Engine calls it after building on the meta device."""
+        self._init_as_transformers()
+        init_moe(self)
         for module in self.modules():
-            if module is not self:
-                self.model._init_weights(module)
+            if isinstance(module, (Mamba2Mixer, GatedDeltaNet)):
+                module.init_ssm()
+
+    def _ssm_layers(self) -> list[str]:
+        """The names of the layers whose `ssm` mixer is ours (Mamba-2 or Gated DeltaNet)."""
+        return [
+            name
+            for name, layer in self.model.layers.items()
+            if isinstance(getattr(layer, self.ssm, None), (Mamba2Mixer, GatedDeltaNet))
+        ]
 
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(
@@ -138,6 +132,17 @@ class HFHybridCausalLM(HFCausalLM):
     def sliding_window(self) -> int | None:
         return None
 
+    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
+        """transformers' model holding `state_dict` (or this module's weights), the state-space
+        mixers' rows laid back in transformers' order."""
+        state = dict(state_dict if state_dict is not None else self.state_dict())
+        for name in self._ssm_layers():
+            mixer = getattr(self.model.layers[name], self.ssm)
+            prefix = f"model.layers.{name}.{self.ssm}."
+            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
+        return super().hf_model(state)
+
 
 class NemotronHCausalLM(HFHybridCausalLM):
     """A transformers ``NemotronHForCausalLM`` as the Engine runs it (module doc).
@@ -149,6 +154,9 @@ class NemotronHCausalLM(HFHybridCausalLM):
     """
 
     model_types = ("nemotron_h",)
+    embedding = "embeddings"
+    final_norm = "norm_f"
+    attention = "mixer"
 
     @staticmethod
     def is_attention(layer: nn.Module) -> bool:
@@ -163,9 +171,6 @@ class NemotronHCausalLM(HFHybridCausalLM):
                     layer.mixer, mamba, self.config.hidden_size, self.config.layer_norm_epsilon
                 )
 
-    def _mamba_layers(self) -> list[str]:
-        return [n for n, b in self.model.layers.items() if isinstance(b.mixer, Mamba2Mixer)]
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states."""
@@ -179,21 +184,12 @@ class NemotronHCausalLM(HFHybridCausalLM):
             h = self.lm_head(h)
         return h
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """transformers' init; the Mamba-2 mixers (ours) as `Mamba2Mixer.init_ssm` does, their
-        projections normal(0, initializer_range) as transformers' linears."""
-        super().init_weights()
-        for module in self.modules():
-            if isinstance(module, Mamba2Mixer):
-                module.init_ssm()
-
     def parallel_plan(self) -> ParallelPlan:
         import dataclasses
         import functools
 
         kinds = {n: b.block_type for n, b in self.model.layers.items()}
-        for name in self._mamba_layers():
+        for name in self._ssm_layers():
             kinds[name] = "mamba"
         return dataclasses.replace(
             super().parallel_plan(),
@@ -210,46 +206,33 @@ class NemotronHCausalLM(HFHybridCausalLM):
         transformers' block type}); embeddings by vocabulary rows, lm_head by vocabulary
         columns; with sequence parallel the norms on the ranks' shards of the sequence and each
         mixer's input gathered (the attention's by keyword, as transformers passes it)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        from autosearch.models.hf.tp_plans import (
+            LAYER,
+            attention_entries,
+            column_row_entries,
+            gather_input,
+            vocab_entries,
         )
 
-        act = Shard(1) if sequence_parallel else Replicate()
-        layer = "model.layers.*."
+        sp = sequence_parallel
         plan: dict = {
-            "model.embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-            "lm_head": ColwiseParallel(
-                input_layouts=act,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
+            **vocab_entries("model.embeddings", sequence_parallel=sp, loss_parallel=loss_parallel),
+            **attention_entries(LAYER + "mixer", sequence_parallel=sp),
+            **column_row_entries(
+                LAYER + "mixer.", ("up_proj",), "down_proj", sequence_parallel=sp
             ),
-            layer + "mixer.q_proj": ColwiseParallel(),
-            layer + "mixer.k_proj": ColwiseParallel(),
-            layer + "mixer.v_proj": ColwiseParallel(),
-            layer + "mixer.o_proj": RowwiseParallel(output_layouts=act),
-            layer + "mixer.up_proj": ColwiseParallel(),
-            layer + "mixer.down_proj": RowwiseParallel(output_layouts=act),
         }
         if sequence_parallel:
             plan["model.norm_f"] = SequenceParallel()
-            plan[layer + "norm"] = SequenceParallel()
+            plan[LAYER + "norm"] = SequenceParallel()
         for name, kind in (kinds or {}).items():
             mixer = f"model.layers.{name}.mixer"
             if kind == "mamba":  # its own style gathers its input under sp
                 plan.update(ssm_tp_plan(mixer, "mamba", sequence_parallel=sequence_parallel))
-            elif sequence_parallel and kind in ("full_attention", "attention"):
-                plan[mixer] = PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": Shard(1)},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                )
-            elif sequence_parallel:
-                plan[mixer] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
+            elif sequence_parallel:  # the attention's input by keyword, as transformers passes it
+                plan[mixer] = gather_input(by_keyword=kind in ("full_attention", "attention"))
         return plan
 
     def _check_strategy(self, strategy) -> list[str]:
@@ -262,17 +245,6 @@ class NemotronHCausalLM(HFHybridCausalLM):
                 "which has no tensor-parallel plan here; use tp=1 (dp, zero, pp)"
             )
         return problems
-
-    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
-        """transformers' model holding `state_dict` (or this module's weights), the Mamba
-        mixers' rows laid back in transformers' order."""
-        state = dict(state_dict if state_dict is not None else self.state_dict())
-        for name in self._mamba_layers():
-            mixer = self.model.layers[name].mixer
-            prefix = f"model.layers.{name}.mixer."
-            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
-        return super().hf_model(state)
 
 
 def _as_mamba2_mixer(theirs: Any, spec, hidden: int, eps: float) -> Mamba2Mixer:
@@ -331,9 +303,7 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
     """
 
     model_types = ("granitemoehybrid",)
-    embedding = "embed_tokens"
-    final_norm = "norm"
-    attention = "self_attn"
+    ssm = "mamba"
 
     @staticmethod
     def is_attention(layer: nn.Module) -> bool:
@@ -350,22 +320,15 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
             layer.shared_mlp = InterleavedGatedMLP(layer.shared_mlp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        from autosearch.models.hf.causal_lm import _sequence_shards
-
         m = self.model
-        layers = list(m.layers.values())
+        h, seq = self._stage_input(tokens)
         if m.embed_tokens is not None:
-            seq = tokens.shape[1]
-            h = m.embed_tokens(tokens) * m.embedding_multiplier
-        else:  # a later stage: under sequence parallel its input is this rank's shard
-            h = tokens
-            norm = layers[0].input_layernorm if layers else m.norm
-            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+            h = h * m.embedding_multiplier
         position_embeddings = None
         if m.rotary_emb is not None:
             positions = torch.arange(seq, device=h.device).unsqueeze(0)
             position_embeddings = m.rotary_emb(h, positions)
-        for layer in layers:
+        for layer in m.layers.values():
             h = layer(h, position_embeddings=position_embeddings)
         if m.norm is not None:
             h = m.norm(h)
@@ -373,24 +336,13 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
             h = self.lm_head(h) / self.config.logits_scaling
         return h
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """transformers' init; the Mamba-2 mixers (ours) as `Mamba2Mixer.init_ssm` does."""
-        super().init_weights()
-        for module in self.modules():
-            if isinstance(module, Mamba2Mixer):
-                module.init_ssm()
-
-    def _mamba_layers(self) -> list[str]:
-        return [n for n, b in self.model.layers.items() if isinstance(b.mamba, Mamba2Mixer)]
-
     def parallel_plan(self) -> ParallelPlan:
         import dataclasses
         import functools
 
         return dataclasses.replace(
             super().parallel_plan(),
-            tp_plan=functools.partial(self.granite_tp_plan, mamba=tuple(self._mamba_layers())),
+            tp_plan=functools.partial(self.granite_tp_plan, mamba=tuple(self._ssm_layers())),
         )
 
     @staticmethod
@@ -402,41 +354,22 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
         Mamba-2 layer by groups (`ssm_tp_plan`); embeddings by vocabulary rows, lm_head by
         vocabulary columns; with sequence parallel the norms on the ranks' shards and each
         mixer's and MLP's input gathered."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
+        from autosearch.models.hf.tp_plans import (
+            LAYER,
+            column_row_entries,
+            llama_layout_entries,
+            llama_sequence_parallel_entries,
         )
 
-        act = Shard(1) if sequence_parallel else Replicate()
-        layer = "model.layers.*."
+        sp = sequence_parallel
         plan: dict = {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-            "lm_head": ColwiseParallel(
-                input_layouts=act,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
+            **llama_layout_entries(sequence_parallel=sp, loss_parallel=loss_parallel),
+            **column_row_entries(
+                LAYER + "shared_mlp.", ("input_linear",), "output_linear", sequence_parallel=sp
             ),
-            layer + "self_attn.q_proj": ColwiseParallel(),
-            layer + "self_attn.k_proj": ColwiseParallel(),
-            layer + "self_attn.v_proj": ColwiseParallel(),
-            layer + "self_attn.o_proj": RowwiseParallel(output_layouts=act),
-            layer + "shared_mlp.input_linear": ColwiseParallel(),
-            layer + "shared_mlp.output_linear": RowwiseParallel(output_layouts=act),
         }
         if sequence_parallel:
-            plan["model.norm"] = SequenceParallel()
-            plan[layer + "input_layernorm"] = SequenceParallel()
-            plan[layer + "post_attention_layernorm"] = SequenceParallel()
-            plan[layer + "self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            )
-            plan[layer + "shared_mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
+            plan.update(llama_sequence_parallel_entries(mlp="shared_mlp"))
         for name in mamba:
             plan.update(
                 ssm_tp_plan(
@@ -456,15 +389,11 @@ class GraniteHybridCausalLM(HFHybridCausalLM):
 
     def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
         """transformers' model holding `state_dict` (or this module's weights), the Mamba rows
-        and the shared MLPs' gate/up rows laid back in transformers' order."""
+        (`HFHybridCausalLM.hf_model`) and the shared MLPs' gate/up rows laid back in
+        transformers' order."""
         from autosearch.models.hf.phi3 import interleave_gate_up
 
         state = dict(state_dict if state_dict is not None else self.state_dict())
-        for name in self._mamba_layers():
-            mixer = self.model.layers[name].mamba
-            prefix = f"model.layers.{name}.mamba."
-            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
         for key in [k for k in state if k.endswith("shared_mlp.input_linear.weight")]:
             state[key] = interleave_gate_up(state[key], inverse=True)
         return super().hf_model(state)

@@ -31,8 +31,6 @@ attention core, the Llama tp plan on Llama 4's names). What differs from Llama:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosearch.core.errors import SpecError
-from autosearch.distributed.plan import ParallelPlan
 from autosearch.models.hf.causal_lm import AttentionCore, HFCausalLM, MLPOutputBlock
 from autosearch.models.moe import FusedExperts, MoE, _local, grouped_mm
 
@@ -182,19 +179,6 @@ class Llama4CausalLM(HFCausalLM):
                 raise SpecError(self._cp_tuning_problem(cp.cp, whole))
         return super().forward(tokens, balance)
 
-    def parallel_plan(self) -> ParallelPlan:
-        plan = super().parallel_plan()
-        return dataclasses.replace(
-            plan, tp_plan=functools.partial(self.llama4_tp_plan, moe_blocks=self._moe_blocks())
-        )
-
-    def llama4_tp_plan(
-        self, *, sequence_parallel: bool, loss_parallel: bool, moe_blocks: dict | None = None
-    ) -> dict:
-        """`HFCausalLM.tp_plan` on Llama 4's names (``feed_forward`` for ``mlp``)."""
-        plan = HFCausalLM.tp_plan(
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            moe_blocks=moe_blocks,
-        )
+    def _adapt_tp_plan(self, plan: dict, *, sequence_parallel: bool) -> dict:
+        """On Llama 4's names (``feed_forward`` for ``mlp``)."""
         return {key.replace(".mlp", ".feed_forward"): style for key, style in plan.items()}

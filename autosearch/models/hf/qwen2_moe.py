@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autosearch.models.hf.causal_lm import HFCausalLM
-from autosearch.models.moe import FusedExperts, MoE
+from autosearch.models.hf.causal_lm import HFCausalLM, swap_sparse_blocks
+from autosearch.models.moe import MoE
 
 
 class GatedSharedMoE(MoE):
@@ -43,33 +43,22 @@ class GatedSharedMoE(MoE):
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
+def use_gated_shared_moe(model: HFCausalLM) -> float:
+    """Each sparse block of Qwen2-MoE or Qwen3-Next (transformers' router, experts and gated
+    shared expert are the same code in both) as a `GatedSharedMoE` under the same names
+    (`swap_sparse_blocks`); transformers' auxiliary-loss coefficient."""
+    return swap_sparse_blocks(
+        model, GatedSharedMoE, shared=("shared_expert", "shared_expert_gate")
+    )
+
+
 class Qwen2MoeCausalLM(HFCausalLM):
     """A transformers ``Qwen2MoeForCausalLM`` as the Engine runs it (module doc)."""
 
     model_types = ("qwen2_moe",)
 
     def _use_moe(self) -> float:
-        config = self.config
-        for layer in self.model.layers.values():
-            block = layer.mlp
-            if not hasattr(block, "experts"):  # a dense layer (decoder_sparse_step)
-                continue
-            hf_experts = block.experts
-            moe = GatedSharedMoE(
-                shared_expert=block.shared_expert,
-                shared_expert_gate=block.shared_expert_gate,
-                dim=config.hidden_size,
-                hidden=hf_experts.intermediate_dim,
-                n_experts=hf_experts.num_experts,
-                top_k=config.num_experts_per_tok,
-                norm_topk_prob=config.norm_topk_prob,
-                aux_loss_coef=0.0,  # transformers' loss over all layers: the model adds it
-            )
-            moe.gate.weight = block.gate.weight
-            moe.experts = FusedExperts(hf_experts.gate_up_proj, hf_experts.down_proj)
-            moe.record_router_logits = bool(config.output_router_logits)
-            layer.mlp = moe
-        return float(config.router_aux_loss_coef) if config.output_router_logits else 0.0
+        return use_gated_shared_moe(self)
 
     def sliding_window(self) -> int | None:
         """Qwen2-MoE slides only with ``use_sliding_window`` (as Qwen2)."""

@@ -46,15 +46,9 @@ from torch import nn
 
 from autosearch.core.errors import SpecError
 from autosearch.distributed.plan import ParallelPlan
-from autosearch.models.hf.causal_lm import (
-    HFCausalLM,
-    _sequence_shards,
-    init_moe,
-    moe_layers_of,
-)
+from autosearch.models.hf.causal_lm import HFCausalLM
 from autosearch.models.hf.hybrid import HFHybridCausalLM
-from autosearch.models.hf.qwen2_moe import GatedSharedMoE
-from autosearch.models.moe import FusedExperts, MoE
+from autosearch.models.hf.qwen2_moe import use_gated_shared_moe
 from autosearch.models.ssm import GatedDeltaNet, ssm_strategy_problems, ssm_tp_plan
 
 
@@ -68,9 +62,7 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
     """
 
     model_types = ("qwen3_next",)
-    embedding = "embed_tokens"
-    final_norm = "norm"
-    attention = "self_attn"
+    ssm = "linear_attn"
 
     @staticmethod
     def is_attention(layer: nn.Module) -> bool:
@@ -85,10 +77,7 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
                     layer.linear_attn, gdn, self.config.hidden_size, self.config.rms_norm_eps
                 )
         self._use_gated_shared_moe()
-        layers = moe_layers_of(self)
-        self.n_moe_layers = len(layers)
-        self.n_experts = layers[0].n_experts if layers else 0
-        self.top_k = layers[0].top_k if layers else 0
+        self._count_moe_layers()
 
     def _use_gated_shared_moe(self) -> None:
         """Each ``Qwen3NextSparseMoeBlock`` becomes the Engine's MoE with the gated shared
@@ -101,52 +90,16 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
                 "load-balancing loss (Qwen3NextConfig's default is false); set "
                 "config.output_router_logits = False"
             )
-        for layer in self.model.layers.values():
-            block = layer.mlp
-            if not hasattr(block, "experts"):  # a dense layer (mlp_only_layers)
-                continue
-            hf_experts = block.experts
-            moe = GatedSharedMoE(
-                shared_expert=block.shared_expert,
-                shared_expert_gate=block.shared_expert_gate,
-                dim=config.hidden_size,
-                hidden=hf_experts.intermediate_dim,
-                n_experts=hf_experts.num_experts,
-                top_k=config.num_experts_per_tok,
-                norm_topk_prob=config.norm_topk_prob,
-                aux_loss_coef=0.0,
-            )
-            moe.gate.weight = block.gate.weight
-            moe.experts = FusedExperts(hf_experts.gate_up_proj, hf_experts.down_proj)
-            layer.mlp = moe
-
-    def _gdn_layers(self) -> list[str]:
-        return [
-            n
-            for n, b in self.model.layers.items()
-            if isinstance(getattr(b, "linear_attn", None), GatedDeltaNet)
-        ]
-
-    def _moe_blocks(self) -> dict[str, bool] | None:
-        """{layer name: whether its MLP is the Engine's MoE} (None: none is)."""
-        blocks = {n: isinstance(b.mlp, MoE) for n, b in self.model.layers.items()}
-        return blocks if any(blocks.values()) else None
+        use_gated_shared_moe(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Logits (batch, seq, vocab) of token ids (batch, seq); a pipeline stage maps hidden
         states to hidden states. Causal attention without a mask (`AttentionCore`), no cache."""
         m = self.model
-        layers = list(m.layers.values())
-        if m.embed_tokens is not None:
-            seq = tokens.shape[1]
-            h = m.embed_tokens(tokens)
-        else:  # a later stage: under sequence parallel its input is this rank's shard
-            h = tokens
-            norm = layers[0].input_layernorm if layers else m.norm
-            seq = h.shape[1] * (_sequence_shards(norm) if norm is not None else 1)
+        h, seq = self._stage_input(tokens)
         positions = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = m.rotary_emb(h, positions)  # partial rotary: transformers' table
-        for layer in layers:
+        for layer in m.layers.values():
             h = layer(h, position_embeddings=position_embeddings)
         if m.norm is not None:
             h = m.norm(h)
@@ -154,22 +107,12 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
             h = self.lm_head(h)
         return h
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """transformers' init (zero-centred norms at 0, normal projections and experts); the
-        Gated DeltaNet mixers (ours) as `GatedDeltaNet.init_ssm` does."""
-        super().init_weights()
-        init_moe(self)  # the fused experts, normal(0, initializer_range) as transformers'
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.init_ssm()
-
     def parallel_plan(self) -> ParallelPlan:
         return dataclasses.replace(
             super().parallel_plan(),
             tp_plan=functools.partial(
                 self.qwen3_next_tp_plan,
-                gdn=tuple(self._gdn_layers()),
+                gdn=tuple(self._ssm_layers()),
                 moe_blocks=self._moe_blocks(),
             ),
         )
@@ -203,17 +146,6 @@ class Qwen3NextCausalLM(HFHybridCausalLM):
         """The ModelSpec's and the Gated DeltaNet's checks (cp refused, tp dividing the key
         heads); the MoE layers are the Engine's, so ep, etp and tp run."""
         return strategy.problems(self.spec) + ssm_strategy_problems(self.spec, strategy)
-
-    def hf_model(self, state_dict: dict[str, torch.Tensor] | None = None) -> Any:
-        """transformers' model holding `state_dict` (or this module's weights), the Gated
-        DeltaNet rows laid back in transformers' order."""
-        state = dict(state_dict if state_dict is not None else self.state_dict())
-        for name in self._gdn_layers():
-            mixer = self.model.layers[name].linear_attn
-            prefix = f"model.layers.{name}.linear_attn."
-            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            state.update({prefix + k: v for k, v in mixer.to_transformers(own).items()})
-        return super().hf_model(state)
 
 
 def _as_gated_delta_net(theirs: Any, spec, hidden: int, eps: float) -> GatedDeltaNet:
