@@ -580,8 +580,15 @@ def _spawn(command: dict[str, Any]) -> int:
     """fork + exec one command (the supervisor is single-threaded, so fork is safe here), with
     stdin from /dev/null, stdout and stderr to its log, and SIGKILL if the supervisor dies."""
     log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # A stop signal that reached the child between fork and its reset of the handlers below
+    # would run the supervisor's handler (copied with the fork) and be lost: the command would
+    # then run on until SIGKILL. Blocked across the fork, it stays pending until the child has
+    # the default handlers, and then ends it as it would the command.
+    stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(log)
         return pid
     try:  # the child
@@ -592,6 +599,7 @@ def _spawn(command: dict[str, Any]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending stop signal ends us here
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
