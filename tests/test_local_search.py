@@ -13,7 +13,7 @@ from autosearch import TuneConfig, tune
 from autosearch.core.errors import SpecError
 from autosearch.tuning._local import LayoutIndex, primes_of
 from autosearch.tuning._objectives import CONSTRAINT
-from autosearch.tuning._study import SearchPlan, _Runner, prepare
+from autosearch.tuning._study import ATTR_LOCAL, SearchPlan, _Runner, plan_search, prepare
 from search_spaces import SearchSpace
 
 # A space of today's stacks: 5,652 layouts, far beyond the exhaustive budget.
@@ -127,7 +127,7 @@ def test_a_budget_spent_in_the_climb_keeps_what_it_scored(tmp_path):
     millisecond, counted in the priced work of this run: one layout costs more): the local
     search stops after its first layout and says so; the sampled trials' best is kept."""
     small = dict(BIG, seed=0, out=str(tmp_path / "a"))
-    sampled = tune(TuneConfig(**small, n_trials=100))  # the plan's 100 TPE trials, no climb
+    sampled = tune(TuneConfig(**small, n_trials=100, sampler="tpe"))  # 100 TPE trials, no climb
     stopped = tune(TuneConfig(**small, time_budget=0.001))
     assert stopped.n_trials == 101 and "the local search scored 1 of them" in stopped.plan
     assert "the local search stopped at the 0.001 s time budget" in stopped.plan
@@ -144,6 +144,36 @@ def test_a_spent_budget_is_resumed_to_the_whole_climb(tmp_path):
     assert "stopped" not in resumed.plan and resumed.n_new_trials > 0
     assert resumed.n_trials == whole.n_trials
     assert resumed.best_report.tokens_per_s == whole.best_report.tokens_per_s
+
+
+def test_n_trials_is_the_whole_count_with_the_climb_in_it(tmp_path):
+    """--n-trials N (no sampler) is the same search as the default plan, with a count for a
+    budget: N/2 TPE trials, then the climbs until the study holds N. On BIG at 200 trials
+    (seed 0) that is the optimum found by the climb, where the same 200 trials all sampled by
+    TPE stop 5.7% short (measured; --sampler tpe still runs them). A second run asking for more
+    goes on to the new count."""
+    small = dict(BIG, seed=0, out=str(tmp_path / "a"))
+    climbed = tune(TuneConfig(**small, n_trials=200))
+    sampled = tune(TuneConfig(**dict(small, out=str(tmp_path / "b")), n_trials=200, sampler="tpe"))
+    assert climbed.n_trials == sampled.n_trials == 200
+    assert (
+        "sampled: 100 trials and a local search" in climbed.plan
+        and "200 trials in all" in climbed.plan
+    )
+    local = [t for t in climbed.study.trials if t.user_attrs.get(ATTR_LOCAL)]
+    assert len(local) == 100 and climbed.n_units_covered == 200 - _repeats(climbed)
+    assert climbed.best_report.tokens_per_s > sampled.best_report.tokens_per_s * 1.05
+    more = tune(TuneConfig(**small, n_trials=260))
+    assert more.n_new_trials == 60 and more.n_trials == 260
+    assert more.best_report.tokens_per_s >= climbed.best_report.tokens_per_s
+
+
+def test_a_count_that_covers_the_space_scores_every_layout():
+    space = prepare(TuneConfig(**BIG, n_trials=1, sampler="random")).space
+    plan = plan_search(space, unit="layout", multi=False, n_trials=space.n_groups)
+    assert plan.exhaustive and plan.n_trials == space.n_groups and not plan.local
+    plan = plan_search(space, unit="strategy", multi=False, n_trials=50)
+    assert not plan.local and plan.n_trials == 50 and "no local search" in plan.reason
 
 
 @pytest.mark.parametrize("bad", ["-1", "soon", "inf"])

@@ -222,10 +222,12 @@ def dry_run(config: TuneConfig) -> str:
         pass
     per_trial = (time.perf_counter() - t0) / k
     n_trials, plan = config.n_trials, None
-    if n_trials is None and config.sampler is None:  # tune's own budget rule
+    if config.sampler is None:  # tune's own plan: the budget rule, or the count of --n-trials
         from autosearch.tuning._study import plan_search
 
-        plan = plan_search(space, unit=unit, multi=multi, budget_s=config.time_budget)
+        plan = plan_search(
+            space, unit=unit, multi=multi, budget_s=config.time_budget, n_trials=n_trials
+        )
         n_trials = plan.n_trials
     elif n_trials is None:
         n_trials = DEFAULT_N_TRIALS
@@ -238,6 +240,8 @@ def dry_run(config: TuneConfig) -> str:
     else:
         sampler = "nsga2" if multi else "tpe"
     target = min(n_trials, n_units) if sampler == "exhaustive" else n_trials
+    if plan is not None and plan.total:  # the climbs count towards --n-trials
+        target = plan.total
     done = _finished_trials(out, name)
     todo = max(0, target - done)
     from search_spaces import LAYOUT_FIELDS
@@ -252,8 +256,14 @@ def dry_run(config: TuneConfig) -> str:
         f"memory     a strategy fits within the capacity less {margin.fraction:.1%} "
         f"({margin.why})",
         f"study      {name} in {out}/ ({done} finished trials there)",
-        f"trials     {target} {units} with the {sampler} sampler ({todo} to run; "
-        f"{n_units:,} {units} in the space)"
+        f"trials     {target} {units}"
+        + (
+            f": {plan.n_trials} with the {sampler} sampler, the rest a local search from the "
+            "best layouts"
+            if plan is not None and plan.total
+            else f" with the {sampler} sampler"
+        )
+        + f" ({todo} to run; {n_units:,} {units} in the space)"
         + (
             " and a local search from the best layouts"
             + (
@@ -261,7 +271,7 @@ def dry_run(config: TuneConfig) -> str:
                 if plan.budget_s
                 else ""
             )
-            if plan is not None and plan.local
+            if plan is not None and plan.local and not plan.total
             else ""
         ),
         *([f"plan       {plan.reason}"] if plan is not None else []),
@@ -282,7 +292,11 @@ def dry_run(config: TuneConfig) -> str:
         return "\n".join(lines)
     lines.append(
         f"expected   about {todo * per_trial:,.1f} s of search for {todo} trials"
-        + (" (and the local search after them)" if plan is not None and plan.local else "")
+        + (
+            " (and the local search after them)"
+            if plan is not None and plan.local and not plan.total
+            else ""
+        )
         + " "
         f"({per_trial * 1e3:.1f} ms per trial over {k} {probe_sampler} trials run in memory now; "
         "TPE slows as the study grows, and a persistent storage adds its write per trial)"

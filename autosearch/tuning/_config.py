@@ -129,7 +129,9 @@ class TuneConfig(Schema):
     n_trials: int | None = setting(
         None,
         read=read_count,
-        help="finished trials the study should hold (a resumed study runs only the rest); "
+        help="finished trials the study should hold (a resumed study runs only the rest): "
+        "every layout when they cover the space, else half of them sampled (at most 100) "
+        "and the rest a local search from the best layouts (with --sampler, all sampled); "
         "default: see --time-budget",
     )
     time_budget: float = setting(
