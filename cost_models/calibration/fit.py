@@ -159,6 +159,91 @@ def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
     )
 
 
+@dataclass(frozen=True)
+class TiledGemmFit:
+    """The GEMM measurements read by the tile model of a catalog profile
+    (`autosearch.core.gemm_tiles`: its SM count, tile shapes and K overhead kept): one
+    large-shape rate per precision and one launch time fitted."""
+
+    rate_flops: dict[str, float]
+    launch_s: float
+    quality: FitQuality
+    quality_by_precision: dict[str, FitQuality]
+
+
+def tiled_gemm_time_s(
+    m,
+    n,
+    k,
+    rate_flops: dict[str, float],
+    precision,
+    launch_s: float,
+    shapes: GemmEfficiency,
+    multiplier=1.0,
+) -> np.ndarray:
+    """`GemmEfficiency.time_s` with the tiles of `shapes` (peak 1, max_efficiency = the
+    rates), for arrays of shapes and precisions."""
+    m, n, k = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (m, n, k))
+    prec = np.broadcast_to(np.atleast_1d(np.asarray(precision, dtype=object)), m.shape)
+    gemm = GemmEfficiency(
+        max_efficiency=dict(rate_flops),
+        half_dim=shapes.half_dim,
+        launch_s=launch_s,
+        sm_count=shapes.sm_count,
+        tiles=shapes.tiles,
+        k_overhead_bytes=shapes.k_overhead_bytes,
+    )
+    t = np.array([gemm.time_s(a, b, c, 1.0, p) for a, b, c, p in zip(m, n, k, prec)])
+    return np.asarray(multiplier, dtype=float) * t
+
+
+def fit_gemm_tiled(
+    m, n, k, precision, time_s, *, shapes: GemmEfficiency, multiplier=1.0
+) -> TiledGemmFit:
+    """Fit one large-shape rate per precision and a launch time under the tile model of
+    `shapes` (a profile's `gemm` with `sm_count` and `tiles`): the tile shapes and the K
+    overhead are properties of an architecture's kernels, fitted on a table of hundreds of
+    shapes (benchmarks/gemm_tiles.py), which `calibrate`'s few shapes per precision could not
+    pin down; the rate and the launch are this device's. Same residuals as `fit_gemm`."""
+    if not shapes.tiles or shapes.sm_count < 1:
+        raise ValueError("fit_gemm_tiled needs a gemm with sm_count and tiles")
+    m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
+    prec = np.asarray(precision, dtype=object)
+    mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
+    _check(t, "GEMM tile fit", min_points=3)
+    names = sorted(set(prec.tolist()))
+    idx = np.array([names.index(p) for p in prec])
+    flops = 2.0 * m * n * k
+    rate0 = np.array(
+        [np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))]
+    )
+    x0 = np.concatenate([np.log(rate0), [np.log(max(t.min() / 4, 1e-9))]])
+
+    def unpack(x):
+        return dict(zip(names, np.exp(x[: len(names)]))), np.exp(x[-1])
+
+    def resid(x):
+        rates, launch = unpack(x)
+        return np.log(tiled_gemm_time_s(m, n, k, rates, prec, launch, shapes, mult) / t)
+
+    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
+    rate, launch = unpack(sol.x)
+    pred = np.exp(resid(sol.x)) * t
+    by_prec = {
+        p: fit_quality(pred[idx == i], t[idx == i])
+        for i, p in enumerate(names)
+        if np.sum(idx == i) >= 2
+    }
+    return TiledGemmFit(
+        {p: float(rate[p]) for p in names}, float(launch), fit_quality(pred, t), by_prec
+    )
+
+
+def mean_rel_residual(predicted: ArrayLike, measured: ArrayLike) -> float:
+    """The mean |predicted / measured - 1|: what `fit_gemm_term` compares two GEMM forms by."""
+    return float(np.mean(np.abs(np.asarray(predicted, float) / np.asarray(measured, float) - 1)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused attention
 # ---------------------------------------------------------------------------------------------
