@@ -118,45 +118,56 @@ def gemm_time_s(
     return np.asarray(multiplier, dtype=float) * t
 
 
-def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
-    """Fit one asymptotic rate per precision, and one half_dim and launch_s shared by all
-    (the GemmEfficiency form). `multiplier` scales each point's time: 1 for a forward GEMM,
-    r for its backward, 1 + r for both (r = gemm.backward_over_forward)."""
+def _fit_rates(what, m, n, k, precision, time_s, multiplier, time_of, extra0):
+    """Least squares in log time of one rate per precision and the positive terms `extra0`
+    shared by all precisions, for a GEMM form `time_of(m, n, k, prec, mult, rates, extras)`.
+    Starts from each precision's best observed rate. Returns (rates, extras, the quality, the
+    quality per precision)."""
     m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
     prec = np.asarray(precision, dtype=object)
     mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
-    _check(t, "GEMM fit", min_points=3)
+    _check(t, what, min_points=3)
     names = sorted(set(prec.tolist()))
     idx = np.array([names.index(p) for p in prec])
     flops = 2.0 * m * n * k
-    # Start: each precision's best observed rate, half_dim = 16, launch = the fastest call / 4.
     rate0 = np.array(
         [np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))]
     )
-    x0 = np.concatenate([np.log(rate0), [np.log(16.0), np.log(max(t.min() / 4, 1e-9))]])
+    x0 = np.log(np.concatenate([rate0, [e(t) if callable(e) else e for e in extra0]]))
 
     def unpack(x):
-        return dict(zip(names, np.exp(x[: len(names)]))), np.exp(x[-2]), np.exp(x[-1])
+        return dict(zip(names, np.exp(x[: len(names)]))), np.exp(x[len(names) :])
 
     def resid(x):
-        rates, hd, launch = unpack(x)
-        return np.log(gemm_time_s(m, n, k, rates, prec, hd, launch, mult) / t)
+        return np.log(time_of(m, n, k, prec, mult, *unpack(x)) / t)
 
     sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
-    rate, hd, launch = unpack(sol.x)
+    rates, extras = unpack(sol.x)
     pred = np.exp(resid(sol.x)) * t
     by_prec = {
         p: fit_quality(pred[idx == i], t[idx == i])
         for i, p in enumerate(names)
         if np.sum(idx == i) >= 2
     }
-    return GemmFit(
-        {p: float(rate[p]) for p in names},
-        float(hd),
-        float(launch),
-        fit_quality(pred, t),
-        by_prec,
+    return {p: float(rates[p]) for p in names}, extras, fit_quality(pred, t), by_prec
+
+
+def _launch0(t: np.ndarray) -> float:
+    return max(float(t.min()) / 4, 1e-9)  # a launch start: the fastest call / 4
+
+
+def fit_gemm(m, n, k, precision, time_s, *, multiplier=1.0) -> GemmFit:
+    """Fit one asymptotic rate per precision, and one half_dim and launch_s shared by all
+    (the GemmEfficiency form). `multiplier` scales each point's time: 1 for a forward GEMM,
+    r for its backward, 1 + r for both (r = gemm.backward_over_forward)."""
+
+    def time_of(m, n, k, prec, mult, rates, extras):
+        return gemm_time_s(m, n, k, rates, prec, extras[0], extras[1], mult)
+
+    rates, (hd, launch), quality, by_prec = _fit_rates(
+        "GEMM fit", m, n, k, precision, time_s, multiplier, time_of, [16.0, _launch0]
     )
+    return GemmFit(rates, float(hd), float(launch), quality, by_prec)
 
 
 @dataclass(frozen=True)
@@ -207,36 +218,14 @@ def fit_gemm_tiled(
     pin down; the rate and the launch are this device's. Same residuals as `fit_gemm`."""
     if not shapes.tiles or shapes.sm_count < 1:
         raise ValueError("fit_gemm_tiled needs a gemm with sm_count and tiles")
-    m, n, k, t = (np.asarray(x, dtype=float) for x in (m, n, k, time_s))
-    prec = np.asarray(precision, dtype=object)
-    mult = np.broadcast_to(np.asarray(multiplier, dtype=float), t.shape)
-    _check(t, "GEMM tile fit", min_points=3)
-    names = sorted(set(prec.tolist()))
-    idx = np.array([names.index(p) for p in prec])
-    flops = 2.0 * m * n * k
-    rate0 = np.array(
-        [np.max(mult[idx == i] * flops[idx == i] / t[idx == i]) for i in range(len(names))]
+
+    def time_of(m, n, k, prec, mult, rates, extras):
+        return tiled_gemm_time_s(m, n, k, rates, prec, extras[0], shapes, mult)
+
+    rates, (launch,), quality, by_prec = _fit_rates(
+        "GEMM tile fit", m, n, k, precision, time_s, multiplier, time_of, [_launch0]
     )
-    x0 = np.concatenate([np.log(rate0), [np.log(max(t.min() / 4, 1e-9))]])
-
-    def unpack(x):
-        return dict(zip(names, np.exp(x[: len(names)]))), np.exp(x[-1])
-
-    def resid(x):
-        rates, launch = unpack(x)
-        return np.log(tiled_gemm_time_s(m, n, k, rates, prec, launch, shapes, mult) / t)
-
-    sol = least_squares(resid, x0, loss="soft_l1", f_scale=0.3)
-    rate, launch = unpack(sol.x)
-    pred = np.exp(resid(sol.x)) * t
-    by_prec = {
-        p: fit_quality(pred[idx == i], t[idx == i])
-        for i, p in enumerate(names)
-        if np.sum(idx == i) >= 2
-    }
-    return TiledGemmFit(
-        {p: float(rate[p]) for p in names}, float(launch), fit_quality(pred, t), by_prec
-    )
+    return TiledGemmFit(rates, float(launch), quality, by_prec)
 
 
 def mean_rel_residual(predicted: ArrayLike, measured: ArrayLike) -> float:
