@@ -21,6 +21,9 @@ Targets (issue 18): zero regret in every search of the default battery and in >=
 extended ones, worst regret <= 0.5%, every search <= 10 s on this machine (the load average at
 each search is written next to its time: the machine is shared).
 
+With --n-trials N, `tune --n-trials N` instead of the default plan (a quarter of N sampled, the
+rest climbed: `plan_search`), into results/search_<battery>_n<N>.csv.
+
 Run: python benchmarks/search_default.py [--seeds 5] [--out results/search_default.csv]
      python benchmarks/search_default.py --extended   (results/search_extended.csv)
      python benchmarks/search_default.py --extended --optima-only   (fill the optima cache)
@@ -211,6 +214,12 @@ def main() -> None:
     parser.add_argument("--optima-only", action="store_true", help="only fill the optima cache")
     parser.add_argument("--rescore", action="store_true", help="score every optimum again")
     parser.add_argument("--cases", default=None, help="only these case numbers (0-based, a,b)")
+    parser.add_argument(
+        "--n-trials",
+        type=int,
+        default=None,
+        help="run `tune --n-trials N` (the count for a budget) instead of the default plan",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
@@ -219,7 +228,8 @@ def main() -> None:
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     settings = EXTENDED if ext else {}
-    out = args.out or f"results/search_{battery.replace('-', '_')}.csv"
+    counted = f"_n{args.n_trials}" if args.n_trials else ""
+    out = args.out or f"results/search_{battery.replace('-', '_')}{counted}.csv"
     rows = []
     for model, cluster, gbs, *rest in cases:
         runtime = rest[0] if rest else None
@@ -240,7 +250,8 @@ def main() -> None:
         for seed in range(args.seeds):
             load = os.getloadavg()[0]
             t0, cpu0 = time.perf_counter(), time.process_time()
-            result = tune(job(model, cluster, gbs, settings, seed=seed))
+            config = job(model, cluster, gbs, settings, seed=seed)
+            result = tune(config.replace(n_trials=args.n_trials) if args.n_trials else config)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0

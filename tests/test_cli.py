@@ -368,7 +368,7 @@ def test_tune_dry_run_prints_the_space_and_writes_nothing(capsys, tmp_path, monk
     assert f"{space.size:,} strategies" in out
     assert f"layouts    {space.n_groups} " in out
     # --n-trials is the study's count, the local search's trials included (plan_search)
-    assert "50 layouts: 25 with the tpe sampler, the rest a local search" in out
+    assert "50 layouts: 12 with the tpe sampler, the rest a local search" in out
     assert "(50 to run" in out
     expected = re.search(r"expected   about ([\d,.]+) s of search for 50 trials", out)
     assert expected and float(expected.group(1).replace(",", "")) > 0

@@ -130,7 +130,7 @@ class TuneConfig(Schema):
         None,
         read=read_count,
         help="finished trials the study should hold (a resumed study runs only the rest): "
-        "every layout when they cover the space, else half of them sampled (at most 100) "
+        "every layout when they cover the space, else a quarter of them sampled (10 to 100) "
         "and the rest a local search from the best layouts (with --sampler, all sampled); "
         "default: see --time-budget",
     )
