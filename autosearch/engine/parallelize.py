@@ -274,7 +274,9 @@ def apply_compile(
     if container is None:  # strategy_problems refuses it before
         raise SpecError("compile needs ParallelPlan(blocks=...) naming the model's blocks")
     for block in container.children():
-        block.compile(fullgraph=fullgraph)
+        # an MoE block's routed counts size its expert GEMMs where no grouped kernel takes the
+        # operands (`models.moe.grouped_mm`'s loop): one graph break there, eager in between
+        block.compile(fullgraph=fullgraph and not _routes_tokens(block))
     for name in plan.first_stage:
         embedding = get_path(module, name)
         if embedding is not None and any(_is_dtensor(p) for p in embedding.parameters()):
@@ -283,6 +285,12 @@ def apply_compile(
             # backward, which fails ("'Tensor' object has no attribute '_local_tensor'"); the
             # block gets a copy instead
             embedding.register_forward_hook(_copy_output)
+
+
+def _routes_tokens(block: nn.Module) -> bool:
+    from autosearch.models.moe import MoE
+
+    return any(isinstance(m, MoE) for m in block.modules())
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -230,7 +230,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     if _grouped_mm_takes(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    with torch.autocast(device, enabled=False):  # already in the autocast dtype
+    return _looped_mm(x, w, counts)
+
+
+@torch.compiler.disable
+def _looped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` as a loop of matmuls, run eagerly under ``torch.compile``: its split sizes
+    are the routed counts, data Dynamo cannot trace (GuardOnDataDependentSymNode); torchtitan's
+    for-loop experts take the same graph break."""
+    with torch.autocast(x.device.type, enabled=False):  # already in the autocast dtype
         outs = [rows @ w[e] for e, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_empty((0, w.shape[-1]))
 
