@@ -997,8 +997,8 @@ def plan_search(
     With `n_trials` (--n-trials, no --sampler) the count replaces the budget, and the search
     is the same one: every unit when the count covers the space; else, with layouts as units,
     a quarter of the count sampled (`COUNTED_STARTUP` to `CLIMB_TRIALS`) and the climbs until
-    the study holds `n_trials` (sampled trials again if the climbs end first). TPE alone, the count all
-    sampled, missed the optimum by 17% on Llama 3 70B and 405B at 200 trials
+    the study holds `n_trials` (sampled trials again if the climbs end first). TPE alone, the
+    count all sampled, missed the optimum by 17% on Llama 3 70B and 405B at 200 trials
     (benchmarks/search_quality.py); `--sampler tpe` still runs it.
     """
     if n_trials is not None:
