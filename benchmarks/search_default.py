@@ -220,6 +220,9 @@ def main() -> None:
         default=None,
         help="run `tune --n-trials N` (the count for a budget) instead of the default plan",
     )
+    parser.add_argument(
+        "--sampler", default=None, help="with --n-trials: this sampler for them all (tpe)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ext = args.extended
@@ -229,6 +232,7 @@ def main() -> None:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     settings = EXTENDED if ext else {}
     counted = f"_n{args.n_trials}" if args.n_trials else ""
+    counted += f"_{args.sampler}" if args.sampler else ""
     out = args.out or f"results/search_{battery.replace('-', '_')}{counted}.csv"
     rows = []
     for model, cluster, gbs, *rest in cases:
@@ -251,7 +255,9 @@ def main() -> None:
             load = os.getloadavg()[0]
             t0, cpu0 = time.perf_counter(), time.process_time()
             config = job(model, cluster, gbs, settings, seed=seed)
-            result = tune(config.replace(n_trials=args.n_trials) if args.n_trials else config)
+            if args.n_trials:
+                config = config.replace(n_trials=args.n_trials, sampler=args.sampler)
+            result = tune(config)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             found = result.best_report.tokens_per_s if result.best_report else 0.0
             regret = 1 - found / best if best else 0.0

@@ -322,22 +322,14 @@ def fit_advice(
 # ---- what no strategy can go below -------------------------------------------------------------
 def state_bytes_per_param(runtime: "RuntimeOptions", *, trains: bool = True) -> float:
     """The fewest bytes of model state one parameter costs under `runtime`, summed over the
-    devices that hold its shards (cost_models/terms/data_parallel.py, `cost`):
+    devices that hold its shards: the data-parallel term's (weight, gradient, optimizer)
+    bytes (`cost_models.terms.data_parallel.state_bytes`) with 16-bit weights where the runtime
+    keeps them in the amp dtype. A frozen parameter (`trains` False: LoRA's base model) keeps
+    its weight only."""
+    from cost_models.terms.data_parallel import state_bytes
 
-    - mixed precision with fp32 master weights (`low_precision_params`: Megatron-LM, DeepSpeed):
-      16-bit weights (2), gradients (2, or 4 in an fp32 main_grad) and 12 bytes of optimizer
-      state (fp32 master + two Adam moments; Rajbhandari et al. 2020, sec. 3.1, K = 12);
-    - otherwise weights and gradients of `param_bytes` each and two Adam moments (PyTorch's
-      AdamW over fp32 parameters: 4 + 4 + 8 bytes).
-
-    A frozen parameter (`trains` False: LoRA's base model) keeps its weight only.
-    """
-    if runtime.low_precision_params:
-        weight, grad, optimizer = 2.0, (4.0 if runtime.main_grad_fp32 else 2.0), 12.0
-    else:
-        weight = grad = float(runtime.param_bytes)
-        optimizer = 2.0 * runtime.param_bytes
-    return weight + grad + optimizer if trains else weight
+    weight, grad, optimizer = state_bytes(runtime, 2.0)
+    return float(weight + grad + optimizer) if trains else float(weight)
 
 
 def memory_floor_bytes(

@@ -23,6 +23,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from autosearch.core.strategy import Strategy
 
 
+def state_bytes(rt, amp_bytes: float) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes of one trained parameter's model state under the
+    runtime `rt`, summed over the devices holding its shards:
+
+    - mixed precision with fp32 master weights (`low_precision_params`: Megatron-LM, DeepSpeed):
+      weights in the amp dtype, gradients too (or an fp32 main_grad) and 12 bytes of optimizer
+      state (fp32 master + two Adam moments; Rajbhandari et al. 2020, sec. 3.1, K = 12);
+    - otherwise weights and gradients of `param_bytes` each and two Adam moments (PyTorch's
+      AdamW over fp32 parameters: 4 + 4 + 8 bytes).
+    """
+    if rt.low_precision_params:
+        return amp_bytes, (4 if rt.main_grad_fp32 else amp_bytes), 12
+    return rt.param_bytes, rt.param_bytes, 2 * rt.param_bytes
+
+
 class DataParallelCost(NamedTuple):
     """Exposed data-parallel time and the model states' memory on one device."""
 
@@ -124,16 +139,18 @@ def cost(
         # ZeRO as Rajbhandari et al. 2020 define it (Megatron-LM, DeepSpeed): 16-bit params and
         # grads, fp32 master weights + Adam moments (12 bytes) in the optimizer; stage 1 shards
         # the optimizer, 2 also the gradients, 3 also the parameters.
-        grad_bytes = 4 if rt.main_grad_fp32 else ab  # Megatron-Core's fp32 main_grad
+        weight_bytes, grad_bytes, opt_bytes = state_bytes(rt, ab)
         if d == 1:
-            return DataParallelCost(0.0, psi * ab, tr * grad_bytes, tr * 12)
+            return DataParallelCost(0.0, psi * weight_bytes, tr * grad_bytes, tr * opt_bytes)
         live = 2 * layer_params  # the block computing and the one prefetched
         if rt.zero3_max_live_params:  # DeepSpeed releases beyond its live-parameter budget
             one_fetch = layer_params / rt.zero3_gathers_per_layer
             live = min(live, max(rt.zero3_max_live_params, one_fetch))
-        params_mem = psi * ab / (d if zero >= 3 else 1) + (live * ab if zero >= 3 else 0.0)
+        params_mem = psi * weight_bytes / (d if zero >= 3 else 1) + (
+            live * weight_bytes if zero >= 3 else 0.0
+        )
         grads_mem = tr * grad_bytes / (d if zero >= 2 else 1)
-        opt_mem = tr * 12 / (d if zero >= 1 else 1)
+        opt_mem = tr * opt_bytes / (d if zero >= 1 else 1)
         if zero == 0:  # one all-reduce per step
             comm = exposed(all_reduce_s(ctx, grads, d, stride), bwd_window)
         elif zero <= 2:
