@@ -23,19 +23,17 @@ import pytest
 torch = pytest.importorskip("torch")
 import engine_workers as W  # noqa: E402
 
-from autosearch import Engine  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
 from autosearch.engine.build import wrap_known  # noqa: E402
 from autosearch.models.hf.hybrid import HFHybridCausalLM  # noqa: E402
 from autosearch.models.transformer import Transformer  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
-EXACT, FP32 = 0.0, (2e-5, 1e-3)
-# Under tp the gradients match one process's to ~1e-6 of their size (fp32 sums reordered over the
-# ranks' heads; test_tp_gradients_equal_one_process), and AdamW's first steps divide each
-# gradient by its own size, so entries near zero amplify that into the losses: observed 2.5e-5 at
-# step 2 for mamba under tp + sp, 1.7e-6 at step 3.
-TP = (5e-5, 1e-3)
+# W.TP: under tp the gradients match one process's to ~1e-6 of their size (fp32 sums reordered
+# over the ranks' heads; test_tp_gradients_equal_one_process), and AdamW's first steps divide
+# each gradient by its own size, so entries near zero amplify that into the losses: observed
+# 2.5e-5 at step 2 for mamba under tp + sp, 1.7e-6 at step 3.
+EXACT, FP32, TP = W.EXACT, W.FP32, W.TP
 # Mamba-2 and MoE blocks under tp + sp x ep2: AdamW magnifies the same rounding to 5.5e-5 at
 # step 2 (7.4e-5 at step 3); under plain SGD the same layout is within 1.2e-7 (the _sgd cases)
 NANO_TP = (1e-4, 1e-3)
@@ -131,14 +129,7 @@ CASES |= {
 
 @pytest.fixture(scope="module")
 def world2():
-    cases = [
-        dict(name=n, strategy=v[0], model=v[1], meta_init=n in META, sgd=n in SGD)
-        for n, v in CASES.items()
-    ]
-    results = W.launch(2, "equivalence_each", cases, timeout_s=900)
-    for name in CASES:
-        assert all(r[name] == results[0][name] for r in results), f"{name}: ranks differ"
-    return results[0]
+    return W.launch_each(CASES, meta_init=META, sgd=SGD)
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +152,9 @@ def references():
 @pytest.mark.parametrize("name", list(CASES))
 def test_hybrids_match_one_process(world2, references, name):
     _, kind, tol = CASES[name]
-    got, ref = world2[name], references(kind, name in META, name in SGD)
-    assert not isinstance(got, str), f"{name} failed:\n{got}"
-    assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
-    gap = max(abs(a - b) for a, b in zip(got, ref))
-    print(f"{name}: max loss difference {gap:.2e}")
-    if tol == EXACT:
-        assert got == ref, f"{name}: expected bitwise equality: {got} vs {ref}"
-    else:
-        early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
-        assert early <= tol[0] and gap <= tol[1], f"{name}: {got} vs single-process {ref}"
+    W.assert_matches_one_process(
+        name, world2[name], references(kind, name in META, name in SGD), tol
+    )
 
 
 # Four processes (`extended`): tp + sp composed with FSDP2 over dp (2-D DTensors for the mixers'
@@ -309,21 +293,5 @@ def test_hybrid_wrappers_refuse_what_they_do_not_run_with_the_reason():
 
 
 def test_nemotron_h_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    engine = Engine(
-        lambda: W.make_model("hf_nemotron_h"),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
-        strategy=B,
-        seed=0,
-    )
-    losses = engine.fit(W.dataset("hf_nemotron_h", 16), epochs=1, verbose=0)["loss"]
-    assert losses[-1] < losses[0] - 0.05, losses
-    engine.save_pretrained(str(tmp_path / "hf"))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    trained = engine._built_model.hf_model().state_dict()  # transformers' layout
-    assert sorted(loaded.state_dict()) == sorted(trained)
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
-    data = W.dataset("hf_nemotron_h", 2, seed=3)
-    (ours,) = engine.predict(data, batch_size=2)
-    x = torch.stack([data[i][0] for i in range(2)])
-    assert (loaded.eval()(x).logits - ours).abs().max() < 2e-5
+    pytest.importorskip("transformers")
+    W.assert_trains_and_saves_bitwise("hf_nemotron_h", B, tmp_path)

@@ -21,7 +21,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 import engine_workers as W  # noqa: E402
 
-from autosearch import Engine  # noqa: E402
 from autosearch.core.errors import SpecError  # noqa: E402
 from autosearch.core.strategy import Strategy  # noqa: E402
 from autosearch.engine.build import wrap_known  # noqa: E402
@@ -29,7 +28,7 @@ from autosearch.models.hf.qwen3_next import Qwen3NextCausalLM  # noqa: E402
 from autosearch.models.ssm import GatedDeltaNet  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
-EXACT, FP32, TP = 0.0, (2e-5, 1e-3), (5e-5, 1e-3)  # as tests/test_engine_hybrid.py
+EXACT, FP32, TP = W.EXACT, W.FP32, W.TP
 CASES = {  # name: (strategy, model, tolerance)
     "qwen3_next/dp2": (f"dp=2,{B}", "hf_qwen3_next", FP32),
     "qwen3_next/zero3": (f"dp=2,zero_stage=3,{B}", "hf_qwen3_next", FP32),
@@ -110,36 +109,13 @@ def test_the_wrapper_refuses_what_it_does_not_run_with_the_reason():
 
 
 def test_qwen3_next_trains_and_saves_a_model_transformers_loads_bitwise(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    engine = Engine(
-        lambda: W.make_model("hf_qwen3_next"),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
-        strategy=B,
-        seed=0,
-    )
-    losses = engine.fit(W.dataset("hf_qwen3_next", 16), epochs=1, verbose=0)["loss"]
-    assert losses[-1] < losses[0] - 0.05, losses
-    engine.save_pretrained(str(tmp_path / "hf"))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    trained = engine._built_model.hf_model().state_dict()  # transformers' layout
-    assert sorted(loaded.state_dict()) == sorted(trained)
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
-    data = W.dataset("hf_qwen3_next", 2, seed=3)
-    (ours,) = engine.predict(data, batch_size=2)
-    x = torch.stack([data[i][0] for i in range(2)])
-    with torch.no_grad():
-        assert (loaded.eval()(x).logits - ours).abs().max() < 2e-5
+    pytest.importorskip("transformers")
+    W.assert_trains_and_saves_bitwise("hf_qwen3_next", B, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def world2():
-    cases = [
-        dict(name=n, strategy=v[0], model=v[1], meta_init=n in META) for n, v in CASES.items()
-    ]
-    results = W.launch(2, "equivalence_each", cases, timeout_s=900)
-    for name in CASES:
-        assert all(r[name] == results[0][name] for r in results), f"{name}: ranks differ"
-    return results[0]
+    return W.launch_each(CASES, meta_init=META)
 
 
 @pytest.mark.slow
@@ -147,17 +123,9 @@ def world2():
 def test_qwen3_next_under_each_dimension_matches_one_process(world2, name):
     _, kind, tol = CASES[name]
     got = world2[name]
-    assert not isinstance(got, str), f"{name} failed:\n{got}"
     torch.set_num_threads(1)  # as the workers
     ref = W.meta_init_losses(B, kind) if name in META else W.reference_losses(B, kind)
-    assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
-    gap = max(abs(a - b) for a, b in zip(got, ref))
-    print(f"{name}: max loss difference {gap:.2e}")
-    if tol == EXACT:
-        assert got == ref, f"{name}: expected bitwise equality: {got} vs {ref}"
-    else:
-        early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
-        assert early <= tol[0] and gap <= tol[1], f"{name}: {got} vs single-process {ref}"
+    W.assert_matches_one_process(name, got, ref, tol)
 
 
 # Four processes (`extended`): tp + sp x ep composed with the pipeline and with FSDP2 over dp

@@ -23,7 +23,7 @@ import engine_workers as W  # noqa: E402
 from autosearch.models.transformer import Attention, Transformer  # noqa: E402
 
 B = "micro_batch_size=2,global_batch_size=8,amp=fp32"
-EXACT, FP32, TP = 0.0, (2e-5, 1e-3), (5e-5, 1e-3)  # as tests/test_engine_hybrid.py
+EXACT, FP32, TP = W.EXACT, W.FP32, W.TP
 CASES = {  # name: (strategy, model, tolerance)
     "gated_llama/tp2": (f"tp=2,{B}", "gated_llama", TP),
     "gated_llama/tp2_sp_selective": (
@@ -62,29 +62,15 @@ def test_the_gate_has_the_planners_parameters_and_gates_each_head():
 
 @pytest.fixture(scope="module")
 def world2():
-    cases = [dict(name=n, strategy=v[0], model=v[1]) for n, v in CASES.items()]
-    results = W.launch(2, "equivalence_each", cases, timeout_s=900)
-    for name in CASES:
-        assert all(r[name] == results[0][name] for r in results), f"{name}: ranks differ"
-    return results[0]
+    return W.launch_each(CASES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_gated_attention_under_each_dimension_matches_one_process(world2, name):
     _, kind, tol = CASES[name]
-    got = world2[name]
-    assert not isinstance(got, str), f"{name} failed:\n{got}"
     torch.set_num_threads(1)  # as the workers
-    ref = W.reference_losses(B, kind)
-    assert got[-1] < got[0] - 0.05, f"{name}: the loss did not fall ({got})"
-    gap = max(abs(a - b) for a, b in zip(got, ref))
-    print(f"{name}: max loss difference {gap:.2e}")
-    if tol == EXACT:
-        assert got == ref, f"{name}: expected bitwise equality: {got} vs {ref}"
-    else:
-        early = max(abs(a - b) for a, b in zip(got[:2], ref[:2]))
-        assert early <= tol[0] and gap <= tol[1], f"{name}: {got} vs single-process {ref}"
+    W.assert_matches_one_process(name, world2[name], W.reference_losses(B, kind), tol)
 
 
 def test_the_catalog_qwen3_next_shrunk_builds_with_the_planners_count_and_trains():
