@@ -41,6 +41,7 @@ GPUS = {
     "h100-sxm-96gb-500w": "h100-sxm-96gb-500w",
     "h200": "h200-sxm",
     "a100-sxm4-80gb": "a100-sxm4-80gb",
+    "gb200": "gb200-nvl72",
 }
 TARGET_MAPE, TARGET_WORST, TARGET_MEMORY = 0.10, 0.25, 0.10
 
@@ -177,7 +178,9 @@ def load_rows() -> pd.DataFrame:
 def group_of(row: pd.Series) -> str:
     if row.get("table") == NEMO_TABLE:
         automodel = row.framework == "nemo automodel (fsdp2)"
-        return "NeMo Automodel H100" if automodel else "NeMo dense H100"
+        if automodel:
+            return "NeMo Automodel H100"
+        return "NeMo dense GB200" if row.gpu == "gb200" else "NeMo dense H100"
     if row.id.startswith("MOSAIC"):
         return "MosaicML H100" if row.gpu == "h100-sxm" else "MosaicML A100-80"
     if row.id.startswith(("MLM", "MBRIDGE")):

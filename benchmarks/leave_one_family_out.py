@@ -95,7 +95,8 @@ def family_of(row: pd.Series) -> str:
         if model.startswith(prefix):
             return family
     if row.get("table") == MODERN.NEMO_TABLE:  # nemo_rows() keeps the shapes, not the name
-        return "GPT-3" if row.ffn_activation == "gelu" else "Llama 3"
+        # GPT-3 the GELU rows, Nemotron-4 the squared-ReLU ones (DGX Cloud's 340B), Llama the rest
+        return {"gelu": "GPT-3", "relu2": "Nemotron-4"}.get(row.ffn_activation, "Llama 3")
     if str(row.id).startswith("MOSAIC"):
         return "MPT"  # mosaicml_fsdp.csv: MPT-1B ... 70B
     # modern_runs.csv: torchtitan's, Megatron-LM's and Megatron-Bridge's Llama 3 / 3.1 runs

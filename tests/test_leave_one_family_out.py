@@ -34,10 +34,14 @@ def rows(lofo):
 def test_every_row_has_a_family(rows):
     families = set(rows.family)
     expected = {"Llama 3", "GPT-3", "MPT", "Qwen3 MoE", "DeepSeek-V3", "Mixtral", "Llama 4"}
-    assert expected | {"Kimi-K2", "Nemotron 3 (hybrid)", "Nemotron-H (hybrid)"} <= families
+    assert (
+        expected | {"Kimi-K2", "Nemotron 3 (hybrid)", "Nemotron-H (hybrid)", "Nemotron-4"}
+        <= families
+    )
     # moe, hybrid (21 Nemotron 3 Nano + DGX Cloud's Nemotron-H 56B), modern, mosaicml,
-    # nemo_dense, and the held-out rows of sharded_dp_runs
-    assert len(rows) == 152 + 22 + 43 + 138 + 109 + 7
+    # nemo_dense (with DGX Cloud v25.05.04's 20 GB200 / H100 rows), and the held-out rows of
+    # sharded_dp_runs
+    assert len(rows) == 152 + 22 + 43 + 138 + 129 + 7
     assert {"OPT"} <= families
 
 
