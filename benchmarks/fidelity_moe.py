@@ -292,6 +292,7 @@ def strategy_of(row: pd.Series) -> Strategy:
 # benchmarks/leave_one_family_out.py varies their Blackwell kernel efficiency
 NEMO2_RELEASES = ("nemo-25.02", "nemo-25.04", "nemo-25.07")
 NEMO2_BLACKWELL = "nemo-25 kernel_efficiency"
+NEMO2_EXPERTS = "nemo-25 expert_kernel_efficiency"
 
 
 def runtime_of(row: pd.Series, fields: dict | None = None) -> RuntimeOptions:
@@ -300,15 +301,21 @@ def runtime_of(row: pd.Series, fields: dict | None = None) -> RuntimeOptions:
     `cuda_graph` (`full_iteration`, `layer`), `balanced_routing`, `offload_modules` columns:
     `RuntimeOptions.as_run`).
     `fields` replaces preset fields of the Megatron-Core presets first (what
-    `leave_one_group_out` and `choose_load_imbalance` vary); its `NEMO2_BLACKWELL` entry the
-    Blackwell `kernel_efficiency` of the NeMo 2 releases."""
+    `leave_one_group_out` and `choose_load_imbalance` vary); its `NEMO2_BLACKWELL` and
+    `NEMO2_EXPERTS` entries the Blackwell `kernel_efficiency` and `expert_kernel_efficiency`
+    of the NeMo 2 releases."""
     rt = RUNTIMES[str(row.runtime)]
     fields = dict(fields or {})
-    nemo_blackwell = fields.pop(NEMO2_BLACKWELL, None)
+    nemo = {
+        "kernel_efficiency": fields.pop(NEMO2_BLACKWELL, None),
+        "expert_kernel_efficiency": fields.pop(NEMO2_EXPERTS, None),
+    }
     if fields and rt.framework == "megatron-core":
         rt = dataclasses.replace(rt, **fields)
-    if nemo_blackwell is not None and rt.name in NEMO2_RELEASES:
-        rt = dataclasses.replace(rt, kernel_efficiency=(("blackwell", nemo_blackwell),))
+    if rt.name in NEMO2_RELEASES:
+        rt = dataclasses.replace(
+            rt, **{k: (("blackwell", v),) for k, v in nemo.items() if v is not None}
+        )
     return rt.as_run(
         grad_reduce_in_fp32=_flag(row.grad_reduce_in_fp32),
         moe_dispatcher=None if pd.isna(row.moe_dispatcher) else str(row.moe_dispatcher),

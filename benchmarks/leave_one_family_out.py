@@ -124,12 +124,21 @@ class Values:
     values: dict
 
     def moe_fields(self) -> dict:
-        return {k: self.values[k] for k in (*_MCORE, MOE.NEMO2_BLACKWELL) if k in self.values}
+        names = (*_MCORE, MOE.NEMO2_BLACKWELL, MOE.NEMO2_EXPERTS)
+        return {k: self.values[k] for k in names if k in self.values}
 
     def runtimes(self) -> dict:
-        """The dense benchmark's presets with this fold's torchtitan and Composer constants."""
+        """The dense benchmark's presets with this fold's torchtitan, Composer and NeMo 2
+        (Blackwell kernel factor) constants."""
         v = self.values
         out = {}
+        if MOE.NEMO2_BLACKWELL in v:  # dense rows: the experts' factor prices nothing there
+            for name in MOE.NEMO2_RELEASES:
+                rt = RUNTIMES[name]
+                kept = tuple((a, e) for a, e in rt.kernel_efficiency if a != "blackwell")
+                out[name] = dataclasses.replace(
+                    rt, kernel_efficiency=(*kept, ("blackwell", v[MOE.NEMO2_BLACKWELL]))
+                )
         for name in ("torchtitan", "torchtitan-2412"):
             rt = RUNTIMES[name]
             out[name] = dataclasses.replace(
@@ -236,11 +245,12 @@ def _mb_h100(rows: pd.DataFrame) -> pd.Series:
     return (rows.bench == "moe") & rows.id.str.startswith("MB") & (rows.gpu == "h100-sxm")
 
 
-def _nemo2_blackwell(rows: pd.DataFrame) -> pd.Series:
-    """The NeMo 2 performance-summary and DGX Cloud rows on Blackwell but DeepSeek-V3's (MLA
-    runs TE's unfused attention there, docs/runtimes.md [3.12]: not the kernels' speed)."""
+def _nemo2_blackwell(rows: pd.DataFrame, bench: str) -> pd.Series:
+    """The NeMo 2 performance-summary and DGX Cloud rows on Blackwell of one benchmark (dense:
+    "modern", MoE: "moe"), but DeepSeek-V3's (MLA runs TE's unfused attention there,
+    docs/runtimes.md [3.12]: not the kernels' speed)."""
     return (
-        (rows.bench == "moe")
+        (rows.bench == bench)
         & rows.runtime.isin(MOE.NEMO2_RELEASES)
         & rows.gpu.isin(["b200", "gb200"])
         & ~rows.id.str.startswith("DGXC250504-DSV3")
@@ -292,12 +302,24 @@ CONSTANTS = (
         objective=_log_error,
         where="megatron-core: the Megatron-Bridge H100 rows that turn the EP A2A overlap on",
     ),
+    # NeMo 2's Blackwell kernels: every GEMM and attention chosen on its dense rows, then what
+    # its expert GEMMs run slower on its MoE rows, with the other at its fold's value
     Constant(
         name=MOE.NEMO2_BLACKWELL,
         shipped=dict(RUNTIMES["nemo-25.04"].kernel_efficiency)["blackwell"],
         fallback=1.0,  # the profile's own Blackwell efficiencies
         bounds=(0.5, 1.0),
-        chose=_nemo2_blackwell,
+        chose=lambda r: _nemo2_blackwell(r, "modern"),
+        objective=_log_error,
+        where="nemo-25.02 / -25.04 / -25.07: their dense B200 / GB200 rows (DGX Cloud's"
+        " Llama 3.1 405B and Nemotron-4 340B)",
+    ),
+    Constant(
+        name=MOE.NEMO2_EXPERTS,
+        shipped=dict(RUNTIMES["nemo-25.04"].expert_kernel_efficiency).get("blackwell", 1.0),
+        fallback=1.0,  # the expert GEMMs as the other GEMMs
+        bounds=(0.3, 1.0),
+        chose=lambda r: _nemo2_blackwell(r, "moe"),
         objective=_log_error,
         where="nemo-25.02 / -25.04 / -25.07: their B200 / GB200 MoE rows (Mixtral, Llama 4;"
         " not DGX Cloud's DeepSeek-V3, whose unfused MLA attention is another matter)",

@@ -101,3 +101,30 @@ def test_a_moe_layers_host_time_adds_to_its_gpu_work_at_any_micro_batch(mb):
         - AnalyticCostModel(QWEN, H100_2, runtime=without).estimate(s).time.compute_s
     )
     assert extra == pytest.approx(QWEN.n_layers * s.grad_accum_steps * host)
+
+
+def test_a_releases_expert_kernel_factor_slows_only_the_routed_experts_and_only_there():
+    """NeMo 2's `expert_kernel_efficiency` (Blackwell 0.64, runtimes.yaml): the MoE layer's
+    forward and backward grow by the routed experts' GEMM time x (1/0.64 - 1), nothing else
+    of the layer moves, and on Hopper (not listed) nothing changes."""
+    import dataclasses
+
+    rt = RUNTIMES["nemo-25.04"]
+    (factor,) = [v for a, v in rt.expert_kernel_efficiency if a == "blackwell"]
+    plain = dataclasses.replace(rt, expert_kernel_efficiency=())
+    s = Strategy(dp=8, ep=8, global_batch_size=64)
+    gb200 = Cluster.parse("gb200-nvl72:2x4")
+    slow = experts.layer(s, AnalyticCostModel(QWEN, gb200, runtime=rt)._context)
+    fast = experts.layer(s, AnalyticCostModel(QWEN, gb200, runtime=plain)._context)
+    assert slow.fwd_s > fast.fwd_s and slow.comm_fwd_s == fast.comm_fwd_s
+    # the forward's added time is the experts' GEMMs x (1/f - 1) (what op recompute repeats of
+    # them moves by the same), the backward's twice it
+    added = slow.fwd_s - fast.fwd_s
+    assert slow.bwd_s - fast.bwd_s == pytest.approx(2 * added, rel=1e-9)
+    assert slow.op_recompute_s - fast.op_recompute_s == pytest.approx(added, rel=1e-9)
+    h100 = Cluster.parse("h100-sxm:1x8")
+    same = [
+        experts.layer(s, AnalyticCostModel(QWEN, h100, runtime=r)._context) for r in (rt, plain)
+    ]
+    assert same[0] == same[1]
+    assert 0 < factor < 1

@@ -54,7 +54,8 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
         "moe_layer_host_s": 110,  # every Megatron-Bridge row of the MoE table
         "moe_expert_host_s": 110,
         "moe_a2a_overlap_when_on": 9,
-        "nemo-25 kernel_efficiency": 11,  # NeMo 2's Mixtral and Llama 4 rows on Blackwell
+        "nemo-25 kernel_efficiency": 18,  # NeMo 2's dense rows on Blackwell (DGX Cloud)
+        "nemo-25 expert_kernel_efficiency": 11,  # its Mixtral and Llama 4 rows there
         "torchtitan kernel_efficiency": 2,
         "torchtitan async_tp_overlap": 14,
         "torchtitan allocator_reserve_fraction": 33,
@@ -65,9 +66,12 @@ def test_every_constant_finds_the_rows_that_chose_it(lofo, rows):
 def test_a_fold_holds_out_what_its_family_chose(lofo, rows):
     values, how = lofo.fold(rows, "GPT-3")  # no constant was chosen on GPT-3's rows
     assert how == {} and values == lofo.shipped()
-    values, how = lofo.fold(rows, "Mixtral")  # NeMo 2's Blackwell factor, on Llama 4's rows
-    assert how == {"nemo-25 kernel_efficiency": "chosen on the other 7 of 11 rows"}
-    assert values.values["nemo-25 kernel_efficiency"] == pytest.approx(0.756, abs=0.01)
+    values, how = lofo.fold(rows, "Mixtral")  # NeMo 2's experts' factor, on Llama 4's rows
+    assert how == {"nemo-25 expert_kernel_efficiency": "chosen on the other 7 of 11 rows"}
+    assert values.values["nemo-25 expert_kernel_efficiency"] == pytest.approx(0.532, abs=0.01)
+    values, how = lofo.fold(rows, "Nemotron-4")  # NeMo 2's Blackwell factor, on Llama's rows
+    assert how == {"nemo-25 kernel_efficiency": "chosen on the other 6 of 18 rows"}
+    assert values.values["nemo-25 kernel_efficiency"] == pytest.approx(0.784, abs=0.01)
     values, how = lofo.fold(rows, "Kimi-K2")  # the host constants saw its Bridge rows
     assert set(how) == {"moe_layer_host_s", "moe_expert_host_s"}
     assert all(h.startswith("chosen on the other") for h in how.values())

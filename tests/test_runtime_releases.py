@@ -40,8 +40,9 @@ def test_a_release_that_sets_nothing_prices_as_its_base():
     equal nemo's (performance recipes: bf16 gradients), but for what its TransformerEngine's
     kernels take (`fused_attention_max_head_dim`: TE before 2.5 in NeMo up to 25.04) and how
     fast they ran on Blackwell (`kernel_efficiency`, NeMo 2's 25.02-25.07: chosen against
-    their Mixtral and Llama 4 rows, docs/runtimes.md [3.9])."""
-    kernels = {"fused_attention_max_head_dim", "kernel_efficiency"}
+    their dense GB200 rows; `expert_kernel_efficiency`: their MoE experts on top, chosen
+    against their Mixtral and Llama 4 rows, docs/runtimes.md [3.9])."""
+    kernels = {"fused_attention_max_head_dim", "kernel_efficiency", "expert_kernel_efficiency"}
     for name in RELEASES:
         base = "nemo" if name.startswith("nemo-") else "megatron-core"
         mine, theirs = _priced(RUNTIMES[name]), _priced(RUNTIMES[base])
@@ -52,6 +53,9 @@ def test_a_release_that_sets_nothing_prices_as_its_base():
     nemo2 = {n: dict(RUNTIMES[n].kernel_efficiency) for n in RELEASES if n.startswith("nemo-")}
     assert {n for n, k in nemo2.items() if k} == {"nemo-25.02", "nemo-25.04", "nemo-25.07"}
     assert all(set(k) <= {"blackwell"} for k in nemo2.values())  # not on their H100 rows
+    experts = {n: dict(RUNTIMES[n].expert_kernel_efficiency) for n in nemo2}
+    assert {n for n, k in experts.items() if k} == set(nemo2) - {"nemo-24.07", "nemo-24.09"}
+    assert all(set(k) <= {"blackwell"} for k in experts.values())
     strategy = Strategy(dp=4, tp=2, global_batch_size=64, sequence_parallel=True)
     model, cluster = ModelSpec.load("llama3-8b"), Cluster.parse("h100-sxm:1x8")
     a = AnalyticCostModel(model, cluster, runtime="megatron-bridge-26.08")
@@ -70,6 +74,7 @@ def test_as_run_maps_each_switch_to_the_presets_behaviour():
         **_priced(mcore),
         "fused_attention_max_head_dim": (("blackwell", 128),),
         "kernel_efficiency": RUNTIMES["nemo-25.04"].kernel_efficiency,
+        "expert_kernel_efficiency": RUNTIMES["nemo-25.04"].expert_kernel_efficiency,
     }
     on = mcore.as_run(moe_a2a_overlap=True, moe_dispatcher="deepep")
     assert on.moe_a2a_overlap == mcore.moe_a2a_overlap_when_on > 0

@@ -178,6 +178,9 @@ class RuntimeOptions:
         kernel_efficiency: {GPU architecture: factor} on the compute efficiencies (GEMM and
             fused attention) of the hardware profile, for a runtime whose build predates that
             architecture's kernels (e.g. CUDA 11.8 on Hopper); 1 where not listed.
+        expert_kernel_efficiency: {GPU architecture: factor} on the routed experts' grouped
+            GEMMs there, beyond `kernel_efficiency`, for a release whose MoE expert kernels on
+            that architecture predate their tuned versions; 1 where not listed.
         fused_attention_max_head_dim: {GPU architecture: the largest head size (of scores or
             values) the runtime's fused attention kernels take there}; a model with larger
             heads runs the unfused attention core (s x s scores in memory) on that
@@ -256,6 +259,7 @@ class RuntimeOptions:
     collective_copies_per_rank: float = 0.0
     zero3_max_live_params: float = 0.0
     kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
+    expert_kernel_efficiency: tuple[tuple[str, float], ...] = ()  # (architecture, factor) pairs
     fused_attention_max_head_dim: tuple[tuple[str, int], ...] = ()  # (architecture, size) pairs
     supports: tuple[str, ...] = ()
     devices: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (feature, devices) pairs
@@ -476,17 +480,18 @@ class RuntimeOptions:
                 f"{what}: ssm_scan must be one of {', '.join(SSM_SCANS)}, got "
                 f"{kwargs['ssm_scan']!r}"
             )
-        if "kernel_efficiency" in kwargs:
-            factors = kwargs["kernel_efficiency"] or {}
+        for name in ("kernel_efficiency", "expert_kernel_efficiency"):
+            if name not in kwargs:
+                continue
+            factors = kwargs[name] or {}
             if not isinstance(factors, dict) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
                 for v in factors.values()
             ):
                 raise SpecError(
-                    f"{what}: kernel_efficiency must map architectures to factors in (0, 1], "
-                    f"got {factors!r}"
+                    f"{what}: {name} must map architectures to factors in (0, 1], got {factors!r}"
                 )
-            kwargs["kernel_efficiency"] = tuple((str(k), float(v)) for k, v in factors.items())
+            kwargs[name] = tuple((str(k), float(v)) for k, v in factors.items())
         if "fused_attention_max_head_dim" in kwargs:
             limits = kwargs["fused_attention_max_head_dim"] or {}
             if not isinstance(limits, dict) or not all(

@@ -151,7 +151,9 @@ def layer(s: "Strategy", ctx: Context) -> ExpertLayer:
         return grouped_gemm_s(gemm, local, per_expert, n, kk, peak, key, tile)
 
     imbalance = routed_share(s, ctx)
-    expert_gemm = imbalance * (grouped(n_up * f_e, h) + grouped(h, f_e))
+    # a release's expert kernels slower than its other GEMMs there (RuntimeOptions)
+    slower = dict(rt.expert_kernel_efficiency).get(prof.architecture, 1.0)
+    expert_gemm = imbalance * (grouped(n_up * f_e, h) + grouped(h, f_e)) / slower
     expert_elem = imbalance * elementwise(passes * rows * f_e * ab)
     # the router in the amp dtype, softmax / sigmoid and top-k over fp32 scores (read, write
     # and the top-k read), the probabilities applied at the combine
