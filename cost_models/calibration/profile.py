@@ -407,24 +407,22 @@ def fit_gemm_term(
         "skipped_shapes": int(_skipped(cdf, "gemm")),
         **({"tiles": tiles_record} if tiles_record is not None else {}),
     }
-    shapes = (
-        {
-            "sm_count": base.gemm.sm_count,
-            "tiles": base.gemm.tiles,
-            "k_overhead_bytes": base.gemm.k_overhead_bytes,
-        }
-        if tiled is not None and base is not None
-        else {}
+    gemm = GemmEfficiency(
+        max_efficiency={p: float(rates[p] / peak[p]) for p in peak},
+        half_dim=float(gfit.half_dim),  # the smooth curve's: small torch ops (terms/ssm.py)
+        launch_s=float(tiled.launch_s if tiled is not None else gfit.launch_s),
+        backward_over_forward=float(ratio),
     )
+    if tiled is not None and base is not None:  # the catalog's tiles price the shapes
+        gemm = dataclasses.replace(
+            gemm,
+            sm_count=base.gemm.sm_count,
+            tiles=base.gemm.tiles,
+            k_overhead_bytes=base.gemm.k_overhead_bytes,
+        )
     return GemmTerm(
         peak_flops={p: float(v) for p, v in peak.items()},
-        gemm=GemmEfficiency(
-            max_efficiency={p: float(rates[p] / peak[p]) for p in peak},
-            half_dim=float(gfit.half_dim),  # the smooth curve's: small torch ops (terms/ssm.py)
-            launch_s=float(tiled.launch_s if tiled is not None else gfit.launch_s),
-            backward_over_forward=float(ratio),
-            **shapes,
-        ),
+        gemm=gemm,
         peak_definition=definition,
         measured=measured,
         fits={"gemm": record},
