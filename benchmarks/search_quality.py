@@ -4,8 +4,8 @@ Part 1, regret: for six real cases (model, cluster, realistic global batch), the
 its exhaustive optimum (every strategy scored), and what `tune` finds after 50, 100 and 200 trials
 (regret = 1 - found / optimum throughput, among strategies that fit), for three seeds, with the
 wall time of each 200-trial search. Three searches are measured: `tune --n-trials N` as a user
-runs it (no sampler: N/2 TPE trials and the local search's climbs until the study holds N, one
-run per N), TPE on layouts (`--sampler tpe`: each trial scores every recompute x
+runs it (no sampler: a quarter of N sampled by TPE and the local search's climbs until the study
+holds N, one run per N), TPE on layouts (`--sampler tpe`: each trial scores every recompute x
 sequence-parallel x ZeRO x amp combination of the sampled layout; the regret after its first 50,
 100 and 200 trials), and plain TPE with one strategy per trial, for comparison.
 Targets: zero regret at 200 trials in >= 5 of 6 cases and <= 1 % in all; < 10 s per 200-trial

@@ -160,34 +160,12 @@ def _gpu_gemm_frame(time_fwd, precisions=("bf16", "fp16")):
         for m in (512, 2048, 8192):
             for n in (1280, 2880, 3072, 8192):
                 for k in (1024, 2880, 8192):
-                    t = time_fwd(m, n, k, p)
-                    flops = 2.0 * m * n * k
-                    rows.append(
-                        dict(
-                            kind="gemm",
-                            op="linear_fwd",
-                            precision=p,
-                            m=m,
-                            n=n,
-                            k=k,
-                            flops=flops,
-                            time_min_s=t,
-                            time_s=t,
+                    t, flops = time_fwd(m, n, k, p), 2.0 * m * n * k
+                    shape = dict(kind="gemm", precision=p, m=m, n=n, k=k)
+                    for op, x in (("linear_fwd", 1), ("linear_bwd", 2)):
+                        rows.append(
+                            dict(shape, op=op, flops=x * flops, time_min_s=x * t, time_s=x * t)
                         )
-                    )
-                    rows.append(
-                        dict(
-                            kind="gemm",
-                            op="linear_bwd",
-                            precision=p,
-                            m=m,
-                            n=n,
-                            k=k,
-                            flops=2 * flops,
-                            time_min_s=2 * t,
-                            time_s=2 * t,
-                        )
-                    )
     return pd.DataFrame(rows)
 
 

@@ -798,6 +798,7 @@ class _Runner:
         from autosearch.tuning._local import layout_key
 
         new = 0
+        cap = self.trial_cap or math.inf  # --n-trials: the study's count, climbs included
         opened = self.opened
         batch = opened.batched_writes() if opened is not None else contextlib.nullcontext()
         with self.lock(), batch:
@@ -806,7 +807,6 @@ class _Runner:
                 params = self.space.params_of(next(self.space.strategies_of(layout)), group=True)
                 if _key(params) in covered:
                     continue
-                cap = self.trial_cap or math.inf
                 if self._spent() or self._finished >= cap:
                     return new, False
                 covered.add(_key(params))

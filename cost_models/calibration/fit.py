@@ -19,6 +19,7 @@ the cost model uses:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -102,15 +103,27 @@ def gemm_time_s(
     half_dim: float,
     launch_s: float,
     multiplier=1.0,
+    *,
+    tiles_of: GemmEfficiency | None = None,
 ) -> np.ndarray:
     """`GemmEfficiency.time_s`, the cost model's GEMM time, for arrays of shapes and precisions.
 
     rate_flops[p] stands for peak * max_efficiency[p]: the function is evaluated with peak 1 and
     max_efficiency = the rates. `multiplier` scales the whole time (1 + backward_over_forward for
-    a forward + backward pair)."""
+    a forward + backward pair). With `tiles_of` (a profile's `gemm`), its SM count, tiles and K
+    overhead price the shapes instead of `half_dim` (`autosearch.core.gemm_tiles`)."""
     m, n, k = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (m, n, k))
     prec = np.broadcast_to(np.atleast_1d(np.asarray(precision, dtype=object)), m.shape)
     gemm = GemmEfficiency(max_efficiency=dict(rate_flops), half_dim=half_dim, launch_s=launch_s)
+    if tiles_of is not None:
+        gemm = dataclasses.replace(
+            gemm,
+            sm_count=tiles_of.sm_count,
+            tiles=tiles_of.tiles,
+            k_overhead_bytes=tiles_of.k_overhead_bytes,
+        )
+        t = np.array([gemm.time_s(a, b, c, 1.0, p) for a, b, c, p in zip(m, n, k, prec)])
+        return np.asarray(multiplier, dtype=float) * t  # tiles and waves: one shape at a time
     t = np.empty(m.shape)
     for p in set(prec.tolist()):
         sel = prec == p
@@ -180,32 +193,20 @@ class TiledGemmFit:
     launch_s: float
     quality: FitQuality
     quality_by_precision: dict[str, FitQuality]
+    shapes: GemmEfficiency
 
-
-def tiled_gemm_time_s(
-    m,
-    n,
-    k,
-    rate_flops: dict[str, float],
-    precision,
-    launch_s: float,
-    shapes: GemmEfficiency,
-    multiplier=1.0,
-) -> np.ndarray:
-    """`GemmEfficiency.time_s` with the tiles of `shapes` (peak 1, max_efficiency = the
-    rates), for arrays of shapes and precisions."""
-    m, n, k = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (m, n, k))
-    prec = np.broadcast_to(np.atleast_1d(np.asarray(precision, dtype=object)), m.shape)
-    gemm = GemmEfficiency(
-        max_efficiency=dict(rate_flops),
-        half_dim=shapes.half_dim,
-        launch_s=launch_s,
-        sm_count=shapes.sm_count,
-        tiles=shapes.tiles,
-        k_overhead_bytes=shapes.k_overhead_bytes,
-    )
-    t = np.array([gemm.time_s(a, b, c, 1.0, p) for a, b, c, p in zip(m, n, k, prec)])
-    return np.asarray(multiplier, dtype=float) * t
+    def predict(self, m, n, k, precision, multiplier=1.0) -> np.ndarray:
+        return gemm_time_s(
+            m,
+            n,
+            k,
+            self.rate_flops,
+            precision,
+            self.shapes.half_dim,
+            self.launch_s,
+            multiplier,
+            tiles_of=self.shapes,
+        )
 
 
 def fit_gemm_tiled(
@@ -220,12 +221,12 @@ def fit_gemm_tiled(
         raise ValueError("fit_gemm_tiled needs a gemm with sm_count and tiles")
 
     def time_of(m, n, k, prec, mult, rates, extras):
-        return tiled_gemm_time_s(m, n, k, rates, prec, extras[0], shapes, mult)
+        return gemm_time_s(m, n, k, rates, prec, shapes.half_dim, extras[0], mult, tiles_of=shapes)
 
     rates, (launch,), quality, by_prec = _fit_rates(
         "GEMM tile fit", m, n, k, precision, time_s, multiplier, time_of, [_launch0]
     )
-    return TiledGemmFit(rates, float(launch), quality, by_prec)
+    return TiledGemmFit(rates, float(launch), quality, by_prec, shapes)
 
 
 def mean_rel_residual(predicted: ArrayLike, measured: ArrayLike) -> float:
