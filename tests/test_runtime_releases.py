@@ -108,6 +108,17 @@ def test_a_base_chain_that_loops_or_names_no_preset_is_refused(monkeypatch):
         runtime_module._load_runtimes()
 
 
+@pytest.mark.parametrize("field", ["kernel_efficiency", "expert_kernel_efficiency"])
+@pytest.mark.parametrize("bad", [{"blackwell": 1.2}, {"blackwell": 0}, [0.7], {"hopper": True}])
+def test_a_kernel_factor_outside_zero_to_one_is_refused_by_name(field, bad):
+    from autosearch.core.runtime import RuntimeOptions
+
+    with pytest.raises(SpecError, match=rf"my preset: {field} must map architectures"):
+        RuntimeOptions.from_dict({"name": "x", field: bad}, what="my preset")
+    ok = RuntimeOptions.from_dict({"name": "x", field: {"blackwell": 0.5}}, what="my preset")
+    assert getattr(ok, field) == (("blackwell", 0.5),)
+
+
 def test_tune_runs_a_release_from_the_command_line(capsys, tmp_path):
     out = tmp_path / "o"
     argv = ["tune", "--model", "tiny-gpt", "--cluster", "h100-sxm:1x8"]
