@@ -807,7 +807,10 @@ def launch(
         for rank in range(world):
             path = os.path.join(outdir, f"rank{rank}.json")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {job} wrote no result (crashed)")
+                code = ctx.processes[rank].exitcode  # negative: the signal that ended it
+                raise RuntimeError(
+                    f"rank {rank} of {job} wrote no result (crashed; exit code {code})"
+                )
             with open(path) as f:
                 results.append(json.load(f))
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
