@@ -7,7 +7,8 @@ benchmarks/reference/sharded_dp_runs.csv (`used_for` starts with "held-out").
   ran it (v0.3.13, Mar 2021: one all-gather per parameter after a device synchronize, list
   collectives; docs/runtimes.md [5.2]); `--runtime deepspeed` scores them under today's preset.
 - OPT-175B (Zhang et al. 2022): metaseq's FSDP (no reshard after forward) with Megatron tp8 over
-  124 data-parallel ranks on 992 A100s, scored under `composer-fsdp` (FSDP1).
+  124 data-parallel ranks on 992 A100s, scored under `metaseq` (its stack as it ran OPT:
+  fairscale FSDP, Megatron-LM 2.x's unfused attention, fp16; docs/runtimes.md [6.1]).
 
 Each row becomes a ModelSpec, a Cluster and a Strategy with the shipped a100-sxm4-80gb profile;
 predicted TFLOP/s per GPU use the sources' own count, SC'21 eq. (3) (the OPT logbook's 4.30e23
@@ -34,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TABLE = HERE / "reference" / "sharded_dp_runs.csv"
 TARGET_MAPE, TARGET_WORST = 0.15, 0.25
-RUNTIMES = {"SC21T2-ZERO3": "deepspeed-2103", "OPT": "composer-fsdp"}
+RUNTIMES = {"SC21T2-ZERO3": "deepspeed-2103", "OPT": "metaseq"}
 ASSUMED = {
     "SC'21 Table 2 model": "GPT as Table 1: learned positions, tied embeddings, vocabulary"
     " 51,200, dropout; full activation recomputation (eq. (3) counts it)",

@@ -103,9 +103,31 @@ def test_live_parameters_are_bounded_by_deepspeeds_budget():
 
 def test_opt_175b_fits_and_is_held_to_its_bound(scale):
     # OPT-175B ran on 992 A100-80GB: with the checkpointed activations split over the tp ranks
-    # (ASSUMED) it fits; its throughput error (+26.3% under composer-fsdp against a published
-    # "up to" figure, docs/reference_rows.md) is held where it is.
+    # (ASSUMED) it fits; its throughput error under `metaseq` (+10.2% against a published "up
+    # to" figure, results/fidelity_scale_summary.json) is held to the family target, 12%.
     rows = scale.load_rows()
     opt = scale.predict(rows[rows.id == "OPT-175B-992"].iloc[0])
+    assert opt["runtime"] == "metaseq"
     assert opt["fits"] and opt["predicted_memory_gib"] < 80
-    assert abs(opt["error"]) <= 0.30
+    assert abs(opt["error"]) <= 0.12
+
+
+def test_metaseq_is_megatron_2021_inside_fairscale_fsdp(scale):
+    # docs/runtimes.md [6.1]: Megatron-LM 2.x's unfused attention and fp16 state (from
+    # megatron-sc21), with fairscale's reduce-scatter on its own stream: only the overlap of the
+    # gradient reduction separates the two presets, and it hides part of the reduce-scatter.
+    metaseq, sc21 = RUNTIMES["metaseq"], RUNTIMES["megatron-sc21"]
+    assert metaseq.base == "megatron-sc21" and not metaseq.flash_attention
+    assert metaseq.low_precision_params and metaseq.grad_reduce_bytes == 2
+    assert (metaseq.dp_overlap, sc21.dp_overlap) == (1.0, 0.0)
+    rows = scale.load_rows()
+    row = rows[rows.id == "OPT-175B-992"].iloc[0]
+    under = {rt: scale.predict(row, runtime=rt) for rt in ("metaseq", "megatron-sc21")}
+    assert under["metaseq"]["time_compute_s"] == pytest.approx(
+        under["megatron-sc21"]["time_compute_s"]
+    )
+    assert (
+        0
+        < under["metaseq"]["time_dp_comm_exposed_s"]
+        < under["megatron-sc21"]["time_dp_comm_exposed_s"]
+    )

@@ -120,8 +120,9 @@ class TuneConfig(Schema):
         read=read_text,
         help="runtime the cost model assumes (cost_models/runtimes.yaml): torch (the Engine, "
         "default), torchtitan, megatron-core, composer-fsdp, deepspeed, megatron-sc21 "
-        "(Megatron-LM as in Narayanan et al. 2021), or a dated release: nemo-24.07 ... "
-        "nemo-25.07, megatron-bridge-25.09 ... megatron-bridge-26.08, torchtitan-2412",
+        "(Megatron-LM as in Narayanan et al. 2021), metaseq (as OPT-175B ran it), or a dated "
+        "release: nemo-24.07 ... nemo-25.07, megatron-bridge-25.09 ... megatron-bridge-26.08, "
+        "torchtitan-2412",
     )
     global_batch_size: int = setting(
         read=read_batch, help="sequences per optimizer step (required, here or in --config)"
