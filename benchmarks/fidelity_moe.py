@@ -61,6 +61,7 @@ MODELS = {
     "Mixtral-8x22B": "mixtral-8x22b",
     "Llama-4-Maverick-17B-128E (text)": "llama4-maverick",
     "Llama-4-Scout-17B-16E (text)": "llama4-scout",
+    "Qwen3-Next-80B-A3B": "qwen3-next-80b-a3b",
 }
 
 ASSUMED = {
@@ -209,7 +210,7 @@ ASSUMED = {
     " attention core on B200",
     "model FLOPs": "rows published as model TFLOP/s without a step time are converted to"
     " tokens/s with Megatron-LM's num_floating_point_operations (causal-halved attention):"
-    " ModelSpec.flops_per_token less half its attention term",
+    " ModelSpec.flops_per_token less half its attention term and less the routers",
 }
 
 
@@ -330,12 +331,20 @@ def runtime_of(row: pd.Series, fields: dict | None = None) -> RuntimeOptions:
 
 def megatron_flops_per_token(model: ModelSpec) -> float:
     """Megatron-LM's num_floating_point_operations per token: 6 x matmul FLOPs with the
-    attention's scores and values causal-halved (`ASSUMED["model FLOPs"]`)."""
+    attention's scores and values causal-halved (`ASSUMED["model FLOPs"]`), in the attention
+    blocks and the MTP modules only (Megatron counts Gated DeltaNet's delta rule per token,
+    `training.py` `linear_self_attn_term`, as `flops_per_token` does), and without the
+    routers, which Megatron does not count (h x n_experts per MoE block)."""
     if model.mla is not None:
         per_key = model.n_heads * (model.mla.qk_head_dim + model.mla.v_head_dim)
     else:
         per_key = 2 * model.attention_hidden_size
-    return model.flops_per_token() - 3.0 * per_key * sum(model.attention_keys)
+    routers = 0.0
+    if model.moe is not None:
+        blocks = sum(layer.mlp == "moe" for layer in model.layers)
+        blocks += model.mtp_layers * (model.layers[-1].mlp == "moe")
+        routers = 6.0 * model.hidden_size * model.moe.n_experts * blocks
+    return model.flops_per_token() - 3.0 * per_key * model.attended_keys - routers
 
 
 def published_tokens_per_s_per_gpu(row: pd.Series, model: ModelSpec) -> float:

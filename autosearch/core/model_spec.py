@@ -587,9 +587,14 @@ class ModelSpec:
         return tuple(counts.items())
 
     @functools.cached_property
-    def _attended_keys(self) -> int:
-        """Keys the queries of all attention blocks attend to, summed over the blocks."""
-        return sum(layer.keys or 0 for layer in self.layers if layer.mixer in ATTENDING)
+    def attended_keys(self) -> int:
+        """Keys a token's queries attend to, summed over the attention blocks and the
+        multi-token prediction modules (each one block of the last layer's kind): the keys
+        `flops_per_token` counts scores and values over. Mamba and Gated DeltaNet blocks attend
+        to none."""
+        blocks = sum(layer.keys or 0 for layer in self.layers if layer.mixer in ATTENDING)
+        last = self.layers[-1]
+        return blocks + self.mtp_layers * (last.keys or 0 if last.mixer in ATTENDING else 0)
 
     def _blocks_sum(self, per_kind: "Any") -> int:
         """Sum of `per_kind(layer)` over the blocks, once per kind of block."""
@@ -676,12 +681,11 @@ class ModelSpec:
         else:
             per_key = 2 * self.attention_hidden_size
         matmuls = self._blocks_sum(self.block_matmul_params)
-        h, keys = self.hidden_size, self.attention_keys
+        h = self.hidden_size
         last = self.block_matmul_params(self.layers[-1])  # an MTP module's block
         matmuls += self.mtp_layers * (last + 2 * h * h + self.vocab_size * h)
         gemms = 2 * matmuls + 2 * self.vocab_size * h
-        last_keys = keys[-1] if self.layers[-1].mixer in ATTENDING else 0
-        attention = 2 * per_key * (self._attended_keys + self.mtp_layers * last_keys)
+        attention = 2 * per_key * self.attended_keys
         # the scans (Megatron-LM / Megatron-Bridge counts; Mamba-1's `Mamba1Spec`)
         for name in ("mamba", "gdn", "mamba1"):
             spec = getattr(self, name)
