@@ -341,8 +341,7 @@ def megatron_flops_per_token(model: ModelSpec) -> float:
         per_key = 2 * model.attention_hidden_size
     routers = 0.0
     if model.moe is not None:
-        blocks = sum(layer.mlp == "moe" for layer in model.layers)
-        blocks += model.mtp_layers * (model.layers[-1].mlp == "moe")
+        blocks = model.n_moe_layers + model.mtp_layers * model.moe_layers[-1]
         routers = 6.0 * model.hidden_size * model.moe.n_experts * blocks
     return model.flops_per_token() - 3.0 * per_key * model.attended_keys - routers
 
